@@ -1,0 +1,159 @@
+"""Checkpoint commands: push-ckpt, ls, show, pull, verify, pin, unpin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from cli.common import JSON_OPTION, open_registry, parse_metrics
+from cli.render import emit_json, note, progress_for, table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("push-ckpt")(push_ckpt)
+    app.command("ls")(ls)
+    app.command("show")(show)
+    app.command("pull")(pull)
+    app.command("verify")(verify)
+    app.command("pin")(pin)
+    app.command("unpin")(unpin)
+
+
+def push_ckpt(
+    directory: Path = typer.Argument(..., help="The DCP checkpoint directory."),
+    run: str = typer.Option(..., "--run", help="Run name."),
+    step: int = typer.Option(..., "--step", help="Training step of the checkpoint."),
+    project: str = typer.Option("default", "--project", help="Project name."),
+    world_size: int | None = typer.Option(None, "--world-size",
+                                          help="World size it was saved at (else inferred)."),
+    metric: list[str] = typer.Option([], "--metric", help="NAME=VALUE recorded with it."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
+    notes: list[str] = []
+    with open_registry() as reg:
+        out = reg.push_checkpoint(directory, run=run, step=step, project=project,
+                                  world_size=world_size, metrics=parse_metrics(metric),
+                                  progress=progress_for(json_output), notes=notes)
+    for n in notes:
+        note(n)
+    if json_output:
+        emit_json(out)
+        return
+    from registry.timeutil import human_bytes
+
+    if out["unchanged"]:
+        print(f"{out['ref']} already holds this content; nothing copied")
+    else:
+        speed = out["bytes"] / out["upload_seconds"] / 1e6 if out["upload_seconds"] else 0
+        print(f"pushed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])} "
+              f"in {out['upload_seconds']:.1f}s ({speed:.0f} MB/s), world size "
+              f"{out['world_size']}, resumable: {_yes(out['resumable'], out['missing_state'])}")
+
+
+def ls(
+    run: str | None = typer.Argument(None, help="Only this run."),
+    project: str | None = typer.Option(None, "--project", help="Only this project."),
+    all_states: bool = typer.Option(False, "--all", help="Include collected checkpoints."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """List committed checkpoints."""
+    with open_registry() as reg:
+        rows = reg.list_checkpoints(run, project, include_deleted=all_states)
+    if json_output:
+        emit_json(rows)
+        return
+    from registry.timeutil import human_bytes
+
+    table(["REF", "WORLD", "SIZE", "FILES", "RESUMABLE", "PINNED", "STATE", "CREATED"],
+          [[r["ref"], r["world_size"], human_bytes(r["bytes"]), len(r["files"]),
+            _yes(r["resumable"], r["missing_state"]), "yes" if r["pinned"] else "",
+            r["state"], r["created_at"]] for r in rows])
+
+
+def show(
+    ref: str = typer.Argument(..., help="RUN@stepN, RUN@latest, MODEL:vK or MODEL@ALIAS."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Show everything known about a checkpoint or a release."""
+    with open_registry() as reg:
+        out = reg.show(ref)
+    if json_output:
+        emit_json(out)
+        return
+    _print_mapping(out)
+
+
+def pull(
+    ref: str = typer.Argument(..., help="RUN@stepN or RUN@latest."),
+    dest: Path = typer.Argument(..., help="A new or empty directory."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Copy a checkpoint out of the registry, verifying every byte."""
+    with open_registry() as reg:
+        out = reg.pull(ref, dest, progress=progress_for(json_output))
+    if json_output:
+        emit_json(out)
+    else:
+        print(f"pulled {out['ref']} into {out['dest']} ({len(out['files'])} files verified)")
+
+
+def verify(
+    ref: str = typer.Argument(..., help="A checkpoint or release ref."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Re-hash the stored copy; exit 1 naming each missing or corrupt file."""
+    with open_registry() as reg:
+        out = reg.verify(ref, progress=progress_for(json_output))
+    if json_output:
+        emit_json(out)
+    else:
+        for p in out["problems"]:
+            print(f"{out.get('ref') or out.get('release')}: {p['path']}: {p['problem']}")
+        if out["ok"]:
+            print(f"{out.get('ref') or out.get('release')}: ok, {out['files']} files verified")
+    if not out["ok"]:
+        from registry.errors import IntegrityError
+
+        raise IntegrityError(f"{len(out['problems'])} damaged file(s) in "
+                             f"{out.get('ref') or out.get('release')}",
+                             "the stored copy is damaged; restore it from another copy")
+
+
+def pin(
+    ref: str = typer.Argument(..., help="RUN@stepN."),
+    reason: str | None = typer.Option(None, "--reason", help="Why it must be kept."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Protect a checkpoint from retention."""
+    with open_registry() as reg:
+        out = reg.pin(ref, reason)
+    emit_json(out) if json_output else print(f"pinned {out['ref']}")
+
+
+def unpin(ref: str = typer.Argument(..., help="RUN@stepN."), json_output: bool = JSON_OPTION
+          ) -> None:
+    """Remove a pin; retention applies again."""
+    with open_registry() as reg:
+        out = reg.unpin(ref)
+    emit_json(out) if json_output else print(f"unpinned {out['ref']}")
+
+
+def _yes(flag: bool, missing: list[str]) -> str:
+    return "yes" if flag else f"no (missing {', '.join(missing)})"
+
+
+def _print_mapping(out: dict[str, Any], indent: str = "") -> None:
+    for key, value in out.items():
+        if isinstance(value, dict):
+            print(f"{indent}{key}:")
+            _print_mapping(value, indent + "  ")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - " + ", ".join(f"{k}={v}" for k, v in item.items()))
+        else:
+            shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+            print(f"{indent}{key}: {shown}")

@@ -1,0 +1,58 @@
+"""Output helpers: JSON for scripts, plain aligned text for people, progress bars on a TTY."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for r in cells:
+        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                         + "\n")
+
+
+def note(message: str) -> None:
+    sys.stderr.write(f"reg: {message}\n")
+
+
+class TerminalProgress:
+    """A rich progress bar on stderr; only made when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                             TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+        self._task: Any = None
+
+    def start(self, description: str, total: int) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, n: int) -> None:
+        self._bar.advance(self._task, n)
+
+    def finish(self) -> None:
+        self._bar.stop()
+
+
+def progress_for(json_output: bool) -> Any:
+    if json_output or not sys.stderr.isatty():
+        return None
+    return TerminalProgress()

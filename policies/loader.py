@@ -1,0 +1,232 @@
+"""Policy documents: TOML overlaid on the shipped default, validated into typed models.
+
+A bad document is refused with the file, the line where the key is, the key and what was
+expected. Durations are written "30s", "15m", "24h", "7d", "2w" or "never"; sizes "500GB",
+"20TB", "1.5TiB" or "none".
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from registry.errors import PolicyError
+
+DEFAULT_POLICY_PATH = Path(__file__).with_name("default.toml")
+NEVER = math.inf
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?i?B|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1}
+for _i, _p in enumerate("KMGTP", start=1):
+    _SIZE_UNITS[f"{_p}B"] = 1000**_i
+    _SIZE_UNITS[f"{_p}IB"] = 1024**_i
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds; `math.inf` for "never"."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower()
+    if text == "never":
+        return NEVER
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise ValueError(f"expected a duration like '7d', '24h', '0s' or 'never', got {value!r}")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """Bytes; None for "none"."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.lower() == "none":
+        return None
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f"expected a size like '500GB', '20TB' or 'none', got {value!r}")
+    unit = (match.group(2) or "").upper()
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KeepBest(_Model):
+    metric: str
+    mode: Literal["min", "max"] = "min"
+    n: int = Field(default=1, ge=1)
+
+
+class RetentionRules(_Model):
+    keep_last: int = Field(default=3, ge=1)
+    keep_every_steps: int = Field(default=0, ge=0)
+    milestone_ttl: float = NEVER
+    ttl: float = 7 * 86400
+    keep_best: KeepBest | None = None
+    max_bytes: int | None = None
+    orphan_grace: float = 86400
+
+    @field_validator("milestone_ttl", "ttl", "orphan_grace", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int | None:
+        return parse_size(v)
+
+
+class RetentionPolicy(RetentionRules):
+    projects: dict[str, RetentionRules] = Field(default_factory=dict)
+
+    def for_project(self, project: str) -> RetentionRules:
+        return self.projects.get(project, self)
+
+
+class PromotionPolicy(_Model):
+    require_device: Literal["cuda", "any"] = "cuda"
+    require_resumable: bool = True
+    probe_rtol: float = Field(default=1e-3, ge=0)
+
+
+RESUME_CLASSES = (
+    "model",
+    "optimizer",
+    "lr_scheduler",
+    "train_state",
+    "rng",
+    "dataloader",
+    "grad_scaler",
+)
+
+
+class ResumePolicy(_Model):
+    model_key: str = "model"
+    required: list[str] = Field(default_factory=list)
+    classes: dict[str, list[str]] = Field(default_factory=dict)
+
+    @field_validator("required")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        unknown = [c for c in v if c not in RESUME_CLASSES]
+        if unknown:
+            raise ValueError(f"unknown resume class {unknown[0]!r}; known: {', '.join(RESUME_CLASSES)}")
+        return v
+
+
+class ReleasePolicy(_Model):
+    object_lock: Literal["GOVERNANCE", "COMPLIANCE", "off"] = "GOVERNANCE"
+    lock_days: int = Field(default=3650, ge=1)
+
+
+ROLES = ("viewer", "trainer", "releaser", "admin")
+_PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+
+
+class Grant(_Model):
+    principals: list[str]
+    role: Literal["viewer", "trainer", "releaser", "admin"]
+    projects: list[str] = Field(default_factory=lambda: ["*"])
+    models: list[str] = Field(default_factory=lambda: ["*"])
+
+    @field_validator("principals")
+    @classmethod
+    def _principals(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not _PRINCIPAL.fullmatch(p):
+                raise ValueError(f"invalid principal {p!r}: letters, digits, . _ @ - only, no globs")
+        return v
+
+    @field_validator("projects", "models")
+    @classmethod
+    def _globs(cls, v: list[str]) -> list[str]:
+        for g in v:
+            if not g or not re.fullmatch(r"[A-Za-z0-9._*?-]+", g):
+                raise ValueError(f"invalid glob {g!r}: use names with * and ? only")
+            fnmatch.translate(g)
+        return v
+
+
+class AccessPolicy(_Model):
+    grants: list[Grant] = Field(default_factory=list)
+    aws: dict[str, str] = Field(default_factory=dict)
+
+
+class Policy(_Model):
+    retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
+    promotion: PromotionPolicy = Field(default_factory=PromotionPolicy)
+    resume: ResumePolicy = Field(default_factory=ResumePolicy)
+    release: ReleasePolicy = Field(default_factory=ReleasePolicy)
+    access: AccessPolicy = Field(default_factory=AccessPolicy)
+
+
+def _overlay(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _overlay(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _default_document() -> dict[str, Any]:
+    return tomllib.loads(DEFAULT_POLICY_PATH.read_text())
+
+
+def _line_of(text: str, key: str) -> int | None:
+    pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*=", re.MULTILINE)
+    match = pattern.search(text)
+    return text.count("\n", 0, match.start()) + 1 if match else None
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{source}: not valid TOML: {exc}", "fix the syntax") from exc
+    # Per-project overrides overlay the project's effective retention rules, not the bare model.
+    retention = document.get("retention", {})
+    if isinstance(retention, dict) and isinstance(retention.get("projects"), dict):
+        base = _overlay(_default_document()["retention"], retention)
+        base.pop("projects", None)
+        for name, override in retention["projects"].items():
+            if isinstance(override, dict):
+                retention["projects"][name] = _overlay(base, override)
+    merged = _overlay(_default_document(), document)
+    try:
+        return Policy.model_validate(merged)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(p) for p in err["loc"])
+        last = next((str(p) for p in reversed(err["loc"]) if isinstance(p, str)), path)
+        line = _line_of(text, last)
+        where = f"{source}:{line}" if line else source
+        message = err["msg"].removeprefix("Value error, ")
+        raise PolicyError(f"{where}: {path}: {message}", "see policies/default.toml") from None
+
+
+def load_policy_file(path: Path) -> Policy:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy {path}: {exc.strerror}", "check REG_POLICY") from exc
+    return parse_policy(text, str(path))
+
+
+def default_policy() -> Policy:
+    return parse_policy("", str(DEFAULT_POLICY_PATH))

@@ -1,0 +1,215 @@
+"""`Registry`: the one object a Python user (and the CLI) works through.
+
+It opens the catalog, the store and the effective policy lazily, so a command pays only for what
+it touches; every entry point checks access here, in the library, not in the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry import audit
+from registry.config import Settings
+from registry.errors import PermissionDenied
+from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
+
+if TYPE_CHECKING:
+    from policies.loader import Policy
+    from policies.resume import ResumeInventory
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import Checkpoint, Run
+    from registry.progress import Progress
+    from registry.storage.base import ObjectStore
+
+
+class Registry:
+    def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.user = user or self.settings.user
+        self._catalog: Catalog | None = None
+        self._store: ObjectStore | None = None
+        self._policy: Policy | None = None
+        self._policy_source: str | None = None
+
+    # -- parts -------------------------------------------------------------------------------
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            from registry.catalog.engine import Catalog
+
+            self._catalog = Catalog(self.settings.catalog_url,
+                                    busy_timeout_s=self.settings.busy_timeout_s)
+        return self._catalog
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            from registry.storage import open_store
+
+            self._store = open_store(self.settings.store_url)
+        return self._store
+
+    @property
+    def policy(self) -> Policy:
+        if self._policy is None:
+            self._policy, self._policy_source = self._load_policy()
+        return self._policy
+
+    @property
+    def policy_source(self) -> str:
+        self.policy  # noqa: B018 - loads it
+        return self._policy_source or ""
+
+    def _load_policy(self) -> tuple[Policy, str]:
+        """The applied policy in the catalog wins; local files only bootstrap (DESIGN §6)."""
+        from sqlmodel import col, select
+
+        from policies.loader import DEFAULT_POLICY_PATH, load_policy_file, parse_policy
+        from registry.catalog.models import PolicyDocument
+
+        local = self.settings.policy_path or self.settings.home / "policy.toml"
+        with self.catalog.session() as s:
+            applied = s.exec(select(PolicyDocument)
+                             .order_by(col(PolicyDocument.version).desc())).first()
+        if applied is not None:
+            if self.settings.policy_path is not None or local.exists():
+                warnings.warn(f"ignoring {local}: the catalog has policy v{applied.version} "
+                              "applied, which every client uses", stacklevel=2)
+            return parse_policy(applied.text, f"catalog policy v{applied.version}"), \
+                f"catalog v{applied.version} (applied by {applied.applied_by})"
+        if self.settings.policy_path is not None:
+            return load_policy_file(self.settings.policy_path), str(self.settings.policy_path)
+        if local.exists():
+            return load_policy_file(local), str(local)
+        return load_policy_file(DEFAULT_POLICY_PATH), f"{DEFAULT_POLICY_PATH} (shipped default)"
+
+    def close(self) -> None:
+        if self._catalog is not None:
+            self._catalog.dispose()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- access ------------------------------------------------------------------------------
+    def authorize(self, action: str, *, project: str | None = None, model: str | None = None,
+                  target: str = "") -> None:
+        """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
+        from policies.access import check
+
+        decision = check(self.policy.access.grants, self.user, action, project=project,
+                         model=model)
+        if decision.allowed:
+            return
+        with self.catalog.session(write=True) as s:
+            audit.record(s, self.user, action, target or project or model or "", audit.DENIED,
+                         reason=decision.reason)
+        raise PermissionDenied(
+            f"{self.user} may not {action} {target or project or model or ''}".rstrip(),
+            decision.reason + " (ask an admin to add it to the policy)",
+        )
+
+    def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
+        self.authorize("read", project=project, model=model,
+                       target=f"project {project}" if project else f"model {model}")
+
+    def can_read_project(self, project: str) -> bool:
+        from policies.access import can_read_project
+
+        return can_read_project(self.policy.access.grants, self.user, project)
+
+    def can_read_model(self, model: str) -> bool:
+        from policies.access import can_read_model
+
+        return can_read_model(self.policy.access.grants, self.user, model)
+
+    # -- helpers for the lifecycles ------------------------------------------------------------
+    def classify_resume(self, top_level_keys: Iterable[str]) -> ResumeInventory:
+        from policies.resume import classify
+
+        return classify(top_level_keys, self.policy.resume)
+
+    def protection_of(self, project: str, run: Run, ckpt: Checkpoint) -> dict[str, Any]:
+        from registry.gc import explain
+
+        return explain(self, project, run, ckpt)
+
+    def after_commit(self) -> None:
+        """Hook run after a catalog change commits (the MLflow mirror drains from here)."""
+
+    def policy_digest(self) -> str:
+        return hashlib.sha256(self.policy.model_dump_json().encode()).hexdigest()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def push_checkpoint(self, src: str | Path, *, run: str, step: int, project: str = "default",
+                        world_size: int | None = None, metrics: dict[str, float] | None = None,
+                        progress: Progress | None = None,
+                        notes: list[str] | None = None) -> dict[str, Any]:
+        from registry import checkpoints
+
+        return checkpoints.push(self, Path(src), run=run, step=step, project=project,
+                                world_size=world_size, metrics=metrics, progress=progress,
+                                notes=notes)
+
+    def list_checkpoints(self, run: str | None = None, project: str | None = None, *,
+                         include_deleted: bool = False) -> list[dict[str, Any]]:
+        from registry import checkpoints
+
+        return checkpoints.list_checkpoints(self, run, project, include_deleted=include_deleted)
+
+    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
+        from registry.refs import parse_ref
+
+        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        if isinstance(parsed, ReleaseRef):
+            from registry import releases
+
+            return releases.show(self, parsed)
+        from registry import checkpoints
+
+        return checkpoints.show(self, parsed)
+
+    def pull(self, ref: str | CheckpointRef, dest: str | Path, *,
+             progress: Progress | None = None) -> dict[str, Any]:
+        from registry import checkpoints
+
+        return checkpoints.pull(self, _ckpt(ref), Path(dest), progress=progress)
+
+    def verify(self, ref: str | CheckpointRef | ReleaseRef, *,
+               progress: Progress | None = None) -> dict[str, Any]:
+        from registry.refs import parse_ref
+
+        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        if isinstance(parsed, ReleaseRef):
+            from registry import releases
+
+            return releases.verify(self, parsed, progress=progress)
+        from registry import checkpoints
+
+        return checkpoints.verify(self, parsed, progress=progress)
+
+    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
+        from registry import checkpoints
+
+        return checkpoints.set_pin(self, _ckpt(ref), True, reason)
+
+    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
+        from registry import checkpoints
+
+        return checkpoints.set_pin(self, _ckpt(ref), False)
+
+    def audit_log(self, *, since: float | None = None, actor: str | None = None,
+                  action: str | None = None) -> list[dict[str, Any]]:
+        self.authorize("audit", target="audit log")
+        with self.catalog.session() as s:
+            return audit.query(s, since=since, actor=actor, action=action)
+
+
+def _ckpt(ref: str | CheckpointRef) -> CheckpointRef:
+    return parse_checkpoint_ref(ref) if isinstance(ref, str) else ref

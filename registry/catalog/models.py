@@ -1,0 +1,201 @@
+"""Catalog tables. Timestamps are UNIX seconds (float, UTC); JSON columns hold small documents.
+
+The catalog is the source of truth for visibility: a checkpoint exists for readers when its row is
+`committed`; a release when its row is `active` (or later deprecated/yanked; bytes never change).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+# Checkpoint states
+PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
+# Release statuses
+RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = "pending", "active", "deprecated", "yanked"
+
+
+def _json(default: Any = None) -> Any:
+    factory = dict if default is None else default
+    return Field(default_factory=factory, sa_column=Column(JSON, nullable=False))
+
+
+class Project(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=128)
+    created_at: float
+
+
+class Run(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("project_id", "name"),)
+    id: int | None = Field(default=None, primary_key=True)
+    project_id: int = Field(foreign_key="project.id", index=True)
+    name: str = Field(max_length=128)
+    created_at: float
+    # The checkpoint the run last pulled to resume from: protected from retention until the run
+    # commits a newer step.
+    resumed_from_step: int | None = Field(default=None, sa_type=BigInteger)
+    resumed_at: float | None = None
+
+
+class Checkpoint(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("run_id", "step"), Index("ix_checkpoint_state", "state"))
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", index=True)
+    step: int = Field(sa_type=BigInteger)
+    state: str = Field(default=PENDING, max_length=16)
+    world_size: int = 0
+    world_size_inferred: bool = False
+    bytes: int = Field(default=0, sa_type=BigInteger)
+    file_count: int = 0
+    tensor_count: int = 0
+    tensor_bytes: int = Field(default=0, sa_type=BigInteger)
+    manifest_sha256: str | None = Field(default=None, max_length=64)
+    resumable: bool = False
+    missing_state: list[str] = _json(list)
+    resume_classes: dict[str, Any] = _json()
+    metrics: dict[str, float] = _json()
+    pinned: bool = False
+    pin_reason: str | None = None
+    pinned_by: str | None = None
+    created_at: float
+    committed_at: float | None = None
+    pushed_by: str
+    upload_seconds: float | None = None
+    # The claim: who may write this step's objects, and until when without renewing.
+    claim_token: str | None = Field(default=None, max_length=64)
+    claim_host: str | None = None
+    claim_pid: int | None = None
+    lease_until: float | None = None
+    deleted_at: float | None = None
+    deleted_by: str | None = None
+    delete_reason: str | None = None
+
+
+class CheckpointFile(SQLModel, table=True):
+    __tablename__ = "checkpoint_file"
+    __table_args__ = (UniqueConstraint("checkpoint_id", "path"),)
+    id: int | None = Field(default=None, primary_key=True)
+    checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
+    path: str = Field(max_length=1024)
+    size: int = Field(sa_type=BigInteger)
+    sha256: str = Field(max_length=64)
+    rank: int | None = None
+
+
+class Validation(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
+    passed: bool
+    device: str = Field(max_length=16)  # cuda | cpu
+    device_name: str
+    torch_version: str
+    world_size: int
+    seconds: float  # measured restore time (tensor load)
+    phases: dict[str, float] = _json()
+    checks: list[dict[str, Any]] = _json(list)
+    created_at: float
+    created_by: str
+
+
+class Model(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=128)
+    created_at: float
+
+
+class Release(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: int = Field(foreign_key="model.id", index=True)
+    version: int
+    status: str = Field(default=RELEASE_PENDING, max_length=16)
+    sha256: str | None = Field(default=None, max_length=64)  # digest of release.json
+    bytes: int = Field(default=0, sa_type=BigInteger)
+    source_checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
+    source_ref: str
+    validation_id: int | None = Field(default=None, foreign_key="validation.id")
+    options_key: str = Field(max_length=256)
+    options: dict[str, Any] = _json()
+    tensor_count: int = 0
+    dtype: str | None = None
+    tied: list[list[str]] = _json(list)
+    created_at: float
+    created_by: str
+    status_reason: str | None = None
+    status_changed_at: float | None = None
+    status_changed_by: str | None = None
+    # The promotion that holds this reserved version (while pending).
+    claim_token: str | None = Field(default=None, max_length=64)
+    claim_host: str | None = None
+    claim_pid: int | None = None
+    lease_until: float | None = None
+    stage: str = Field(default="reserved", max_length=32)
+
+
+class ReleaseFile(SQLModel, table=True):
+    __tablename__ = "release_file"
+    __table_args__ = (UniqueConstraint("release_id", "path"),)
+    id: int | None = Field(default=None, primary_key=True)
+    release_id: int = Field(foreign_key="release.id", index=True)
+    path: str = Field(max_length=1024)
+    size: int = Field(sa_type=BigInteger)
+    sha256: str = Field(max_length=64)
+
+
+class Alias(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("model_id", "name"),)
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: int = Field(foreign_key="model.id", index=True)
+    name: str = Field(max_length=128)
+    release_id: int = Field(foreign_key="release.id")
+    updated_at: float
+    updated_by: str
+
+
+class AliasEvent(SQLModel, table=True):
+    __tablename__ = "alias_event"
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: int = Field(foreign_key="model.id", index=True)
+    name: str = Field(max_length=128)
+    from_version: int | None = None
+    to_version: int
+    ts: float
+    actor: str
+
+
+class AuditEvent(SQLModel, table=True):
+    """Append-only: triggers make UPDATE and DELETE fail (see the migration)."""
+
+    __tablename__ = "audit_event"
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float = Field(index=True)
+    actor: str = Field(index=True)
+    action: str = Field(index=True)
+    target: str
+    outcome: str = Field(max_length=16)  # allowed | denied | failed
+    details: dict[str, Any] = _json()
+
+
+class PolicyDocument(SQLModel, table=True):
+    __tablename__ = "policy_document"
+    id: int | None = Field(default=None, primary_key=True)
+    version: int = Field(unique=True)
+    text: str
+    sha256: str = Field(max_length=64)
+    applied_at: float
+    applied_by: str
+
+
+class Lease(SQLModel, table=True):
+    """Named leases (one GC at a time)."""
+
+    name: str = Field(primary_key=True, max_length=64)
+    holder: str
+    host: str
+    pid: int
+    token: str = Field(max_length=64)
+    acquired_at: float
+    expires_at: float

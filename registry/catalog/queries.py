@@ -1,0 +1,93 @@
+"""Lookups shared by the lifecycles; each takes an open session."""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from registry.catalog.models import COMMITTED, Checkpoint, CheckpointFile, Project, Run
+from registry.errors import Collected, NotFound
+from registry.refs import CheckpointRef
+from registry.timeutil import iso, now
+
+
+def get_or_create_run(session: Session, project: str, run: str) -> tuple[Project, Run]:
+    proj = session.exec(select(Project).where(Project.name == project)).first()
+    if proj is None:
+        proj = _insert_or_get(session, Project(name=project, created_at=now()),
+                              select(Project).where(Project.name == project))
+    assert proj.id is not None
+    row = session.exec(select(Run).where(Run.project_id == proj.id, Run.name == run)).first()
+    if row is None:
+        row = _insert_or_get(session, Run(project_id=proj.id, name=run, created_at=now()),
+                             select(Run).where(Run.project_id == proj.id, Run.name == run))
+    return proj, row
+
+
+def _insert_or_get(session, obj, stmt):  # type: ignore[no-untyped-def]
+    try:
+        with session.begin_nested():
+            session.add(obj)
+    except IntegrityError:
+        return session.exec(stmt).one()
+    return obj
+
+
+def find_run(session: Session, project: str, run: str) -> Run | None:
+    return session.exec(
+        select(Run).join(Project).where(Project.name == project, Run.name == run)
+    ).first()
+
+
+def resolve_checkpoint(session: Session, ref: CheckpointRef, *, committed_only: bool = True
+                       ) -> tuple[Run, Checkpoint]:
+    """The catalog row `ref` names; NotFound says what exists, Collected when and why."""
+    run = find_run(session, ref.project, ref.run)
+    if run is None:
+        runs = session.exec(
+            select(Run.name).join(Project).where(Project.name == ref.project).order_by(Run.name)
+        ).all()
+        hint = f"runs in project {ref.project}: {_few(runs)}" if runs else "reg ls lists what exists"
+        raise NotFound(f"run {ref.run_label} not found", hint)
+    stmt = select(Checkpoint).where(Checkpoint.run_id == run.id)
+    if ref.step is None:
+        stmt = stmt.where(Checkpoint.state == COMMITTED).order_by(col(Checkpoint.step).desc())
+    else:
+        stmt = stmt.where(Checkpoint.step == ref.step)
+    row = session.exec(stmt).first()
+    if row is not None and row.state in ("deleting", "deleted") and committed_only:
+        raise Collected(
+            f"{ref} was collected by retention at {iso(row.deleted_at)}, reason: "
+            f"{row.delete_reason or 'unknown'}",
+            f"reg ls {ref.run_label} lists what remains",
+        )
+    if row is None or (committed_only and row.state != COMMITTED):
+        steps = committed_steps(session, run.id)  # type: ignore[arg-type]
+        if steps:
+            raise NotFound(f"{ref} not found: {ref.run_label} has steps {_few(steps)}",
+                           f"reg ls {ref.run_label}")
+        raise NotFound(f"{ref} not found: {ref.run_label} has no committed checkpoints",
+                       "reg push-ckpt registers one")
+    return run, row
+
+
+def committed_steps(session: Session, run_id: int) -> list[int]:
+    return list(session.exec(
+        select(Checkpoint.step)
+        .where(Checkpoint.run_id == run_id, Checkpoint.state == COMMITTED)
+        .order_by(col(Checkpoint.step))
+    ).all())
+
+
+def files_of(session: Session, checkpoint_id: int) -> list[CheckpointFile]:
+    return list(session.exec(
+        select(CheckpointFile)
+        .where(CheckpointFile.checkpoint_id == checkpoint_id)
+        .order_by(col(CheckpointFile.path))
+    ).all())
+
+
+def _few(items: list, limit: int = 8) -> str:  # type: ignore[type-arg]
+    shown = [str(i) for i in items[-limit:]]
+    more = len(items) - len(shown)
+    return (f"... ({more} more), " if more else "") + ", ".join(shown)

@@ -1,0 +1,81 @@
+"""Settings: environment `REG_*` over `REG_HOME/config.toml` over the embedded defaults (DESIGN §8).
+
+Embedded defaults need no server: a SQLite catalog and a local object store under `REG_HOME`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from registry.errors import UsageError
+
+_FILE_KEYS = {"catalog_url", "store_url", "mlflow_tracking_uri", "policy", "user"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    home: Path
+    catalog_url: str
+    store_url: str
+    mlflow_tracking_uri: str
+    policy_path: Path | None = None
+    user: str = field(default_factory=getpass.getuser)
+    busy_timeout_s: float = 30.0
+    workers: int = 4
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        home = Path(env.get("REG_HOME") or Path.home() / ".reg").expanduser().absolute()
+        file_values = _read_config_file(home / "config.toml")
+
+        def pick(env_key: str, file_key: str, default: str) -> str:
+            return env.get(env_key) or file_values.get(file_key) or default
+
+        policy = pick("REG_POLICY", "policy", "")
+        try:
+            busy = float(env.get("REG_BUSY_TIMEOUT", "30"))
+            workers = int(env.get("REG_WORKERS", "4"))
+        except ValueError as exc:
+            raise UsageError(
+                f"bad number in environment: {exc}", "REG_BUSY_TIMEOUT and REG_WORKERS are numbers"
+            ) from exc
+        return cls(
+            home=home,
+            catalog_url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
+            store_url=pick("REG_STORE_URL", "store_url", (home / "store").as_uri()),
+            mlflow_tracking_uri=pick(
+                "MLFLOW_TRACKING_URI", "mlflow_tracking_uri", f"sqlite:///{home / 'mlflow.db'}"
+            ),
+            policy_path=Path(policy).expanduser() if policy else None,
+            user=env.get("REG_USER") or file_values.get("user") or _login_name(),
+            busy_timeout_s=busy,
+            workers=max(1, workers),
+        )
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid{os.getuid()}"
+
+
+def _read_config_file(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise UsageError(f"{path}: cannot read config: {exc}", "fix or remove the file") from exc
+    unknown = set(data) - _FILE_KEYS
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown key(s) {', '.join(sorted(unknown))}",
+            f"allowed keys: {', '.join(sorted(_FILE_KEYS))}",
+        )
+    return {k: str(v) for k, v in data.items()}

@@ -1,0 +1,276 @@
+"""Read PyTorch Distributed Checkpoint (DCP) directories without trusting them.
+
+`.metadata` is a pickle, and torch's own `FileSystemReader.read_metadata` is a plain
+`pickle.load`: a crafted file runs code. `load_metadata` uses an unpickler that resolves only the
+globals a real DCP `.metadata` references and refuses anything else, so nothing outside that
+allowlist is ever imported or called.
+
+From the metadata the registry learns, without loading tensors: every tensor's FQN, dtype, global
+shape and chunks, the byte range of each chunk in each `__R_I.distcp` file, and the top-level key
+each item came from (for the resume-state inventory).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import InvalidCheckpoint, UnsafeMetadata
+
+METADATA = ".metadata"
+MANIFEST = "MANIFEST.json"
+RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED_CLASSES = {
+    (_DCP_METADATA, "Metadata"),
+    (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "MetadataIndex"),
+    (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in _ALLOWED_CLASSES:
+            raise UnsafeMetadata(
+                f".metadata references {module}.{name}, which a DCP checkpoint never does; refused "
+                "without running it",
+                "the file is corrupt or crafted: do not load it with torch either",
+            )
+        return getattr(importlib.import_module(module), name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeMetadata(".metadata uses persistent ids; refused", "not a DCP metadata file")
+
+
+def load_metadata(data: bytes) -> Any:
+    """Parse `.metadata` bytes into a DCP `Metadata` through the allowlisting unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _SafeUnpickler(io.BytesIO(data)).load()
+    except UnsafeMetadata:
+        raise
+    except Exception as exc:
+        raise InvalidCheckpoint(
+            f".metadata is corrupt: {type(exc).__name__}: {exc}",
+            "rewrite the checkpoint; the file does not parse as DCP metadata",
+        ) from exc
+    if not isinstance(metadata, Metadata):
+        raise InvalidCheckpoint(
+            f".metadata holds a {type(metadata).__name__}, not DCP Metadata", "not a DCP checkpoint"
+        )
+    return metadata
+
+
+# -- inventory --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRange:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: list[ChunkRange] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Inventory:
+    tensors: dict[str, TensorInfo]
+    byte_items: dict[str, list[ChunkRange]]
+    top_level: dict[str, str]  # fqn -> top-level key
+    files: set[str]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def top_level_keys(self) -> set[str]:
+        return set(self.top_level.values())
+
+    def summary(self) -> dict[str, Any]:
+        return {"tensors": len(self.tensors), "tensor_bytes": self.tensor_bytes,
+                "objects": len(self.byte_items)}
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def inventory(metadata: Any) -> Inventory:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    planner = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    ranges: dict[str, dict[int, ChunkRange]] = {}
+    files: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        path = str(info.relative_path)
+        files.add(path)
+        ranges.setdefault(index.fqn, {})[index.index or 0] = ChunkRange(
+            tuple(index.offset or ()), (), path, int(info.offset), int(info.length)
+        )
+
+    tensors: dict[str, TensorInfo] = {}
+    byte_items: dict[str, list[ChunkRange]] = {}
+    top_level: dict[str, str] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        path = planner.get(fqn)
+        top_level[fqn] = str(path[0]) if path else fqn.split(".", 1)[0]
+        stored = ranges.get(fqn, {})
+        if isinstance(meta, TensorStorageMetadata):
+            itemsize = meta.properties.dtype.itemsize
+            shape = tuple(int(s) for s in meta.size)
+            chunks = []
+            for i, chunk in enumerate(meta.chunks):
+                found = _by_offsets(stored, tuple(chunk.offsets)) or stored.get(i)
+                if found is None:
+                    raise InvalidCheckpoint(
+                        f".metadata lists chunk {i} of {fqn} with no storage location",
+                        "the checkpoint is incomplete",
+                    )
+                chunks.append(ChunkRange(tuple(chunk.offsets), tuple(chunk.sizes), found.file,
+                                         found.offset, found.length))
+            tensors[fqn] = TensorInfo(fqn, dtype_name(meta.properties.dtype), shape,
+                                      math.prod(shape) * itemsize, chunks)
+        else:
+            byte_items[fqn] = list(stored.values())
+    return Inventory(tensors, byte_items, top_level, files)
+
+
+def _by_offsets(stored: dict[int, ChunkRange], offsets: tuple[int, ...]) -> ChunkRange | None:
+    return next((r for r in stored.values() if r.offsets == offsets), None)
+
+
+# -- directories ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ScannedDir:
+    root: Path
+    files: dict[str, int]  # relative path -> size
+    metadata: Any
+    inventory: Inventory
+    ranks: set[int]
+
+    @property
+    def inferred_world_size(self) -> int:
+        """A lower bound: replicated items are written by one rank only (DCP dedup)."""
+        return max(self.ranks) + 1 if self.ranks else 1
+
+    def rank_of(self, path: str) -> int | None:
+        match = RANK_FILE.fullmatch(Path(path).name)
+        return int(match.group(1)) if match else None
+
+
+def scan_directory(root: Path) -> ScannedDir:
+    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{root} does not exist", "give the checkpoint directory") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
+    files = _walk(root)
+    if METADATA not in files:
+        raise InvalidCheckpoint(
+            f"{root} has no .metadata: not a complete DCP checkpoint",
+            "DCP writes .metadata last; the save may not have finished",
+        )
+    if MANIFEST in files:
+        raise InvalidCheckpoint(f"{root} contains {MANIFEST}, a name the registry reserves",
+                                "remove or rename it")
+    if files[METADATA] > MAX_METADATA_BYTES:
+        raise InvalidCheckpoint(f"{root}/.metadata is {files[METADATA]} bytes; refused",
+                                "not a DCP metadata file")
+    metadata = load_metadata((root / METADATA).read_bytes())
+    inv = inventory(metadata)
+    check_ranges(inv, files, str(root))
+    ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
+    return ScannedDir(root, files, metadata, inv, ranks)
+
+
+def check_ranges(inv: Inventory, sizes: dict[str, int], where: str) -> None:
+    """Every chunk named in metadata must lie inside an existing file."""
+    needed: dict[str, int] = {}
+    for chunk in _all_chunks(inv):
+        needed[chunk.file] = max(needed.get(chunk.file, 0), chunk.offset + chunk.length)
+    for path, end in sorted(needed.items()):
+        if path not in sizes:
+            raise InvalidCheckpoint(
+                f"{where}: shard {path} named in .metadata is missing",
+                "copy every rank's files before pushing",
+            )
+        if sizes[path] < end:
+            raise InvalidCheckpoint(
+                f"{where}: shard {path} is truncated: .metadata needs {end} bytes, it has "
+                f"{sizes[path]}",
+                "the save did not finish or the copy was cut short",
+            )
+
+
+def _all_chunks(inv: Inventory) -> list[ChunkRange]:
+    out = [c for t in inv.tensors.values() for c in t.chunks]
+    out += [c for chunks in inv.byte_items.values() for c in chunks]
+    return out
+
+
+def _walk(root: Path) -> dict[str, int]:
+    files: dict[str, int] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in list(dirnames) + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                raise InvalidCheckpoint(
+                    f"{root}: {rel} is a symlink; refused", "copy the real files into the directory"
+                )
+            if not _NAME_SEGMENT.fullmatch(name) or name in {".", ".."}:
+                raise InvalidCheckpoint(f"{root}: unsafe file name {rel!r}",
+                                        "names are letters, digits and . _ = + -")
+            if stat.S_ISREG(st.st_mode):
+                files[rel.replace(os.sep, "/")] = st.st_size
+            elif not stat.S_ISDIR(st.st_mode):
+                raise InvalidCheckpoint(f"{root}: {rel} is not a regular file", "remove it")
+    return files
