@@ -1,0 +1,57 @@
+"""`reg`: a registry for training checkpoints and release models.
+
+    from registry import Registry
+    with Registry() as reg:
+        reg.push_checkpoint("ckpts/step-9000", run="run42", step=9000)
+        reg.promote("run42@step9000", model="llama-tiny", alias="prod")
+"""
+
+from registry.api import Registry
+from registry.config import Settings
+from registry.errors import (
+    CatalogLocked,
+    Collected,
+    Conflict,
+    GateNotMet,
+    IntegrityError,
+    InvalidCheckpoint,
+    MalformedRef,
+    NotFound,
+    PermissionDenied,
+    PolicyError,
+    RegistryError,
+    UnsafeMetadata,
+    UsageError,
+    ValidationFailed,
+)
+from registry.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    parse_checkpoint_ref,
+    parse_ref,
+    parse_release_ref,
+)
+
+__all__ = [
+    "CatalogLocked",
+    "CheckpointRef",
+    "Collected",
+    "Conflict",
+    "GateNotMet",
+    "IntegrityError",
+    "InvalidCheckpoint",
+    "MalformedRef",
+    "NotFound",
+    "PermissionDenied",
+    "PolicyError",
+    "Registry",
+    "RegistryError",
+    "ReleaseRef",
+    "Settings",
+    "UnsafeMetadata",
+    "UsageError",
+    "ValidationFailed",
+    "parse_checkpoint_ref",
+    "parse_ref",
+    "parse_release_ref",
+]

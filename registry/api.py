@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry import audit
+
 from registry.config import Settings
 from registry.errors import PermissionDenied
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
@@ -107,6 +107,8 @@ class Registry:
                          model=model)
         if decision.allowed:
             return
+        from registry import audit
+
         with self.catalog.session(write=True) as s:
             audit.record(s, self.user, action, target or project or model or "", audit.DENIED,
                          reason=decision.reason)
@@ -206,6 +208,8 @@ class Registry:
 
     def audit_log(self, *, since: float | None = None, actor: str | None = None,
                   action: str | None = None) -> list[dict[str, Any]]:
+        from registry import audit
+
         self.authorize("audit", target="audit log")
         with self.catalog.session() as s:
             return audit.query(s, since=since, actor=actor, action=action)

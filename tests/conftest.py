@@ -1,0 +1,88 @@
+"""Shared fixtures: a clean environment per test, real checkpoints from torchrun, real catalogs.
+
+Checkpoints are written once per test session by real `torchrun` processes (gloo, CPU, FSDP2)
+at world size 2 and 3. The catalog fixture runs each test on SQLite and on the PostgreSQL server
+on 127.0.0.1:5432 (database `test`, a fresh schema per test).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PG_URL, Ckpts, pg_available, train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    for key in list(os.environ):
+        if key.startswith(("REG_", "AWS_", "MLFLOW_")):
+            monkeypatch.delenv(key)
+    home = tmp_path / "reg-home"
+    monkeypatch.setenv("REG_HOME", str(home))
+    monkeypatch.setenv("REG_USER", "tester")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("REG_MLFLOW", "off")
+    return home
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
+    """Real FSDP2 checkpoints: ws2 (steps 2, 4) and ws3 (step 3), with full weights beside."""
+    base = tmp_path_factory.mktemp("ckpts")
+    return Ckpts(ws2=train(base / "ws2", nproc=2, steps=4, every=2),
+                 ws3=train(base / "ws3", nproc=3, steps=3, every=3))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                ) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'reg-home' / 'catalog.db'}"
+    else:
+        if not pg_available():
+            pytest.fail("PostgreSQL is not reachable on 127.0.0.1:5432 (.ci/run starts it)")
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        import psycopg
+
+        with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        request.addfinalizer(lambda: _drop_schema(schema))
+        url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+    monkeypatch.setenv("REG_CATALOG_URL", url)
+    return url
+
+
+def _drop_schema(schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def reg(catalog_url: str):  # type: ignore[no-untyped-def]
+    from registry import Registry
+
+    with Registry() as r:
+        yield r
+
+
+@pytest.fixture
+def cli():  # type: ignore[no-untyped-def]
+    """Run `reg` as a user does: a subprocess; returns (exit code, stdout, stderr)."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 300
+            ) -> subprocess.CompletedProcess[str]:
+        full_env = dict(os.environ, **(env or {}))
+        return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=ROOT,
+                              env=full_env, capture_output=True, text=True, timeout=timeout)
+
+    return run

@@ -1,0 +1,136 @@
+"""The checkpoint lifecycle on SQLite and PostgreSQL: push, ls, show, pull, verify, pin."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import pytest
+
+from registry.errors import Conflict, IntegrityError, InvalidCheckpoint, NotFound, UsageError
+from tests.helpers import flip_byte
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    names_a = sorted(p.relative_to(a) for p in a.rglob("*"))
+    names_b = sorted(p.relative_to(b) for p in b.rglob("*"))
+    return names_a == names_b and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names_a if (a / n).is_file())
+
+
+def test_push_records_every_fact_a_resume_needs(reg, ckpts):
+    notes: list[str] = []
+    out = reg.push_checkpoint(ckpts.ws2.step_dir(4), run="run42", step=4,
+                              metrics={"val_loss": 2.5}, notes=notes)
+    assert out["ref"] == "run42@step4" and out["state"] == "committed"
+    assert out["world_size"] == 2 and "inferred" in notes[0]
+    assert out["resumable"] is True and out["missing_state"] == []
+    src = ckpts.ws2.step_dir(4)
+    assert {f["path"] for f in out["files"]} == {p.name for p in src.iterdir()}
+    assert out["bytes"] == sum(p.stat().st_size for p in src.iterdir())
+    shown = reg.show("run42@step4")
+    assert shown["tensor_count"] > 40 and shown["tensor_bytes"] > 0
+    assert shown["metrics"] == {"val_loss": 2.5}
+    assert set(shown["resume_state"]) == {"model", "optimizer", "lr_scheduler", "train_state",
+                                          "rng", "dataloader"}
+    assert {f["rank"] for f in shown["files"]} == {None, 0, 1}
+    manifest = json.loads(Path(shown["uri"].removeprefix("file://"), "MANIFEST.json").read_text())
+    assert manifest["format"] == "reg.manifest/1"
+    assert {f["sha256"] for f in manifest["files"]} == {f["sha256"] for f in out["files"]}
+
+
+def test_explicit_world_size_and_projects(reg, ckpts):
+    out = reg.push_checkpoint(ckpts.ws3.step_dir(3), run="r", step=3, project="team-a",
+                              world_size=3)
+    assert out["ref"] == "team-a/r@step3" and out["world_size"] == 3
+    assert reg.show("team-a/r@step3")["world_size_inferred"] is False
+    with pytest.raises(UsageError, match="smaller than the 3 ranks"):
+        reg.push_checkpoint(ckpts.ws3.step_dir(3), run="r", step=4, world_size=2)
+    assert [c["ref"] for c in reg.list_checkpoints(project="team-a")] == ["team-a/r@step3"]
+    assert reg.list_checkpoints(project="default") == []
+
+
+def test_ls_latest_and_not_found_says_what_exists(reg, ckpts):
+    reg.push_checkpoint(ckpts.ws2.step_dir(2), run="run42", step=2)
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="run42", step=4)
+    assert [c["step"] for c in reg.list_checkpoints("run42")] == [2, 4]
+    assert reg.show("run42@latest")["step"] == 4
+    with pytest.raises(NotFound, match="run42 has steps 2, 4"):
+        reg.show("run42@step3")
+    with pytest.raises(NotFound, match="run nope not found"):
+        reg.show("nope@latest")
+
+
+def test_pull_is_byte_identical_and_atomic(reg, ckpts, tmp_path):
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    out = reg.pull("r@latest", tmp_path / "restore")
+    assert out["step"] == 4
+    assert _same_tree(ckpts.ws2.step_dir(4), tmp_path / "restore")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep me")
+    with pytest.raises(UsageError, match="not an empty directory"):
+        reg.pull("r@step4", tmp_path / "busy")
+    assert (tmp_path / "busy" / "x").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    reg.pull("r@step4", tmp_path / "empty")
+    assert _same_tree(ckpts.ws2.step_dir(4), tmp_path / "empty")
+
+
+def test_identical_repush_copies_nothing_and_different_content_conflicts(reg, ckpts, tmp_path):
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    again = reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    assert again["unchanged"] is True
+    with pytest.raises(Conflict, match="already committed with different content") as info:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=4)
+    assert info.value.exit_code == 5
+    # Same names and sizes, one flipped byte: still a conflict (digests are compared).
+    tampered = ckpts.ws2.copy_step(4, tmp_path / "t")
+    flip_byte(tampered / "__1_0.distcp")
+    with pytest.raises(Conflict):
+        reg.push_checkpoint(tampered, run="r", step=4)
+    assert reg.verify("r@step4")["ok"]
+
+
+def _stored(reg, ref: str, name: str) -> Path:
+    return Path(reg.show(ref)["uri"].removeprefix("file://")) / name
+
+
+def test_flipped_byte_in_store_fails_verify_and_pull(reg, ckpts, tmp_path):
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    flip_byte(_stored(reg, "r@step4", "__0_0.distcp"))
+    report = reg.verify("r@step4")
+    assert not report["ok"]
+    assert [p["path"] for p in report["problems"]] == ["__0_0.distcp"]
+    with pytest.raises(IntegrityError, match="__0_0.distcp is corrupt"):
+        reg.pull("r@step4", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.reg-pull-*"))
+
+
+def test_missing_stored_file_is_named(reg, ckpts):
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    _stored(reg, "r@step4", "__1_0.distcp").unlink()
+    report = reg.verify("r@step4")
+    assert report["problems"] == [{"path": "__1_0.distcp", "problem": "missing"}]
+
+
+def test_bad_directories_leave_nothing_behind(reg, ckpts, tmp_path):
+    d = ckpts.ws2.copy_step(4, tmp_path / "d")
+    (d / "__1_0.distcp").unlink()
+    with pytest.raises(InvalidCheckpoint):
+        reg.push_checkpoint(d, run="r", step=4)
+    assert reg.list_checkpoints() == []
+    assert not (reg.settings.home / "store" / "ckpt").exists()
+
+
+def test_pin_and_unpin(reg, ckpts):
+    reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+    assert reg.pin("r@step2", reason="paper baseline")["pinned"] is True
+    shown = reg.show("r@step2")
+    assert shown["protection"]["reasons"] == ["pinned by tester: paper baseline"]
+    reg.unpin("r@step2")
+    assert reg.show("r@step2")["protection"]["protected"] is False
+    actions = [e["action"] for e in reg.audit_log()]
+    assert actions == ["push", "push", "pin", "unpin"]

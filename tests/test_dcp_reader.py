@@ -1,0 +1,132 @@
+"""The DCP reader: safe metadata parsing, inventory, and refusal of incomplete directories."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from policies.loader import default_policy
+from policies.resume import classify
+from registry.errors import InvalidCheckpoint, UnsafeMetadata
+from registry.formats.dcp import load_metadata, scan_directory
+
+
+def test_inventory_matches_torch_metadata(ckpts):
+    import torch.distributed.checkpoint as dcp
+
+    d = ckpts.ws2.step_dir(4)
+    scanned = scan_directory(d)
+    reference = dcp.FileSystemReader(str(d)).read_metadata()  # trusted: our own fixture
+    assert set(scanned.inventory.tensors) | set(scanned.inventory.byte_items) == set(
+        reference.state_dict_metadata)
+    weight = scanned.inventory.tensors["model.blocks.0.up.weight"]
+    assert weight.shape == tuple(reference.state_dict_metadata["model.blocks.0.up.weight"].size)
+    assert weight.dtype == "float32"
+    assert {c.file for c in weight.chunks} == {"__0_0.distcp", "__1_0.distcp"}
+    assert scanned.inferred_world_size == 2
+    assert scanned.inventory.top_level_keys() == {
+        "model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader"}
+
+
+def test_resume_inventory_of_full_and_weights_only_checkpoints(ckpts):
+    policy = default_policy().resume
+    full = classify(scan_directory(ckpts.ws3.step_dir(3)).inventory.top_level_keys(), policy)
+    assert full.resumable and full.missing == []
+    weights_only = classify({"model"}, policy)
+    assert not weights_only.resumable
+    assert weights_only.missing == ["optimizer", "lr_scheduler", "train_state", "rng",
+                                    "dataloader"]
+
+
+def test_resume_classes_follow_prefixes_and_torchtitan_layout():
+    policy = default_policy().resume
+    inv = classify({"model", "optim", "scheduler", "step", "rng_rank0", "data_loader",
+                    "grad_scaler", "extra"}, policy)
+    assert inv.classes["optimizer"] == ["optim"]
+    assert inv.classes["grad_scaler"] == ["grad_scaler"]
+    assert inv.unclassified == ["extra"]
+    titan = classify({"tok_embeddings", "layers", "optimizer", "lr_scheduler", "train_state",
+                      "rng", "dataloader"},
+                     policy.model_copy(update={"model_key": ""}))
+    assert titan.classes["model"] == ["layers", "tok_embeddings"] and titan.resumable
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['REG_PWNED']}",))
+
+
+def test_crafted_metadata_is_refused_and_never_executed(tmp_path, ckpts, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("REG_PWNED", str(marker))
+    evil = pickle.dumps(_RunsCode())
+    with pytest.raises(UnsafeMetadata, match="posix.system|os.system"):
+        load_metadata(evil)
+    d = ckpts.ws2.copy_step(4, tmp_path / "evil")
+    (d / ".metadata").write_bytes(evil)
+    with pytest.raises(UnsafeMetadata) as info:
+        scan_directory(d)
+    assert info.value.exit_code == 2
+    assert not marker.exists()
+
+
+def test_corrupt_metadata_is_a_clear_error(tmp_path, ckpts):
+    d = ckpts.ws2.copy_step(4, tmp_path / "c")
+    (d / ".metadata").write_bytes((d / ".metadata").read_bytes()[:100])
+    with pytest.raises(InvalidCheckpoint, match="corrupt"):
+        scan_directory(d)
+
+
+def test_missing_metadata(tmp_path, ckpts):
+    d = ckpts.ws2.copy_step(4, tmp_path / "m")
+    (d / ".metadata").unlink()
+    with pytest.raises(InvalidCheckpoint, match="no .metadata"):
+        scan_directory(d)
+
+
+def test_missing_shard(tmp_path, ckpts):
+    d = ckpts.ws2.copy_step(4, tmp_path / "s")
+    (d / "__1_0.distcp").unlink()
+    with pytest.raises(InvalidCheckpoint, match=r"shard __1_0.distcp named in .metadata is missing"):
+        scan_directory(d)
+
+
+def test_truncated_shard(tmp_path, ckpts):
+    d = ckpts.ws2.copy_step(4, tmp_path / "t")
+    shard = d / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size - 10)
+    with pytest.raises(InvalidCheckpoint, match="__0_0.distcp is truncated"):
+        scan_directory(d)
+
+
+def test_symlinks_and_odd_names_are_refused(tmp_path, ckpts):
+    d = ckpts.ws2.copy_step(4, tmp_path / "l")
+    (d / "link").symlink_to("/etc/passwd")
+    with pytest.raises(InvalidCheckpoint, match="symlink"):
+        scan_directory(d)
+    (d / "link").unlink()
+    (d / "we ird").write_text("x")
+    with pytest.raises(InvalidCheckpoint, match="unsafe file name"):
+        scan_directory(d)
+    (d / "we ird").unlink()
+    link_dir = tmp_path / "linkdir"
+    link_dir.symlink_to(d)
+    with pytest.raises(InvalidCheckpoint, match="symlink"):
+        scan_directory(link_dir)
+
+
+def test_non_dcp_directories(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "model.pt").write_bytes(b"\x80\x04N.")
+    with pytest.raises(InvalidCheckpoint, match="no .metadata"):
+        scan_directory(tmp_path / "plain")
+    with pytest.raises(InvalidCheckpoint, match="does not exist"):
+        scan_directory(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidCheckpoint, match="not a directory"):
+        scan_directory(tmp_path / "file")
+    shutil.rmtree(tmp_path / "plain")
