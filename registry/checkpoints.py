@@ -482,16 +482,16 @@ def list_checkpoints(
     return [view(p, r, c, files.get(c.id or 0, [])) for c, r, p in rows]
 
 
-def resolve(reg: Registry, ref: CheckpointRef, *, committed_only: bool = True
+def resolve(reg: Registry, ref: CheckpointRef, *, tombstones: bool = False
             ) -> tuple[Run, Checkpoint, list[CheckpointFile]]:
     with reg.catalog.session() as s:
-        run, ckpt = queries.resolve_checkpoint(s, ref, committed_only=committed_only)
+        run, ckpt = queries.resolve_checkpoint(s, ref, tombstones=tombstones)
         return run, ckpt, queries.files_of(s, ckpt.id or 0)
 
 
 def show(reg: Registry, ref: CheckpointRef) -> dict[str, Any]:
     reg.authorize_read(project=ref.project)
-    run, ckpt, files = resolve(reg, ref, committed_only=False)
+    run, ckpt, files = resolve(reg, ref, tombstones=True)
     out = detailed_view(reg, ref.project, run.name, ckpt, files)
     out["protection"] = reg.protection_of(ref.project, run, ckpt)
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PG_URL, Ckpts, pg_available, train
+from tests.helpers import PG_URL, Ckpts, Trained, pg_available, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,13 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
     base = tmp_path_factory.mktemp("ckpts")
     return Ckpts(ws2=train(base / "ws2", nproc=2, steps=4, every=2),
                  ws3=train(base / "ws3", nproc=3, steps=3, every=3))
+
+
+@pytest.fixture(scope="session")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A ~200 MB ws=2 checkpoint (model + AdamW), big enough to kill a push midway."""
+    return train(tmp_path_factory.mktemp("big") / "ws2", nproc=2, steps=1, every=1,
+                 env_extra={"TINY_DIM": "1024", "TINY_LAYERS": "2"})
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -43,12 +43,12 @@ class Ckpts:
     ws3: Trained
 
 
-def train(out: Path, *, nproc: int, steps: int, every: int, extra: tuple[str, ...] = ()
-          ) -> Trained:
+def train(out: Path, *, nproc: int, steps: int, every: int, extra: tuple[str, ...] = (),
+          env_extra: dict[str, str] | None = None) -> Trained:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "examples.train_tiny", "--out", str(out),
            "--steps", str(steps), "--every", str(every), "--full-weights", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     # gloo on a 2-core machine now and then aborts a rank during start-up (SIGABRT before the
     # first step); the run is retried from scratch, and a persistent failure fails the tests.
     for _attempt in range(3):

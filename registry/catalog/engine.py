@@ -95,7 +95,6 @@ class Catalog:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
             cur = dbapi_conn.cursor()
             cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            cur.execute("PRAGMA journal_mode = WAL")
             cur.execute("PRAGMA synchronous = FULL")
             cur.execute("PRAGMA foreign_keys = ON")
             cur.close()
@@ -120,6 +119,14 @@ class Catalog:
         if self.current_revision() == HEAD_REVISION:
             return
         with self._migration_lock():
+            if self.is_sqlite:
+                # WAL is a property of the file: set once, under the lock, never while another
+                # connection may hold the file (switching modes then fails at once with BUSY).
+                raw = self.engine.raw_connection()  # outside any transaction, as WAL needs
+                try:
+                    raw.cursor().execute("PRAGMA journal_mode = WAL")
+                finally:
+                    raw.close()
             if self.current_revision() != HEAD_REVISION:
                 self._upgrade()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from registry.catalog.models import COMMITTED, Checkpoint, CheckpointFile, Project, Run
+from registry.catalog.models import COMMITTED, PENDING, Checkpoint, CheckpointFile, Project, Run
 from registry.errors import Collected, NotFound
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
@@ -39,9 +39,10 @@ def find_run(session: Session, project: str, run: str) -> Run | None:
     ).first()
 
 
-def resolve_checkpoint(session: Session, ref: CheckpointRef, *, committed_only: bool = True
+def resolve_checkpoint(session: Session, ref: CheckpointRef, *, tombstones: bool = False
                        ) -> tuple[Run, Checkpoint]:
-    """The catalog row `ref` names; NotFound says what exists, Collected when and why."""
+    """The committed row `ref` names (or with `tombstones`, a collected one too); NotFound says
+    what exists, Collected when and why. Pending rows are never visible."""
     run = find_run(session, ref.project, ref.run)
     if run is None:
         runs = session.exec(
@@ -55,13 +56,13 @@ def resolve_checkpoint(session: Session, ref: CheckpointRef, *, committed_only: 
     else:
         stmt = stmt.where(Checkpoint.step == ref.step)
     row = session.exec(stmt).first()
-    if row is not None and row.state in ("deleting", "deleted") and committed_only:
+    if row is not None and row.state in ("deleting", "deleted") and not tombstones:
         raise Collected(
             f"{ref} was collected by retention at {iso(row.deleted_at)}, reason: "
             f"{row.delete_reason or 'unknown'}",
             f"reg ls {ref.run_label} lists what remains",
         )
-    if row is None or (committed_only and row.state != COMMITTED):
+    if row is None or row.state == PENDING:
         steps = committed_steps(session, run.id)  # type: ignore[arg-type]
         if steps:
             raise NotFound(f"{ref} not found: {ref.run_label} has steps {_few(steps)}",

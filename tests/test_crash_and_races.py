@@ -1,0 +1,107 @@
+"""A push killed midway, two pushes racing, a locked catalog: nothing committed is lost or
+half-visible."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.errors import NotFound
+from tests.conftest import ROOT
+
+
+def _reg_process(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_sigkill_mid_push_leaves_nothing_visible_and_push_again_completes(
+        catalog_url, big_ckpt, tmp_path):
+    src = big_ckpt.step_dir(1)
+    home = Path(os.environ["REG_HOME"])
+    step_dir = home / "store" / "ckpt" / "default" / "big" / "step-1"
+    proc = _reg_process("push-ckpt", str(src), "--run", "big", "--step", "1")
+    deadline = time.monotonic() + 120
+    while not (step_dir.exists() and any(step_dir.iterdir())):
+        assert proc.poll() is None, f"push ended before it could be killed: {proc.stderr.read()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (step_dir / "MANIFEST.json").exists()
+
+    with Registry() as reg:
+        assert reg.list_checkpoints() == []
+        with pytest.raises(NotFound):
+            reg.show("big@step1")
+        # The dead push's claim is taken over at once (same host, pid gone); leftovers reused.
+        out = reg.push_checkpoint(src, run="big", step=1)
+        assert out["state"] == "committed"
+        assert reg.verify("big@step1")["ok"]
+        reg.pull("big@step1", tmp_path / "back")
+    for f in src.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_racing_pushes_of_different_content_have_one_winner(catalog_url, ckpts, tmp_path):
+    sources = {"a": ckpts.ws2.step_dir(2), "b": ckpts.ws2.step_dir(4)}
+    procs = {name: _reg_process("push-ckpt", str(src), "--run", "race", "--step", "7")
+             for name, src in sources.items()}
+    results = {name: (p.wait(timeout=300), p.stderr.read()) for name, p in procs.items()}
+    codes = sorted(rc for rc, _ in results.values())
+    assert codes == [0, 5], results
+    loser = next(name for name, (rc, _) in results.items() if rc == 5)
+    winner = "b" if loser == "a" else "a"
+    stderr = results[loser][1].strip().splitlines()
+    assert len(stderr) == 1 and stderr[0].startswith("reg: error: race@step7")
+    with Registry() as reg:
+        assert reg.verify("race@step7")["ok"]
+        reg.pull("race@step7", tmp_path / "won")
+    for f in sources[winner].iterdir():
+        assert (tmp_path / "won" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_locked_sqlite_catalog_is_a_one_line_conflict(ckpts, cli):
+    home = Path(os.environ["REG_HOME"])
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+    holder = sqlite3.connect(home / "catalog.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        res = cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "r", "--step", "4",
+                  env={"REG_BUSY_TIMEOUT": "1"})
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert res.returncode == 5, res.stderr
+    assert res.stderr.count("\n") == 1 and "locked by another process" in res.stderr
+    with Registry() as reg:
+        assert [c["step"] for c in reg.list_checkpoints()] == [2]
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        assert [c["step"] for c in reg.list_checkpoints()] == [2, 4]
+
+
+def test_live_claim_is_a_conflict_naming_the_holder(reg, ckpts):
+    """A pending claim whose holder is alive blocks a second push (exit 5, names the holder)."""
+    from sqlmodel import select
+
+    from registry.catalog.models import Checkpoint
+    from registry.checkpoints import _claim
+    from registry.errors import Conflict
+    from registry.refs import CheckpointRef
+
+    claim, existing = _claim(reg, CheckpointRef("default", "held", 1))
+    assert existing is None
+    with pytest.raises(Conflict, match=r"is being pushed by tester on .* \(pid \d+\)"):
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="held", step=1)
+    with reg.catalog.session() as s:
+        row = s.exec(select(Checkpoint).where(Checkpoint.id == claim.checkpoint_id)).one()
+    assert row.state == "pending" and row.claim_token == claim.token
