@@ -211,12 +211,14 @@ def scan_directory(root: Path) -> ScannedDir:
         raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
-    files = _walk(root)
-    if METADATA not in files:
+    if not (root / METADATA).is_file():  # before walking: `reg push-ckpt ~` stays cheap
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
         )
+    files = _walk(root)
+    if METADATA not in files:
+        raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
     if MANIFEST in files:
         raise InvalidCheckpoint(f"{root} contains {MANIFEST}, a name the registry reserves",
                                 "remove or rename it")

@@ -1,0 +1,106 @@
+"""The command line as users and scripts meet it: exit codes, one-line errors, JSON, help."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commands() -> list[str]:
+    from typer.main import get_command
+
+    from cli.main import app
+
+    group = get_command(app)
+    names = []
+    for name, cmd in group.commands.items():  # type: ignore[attr-defined]
+        sub = getattr(cmd, "commands", None)
+        names += [f"{name} {s}" for s in sub] if sub else [name]
+    return names
+
+
+def test_every_command_has_help_and_is_in_readme():
+    from typer.main import get_command
+
+    from cli.main import app
+
+    readme = (ROOT / "README.md").read_text()
+    group = get_command(app)
+    for name in _commands():
+        parts = name.split()
+        cmd = group.commands[parts[0]]  # type: ignore[attr-defined]
+        if len(parts) > 1:
+            cmd = cmd.commands[parts[1]]
+        assert cmd.help, f"reg {name} has no help text"
+        assert f"reg {name}" in readme, f"reg {name} is not documented in README.md"
+
+
+def test_cli_round_trip_with_json(cli, ckpts, tmp_path, catalog_url):
+    res = cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "run42", "--step", "4",
+              "--metric", "val_loss=1.5", "--json")
+    assert res.returncode == 0, res.stderr
+    pushed = json.loads(res.stdout)
+    assert pushed["ref"] == "run42@step4" and pushed["world_size"] == 2
+    assert "inferred" in res.stderr
+    listed = json.loads(cli("ls", "--json").stdout)
+    assert [c["ref"] for c in listed] == ["run42@step4"]
+    for key in ("ref", "project", "run", "step", "world_size", "state", "bytes", "files",
+                "resumable", "missing_state", "pinned", "created_at", "upload_seconds"):
+        assert key in listed[0]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", f["sha256"]) for f in listed[0]["files"])
+    shown = json.loads(cli("show", "run42@latest", "--json").stdout)
+    assert shown["metrics"] == {"val_loss": 1.5}
+    res = cli("pull", "run42@step4", tmp_path / "out")
+    assert res.returncode == 0 and (tmp_path / "out" / ".metadata").exists()
+    res = cli("verify", "run42@step4")
+    assert res.returncode == 0 and "ok" in res.stdout
+    human = cli("ls")
+    assert "run42@step4" in human.stdout and human.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "pattern"),
+    [
+        (["show", "run42@stepX"], 2, "malformed ref"),
+        (["show", "../x@step1"], 2, "invalid project name|invalid run name|malformed"),
+        (["show", "nope@step1"], 3, "run nope not found"),
+        (["pull", "nope@latest", "/tmp/none-such"], 3, "not found"),
+        (["push-ckpt", "/definitely/not/here", "--run", "r", "--step", "1"], 2, "does not exist"),
+        (["push-ckpt", ".", "--run", "r", "--step", "1"], 2, "no .metadata"),
+        (["push-ckpt", ".", "--run", "bad name", "--step", "1"], 2, "invalid run name"),
+        (["push-ckpt", ".", "--run", "r", "--step", "1", "--metric", "x"], 2, "bad --metric"),
+    ],
+)
+def test_errors_are_one_line_with_the_right_exit_code(cli, args, code, pattern):
+    res = cli(*args)
+    assert res.returncode == code, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reg: error: "), res.stderr
+    assert re.search(pattern, lines[0])
+    assert "Traceback" not in res.stderr
+
+
+def test_corrupt_store_makes_verify_and_pull_exit_1(cli, ckpts, tmp_path):
+    from tests.helpers import flip_byte
+
+    assert cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "2").returncode == 0
+    uri = json.loads(cli("show", "r@step2", "--json").stdout)["uri"]
+    flip_byte(Path(uri.removeprefix("file://")) / "__1_0.distcp")
+    res = cli("verify", "r@step2")
+    assert res.returncode == 1
+    assert "__1_0.distcp: sha256" in res.stdout and "damaged" in res.stderr
+    res = cli("pull", "r@step2", tmp_path / "o")
+    assert res.returncode == 1 and "corrupt" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_json_output_is_one_document_and_nothing_else(cli, ckpts):
+    res = cli("push-ckpt", ckpts.ws3.step_dir(3), "--run", "r", "--step", "3", "--world-size",
+              "3", "--json")
+    json.loads(res.stdout)
+    assert json.loads(cli("ls", "r", "--json").stdout)[0]["world_size"] == 3
