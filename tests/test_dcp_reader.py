@@ -32,6 +32,15 @@ def test_inventory_matches_torch_metadata(ckpts):
         "model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader"}
 
 
+def test_light_parse_without_torch_matches_torch_classes(ckpts):
+    from registry.formats.dcp import inventory
+
+    data = (ckpts.ws3.step_dir(3) / ".metadata").read_bytes()
+    light, real = inventory(load_metadata(data, light=True)), inventory(load_metadata(data))
+    assert light.tensors == real.tensors
+    assert light.byte_items == real.byte_items and light.top_level == real.top_level
+
+
 def test_resume_inventory_of_full_and_weights_only_checkpoints(ckpts):
     policy = default_policy().resume
     full = classify(scan_directory(ckpts.ws3.step_dir(3)).inventory.top_level_keys(), policy)
@@ -64,8 +73,9 @@ def test_crafted_metadata_is_refused_and_never_executed(tmp_path, ckpts, monkeyp
     marker = tmp_path / "pwned"
     monkeypatch.setenv("REG_PWNED", str(marker))
     evil = pickle.dumps(_RunsCode())
-    with pytest.raises(UnsafeMetadata, match="posix.system|os.system"):
-        load_metadata(evil)
+    for light in (True, False):
+        with pytest.raises(UnsafeMetadata, match="posix.system|os.system"):
+            load_metadata(evil, light=light)
     d = ckpts.ws2.copy_step(4, tmp_path / "evil")
     (d / ".metadata").write_bytes(evil)
     with pytest.raises(UnsafeMetadata) as info:

@@ -19,7 +19,7 @@ import pickle
 import re
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, UnsafeMetadata
@@ -52,31 +52,46 @@ _ALLOWED_CLASSES = {
 
 
 class _SafeUnpickler(pickle.Unpickler):
+    """Resolves allowlisted globals only; `light` maps them to plain stand-ins (no torch)."""
+
+    def __init__(self, data: bytes, light: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self.light = light
+
     def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
-        import torch
-
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in _DTYPE_SIZES:
+            return _LightDtype(name) if self.light else getattr(_torch(), name)
         if (module, name) not in _ALLOWED_CLASSES:
             raise UnsafeMetadata(
                 f".metadata references {module}.{name}, which a DCP checkpoint never does; refused "
                 "without running it",
                 "the file is corrupt or crafted: do not load it with torch either",
             )
+        if self.light:
+            return _LIGHT[(module, name)]
+        import importlib
+
         return getattr(importlib.import_module(module), name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeMetadata(".metadata uses persistent ids; refused", "not a DCP metadata file")
 
 
-def load_metadata(data: bytes) -> Any:
-    """Parse `.metadata` bytes into a DCP `Metadata` through the allowlisting unpickler."""
-    from torch.distributed.checkpoint.metadata import Metadata
+def _torch() -> Any:
+    import torch
 
+    return torch
+
+
+def load_metadata(data: bytes, *, light: bool = False) -> Any:
+    """Parse `.metadata` bytes through the allowlisting unpickler.
+
+    `light=False` gives DCP's own `Metadata` (for handing to DCP's load planner); `light=True`
+    gives plain stand-in objects with the same attributes, without importing torch (~2 s), which
+    is all `push` needs to take an inventory.
+    """
     try:
-        metadata = _SafeUnpickler(io.BytesIO(data)).load()
+        metadata = _SafeUnpickler(data, light).load()
     except UnsafeMetadata:
         raise
     except Exception as exc:
@@ -84,11 +99,90 @@ def load_metadata(data: bytes) -> Any:
             f".metadata is corrupt: {type(exc).__name__}: {exc}",
             "rewrite the checkpoint; the file does not parse as DCP metadata",
         ) from exc
-    if not isinstance(metadata, Metadata):
+    expected = _LightObject if light else _torch_metadata_class()
+    if not isinstance(metadata, expected) or not hasattr(metadata, "state_dict_metadata"):
         raise InvalidCheckpoint(
             f".metadata holds a {type(metadata).__name__}, not DCP Metadata", "not a DCP checkpoint"
         )
     return metadata
+
+
+def _torch_metadata_class() -> type:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return Metadata
+
+
+# Stand-ins for light parsing: enough structure for the inventory, nothing that runs code.
+_DTYPE_SIZES = {
+    "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16,
+    "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+
+
+class _LightDtype:
+    __slots__ = ("itemsize", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.itemsize = name, _DTYPE_SIZES[name]
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _LightObject:
+    """A dataclass instance rebuilt from its pickled state, attributes only."""
+
+    _fields: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any) -> None:
+        for field_name, value in zip(self._fields, args, strict=False):
+            setattr(self, field_name, value)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple):
+            for field_name, value in zip(self._fields, state, strict=False):
+                setattr(self, field_name, value)
+
+
+def _light_class(name: str, fields: tuple[str, ...] = ()) -> type:
+    # Pickled dataclasses leave out fields still at their default: those default to None here.
+    return type(name, (_LightObject,), {"_fields": fields, **dict.fromkeys(fields)})
+
+
+def _light_size(*args: Any) -> tuple[int, ...]:
+    return tuple(args[0]) if args else ()
+
+
+_LIGHT: dict[tuple[str, str], Any] = {
+    (_DCP_METADATA, "Metadata"): _light_class("Metadata", ("state_dict_metadata",)),
+    (_DCP_METADATA, "TensorStorageMetadata"): _light_class(
+        "TensorStorageMetadata", ("properties", "size", "chunks")),
+    (_DCP_METADATA, "BytesStorageMetadata"): _light_class("BytesStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"): _light_class(
+        "ChunkStorageMetadata", ("offsets", "sizes")),
+    (_DCP_METADATA, "TensorProperties"): _light_class(
+        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")),
+    (_DCP_METADATA, "MetadataIndex"): _light_class("MetadataIndex", ("fqn", "offset", "index")),
+    (_DCP_METADATA, "StorageMeta"): _light_class("StorageMeta"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value: value,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _light_class(
+        "_StorageInfo", ("relative_path", "offset", "length")),
+    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch", "Size"): _light_size,
+    ("pathlib", "PosixPath"): PurePosixPath,
+    ("pathlib", "PurePosixPath"): PurePosixPath,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
 
 
 # -- inventory --------------------------------------------------------------------------------
@@ -136,12 +230,12 @@ def dtype_name(dtype: Any) -> str:
 
 
 def inventory(metadata: Any) -> Inventory:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    planner = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    """Works on DCP's own Metadata and on the light stand-ins alike (attributes only)."""
+    planner_data = getattr(metadata, "planner_data", None)
+    planner = planner_data if isinstance(planner_data, dict) else {}
     ranges: dict[str, dict[int, ChunkRange]] = {}
     files: set[str] = set()
-    for index, info in (metadata.storage_data or {}).items():
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         path = str(info.relative_path)
         files.add(path)
         ranges.setdefault(index.fqn, {})[index.index or 0] = ChunkRange(
@@ -155,7 +249,7 @@ def inventory(metadata: Any) -> Inventory:
         path = planner.get(fqn)
         top_level[fqn] = str(path[0]) if path else fqn.split(".", 1)[0]
         stored = ranges.get(fqn, {})
-        if isinstance(meta, TensorStorageMetadata):
+        if hasattr(meta, "chunks"):
             itemsize = meta.properties.dtype.itemsize
             shape = tuple(int(s) for s in meta.size)
             chunks = []
@@ -225,7 +319,7 @@ def scan_directory(root: Path) -> ScannedDir:
     if files[METADATA] > MAX_METADATA_BYTES:
         raise InvalidCheckpoint(f"{root}/.metadata is {files[METADATA]} bytes; refused",
                                 "not a DCP metadata file")
-    metadata = load_metadata((root / METADATA).read_bytes())
+    metadata = load_metadata((root / METADATA).read_bytes(), light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
