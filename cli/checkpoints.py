@@ -26,17 +26,25 @@ def push_ckpt(
     run: str = typer.Option(..., "--run", help="Run name."),
     step: int = typer.Option(..., "--step", help="Training step of the checkpoint."),
     project: str = typer.Option("default", "--project", help="Project name."),
-    world_size: int | None = typer.Option(None, "--world-size",
-                                          help="World size it was saved at (else inferred)."),
+    world_size: int | None = typer.Option(
+        None, "--world-size", help="World size it was saved at (else inferred)."
+    ),
     metric: list[str] = typer.Option([], "--metric", help="NAME=VALUE recorded with it."),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
     notes: list[str] = []
     with open_registry() as reg:
-        out = reg.push_checkpoint(directory, run=run, step=step, project=project,
-                                  world_size=world_size, metrics=parse_metrics(metric),
-                                  progress=progress_for(json_output), notes=notes)
+        out = reg.push_checkpoint(
+            directory,
+            run=run,
+            step=step,
+            project=project,
+            world_size=world_size,
+            metrics=parse_metrics(metric),
+            progress=progress_for(json_output),
+            notes=notes,
+        )
     for n in notes:
         note(n)
     if json_output:
@@ -48,9 +56,11 @@ def push_ckpt(
         print(f"{out['ref']} already holds this content; nothing copied")
     else:
         speed = out["bytes"] / out["upload_seconds"] / 1e6 if out["upload_seconds"] else 0
-        print(f"pushed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])} "
-              f"in {out['upload_seconds']:.1f}s ({speed:.0f} MB/s), world size "
-              f"{out['world_size']}, resumable: {_yes(out['resumable'], out['missing_state'])}")
+        print(
+            f"pushed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])} "
+            f"in {out['upload_seconds']:.1f}s ({speed:.0f} MB/s), world size "
+            f"{out['world_size']}, resumable: {_yes(out['resumable'], out['missing_state'])}"
+        )
 
 
 def ls(
@@ -67,10 +77,22 @@ def ls(
         return
     from registry.timeutil import human_bytes
 
-    table(["REF", "WORLD", "SIZE", "FILES", "RESUMABLE", "PINNED", "STATE", "CREATED"],
-          [[r["ref"], r["world_size"], human_bytes(r["bytes"]), len(r["files"]),
-            _yes(r["resumable"], r["missing_state"]), "yes" if r["pinned"] else "",
-            r["state"], r["created_at"]] for r in rows])
+    table(
+        ["REF", "WORLD", "SIZE", "FILES", "RESUMABLE", "PINNED", "STATE", "CREATED"],
+        [
+            [
+                r["ref"],
+                r["world_size"],
+                human_bytes(r["bytes"]),
+                len(r["files"]),
+                _yes(r["resumable"], r["missing_state"]),
+                "yes" if r["pinned"] else "",
+                r["state"],
+                r["created_at"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def show(
@@ -117,9 +139,10 @@ def verify(
     if not out["ok"]:
         from registry.errors import IntegrityError
 
-        raise IntegrityError(f"{len(out['problems'])} damaged file(s) in "
-                             f"{out.get('ref') or out.get('release')}",
-                             "the stored copy is damaged; restore it from another copy")
+        raise IntegrityError(
+            f"{len(out['problems'])} damaged file(s) in {out.get('ref') or out.get('release')}",
+            "the stored copy is damaged; restore it from another copy",
+        )
 
 
 def pin(
@@ -133,8 +156,9 @@ def pin(
     emit_json(out) if json_output else print(f"pinned {out['ref']}")
 
 
-def unpin(ref: str = typer.Argument(..., help="RUN@stepN."), json_output: bool = JSON_OPTION
-          ) -> None:
+def unpin(
+    ref: str = typer.Argument(..., help="RUN@stepN."), json_output: bool = JSON_OPTION
+) -> None:
     """Remove a pin; retention applies again."""
     with open_registry() as reg:
         out = reg.unpin(ref)

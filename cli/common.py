@@ -30,5 +30,7 @@ def parse_metrics(items: list[str]) -> dict[str, float]:
                 raise ValueError
             out[check_name(name.strip(), "metric name")] = float(value)
         except ValueError:
-            raise UsageError(f"bad --metric {item!r}", "write NAME=NUMBER, e.g. val_loss=2.31")
+            raise UsageError(
+                f"bad --metric {item!r}", "write NAME=NUMBER, e.g. val_loss=2.31"
+            ) from None
     return out

@@ -47,8 +47,10 @@ def main() -> None:
         if debug:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        sys.stderr.write(f"reg: internal error: {type(exc).__name__}: {first} "
-                         "(REG_DEBUG=1 shows the traceback)\n")
+        sys.stderr.write(
+            f"reg: internal error: {type(exc).__name__}: {first} "
+            "(REG_DEBUG=1 shows the traceback)\n"
+        )
         sys.exit(1)
 
 

@@ -9,15 +9,18 @@ from typing import Any
 
 
 def emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    # Compact on purpose: with `indent` the json module falls back to its pure-Python encoder,
+    # 10x slower on a 10,000-checkpoint listing. Pipe through `jq` to read it.
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for r in cells:
-        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                         + "\n")
+        sys.stdout.write(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n"
+        )
 
 
 def note(message: str) -> None:
@@ -37,8 +40,14 @@ class TerminalProgress:
             TransferSpeedColumn,
         )
 
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                             TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        )
         self._task: Any = None
 
     def start(self, description: str, total: int) -> None:

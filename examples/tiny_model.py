@@ -46,9 +46,11 @@ class TinyLM(nn.Module):
 
 def build_model() -> TinyLM:
     """Model factory: the shape comes from the environment the demo trains with."""
-    return TinyLM(dim=int(os.environ.get("TINY_DIM", "64")),
-                  layers=int(os.environ.get("TINY_LAYERS", "2")),
-                  tie=os.environ.get("TINY_TIE", "1") == "1")
+    return TinyLM(
+        dim=int(os.environ.get("TINY_DIM", "64")),
+        layers=int(os.environ.get("TINY_LAYERS", "2")),
+        tie=os.environ.get("TINY_TIE", "1") == "1",
+    )
 
 
 def batch(seed: int, size: int = 8, length: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,21 +77,27 @@ def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[
             "optimizer": optim_sd,
             "lr_scheduler": sched.state_dict(),
             "train_state": {"step": step, "world_size": world},
-            "rng": {f"rank{rank}": {"torch": torch.get_rng_state(),
-                                    "python": pickle.dumps(random.getstate())}},
+            "rng": {
+                f"rank{rank}": {
+                    "torch": torch.get_rng_state(),
+                    "python": pickle.dumps(random.getstate()),
+                }
+            },
             "dataloader": {f"rank{rank}": {"epoch": 0, "position": step * 8}},
         }
     path = args.out / f"step-{step}"
     writer = dcp.FileSystemWriter(str(path), thread_count=args.thread_count)
     dcp.save(state, storage_writer=writer)
     probe = probe_loss(model)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         if args.full_weights:
             torch.save(full, args.out / f"step-{step}.full.pt")
         (args.out / f"step-{step}.json").write_text(
-            json.dumps({"step": step, "world_size": world, "probe_loss": probe}))
+            json.dumps({"step": step, "world_size": world, "probe_loss": probe})
+        )
         print(f"step {step}: saved {path} (probe loss {probe:.4f})", flush=True)
 
 

@@ -66,10 +66,14 @@ def check(
             continue
         if _matches(grant.projects, project) and _matches(grant.models, model):
             return Decision(True, f"granted {grant.role} on {_scope(grant)}")
-    scope = ", ".join(
-        part for part in (f"project {project}" if project else "", f"model {model}" if model else "")
-        if part
-    ) or "the registry"
+    scope = (
+        ", ".join(
+            part
+            for part in (f"project {project}" if project else "", f"model {model}" if model else "")
+            if part
+        )
+        or "the registry"
+    )
     return Decision(False, f"needs a {needed} grant covering {scope}")
 
 

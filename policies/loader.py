@@ -124,7 +124,9 @@ class ResumePolicy(_Model):
     def _known(cls, v: list[str]) -> list[str]:
         unknown = [c for c in v if c not in RESUME_CLASSES]
         if unknown:
-            raise ValueError(f"unknown resume class {unknown[0]!r}; known: {', '.join(RESUME_CLASSES)}")
+            raise ValueError(
+                f"unknown resume class {unknown[0]!r}; known: {', '.join(RESUME_CLASSES)}"
+            )
         return v
 
 
@@ -148,7 +150,9 @@ class Grant(_Model):
     def _principals(cls, v: list[str]) -> list[str]:
         for p in v:
             if not _PRINCIPAL.fullmatch(p):
-                raise ValueError(f"invalid principal {p!r}: letters, digits, . _ @ - only, no globs")
+                raise ValueError(
+                    f"invalid principal {p!r}: letters, digits, . _ @ - only, no globs"
+                )
         return v
 
     @field_validator("projects", "models")

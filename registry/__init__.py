@@ -1,9 +1,9 @@
 """`reg`: a registry for training checkpoints and release models.
 
-    from registry import Registry
-    with Registry() as reg:
-        reg.push_checkpoint("ckpts/step-9000", run="run42", step=9000)
-        reg.promote("run42@step9000", model="llama-tiny", alias="prod")
+from registry import Registry
+with Registry() as reg:
+    reg.push_checkpoint("ckpts/step-9000", run="run42", step=9000)
+    reg.promote("run42@step9000", model="llama-tiny", alias="prod")
 """
 
 from registry.api import Registry

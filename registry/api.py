@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from registry.config import Settings
 from registry.errors import PermissionDenied
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
@@ -34,6 +33,7 @@ class Registry:
         self._store: ObjectStore | None = None
         self._policy: Policy | None = None
         self._policy_source: str | None = None
+        self._policy_doc: tuple[str, str] | None = None
 
     # -- parts -------------------------------------------------------------------------------
     @property
@@ -41,8 +41,9 @@ class Registry:
         if self._catalog is None:
             from registry.catalog.engine import Catalog
 
-            self._catalog = Catalog(self.settings.catalog_url,
-                                    busy_timeout_s=self.settings.busy_timeout_s)
+            self._catalog = Catalog(
+                self.settings.catalog_url, busy_timeout_s=self.settings.busy_timeout_s
+            )
         return self._catalog
 
     @property
@@ -65,27 +66,57 @@ class Registry:
         return self._policy_source or ""
 
     def _load_policy(self) -> tuple[Policy, str]:
-        """The applied policy in the catalog wins; local files only bootstrap (DESIGN §6)."""
-        from sqlmodel import col, select
+        from policies.loader import parse_policy
 
-        from policies.loader import DEFAULT_POLICY_PATH, load_policy_file, parse_policy
-        from registry.catalog.models import PolicyDocument
+        text, source = self._policy_text()
+        return parse_policy(text, source), source
 
+    def _policy_text(self) -> tuple[str, str]:
+        """The effective policy document: the one applied to the catalog wins; local files only
+        bootstrap a registry that has none (DESIGN §6)."""
+        from policies.loader import DEFAULT_POLICY_PATH
+        from registry.errors import PolicyError
+
+        if self._policy_doc is not None:
+            return self._policy_doc
         local = self.settings.policy_path or self.settings.home / "policy.toml"
-        with self.catalog.session() as s:
-            applied = s.exec(select(PolicyDocument)
-                             .order_by(col(PolicyDocument.version).desc())).first()
+        with self.catalog.dbapi() as (conn, _):
+            cursor = conn.cursor()
+            cursor.execute(
+                "SELECT version, text, applied_by FROM policy_document "
+                "ORDER BY version DESC LIMIT 1"
+            )
+            applied = cursor.fetchone()
+            cursor.close()
         if applied is not None:
             if self.settings.policy_path is not None or local.exists():
-                warnings.warn(f"ignoring {local}: the catalog has policy v{applied.version} "
-                              "applied, which every client uses", stacklevel=2)
-            return parse_policy(applied.text, f"catalog policy v{applied.version}"), \
-                f"catalog v{applied.version} (applied by {applied.applied_by})"
-        if self.settings.policy_path is not None:
-            return load_policy_file(self.settings.policy_path), str(self.settings.policy_path)
-        if local.exists():
-            return load_policy_file(local), str(local)
-        return load_policy_file(DEFAULT_POLICY_PATH), f"{DEFAULT_POLICY_PATH} (shipped default)"
+                warnings.warn(
+                    f"ignoring {local}: the catalog has policy v{applied[0]} applied, "
+                    "which every client uses",
+                    stacklevel=3,
+                )
+            doc = (applied[1], f"catalog policy v{applied[0]} (applied by {applied[2]})")
+        else:
+            path = self.settings.policy_path or (local if local.exists() else DEFAULT_POLICY_PATH)
+            try:
+                doc = (Path(path).read_text(), str(path))
+            except OSError as exc:
+                raise PolicyError(
+                    f"cannot read policy {path}: {exc.strerror}", "check REG_POLICY"
+                ) from exc
+        self._policy_doc = doc
+        return doc
+
+    def _has_grants(self) -> bool:
+        """Single-user mode is decided without validating the whole document (fast listings);
+        any grant means the full, validated policy decides."""
+        import tomllib
+
+        text, _ = self._policy_text()
+        try:
+            return bool(tomllib.loads(text).get("access", {}).get("grants"))
+        except tomllib.TOMLDecodeError:
+            return True  # let the full parse report the error
 
     def close(self) -> None:
         if self._catalog is not None:
@@ -98,35 +129,49 @@ class Registry:
         self.close()
 
     # -- access ------------------------------------------------------------------------------
-    def authorize(self, action: str, *, project: str | None = None, model: str | None = None,
-                  target: str = "") -> None:
+    def authorize(
+        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
+    ) -> None:
         """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
         from policies.access import check
 
-        decision = check(self.policy.access.grants, self.user, action, project=project,
-                         model=model)
+        decision = check(self.policy.access.grants, self.user, action, project=project, model=model)
         if decision.allowed:
             return
         from registry import audit
 
         with self.catalog.session(write=True) as s:
-            audit.record(s, self.user, action, target or project or model or "", audit.DENIED,
-                         reason=decision.reason)
+            audit.record(
+                s,
+                self.user,
+                action,
+                target or project or model or "",
+                audit.DENIED,
+                reason=decision.reason,
+            )
         raise PermissionDenied(
             f"{self.user} may not {action} {target or project or model or ''}".rstrip(),
             decision.reason + " (ask an admin to add it to the policy)",
         )
 
     def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
-        self.authorize("read", project=project, model=model,
-                       target=f"project {project}" if project else f"model {model}")
+        self.authorize(
+            "read",
+            project=project,
+            model=model,
+            target=f"project {project}" if project else f"model {model}",
+        )
 
     def can_read_project(self, project: str) -> bool:
+        if not self._has_grants():
+            return True
         from policies.access import can_read_project
 
         return can_read_project(self.policy.access.grants, self.user, project)
 
     def can_read_model(self, model: str) -> bool:
+        if not self._has_grants():
+            return True
         from policies.access import can_read_model
 
         return can_read_model(self.policy.access.grants, self.user, model)
@@ -149,21 +194,38 @@ class Registry:
         return hashlib.sha256(self.policy.model_dump_json().encode()).hexdigest()
 
     # -- checkpoints -------------------------------------------------------------------------
-    def push_checkpoint(self, src: str | Path, *, run: str, step: int, project: str = "default",
-                        world_size: int | None = None, metrics: dict[str, float] | None = None,
-                        progress: Progress | None = None,
-                        notes: list[str] | None = None) -> dict[str, Any]:
+    def push_checkpoint(
+        self,
+        src: str | Path,
+        *,
+        run: str,
+        step: int,
+        project: str = "default",
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        progress: Progress | None = None,
+        notes: list[str] | None = None,
+    ) -> dict[str, Any]:
         from registry import checkpoints
 
-        return checkpoints.push(self, Path(src), run=run, step=step, project=project,
-                                world_size=world_size, metrics=metrics, progress=progress,
-                                notes=notes)
+        return checkpoints.push(
+            self,
+            Path(src),
+            run=run,
+            step=step,
+            project=project,
+            world_size=world_size,
+            metrics=metrics,
+            progress=progress,
+            notes=notes,
+        )
 
-    def list_checkpoints(self, run: str | None = None, project: str | None = None, *,
-                         include_deleted: bool = False) -> list[dict[str, Any]]:
-        from registry import checkpoints
+    def list_checkpoints(
+        self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
+    ) -> list[dict[str, Any]]:
+        from registry import listing
 
-        return checkpoints.list_checkpoints(self, run, project, include_deleted=include_deleted)
+        return listing.list_checkpoints(self, run, project, include_deleted=include_deleted)
 
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
         from registry.refs import parse_ref
@@ -177,14 +239,16 @@ class Registry:
 
         return checkpoints.show(self, parsed)
 
-    def pull(self, ref: str | CheckpointRef, dest: str | Path, *,
-             progress: Progress | None = None) -> dict[str, Any]:
+    def pull(
+        self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
         from registry import checkpoints
 
         return checkpoints.pull(self, _ckpt(ref), Path(dest), progress=progress)
 
-    def verify(self, ref: str | CheckpointRef | ReleaseRef, *,
-               progress: Progress | None = None) -> dict[str, Any]:
+    def verify(
+        self, ref: str | CheckpointRef | ReleaseRef, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
         from registry.refs import parse_ref
 
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
@@ -206,8 +270,9 @@ class Registry:
 
         return checkpoints.set_pin(self, _ckpt(ref), False)
 
-    def audit_log(self, *, since: float | None = None, actor: str | None = None,
-                  action: str | None = None) -> list[dict[str, Any]]:
+    def audit_log(
+        self, *, since: float | None = None, actor: str | None = None, action: str | None = None
+    ) -> list[dict[str, Any]]:
         from registry import audit
 
         self.authorize("audit", target="audit log")

@@ -21,8 +21,14 @@ def record(
     **details: Any,
 ) -> None:
     session.add(
-        AuditEvent(ts=now(), actor=actor, action=action, target=target, outcome=outcome,
-                   details={k: v for k, v in details.items() if v is not None})
+        AuditEvent(
+            ts=now(),
+            actor=actor,
+            action=action,
+            target=target,
+            outcome=outcome,
+            details={k: v for k, v in details.items() if v is not None},
+        )
     )
 
 
@@ -45,7 +51,13 @@ def query(
     if limit:
         rows = rows[-limit:]
     return [
-        {"ts": iso(r.ts), "actor": r.actor, "action": r.action, "target": r.target,
-         "outcome": r.outcome, "details": r.details}
+        {
+            "ts": iso(r.ts),
+            "actor": r.actor,
+            "action": r.action,
+            "target": r.target,
+            "outcome": r.outcome,
+            "details": r.details,
+        }
         for r in rows
     ]

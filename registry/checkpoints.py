@@ -34,7 +34,6 @@ from registry.catalog.models import (
     PENDING,
     Checkpoint,
     CheckpointFile,
-    Project,
     Run,
 )
 from registry.errors import (
@@ -103,8 +102,11 @@ def detailed_view(
         uri=reg.store.describe(checkpoint_prefix(project, run, ckpt.step)),
     )
     if ckpt.state in (DELETING, DELETED):
-        out.update(deleted_at=iso(ckpt.deleted_at), deleted_by=ckpt.deleted_by,
-                   delete_reason=ckpt.delete_reason)
+        out.update(
+            deleted_at=iso(ckpt.deleted_at),
+            deleted_by=ckpt.deleted_by,
+            delete_reason=ckpt.delete_reason,
+        )
     return out
 
 
@@ -150,13 +152,16 @@ def push(
         with _Heartbeat(reg, claim):
             uploaded = _upload(reg, ref, scanned, claim, progress)
             upload_seconds = time.monotonic() - started
-            manifest = _manifest(reg, ref, scanned, uploaded, (world_size, inferred), resume,
-                                 metrics or {})
+            manifest = _manifest(
+                reg, ref, scanned, uploaded, (world_size, inferred), resume, metrics or {}
+            )
             manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _put_replacing_leftover(reg, checkpoint_prefix(project, run, step) + MANIFEST,
-                                    manifest_bytes)
-            return _commit(reg, ref, claim, scanned, uploaded, manifest, manifest_bytes,
-                           upload_seconds)
+            _put_replacing_leftover(
+                reg, checkpoint_prefix(project, run, step) + MANIFEST, manifest_bytes
+            )
+            return _commit(
+                reg, ref, claim, scanned, uploaded, manifest, manifest_bytes, upload_seconds
+            )
     except BaseException:
         _expire_claim(reg, claim)
         raise
@@ -168,8 +173,10 @@ def _world_size(
     inferred = scanned.inferred_world_size
     if given is None:
         if notes is not None:
-            notes.append(f"world size {inferred} inferred from rank file names "
-                         "(a lower bound; pass --world-size to record the real one)")
+            notes.append(
+                f"world size {inferred} inferred from rank file names "
+                "(a lower bound; pass --world-size to record the real one)"
+            )
         return inferred, True
     if given < 1:
         raise UsageError(f"--world-size must be >= 1, got {given}")
@@ -189,12 +196,21 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
     for _ in range(5):
         with reg.catalog.session(write=True) as s:
             _, run = queries.get_or_create_run(s, ref.project, ref.run)
-            row = s.exec(select(Checkpoint).where(Checkpoint.run_id == run.id,
-                                                  Checkpoint.step == ref.step)).first()
+            row = s.exec(
+                select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.step == ref.step)
+            ).first()
             if row is None:
-                row = Checkpoint(run_id=run.id, step=ref.step, state=PENDING, created_at=now(),
-                                 pushed_by=reg.user, claim_token=token, claim_host=host,
-                                 claim_pid=pid, lease_until=now() + LEASE_SECONDS)
+                row = Checkpoint(
+                    run_id=run.id,
+                    step=ref.step,
+                    state=PENDING,
+                    created_at=now(),
+                    pushed_by=reg.user,
+                    claim_token=token,
+                    claim_host=host,
+                    claim_pid=pid,
+                    lease_until=now() + LEASE_SECONDS,
+                )
                 try:
                     with s.begin_nested():
                         s.add(row)
@@ -220,10 +236,19 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
                 )
             taken = s.exec(
                 update(Checkpoint)
-                .where(col(Checkpoint.id) == row.id, col(Checkpoint.claim_token) == row.claim_token,
-                       col(Checkpoint.state) == PENDING)
-                .values(claim_token=token, claim_host=host, claim_pid=pid, pushed_by=reg.user,
-                        lease_until=now() + LEASE_SECONDS, created_at=now())
+                .where(
+                    col(Checkpoint.id) == row.id,
+                    col(Checkpoint.claim_token) == row.claim_token,
+                    col(Checkpoint.state) == PENDING,
+                )
+                .values(
+                    claim_token=token,
+                    claim_host=host,
+                    claim_pid=pid,
+                    pushed_by=reg.user,
+                    lease_until=now() + LEASE_SECONDS,
+                    created_at=now(),
+                )
             )
             if taken.rowcount == 1:  # type: ignore[attr-defined]
                 return _Claim(row.id or 0, token), None
@@ -247,11 +272,15 @@ def _expire_claim(reg: Registry, claim: _Claim) -> None:
     """A failed push lets the next one take over at once (its leftovers get reused)."""
     try:
         with reg.catalog.session(write=True) as s:
-            s.exec(update(Checkpoint)
-                   .where(col(Checkpoint.id) == claim.checkpoint_id,
-                          col(Checkpoint.claim_token) == claim.token,
-                          col(Checkpoint.state) == PENDING)
-                   .values(lease_until=0.0))
+            s.exec(
+                update(Checkpoint)
+                .where(
+                    col(Checkpoint.id) == claim.checkpoint_id,
+                    col(Checkpoint.claim_token) == claim.token,
+                    col(Checkpoint.state) == PENDING,
+                )
+                .values(lease_until=0.0)
+            )
     except RegistryError:
         pass  # the lease runs out by itself
 
@@ -276,10 +305,14 @@ class _Heartbeat:
         while not self._stop.wait(LEASE_SECONDS / 4):
             try:
                 with self._reg.catalog.session(write=True) as s:
-                    s.exec(update(Checkpoint)
-                           .where(col(Checkpoint.id) == self._claim.checkpoint_id,
-                                  col(Checkpoint.claim_token) == self._claim.token)
-                           .values(lease_until=now() + LEASE_SECONDS))
+                    s.exec(
+                        update(Checkpoint)
+                        .where(
+                            col(Checkpoint.id) == self._claim.checkpoint_id,
+                            col(Checkpoint.claim_token) == self._claim.token,
+                        )
+                        .values(lease_until=now() + LEASE_SECONDS)
+                    )
             except RegistryError:
                 continue  # try again next beat; the commit checks the token anyway
 
@@ -293,7 +326,10 @@ class _Uploaded:
 
 
 def _upload(
-    reg: Registry, ref: CheckpointRef, scanned: ScannedDir, claim: _Claim,
+    reg: Registry,
+    ref: CheckpointRef,
+    scanned: ScannedDir,
+    claim: _Claim,
     progress: Progress | None,
 ) -> list[_Uploaded]:
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
@@ -329,8 +365,10 @@ def _upload(
             progress.finish()
     for r in results:
         if r.size != scanned.files[r.path]:
-            raise IntegrityError(f"{scanned.root / r.path} changed size while being pushed",
-                                 "push a checkpoint that is no longer being written")
+            raise IntegrityError(
+                f"{scanned.root / r.path} changed size while being pushed",
+                "push a checkpoint that is no longer being written",
+            )
     return sorted(results, key=lambda r: r.path)
 
 
@@ -345,8 +383,13 @@ def _put_replacing_leftover(reg: Registry, key: str, data: bytes) -> None:
 
 
 def _manifest(
-    reg: Registry, ref: CheckpointRef, scanned: ScannedDir, uploaded: list[_Uploaded],
-    world_size: tuple[int, bool], resume: Any, metrics: dict[str, float],
+    reg: Registry,
+    ref: CheckpointRef,
+    scanned: ScannedDir,
+    uploaded: list[_Uploaded],
+    world_size: tuple[int, bool],
+    resume: Any,
+    metrics: dict[str, float],
 ) -> dict[str, Any]:
     return {
         "format": MANIFEST_FORMAT,
@@ -355,12 +398,18 @@ def _manifest(
         "step": ref.step,
         "world_size": world_size[0],
         "world_size_inferred": world_size[1],
-        "files": [{"path": u.path, "size": u.size, "sha256": u.sha256,
-                   "rank": scanned.rank_of(u.path)} for u in uploaded],
+        "files": [
+            {"path": u.path, "size": u.size, "sha256": u.sha256, "rank": scanned.rank_of(u.path)}
+            for u in uploaded
+        ],
         "bytes": sum(u.size for u in uploaded),
         "tensors": scanned.inventory.summary(),
-        "resume": {"classes": resume.classes, "missing": resume.missing,
-                   "resumable": resume.resumable, "unclassified": resume.unclassified},
+        "resume": {
+            "classes": resume.classes,
+            "missing": resume.missing,
+            "resumable": resume.resumable,
+            "unclassified": resume.unclassified,
+        },
         "metrics": metrics,
         "pushed_by": reg.user,
         "created_at": iso(now()),
@@ -368,16 +417,23 @@ def _manifest(
 
 
 def _commit(
-    reg: Registry, ref: CheckpointRef, claim: _Claim, scanned: ScannedDir,
-    uploaded: list[_Uploaded], manifest: dict[str, Any], manifest_bytes: bytes,
+    reg: Registry,
+    ref: CheckpointRef,
+    claim: _Claim,
+    scanned: ScannedDir,
+    uploaded: list[_Uploaded],
+    manifest: dict[str, Any],
+    manifest_bytes: bytes,
     upload_seconds: float,
 ) -> dict[str, Any]:
     with reg.catalog.session(write=True) as s:
         result = s.exec(
             update(Checkpoint)
-            .where(col(Checkpoint.id) == claim.checkpoint_id,
-                   col(Checkpoint.claim_token) == claim.token,
-                   col(Checkpoint.state) == PENDING)
+            .where(
+                col(Checkpoint.id) == claim.checkpoint_id,
+                col(Checkpoint.claim_token) == claim.token,
+                col(Checkpoint.state) == PENDING,
+            )
             .values(
                 state=COMMITTED,
                 world_size=manifest["world_size"],
@@ -398,18 +454,38 @@ def _commit(
             )
         )
         if result.rowcount != 1:  # type: ignore[attr-defined]
-            raise Conflict(f"lost the claim on {ref} while pushing (another push took it over)",
-                           "check `reg show` and push again if needed")
+            raise Conflict(
+                f"lost the claim on {ref} while pushing (another push took it over)",
+                "check `reg show` and push again if needed",
+            )
         for u in uploaded:
-            s.add(CheckpointFile(checkpoint_id=claim.checkpoint_id, path=u.path, size=u.size,
-                                 sha256=u.sha256, rank=scanned.rank_of(u.path)))
+            s.add(
+                CheckpointFile(
+                    checkpoint_id=claim.checkpoint_id,
+                    path=u.path,
+                    size=u.size,
+                    sha256=u.sha256,
+                    rank=scanned.rank_of(u.path),
+                )
+            )
         run = queries.find_run(s, ref.project, ref.run)
-        if run is not None and run.resumed_from_step is not None and ref.step is not None \
-                and ref.step > run.resumed_from_step:
+        if (
+            run is not None
+            and run.resumed_from_step is not None
+            and ref.step is not None
+            and ref.step > run.resumed_from_step
+        ):
             run.resumed_from_step = None  # a newer step lifts the resume protection
             s.add(run)
-        audit.record(s, reg.user, "push", str(ref), bytes=manifest["bytes"],
-                     files=len(uploaded), reused=sum(u.reused for u in uploaded))
+        audit.record(
+            s,
+            reg.user,
+            "push",
+            str(ref),
+            bytes=manifest["bytes"],
+            files=len(uploaded),
+            reused=sum(u.reused for u in uploaded),
+        )
         s.flush()
         ckpt = s.get(Checkpoint, claim.checkpoint_id)
         assert ckpt is not None
@@ -434,8 +510,13 @@ def _compare_existing(
     ):
         raise Conflict(differs, hint)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = dict(zip(scanned.files, pool.map(
-            lambda p: _hash_file(scanned.root / p)[1], scanned.files), strict=True))
+        digests = dict(
+            zip(
+                scanned.files,
+                pool.map(lambda p: _hash_file(scanned.root / p)[1], scanned.files),
+                strict=True,
+            )
+        )
     if any(stored[p][1] != d for p, d in digests.items()):
         raise Conflict(differs, hint)
     out = view(ref.project, ref.run, existing, files)
@@ -451,39 +532,9 @@ def _hash_file(path: Path) -> tuple[int, str]:
 # -- reads ------------------------------------------------------------------------------------
 
 
-def list_checkpoints(
-    reg: Registry, run: str | None = None, project: str | None = None, *,
-    include_deleted: bool = False,
-) -> list[dict[str, Any]]:
-    if run is not None:
-        check_name(run, "run name")
-    if project is not None:
-        check_name(project, "project name")
-    with reg.catalog.session() as s:
-        stmt = (select(Checkpoint, Run.name, Project.name)
-                .join(Run, col(Run.id) == Checkpoint.run_id)
-                .join(Project, col(Project.id) == Run.project_id))
-        states = [COMMITTED, DELETING, DELETED] if include_deleted else [COMMITTED]
-        stmt = stmt.where(col(Checkpoint.state).in_(states))
-        if project is not None:
-            stmt = stmt.where(Project.name == project)
-        if run is not None:
-            stmt = stmt.where(Run.name == run)
-        stmt = stmt.order_by(col(Project.name), col(Run.name), col(Checkpoint.step))
-        rows = [r for r in s.exec(stmt).all() if reg.can_read_project(r[2])]
-        files: dict[int, list[CheckpointFile]] = {}
-        if rows:
-            ids = [r[0].id for r in rows]
-            file_stmt = select(CheckpointFile).order_by(col(CheckpointFile.path))
-            if len(ids) < 500:
-                file_stmt = file_stmt.where(col(CheckpointFile.checkpoint_id).in_(ids))
-            for f in s.exec(file_stmt).all():
-                files.setdefault(f.checkpoint_id, []).append(f)
-    return [view(p, r, c, files.get(c.id or 0, [])) for c, r, p in rows]
-
-
-def resolve(reg: Registry, ref: CheckpointRef, *, tombstones: bool = False
-            ) -> tuple[Run, Checkpoint, list[CheckpointFile]]:
+def resolve(
+    reg: Registry, ref: CheckpointRef, *, tombstones: bool = False
+) -> tuple[Run, Checkpoint, list[CheckpointFile]]:
     with reg.catalog.session() as s:
         run, ckpt = queries.resolve_checkpoint(s, ref, tombstones=tombstones)
         return run, ckpt, queries.files_of(s, ckpt.id or 0)
@@ -497,8 +548,9 @@ def show(reg: Registry, ref: CheckpointRef) -> dict[str, Any]:
     return out
 
 
-def pull(reg: Registry, ref: CheckpointRef, dest: Path, *, progress: Progress | None = None
-         ) -> dict[str, Any]:
+def pull(
+    reg: Registry, ref: CheckpointRef, dest: Path, *, progress: Progress | None = None
+) -> dict[str, Any]:
     """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing."""
     reg.authorize_read(project=ref.project)
     run, ckpt, files = resolve(reg, ref)
@@ -508,8 +560,9 @@ def pull(reg: Registry, ref: CheckpointRef, dest: Path, *, progress: Progress | 
     temp = dest.parent / f".{dest.name}.reg-pull-{uuid.uuid4().hex[:8]}"
     temp.mkdir(parents=True)
     try:
-        _download(reg, checkpoint_prefix(ref.project, ref.run, ckpt.step), files, temp, full,
-                  progress)
+        _download(
+            reg, checkpoint_prefix(ref.project, ref.run, ckpt.step), files, temp, full, progress
+        )
         # A collection that raced the download wins: never hand out a half-deleted checkpoint.
         _, ckpt_now, _ = resolve(reg, full)
         _check_dest(dest)
@@ -531,12 +584,17 @@ def pull(reg: Registry, ref: CheckpointRef, dest: Path, *, progress: Progress | 
 
 def _check_dest(dest: Path) -> None:
     if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
-        raise UsageError(f"{dest} exists and is not an empty directory",
-                         "pull into a new or empty directory")
+        raise UsageError(
+            f"{dest} exists and is not an empty directory", "pull into a new or empty directory"
+        )
 
 
 def _download(
-    reg: Registry, prefix: str, files: list[CheckpointFile], dest: Path, what: object,
+    reg: Registry,
+    prefix: str,
+    files: list[CheckpointFile],
+    dest: Path,
+    what: object,
     progress: Progress | None,
 ) -> None:
     if progress:
@@ -549,8 +607,10 @@ def _download(
         try:
             got = reg.store.get_file(prefix + f.path, target, progress=counter)
         except NotFound:
-            raise IntegrityError(f"{what}: stored file {f.path} is missing",
-                                 f"reg verify {what} lists every damaged file") from None
+            raise IntegrityError(
+                f"{what}: stored file {f.path} is missing",
+                f"reg verify {what} lists every damaged file",
+            ) from None
         if got.size != f.size or got.sha256 != f.sha256:
             raise IntegrityError(
                 f"{what}: stored file {f.path} is corrupt (sha256 {got.sha256[:12]}..., "
@@ -566,21 +626,31 @@ def _download(
             progress.finish()
 
 
-def verify(reg: Registry, ref: CheckpointRef, *, progress: Progress | None = None
-           ) -> dict[str, Any]:
+def verify(
+    reg: Registry, ref: CheckpointRef, *, progress: Progress | None = None
+) -> dict[str, Any]:
     """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged."""
     reg.authorize_read(project=ref.project)
     _, ckpt, files = resolve(reg, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
-    problems = check_stored_files(reg, prefix, [(f.path, f.size, f.sha256) for f in files],
-                                  progress, f"verify {full}")
-    return {"ref": str(full), "ok": not problems, "files": len(files),
-            "bytes": sum(f.size for f in files), "problems": problems}
+    problems = check_stored_files(
+        reg, prefix, [(f.path, f.size, f.sha256) for f in files], progress, f"verify {full}"
+    )
+    return {
+        "ref": str(full),
+        "ok": not problems,
+        "files": len(files),
+        "bytes": sum(f.size for f in files),
+        "problems": problems,
+    }
 
 
 def check_stored_files(
-    reg: Registry, prefix: str, files: list[tuple[str, int, str]], progress: Progress | None,
+    reg: Registry,
+    prefix: str,
+    files: list[tuple[str, int, str]],
+    progress: Progress | None,
     label: str,
 ) -> list[dict[str, str]]:
     """Sizes and sha256 of stored files against the record; one problem per damaged file."""
@@ -608,8 +678,9 @@ def check_stored_files(
             progress.finish()
 
 
-def set_pin(reg: Registry, ref: CheckpointRef, pinned: bool, reason: str | None = None
-            ) -> dict[str, Any]:
+def set_pin(
+    reg: Registry, ref: CheckpointRef, pinned: bool, reason: str | None = None
+) -> dict[str, Any]:
     reg.authorize("pin" if pinned else "unpin", project=ref.project, target=str(ref))
     with reg.catalog.session(write=True) as s:
         run, ckpt = queries.resolve_checkpoint(s, ref)
@@ -621,4 +692,3 @@ def set_pin(reg: Registry, ref: CheckpointRef, pinned: bool, reason: str | None 
         audit.record(s, reg.user, "pin" if pinned else "unpin", full, reason=reason)
         out = view(ref.project, run.name, ckpt, queries.files_of(s, ckpt.id or 0))
     return out
-

@@ -1,4 +1,4 @@
-"""The registry's errors: one tree, each error carrying what went wrong, what to do, and an exit code.
+"""The registry's errors: one tree; each carries what went wrong, what to do, and an exit code.
 
     RegistryError                  exit 1  an operation failed
     ├── UsageError                 exit 2  bad usage or input
@@ -12,7 +12,7 @@
     ├── Conflict                   exit 5  exists with other content, immutable, or locked
     │   ├── ObjectExists                   put-if-absent found an object already there
     │   └── CatalogLocked                  another process holds the catalog
-    ├── IntegrityError             exit 1  a stored file is missing, truncated or does not match its digest
+    ├── IntegrityError             exit 1  a stored file is missing, truncated or fails its digest
     ├── ValidationFailed           exit 1  restore validation did not pass
     └── GateNotMet                 exit 1  a promotion gate of the policy is not satisfied
 

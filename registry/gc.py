@@ -22,11 +22,15 @@ def explain(reg: Registry, project: str, run: Run, ckpt: Checkpoint) -> dict[str
     if ckpt.state != COMMITTED:
         return {"protected": False, "reasons": []}
     if ckpt.pinned:
-        reasons.append(f"pinned by {ckpt.pinned_by}" + (f": {ckpt.pin_reason}" if ckpt.pin_reason
-                                                        else ""))
+        reasons.append(
+            f"pinned by {ckpt.pinned_by}" + (f": {ckpt.pin_reason}" if ckpt.pin_reason else "")
+        )
     with reg.catalog.session() as s:
-        newest = s.exec(select(func.max(col(Checkpoint.step)))
-                        .where(Checkpoint.run_id == run.id, Checkpoint.state == COMMITTED)).one()
+        newest = s.exec(
+            select(func.max(col(Checkpoint.step))).where(
+                Checkpoint.run_id == run.id, Checkpoint.state == COMMITTED
+            )
+        ).one()
     if newest == ckpt.step:
         reasons.append(f"newest committed checkpoint of {run.name}")
     if run.resumed_from_step == ckpt.step:

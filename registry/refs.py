@@ -134,6 +134,7 @@ def _checkpoint_ref(text: str, name: str, at: str, project: str | None) -> Check
     match = _STEP.fullmatch(at)
     if not match:
         raise MalformedRef(
-            f"malformed ref {text!r}", "steps are written stepN with N a whole number, e.g. @step9000"
+            f"malformed ref {text!r}",
+            "steps are written stepN with N a whole number, e.g. @step9000",
         )
     return CheckpointRef(proj, run, int(match.group(1)))

@@ -37,20 +37,28 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
     """Real FSDP2 checkpoints: ws2 (steps 2, 4) and ws3 (step 3), with full weights beside."""
     base = tmp_path_factory.mktemp("ckpts")
-    return Ckpts(ws2=train(base / "ws2", nproc=2, steps=4, every=2),
-                 ws3=train(base / "ws3", nproc=3, steps=3, every=3))
+    return Ckpts(
+        ws2=train(base / "ws2", nproc=2, steps=4, every=2),
+        ws3=train(base / "ws3", nproc=3, steps=3, every=3),
+    )
 
 
 @pytest.fixture(scope="session")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """A ~200 MB ws=2 checkpoint (model + AdamW), big enough to kill a push midway."""
-    return train(tmp_path_factory.mktemp("big") / "ws2", nproc=2, steps=1, every=1,
-                 env_extra={"TINY_DIM": "1024", "TINY_LAYERS": "2"})
+    return train(
+        tmp_path_factory.mktemp("big") / "ws2",
+        nproc=2,
+        steps=1,
+        every=1,
+        env_extra={"TINY_DIM": "1024", "TINY_LAYERS": "2"},
+    )
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                ) -> str:
+def catalog_url(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'reg-home' / 'catalog.db'}"
     else:
@@ -86,10 +94,17 @@ def reg(catalog_url: str):  # type: ignore[no-untyped-def]
 def cli():  # type: ignore[no-untyped-def]
     """Run `reg` as a user does: a subprocess; returns (exit code, stdout, stderr)."""
 
-    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 300
-            ) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
         full_env = dict(os.environ, **(env or {}))
-        return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=ROOT,
-                              env=full_env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "cli", *map(str, args)],
+            cwd=ROOT,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run

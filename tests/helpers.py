@@ -43,18 +43,38 @@ class Ckpts:
     ws3: Trained
 
 
-def train(out: Path, *, nproc: int, steps: int, every: int, extra: tuple[str, ...] = (),
-          env_extra: dict[str, str] | None = None) -> Trained:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "examples.train_tiny", "--out", str(out),
-           "--steps", str(steps), "--every", str(every), "--full-weights", *extra]
+def train(
+    out: Path,
+    *,
+    nproc: int,
+    steps: int,
+    every: int,
+    extra: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
+) -> Trained:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "examples.train_tiny",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--every",
+        str(every),
+        "--full-weights",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     # gloo on a 2-core machine now and then aborts a rank during start-up (SIGABRT before the
     # first step); the run is retried from scratch, and a persistent failure fails the tests.
     for _attempt in range(3):
         shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode == 0:
             break
         sys.stderr.write(f"torchrun attempt failed ({proc.returncode}):\n{proc.stderr[-2000:]}\n")

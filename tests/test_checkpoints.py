@@ -16,13 +16,15 @@ def _same_tree(a: Path, b: Path) -> bool:
     names_a = sorted(p.relative_to(a) for p in a.rglob("*"))
     names_b = sorted(p.relative_to(b) for p in b.rglob("*"))
     return names_a == names_b and all(
-        filecmp.cmp(a / n, b / n, shallow=False) for n in names_a if (a / n).is_file())
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names_a if (a / n).is_file()
+    )
 
 
 def test_push_records_every_fact_a_resume_needs(reg, ckpts):
     notes: list[str] = []
-    out = reg.push_checkpoint(ckpts.ws2.step_dir(4), run="run42", step=4,
-                              metrics={"val_loss": 2.5}, notes=notes)
+    out = reg.push_checkpoint(
+        ckpts.ws2.step_dir(4), run="run42", step=4, metrics={"val_loss": 2.5}, notes=notes
+    )
     assert out["ref"] == "run42@step4" and out["state"] == "committed"
     assert out["world_size"] == 2 and "inferred" in notes[0]
     assert out["resumable"] is True and out["missing_state"] == []
@@ -32,8 +34,14 @@ def test_push_records_every_fact_a_resume_needs(reg, ckpts):
     shown = reg.show("run42@step4")
     assert shown["tensor_count"] > 40 and shown["tensor_bytes"] > 0
     assert shown["metrics"] == {"val_loss": 2.5}
-    assert set(shown["resume_state"]) == {"model", "optimizer", "lr_scheduler", "train_state",
-                                          "rng", "dataloader"}
+    assert set(shown["resume_state"]) == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "train_state",
+        "rng",
+        "dataloader",
+    }
     assert {f["rank"] for f in shown["files"]} == {None, 0, 1}
     manifest = json.loads(Path(shown["uri"].removeprefix("file://"), "MANIFEST.json").read_text())
     assert manifest["format"] == "reg.manifest/1"
@@ -41,8 +49,9 @@ def test_push_records_every_fact_a_resume_needs(reg, ckpts):
 
 
 def test_explicit_world_size_and_projects(reg, ckpts):
-    out = reg.push_checkpoint(ckpts.ws3.step_dir(3), run="r", step=3, project="team-a",
-                              world_size=3)
+    out = reg.push_checkpoint(
+        ckpts.ws3.step_dir(3), run="r", step=3, project="team-a", world_size=3
+    )
     assert out["ref"] == "team-a/r@step3" and out["world_size"] == 3
     assert reg.show("team-a/r@step3")["world_size_inferred"] is False
     with pytest.raises(UsageError, match="smaller than the 3 ranks"):

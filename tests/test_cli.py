@@ -41,16 +41,38 @@ def test_every_command_has_help_and_is_in_readme():
 
 
 def test_cli_round_trip_with_json(cli, ckpts, tmp_path, catalog_url):
-    res = cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "run42", "--step", "4",
-              "--metric", "val_loss=1.5", "--json")
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(4),
+        "--run",
+        "run42",
+        "--step",
+        "4",
+        "--metric",
+        "val_loss=1.5",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     pushed = json.loads(res.stdout)
     assert pushed["ref"] == "run42@step4" and pushed["world_size"] == 2
     assert "inferred" in res.stderr
     listed = json.loads(cli("ls", "--json").stdout)
     assert [c["ref"] for c in listed] == ["run42@step4"]
-    for key in ("ref", "project", "run", "step", "world_size", "state", "bytes", "files",
-                "resumable", "missing_state", "pinned", "created_at", "upload_seconds"):
+    for key in (
+        "ref",
+        "project",
+        "run",
+        "step",
+        "world_size",
+        "state",
+        "bytes",
+        "files",
+        "resumable",
+        "missing_state",
+        "pinned",
+        "created_at",
+        "upload_seconds",
+    ):
         assert key in listed[0]
     assert all(re.fullmatch(r"[0-9a-f]{64}", f["sha256"]) for f in listed[0]["files"])
     shown = json.loads(cli("show", "run42@latest", "--json").stdout)
@@ -100,7 +122,16 @@ def test_corrupt_store_makes_verify_and_pull_exit_1(cli, ckpts, tmp_path):
 
 
 def test_json_output_is_one_document_and_nothing_else(cli, ckpts):
-    res = cli("push-ckpt", ckpts.ws3.step_dir(3), "--run", "r", "--step", "3", "--world-size",
-              "3", "--json")
+    res = cli(
+        "push-ckpt",
+        ckpts.ws3.step_dir(3),
+        "--run",
+        "r",
+        "--step",
+        "3",
+        "--world-size",
+        "3",
+        "--json",
+    )
     json.loads(res.stdout)
     assert json.loads(cli("ls", "r", "--json").stdout)[0]["world_size"] == 3

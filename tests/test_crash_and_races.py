@@ -19,12 +19,18 @@ from tests.conftest import ROOT
 
 
 def _reg_process(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_sigkill_mid_push_leaves_nothing_visible_and_push_again_completes(
-        catalog_url, big_ckpt, tmp_path):
+    catalog_url, big_ckpt, tmp_path
+):
     src = big_ckpt.step_dir(1)
     home = Path(os.environ["REG_HOME"])
     step_dir = home / "store" / "ckpt" / "default" / "big" / "step-1"
@@ -53,8 +59,10 @@ def test_sigkill_mid_push_leaves_nothing_visible_and_push_again_completes(
 
 def test_racing_pushes_of_different_content_have_one_winner(catalog_url, ckpts, tmp_path):
     sources = {"a": ckpts.ws2.step_dir(2), "b": ckpts.ws2.step_dir(4)}
-    procs = {name: _reg_process("push-ckpt", str(src), "--run", "race", "--step", "7")
-             for name, src in sources.items()}
+    procs = {
+        name: _reg_process("push-ckpt", str(src), "--run", "race", "--step", "7")
+        for name, src in sources.items()
+    }
     results = {name: (p.wait(timeout=300), p.stderr.read()) for name, p in procs.items()}
     codes = sorted(rc for rc, _ in results.values())
     assert codes == [0, 5], results
@@ -76,8 +84,15 @@ def test_locked_sqlite_catalog_is_a_one_line_conflict(ckpts, cli):
     holder = sqlite3.connect(home / "catalog.db", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        res = cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "r", "--step", "4",
-                  env={"REG_BUSY_TIMEOUT": "1"})
+        res = cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(4),
+            "--run",
+            "r",
+            "--step",
+            "4",
+            env={"REG_BUSY_TIMEOUT": "1"},
+        )
     finally:
         holder.execute("ROLLBACK")
         holder.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -22,14 +21,21 @@ def test_inventory_matches_torch_metadata(ckpts):
     scanned = scan_directory(d)
     reference = dcp.FileSystemReader(str(d)).read_metadata()  # trusted: our own fixture
     assert set(scanned.inventory.tensors) | set(scanned.inventory.byte_items) == set(
-        reference.state_dict_metadata)
+        reference.state_dict_metadata
+    )
     weight = scanned.inventory.tensors["model.blocks.0.up.weight"]
     assert weight.shape == tuple(reference.state_dict_metadata["model.blocks.0.up.weight"].size)
     assert weight.dtype == "float32"
     assert {c.file for c in weight.chunks} == {"__0_0.distcp", "__1_0.distcp"}
     assert scanned.inferred_world_size == 2
     assert scanned.inventory.top_level_keys() == {
-        "model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader"}
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "train_state",
+        "rng",
+        "dataloader",
+    }
 
 
 def test_light_parse_without_torch_matches_torch_classes(ckpts):
@@ -47,20 +53,30 @@ def test_resume_inventory_of_full_and_weights_only_checkpoints(ckpts):
     assert full.resumable and full.missing == []
     weights_only = classify({"model"}, policy)
     assert not weights_only.resumable
-    assert weights_only.missing == ["optimizer", "lr_scheduler", "train_state", "rng",
-                                    "dataloader"]
+    assert weights_only.missing == ["optimizer", "lr_scheduler", "train_state", "rng", "dataloader"]
 
 
 def test_resume_classes_follow_prefixes_and_torchtitan_layout():
     policy = default_policy().resume
-    inv = classify({"model", "optim", "scheduler", "step", "rng_rank0", "data_loader",
-                    "grad_scaler", "extra"}, policy)
+    inv = classify(
+        {"model", "optim", "scheduler", "step", "rng_rank0", "data_loader", "grad_scaler", "extra"},
+        policy,
+    )
     assert inv.classes["optimizer"] == ["optim"]
     assert inv.classes["grad_scaler"] == ["grad_scaler"]
     assert inv.unclassified == ["extra"]
-    titan = classify({"tok_embeddings", "layers", "optimizer", "lr_scheduler", "train_state",
-                      "rng", "dataloader"},
-                     policy.model_copy(update={"model_key": ""}))
+    titan = classify(
+        {
+            "tok_embeddings",
+            "layers",
+            "optimizer",
+            "lr_scheduler",
+            "train_state",
+            "rng",
+            "dataloader",
+        },
+        policy.model_copy(update={"model_key": ""}),
+    )
     assert titan.classes["model"] == ["layers", "tok_embeddings"] and titan.resumable
 
 
@@ -101,7 +117,9 @@ def test_missing_metadata(tmp_path, ckpts):
 def test_missing_shard(tmp_path, ckpts):
     d = ckpts.ws2.copy_step(4, tmp_path / "s")
     (d / "__1_0.distcp").unlink()
-    with pytest.raises(InvalidCheckpoint, match=r"shard __1_0.distcp named in .metadata is missing"):
+    with pytest.raises(
+        InvalidCheckpoint, match=r"shard __1_0.distcp named in .metadata is missing"
+    ):
         scan_directory(d)
 
 

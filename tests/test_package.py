@@ -26,11 +26,13 @@ def test_top_level_packages_resolve_to_this_project():
 
 
 def test_help_and_ls_do_not_import_heavy_dependencies():
-    code = ("import sys, runpy; sys.argv=['reg','--help']\n"
-            "try: runpy.run_module('cli', run_name='__main__')\n"
-            "except SystemExit: pass\n"
-            "heavy = [m for m in ('torch','boto3','mlflow','sqlalchemy','alembic') "
-            "if m in sys.modules]\n"
-            "print('HEAVY=' + ','.join(heavy))")
+    code = (
+        "import sys, runpy; sys.argv=['reg','--help']\n"
+        "try: runpy.run_module('cli', run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "heavy = [m for m in ('torch','boto3','mlflow','sqlalchemy','alembic') "
+        "if m in sys.modules]\n"
+        "print('HEAVY=' + ','.join(heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "HEAVY=", out.stdout

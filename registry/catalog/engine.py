@@ -1,7 +1,8 @@
 """Open the catalog: SQLite (embedded default, WAL) or PostgreSQL; migrate on open when needed.
 
-Start-up matters (`reg ls` is run by scripts): when the schema is current, opening costs one
-`SELECT` of the alembic version and never imports alembic.
+Start-up matters (`reg ls` is run by scripts): on SQLite, opening a current catalog costs one
+`SELECT` through the standard `sqlite3` module; SQLAlchemy is imported only when a command needs
+a session, and alembic only when the schema is behind.
 
 SQLite write transactions start with `BEGIN IMMEDIATE`, so a writer waits for the lock (busy
 timeout) up front instead of failing when a read transaction later tries to upgrade.
@@ -13,15 +14,16 @@ import contextlib
 import contextvars
 import fcntl
 import os
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-
-from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlmodel import Session
+from typing import TYPE_CHECKING, Any
 
 from registry.errors import CatalogLocked, RegistryError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlmodel import Session
 
 HEAD_REVISION = "0001"
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -33,17 +35,30 @@ class Catalog:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         self.busy_timeout_s = busy_timeout_s
-        self.engine = self._create_engine()
+        self._engine: Engine | None = None
+        self.sqlite_path = url.split("///", 1)[-1] if self.is_sqlite else None
+        if self.sqlite_path and self.sqlite_path != ":memory:":
+            Path(self.sqlite_path).parent.mkdir(parents=True, exist_ok=True)
         with self._translate_errors():
             self._ensure_schema()
 
     def describe(self) -> str:
+        if self.is_sqlite:
+            return self.url
         return self.engine.url.render_as_string(hide_password=True)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = self._create_engine()
+        return self._engine
 
     # -- sessions ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def session(self, *, write: bool = False) -> Iterator[Session]:
         """A transaction: committed when the block ends, rolled back on any exception."""
+        from sqlmodel import Session
+
         token = _WRITE.set(write)
         try:
             with self._translate_errors(), Session(self.engine, expire_on_commit=False) as s:
@@ -52,52 +67,88 @@ class Catalog:
         finally:
             _WRITE.reset(token)
 
+    @contextlib.contextmanager
+    def read_connection(self) -> Iterator[Connection]:
+        """A SQLAlchemy Core connection for read-only queries."""
+        with self._translate_errors(), self.engine.connect() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def dbapi(self) -> Iterator[tuple[Any, str]]:
+        """A raw DB-API connection and its parameter mark, for read-only fast paths: on SQLite it
+        is the standard `sqlite3` module, with no SQLAlchemy import at all."""
+        with self._translate_errors():
+            if self.is_sqlite:
+                conn = self._sqlite_connect()
+                try:
+                    yield conn, "?"
+                finally:
+                    conn.close()
+            else:
+                raw = self.engine.raw_connection()
+                try:
+                    yield raw, "%s"
+                finally:
+                    raw.close()
+
     def dispose(self) -> None:
-        self.engine.dispose()
+        if self._engine is not None:
+            self._engine.dispose()
 
     @contextlib.contextmanager
     def _translate_errors(self) -> Iterator[None]:
         try:
             yield
-        except OperationalError as exc:
-            text = str(exc.orig).lower()
-            if "locked" in text or "busy" in text:
-                raise CatalogLocked(
-                    f"the catalog {self.describe()} is locked by another process "
-                    f"(waited {self.busy_timeout_s:g}s)",
-                    "retry when it is done, or raise REG_BUSY_TIMEOUT",
-                ) from exc
-            raise RegistryError(
-                f"catalog {self.describe()} is unavailable: {str(exc.orig).strip().splitlines()[0]}",
-                "check REG_CATALOG_URL and that the database is up",
-            ) from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise RegistryError(f"lost the catalog connection: {exc.orig}", "retry") from exc
+        except sqlite3.OperationalError as exc:
+            raise self._translated(exc, str(exc)) from exc
+        except Exception as exc:
+            orig = getattr(exc, "orig", None)
+            if orig is None or type(exc).__module__.split(".")[0] != "sqlalchemy":
+                raise
+            if type(exc).__name__ == "OperationalError":
+                raise self._translated(exc, str(orig)) from exc
+            if getattr(exc, "connection_invalidated", False):
+                raise RegistryError(f"lost the catalog connection: {orig}", "retry") from exc
             raise
 
-    # -- engine ------------------------------------------------------------------------------
+    def _translated(self, exc: BaseException, text: str) -> RegistryError:
+        lowered = text.lower()
+        if "locked" in lowered or "busy" in lowered:
+            return CatalogLocked(
+                f"the catalog {self.describe()} is locked by another process "
+                f"(waited {self.busy_timeout_s:g}s)",
+                "retry when it is done, or raise REG_BUSY_TIMEOUT",
+            )
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return RegistryError(
+            f"catalog {self.describe()} is unavailable: {first}",
+            "check REG_CATALOG_URL and that the database is up",
+        )
+
+    # -- connections -------------------------------------------------------------------------
+    def _sqlite_connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.sqlite_path or ":memory:",
+            timeout=self.busy_timeout_s,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+
     def _create_engine(self) -> Engine:
+        from sqlalchemy import create_engine, event
+
         if not self.is_sqlite:
             try:
                 return create_engine(self.url, pool_pre_ping=True)
             except Exception as exc:  # bad URL or missing driver
-                raise RegistryError(f"cannot open catalog {self.url!r}: {exc}",
-                                    "check REG_CATALOG_URL") from exc
-        path = self.url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(self.url, connect_args={"timeout": self.busy_timeout_s})
-        busy_ms = int(self.busy_timeout_s * 1000)
-
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn, _record):  # type: ignore[no-untyped-def]
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
-            cur = dbapi_conn.cursor()
-            cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            cur.execute("PRAGMA synchronous = FULL")
-            cur.execute("PRAGMA foreign_keys = ON")
-            cur.close()
+                raise RegistryError(
+                    f"cannot open catalog {self.url!r}: {exc}", "check REG_CATALOG_URL"
+                ) from exc
+        engine = create_engine(self.url, creator=self._sqlite_connect)
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn):  # type: ignore[no-untyped-def]
@@ -107,11 +158,25 @@ class Catalog:
 
     # -- schema ------------------------------------------------------------------------------
     def current_revision(self) -> str | None:
+        if self.is_sqlite:
+            conn = self._sqlite_connect()
+            try:
+                return conn.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None
+                raise
+            except TypeError:  # no row
+                return None
+            finally:
+                conn.close()
+        from sqlalchemy.exc import DBAPIError
+
         with self.engine.connect() as conn:
             try:
                 return conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
             except DBAPIError as exc:
-                if "alembic_version" in str(exc.orig) or "no such table" in str(exc.orig):
+                if "alembic_version" in str(exc.orig):
                     return None
                 raise
 
@@ -122,11 +187,11 @@ class Catalog:
             if self.is_sqlite:
                 # WAL is a property of the file: set once, under the lock, never while another
                 # connection may hold the file (switching modes then fails at once with BUSY).
-                raw = self.engine.raw_connection()  # outside any transaction, as WAL needs
+                conn = self._sqlite_connect()
                 try:
-                    raw.cursor().execute("PRAGMA journal_mode = WAL")
+                    conn.execute("PRAGMA journal_mode = WAL")
                 finally:
-                    raw.close()
+                    conn.close()
             if self.current_revision() != HEAD_REVISION:
                 self._upgrade()
 
@@ -134,11 +199,10 @@ class Catalog:
     def _migration_lock(self) -> Iterator[None]:
         """Only one process migrates; the others wait, then find the schema current."""
         if self.is_sqlite:
-            path = self.url.split("///", 1)[-1]
-            if not path or path == ":memory:":
+            if not self.sqlite_path or self.sqlite_path == ":memory:":
                 yield
                 return
-            fd = os.open(f"{path}.migrate.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(f"{self.sqlite_path}.migrate.lock", os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 yield

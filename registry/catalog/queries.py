@@ -14,13 +14,19 @@ from registry.timeutil import iso, now
 def get_or_create_run(session: Session, project: str, run: str) -> tuple[Project, Run]:
     proj = session.exec(select(Project).where(Project.name == project)).first()
     if proj is None:
-        proj = _insert_or_get(session, Project(name=project, created_at=now()),
-                              select(Project).where(Project.name == project))
+        proj = _insert_or_get(
+            session,
+            Project(name=project, created_at=now()),
+            select(Project).where(Project.name == project),
+        )
     assert proj.id is not None
     row = session.exec(select(Run).where(Run.project_id == proj.id, Run.name == run)).first()
     if row is None:
-        row = _insert_or_get(session, Run(project_id=proj.id, name=run, created_at=now()),
-                             select(Run).where(Run.project_id == proj.id, Run.name == run))
+        row = _insert_or_get(
+            session,
+            Run(project_id=proj.id, name=run, created_at=now()),
+            select(Run).where(Run.project_id == proj.id, Run.name == run),
+        )
     return proj, row
 
 
@@ -39,8 +45,9 @@ def find_run(session: Session, project: str, run: str) -> Run | None:
     ).first()
 
 
-def resolve_checkpoint(session: Session, ref: CheckpointRef, *, tombstones: bool = False
-                       ) -> tuple[Run, Checkpoint]:
+def resolve_checkpoint(
+    session: Session, ref: CheckpointRef, *, tombstones: bool = False
+) -> tuple[Run, Checkpoint]:
     """The committed row `ref` names (or with `tombstones`, a collected one too); NotFound says
     what exists, Collected when and why. Pending rows are never visible."""
     run = find_run(session, ref.project, ref.run)
@@ -48,7 +55,9 @@ def resolve_checkpoint(session: Session, ref: CheckpointRef, *, tombstones: bool
         runs = session.exec(
             select(Run.name).join(Project).where(Project.name == ref.project).order_by(Run.name)
         ).all()
-        hint = f"runs in project {ref.project}: {_few(runs)}" if runs else "reg ls lists what exists"
+        hint = (
+            f"runs in project {ref.project}: {_few(runs)}" if runs else "reg ls lists what exists"
+        )
         raise NotFound(f"run {ref.run_label} not found", hint)
     stmt = select(Checkpoint).where(Checkpoint.run_id == run.id)
     if ref.step is None:
@@ -65,27 +74,35 @@ def resolve_checkpoint(session: Session, ref: CheckpointRef, *, tombstones: bool
     if row is None or row.state == PENDING:
         steps = committed_steps(session, run.id)  # type: ignore[arg-type]
         if steps:
-            raise NotFound(f"{ref} not found: {ref.run_label} has steps {_few(steps)}",
-                           f"reg ls {ref.run_label}")
-        raise NotFound(f"{ref} not found: {ref.run_label} has no committed checkpoints",
-                       "reg push-ckpt registers one")
+            raise NotFound(
+                f"{ref} not found: {ref.run_label} has steps {_few(steps)}",
+                f"reg ls {ref.run_label}",
+            )
+        raise NotFound(
+            f"{ref} not found: {ref.run_label} has no committed checkpoints",
+            "reg push-ckpt registers one",
+        )
     return run, row
 
 
 def committed_steps(session: Session, run_id: int) -> list[int]:
-    return list(session.exec(
-        select(Checkpoint.step)
-        .where(Checkpoint.run_id == run_id, Checkpoint.state == COMMITTED)
-        .order_by(col(Checkpoint.step))
-    ).all())
+    return list(
+        session.exec(
+            select(Checkpoint.step)
+            .where(Checkpoint.run_id == run_id, Checkpoint.state == COMMITTED)
+            .order_by(col(Checkpoint.step))
+        ).all()
+    )
 
 
 def files_of(session: Session, checkpoint_id: int) -> list[CheckpointFile]:
-    return list(session.exec(
-        select(CheckpointFile)
-        .where(CheckpointFile.checkpoint_id == checkpoint_id)
-        .order_by(col(CheckpointFile.path))
-    ).all())
+    return list(
+        session.exec(
+            select(CheckpointFile)
+            .where(CheckpointFile.checkpoint_id == checkpoint_id)
+            .order_by(col(CheckpointFile.path))
+        ).all()
+    )
 
 
 def _few(items: list, limit: int = 8) -> str:  # type: ignore[type-arg]

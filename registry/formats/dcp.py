@@ -115,11 +115,33 @@ def _torch_metadata_class() -> type:
 
 # Stand-ins for light parsing: enough structure for the inventory, nothing that runs code.
 _DTYPE_SIZES = {
-    "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16,
-    "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float64": 8,
+    "double": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "long": 8,
+    "int32": 4,
+    "int": 4,
+    "int16": 2,
+    "short": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "complex32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 
 
@@ -164,17 +186,21 @@ def _light_size(*args: Any) -> tuple[int, ...]:
 _LIGHT: dict[tuple[str, str], Any] = {
     (_DCP_METADATA, "Metadata"): _light_class("Metadata", ("state_dict_metadata",)),
     (_DCP_METADATA, "TensorStorageMetadata"): _light_class(
-        "TensorStorageMetadata", ("properties", "size", "chunks")),
+        "TensorStorageMetadata", ("properties", "size", "chunks")
+    ),
     (_DCP_METADATA, "BytesStorageMetadata"): _light_class("BytesStorageMetadata"),
     (_DCP_METADATA, "ChunkStorageMetadata"): _light_class(
-        "ChunkStorageMetadata", ("offsets", "sizes")),
+        "ChunkStorageMetadata", ("offsets", "sizes")
+    ),
     (_DCP_METADATA, "TensorProperties"): _light_class(
-        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")),
+        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    ),
     (_DCP_METADATA, "MetadataIndex"): _light_class("MetadataIndex", ("fqn", "offset", "index")),
     (_DCP_METADATA, "StorageMeta"): _light_class("StorageMeta"),
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _light_class(
-        "_StorageInfo", ("relative_path", "offset", "length")),
+        "_StorageInfo", ("relative_path", "offset", "length")
+    ),
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): _light_size,
     ("pathlib", "PosixPath"): PurePosixPath,
@@ -221,8 +247,11 @@ class Inventory:
         return set(self.top_level.values())
 
     def summary(self) -> dict[str, Any]:
-        return {"tensors": len(self.tensors), "tensor_bytes": self.tensor_bytes,
-                "objects": len(self.byte_items)}
+        return {
+            "tensors": len(self.tensors),
+            "tensor_bytes": self.tensor_bytes,
+            "objects": len(self.byte_items),
+        }
 
 
 def dtype_name(dtype: Any) -> str:
@@ -260,10 +289,18 @@ def inventory(metadata: Any) -> Inventory:
                         f".metadata lists chunk {i} of {fqn} with no storage location",
                         "the checkpoint is incomplete",
                     )
-                chunks.append(ChunkRange(tuple(chunk.offsets), tuple(chunk.sizes), found.file,
-                                         found.offset, found.length))
-            tensors[fqn] = TensorInfo(fqn, dtype_name(meta.properties.dtype), shape,
-                                      math.prod(shape) * itemsize, chunks)
+                chunks.append(
+                    ChunkRange(
+                        tuple(chunk.offsets),
+                        tuple(chunk.sizes),
+                        found.file,
+                        found.offset,
+                        found.length,
+                    )
+                )
+            tensors[fqn] = TensorInfo(
+                fqn, dtype_name(meta.properties.dtype), shape, math.prod(shape) * itemsize, chunks
+            )
         else:
             byte_items[fqn] = list(stored.values())
     return Inventory(tensors, byte_items, top_level, files)
@@ -314,11 +351,13 @@ def scan_directory(root: Path) -> ScannedDir:
     if METADATA not in files:
         raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
     if MANIFEST in files:
-        raise InvalidCheckpoint(f"{root} contains {MANIFEST}, a name the registry reserves",
-                                "remove or rename it")
+        raise InvalidCheckpoint(
+            f"{root} contains {MANIFEST}, a name the registry reserves", "remove or rename it"
+        )
     if files[METADATA] > MAX_METADATA_BYTES:
-        raise InvalidCheckpoint(f"{root}/.metadata is {files[METADATA]} bytes; refused",
-                                "not a DCP metadata file")
+        raise InvalidCheckpoint(
+            f"{root}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
+        )
     metadata = load_metadata((root / METADATA).read_bytes(), light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
@@ -363,8 +402,9 @@ def _walk(root: Path) -> dict[str, int]:
                     f"{root}: {rel} is a symlink; refused", "copy the real files into the directory"
                 )
             if not _NAME_SEGMENT.fullmatch(name) or name in {".", ".."}:
-                raise InvalidCheckpoint(f"{root}: unsafe file name {rel!r}",
-                                        "names are letters, digits and . _ = + -")
+                raise InvalidCheckpoint(
+                    f"{root}: unsafe file name {rel!r}", "names are letters, digits and . _ = + -"
+                )
             if stat.S_ISREG(st.st_mode):
                 files[rel.replace(os.sep, "/")] = st.st_size
             elif not stat.S_ISDIR(st.st_mode):

@@ -25,12 +25,15 @@ def open_store(url: str) -> ObjectStore:
         return LocalStore(Path(path))
     if parsed.scheme not in _SCHEMES:
         raise UsageError(
-            f"unsupported store URL {url!r}", "use file:///path or s3://bucket/prefix in REG_STORE_URL"
+            f"unsupported store URL {url!r}",
+            "use file:///path or s3://bucket/prefix in REG_STORE_URL",
         )
     module_name, class_name, install = _SCHEMES[parsed.scheme]
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UsageError(f"the {parsed.scheme} store needs a missing package: {exc}", install) from exc
+        raise UsageError(
+            f"the {parsed.scheme} store needs a missing package: {exc}", install
+        ) from exc
     store: ObjectStore = getattr(module, class_name).from_url(url)
     return store

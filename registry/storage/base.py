@@ -82,7 +82,9 @@ def check_key(key: str) -> str:
     """Refuse keys that could escape the store root or alias another key."""
     parts = key.split("/")
     if not key or key.startswith("/") or any(not _SEGMENT.fullmatch(p) for p in parts):
-        raise UsageError(f"invalid object key {key!r}", "keys are relative, no empty or odd segments")
+        raise UsageError(
+            f"invalid object key {key!r}", "keys are relative, no empty or odd segments"
+        )
     if any(p in {".", ".."} or p.startswith("..") for p in parts):
         raise UsageError(f"invalid object key {key!r}", "keys never contain '.' or '..' segments")
     return key
@@ -90,7 +92,9 @@ def check_key(key: str) -> str:
 
 def check_deletable(key: str) -> None:
     if key.startswith("release/"):
-        raise Conflict(f"refusing to delete {key}", "release objects are immutable and never deleted")
+        raise Conflict(
+            f"refusing to delete {key}", "release objects are immutable and never deleted"
+        )
 
 
 def hash_stream(stream: BinaryIO, progress: Progress = None) -> tuple[int, str]:

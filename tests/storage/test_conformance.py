@@ -110,8 +110,9 @@ def test_delete_frees_bytes_and_refuses_release_objects(store):
     assert store.get_bytes("release/m/v1/model.safetensors") == b"w"
 
 
-@pytest.mark.parametrize("key", ["../x", "a/../../b", "/abs", "a//b", "a/./b", "", "a/b/", "a\\b",
-                                 "ckpt/..hidden"])
+@pytest.mark.parametrize(
+    "key", ["../x", "a/../../b", "/abs", "a//b", "a/./b", "", "a/b/", "a\\b", "ckpt/..hidden"]
+)
 def test_keys_cannot_escape(store, key):
     with pytest.raises(UsageError):
         store.put_bytes(key, b"x")

@@ -8,7 +8,6 @@ import sqlalchemy as sa
 import sqlmodel
 from alembic import op
 
-
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -365,7 +364,8 @@ def _create_guards() -> None:
             "BEGIN SELECT RAISE(ABORT, 'release content is immutable'); END"
         )
         op.execute(
-            "CREATE TRIGGER release_no_delete BEFORE DELETE ON release WHEN OLD.status <> 'pending' "
+            "CREATE TRIGGER release_no_delete BEFORE DELETE ON release "
+            "WHEN OLD.status <> 'pending' "
             "BEGIN SELECT RAISE(ABORT, 'releases are never deleted'); END"
         )
         return

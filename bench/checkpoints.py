@@ -1,0 +1,187 @@
+"""Push and pull of a >= 1 GiB checkpoint against `cp -r` + `sync`; start-up against the floor.
+
+    python -m bench.checkpoints [--gib 1.2] [--repeat 3]
+
+Ratios are baseline time / reg time: 1.0x is as fast as the baseline, higher is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import PY, REG, ROOT, dir_bytes, env, evict, median_of, report, rm, run
+
+
+def make_checkpoint(out: Path, gib: float) -> Path:
+    if not (out / ".metadata").exists():
+        subprocess.run(
+            [
+                PY,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "bench.make_checkpoint",
+                "--out",
+                str(out),
+                "--gib",
+                str(gib),
+            ],
+            cwd=ROOT,
+            env=env(out.parent),
+            check=True,
+            capture_output=True,
+        )
+    return out
+
+
+def bench_push_pull(work: Path, src: Path, repeat: int) -> list[str]:
+    size = dir_bytes(src)
+    home = work / "home"
+    rm(home)
+    e = env(home)
+    run([*REG, "ls"], e)  # an initialized registry, as in real use
+    lines = [
+        f"checkpoint: {size / 2**30:.2f} GiB, 2 ranks, random data; source evicted from "
+        "the page cache before each run (median of {repeat})".replace("{repeat}", str(repeat))
+    ]
+    print(lines[0], flush=True)
+
+    def cp(i: int) -> float:
+        dst = work / f"cp-{i}"
+        evict(src)
+        t = run(["bash", "-c", f"cp -r {src} {dst} && sync"])
+        rm(dst)
+        subprocess.run(["sync"], check=True)
+        return t
+
+    uploads: list[float] = []
+
+    def push(i: int) -> float:
+        evict(src)
+        start = time.perf_counter()
+        out = subprocess.run(
+            [*REG, "push-ckpt", str(src), "--run", "bench", "--step", str(i), "--json"],
+            env=e,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        elapsed = time.perf_counter() - start
+        uploads.append(json.loads(out.stdout)["upload_seconds"])
+        return elapsed
+
+    # Interleaved, and each copy deleted after its run: this VM's disk slows down as written
+    # data piles up, and both sides must see the same conditions.
+    cp_times, push_times = [], []
+    for i in range(repeat):
+        cp_times.append(cp(i))
+        push_times.append(push(i))
+        if i > 0:
+            rm(home / "store" / "ckpt" / "default" / "bench" / f"step-{i}")
+    cp_t, push_t = statistics.median(cp_times), statistics.median(push_times)
+    upload_t = statistics.median(uploads)
+    lines.append(report("push-ckpt, CLI end to end", push_t, cp_t, "cp -r+sync"))
+    lines.append(report("push-ckpt, data path (upload_seconds)", upload_t, cp_t, "cp -r+sync"))
+    stored = home / "store" / "ckpt" / "default" / "bench" / "step-0"
+
+    def cp_back(i: int) -> float:
+        dst = work / f"cpb-{i}"
+        evict(stored)
+        t = run(["bash", "-c", f"cp -r {stored} {dst} && sync"])
+        rm(dst)
+        subprocess.run(["sync"], check=True)
+        return t
+
+    def pull(i: int) -> float:
+        dst = work / f"pull-{i}"
+        evict(stored)
+        t = run([*REG, "pull", "bench@step0", str(dst), "--json"], e)
+        rm(dst)
+        subprocess.run(["sync"], check=True)
+        return t
+
+    pairs = [(cp_back(i), pull(i)) for i in range(repeat)]
+    cpb_t = statistics.median(p[0] for p in pairs)
+    pull_t = statistics.median(p[1] for p in pairs)
+    lines.append(report("pull (sha256 verified while writing)", pull_t, cpb_t, "cp -r+sync"))
+    rm(home)
+    return lines
+
+
+def populate(home: Path, n: int) -> None:
+    """n committed checkpoints (3 files each) straight into the catalog."""
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import Checkpoint, CheckpointFile
+    from registry.catalog.queries import get_or_create_run
+
+    cat = Catalog(f"sqlite:///{home / 'catalog.db'}")
+    now = time.time()
+    with cat.session(write=True) as s:
+        for r in range(n // 100):
+            _, run_row = get_or_create_run(s, "default", f"run{r:03d}")
+            for k in range(100):
+                ck = Checkpoint(
+                    run_id=run_row.id,
+                    step=k * 100,
+                    state="committed",
+                    world_size=8,
+                    bytes=3 * 10**9,
+                    file_count=3,
+                    resumable=True,
+                    created_at=now,
+                    committed_at=now,
+                    pushed_by="bench",
+                )
+                s.add(ck)
+                s.flush()
+                for f in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+                    s.add(CheckpointFile(checkpoint_id=ck.id, path=f, size=10**9, sha256="ab" * 32))
+    cat.dispose()
+
+
+def bench_startup(work: Path, repeat: int) -> list[str]:
+    home = work / "startup-home"
+    rm(home)
+    home.mkdir(parents=True)
+    populate(home, 10_000)
+    e = env(home)
+    floor = median_of(repeat, lambda _: run([PY, "-c", "import sqlmodel, typer"], e))
+    ls = median_of(repeat, lambda _: run([*REG, "ls", "--json"], e))
+    out = subprocess.run([*REG, "ls", "--json"], env=e, capture_output=True, text=True, cwd=ROOT)
+    assert len(json.loads(out.stdout)) == 10_000
+    bare = median_of(repeat, lambda _: run([PY, "-c", "pass"], e))
+    help_t = median_of(repeat, lambda _: run([*REG, "--help"], e))
+    lines = [
+        report("reg ls --json, 10,000 checkpoints", ls, floor, "import sqlmodel,typer"),
+        f"{'reg --help':<44} {help_t:.3f}s (python -c pass: {bare:.3f}s; target < 0.3s)",
+    ]
+    print(lines[-1])
+    rm(home)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=1.2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
+    src = make_checkpoint(work / "src", args.gib)
+    bench_push_pull(work, src, args.repeat)
+    bench_startup(work, max(5, args.repeat))
+    if args.work is None:
+        rm(work)
+
+
+if __name__ == "__main__":
+    main()
