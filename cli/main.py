@@ -12,6 +12,7 @@ import warnings
 import typer
 
 from cli import checkpoints as checkpoint_commands
+from cli import releases as release_commands
 
 app = typer.Typer(
     name="reg",
@@ -22,6 +23,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 checkpoint_commands.register(app)
+release_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

@@ -270,6 +270,54 @@ class Registry:
 
         return checkpoints.set_pin(self, _ckpt(ref), False)
 
+    # -- validation, promotion, releases ------------------------------------------------------
+    def validate(self, ref: str | CheckpointRef, *, device: str = "auto", world_size: int = 1,
+                 model_factory: str | None = None,
+                 progress: Progress | None = None) -> dict[str, Any]:
+        from registry import validation
+
+        return validation.validate(self, _ckpt(ref), device=device, world_size=world_size,
+                                   model_factory=model_factory, progress=progress)
+
+    def promote(self, ref: str | CheckpointRef, *, model: str, alias: str | None = None,
+                dtype: str | None = None, max_shard_size: str = "5GB",
+                extras: list[str | Path] | None = None, model_factory: str | None = None,
+                progress: Progress | None = None) -> dict[str, Any]:
+        from registry import promotion
+
+        return promotion.promote(self, _ckpt(ref), model=model, alias=alias, dtype=dtype,
+                                 max_shard_size=max_shard_size,
+                                 extras=[Path(p) for p in extras or []],
+                                 model_factory=model_factory, progress=progress)
+
+    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
+        from registry import releases
+
+        return releases.list_releases(self, model)
+
+    def pull_release(self, ref: str | ReleaseRef, dest: str | Path, *,
+                     progress: Progress | None = None) -> dict[str, Any]:
+        from registry import releases
+
+        return releases.pull(self, _release(ref), Path(dest), progress=progress)
+
+    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
+        from registry import releases
+
+        return releases.set_alias(self, model, alias, version)
+
+    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
+        from registry import releases
+        from registry.catalog.models import DEPRECATED
+
+        return releases.set_status(self, _release(ref), DEPRECATED)
+
+    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
+        from registry import releases
+        from registry.catalog.models import YANKED
+
+        return releases.set_status(self, _release(ref), YANKED, reason)
+
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
     ) -> list[dict[str, Any]]:
@@ -278,6 +326,12 @@ class Registry:
         self.authorize("audit", target="audit log")
         with self.catalog.session() as s:
             return audit.query(s, since=since, actor=actor, action=action)
+
+
+def _release(ref: str | ReleaseRef) -> ReleaseRef:
+    from registry.refs import parse_release_ref
+
+    return parse_release_ref(ref) if isinstance(ref, str) else ref
 
 
 def _ckpt(ref: str | CheckpointRef) -> CheckpointRef:

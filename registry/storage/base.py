@@ -8,15 +8,18 @@ claim, delete and retry). Keys are `/`-separated relative paths; `release/` keys
 from __future__ import annotations
 
 import hashlib
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from registry.errors import Conflict, UsageError
 
 Progress = Callable[[int], None] | None
+Producer = Callable[[Callable[[Any], None]], None]
 CHUNK = 8 * 1024 * 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 
@@ -46,6 +49,10 @@ class ObjectStore(Protocol):
         ...
 
     def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult: ...
+
+    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
+        """Write what `produce(write)` writes, hashing it; put-if-absent like `put_file`."""
+        ...
 
     def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
         """Write the object to `dest` (created, fsynced), returning its size and sha256."""
@@ -108,3 +115,41 @@ def hash_stream(stream: BinaryIO, progress: Progress = None) -> tuple[int, str]:
         if progress:
             progress(n)
     return size, digest.hexdigest()
+
+
+class HashingSink:
+    """Hashes and writes buffers on a background thread while the producer prepares the next
+    one (two in flight at most, so memory stays bounded). `close()` returns (size, sha256)."""
+
+    def __init__(self, write: Callable[[memoryview], None]) -> None:
+        self._write = write
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="reg-sink", daemon=True)
+        self._thread.start()
+
+    def write(self, data: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(data)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain after a failure
+            try:
+                view = memoryview(data).cast("B")
+                self._digest.update(view)
+                self._write(view)
+                self._size += len(view)
+            except BaseException as exc:
+                self._error = exc
+
+    def close(self) -> tuple[int, str]:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._size, self._digest.hexdigest()

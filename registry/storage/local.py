@@ -22,7 +22,9 @@ from typing import BinaryIO
 from registry.errors import IntegrityError, NotFound, ObjectExists, RegistryError
 from registry.storage.base import (
     CHUNK,
+    HashingSink,
     ObjectInfo,
+    Producer,
     Progress,
     PutResult,
     check_deletable,
@@ -57,6 +59,9 @@ class LocalStore:
         import io
 
         return self._put(key, lambda temp: _copy_hashing(io.BytesIO(data), temp, None), immutable)
+
+    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
+        return self._put(key, lambda temp: _write_produced(temp, produce), immutable)
 
     def _put(
         self, key: str, write: Callable[[Path], tuple[int, str]], immutable: bool
@@ -160,6 +165,26 @@ class LocalStore:
             return 0
         _prune_empty_dirs(path.parent, self.root)
         return size
+
+
+def _write_produced(dest: Path, produce: Producer) -> tuple[int, str]:
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+
+        def write_all(view: memoryview) -> None:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+
+        sink = HashingSink(write_all)
+        try:
+            produce(sink.write)
+        finally:
+            size, digest = sink.close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, digest
 
 
 def _copy_path_hashing(src: Path, dest: Path, progress: Progress) -> tuple[int, str]:

@@ -1,0 +1,141 @@
+"""Validation, promotion and release commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from cli.common import JSON_OPTION, open_registry
+from cli.render import emit_json, progress_for, table
+
+alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)
+    app.command("promote")(promote)
+    app.command("releases")(releases)
+    app.command("pull-release")(pull_release)
+    app.add_typer(alias_app, name="alias")
+    alias_app.command("set")(alias_set)
+    app.command("deprecate")(deprecate)
+    app.command("yank")(yank)
+
+
+def validate(
+    ref: str = typer.Argument(..., help="RUN@stepN or RUN@latest."),
+    device: str = typer.Option("auto", "--device", help="cuda, cpu or auto."),
+    world_size: int = typer.Option(1, "--world-size", help="Reshard onto this many ranks."),
+    model_factory: str | None = typer.Option(
+        None, "--model-factory", help="module:function building the model (strict load + probe)."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Prove a checkpoint restores: integrity, load, reshard, finite, resume state, probe."""
+    with open_registry() as reg:
+        out = reg.validate(ref, device=device, world_size=world_size,
+                           model_factory=model_factory, progress=progress_for(json_output))
+    if json_output:
+        emit_json(out)
+    else:
+        for c in out["checks"]:
+            print(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']:<13} {c['detail']}")
+        verdict = "passed" if out["passed"] else "FAILED"
+        print(f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
+              f"({out['device_name']}), restore {out['seconds']:.2f}s at world size "
+              f"{out['world_size']}")
+    if not out["passed"]:
+        from registry.errors import ValidationFailed
+
+        failed = next(c for c in out["checks"] if not c["passed"])
+        raise ValidationFailed(f"{out['ref']} failed validation: {failed['name']}: "
+                               f"{failed['detail']}")
+
+
+def promote(
+    ref: str = typer.Argument(..., help="RUN@stepN or RUN@latest."),
+    model: str = typer.Option(..., "--model", help="Model name of the release."),
+    alias: str | None = typer.Option(None, "--alias", help="Point this alias at the release."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (floats only)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                       help="Split into HF-style shards above this size."),
+    extra: list[Path] = typer.Option([], "--extra", help="Add a file (config.json, tokenizer)."),
+    model_factory: str | None = typer.Option(
+        None, "--model-factory", help="module:function for validation (tied weights, probe)."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Turn a validated checkpoint into an immutable safetensors release."""
+    with open_registry() as reg:
+        out = reg.promote(ref, model=model, alias=alias, dtype=dtype,
+                          max_shard_size=max_shard_size, extras=list(extra),
+                          model_factory=model_factory, progress=progress_for(json_output))
+    if json_output:
+        emit_json(out)
+        return
+    verb = "already released as" if out["existing"] else "promoted to"
+    aliases = f" ({', '.join('@' + a for a in out['aliases'])})" if out["aliases"] else ""
+    print(f"{out['source']} {verb} {out['release']}{aliases}: {len(out['files'])} files, "
+          f"sha256 {out['sha256']}")
+    print(f"  {out.get('uri', '')}")
+
+
+def releases(
+    name: str | None = typer.Argument(None, help="Only this model."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """List releases with their status, aliases and source."""
+    with open_registry() as reg:
+        rows = reg.releases(name)
+    if json_output:
+        emit_json(rows)
+        return
+    table(["RELEASE", "STATUS", "ALIASES", "SOURCE", "VALIDATED ON", "SHA256"],
+          [[r["release"], r["status"], ",".join(r["aliases"]), r["source"],
+            (r["validation"] or {}).get("device", ""), (r["sha256"] or "")[:16]] for r in rows])
+
+
+def pull_release(
+    ref: str = typer.Argument(..., help="MODEL:vK or MODEL@ALIAS."),
+    dest: Path = typer.Argument(..., help="A new or empty directory."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Copy a release out, verifying every file."""
+    with open_registry() as reg:
+        out = reg.pull_release(ref, dest, progress=progress_for(json_output))
+    emit_json(out) if json_output else print(
+        f"pulled {out['release']} into {out['dest']} ({len(out['files'])} files verified)")
+
+
+def alias_set(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Argument(..., help="Alias, e.g. prod."),
+    version: str = typer.Argument(..., help="Version, e.g. v3."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Point ALIAS of model NAME at version vK (recorded in the alias history)."""
+    with open_registry() as reg:
+        out = reg.set_alias(name, alias, version)
+    emit_json(out) if json_output else print(
+        f"{name}@{alias} -> {out['release']}" + (f" (was {out['previous']})"
+                                                 if out["previous"] else ""))
+
+
+def deprecate(ref: str = typer.Argument(..., help="MODEL:vK."), json_output: bool = JSON_OPTION
+              ) -> None:
+    """Mark a release deprecated (still pullable; bytes never change)."""
+    with open_registry() as reg:
+        out = reg.deprecate(ref)
+    emit_json(out) if json_output else print(f"{out['release']} is deprecated")
+
+
+def yank(
+    ref: str = typer.Argument(..., help="MODEL:vK."),
+    reason: str = typer.Option(..., "--reason", help="Why (recorded and shown)."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Yank a release (admin): it can no longer be pulled or aliased; bytes stay."""
+    with open_registry() as reg:
+        out = reg.yank(ref, reason)
+    emit_json(out) if json_output else print(f"{out['release']} is yanked: {reason}")

@@ -1,0 +1,160 @@
+"""DCP -> safetensors, streaming with bounded memory.
+
+Each model tensor is assembled from its chunks (ranged reads of the shard files, each chunk one
+`torch.load(weights_only=True)`), optionally cast, and appended to the output while a background
+thread hashes and writes the previous one: peak memory is about the largest tensor times three,
+not the model. Headers are computed from the metadata before any tensor is read.
+
+Tied weights (names that share one storage in the model, as the model factory reveals) are
+written the way Hugging Face does: once, under the first name; the other names are recorded in
+`__metadata__` and release.json so a loader re-ties them. A tie is applied only when the
+checkpoint's copies are bit-identical; otherwise both are written and the break is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import UsageError
+from registry.formats.dcp import Inventory
+from registry.formats.safetensors_stream import (
+    DTYPES,
+    Entry,
+    header_bytes,
+    plan_shards,
+    shard_names,
+)
+
+if TYPE_CHECKING:
+    from registry.progress import Progress
+    from registry.storage.base import ObjectStore
+
+CAST = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FLOATING = {"float64", "float32", "float16", "bfloat16"}
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Consolidated:
+    files: list[dict[str, Any]] = field(default_factory=list)  # path, size, sha256
+    tensor_count: int = 0
+    tensor_bytes: int = 0
+    tied: dict[str, str] = field(default_factory=dict)  # dropped alias -> kept name
+    broken_ties: list[list[str]] = field(default_factory=list)
+
+
+def target_dtype(source: str, cast: str | None) -> str:
+    if cast is None or source not in FLOATING:
+        return source
+    if cast not in CAST:
+        raise UsageError(f"unknown --dtype {cast!r}", "use bf16, fp16 or fp32")
+    return CAST[cast]
+
+
+def consolidate(
+    store: ObjectStore,
+    src_prefix: str,
+    inv: Inventory,
+    names: dict[str, str],
+    dest_prefix: str,
+    *,
+    cast: str | None,
+    max_shard_bytes: int,
+    metadata: dict[str, str],
+    tie_groups: list[list[str]],
+    progress: Progress | None = None,
+) -> Consolidated:
+    """Write the tensors `names` (release name -> checkpoint FQN) under `dest_prefix`."""
+    import torch
+
+    from registry.formats.dcp_load import read_tensor
+
+    result = Consolidated()
+    dropped = _resolve_ties(store, src_prefix, inv, names, tie_groups, result)
+    entries = []
+    for name in sorted(names):
+        if name in dropped:
+            continue
+        info = inv.tensors[names[name]]
+        dtype = target_dtype(info.dtype, cast)
+        if dtype not in DTYPES:
+            raise UsageError(f"{name} has dtype {info.dtype}, which safetensors cannot hold")
+        entries.append(Entry(name, dtype, info.shape))
+    if result.tied:
+        metadata = {**metadata, "reg.tied": json.dumps(result.tied, sort_keys=True)}
+    shards = plan_shards(entries, max_shard_bytes)
+    files = shard_names(len(shards))
+    if progress:
+        progress.start(f"consolidate {len(entries)} tensors",
+                       sum(e.nbytes for e in entries))
+
+    for path, shard in zip(files, shards, strict=True):
+
+        def produce(write: Any, shard: list[Entry] = shard) -> None:
+            write(header_bytes(shard, metadata))
+            for entry in shard:
+                info = inv.tensors[names[entry.name]]
+                tensor = read_tensor(store, src_prefix, info)
+                if entry.dtype != info.dtype:
+                    tensor = tensor.to(getattr(torch, entry.dtype))
+                write(tensor.reshape(-1).view(torch.uint8).numpy())
+                if progress:
+                    progress.advance(entry.nbytes)
+
+        result.files.append(_put_once(store, dest_prefix + path, path,
+                                      lambda key, p=produce: store.put_stream(key, p,
+                                                                              immutable=True)))
+    if len(files) > 1:
+        weight_map = {e.name: path for path, shard in zip(files, shards, strict=True)
+                      for e in shard}
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries), **metadata},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        data = json.dumps(index, indent=2, sort_keys=True).encode()
+        result.files.append(_put_once(store, dest_prefix + INDEX, INDEX,
+                                      lambda key: store.put_bytes(key, data, immutable=True)))
+    if progress:
+        progress.finish()
+    result.tensor_count = len(entries)
+    result.tensor_bytes = sum(e.nbytes for e in entries)
+    return result
+
+
+def _put_once(store: ObjectStore, key: str, path: str, put: Any) -> dict[str, Any]:
+    """Write `key` unless a killed attempt of this same promotion already completed it: objects
+    appear whole or not at all, and the inputs are the same, so a present one is ours."""
+    from registry.errors import ObjectExists
+
+    if store.head(key) is None:
+        try:
+            done = put(key)
+            return {"path": path, "size": done.size, "sha256": done.sha256}
+        except ObjectExists:
+            pass
+    head = store.head(key)
+    return {"path": path, "size": head.size if head else 0, "sha256": store.sha256(key)}
+
+
+def _resolve_ties(store: ObjectStore, prefix: str, inv: Inventory, names: dict[str, str],
+                  groups: list[list[str]], result: Consolidated) -> set[str]:
+    import torch
+
+    from registry.formats.dcp_load import read_tensor
+
+    dropped: set[str] = set()
+    for group in groups:
+        present = [n for n in group if n in names]
+        if len(present) < 2:
+            continue
+        keep, *aliases = present
+        kept = read_tensor(store, prefix, inv.tensors[names[keep]])
+        for alias in aliases:
+            other = read_tensor(store, prefix, inv.tensors[names[alias]])
+            if other.shape == kept.shape and other.dtype == kept.dtype and torch.equal(
+                    other.reshape(-1).view(torch.uint8), kept.reshape(-1).view(torch.uint8)):
+                result.tied[alias] = keep
+                dropped.add(alias)
+            else:
+                result.broken_ties.append([keep, alias])
+    return dropped
