@@ -44,6 +44,33 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
 
 
 @pytest.fixture(scope="session")
+def bad_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
+    """A checkpoint whose last step has a NaN weight, and a weights-only one (ws=2)."""
+    base = tmp_path_factory.mktemp("bad")
+    return {
+        "nan": train(base / "nan", nproc=2, steps=2, every=2, extra=("--poison", "nan")),
+        "weights_only": train(base / "wo", nproc=2, steps=2, every=2, extra=("--weights-only",)),
+    }
+
+
+@pytest.fixture
+def cpu_policy(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Promotion after a CPU validation (laptops, CI); the shipped default requires CUDA."""
+    path = ROOT / "examples" / "cpu-policy.toml"
+    monkeypatch.setenv("REG_POLICY", str(path))
+    return path
+
+
+@pytest.fixture
+def reg_lite(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A registry on the embedded defaults only (for tests whose catalog is not the point)."""
+    from registry import Registry
+
+    with Registry() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """A ~200 MB ws=2 checkpoint (model + AdamW), big enough to kill a push midway."""
     return train(

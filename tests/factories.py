@@ -1,0 +1,11 @@
+"""Model factories for validation tests: one that matches nothing, one that does not import."""
+
+from torch import nn
+
+
+def wrong_names() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64))
+
+
+def broken() -> nn.Module:
+    raise RuntimeError("factory exploded")

@@ -1,0 +1,321 @@
+"""Promotion end to end: gates, bit-exact releases, immutability, idempotency, races, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from registry import Registry
+from registry.errors import (
+    Conflict,
+    GateNotMet,
+    IntegrityError,
+    MalformedRef,
+    NotFound,
+    UsageError,
+    ValidationFailed,
+)
+from tests.conftest import ROOT
+from tests.helpers import flip_byte
+
+FACTORY = "examples.tiny_model:build_model"
+
+
+def _push(reg, trained, step, run="r"):
+    return reg.push_checkpoint(
+        trained.step_dir(step), run=run, step=step, metrics={"probe_loss": trained.probe_loss(step)}
+    )
+
+
+def _release_dir(out) -> Path:
+    return Path(out["uri"].removeprefix("file://"))
+
+
+@pytest.mark.parametrize("which", ["ws2", "ws3"])
+def test_release_is_bit_exact_with_the_trained_weights(cpu_policy, reg, ckpts, which):
+    trained = getattr(ckpts, which)
+    step = trained.steps[-1]
+    _push(reg, trained, step)
+    out = reg.promote(f"r@step{step}", model="tiny", alias="prod")
+    assert out["release"] == "tiny:v1" and out["aliases"] == ["prod"] and not out["existing"]
+    weights = load_file(_release_dir(out) / "model.safetensors")
+    full = trained.full_weights(step)
+    assert set(weights) == set(full)
+    for name, tensor in full.items():
+        assert weights[name].dtype == tensor.dtype
+        assert torch.equal(weights[name].view(torch.uint8), tensor.contiguous().view(torch.uint8))
+    with safe_open(_release_dir(out) / "model.safetensors", "pt") as f:
+        meta = f.metadata()
+    assert meta["reg.source"] == f"r@step{step}" and meta["reg.release"] == "tiny:v1"
+    assert meta["reg.manifest_sha256"] == reg.show(f"r@step{step}")["manifest_sha256"]
+    document = json.loads((_release_dir(out) / "release.json").read_text())
+    assert document["format"] == "reg.release/1"
+    assert document["files"] == out["files"]
+
+
+def test_dtype_ties_extras_and_shards(cpu_policy, reg_lite, ckpts, tmp_path):
+    _push(reg_lite, ckpts.ws2, 4)
+    config = tmp_path / "config.json"
+    config.write_text('{"dim": 64}')
+    out = reg_lite.promote(
+        "r@step4",
+        model="tiny",
+        dtype="bf16",
+        model_factory=FACTORY,
+        max_shard_size="100KB",
+        extras=[config],
+    )
+    names = [f["path"] for f in out["files"]]
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((_release_dir(out) / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for shard in set(index["weight_map"].values()):
+        loaded |= load_file(_release_dir(out) / shard)
+    assert set(loaded) == set(index["weight_map"])
+    full = ckpts.ws2.full_weights(4)
+    # Tied as HF does: lm_head.weight is written once, as embed.weight, and recorded.
+    assert out["tied"] == [["lm_head.weight", "embed.weight"]]
+    assert "lm_head.weight" not in loaded and set(loaded) == set(full) - {"lm_head.weight"}
+    for name, tensor in loaded.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, full[name].to(torch.bfloat16))
+
+
+def test_promote_again_returns_the_existing_release(cpu_policy, reg_lite, ckpts):
+    _push(reg_lite, ckpts.ws2, 2)
+    _push(reg_lite, ckpts.ws2, 4)
+    first = reg_lite.promote("r@step4", model="tiny")
+    again = reg_lite.promote("r@step4", model="tiny", alias="prod")
+    assert again["existing"] and again["release"] == "tiny:v1" and again["aliases"] == ["prod"]
+    assert again["sha256"] == first["sha256"]
+    assert reg_lite.promote("r@step4", model="tiny", dtype="bf16")["release"] == "tiny:v2"
+    assert reg_lite.promote("r@step2", model="tiny")["release"] == "tiny:v3"
+    assert [r["release"] for r in reg_lite.releases("tiny")] == ["tiny:v1", "tiny:v2", "tiny:v3"]
+
+
+def test_default_policy_requires_cuda(reg_lite, ckpts, cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _push(reg_lite, ckpts.ws2, 4)
+    with pytest.raises(GateNotMet, match=r'require_device = "cuda"') as info:
+        reg_lite.promote("r@step4", model="tiny")
+    assert "reg validate REF --device cuda" in str(info.value)
+    res = cli("promote", "r@step4", "--model", "tiny")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1 and "require_device" in res.stderr
+    assert reg_lite.releases() == []
+    # A passing CUDA validation recorded on a GPU node satisfies the gate from anywhere.
+    from registry.catalog.models import Validation
+
+    with reg_lite.catalog.session(write=True) as s:
+        s.add(
+            Validation(
+                checkpoint_id=1,
+                passed=True,
+                device="cuda",
+                device_name="NVIDIA H200",
+                torch_version="2.13.0",
+                world_size=1,
+                seconds=1.0,
+                created_at=time.time(),
+                created_by="gpu-node",
+            )
+        )
+    out = reg_lite.promote("r@step4", model="tiny")
+    assert out["validation"]["device"] == "cuda"
+
+
+def test_nan_checkpoint_is_refused_and_consumes_no_version(cpu_policy, reg_lite, ckpts, bad_ckpts):
+    _push(reg_lite, bad_ckpts["nan"], 2, run="nan")
+    with pytest.raises(ValidationFailed, match="model.blocks.0.up.bias"):
+        reg_lite.promote("nan@step2", model="tiny")
+    assert reg_lite.releases() == []
+    _push(reg_lite, ckpts.ws2, 4)
+    assert reg_lite.promote("r@step4", model="tiny")["release"] == "tiny:v1"
+
+
+def test_weights_only_checkpoint_is_refused(cpu_policy, reg_lite, bad_ckpts):
+    _push(reg_lite, bad_ckpts["weights_only"], 2)
+    with pytest.raises(GateNotMet, match="not resumable .*require_resumable"):
+        reg_lite.promote("r@step2", model="tiny")
+
+
+def test_corrupt_shard_is_refused(cpu_policy, reg_lite, ckpts):
+    _push(reg_lite, ckpts.ws2, 4)
+    flip_byte(Path(reg_lite.show("r@step4")["uri"].removeprefix("file://")) / "__1_0.distcp")
+    with pytest.raises(ValidationFailed, match="integrity"):
+        reg_lite.promote("r@step4", model="tiny")
+
+
+def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
+    _push(reg, ckpts.ws2, 4)
+    out = reg.promote("r@step4", model="tiny")
+    path = _release_dir(out) / "model.safetensors"
+    assert not os.stat(path).st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    with pytest.raises(Conflict, match="immutable"):
+        reg.store.delete("release/tiny/v1/model.safetensors")
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    for statement in (
+        "UPDATE release SET sha256 = 'x'",
+        "DELETE FROM release",
+        "UPDATE release_file SET sha256 = 'x'",
+        "DELETE FROM release_file",
+    ):
+        with pytest.raises(DBAPIError, match="immutable|append-only|never deleted"):
+            with reg.catalog.engine.begin() as conn:
+                conn.execute(text(statement))
+    assert reg.verify("tiny:v1")["ok"]
+
+
+def test_tampered_release_fails_verify_and_pull(cpu_policy, reg_lite, ckpts, tmp_path, cli):
+    _push(reg_lite, ckpts.ws2, 4)
+    out = reg_lite.promote("r@step4", model="tiny", alias="prod")
+    flip_byte(_release_dir(out) / "model.safetensors")
+    report = reg_lite.verify("tiny:v1")
+    assert not report["ok"] and report["problems"][0]["path"] == "model.safetensors"
+    with pytest.raises(IntegrityError, match="corrupt"):
+        reg_lite.pull_release("tiny@prod", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    assert cli("verify", "tiny:v1").returncode == 1
+
+
+def test_aliases_status_and_history(cpu_policy, reg_lite, ckpts, tmp_path):
+    _push(reg_lite, ckpts.ws2, 2)
+    _push(reg_lite, ckpts.ws2, 4)
+    reg_lite.promote("r@step2", model="tiny", alias="prod")
+    reg_lite.promote("r@step4", model="tiny")
+    moved = reg_lite.set_alias("tiny", "prod", "v2")
+    assert moved["previous"] == "v1" and reg_lite.show("tiny@prod")["version"] == 2
+    history = reg_lite.show("tiny:v2")["alias_history"]
+    assert [(h["alias"], h["from"], h["to"]) for h in history] == [("prod", "v1", "v2")]
+    assert reg_lite.deprecate("tiny:v1")["status"] == "deprecated"
+    with pytest.raises(UsageError, match="needs a reason"):
+        reg_lite.yank("tiny:v1", "")
+    assert reg_lite.yank("tiny:v1", "leaked eval data")["status"] == "yanked"
+    with pytest.raises(Conflict, match="yanked"):
+        reg_lite.set_alias("tiny", "canary", "v1")
+    with pytest.raises(Conflict, match="leaked eval data"):
+        reg_lite.pull_release("tiny:v1", tmp_path / "y")
+    reg_lite.pull_release("tiny@prod", tmp_path / "p")
+    assert (tmp_path / "p" / "model.safetensors").exists()
+    actions = [e["action"] for e in reg_lite.audit_log()]
+    assert actions.count("alias") == 2 and "yank" in actions and "deprecate" in actions
+
+
+def test_unknown_models_versions_and_aliases(cpu_policy, reg_lite, ckpts):
+    with pytest.raises(NotFound, match="model nope not found"):
+        reg_lite.show("nope:v1")
+    _push(reg_lite, ckpts.ws2, 4)
+    reg_lite.promote("r@step4", model="tiny", alias="prod")
+    with pytest.raises(NotFound, match="tiny has versions v1"):
+        reg_lite.show("tiny:v7")
+    with pytest.raises(NotFound, match="tiny has aliases prod"):
+        reg_lite.show("tiny@staging")
+    with pytest.raises(MalformedRef):
+        reg_lite.set_alias("tiny", "latest", "v1")
+
+
+def _promote_process(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", "promote", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_concurrent_promotions_get_distinct_versions(cpu_policy, catalog_url, ckpts):
+    with Registry() as reg:
+        _push(reg, ckpts.ws2, 2)
+        _push(reg, ckpts.ws2, 4)
+        for step in (2, 4):  # validations first, so the race is over version allocation
+            reg.validate(f"r@step{step}", device="cpu")
+    procs = [_promote_process(f"r@step{s}", "--model", "tiny", "--json") for s in (2, 4)]
+    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert [rc for rc, _, _ in outs] == [0, 0], outs
+    versions = sorted(json.loads(out)["version"] for _, out, _ in outs)
+    assert versions == [1, 2]
+    with Registry() as reg:
+        assert all(reg.verify(f"tiny:v{v}")["ok"] for v in versions)
+
+
+def test_sigkill_mid_promotion_then_rerun_completes_same_version(cpu_policy, big_ckpt, tmp_path):
+    with Registry() as reg:
+        reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=1)
+        reg.validate("big@step1", device="cpu")
+        db = reg.settings.home / "catalog.db"
+    proc = _promote_process("big@step1", "--model", "big")
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "promotion finished before it could be killed"
+        assert time.monotonic() < deadline
+        with sqlite3.connect(db) as conn:
+            if conn.execute("SELECT count(*) FROM release WHERE status = 'pending'").fetchone()[0]:
+                break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with Registry() as reg:
+        assert reg.releases() == []
+        with pytest.raises(NotFound):
+            reg.show("big:v1")
+        out = reg.promote("big@step1", model="big")
+        assert out["release"] == "big:v1" and not out["existing"]
+        assert reg.verify("big:v1")["ok"]
+        assert [r["release"] for r in reg.releases()] == ["big:v1"]
+        weights = load_file(_release_dir(out) / "model.safetensors")
+        full = big_ckpt.full_weights(1)
+        assert all(torch.equal(weights[k], full[k]) for k in full)
+
+
+def test_cli_validate_promote_releases_json(cpu_policy, cli, ckpts, tmp_path):
+    step_dir = ckpts.ws2.step_dir(4)
+    assert (
+        cli(
+            "push-ckpt",
+            step_dir,
+            "--run",
+            "r",
+            "--step",
+            "4",
+            "--metric",
+            f"probe_loss={ckpts.ws2.probe_loss(4)}",
+        ).returncode
+        == 0
+    )
+    res = cli("validate", "r@step4", "--device", "cpu", "--model-factory", FACTORY, "--json")
+    assert res.returncode == 0, res.stderr
+    v = json.loads(res.stdout)
+    assert {"ref", "passed", "device", "seconds", "checks"} <= set(v)
+    assert all({"name", "passed", "detail"} == set(c) for c in v["checks"])
+    res = cli("promote", "r@step4", "--model", "tiny", "--alias", "prod", "--json")
+    assert res.returncode == 0, res.stderr
+    rel = json.loads(res.stdout)
+    for key in ("release", "model", "version", "sha256", "files", "source", "aliases", "status"):
+        assert key in rel
+    listed = json.loads(cli("releases", "--json").stdout)
+    assert [r["release"] for r in listed] == ["tiny:v1"]
+    res = cli("pull-release", "tiny@prod", tmp_path / "rel")
+    assert res.returncode == 0 and (tmp_path / "rel" / "release.json").exists()
+    res = cli("alias", "set", "tiny", "canary", "v1")
+    assert res.returncode == 0 and "tiny@canary -> tiny:v1" in res.stdout
+    res = cli("yank", "tiny:v1", "--reason", "bad")
+    assert res.returncode == 0
+    res = cli("pull-release", "tiny:v1", tmp_path / "y")
+    assert res.returncode == 5 and "yanked" in res.stderr
