@@ -45,6 +45,17 @@ class Consolidated:
     broken_ties: list[list[str]] = field(default_factory=list)
 
 
+def model_tensor_names(inv: Inventory, model_keys: list[str], model_key: str) -> dict[str, str]:
+    """Release name -> checkpoint FQN for the model's tensors (the `model_key.` prefix
+    stripped; with `model_key = ""` the names are kept as they are)."""
+    prefix = f"{model_key}." if model_key else ""
+    out = {}
+    for fqn in inv.tensors:
+        if inv.top_level[fqn] in model_keys:
+            out[fqn.removeprefix(prefix) if prefix and fqn.startswith(prefix) else fqn] = fqn
+    return out
+
+
 def target_dtype(source: str, cast: str | None) -> str:
     if cast is None or source not in FLOATING:
         return source
@@ -69,7 +80,7 @@ def consolidate(
     """Write the tensors `names` (release name -> checkpoint FQN) under `dest_prefix`."""
     import torch
 
-    from registry.formats.dcp_load import read_tensor
+    from registry.formats.dcp_load import iter_tensor_bytes
 
     result = Consolidated()
     dropped = _resolve_ties(store, src_prefix, inv, names, tie_groups, result)
@@ -96,10 +107,10 @@ def consolidate(
             write(header_bytes(shard, metadata))
             for entry in shard:
                 info = inv.tensors[names[entry.name]]
-                tensor = read_tensor(store, src_prefix, info)
-                if entry.dtype != info.dtype:
-                    tensor = tensor.to(getattr(torch, entry.dtype))
-                write(tensor.reshape(-1).view(torch.uint8).numpy())
+                for part in iter_tensor_bytes(store, src_prefix, info):
+                    if entry.dtype != info.dtype:
+                        part = part.to(getattr(torch, entry.dtype))
+                    write(part.reshape(-1).view(torch.uint8).numpy())
                 if progress:
                     progress.advance(entry.nbytes)
 

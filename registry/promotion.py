@@ -296,7 +296,7 @@ def _build_and_commit(
     validation: Validation, alias: str | None, progress: Progress | None,
 ) -> dict[str, Any]:
     from registry.consolidate import consolidate
-    from registry.validation import model_tensor_names
+    from registry.consolidate import model_tensor_names
 
     name = f"{model}:v{version}"
     src_prefix = checkpoint_prefix(source.project, source.run, ckpt.step)

@@ -35,6 +35,7 @@ from registry.catalog.models import Validation
 from registry.checkpoints import check_stored_files, checkpoint_prefix, resolve
 from registry.errors import RegistryError, UsageError
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory, load_metadata
+from registry.consolidate import model_tensor_names
 from registry.holds import hold
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
@@ -92,17 +93,6 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return str(torch.cuda.get_device_name(0))
     return platform.processor() or platform.machine() or "cpu"
-
-
-def model_tensor_names(inv: Inventory, model_keys: list[str], model_key: str) -> dict[str, str]:
-    """Release name -> checkpoint FQN for the model's tensors (the `model_key.` prefix
-    stripped; with `model_key = ""` the names are kept as they are)."""
-    prefix = f"{model_key}." if model_key else ""
-    out = {}
-    for fqn in inv.tensors:
-        if inv.top_level[fqn] in model_keys:
-            out[fqn.removeprefix(prefix) if prefix and fqn.startswith(prefix) else fqn] = fqn
-    return out
 
 
 def validate(

@@ -16,6 +16,11 @@ memory at a time).
 from __future__ import annotations
 
 import io
+import math
+import pickle
+import struct
+import zipfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,13 +138,110 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_chunk(store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange) -> torch.Tensor:
+def read_chunk(store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
+               ) -> torch.Tensor:
     data = store.read_range(prefix + chunk.file, chunk.offset, chunk.length)
-    tensor = load_chunk(data, f"{fqn} in {chunk.file}")
+    fast = stored_tensor_view(data, dtype, chunk.sizes)
+    if fast is not None:
+        return fast
+    tensor = load_chunk(bytes(data), f"{fqn} in {chunk.file}")
     if tuple(tensor.shape) != chunk.sizes:
         # DCP may store a larger local tensor and a narrowed view: narrow like DCP does.
         tensor = tensor[tuple(slice(0, s) for s in chunk.sizes)]
     return tensor
+
+
+# -- reading a chunk's bytes in place -----------------------------------------------------------
+# A chunk is a `torch.save` zip archive: data.pkl describes the tensor, data/<key> holds the raw
+# storage, uncompressed. For the common case (a contiguous tensor over its whole storage) the
+# tensor is a view of the bytes already read: no torch.load, no copy. Anything else (views with
+# offsets or strides, other rebuild functions) returns None and goes through torch.load.
+
+_LEGACY_STORAGES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+
+
+class _Rebuild:
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuild
+        if module == "torch" and name in _LEGACY_STORAGES:
+            return _LEGACY_STORAGES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.Tensor | None:
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        names = {n.rsplit("/", 1)[-1] if "/data/" not in n else "data/" + n.rsplit("/", 1)[-1]: n
+                 for n in archive.namelist()}
+        if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
+            return None
+        layout = _LayoutUnpickler(io.BytesIO(archive.read(names["data.pkl"]))).load()
+        if not isinstance(layout, _Rebuild):
+            return None
+        (kind, storage_dtype, key, _location, numel), offset, size, stride = layout.args[:4]
+        expected_stride = tuple(math.prod(sizes[i + 1:]) for i in range(len(sizes)))
+        if (kind != "storage" or storage_dtype != dtype or tuple(size) != sizes
+                or tuple(stride) != expected_stride or offset != 0
+                or numel != math.prod(sizes)):
+            return None
+        info = archive.getinfo(names[f"data/{key}"])
+        if info.compress_type != zipfile.ZIP_STORED:
+            return None
+        header = memoryview(data)[info.header_offset:info.header_offset + 30]
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        start = info.header_offset + 30 + name_len + extra_len
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        view = memoryview(data)[start:start + numel * itemsize]
+        if len(view) != numel * itemsize:
+            return None
+    except (KeyError, ValueError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile,
+            struct.error):
+        return None
+    if numel == 0:
+        return torch.empty(sizes, dtype=getattr(torch, dtype))
+    return torch.frombuffer(view, dtype=getattr(torch, dtype)).view(sizes)
+
+
+def row_parts(info: TensorInfo) -> list[ChunkRange] | None:
+    """The chunks in order when they split the tensor by rows (as FSDP and TP Shard(0) do):
+    their bytes, one after the other, are the tensor's row-major bytes."""
+    if not info.shape or not info.chunks:
+        return None
+    parts = sorted(info.chunks, key=lambda c: c.offsets[0])
+    row = 0
+    for c in parts:
+        if c.offsets[0] != row or any(c.offsets[1:]) or c.sizes[1:] != info.shape[1:]:
+            return None
+        row += c.sizes[0]
+    return parts if row == info.shape[0] else None
+
+
+def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo
+                      ) -> Iterator[torch.Tensor]:
+    """The tensor as contiguous pieces in row-major order: chunk by chunk when the chunks split
+    it by rows (memory: one chunk), else assembled whole."""
+    parts = row_parts(info)
+    if parts is None:
+        yield read_tensor(store, prefix, info)
+        return
+    for chunk in parts:
+        yield read_chunk(store, prefix, info.fqn, chunk, info.dtype).contiguous()
 
 
 def read_tensor(store: ObjectStore, prefix: str, info: TensorInfo,
@@ -149,7 +251,7 @@ def read_tensor(store: ObjectStore, prefix: str, info: TensorInfo,
     full = out if out is not None else torch.empty(info.shape, dtype=dtype)
     covered = 0
     for chunk in info.chunks:
-        part = read_chunk(store, prefix, info.fqn, chunk)
+        part = read_chunk(store, prefix, info.fqn, chunk, info.dtype)
         index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
         full[index].copy_(part)
         covered += part.numel()

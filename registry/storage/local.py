@@ -104,15 +104,17 @@ class LocalStore:
             return f.read()
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
+        # Into a writable buffer, read once: tensors are made straight from it (no copy).
+        data = bytearray(length)
         with self.open_read(key) as f:
-            data = os.pread(f.fileno(), length, offset)
-        if len(data) != length:
+            got = os.preadv(f.fileno(), [data], offset) if length else 0
+        if got != length:
             raise IntegrityError(
                 f"object {key} is truncated: wanted bytes {offset}..{offset + length}, "
-                f"it has {offset + len(data)}",
+                f"it has {offset + got}",
                 "run `reg verify` on the checkpoint",
             )
-        return data
+        return data  # type: ignore[return-value]  # a bytearray: bytes-like and writable
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
