@@ -138,7 +138,8 @@ def test_pin_and_unpin(reg, ckpts):
     reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
     assert reg.pin("r@step2", reason="paper baseline")["pinned"] is True
     shown = reg.show("r@step2")
-    assert shown["protection"]["reasons"] == ["pinned by tester: paper baseline"]
+    assert shown["protection"]["reason"] == "kept: pinned by tester (paper baseline)"
+    assert shown["protection"]["protected"] is True
     reg.unpin("r@step2")
     assert reg.show("r@step2")["protection"]["protected"] is False
     actions = [e["action"] for e in reg.audit_log()]

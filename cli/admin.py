@@ -1,0 +1,104 @@
+"""Admin commands: gc, audit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+import typer
+
+from cli.common import JSON_OPTION, open_registry
+from cli.render import emit_json, table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("gc")(gc)
+    app.command("audit")(audit)
+
+
+def gc(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; delete nothing."),
+    every: str | None = typer.Option(None, "--every",
+                                     help="Run forever, once per interval (e.g. 1h)."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Apply the retention policy: delete what no rule keeps, sweep orphans, explain each."""
+    if every is not None:
+        _every(every)
+        return
+    from registry.gc import run_gc
+
+    with open_registry() as reg:
+        out = run_gc(reg, dry_run=dry_run)
+    if json_output:
+        emit_json(out)
+        return
+    from registry.timeutil import human_bytes
+
+    table(["REF", "ACTION", "REASON", "SIZE"],
+          [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])]
+           for d in out["decisions"]])
+    for err in out["errors"]:
+        print(f"error: {err}", file=sys.stderr)
+    verb = "would free" if dry_run else "freed"
+    print(f"{verb} {human_bytes(out['freed_bytes'])}"
+          + (f"; swept {len(out['orphans'])} orphan(s)" if out["orphans"] else ""))
+
+
+def _every(interval: str) -> None:
+    from policies.loader import parse_duration
+    from registry.errors import UsageError
+    from registry.gc import every
+
+    try:
+        seconds = parse_duration(interval)
+    except ValueError as exc:
+        raise UsageError(f"bad --every: {exc}") from None
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--every {interval} must be a positive duration", "e.g. 1h")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def emit(line: dict) -> None:  # type: ignore[type-arg]
+        print(json.dumps(line), flush=True)
+
+    every(open_registry, seconds, emit, stop)
+
+
+def audit(
+    since: str | None = typer.Option(None, "--since", help="A duration back (24h) or ISO date."),
+    actor: str | None = typer.Option(None, "--actor", help="Only this principal."),
+    action: str | None = typer.Option(None, "--action", help="Only this action."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Show the audit log (admin): who did what, when, with what outcome."""
+    with open_registry() as reg:
+        events = reg.audit_log(since=_since(since), actor=actor, action=action)
+    if json_output:
+        emit_json(events)
+        return
+    table(["TS", "ACTOR", "ACTION", "TARGET", "OUTCOME", "DETAILS"],
+          [[e["ts"], e["actor"], e["action"], e["target"], e["outcome"],
+            json.dumps(e["details"], sort_keys=True) if e["details"] else ""] for e in events])
+
+
+def _since(text: str | None) -> float | None:
+    if text is None:
+        return None
+    import time
+    from datetime import datetime
+
+    from policies.loader import parse_duration
+    from registry.errors import UsageError
+
+    try:
+        return time.time() - parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise UsageError(f"bad --since {text!r}", "write a duration (24h) or an ISO date") from None

@@ -1,0 +1,202 @@
+"""`reg gc` against a real catalog and store: deletes, tombstones, protections, leases, crashes,
+orphans, and GC racing pushes and a promotion in other processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.errors import Collected, Conflict, PolicyError
+from registry.gc import run_gc
+from tests.conftest import ROOT
+
+AGGRESSIVE = '[retention]\nkeep_last = 1\nttl = "0s"\norphan_grace = "0s"\n' \
+             '[promotion]\nrequire_device = "any"\n'
+
+
+@pytest.fixture
+def aggressive(tmp_path, monkeypatch):
+    path = tmp_path / "policy.toml"
+    path.write_text(AGGRESSIVE)
+    monkeypatch.setenv("REG_POLICY", str(path))
+    return path
+
+
+def _push_steps(reg, ckpts, run="r", steps=(2, 4)):
+    for step in steps:
+        reg.push_checkpoint(ckpts.ws2.step_dir(step), run=run, step=step)
+
+
+def _store_dir(reg, ref) -> Path:
+    return Path(reg.show(ref)["uri"].removeprefix("file://"))
+
+
+def test_gc_deletes_explains_and_leaves_tombstones(aggressive, reg, ckpts, tmp_path):
+    _push_steps(reg, ckpts)
+    old_dir = _store_dir(reg, "r@step2")
+    dry = run_gc(reg, dry_run=True)
+    assert not dry["applied"] and old_dir.exists()
+    assert {d["ref"]: d["action"] for d in dry["decisions"]} == {"r@step2": "delete",
+                                                                "r@step4": "keep"}
+    out = run_gc(reg)
+    pushed_bytes = sum(f.stat().st_size for f in ckpts.ws2.step_dir(2).iterdir())
+    assert out["applied"] and out["freed_bytes"] > pushed_bytes  # + its MANIFEST.json
+    assert not old_dir.exists()
+    assert [c["step"] for c in reg.list_checkpoints()] == [4]
+    tomb = reg.show("r@step2")
+    assert tomb["state"] == "deleted" and tomb["delete_reason"] == "deleted: older than ttl 0s"
+    assert tomb["deleted_by"] == "tester"
+    with pytest.raises(Collected, match="collected by retention at .* reason: deleted: older"):
+        reg.pull("r@step2", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    assert run_gc(reg)["freed_bytes"] == 0  # applying again changes nothing
+    assert reg.verify("r@step4")["ok"]
+    assert [e["action"] for e in reg.audit_log()].count("gc") == 1
+
+
+def test_protections_hold_in_practice(aggressive, reg_lite, ckpts, tmp_path):
+    reg = reg_lite
+    _push_steps(reg, ckpts, steps=(2, 4))
+    _push_steps(reg, ckpts, run="s", steps=(2, 4))
+    reg.pin("r@step2")
+    reg.pull("s@step2", tmp_path / "resume")  # s resumes from step 2
+    out = run_gc(reg)
+    reasons = {d["ref"]: d["reason"] for d in out["decisions"]}
+    assert reasons["r@step2"] == "kept: pinned"
+    assert reasons["s@step2"] == "kept: s last resumed from it"
+    # A newer commit of s lifts the resume protection.
+    reg.push_checkpoint(ckpts.ws3.step_dir(3), run="s", step=6)
+    out = run_gc(reg)
+    assert {d["ref"]: d["action"] for d in out["decisions"]}["s@step2"] == "delete"
+
+
+def test_release_sources_are_kept(aggressive, reg_lite, ckpts):
+    _push_steps(reg_lite, ckpts)
+    reg_lite.promote("r@step2", model="tiny")
+    out = run_gc(reg_lite)
+    assert {d["ref"]: d["reason"] for d in out["decisions"]}["r@step2"] == \
+        "kept: source of release tiny:v1"
+
+
+def test_one_gc_at_a_time(aggressive, reg_lite, ckpts):
+    from registry.gc import _acquire, _release
+
+    token = _acquire(reg_lite)
+    try:
+        with pytest.raises(Conflict, match=r"another GC is running: tester on .* since"):
+            run_gc(reg_lite)
+    finally:
+        _release(reg_lite, token)
+    run_gc(reg_lite)
+
+
+def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg_lite, ckpts):
+    from registry.gc import _mark_deleting, _records, plan
+
+    _push_steps(reg_lite, ckpts)
+    records, protections, _ = _records(reg_lite)
+    doomed = [d for d in plan(records, reg_lite.policy.retention, time.time(), protections)
+              if d.action == "delete"]
+    assert _mark_deleting(reg_lite, doomed)  # ... and the process dies here
+    path = reg_lite.settings.home / "store" / "ckpt" / "default" / "r" / "step-2"
+    assert path.exists()
+    assert [c["step"] for c in reg_lite.list_checkpoints()] == [4]  # not visible any more
+    run_gc(reg_lite)
+    assert not path.exists()
+    assert reg_lite.show("r@step2")["state"] == "deleted"
+
+
+def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, big_ckpt):
+    with Registry() as reg:
+        for step in range(1, 5):
+            reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=step)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "gc"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.8)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with Registry() as reg:
+        run_gc(reg)
+        remaining = reg.list_checkpoints(include_deleted=True)
+        assert {c["step"]: c["state"] for c in remaining} == {1: "deleted", 2: "deleted",
+                                                              3: "deleted", 4: "committed"}
+        store = reg.settings.home / "store" / "ckpt" / "default" / "big"
+        assert sorted(p.name for p in store.iterdir()) == ["step-4"]
+        assert reg.verify("big@step4")["ok"]
+
+
+def test_orphans_are_swept(aggressive, reg_lite, ckpts):
+    from registry.checkpoints import _claim, _expire_claim
+    from registry.refs import CheckpointRef
+
+    claim, _ = _claim(reg_lite, CheckpointRef("default", "dead", 1))
+    reg_lite.store.put_bytes("ckpt/default/dead/step-1/__0_0.distcp", b"half an upload")
+    _expire_claim(reg_lite, claim)
+    out = run_gc(reg_lite)
+    assert out["orphans"] == ["ckpt/default/dead/step-1/"]
+    assert reg_lite.store.head("ckpt/default/dead/step-1/__0_0.distcp") is None
+
+
+def test_malformed_policy_is_a_one_line_error(tmp_path, monkeypatch, cli):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[retention]\nkeep_last = 3\nttl = "seven days"\n')
+    monkeypatch.setenv("REG_POLICY", str(bad))
+    res = cli("gc", "--dry-run")
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"reg: error: {bad}:3: retention.ttl: expected a duration like "
+                                  "'7d', '24h', '0s' or 'never', got 'seven days' "
+                                  "(see policies/default.toml)")
+    bad.write_text("[retention]\nkeep_lats = 3\n")
+    with pytest.raises(PolicyError, match=r"bad.toml:2: retention.keep_lats: Extra inputs"):
+        with Registry() as reg:
+            reg.policy  # noqa: B018
+
+
+def test_gc_every_emits_json_lines_and_stops_on_sigterm(aggressive, reg_lite, ckpts):
+    _push_steps(reg_lite, ckpts)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "gc", "--every", "1s"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = json.loads(proc.stdout.readline())
+    second = json.loads(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert first["ok"] and first["deleted"] == 1 and second["deleted"] == 0
+
+
+def test_gc_racing_pushes_and_a_promotion(aggressive, catalog_url, ckpts):
+    """GC in a loop while other processes push new steps and promote: a committed checkpoint
+    is never deleted before a newer one exists, and a release source is never deleted."""
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="race", step=0)
+    pusher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys\nfrom registry import Registry\n"
+         "with Registry() as reg:\n"
+         "    for step in range(1, 9):\n"
+         f"        reg.push_checkpoint({str(ckpts.ws2.step_dir(2))!r}, run='race', step=step)\n"
+         "        if step == 4:\n"
+         "            reg.promote('race@step4', model='racer')\n"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    gcs = 0
+    while pusher.poll() is None:
+        subprocess.run([sys.executable, "-m", "cli", "gc"], cwd=ROOT, capture_output=True)
+        gcs += 1
+    assert pusher.returncode == 0, pusher.stderr.read()
+    with Registry() as reg:
+        run_gc(reg)
+        states = {c["step"]: c["state"] for c in reg.list_checkpoints(include_deleted=True)}
+        assert states[8] == "committed" and states[4] == "committed"
+        assert reg.verify("race@step8")["ok"] and reg.verify("racer:v1")["ok"]
+        assert all(s in ("committed", "deleted") for s in states.values())
+        for step, state in states.items():
+            path = reg.settings.home / "store" / "ckpt" / "default" / "race" / f"step-{step}"
+            assert path.exists() == (state == "committed"), (step, state)
+    assert gcs >= 1
