@@ -50,29 +50,33 @@ BATCH = 200
 
 def _records(reg: Registry, project: str | None = None
              ) -> tuple[list[CheckpointRecord], Protections, dict[int, tuple[str, str, int]]]:
+    c = Checkpoint.__table__.c  # type: ignore[attr-defined]
     with reg.catalog.session() as s:
-        stmt = (select(Checkpoint, Run.name, Project.name)
-                .join(Run, col(Run.id) == Checkpoint.run_id)
+        # Columns, not ORM objects: planning 100,000 checkpoints must not build 100,000 objects.
+        stmt = (select(c.id, c.step, c.committed_at, c.created_at, c.bytes, c.pinned, c.metrics,
+                       Run.name, Project.name)
+                .join(Run, col(Run.id) == c.run_id)
                 .join(Project, col(Project.id) == Run.project_id)
-                .where(Checkpoint.state == COMMITTED))
+                .where(c.state == COMMITTED))
         if project is not None:
             stmt = stmt.where(Project.name == project)
-        rows = s.exec(stmt).all()
+        rows = s.execute(stmt).all()
         sources = s.exec(select(Release.source_checkpoint_id, Model.name, Release.version)
                          .join(Model, col(Model.id) == Release.model_id)
                          .where(col(Release.status).notin_([YANKED]))).all()
         resumed = s.exec(select(Project.name, Run.name, Run.resumed_from_step)
                          .join(Project, col(Project.id) == Run.project_id)
                          .where(col(Run.resumed_from_step).is_not(None))).all()
-    records = [CheckpointRecord(c.id or 0, p, r, c.step, c.committed_at or c.created_at,
-                                c.bytes, c.pinned, dict(c.metrics or {})) for c, r, p in rows]
+    records = [CheckpointRecord(cid, p, r, step, committed or created, nbytes, bool(pinned),
+                                dict(metrics or {}))
+               for cid, step, committed, created, nbytes, pinned, metrics, r, p in rows]
     release_sources: dict[int, str] = {}
     for cid, model, version in sorted(sources, key=lambda x: x[2]):
         release_sources.setdefault(cid, f"{model}:v{version}")
     protections = Protections(release_sources=release_sources,
                               held=frozenset(held_checkpoint_ids(reg)),
                               resumed_from={(p, r): step for p, r, step in resumed})
-    where = {c.id or 0: (p, r, c.step) for c, r, p in rows}
+    where = {rec.id: (rec.project, rec.run, rec.step) for rec in records}
     return records, protections, where
 
 
