@@ -107,6 +107,10 @@ class Registry:
         self._policy_doc = doc
         return doc
 
+    def reset_policy(self) -> None:
+        """Forget the cached policy (after `policy apply`)."""
+        self._policy = self._policy_source = self._policy_doc = None
+
     def _has_grants(self) -> bool:
         """Single-user mode is decided without validating the whole document (fast listings);
         any grant means the full, validated policy decides."""

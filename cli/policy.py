@@ -1,0 +1,73 @@
+"""`reg policy show|check|apply|export`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from cli.common import JSON_OPTION, open_registry
+from cli.render import emit_json, note
+
+policy_app = typer.Typer(help="Show, check, apply and export the registry policy.",
+                         no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(policy_app, name="policy")
+    policy_app.command("show")(show)
+    policy_app.command("check")(check)
+    policy_app.command("apply")(apply)
+    policy_app.command("export")(export)
+
+
+def show(json_output: bool = JSON_OPTION) -> None:
+    """Print the effective policy and where it comes from."""
+    from registry.policy_admin import show as show_policy
+
+    with open_registry() as reg:
+        out = show_policy(reg)
+    if json_output:
+        emit_json(out)
+        return
+    print(f"# effective policy: {out['source']}")
+    print(out["document"].rstrip() or "# (the shipped default)")
+
+
+def check(path: Path = typer.Argument(..., help="A policy TOML file.")) -> None:
+    """Validate a policy file (exit 2 with file:line on the first error)."""
+    from registry.policy_admin import check as check_policy
+
+    policy = check_policy(path)
+    print(f"{path}: ok ({len(policy.access.grants)} grant(s))")
+
+
+def apply(path: Path = typer.Argument(..., help="A policy TOML file."),
+          json_output: bool = JSON_OPTION) -> None:
+    """Store the policy in the catalog (admin): every host and client uses it from now on."""
+    from registry.policy_admin import apply as apply_policy
+
+    with open_registry() as reg:
+        out = apply_policy(reg, path)
+    emit_json(out) if json_output else print(
+        f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})")
+
+
+def export(
+    fmt: str = typer.Option("s3", "--format", help="Only s3 (a bucket policy) for now."),
+    bucket: str | None = typer.Option(None, "--bucket",
+                                      help="BUCKET[/PREFIX]; default: from REG_STORE_URL."),
+) -> None:
+    """Render the grants as an S3 bucket policy (JSON on stdout)."""
+    from registry.errors import UsageError
+    from registry.policy_admin import export as export_policy
+
+    if fmt != "s3":
+        raise UsageError(f"unknown --format {fmt!r}", "use s3")
+    with open_registry() as reg:
+        document, missing = export_policy(reg, bucket)
+    if missing:
+        note(f"warning: left out principals with no [access.aws] ARN: {', '.join(missing)}")
+    sys.stdout.write(json.dumps(document, indent=2) + "\n")

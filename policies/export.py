@@ -1,0 +1,69 @@
+"""Render the access grants as an S3 bucket policy (storage-level enforcement, DESIGN §6).
+
+The registry's own checks stop mistakes and unauthorized use through the tool; someone holding
+the bucket credentials bypasses them. The exported policy closes that at the storage layer:
+writes only under `ckpt/<project>/` for trainers of that project, reads as granted, no delete or
+unconditional overwrite under `release/` for anyone but admins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.access import _rank
+from policies.loader import AccessPolicy
+
+
+def bucket_policy(access: AccessPolicy, bucket: str, prefix: str = ""
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """(policy document, principals left out because they have no ARN)."""
+    base = f"arn:aws:s3:::{bucket}/{prefix.strip('/') + '/' if prefix.strip('/') else ''}"
+    statements: list[dict[str, Any]] = []
+    missing: list[str] = []
+    admins: set[str] = set()
+    non_admins: set[str] = set()
+    for n, grant in enumerate(access.grants):
+        arns = []
+        for p in grant.principals:
+            arn = access.aws.get(p)
+            if arn is None:
+                missing.append(p)
+            else:
+                arns.append(arn)
+        if not arns:
+            continue
+        (admins if grant.role == "admin" else non_admins).update(arns)
+        who = {"AWS": sorted(arns)}
+        projects = [f"{base}ckpt/{g}/*" for g in grant.projects]
+        models = [f"{base}release/{g}/*" for g in grant.models]
+        if grant.role == "admin":
+            statements.append({"Sid": f"Grant{n}Admin", "Effect": "Allow", "Principal": who,
+                               "Action": "s3:*",
+                               "Resource": [f"arn:aws:s3:::{bucket}", f"{base}*"]})
+            continue
+        statements.append({"Sid": f"Grant{n}Read", "Effect": "Allow", "Principal": who,
+                           "Action": ["s3:GetObject", "s3:GetObjectVersion"],
+                           "Resource": projects + models})
+        statements.append({"Sid": f"Grant{n}List", "Effect": "Allow", "Principal": who,
+                           "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"})
+        if _rank(grant.role) >= _rank("trainer"):
+            statements.append({"Sid": f"Grant{n}WriteCheckpoints", "Effect": "Allow",
+                               "Principal": who,
+                               "Action": ["s3:PutObject", "s3:AbortMultipartUpload"],
+                               "Resource": projects})
+        if _rank(grant.role) >= _rank("releaser"):
+            statements.append({"Sid": f"Grant{n}WriteReleases", "Effect": "Allow",
+                               "Principal": who,
+                               "Action": ["s3:PutObject", "s3:PutObjectRetention"],
+                               "Resource": models})
+    if non_admins:
+        statements.append({"Sid": "NoReleaseDeletes", "Effect": "Deny",
+                           "Principal": {"AWS": sorted(non_admins)},
+                           "Action": ["s3:DeleteObject", "s3:DeleteObjectVersion",
+                                      "s3:BypassGovernanceRetention"],
+                           "Resource": f"{base}release/*"})
+    statements.append({"Sid": "ReleaseWritesMustNotOverwrite", "Effect": "Deny",
+                       "Principal": "*", "Action": "s3:PutObject",
+                       "Resource": f"{base}release/*",
+                       "Condition": {"Null": {"s3:if-none-match": "true"}}})
+    return {"Version": "2012-10-17", "Statement": statements}, sorted(set(missing))

@@ -1,0 +1,68 @@
+"""The effective policy lives in the catalog: apply (admin, versioned, audited), show, check."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from sqlalchemy import func
+from sqlmodel import select
+
+from policies.loader import Policy, load_policy_file, parse_policy
+from registry import audit
+from registry.catalog.models import PolicyDocument
+from registry.errors import PolicyError, UsageError
+from registry.timeutil import now
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+
+
+def check(path: Path) -> Policy:
+    return load_policy_file(path)
+
+
+def apply(reg: Registry, path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
+    parsed = parse_policy(text, str(path))  # refused before anything is stored
+    reg.authorize("policy", target=f"policy {path}")
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    with reg.catalog.session(write=True) as s:
+        version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
+        s.add(PolicyDocument(version=version, text=text, sha256=digest, applied_at=now(),
+                             applied_by=reg.user))
+        audit.record(s, reg.user, "policy-apply", f"policy v{version}", sha256=digest,
+                     grants=len(parsed.access.grants))
+    reg.reset_policy()
+    return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
+
+
+def show(reg: Registry) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text, source = reg._policy_text()
+        policy = reg.policy
+    return {"source": source, "document": text,
+            "effective": policy.model_dump(mode="json")}
+
+
+def export(reg: Registry, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    from policies.export import bucket_policy
+
+    reg.authorize("policy", target="policy export")
+    prefix = ""
+    if bucket is None:
+        url = urlparse(reg.settings.store_url)
+        if url.scheme != "s3":
+            raise UsageError("the store is not on S3; say which bucket the policy is for",
+                             "reg policy export --bucket NAME[/PREFIX]")
+        bucket, prefix = url.netloc, url.path.strip("/")
+    else:
+        bucket, _, prefix = bucket.partition("/")
+    return bucket_policy(reg.policy.access, bucket, prefix)

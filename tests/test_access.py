@@ -1,0 +1,196 @@
+"""Access policies and the audit log: roles x actions x scopes, enforcement in the library,
+denials audited, the applied policy beating local files, the S3 export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from policies.access import ACTIONS, check
+from policies.loader import ROLES, parse_policy
+from registry import Registry
+from registry.errors import MalformedRef, PermissionDenied, PolicyError
+
+POLICY = """
+[promotion]
+require_device = "any"
+
+[[access.grants]]
+principals = ["alice"]
+role = "trainer"
+projects = ["team-a"]
+
+[[access.grants]]
+principals = ["bob"]
+role = "viewer"
+projects = ["team-a"]
+models = ["tiny*"]
+
+[[access.grants]]
+principals = ["carol"]
+role = "releaser"
+projects = ["team-*"]
+models = ["tiny*"]
+
+[[access.grants]]
+principals = ["dave"]
+role = "admin"
+
+[access.aws]
+alice = "arn:aws:iam::123456789012:role/trainer-alice"
+carol = "arn:aws:iam::123456789012:role/releaser-carol"
+dave = "arn:aws:iam::123456789012:role/admin-dave"
+"""
+
+
+def grants():
+    return parse_policy(POLICY).access.grants
+
+
+ROLE_OF = {"bob": "viewer", "alice": "trainer", "carol": "releaser", "dave": "admin"}
+
+
+@pytest.mark.parametrize("principal", sorted(ROLE_OF))
+@pytest.mark.parametrize("action", sorted(ACTIONS))
+def test_every_role_and_action_in_scope(principal, action):
+    allowed = ROLES.index(ROLE_OF[principal]) >= ROLES.index(ACTIONS[action])
+    in_scope = check(grants(), principal, action, project="team-a", model="tiny-lm")
+    assert in_scope.allowed == allowed, in_scope.reason
+
+
+@pytest.mark.parametrize(("principal", "project", "model", "allowed"), [
+    ("alice", "team-a", None, True), ("alice", "team-b", None, False),
+    ("carol", "team-b", "tiny-x", True), ("carol", "other", "tiny-x", False),
+    ("carol", "team-a", "llama", False), ("bob", "team-a", "llama", False),
+    ("dave", "anything", "anything", True), ("erin", "team-a", None, False),
+])
+def test_scopes(principal, project, model, allowed):
+    action = "read"
+    assert check(grants(), principal, action, project=project, model=model).allowed == allowed
+
+
+def test_no_grants_is_single_user_mode():
+    decision = check([], "anyone", "gc")
+    assert decision.allowed and "single-user" in decision.reason
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ('[[access.grants]]\nprincipals = ["x"]\nrole = "owner"\n', "access.grants.0.role"),
+    ('[[access.grants]]\nprincipals = ["a*"]\nrole = "viewer"\n', "invalid principal 'a\\*'"),
+    ('[[access.grants]]\nprincipals = ["x"]\nrole = "viewer"\nprojects = ["a/../b"]\n',
+     "invalid glob"),
+])
+def test_malformed_grants_are_refused_at_load(doc, message):
+    with pytest.raises(PolicyError, match=message):
+        parse_policy(doc, "p.toml")
+
+
+@pytest.fixture
+def applied(reg_lite, tmp_path, ckpts):
+    """Team-a and team-b checkpoints, then the policy applied by the bootstrap admin."""
+    reg_lite.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, project="team-a")
+    reg_lite.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-b")
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY)
+    from registry.policy_admin import apply
+
+    assert apply(reg_lite, path)["version"] == 1
+    return path
+
+
+def as_user(name: str) -> Registry:
+    return Registry(user=name)
+
+
+def test_enforced_in_the_library(applied, ckpts):
+    with as_user("alice") as alice:
+        alice.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-a")
+        with pytest.raises(PermissionDenied) as info:
+            alice.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=9, project="team-b")
+        assert info.value.exit_code == 4
+        assert str(info.value).startswith("alice may not push team-b/r@step9 (needs a trainer "
+                                          "grant covering project team-b")
+        with pytest.raises(PermissionDenied):
+            alice.promote("team-a/r@step4", model="tiny")
+    with as_user("bob") as bob:
+        assert {c["project"] for c in bob.list_checkpoints()} == {"team-a"}
+        with pytest.raises(PermissionDenied):
+            bob.pin("team-a/r@step4")
+        with pytest.raises(PermissionDenied):
+            bob.show("team-b/r@step2")
+    with as_user("erin") as erin:
+        assert erin.list_checkpoints() == []
+        with pytest.raises(PermissionDenied):
+            erin.audit_log()
+    with as_user("carol") as carol:
+        out = carol.promote("team-a/r@step4", model="tiny-lm", alias="prod")
+        assert out["release"] == "tiny-lm:v1"
+        with pytest.raises(PermissionDenied):
+            carol.yank("tiny-lm:v1", "no")
+    with as_user("dave") as dave:
+        dave.yank("tiny-lm:v1", "drill")
+        events = dave.audit_log()
+    denied = [e for e in events if e["outcome"] == "denied"]
+    assert {(e["actor"], e["action"]) for e in denied} == {
+        ("alice", "push"), ("alice", "promote"), ("bob", "pin"), ("bob", "read"),
+        ("erin", "audit"), ("carol", "yank")}
+    assert any(e["action"] == "alias" and e["target"] == "tiny-lm@prod" for e in events)
+    assert any(e["action"] == "yank" and e["details"]["reason"] == "drill" for e in events)
+
+
+def test_local_policy_files_cannot_grant_rights_once_one_is_applied(applied, tmp_path,
+                                                                   monkeypatch):
+    own = tmp_path / "mine.toml"
+    own.write_text('[[access.grants]]\nprincipals = ["mallory"]\nrole = "admin"\n')
+    monkeypatch.setenv("REG_POLICY", str(own))
+    with pytest.warns(UserWarning, match="ignoring .*mine.toml: the catalog has policy v1"):
+        with as_user("mallory") as mallory:
+            with pytest.raises(PermissionDenied):
+                mallory.audit_log()
+
+
+def test_refs_cannot_escape_their_project(applied):
+    with as_user("alice") as alice:
+        for ref in ("team-a/../team-b/r@step2", "../team-b/r@step2", "team-a/..@step2"):
+            with pytest.raises(MalformedRef):
+                alice.show(ref)
+
+
+def test_cli_denial_is_one_line_exit_4(applied, cli, ckpts):
+    res = cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "3", "--project",
+              "team-b", env={"REG_USER": "alice"})
+    assert res.returncode == 4
+    assert res.stderr.strip().splitlines() == [
+        "reg: error: alice may not push team-b/r@step3 (needs a trainer grant covering project "
+        "team-b (ask an admin to add it to the policy))"]
+    res = cli("audit", "--json", env={"REG_USER": "dave"})
+    assert res.returncode == 0
+    assert json.loads(res.stdout)[-1]["outcome"] == "denied"
+    assert cli("gc", "--dry-run", env={"REG_USER": "bob"}).returncode == 4
+
+
+def test_policy_show_and_export(applied, cli):
+    shown = json.loads(cli("policy", "show", "--json", env={"REG_USER": "bob"}).stdout)
+    assert shown["source"].startswith("catalog policy v1")
+    res = cli("policy", "export", "--bucket", "ml/reg", env={"REG_USER": "dave"})
+    assert res.returncode == 0
+    assert "left out principals with no [access.aws] ARN: bob" in res.stderr
+    doc = json.loads(res.stdout)
+    sids = {s["Sid"]: s for s in doc["Statement"]}
+    alice_write = next(s for s in doc["Statement"] if s["Sid"].endswith("WriteCheckpoints")
+                       and "trainer-alice" in str(s["Principal"]))
+    assert alice_write["Resource"] == ["arn:aws:s3:::ml/reg/ckpt/team-a/*"]
+    deny = sids["NoReleaseDeletes"]
+    assert deny["Effect"] == "Deny" and "s3:DeleteObject" in deny["Action"]
+    assert "admin-dave" not in str(deny["Principal"])
+    assert sids["ReleaseWritesMustNotOverwrite"]["Condition"] == {
+        "Null": {"s3:if-none-match": "true"}}
+    assert cli("policy", "export", "--bucket", "ml", env={"REG_USER": "bob"}).returncode == 4
+
+
+def test_policy_check_cli(tmp_path, cli):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[access.grants]]\nprincipals = ["x"]\nrole = "owner"\n')
+    res = cli("policy", "check", bad)
+    assert res.returncode == 2 and f"{bad}:3: access.grants.0.role" in res.stderr
