@@ -13,9 +13,25 @@ from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, table
 
 
+storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
+
+
 def register(app: typer.Typer) -> None:
     app.command("gc")(gc)
     app.command("audit")(audit)
+    app.add_typer(storage_app, name="storage")
+    storage_app.command("init")(storage_init)
+
+
+def storage_init(json_output: bool = JSON_OPTION) -> None:
+    """Check the store (bucket, versioning, Object Lock) and set its lifecycle rules (admin)."""
+    with open_registry() as reg:
+        out = reg.storage_init()
+    if json_output:
+        emit_json(out)
+        return
+    for key, value in out.items():
+        print(f"{key}: {', '.join(value) if isinstance(value, list) else value}")
 
 
 def gc(

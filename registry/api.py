@@ -51,7 +51,11 @@ class Registry:
         if self._store is None:
             from registry.storage import open_store
 
-            self._store = open_store(self.settings.store_url)
+            store = open_store(self.settings.store_url)
+            configure = getattr(store, "configure_lock", None)
+            if configure is not None:  # Object Lock for release objects, from [release]
+                configure(self.policy.release.object_lock, self.policy.release.lock_days)
+            self._store = store
         return self._store
 
     @property
@@ -321,6 +325,24 @@ class Registry:
         from registry.catalog.models import YANKED
 
         return releases.set_status(self, _release(ref), YANKED, reason)
+
+    def storage_init(self) -> dict[str, Any]:
+        """Check the store and set lifecycle rules (S3); create the root (local)."""
+        from registry import audit
+
+        self.authorize("storage", target=self.settings.store_url)
+        init = getattr(self.store, "init", None)
+        if init is not None:
+            out: dict[str, Any] = init()
+        else:
+            root = Path(self.settings.store_url.removeprefix("file://"))
+            root.mkdir(parents=True, exist_ok=True)
+            out = {"store": self.settings.store_url, "kind": "local filesystem",
+                   "note": "nothing to configure: objects are put-if-absent via link()"}
+        with self.catalog.session(write=True) as s:
+            audit.record(s, self.user, "storage-init", self.settings.store_url, **{
+                k: v for k, v in out.items() if isinstance(v, bool | str)})
+        return out
 
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None

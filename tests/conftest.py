@@ -44,6 +44,32 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
 
 
 @pytest.fixture(scope="session")
+def moto_server():  # type: ignore[no-untyped-def]
+    """One S3-compatible server (moto) for the session, on a free port on 127.0.0.1."""
+    from tests.s3server import MotoServer
+
+    server = MotoServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket and the AWS_* environment pointing at the test server; returns the URL."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    bucket = f"reg-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_server.url).create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/reg"
+    monkeypatch.setenv("REG_STORE_URL", url)
+    return url
+
+
+@pytest.fixture(scope="session")
 def bad_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
     """A checkpoint whose last step has a NaN weight, and a weights-only one (ws=2)."""
     base = tmp_path_factory.mktemp("bad")

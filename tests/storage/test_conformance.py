@@ -13,11 +13,11 @@ from registry.errors import Conflict, NotFound, ObjectExists, UsageError
 from registry.storage import ObjectStore, open_store
 
 
-@pytest.fixture(params=["local"])
+@pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     if request.param == "local":
         return open_store((tmp_path / "store").as_uri())
-    raise AssertionError(request.param)
+    return open_store(request.getfixturevalue("s3_env"))
 
 
 def _file(tmp_path: Path, name: str, data: bytes) -> Path:

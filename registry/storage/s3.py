@@ -1,0 +1,444 @@
+"""The S3 store (AWS S3, MinIO, Ceph RGW, ... through boto3). The only module that imports boto3.
+
+Every write is conditional (`If-None-Match: *` on PutObject and CompleteMultipartUpload): 412 means
+the object exists (the caller compares digests), 409 a concurrent write (the upload is retried
+whole). Large objects go up as multipart uploads with parallel parts, the part size growing with
+the file (S3 allows 10,000 parts), a bounded number of parts in memory, and sha256 computed in
+the same pass: S3's own multipart checksums are composites of part checksums, so the manifest
+is the record of each file's digest. Reads are ranged GETs. Where the bucket has Object Lock,
+release objects get a retention; on versioned buckets a delete removes every version, so freed
+bytes are real.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlparse
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from registry.errors import Conflict, NotFound, ObjectExists, RegistryError, UsageError
+from registry.storage.base import (
+    CHUNK,
+    ObjectInfo,
+    Producer,
+    Progress,
+    PutResult,
+    check_deletable,
+    check_key,
+)
+
+MIN_PART = 8 * 1024 * 1024
+MAX_PARTS = 10_000
+IN_FLIGHT = 4  # parts in memory per upload
+PART_RETRIES = 4
+
+
+def part_size_for(size: int) -> int:
+    """Smallest part size (whole MiB, >= 8 MiB) that fits `size` in 10,000 parts."""
+    needed = -(-size // MAX_PARTS)
+    mib = 1024 * 1024
+    return max(MIN_PART, -(-needed // mib) * mib)
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str = "", client: Any = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.client = client or _client()
+        self._lock_mode: str | None = None
+        self._lock_days = 0
+        self._bucket_lock: bool | None = None
+        self._versioned: bool | None = None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reg-s3")
+
+    @classmethod
+    def from_url(cls, url: str) -> S3Store:
+        parsed = urlparse(url)
+        if not parsed.netloc:
+            raise UsageError(f"bad S3 URL {url!r}", "write s3://bucket/prefix")
+        return cls(parsed.netloc, parsed.path)
+
+    def configure_lock(self, mode: str, days: int) -> None:
+        """Object Lock settings for immutable (release) objects, from `[release]` policy."""
+        self._lock_mode = None if mode == "off" else mode
+        self._lock_days = days
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _key(self, key: str, *, prefix_ok: bool = False) -> str:
+        check_key(key[:-1] if prefix_ok and key.endswith("/") else key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def describe(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key, prefix_ok=True)}"
+
+    # -- writes --------------------------------------------------------------------------------
+    def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
+        digest = hashlib.sha256(data).hexdigest()
+        self._call(key, lambda: self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*",
+            **self._lock_args(immutable)))
+        return PutResult(key, len(data), digest)
+
+    def put_file(self, key: str, src: Path, *, immutable: bool = False,
+                 progress: Progress = None) -> PutResult:
+        size = os.path.getsize(src)
+        part = part_size_for(size)
+        with open(src, "rb") as f:
+            if size <= part:
+                data = f.read()
+                result = self.put_bytes(key, data, immutable=immutable)
+                if progress:
+                    progress(len(data))
+                return result
+            return self._multipart(key, _file_parts(f, part), immutable, progress)
+
+    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
+        buffer = bytearray()
+        pending: list[bytes | None] = []
+        lock = threading.Condition()
+
+        def write(data: Any) -> None:
+            view = memoryview(data).cast("B")
+            buffer.extend(view)
+            while len(buffer) >= MIN_PART * 2:
+                chunk = bytes(buffer[:MIN_PART * 2])
+                del buffer[:MIN_PART * 2]
+                with lock:
+                    while len(pending) >= 2 and not failure:  # bounded memory
+                        lock.wait(0.1)
+                    if failure:
+                        raise failure[0]
+                    pending.append(chunk)
+                    lock.notify_all()
+
+        # The producer runs on this thread and the upload reads the queue on another.
+        result: list[PutResult] = []
+        failure: list[BaseException] = []
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                with lock:
+                    while not pending:
+                        lock.wait()
+                    item = pending.pop(0)
+                    lock.notify_all()
+                if item is None:
+                    return
+                yield item
+
+        def upload() -> None:
+            try:
+                result.append(self._multipart(key, chunks(), immutable, None))
+            except BaseException as exc:
+                failure.append(exc)
+                with lock:
+                    lock.notify_all()
+
+        uploader = threading.Thread(target=upload, name="reg-s3-stream")
+        uploader.start()
+        try:
+            produce(write)
+        finally:
+            with lock:
+                if buffer:
+                    pending.append(bytes(buffer))
+                pending.append(None)
+                lock.notify_all()
+            uploader.join()
+        if failure:
+            raise failure[0]
+        return result[0]
+
+    def _multipart(self, key: str, parts: Iterator[bytes], immutable: bool,
+                   progress: Progress) -> PutResult:
+        """Upload parts in parallel (at most IN_FLIGHT in memory), hashing them in order."""
+        full_key = self._key(key)
+        for attempt in range(3):
+            upload_id = self._call(key, lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=full_key, **self._lock_args(immutable)))["UploadId"]
+            digest, size, done = hashlib.sha256(), 0, []
+            in_flight: list[tuple[int, Future[dict[str, Any]]]] = []
+            try:
+                for number, data in enumerate(parts, start=1):
+                    digest.update(data)
+                    size += len(data)
+                    in_flight.append((number, self._pool.submit(
+                        self._upload_part, full_key, upload_id, number, data, progress)))
+                    while len(in_flight) >= IN_FLIGHT:
+                        n, fut = in_flight.pop(0)
+                        done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+                for n, fut in in_flight:
+                    done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+                if not done:  # an empty object
+                    done.append({"PartNumber": 1, "ETag": self._upload_part(
+                        full_key, upload_id, 1, b"", None)["ETag"]})
+                completed = self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full_key, UploadId=upload_id,
+                    MultipartUpload={"Parts": done}, IfNoneMatch="*")
+                self._retain(full_key, completed.get("VersionId"), immutable)
+                return PutResult(key, size, digest.hexdigest())
+            except ClientError as exc:
+                self._abort(full_key, upload_id)
+                code = _code(exc)
+                if code in ("PreconditionFailed", "412"):
+                    raise ObjectExists(key) from None
+                if code in ("ConditionalRequestConflict", "409") and attempt < 2:
+                    continue  # a concurrent write: retry the whole upload (parts are gone)
+                raise _translate(exc, key) from exc
+            except BaseException:
+                self._abort(full_key, upload_id)
+                raise
+        raise Conflict(f"{key}: concurrent writes kept conflicting", "retry")
+
+    def _upload_part(self, full_key: str, upload_id: str, number: int, data: bytes,
+                     progress: Progress) -> dict[str, Any]:
+        for attempt in range(PART_RETRIES):
+            try:
+                out = self.client.upload_part(Bucket=self.bucket, Key=full_key,
+                                              UploadId=upload_id, PartNumber=number, Body=data)
+                if progress:
+                    progress(len(data))
+                return dict(out)
+            except (ClientError, BotoCoreError) as exc:
+                if attempt == PART_RETRIES - 1 or not _retryable(exc):
+                    raise
+                time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def _abort(self, full_key: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full_key,
+                                               UploadId=upload_id)
+        except (ClientError, BotoCoreError):
+            pass  # the lifecycle rule of `reg storage init` cleans up what is left
+
+    def _retain(self, full_key: str, version_id: str | None, immutable: bool) -> None:
+        """Set the retention explicitly after a multipart upload: some S3-compatible servers
+        ignore the lock headers of CreateMultipartUpload (moto does), and on AWS this only
+        repeats what the headers set."""
+        args = self._lock_args(immutable)
+        if not args:
+            return
+        extra = {"VersionId": version_id} if version_id else {}
+        self._call(full_key, lambda: self.client.put_object_retention(
+            Bucket=self.bucket, Key=full_key, Retention={
+                "Mode": args["ObjectLockMode"],
+                "RetainUntilDate": args["ObjectLockRetainUntilDate"]}, **extra))
+
+    def _lock_args(self, immutable: bool) -> dict[str, Any]:
+        if not immutable or self._lock_mode is None or not self.bucket_has_lock():
+            return {}
+        until = dt.datetime.now(dt.UTC) + dt.timedelta(days=self._lock_days)
+        return {"ObjectLockMode": self._lock_mode, "ObjectLockRetainUntilDate": until}
+
+    # -- reads ---------------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            out = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise _translate(exc, key) from exc
+        except BotoCoreError as exc:
+            raise _translate(exc, key) from exc
+        return ObjectInfo(key, int(out["ContentLength"]), out.get("VersionId"))
+
+    def _get(self, key: str, **kwargs: Any) -> Any:
+        return self._call(key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=self._key(key), **kwargs))["Body"]
+
+    def get_bytes(self, key: str) -> bytes:
+        return bytes(self._get(key).read())
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        data = self._get(key, Range=f"bytes={offset}-{offset + length - 1}").read()
+        if len(data) != length:
+            from registry.errors import IntegrityError
+
+            raise IntegrityError(f"object {key} is truncated: wanted bytes "
+                                 f"{offset}..{offset + length}, got {len(data)}",
+                                 "run `reg verify` on the checkpoint")
+        return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
+
+    def open_read(self, key: str) -> BinaryIO:
+        import io
+
+        return io.BytesIO(self.get_bytes(key))
+
+    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
+        """Parallel ranged GETs, written in order while hashing; fsynced."""
+        head = self.head(key)
+        if head is None:
+            raise NotFound(f"object {key} is missing from the store")
+        part = part_size_for(head.size)
+        ranges = [(o, min(part, head.size - o)) for o in range(0, head.size, part)]
+        digest = hashlib.sha256()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            futures: list[Future[bytes]] = []
+            for offset, length in ranges:
+                futures.append(self._pool.submit(self.read_range, key, offset, length))
+                while len(futures) > IN_FLIGHT:
+                    self._write_part(fd, futures.pop(0).result(), digest, progress)
+            for fut in futures:
+                self._write_part(fd, fut.result(), digest, progress)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return PutResult(key, head.size, digest.hexdigest())
+
+    @staticmethod
+    def _write_part(fd: int, data: bytes, digest: Any, progress: Progress) -> None:
+        digest.update(data)
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+        if progress:
+            progress(len(data))
+
+    def sha256(self, key: str, *, progress: Progress = None) -> str:
+        digest = hashlib.sha256()
+        body = self._get(key)
+        for chunk in body.iter_chunks(CHUNK):
+            digest.update(chunk)
+            if progress:
+                progress(len(chunk))
+        return digest.hexdigest()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        full = base + prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                for obj in page.get("Contents", []):
+                    yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]))
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, prefix) from exc
+
+    # -- deletes -------------------------------------------------------------------------------
+    def delete(self, key: str) -> int:
+        check_deletable(key)
+        full = self._key(key)
+        if not self.versioned():
+            head = self.head(key)
+            if head is None:
+                return 0
+            self._call(key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
+            return head.size
+        # Versioned (Object Lock needs it): a plain delete only adds a marker, so delete every
+        # version and marker of this key by id; the freed bytes are then real.
+        freed = 0
+        out = self._call(key, lambda: self.client.list_object_versions(Bucket=self.bucket,
+                                                                       Prefix=full))
+        for version in out.get("Versions", []) + out.get("DeleteMarkers", []):
+            if version["Key"] != full:
+                continue
+            self._call(key, lambda v=version: self.client.delete_object(
+                Bucket=self.bucket, Key=full, VersionId=v["VersionId"]))
+            freed += int(version.get("Size", 0))
+        return freed
+
+    # -- bucket --------------------------------------------------------------------------------
+    def versioned(self) -> bool:
+        if self._versioned is None:
+            out = self._call("", lambda: self.client.get_bucket_versioning(Bucket=self.bucket))
+            self._versioned = out.get("Status") in ("Enabled", "Suspended")
+        return self._versioned
+
+    def bucket_has_lock(self) -> bool:
+        if self._bucket_lock is None:
+            try:
+                out = self.client.get_object_lock_configuration(Bucket=self.bucket)
+                self._bucket_lock = (out.get("ObjectLockConfiguration", {})
+                                     .get("ObjectLockEnabled") == "Enabled")
+            except ClientError:
+                self._bucket_lock = False
+        return self._bucket_lock
+
+    def init(self) -> dict[str, Any]:
+        """Check the bucket and set lifecycle rules (`reg storage init`)."""
+        self._call("", lambda: self.client.head_bucket(Bucket=self.bucket))
+        versioned, locked = self.versioned(), self.bucket_has_lock()
+        base = f"{self.prefix}/" if self.prefix else ""
+        rules: list[dict[str, Any]] = [{
+            "ID": "reg-abort-incomplete-multipart", "Status": "Enabled",
+            "Filter": {"Prefix": base},
+            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}]
+        if versioned:
+            rules.append({"ID": "reg-expire-noncurrent-checkpoints", "Status": "Enabled",
+                          "Filter": {"Prefix": f"{base}ckpt/"},
+                          "NoncurrentVersionExpiration": {"NoncurrentDays": 1}})
+        self._call("", lambda: self.client.put_bucket_lifecycle_configuration(
+            Bucket=self.bucket, LifecycleConfiguration={"Rules": rules}))
+        return {"bucket": self.bucket, "prefix": self.prefix, "versioning": versioned,
+                "object_lock": locked, "lifecycle_rules": [r["ID"] for r in rules]}
+
+    # -- errors --------------------------------------------------------------------------------
+    def _call(self, key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):
+                raise ObjectExists(key) from None
+            raise _translate(exc, key) from exc
+        except BotoCoreError as exc:
+            raise _translate(exc, key) from exc
+
+
+def _file_parts(f: BinaryIO, part: int) -> Iterator[bytes]:
+    while data := f.read(part):
+        yield data
+
+
+def _client() -> Any:
+    config = Config(retries={"mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
+                             "max_attempts": 10},
+                    max_pool_connections=32, s3={"addressing_style": "path"},
+                    connect_timeout=10, read_timeout=60)
+    return boto3.session.Session().client("s3", config=config)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ClientError):
+        return _code(exc) in ("SlowDown", "500", "502", "503", "504", "InternalError",
+                              "ServiceUnavailable", "RequestTimeout", "ThrottlingException")
+    return True  # connection errors
+
+
+def _translate(exc: BaseException, key: str) -> RegistryError:
+    if isinstance(exc, ClientError):
+        code = _code(exc)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return NotFound(f"object {key} is missing from the store")
+        if code in ("NoSuchBucket",):
+            return UsageError(f"S3 bucket does not exist: {exc}", "check REG_STORE_URL")
+        if code in ("AccessDenied", "403", "AllAccessDisabled"):
+            return RegistryError(f"S3 refused access to {key or 'the bucket'}: {code}",
+                                 "check the credentials and the bucket policy")
+        return RegistryError(f"S3 error on {key or 'the bucket'}: {code}: "
+                             f"{exc.response.get('Error', {}).get('Message', '')}",
+                             "retry; a failed push leaves nothing visible")
+    return RegistryError(f"cannot reach S3 for {key or 'the bucket'}: {exc}",
+                         "check AWS_ENDPOINT_URL and the network; retry")

@@ -1,0 +1,112 @@
+"""A real S3-compatible server for the tests (moto, over HTTP on 127.0.0.1), and a fault-injecting
+HTTP proxy that sits between boto3 and it."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoServer:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class FaultyProxy:
+    """Forwards requests to `upstream`; a share of them get 500, 503 SlowDown, or a dropped
+    connection instead. Bounded: it only serves the test that started it, on 127.0.0.1."""
+
+    def __init__(self, upstream_port: int, fault_rate: float, seed: int = 0) -> None:
+        self.upstream_port = upstream_port
+        self.fault_rate = fault_rate
+        self.random = random.Random(seed)
+        self.faults = 0
+        self.requests = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy.lock:
+                    proxy.requests += 1
+                    roll = proxy.random.random()
+                    fault = roll < proxy.fault_rate
+                    kind = proxy.random.choice(["500", "503", "drop"]) if fault else ""
+                    proxy.faults += fault
+                if kind == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if kind:
+                    code = "SlowDown" if kind == "503" else "InternalError"
+                    payload = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                               f"<Message>injected</Message></Error>").encode()
+                    self.send_response(int(kind))
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> FaultyProxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
