@@ -168,7 +168,8 @@ class S3Store:
         full_key = self._key(key)
         for attempt in range(3):
             upload_id = self._call(key, lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=full_key, **self._lock_args(immutable)))["UploadId"]
+                Bucket=self.bucket, Key=full_key, ChecksumAlgorithm="CRC32",
+                **self._lock_args(immutable)))["UploadId"]
             digest, size, done = hashlib.sha256(), 0, []
             in_flight: list[tuple[int, Future[dict[str, Any]]]] = []
             try:
@@ -179,12 +180,12 @@ class S3Store:
                         self._upload_part, full_key, upload_id, number, data, progress)))
                     while len(in_flight) >= IN_FLIGHT:
                         n, fut = in_flight.pop(0)
-                        done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+                        done.append(_completed(n, fut.result()))
                 for n, fut in in_flight:
-                    done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+                    done.append(_completed(n, fut.result()))
                 if not done:  # an empty object
-                    done.append({"PartNumber": 1, "ETag": self._upload_part(
-                        full_key, upload_id, 1, b"", None)["ETag"]})
+                    done.append(_completed(1, self._upload_part(full_key, upload_id, 1, b"",
+                                                                None)))
                 completed = self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=full_key, UploadId=upload_id,
                     MultipartUpload={"Parts": done}, IfNoneMatch="*")
@@ -207,8 +208,10 @@ class S3Store:
                      progress: Progress) -> dict[str, Any]:
         for attempt in range(PART_RETRIES):
             try:
+                # CRC32 per part, as boto3's own transfers do: the server checks each part.
                 out = self.client.upload_part(Bucket=self.bucket, Key=full_key,
-                                              UploadId=upload_id, PartNumber=number, Body=data)
+                                              UploadId=upload_id, PartNumber=number, Body=data,
+                                              ChecksumAlgorithm="CRC32")
                 if progress:
                     progress(len(data))
                 return dict(out)
@@ -401,6 +404,13 @@ class S3Store:
             raise _translate(exc, key) from exc
         except BotoCoreError as exc:
             raise _translate(exc, key) from exc
+
+
+def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
+    out = {"PartNumber": number, "ETag": part["ETag"]}
+    if part.get("ChecksumCRC32"):
+        out["ChecksumCRC32"] = part["ChecksumCRC32"]
+    return out
 
 
 def _file_parts(f: BinaryIO, part: int) -> Iterator[bytes]:
