@@ -13,6 +13,7 @@ import typer
 
 from cli import admin as admin_commands
 from cli import checkpoints as checkpoint_commands
+from cli import mirror as mirror_commands
 from cli import policy as policy_commands
 from cli import releases as release_commands
 
@@ -28,6 +29,7 @@ checkpoint_commands.register(app)
 release_commands.register(app)
 admin_commands.register(app)
 policy_commands.register(app)
+mirror_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

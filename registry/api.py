@@ -34,6 +34,7 @@ class Registry:
         self._policy: Policy | None = None
         self._policy_source: str | None = None
         self._policy_doc: tuple[str, str] | None = None
+        self._outbox_dirty = False
 
     # -- parts -------------------------------------------------------------------------------
     @property
@@ -127,6 +128,11 @@ class Registry:
             return True  # let the full parse report the error
 
     def close(self) -> None:
+        if self._outbox_dirty:
+            self._outbox_dirty = False
+            from registry.mirror_spawn import spawn_drain
+
+            spawn_drain(self.settings)
         if self._catalog is not None:
             self._catalog.dispose()
 
@@ -196,7 +202,9 @@ class Registry:
         return explain(self, project, run, ckpt)
 
     def after_commit(self) -> None:
-        """Hook run after a catalog change commits (the MLflow mirror drains from here)."""
+        """A catalog change with an outbox event committed: the MLflow mirror drains after the
+        command, in a detached process (see `close`)."""
+        self._outbox_dirty = True
 
     def policy_digest(self) -> str:
         return hashlib.sha256(self.policy.model_dump_json().encode()).hexdigest()

@@ -25,7 +25,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import col, select
 
-from registry import audit
+from registry import audit, outbox
 from registry.catalog import queries
 from registry.catalog.models import (
     COMMITTED,
@@ -486,6 +486,14 @@ def _commit(
             files=len(uploaded),
             reused=sum(u.reused for u in uploaded),
         )
+        ttl = reg.policy.retention.for_project(ref.project).ttl
+        outbox.emit(s, outbox.CHECKPOINT_COMMITTED, project=ref.project, run=ref.run,
+                    step=ref.step, ref=str(ref), world_size=manifest["world_size"],
+                    bytes=manifest["bytes"], resumable=manifest["resume"]["resumable"],
+                    missing_state=manifest["resume"]["missing"], metrics=manifest["metrics"],
+                    uri=reg.store.describe(checkpoint_prefix(ref.project, ref.run, ref.step or 0)),
+                    manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+                    committed_at=now(), expires_at=None if ttl == float("inf") else now() + ttl)
         s.flush()
         ckpt = s.get(Checkpoint, claim.checkpoint_id)
         assert ckpt is not None

@@ -20,7 +20,7 @@ from sqlalchemy import delete, update
 from sqlmodel import col, select
 
 from policies.retention import DELETE, CheckpointRecord, Protections, plan
-from registry import audit
+from registry import audit, outbox
 from registry.catalog.models import (
     COMMITTED,
     DELETED,
@@ -240,6 +240,9 @@ def _delete_objects(reg: Registry, prefix: str, ref: str, errors: list[str],
                 s.add(row)
                 audit.record(s, reg.user, "gc", ref, reason=row.delete_reason or reason,
                              freed_bytes=freed)
+                outbox.emit(s, outbox.CHECKPOINT_COLLECTED, project=project, run=run_name,
+                            step=step, ref=ref, reason=row.delete_reason or reason)
+                reg.after_commit()
     return freed
 
 

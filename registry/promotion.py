@@ -36,7 +36,7 @@ from policies.gates import (
     usable_validation,
 )
 from policies.loader import parse_size
-from registry import audit
+from registry import audit, outbox
 from registry.catalog.models import (
     ACTIVE,
     RELEASE_PENDING,
@@ -369,6 +369,11 @@ def _build_and_commit(
         m = s.exec(select(Model).where(Model.name == model)).one()
         release = s.get(Release, release_id)
         assert release is not None
+        outbox.emit(s, outbox.RELEASE_CREATED, model=model, version=version, release=name,
+                    sha256=digest, uri=reg.store.describe(dest), source=str(source),
+                    project=source.project, run=source.run, step=source.step,
+                    validation_id=validation.id, validation_device=validation.device,
+                    validation_passed=validation.passed, files=len(files))
         if alias is not None:
             move_alias(s, reg, m, alias, release)
         audit.record(s, reg.user, "promote", name, source=str(source),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from registry import audit
+from registry import audit, outbox
 from registry.catalog.models import (
     DEPRECATED,
     RELEASE_PENDING,
@@ -224,6 +224,9 @@ def move_alias(session: Session, reg: Registry, model: Model, alias: str, releas
                                to_version=release.version, ts=now(), actor=reg.user))
         audit.record(session, reg.user, "alias", f"{model.name}@{alias}",
                      to=f"v{release.version}", **{"from": f"v{previous}" if previous else None})
+        outbox.emit(session, outbox.ALIAS_MOVED, model=model.name, alias=alias,
+                    version=release.version)
+        reg.after_commit()
     return previous
 
 
@@ -257,6 +260,9 @@ def set_status(reg: Registry, ref: ReleaseRef, status: str, reason: str | None =
         release.status_changed_at, release.status_changed_by = now(), reg.user
         s.add(release)
         audit.record(s, reg.user, action, f"{model.name}:v{release.version}", reason=reason)
+        outbox.emit(s, outbox.RELEASE_STATUS, model=model.name, version=release.version,
+                    status=status, reason=reason)
+        reg.after_commit()
         return view(s, model, release)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry import audit
+from registry import audit, outbox
 from registry.catalog.models import Validation
 from registry.checkpoints import check_stored_files, checkpoint_prefix, resolve
 from registry.errors import RegistryError, UsageError
@@ -157,7 +157,11 @@ def validate(
         audit.record(s, reg.user, "validate", str(full),
                      audit.ALLOWED if out.passed else audit.FAILED, device=dev,
                      validation_id=row.id)
+        outbox.emit(s, outbox.CHECKPOINT_VALIDATED, project=full.project, run=full.run,
+                    step=full.step, ref=str(full), passed=out.passed, device=dev,
+                    device_name=device_name(dev), validation_id=row.id, seconds=seconds)
         validation_id = row.id
+    reg.after_commit()
     return {
         "ref": str(full),
         "passed": out.passed,

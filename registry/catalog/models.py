@@ -199,3 +199,17 @@ class Lease(SQLModel, table=True):
     token: str = Field(max_length=64)
     acquired_at: float
     expires_at: float
+
+
+class OutboxEvent(SQLModel, table=True):
+    """Catalog changes waiting to be mirrored into MLflow; written in the same transaction as
+    the change, drained after it (never adding latency to the command)."""
+
+    __tablename__ = "outbox_event"
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float
+    kind: str = Field(max_length=64)
+    payload: dict[str, Any] = _json()
+    done_at: float | None = Field(default=None, index=True)
+    attempts: int = 0
+    last_error: str | None = None

@@ -1,0 +1,32 @@
+"""Start the MLflow drain after a command, detached: importing mlflow alone takes seconds, and
+the command that caused the events must not wait for it (DESIGN §2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from registry.config import Settings
+
+DRAIN_BUDGET_S = 30
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    return (env or os.environ).get("REG_MLFLOW", "on").lower() not in ("off", "0", "false", "no")
+
+
+def spawn_drain(settings: Settings) -> None:
+    if not enabled():
+        return
+    log = settings.home / "mlflow-drain.log"
+    try:
+        settings.home.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            subprocess.Popen(
+                [sys.executable, "-m", "registry.mlflow_mirror", "--budget", str(DRAIN_BUDGET_S)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                close_fds=True, env={**os.environ, "REG_HOME": str(settings.home)},
+            )
+    except OSError:
+        pass  # the events wait; `reg mlflow sync` or the next command drains them

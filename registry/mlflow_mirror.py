@@ -1,0 +1,303 @@
+"""Mirror the catalog into MLflow (the only module that imports mlflow).
+
+The catalog is the source of truth; MLflow is a view. Outbox events are applied in order, each
+idempotently (objects are found by `reg.*` tags before anything is created), so a replay after a
+crash or an outage creates no duplicates. A drain has a time budget: if MLflow is down or slow it
+gives up, the events wait, and a later drain (the next command, `reg mlflow sync`) catches up.
+
+Mapping: project -> experiment; run -> MLflow run of the same name; checkpoint -> an external
+LoggedModel (nothing copied) named like `run42-step9000`, linked to the run at its step, with
+params and tags (step, world size, bytes, state, resumable, store URI, manifest digest, expiry),
+and the push metrics logged on the run at that step; release -> registered model version whose
+source is the release URI (S3) or the release's external LoggedModel (`models:/m-...`, local
+stores), tagged with its digest, registry version, source and validation; aliases as set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+from sqlmodel import col, select
+
+from registry.catalog.models import Lease, OutboxEvent
+from registry.errors import RegistryError
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+
+DRAIN_LEASE = "mlflow-drain"
+_UNSAFE = re.compile(r"[/:.%\"']")
+
+
+def safe_name(name: str) -> str:
+    """LoggedModel and registered model names refuse / : . % " '."""
+    return _UNSAFE.sub("-", name)
+
+
+class Mirror:
+    def __init__(self, reg: Registry) -> None:
+        import mlflow  # noqa: F401 - seconds of import, paid only by the drain
+        from mlflow import MlflowClient
+
+        self.reg = reg
+        self.client = MlflowClient(tracking_uri=reg.settings.mlflow_tracking_uri)
+        self._experiments: dict[str, str] = {}
+        self._runs: dict[tuple[str, str], str] = {}
+
+    # -- lookups (create if missing) -----------------------------------------------------------
+    def experiment(self, project: str) -> str:
+        if project not in self._experiments:
+            exp = self.client.get_experiment_by_name(project)
+            if exp is None:
+                artifacts = (self.reg.settings.home / "mlflow-artifacts" / project).as_uri()
+                exp_id = self.client.create_experiment(project, artifact_location=artifacts,
+                                                       tags={"reg.project": project})
+            else:
+                exp_id = exp.experiment_id
+            self._experiments[project] = exp_id
+        return self._experiments[project]
+
+    def run(self, project: str, run: str) -> str:
+        key = (project, run)
+        if key not in self._runs:
+            exp = self.experiment(project)
+            found = self.client.search_runs([exp], filter_string=f"tags.`reg.run` = '{run}'",
+                                            max_results=1)
+            if found:
+                self._runs[key] = found[0].info.run_id
+            else:
+                created = self.client.create_run(exp, run_name=run, tags={
+                    "reg.run": run, "reg.project": project})
+                self._runs[key] = created.info.run_id
+        return self._runs[key]
+
+    def logged_model(self, project: str, ref: str) -> Any | None:
+        found = self.client.search_logged_models(
+            experiment_ids=[self.experiment(project)],
+            filter_string=f"tags.`reg.ref` = '{ref}'", max_results=1)
+        return found[0] if found else None
+
+    def model_version(self, model: str, version: int) -> Any | None:
+        name = safe_name(model)
+        try:
+            versions = self.client.search_model_versions(f"name = '{name}'")
+        except Exception:
+            return None
+        return next((v for v in versions if v.tags.get("reg.version") == str(version)), None)
+
+    # -- events --------------------------------------------------------------------------------
+    def apply(self, kind: str, p: dict[str, Any]) -> None:
+        getattr(self, "on_" + kind.replace(".", "_"))(p)
+
+    def on_checkpoint_committed(self, p: dict[str, Any]) -> None:
+        run_id = self.run(p["project"], p["run"])
+        existing = self.logged_model(p["project"], p["ref"])
+        if existing is None:
+            import mlflow
+            from mlflow.entities import LoggedModelOutput
+
+            params = {"step": str(p["step"]), "world_size": str(p["world_size"]),
+                      "bytes": str(p["bytes"]), "resumable": str(p["resumable"]).lower(),
+                      "uri": p["uri"], "manifest_sha256": p["manifest_sha256"]}
+            model = mlflow.create_external_model(
+                name=safe_name(f"{p['run']}-step{p['step']}"), source_run_id=run_id,
+                model_type="checkpoint", experiment_id=self.experiment(p["project"]),
+                params=params, tags={"reg.ref": p["ref"], "reg.kind": "checkpoint",
+                                     "step": str(p["step"]), "state": "committed",
+                                     "reg.expires_at": iso(p.get("expires_at")) or "never",
+                                     "reg.uri": p["uri"]})
+            self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, p["step"])])
+        for key, value in sorted((p.get("metrics") or {}).items()):
+            history = self.client.get_metric_history(run_id, key)
+            if not any(m.step == p["step"] for m in history):
+                self.client.log_metric(run_id, key, float(value), step=p["step"])
+
+    def on_checkpoint_validated(self, p: dict[str, Any]) -> None:
+        model = self.logged_model(p["project"], p["ref"])
+        if model is not None:
+            self.client.set_logged_model_tags(model.model_id, {
+                "reg.validation": "passed" if p["passed"] else "failed",
+                "reg.validation.device": f"{p['device']} ({p['device_name']})",
+                "reg.restore_seconds": str(p["seconds"])})
+
+    def on_checkpoint_collected(self, p: dict[str, Any]) -> None:
+        model = self.logged_model(p["project"], p["ref"])
+        if model is not None:
+            self.client.set_logged_model_tags(model.model_id, {
+                "state": "deleted", "reg.delete_reason": p.get("reason") or ""})
+
+    def on_release_created(self, p: dict[str, Any]) -> None:
+        if self.model_version(p["model"], p["version"]) is not None:
+            return
+        import mlflow
+
+        name = safe_name(p["model"])
+        try:
+            self.client.get_registered_model(name)
+        except Exception:
+            self.client.create_registered_model(name, tags={"reg.model": p["model"]},
+                                                description=f"reg model {p['model']}")
+        run_id = self.run(p["project"], p["run"])
+        tags = {"reg.sha256": p["sha256"], "reg.version": str(p["version"]),
+                "reg.release": p["release"], "reg.source": p["source"], "reg.uri": p["uri"],
+                "reg.validation": "passed" if p["validation_passed"] else "failed",
+                "reg.validation.device": p["validation_device"], "reg.status": "active"}
+        description = (f"{p['release']}: {p['uri']} (sha256 {p['sha256']}), promoted from "
+                       f"{p['source']}")
+        if p["uri"].startswith("s3://"):
+            self.client.create_model_version(name, source=p["uri"], run_id=run_id, tags=tags,
+                                             description=description)
+            return
+        existing = self.logged_model(p["project"], p["release"])
+        logged = existing or mlflow.create_external_model(
+            name=safe_name(f"{p['model']}-v{p['version']}"), source_run_id=run_id,
+            model_type="release", experiment_id=self.experiment(p["project"]),
+            tags={"reg.ref": p["release"], "reg.kind": "release", "reg.uri": p["uri"]})
+        self.client.create_model_version(name, source=f"models:/{logged.model_id}",
+                                         run_id=run_id, tags=tags, description=description,
+                                         model_id=logged.model_id)
+
+    def on_release_alias(self, p: dict[str, Any]) -> None:
+        version = self.model_version(p["model"], p["version"])
+        if version is None:
+            raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
+        self.client.set_registered_model_alias(safe_name(p["model"]), p["alias"],
+                                               version.version)
+
+    def on_release_status(self, p: dict[str, Any]) -> None:
+        version = self.model_version(p["model"], p["version"])
+        if version is None:
+            raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
+        self.client.set_model_version_tag(safe_name(p["model"]), version.version,
+                                          "reg.status", p["status"])
+        if p.get("reason"):
+            self.client.set_model_version_tag(safe_name(p["model"]), version.version,
+                                              "reg.status_reason", p["reason"])
+
+
+def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[str, Any]:
+    """Apply pending outbox events in order until done or out of time. One drain at a time:
+    with `wait`, a running drain is waited for (within the budget), else this one skips."""
+    started = time.monotonic()
+    token = _take_lease(reg, budget_s)
+    while token is None and wait and time.monotonic() - started < budget_s:
+        time.sleep(0.5)
+        token = _take_lease(reg, budget_s)
+    if token is None:
+        return {"applied": 0, "pending": _pending_count(reg), "skipped": "another drain runs"}
+    applied, error = 0, None
+    try:
+        os.chdir(reg.settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
+        mirror = Mirror(reg)
+        while time.monotonic() - started < budget_s:
+            with reg.catalog.session() as s:
+                batch = s.exec(select(OutboxEvent).where(col(OutboxEvent.done_at).is_(None))
+                               .order_by(col(OutboxEvent.id)).limit(50)).all()
+            if not batch:
+                break
+            for event in batch:
+                if time.monotonic() - started >= budget_s:
+                    break
+                try:
+                    mirror.apply(event.kind, event.payload)
+                except Exception as exc:
+                    error = f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}"
+                    _note_failure(reg, event.id or 0, error)
+                    raise _Stop from exc
+                with reg.catalog.session(write=True) as s:
+                    s.exec(update(OutboxEvent).where(col(OutboxEvent.id) == event.id)
+                           .values(done_at=now()))
+                applied += 1
+    except _Stop:
+        pass
+    except Exception as exc:  # MLflow unreachable at start-up, and the like
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    finally:
+        _drop_lease(reg, token)
+    return {"applied": applied, "pending": _pending_count(reg), "error": error}
+
+
+class _Stop(Exception):
+    """Stop at the first failing event: order matters (a version before its alias)."""
+
+
+def _pending_count(reg: Registry) -> int:
+    from sqlalchemy import func
+
+    with reg.catalog.session() as s:
+        return int(s.exec(select(func.count()).select_from(OutboxEvent)
+                          .where(col(OutboxEvent.done_at).is_(None))).one())
+
+
+def _note_failure(reg: Registry, event_id: int, error: str) -> None:
+    with reg.catalog.session(write=True) as s:
+        s.exec(update(OutboxEvent).where(col(OutboxEvent.id) == event_id).values(
+            attempts=OutboxEvent.attempts + 1, last_error=error[:1000]))
+
+
+def _take_lease(reg: Registry, budget_s: float) -> str | None:
+    import socket
+    import uuid
+
+    token = uuid.uuid4().hex
+    with reg.catalog.session(write=True) as s:
+        lease = s.get(Lease, DRAIN_LEASE)
+        if lease is not None and lease.expires_at > now() and _alive(lease):
+            return None
+        if lease is None:
+            lease = Lease(name=DRAIN_LEASE, holder=reg.user, host=socket.gethostname(),
+                          pid=os.getpid(), token=token, acquired_at=now(),
+                          expires_at=now() + budget_s + 60)
+        else:
+            lease.token, lease.pid, lease.acquired_at = token, os.getpid(), now()
+            lease.expires_at = now() + budget_s + 60
+        s.add(lease)
+    return token
+
+
+def _alive(lease: Lease) -> bool:
+    import socket
+
+    if lease.host != socket.gethostname():
+        return True
+    try:
+        os.kill(lease.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _drop_lease(reg: Registry, token: str) -> None:
+    from sqlalchemy import delete
+
+    try:
+        with reg.catalog.session(write=True) as s:
+            s.exec(delete(Lease).where(col(Lease.name) == DRAIN_LEASE,
+                                       col(Lease.token) == token))
+    except RegistryError:
+        pass
+
+
+def main() -> None:
+    """The detached drain started after a command (`python -m registry.mlflow_mirror`)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=30.0)
+    args = parser.parse_args()
+    from registry.api import Registry
+
+    with Registry() as reg:
+        result = drain(reg, args.budget)
+    print(f"{iso(now())} drain: {result}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
