@@ -28,9 +28,14 @@ from bench.common import PY, REG, ROOT, env, evict, rm
 def _measure(args: list[str], environ: dict[str, str]) -> tuple[float, float, dict]:
     """Wall seconds, peak RSS (MiB) and the JSON the worker printed."""
     start = time.perf_counter()
-    proc = subprocess.Popen([PY, "-m", "bench.promotion", "--worker", *args], cwd=ROOT,
-                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [PY, "-m", "bench.promotion", "--worker", *args],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
     out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
@@ -54,29 +59,43 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
     elif mode == "dcp_load":
         reader = dcp.FileSystemReader(src)
         md = reader.read_metadata()  # trusted here: our own benchmark file
-        model = {k: torch.empty(v.size, dtype=v.properties.dtype)
-                 for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+        model = {
+            k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in md.state_dict_metadata.items()
+            if k.startswith("model.")
+        }
         dcp.load(model, storage_reader=reader)
         save_file({k.removeprefix("model."): v for k, v in model.items()}, out)
     elif mode == "reg":
         os.environ["REG_HOME"] = home
         from registry import Registry
-        from registry.consolidate import consolidate
+        from registry.consolidate import consolidate, model_tensor_names
         from registry.formats.dcp import METADATA, inventory, load_metadata
-        from registry.consolidate import model_tensor_names
 
         with Registry() as reg:
             prefix = "ckpt/default/bench/step-0/"
             inv = inventory(load_metadata(reg.store.get_bytes(prefix + METADATA), light=True))
             names = model_tensor_names(inv, ["model"], "model")
             dest = f"release/bench/v{time.time_ns()}/"
-            consolidate(reg.store, prefix, inv, names, dest, cast=None, max_shard_bytes=5 * 10**9,
-                        metadata={"format": "pt"}, tie_groups=[])
+            consolidate(
+                reg.store,
+                prefix,
+                inv,
+                names,
+                dest,
+                cast=None,
+                max_shard_bytes=5 * 10**9,
+                metadata={"format": "pt"},
+                tie_groups=[],
+            )
     elif mode == "bare_load":
         reader = dcp.FileSystemReader(src)
         md = reader.read_metadata()
-        state = {k: torch.empty(v.size, dtype=v.properties.dtype)
-                 for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        state = {
+            k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in md.state_dict_metadata.items()
+            if hasattr(v, "chunks")
+        }
         state |= {k: None for k, v in md.state_dict_metadata.items() if not hasattr(v, "chunks")}
         start = time.perf_counter()
         dcp.load(state, storage_reader=reader)
@@ -99,12 +118,20 @@ def main() -> None:
     home = work / "promo-home"
     rm(home)
     e = env(home, REG_POLICY=str(ROOT / "examples" / "cpu-policy.toml"))
-    subprocess.run([*REG, "push-ckpt", str(src), "--run", "bench", "--step", "0", "--json"],
-                   env=e, cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [*REG, "push-ckpt", str(src), "--run", "bench", "--step", "0", "--json"],
+        env=e,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     stored = home / "store" / "ckpt" / "default" / "bench" / "step-0"
-    print(f"checkpoint: {sum(f.stat().st_size for f in src.iterdir()) / 2**30:.2f} GiB "
-          f"(ws=2, model + AdamW); files evicted from the page cache before each run; "
-          f"median of {args.repeat}", flush=True)
+    print(
+        f"checkpoint: {sum(f.stat().st_size for f in src.iterdir()) / 2**30:.2f} GiB "
+        f"(ws=2, model + AdamW); files evicted from the page cache before each run; "
+        f"median of {args.repeat}",
+        flush=True,
+    )
 
     results: dict[str, list[tuple[float, float]]] = {"today": [], "dcp_load": [], "reg": []}
     for i in range(args.repeat):
@@ -115,29 +142,44 @@ def main() -> None:
             results[mode].append((wall, rss))
             rm(out)
             Path(str(out) + ".pt").unlink(missing_ok=True)
-    med = {m: (statistics.median(w for w, _ in r), statistics.median(s for _, s in r))
-           for m, r in results.items()}
+    med = {
+        m: (statistics.median(w for w, _ in r), statistics.median(s for _, s in r))
+        for m, r in results.items()
+    }
     reg_wall, reg_rss = med["reg"]
-    for mode, label in (("today", "(a) dcp_to_torch_save+load+save_file"),
-                        ("dcp_load", "(b) dcp.load model keys+save_file")):
+    for mode, label in (
+        ("today", "(a) dcp_to_torch_save+load+save_file"),
+        ("dcp_load", "(b) dcp.load model keys+save_file"),
+    ):
         wall, rss = med[mode]
-        print(f"consolidate vs {label:<38} reg {reg_wall:6.2f}s {reg_rss:6.0f} MiB | "
-              f"baseline {wall:6.2f}s {rss:6.0f} MiB | speed {wall / reg_wall:4.2f}x, "
-              f"RSS {100 * reg_rss / rss:3.0f}%", flush=True)
+        print(
+            f"consolidate vs {label:<38} reg {reg_wall:6.2f}s {reg_rss:6.0f} MiB | "
+            f"baseline {wall:6.2f}s {rss:6.0f} MiB | speed {wall / reg_wall:4.2f}x, "
+            f"RSS {100 * reg_rss / rss:3.0f}%",
+            flush=True,
+        )
 
     bare, restore, integrity = [], [], []
     for _ in range(args.repeat):
         evict(src, stored)
         bare.append(_measure(["bare_load", str(src), "-", str(home)], e)[2]["seconds"])
         evict(src, stored)
-        proc = subprocess.run([*REG, "validate", "bench@step0", "--device", "cpu", "--json"],
-                              env=e, cwd=ROOT, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [*REG, "validate", "bench@step0", "--device", "cpu", "--json"],
+            env=e,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         phases = json.loads(proc.stdout)["phases"]
         restore.append(phases["restore_seconds"])
         integrity.append(phases["integrity_seconds"])
     b, r = statistics.median(bare), statistics.median(restore)
-    print(f"validate: integrity (sha256 of every file) {statistics.median(integrity):.2f}s, "
-          f"restore {r:.2f}s vs bare dcp.load {b:.2f}s: {r / b:.2f}x of bare (target <= 1.2x)")
+    print(
+        f"validate: integrity (sha256 of every file) {statistics.median(integrity):.2f}s, "
+        f"restore {r:.2f}s vs bare dcp.load {b:.2f}s: {r / b:.2f}x of bare (target <= 1.2x)"
+    )
     if args.work is None:
         rm(work)
 

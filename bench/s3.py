@@ -46,8 +46,9 @@ for obj in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
 def timed(cmd: list[str], environ: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, client CPU seconds) of one command."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=environ, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, env=environ, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -65,20 +66,27 @@ def main() -> None:
     src = make_checkpoint(work / "src", args.gib)
     size = dir_bytes(src)
     port = 5500 + os.getpid() % 400
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H",
-                               "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         time.sleep(2)
         import boto3
 
-        aws = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        aws = {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        }
         os.environ.update(aws)
         s3 = boto3.client("s3")
-        rows: dict[str, list[tuple[float, float]]] = {k: [] for k in
-                                                      ("boto_up", "reg_up", "boto_down",
-                                                       "reg_down")}
+        rows: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in ("boto_up", "reg_up", "boto_down", "reg_down")
+        }
         for i in range(args.repeat):
             bucket = f"bench-{uuid.uuid4().hex[:10]}"
             s3.create_bucket(Bucket=bucket)
@@ -87,31 +95,49 @@ def main() -> None:
             settle()
             rows["boto_up"].append(timed([PY, "-c", BOTO_UPLOAD, str(src), bucket, "plain"], e))
             settle()
-            rows["reg_up"].append(timed([*REG, "push-ckpt", str(src), "--run", "b", "--step",
-                                         "1", "--json"], e))
+            rows["reg_up"].append(
+                timed([*REG, "push-ckpt", str(src), "--run", "b", "--step", "1", "--json"], e)
+            )
             settle()
-            rows["boto_down"].append(timed([PY, "-c", BOTO_DOWNLOAD, str(work / f"bd{i}"),
-                                            bucket, "plain"], e))
+            rows["boto_down"].append(
+                timed([PY, "-c", BOTO_DOWNLOAD, str(work / f"bd{i}"), bucket, "plain"], e)
+            )
             settle()
-            rows["reg_down"].append(timed([*REG, "pull", "b@step1", str(work / f"rd{i}"),
-                                           "--json"], e))
+            rows["reg_down"].append(
+                timed([*REG, "pull", "b@step1", str(work / f"rd{i}"), "--json"], e)
+            )
             for d in (work / f"bd{i}", work / f"rd{i}", home):
                 rm(d)
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
                 for obj in page.get("Contents", []):
                     s3.delete_object(Bucket=bucket, Key=obj["Key"])
-        med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
-               for k, v in rows.items()}
+        med = {
+            k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+            for k, v in rows.items()
+        }
         gb = size / 1e9
-        print(f"checkpoint {size / 2**30:.2f} GiB, moto server in its own process; median of "
-              f"{args.repeat}")
-        for ours, theirs, label in (("reg_up", "boto_up", "push vs upload_file"),
-                                    ("reg_down", "boto_down", "pull vs download_file")):
+        print(
+            f"checkpoint {size / 2**30:.2f} GiB, moto server in its own process; median of "
+            f"{args.repeat}"
+        )
+        for ours, theirs, label in (
+            ("reg_up", "boto_up", "push vs upload_file"),
+            ("reg_down", "boto_down", "pull vs download_file"),
+        ):
             (w, c), (bw, bc) = med[ours], med[theirs]
-            print(json.dumps({"what": label, "reg_s": round(w, 2), "boto3_s": round(bw, 2),
-                              "ratio": round(bw / w, 2),
-                              "reg_client_cpu_s_per_gb": round(c / gb, 2),
-                              "boto3_client_cpu_s_per_gb": round(bc / gb, 2)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "what": label,
+                        "reg_s": round(w, 2),
+                        "boto3_s": round(bw, 2),
+                        "ratio": round(bw / w, 2),
+                        "reg_client_cpu_s_per_gb": round(c / gb, 2),
+                        "boto3_client_cpu_s_per_gb": round(bc / gb, 2),
+                    }
+                ),
+                flush=True,
+            )
     finally:
         os.killpg(server.pid, 9)
         server.wait()

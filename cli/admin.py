@@ -12,7 +12,6 @@ import typer
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, table
 
-
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
 
 
@@ -36,8 +35,9 @@ def storage_init(json_output: bool = JSON_OPTION) -> None:
 
 def gc(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; delete nothing."),
-    every: str | None = typer.Option(None, "--every",
-                                     help="Run forever, once per interval (e.g. 1h)."),
+    every: str | None = typer.Option(
+        None, "--every", help="Run forever, once per interval (e.g. 1h)."
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Apply the retention policy: delete what no rule keeps, sweep orphans, explain each."""
@@ -53,14 +53,17 @@ def gc(
         return
     from registry.timeutil import human_bytes
 
-    table(["REF", "ACTION", "REASON", "SIZE"],
-          [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])]
-           for d in out["decisions"]])
+    table(
+        ["REF", "ACTION", "REASON", "SIZE"],
+        [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])] for d in out["decisions"]],
+    )
     for err in out["errors"]:
         print(f"error: {err}", file=sys.stderr)
     verb = "would free" if dry_run else "freed"
-    print(f"{verb} {human_bytes(out['freed_bytes'])}"
-          + (f"; swept {len(out['orphans'])} orphan(s)" if out["orphans"] else ""))
+    print(
+        f"{verb} {human_bytes(out['freed_bytes'])}"
+        + (f"; swept {len(out['orphans'])} orphan(s)" if out["orphans"] else "")
+    )
 
 
 def _every(interval: str) -> None:
@@ -96,9 +99,20 @@ def audit(
     if json_output:
         emit_json(events)
         return
-    table(["TS", "ACTOR", "ACTION", "TARGET", "OUTCOME", "DETAILS"],
-          [[e["ts"], e["actor"], e["action"], e["target"], e["outcome"],
-            json.dumps(e["details"], sort_keys=True) if e["details"] else ""] for e in events])
+    table(
+        ["TS", "ACTOR", "ACTION", "TARGET", "OUTCOME", "DETAILS"],
+        [
+            [
+                e["ts"],
+                e["actor"],
+                e["action"],
+                e["target"],
+                e["outcome"],
+                json.dumps(e["details"], sort_keys=True) if e["details"] else "",
+            ]
+            for e in events
+        ],
+    )
 
 
 def _since(text: str | None) -> float | None:

@@ -15,8 +15,9 @@ import typer
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json
 
-mlflow_app = typer.Typer(help="The MLflow mirror of runs, checkpoints and releases.",
-                         no_args_is_help=True)
+mlflow_app = typer.Typer(
+    help="The MLflow mirror of runs, checkpoints and releases.", no_args_is_help=True
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -43,13 +44,17 @@ def sync(
         if json_output:
             emit_json(out)
         else:
-            print(f"mirrored {out['applied']} event(s); {out['pending']} pending"
-                  + (f"; stopped at: {out['error']}" if out.get("error") else ""))
+            print(
+                f"mirrored {out['applied']} event(s); {out['pending']} pending"
+                + (f"; stopped at: {out['error']}" if out.get("error") else "")
+            )
         if out.get("error"):
             from registry.errors import RegistryError
 
-            raise RegistryError(f"MLflow sync incomplete: {out['error']}",
-                                "the events wait; run `reg mlflow sync` again when MLflow is up")
+            raise RegistryError(
+                f"MLflow sync incomplete: {out['error']}",
+                "the events wait; run `reg mlflow sync` again when MLflow is up",
+            )
         return
     from policies.loader import parse_duration
 
@@ -70,13 +75,27 @@ def ui(port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1.")) -> N
         uri = reg.settings.mlflow_tracking_uri
         home = reg.settings.home
     artifacts = (home / "mlflow-artifacts").as_uri()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-           "--default-artifact-root", artifacts, "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--default-artifact-root",
+        artifacts,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # Its own process group: MLflow's server leaves worker processes behind otherwise.
     server = subprocess.Popen(cmd, cwd=home, start_new_session=True)
-    print(f"MLflow UI: http://127.0.0.1:{port}  (tracking store {uri}; Ctrl-C stops it)",
-          flush=True)
+    print(
+        f"MLflow UI: http://127.0.0.1:{port}  (tracking store {uri}; Ctrl-C stops it)", flush=True
+    )
     try:
         server.wait()
     except KeyboardInterrupt:

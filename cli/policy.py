@@ -11,8 +11,9 @@ import typer
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note
 
-policy_app = typer.Typer(help="Show, check, apply and export the registry policy.",
-                         no_args_is_help=True)
+policy_app = typer.Typer(
+    help="Show, check, apply and export the registry policy.", no_args_is_help=True
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,21 +45,24 @@ def check(path: Path = typer.Argument(..., help="A policy TOML file.")) -> None:
     print(f"{path}: ok ({len(policy.access.grants)} grant(s))")
 
 
-def apply(path: Path = typer.Argument(..., help="A policy TOML file."),
-          json_output: bool = JSON_OPTION) -> None:
+def apply(
+    path: Path = typer.Argument(..., help="A policy TOML file."), json_output: bool = JSON_OPTION
+) -> None:
     """Store the policy in the catalog (admin): every host and client uses it from now on."""
     from registry.policy_admin import apply as apply_policy
 
     with open_registry() as reg:
         out = apply_policy(reg, path)
     emit_json(out) if json_output else print(
-        f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})")
+        f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})"
+    )
 
 
 def export(
     fmt: str = typer.Option("s3", "--format", help="Only s3 (a bucket policy) for now."),
-    bucket: str | None = typer.Option(None, "--bucket",
-                                      help="BUCKET[/PREFIX]; default: from REG_STORE_URL."),
+    bucket: str | None = typer.Option(
+        None, "--bucket", help="BUCKET[/PREFIX]; default: from REG_STORE_URL."
+    ),
 ) -> None:
     """Render the grants as an S3 bucket policy (JSON on stdout)."""
     from registry.errors import UsageError

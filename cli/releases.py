@@ -34,23 +34,31 @@ def validate(
 ) -> None:
     """Prove a checkpoint restores: integrity, load, reshard, finite, resume state, probe."""
     with open_registry() as reg:
-        out = reg.validate(ref, device=device, world_size=world_size,
-                           model_factory=model_factory, progress=progress_for(json_output))
+        out = reg.validate(
+            ref,
+            device=device,
+            world_size=world_size,
+            model_factory=model_factory,
+            progress=progress_for(json_output),
+        )
     if json_output:
         emit_json(out)
     else:
         for c in out["checks"]:
             print(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']:<13} {c['detail']}")
         verdict = "passed" if out["passed"] else "FAILED"
-        print(f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
-              f"({out['device_name']}), restore {out['seconds']:.2f}s at world size "
-              f"{out['world_size']}")
+        print(
+            f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
+            f"({out['device_name']}), restore {out['seconds']:.2f}s at world size "
+            f"{out['world_size']}"
+        )
     if not out["passed"]:
         from registry.errors import ValidationFailed
 
         failed = next(c for c in out["checks"] if not c["passed"])
-        raise ValidationFailed(f"{out['ref']} failed validation: {failed['name']}: "
-                               f"{failed['detail']}")
+        raise ValidationFailed(
+            f"{out['ref']} failed validation: {failed['name']}: {failed['detail']}"
+        )
 
 
 def promote(
@@ -58,8 +66,9 @@ def promote(
     model: str = typer.Option(..., "--model", help="Model name of the release."),
     alias: str | None = typer.Option(None, "--alias", help="Point this alias at the release."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (floats only)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size",
-                                       help="Split into HF-style shards above this size."),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="Split into HF-style shards above this size."
+    ),
     extra: list[Path] = typer.Option([], "--extra", help="Add a file (config.json, tokenizer)."),
     model_factory: str | None = typer.Option(
         None, "--model-factory", help="module:function for validation (tied weights, probe)."
@@ -68,16 +77,25 @@ def promote(
 ) -> None:
     """Turn a validated checkpoint into an immutable safetensors release."""
     with open_registry() as reg:
-        out = reg.promote(ref, model=model, alias=alias, dtype=dtype,
-                          max_shard_size=max_shard_size, extras=list(extra),
-                          model_factory=model_factory, progress=progress_for(json_output))
+        out = reg.promote(
+            ref,
+            model=model,
+            alias=alias,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            extras=list(extra),
+            model_factory=model_factory,
+            progress=progress_for(json_output),
+        )
     if json_output:
         emit_json(out)
         return
     verb = "already released as" if out["existing"] else "promoted to"
     aliases = f" ({', '.join('@' + a for a in out['aliases'])})" if out["aliases"] else ""
-    print(f"{out['source']} {verb} {out['release']}{aliases}: {len(out['files'])} files, "
-          f"sha256 {out['sha256']}")
+    print(
+        f"{out['source']} {verb} {out['release']}{aliases}: {len(out['files'])} files, "
+        f"sha256 {out['sha256']}"
+    )
     print(f"  {out.get('uri', '')}")
 
 
@@ -91,9 +109,20 @@ def releases(
     if json_output:
         emit_json(rows)
         return
-    table(["RELEASE", "STATUS", "ALIASES", "SOURCE", "VALIDATED ON", "SHA256"],
-          [[r["release"], r["status"], ",".join(r["aliases"]), r["source"],
-            (r["validation"] or {}).get("device", ""), (r["sha256"] or "")[:16]] for r in rows])
+    table(
+        ["RELEASE", "STATUS", "ALIASES", "SOURCE", "VALIDATED ON", "SHA256"],
+        [
+            [
+                r["release"],
+                r["status"],
+                ",".join(r["aliases"]),
+                r["source"],
+                (r["validation"] or {}).get("device", ""),
+                (r["sha256"] or "")[:16],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def pull_release(
@@ -105,7 +134,8 @@ def pull_release(
     with open_registry() as reg:
         out = reg.pull_release(ref, dest, progress=progress_for(json_output))
     emit_json(out) if json_output else print(
-        f"pulled {out['release']} into {out['dest']} ({len(out['files'])} files verified)")
+        f"pulled {out['release']} into {out['dest']} ({len(out['files'])} files verified)"
+    )
 
 
 def alias_set(
@@ -118,12 +148,14 @@ def alias_set(
     with open_registry() as reg:
         out = reg.set_alias(name, alias, version)
     emit_json(out) if json_output else print(
-        f"{name}@{alias} -> {out['release']}" + (f" (was {out['previous']})"
-                                                 if out["previous"] else ""))
+        f"{name}@{alias} -> {out['release']}"
+        + (f" (was {out['previous']})" if out["previous"] else "")
+    )
 
 
-def deprecate(ref: str = typer.Argument(..., help="MODEL:vK."), json_output: bool = JSON_OPTION
-              ) -> None:
+def deprecate(
+    ref: str = typer.Argument(..., help="MODEL:vK."), json_output: bool = JSON_OPTION
+) -> None:
     """Mark a release deprecated (still pullable; bytes never change)."""
     with open_registry() as reg:
         out = reg.deprecate(ref)

@@ -14,8 +14,9 @@ from policies.access import _rank
 from policies.loader import AccessPolicy
 
 
-def bucket_policy(access: AccessPolicy, bucket: str, prefix: str = ""
-                  ) -> tuple[dict[str, Any], list[str]]:
+def bucket_policy(
+    access: AccessPolicy, bucket: str, prefix: str = ""
+) -> tuple[dict[str, Any], list[str]]:
     """(policy document, principals left out because they have no ARN)."""
     base = f"arn:aws:s3:::{bucket}/{prefix.strip('/') + '/' if prefix.strip('/') else ''}"
     statements: list[dict[str, Any]] = []
@@ -37,33 +38,76 @@ def bucket_policy(access: AccessPolicy, bucket: str, prefix: str = ""
         projects = [f"{base}ckpt/{g}/*" for g in grant.projects]
         models = [f"{base}release/{g}/*" for g in grant.models]
         if grant.role == "admin":
-            statements.append({"Sid": f"Grant{n}Admin", "Effect": "Allow", "Principal": who,
-                               "Action": "s3:*",
-                               "Resource": [f"arn:aws:s3:::{bucket}", f"{base}*"]})
+            statements.append(
+                {
+                    "Sid": f"Grant{n}Admin",
+                    "Effect": "Allow",
+                    "Principal": who,
+                    "Action": "s3:*",
+                    "Resource": [f"arn:aws:s3:::{bucket}", f"{base}*"],
+                }
+            )
             continue
-        statements.append({"Sid": f"Grant{n}Read", "Effect": "Allow", "Principal": who,
-                           "Action": ["s3:GetObject", "s3:GetObjectVersion"],
-                           "Resource": projects + models})
-        statements.append({"Sid": f"Grant{n}List", "Effect": "Allow", "Principal": who,
-                           "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"})
+        statements.append(
+            {
+                "Sid": f"Grant{n}Read",
+                "Effect": "Allow",
+                "Principal": who,
+                "Action": ["s3:GetObject", "s3:GetObjectVersion"],
+                "Resource": projects + models,
+            }
+        )
+        statements.append(
+            {
+                "Sid": f"Grant{n}List",
+                "Effect": "Allow",
+                "Principal": who,
+                "Action": "s3:ListBucket",
+                "Resource": f"arn:aws:s3:::{bucket}",
+            }
+        )
         if _rank(grant.role) >= _rank("trainer"):
-            statements.append({"Sid": f"Grant{n}WriteCheckpoints", "Effect": "Allow",
-                               "Principal": who,
-                               "Action": ["s3:PutObject", "s3:AbortMultipartUpload"],
-                               "Resource": projects})
+            statements.append(
+                {
+                    "Sid": f"Grant{n}WriteCheckpoints",
+                    "Effect": "Allow",
+                    "Principal": who,
+                    "Action": ["s3:PutObject", "s3:AbortMultipartUpload"],
+                    "Resource": projects,
+                }
+            )
         if _rank(grant.role) >= _rank("releaser"):
-            statements.append({"Sid": f"Grant{n}WriteReleases", "Effect": "Allow",
-                               "Principal": who,
-                               "Action": ["s3:PutObject", "s3:PutObjectRetention"],
-                               "Resource": models})
+            statements.append(
+                {
+                    "Sid": f"Grant{n}WriteReleases",
+                    "Effect": "Allow",
+                    "Principal": who,
+                    "Action": ["s3:PutObject", "s3:PutObjectRetention"],
+                    "Resource": models,
+                }
+            )
     if non_admins:
-        statements.append({"Sid": "NoReleaseDeletes", "Effect": "Deny",
-                           "Principal": {"AWS": sorted(non_admins)},
-                           "Action": ["s3:DeleteObject", "s3:DeleteObjectVersion",
-                                      "s3:BypassGovernanceRetention"],
-                           "Resource": f"{base}release/*"})
-    statements.append({"Sid": "ReleaseWritesMustNotOverwrite", "Effect": "Deny",
-                       "Principal": "*", "Action": "s3:PutObject",
-                       "Resource": f"{base}release/*",
-                       "Condition": {"Null": {"s3:if-none-match": "true"}}})
+        statements.append(
+            {
+                "Sid": "NoReleaseDeletes",
+                "Effect": "Deny",
+                "Principal": {"AWS": sorted(non_admins)},
+                "Action": [
+                    "s3:DeleteObject",
+                    "s3:DeleteObjectVersion",
+                    "s3:BypassGovernanceRetention",
+                ],
+                "Resource": f"{base}release/*",
+            }
+        )
+    statements.append(
+        {
+            "Sid": "ReleaseWritesMustNotOverwrite",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": f"{base}release/*",
+            "Condition": {"Null": {"s3:if-none-match": "true"}},
+        }
+    )
     return {"Version": "2012-10-17", "Statement": statements}, sorted(set(missing))

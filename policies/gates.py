@@ -19,8 +19,9 @@ def satisfies_device(policy: PromotionPolicy, device: str) -> bool:
     return policy.require_device == "any" or device == policy.require_device
 
 
-def usable_validation(policy: PromotionPolicy, validations: list[ValidationRecord]
-                      ) -> ValidationRecord | None:
+def usable_validation(
+    policy: PromotionPolicy, validations: list[ValidationRecord]
+) -> ValidationRecord | None:
     """The newest passing validation that the policy accepts."""
     for v in sorted(validations, key=lambda v: v.id, reverse=True):
         if v.passed and satisfies_device(policy, v.device):
@@ -30,19 +31,24 @@ def usable_validation(policy: PromotionPolicy, validations: list[ValidationRecor
 
 def resumable_gate(policy: PromotionPolicy, resumable: bool, missing: list[str]) -> str | None:
     if policy.require_resumable and not resumable:
-        return (f"the checkpoint is not resumable (missing {', '.join(missing)}) and the policy "
-                "has [promotion] require_resumable = true")
+        return (
+            f"the checkpoint is not resumable (missing {', '.join(missing)}) and the policy "
+            "has [promotion] require_resumable = true"
+        )
     return None
 
 
-def device_gate(policy: PromotionPolicy, validations: list[ValidationRecord],
-                here: str) -> str | None:
+def device_gate(
+    policy: PromotionPolicy, validations: list[ValidationRecord], here: str
+) -> str | None:
     """None when a recorded validation satisfies the policy or one can run on `here`."""
     if usable_validation(policy, validations) is not None or satisfies_device(policy, here):
         return None
     failed = [v for v in validations if not v.passed]
     tried = f" (validation {failed[-1].id} failed)" if failed else ""
-    return (f"policy [promotion] require_device = \"{policy.require_device}\" needs a passing "
-            f"{policy.require_device} validation and this machine has no {policy.require_device}"
-            f"{tried}: run `reg validate REF --device {policy.require_device}` on a GPU node, "
-            "then promote from anywhere")
+    return (
+        f'policy [promotion] require_device = "{policy.require_device}" needs a passing '
+        f"{policy.require_device} validation and this machine has no {policy.require_device}"
+        f"{tried}: run `reg validate REF --device {policy.require_device}` on a GPU node, "
+        "then promote from anywhere"
+    )

@@ -76,8 +76,12 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
-def plan(records: Iterable[CheckpointRecord], policy: RetentionPolicy, now: float,
-         protections: Protections | None = None) -> list[Decision]:
+def plan(
+    records: Iterable[CheckpointRecord],
+    policy: RetentionPolicy,
+    now: float,
+    protections: Protections | None = None,
+) -> list[Decision]:
     """One decision per record, in (project, run, step) order."""
     prot = protections or Protections()
     by_run: dict[tuple[str, str], list[CheckpointRecord]] = defaultdict(list)
@@ -90,33 +94,49 @@ def plan(records: Iterable[CheckpointRecord], policy: RetentionPolicy, now: floa
         for d in _plan_run(project, run, rows, rules, now, prot):
             decisions[d.id] = d
     _apply_quotas(decisions, by_run, policy)
-    order = sorted((r for rows in by_run.values() for r in rows),
-                   key=lambda r: (r.project, r.run, r.step))
+    order = sorted(
+        (r for rows in by_run.values() for r in rows), key=lambda r: (r.project, r.run, r.step)
+    )
     return [decisions[r.id] for r in order]
 
 
-def _plan_run(project: str, run: str, rows: list[CheckpointRecord], rules: RetentionRules,
-              now: float, prot: Protections) -> list[Decision]:
+def _plan_run(
+    project: str,
+    run: str,
+    rows: list[CheckpointRecord],
+    rules: RetentionRules,
+    now: float,
+    prot: Protections,
+) -> list[Decision]:
     newest = rows[-1].step
-    last_n = {r.step for r in rows[-rules.keep_last:]}
+    last_n = {r.step for r in rows[-rules.keep_last :]}
     best: dict[int, str] = {}
     if rules.keep_best is not None:
         metric, sign = rules.keep_best.metric, 1 if rules.keep_best.mode == "min" else -1
-        scored = sorted((r for r in rows if metric in r.metrics),
-                        key=lambda r: (sign * r.metrics[metric], -r.step))
-        for rank, r in enumerate(scored[:rules.keep_best.n], start=1):
-            best[r.id] = (f"kept: best {rules.keep_best.n} by {metric} "
-                          f"({rules.keep_best.mode}, #{rank}: {r.metrics[metric]:g})")
+        scored = sorted(
+            (r for r in rows if metric in r.metrics),
+            key=lambda r: (sign * r.metrics[metric], -r.step),
+        )
+        for rank, r in enumerate(scored[: rules.keep_best.n], start=1):
+            best[r.id] = (
+                f"kept: best {rules.keep_best.n} by {metric} "
+                f"({rules.keep_best.mode}, #{rank}: {r.metrics[metric]:g})"
+            )
     resumed = prot.resumed_from.get((project, run))
     out = []
     for r in rows:
         age = now - r.committed_at
         expires = r.committed_at + rules.ttl if not math.isinf(rules.ttl) else None
 
-        def keep(reason: str, protected: bool = False, r: CheckpointRecord = r,
-                 expires: float | None = expires) -> Decision:
-            return Decision(r.id, r.ref, KEEP, reason, r.bytes, protected,
-                            None if protected else expires)
+        def keep(
+            reason: str,
+            protected: bool = False,
+            r: CheckpointRecord = r,
+            expires: float | None = expires,
+        ) -> Decision:
+            return Decision(
+                r.id, r.ref, KEEP, reason, r.bytes, protected, None if protected else expires
+            )
 
         if r.pinned:
             out.append(keep("kept: pinned", True))
@@ -130,24 +150,35 @@ def _plan_run(project: str, run: str, rows: list[CheckpointRecord], rules: Reten
             out.append(keep(f"kept: {run} last resumed from it", True))
         elif r.step in last_n:
             out.append(keep(f"kept: newest {rules.keep_last} of {run}"))
-        elif rules.keep_every_steps and r.step % rules.keep_every_steps == 0 and (
-                age < rules.milestone_ttl):
-            until = ("" if math.isinf(rules.milestone_ttl)
-                     else f" until {_duration(rules.milestone_ttl)} old")
+        elif (
+            rules.keep_every_steps
+            and r.step % rules.keep_every_steps == 0
+            and (age < rules.milestone_ttl)
+        ):
+            until = (
+                ""
+                if math.isinf(rules.milestone_ttl)
+                else f" until {_duration(rules.milestone_ttl)} old"
+            )
             out.append(keep(f"kept: milestone (step % {rules.keep_every_steps} == 0){until}"))
         elif r.id in best:
             out.append(keep(best[r.id]))
         elif age < rules.ttl:
             out.append(keep(f"kept: younger than ttl {_duration(rules.ttl)}"))
         else:
-            out.append(Decision(r.id, r.ref, DELETE,
-                                f"deleted: older than ttl {_duration(rules.ttl)}", r.bytes))
+            out.append(
+                Decision(
+                    r.id, r.ref, DELETE, f"deleted: older than ttl {_duration(rules.ttl)}", r.bytes
+                )
+            )
     return out
 
 
-def _apply_quotas(decisions: dict[int, Decision],
-                  by_run: dict[tuple[str, str], list[CheckpointRecord]],
-                  policy: RetentionPolicy) -> None:
+def _apply_quotas(
+    decisions: dict[int, Decision],
+    by_run: dict[tuple[str, str], list[CheckpointRecord]],
+    policy: RetentionPolicy,
+) -> None:
     by_project: dict[str, list[CheckpointRecord]] = defaultdict(list)
     for (project, _), rows in by_run.items():
         by_project[project].extend(rows)
@@ -162,7 +193,11 @@ def _apply_quotas(decisions: dict[int, Decision],
                 break
             if decisions[r.id].protected:
                 continue
-            decisions[r.id] = Decision(r.id, r.ref, DELETE,
-                                       f"deleted: project {project} over quota {_size(quota)} "
-                                       "(oldest unprotected first)", r.bytes)
+            decisions[r.id] = Decision(
+                r.id,
+                r.ref,
+                DELETE,
+                f"deleted: project {project} over quota {_size(quota)} (oldest unprotected first)",
+                r.bytes,
+            )
             total -= r.bytes

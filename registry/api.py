@@ -287,32 +287,60 @@ class Registry:
         return checkpoints.set_pin(self, _ckpt(ref), False)
 
     # -- validation, promotion, releases ------------------------------------------------------
-    def validate(self, ref: str | CheckpointRef, *, device: str = "auto", world_size: int = 1,
-                 model_factory: str | None = None,
-                 progress: Progress | None = None) -> dict[str, Any]:
+    def validate(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        device: str = "auto",
+        world_size: int = 1,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
         from registry import validation
 
-        return validation.validate(self, _ckpt(ref), device=device, world_size=world_size,
-                                   model_factory=model_factory, progress=progress)
+        return validation.validate(
+            self,
+            _ckpt(ref),
+            device=device,
+            world_size=world_size,
+            model_factory=model_factory,
+            progress=progress,
+        )
 
-    def promote(self, ref: str | CheckpointRef, *, model: str, alias: str | None = None,
-                dtype: str | None = None, max_shard_size: str = "5GB",
-                extras: list[str | Path] | None = None, model_factory: str | None = None,
-                progress: Progress | None = None) -> dict[str, Any]:
+    def promote(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        model: str,
+        alias: str | None = None,
+        dtype: str | None = None,
+        max_shard_size: str = "5GB",
+        extras: list[str | Path] | None = None,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
         from registry import promotion
 
-        return promotion.promote(self, _ckpt(ref), model=model, alias=alias, dtype=dtype,
-                                 max_shard_size=max_shard_size,
-                                 extras=[Path(p) for p in extras or []],
-                                 model_factory=model_factory, progress=progress)
+        return promotion.promote(
+            self,
+            _ckpt(ref),
+            model=model,
+            alias=alias,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            extras=[Path(p) for p in extras or []],
+            model_factory=model_factory,
+            progress=progress,
+        )
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:
         from registry import releases
 
         return releases.list_releases(self, model)
 
-    def pull_release(self, ref: str | ReleaseRef, dest: str | Path, *,
-                     progress: Progress | None = None) -> dict[str, Any]:
+    def pull_release(
+        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
         from registry import releases
 
         return releases.pull(self, _release(ref), Path(dest), progress=progress)
@@ -345,11 +373,19 @@ class Registry:
         else:
             root = Path(self.settings.store_url.removeprefix("file://"))
             root.mkdir(parents=True, exist_ok=True)
-            out = {"store": self.settings.store_url, "kind": "local filesystem",
-                   "note": "nothing to configure: objects are put-if-absent via link()"}
+            out = {
+                "store": self.settings.store_url,
+                "kind": "local filesystem",
+                "note": "nothing to configure: objects are put-if-absent via link()",
+            }
         with self.catalog.session(write=True) as s:
-            audit.record(s, self.user, "storage-init", self.settings.store_url, **{
-                k: v for k, v in out.items() if isinstance(v, bool | str)})
+            audit.record(
+                s,
+                self.user,
+                "storage-init",
+                self.settings.store_url,
+                **{k: v for k, v in out.items() if isinstance(v, bool | str)},
+            )
         return out
 
     def audit_log(

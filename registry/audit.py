@@ -18,6 +18,7 @@ def record(
     action: str,
     target: str,
     outcome: str = ALLOWED,
+    /,
     **details: Any,
 ) -> None:
     session.add(

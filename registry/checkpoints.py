@@ -201,8 +201,8 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
             ).first()
             if row is None:
                 row = Checkpoint(
-                    run_id=run.id,
-                    step=ref.step,
+                    run_id=run.id or 0,
+                    step=ref.step or 0,
                     state=PENDING,
                     created_at=now(),
                     pushed_by=reg.user,
@@ -250,7 +250,7 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
                     created_at=now(),
                 )
             )
-            if taken.rowcount == 1:  # type: ignore[attr-defined]
+            if taken.rowcount == 1:
                 return _Claim(row.id or 0, token), None
     raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
 
@@ -453,7 +453,7 @@ def _commit(
                 lease_until=None,
             )
         )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
+        if result.rowcount != 1:
             raise Conflict(
                 f"lost the claim on {ref} while pushing (another push took it over)",
                 "check `reg show` and push again if needed",
@@ -487,13 +487,23 @@ def _commit(
             reused=sum(u.reused for u in uploaded),
         )
         ttl = reg.policy.retention.for_project(ref.project).ttl
-        outbox.emit(s, outbox.CHECKPOINT_COMMITTED, project=ref.project, run=ref.run,
-                    step=ref.step, ref=str(ref), world_size=manifest["world_size"],
-                    bytes=manifest["bytes"], resumable=manifest["resume"]["resumable"],
-                    missing_state=manifest["resume"]["missing"], metrics=manifest["metrics"],
-                    uri=reg.store.describe(checkpoint_prefix(ref.project, ref.run, ref.step or 0)),
-                    manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
-                    committed_at=now(), expires_at=None if ttl == float("inf") else now() + ttl)
+        outbox.emit(
+            s,
+            outbox.CHECKPOINT_COMMITTED,
+            project=ref.project,
+            run=ref.run,
+            step=ref.step,
+            ref=str(ref),
+            world_size=manifest["world_size"],
+            bytes=manifest["bytes"],
+            resumable=manifest["resume"]["resumable"],
+            missing_state=manifest["resume"]["missing"],
+            metrics=manifest["metrics"],
+            uri=reg.store.describe(checkpoint_prefix(ref.project, ref.run, ref.step or 0)),
+            manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+            committed_at=now(),
+            expires_at=None if ttl == float("inf") else now() + ttl,
+        )
         s.flush()
         ckpt = s.get(Checkpoint, claim.checkpoint_id)
         assert ckpt is not None

@@ -98,8 +98,7 @@ def consolidate(
     shards = plan_shards(entries, max_shard_bytes)
     files = shard_names(len(shards))
     if progress:
-        progress.start(f"consolidate {len(entries)} tensors",
-                       sum(e.nbytes for e in entries))
+        progress.start(f"consolidate {len(entries)} tensors", sum(e.nbytes for e in entries))
 
     for path, shard in zip(files, shards, strict=True):
 
@@ -114,17 +113,31 @@ def consolidate(
                 if progress:
                     progress.advance(entry.nbytes)
 
-        result.files.append(_put_once(store, dest_prefix + path, path,
-                                      lambda key, p=produce: store.put_stream(key, p,
-                                                                              immutable=True)))
+        result.files.append(
+            _put_once(
+                store,
+                dest_prefix + path,
+                path,
+                lambda key, p=produce: store.put_stream(key, p, immutable=True),
+            )
+        )
     if len(files) > 1:
-        weight_map = {e.name: path for path, shard in zip(files, shards, strict=True)
-                      for e in shard}
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries), **metadata},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        weight_map = {
+            e.name: path for path, shard in zip(files, shards, strict=True) for e in shard
+        }
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries), **metadata},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         data = json.dumps(index, indent=2, sort_keys=True).encode()
-        result.files.append(_put_once(store, dest_prefix + INDEX, INDEX,
-                                      lambda key: store.put_bytes(key, data, immutable=True)))
+        result.files.append(
+            _put_once(
+                store,
+                dest_prefix + INDEX,
+                INDEX,
+                lambda key: store.put_bytes(key, data, immutable=True),
+            )
+        )
     if progress:
         progress.finish()
     result.tensor_count = len(entries)
@@ -147,8 +160,14 @@ def _put_once(store: ObjectStore, key: str, path: str, put: Any) -> dict[str, An
     return {"path": path, "size": head.size if head else 0, "sha256": store.sha256(key)}
 
 
-def _resolve_ties(store: ObjectStore, prefix: str, inv: Inventory, names: dict[str, str],
-                  groups: list[list[str]], result: Consolidated) -> set[str]:
+def _resolve_ties(
+    store: ObjectStore,
+    prefix: str,
+    inv: Inventory,
+    names: dict[str, str],
+    groups: list[list[str]],
+    result: Consolidated,
+) -> set[str]:
     import torch
 
     from registry.formats.dcp_load import read_tensor
@@ -162,8 +181,13 @@ def _resolve_ties(store: ObjectStore, prefix: str, inv: Inventory, names: dict[s
         kept = read_tensor(store, prefix, inv.tensors[names[keep]])
         for alias in aliases:
             other = read_tensor(store, prefix, inv.tensors[names[alias]])
-            if other.shape == kept.shape and other.dtype == kept.dtype and torch.equal(
-                    other.reshape(-1).view(torch.uint8), kept.reshape(-1).view(torch.uint8)):
+            if (
+                other.shape == kept.shape
+                and other.dtype == kept.dtype
+                and torch.equal(
+                    other.reshape(-1).view(torch.uint8), kept.reshape(-1).view(torch.uint8)
+                )
+            ):
                 result.tied[alias] = keep
                 dropped.add(alias)
             else:

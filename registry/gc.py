@@ -17,6 +17,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, update
+from sqlalchemy import select as sa_select
 from sqlmodel import col, select
 
 from policies.retention import DELETE, CheckpointRecord, Protections, plan
@@ -48,34 +49,55 @@ GC_LEASE_SECONDS = 600.0
 BATCH = 200
 
 
-def _records(reg: Registry, project: str | None = None
-             ) -> tuple[list[CheckpointRecord], Protections, dict[int, tuple[str, str, int]]]:
+def _records(
+    reg: Registry, project: str | None = None
+) -> tuple[list[CheckpointRecord], Protections, dict[int, tuple[str, str, int]]]:
     c = Checkpoint.__table__.c  # type: ignore[attr-defined]
     with reg.catalog.session() as s:
         # Columns, not ORM objects: planning 100,000 checkpoints must not build 100,000 objects.
-        stmt = (select(c.id, c.step, c.committed_at, c.created_at, c.bytes, c.pinned, c.metrics,
-                       Run.name, Project.name)
-                .join(Run, col(Run.id) == c.run_id)
-                .join(Project, col(Project.id) == Run.project_id)
-                .where(c.state == COMMITTED))
+        stmt = (
+            sa_select(
+                c.id,
+                c.step,
+                c.committed_at,
+                c.created_at,
+                c.bytes,
+                c.pinned,
+                c.metrics,
+                col(Run.name),
+                col(Project.name),
+            )
+            .join(Run, col(Run.id) == c.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(c.state == COMMITTED)
+        )
         if project is not None:
-            stmt = stmt.where(Project.name == project)
+            stmt = stmt.where(col(Project.name) == project)
         rows = s.execute(stmt).all()
-        sources = s.exec(select(Release.source_checkpoint_id, Model.name, Release.version)
-                         .join(Model, col(Model.id) == Release.model_id)
-                         .where(col(Release.status).notin_([YANKED]))).all()
-        resumed = s.exec(select(Project.name, Run.name, Run.resumed_from_step)
-                         .join(Project, col(Project.id) == Run.project_id)
-                         .where(col(Run.resumed_from_step).is_not(None))).all()
-    records = [CheckpointRecord(cid, p, r, step, committed or created, nbytes, bool(pinned),
-                                dict(metrics or {}))
-               for cid, step, committed, created, nbytes, pinned, metrics, r, p in rows]
+        sources = s.exec(
+            select(Release.source_checkpoint_id, Model.name, Release.version)
+            .join(Model, col(Model.id) == Release.model_id)
+            .where(col(Release.status).notin_([YANKED]))
+        ).all()
+        resumed = s.exec(
+            select(Project.name, Run.name, Run.resumed_from_step)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(col(Run.resumed_from_step).is_not(None))
+        ).all()
+    records = [
+        CheckpointRecord(
+            cid, p, r, step, committed or created, nbytes, bool(pinned), dict(metrics or {})
+        )
+        for cid, step, committed, created, nbytes, pinned, metrics, r, p in rows
+    ]
     release_sources: dict[int, str] = {}
     for cid, model, version in sorted(sources, key=lambda x: x[2]):
         release_sources.setdefault(cid, f"{model}:v{version}")
-    protections = Protections(release_sources=release_sources,
-                              held=frozenset(held_checkpoint_ids(reg)),
-                              resumed_from={(p, r): step for p, r, step in resumed})
+    protections = Protections(
+        release_sources=release_sources,
+        held=frozenset(held_checkpoint_ids(reg)),
+        resumed_from={(p, r): step for p, r, step in resumed if step is not None},
+    )
     where = {rec.id: (rec.project, rec.run, rec.step) for rec in records}
     return records, protections, where
 
@@ -86,13 +108,18 @@ def explain(reg: Registry, project: str, run: Run, ckpt: Checkpoint) -> dict[str
         return {"action": ckpt.state, "reason": ckpt.delete_reason, "protected": False}
     records, protections, _ = _records(reg, project)
     mine = [r for r in records if r.run == run.name]
-    decision = next(d for d in plan(mine, reg.policy.retention, now(), protections)
-                    if d.id == ckpt.id)
+    decision = next(
+        d for d in plan(mine, reg.policy.retention, now(), protections) if d.id == ckpt.id
+    )
     reason = decision.reason
     if ckpt.pinned:
         reason += f" by {ckpt.pinned_by}" + (f" ({ckpt.pin_reason})" if ckpt.pin_reason else "")
-    return {"action": decision.action, "reason": reason, "protected": decision.protected,
-            "expires_at": iso(decision.expires_at)}
+    return {
+        "action": decision.action,
+        "reason": reason,
+        "protected": decision.protected,
+        "expires_at": iso(decision.expires_at),
+    }
 
 
 # -- the lease ----------------------------------------------------------------------------------
@@ -104,13 +131,23 @@ def _acquire(reg: Registry) -> str:
     with reg.catalog.session(write=True) as s:
         lease = s.get(Lease, GC_LEASE)
         if lease is not None and lease.expires_at > now() and not _dead(lease):
-            raise Conflict(f"another GC is running: {lease.holder} on {lease.host} "
-                           f"(pid {lease.pid}) since {iso(lease.acquired_at)}",
-                           "wait for it; a crashed GC's lease expires after "
-                           f"{GC_LEASE_SECONDS:.0f}s")
+            raise Conflict(
+                f"another GC is running: {lease.holder} on {lease.host} "
+                f"(pid {lease.pid}) since {iso(lease.acquired_at)}",
+                f"wait for it; a crashed GC's lease expires after {GC_LEASE_SECONDS:.0f}s",
+            )
         if lease is None:
-            s.add(Lease(name=GC_LEASE, holder=reg.user, host=host, pid=pid, token=token,
-                        acquired_at=now(), expires_at=now() + GC_LEASE_SECONDS))
+            s.add(
+                Lease(
+                    name=GC_LEASE,
+                    holder=reg.user,
+                    host=host,
+                    pid=pid,
+                    token=token,
+                    acquired_at=now(),
+                    expires_at=now() + GC_LEASE_SECONDS,
+                )
+            )
         else:
             lease.holder, lease.host, lease.pid, lease.token = reg.user, host, pid, token
             lease.acquired_at, lease.expires_at = now(), now() + GC_LEASE_SECONDS
@@ -132,8 +169,11 @@ def _dead(lease: Lease) -> bool:
 
 def _renew(reg: Registry, token: str) -> None:
     with reg.catalog.session(write=True) as s:
-        s.exec(update(Lease).where(col(Lease.name) == GC_LEASE, col(Lease.token) == token)
-               .values(expires_at=now() + GC_LEASE_SECONDS))
+        s.exec(
+            update(Lease)
+            .where(col(Lease.name) == GC_LEASE, col(Lease.token) == token)
+            .values(expires_at=now() + GC_LEASE_SECONDS)
+        )
 
 
 def _release(reg: Registry, token: str) -> None:
@@ -153,8 +193,10 @@ def run_gc(reg: Registry, *, dry_run: bool = False) -> dict[str, Any]:
     decisions = plan(records, reg.policy.retention, now(), protections)
     out: dict[str, Any] = {
         "applied": not dry_run,
-        "decisions": [{"ref": d.ref, "action": d.action, "reason": d.reason, "bytes": d.bytes}
-                      for d in decisions],
+        "decisions": [
+            {"ref": d.ref, "action": d.action, "reason": d.reason, "bytes": d.bytes}
+            for d in decisions
+        ],
         "freed_bytes": 0,
         "errors": [],
         "orphans": [],
@@ -167,15 +209,16 @@ def run_gc(reg: Registry, *, dry_run: bool = False) -> dict[str, Any]:
         freed = _finish_interrupted(reg, out["errors"])
         doomed = [d for d in decisions if d.action == DELETE]
         for start in range(0, len(doomed), BATCH):
-            batch = doomed[start:start + BATCH]
+            batch = doomed[start : start + BATCH]
             marked = _mark_deleting(reg, batch)
             for d in batch:
                 if d.id not in marked:
                     _note_skip(out, d.ref)
                     continue
                 project, run, step = where[d.id]
-                freed += _delete_objects(reg, checkpoint_prefix(project, run, step), d.ref,
-                                         out["errors"], d.reason)
+                freed += _delete_objects(
+                    reg, checkpoint_prefix(project, run, step), d.ref, out["errors"], d.reason
+                )
             _renew(reg, token)
         freed += _sweep_orphans(reg, out)
         out["freed_bytes"] = freed
@@ -194,14 +237,21 @@ def _mark_deleting(reg: Registry, batch: list[Any]) -> set[int]:
     """Mark a batch `deleting`, skipping any that became protected since planning."""
     with reg.catalog.session(write=True) as s:
         held = held_checkpoint_ids(reg)
-        sources = set(s.exec(select(Release.source_checkpoint_id)
-                             .where(col(Release.status).notin_([YANKED]))).all())
+        sources = set(
+            s.exec(
+                select(Release.source_checkpoint_id).where(col(Release.status).notin_([YANKED]))
+            ).all()
+        )
         ids = [d.id for d in batch if d.id not in held and d.id not in sources]
         reasons = {d.id: d.reason for d in batch}
         marked = set()
-        rows = s.exec(select(Checkpoint).where(col(Checkpoint.id).in_(ids),
-                                               Checkpoint.state == COMMITTED,
-                                               col(Checkpoint.pinned).is_(False))).all()
+        rows = s.exec(
+            select(Checkpoint).where(
+                col(Checkpoint.id).in_(ids),
+                Checkpoint.state == COMMITTED,
+                col(Checkpoint.pinned).is_(False),
+            )
+        ).all()
         for row in rows:
             run = s.get(Run, row.run_id)
             if run is not None and run.resumed_from_step == row.step:
@@ -213,8 +263,9 @@ def _mark_deleting(reg: Registry, batch: list[Any]) -> set[int]:
     return marked
 
 
-def _delete_objects(reg: Registry, prefix: str, ref: str, errors: list[str],
-                    reason: str | None) -> int:
+def _delete_objects(
+    reg: Registry, prefix: str, ref: str, errors: list[str], reason: str | None
+) -> int:
     """Delete a checkpoint's objects (manifest first), then leave the tombstone."""
     freed = 0
     keys = [o.key for o in reg.store.list(prefix)]
@@ -231,17 +282,27 @@ def _delete_objects(reg: Registry, prefix: str, ref: str, errors: list[str],
             project, run_and_step = prefix.removeprefix("ckpt/").split("/", 1)
             run_name, step_part = run_and_step.rstrip("/").split("/")
             step = int(step_part.removeprefix("step-"))
-            row = s.exec(select(Checkpoint).join(Run, col(Run.id) == Checkpoint.run_id)
-                         .join(Project, col(Project.id) == Run.project_id)
-                         .where(Project.name == project, Run.name == run_name,
-                                Checkpoint.step == step)).first()
+            row = s.exec(
+                select(Checkpoint)
+                .join(Run, col(Run.id) == Checkpoint.run_id)
+                .join(Project, col(Project.id) == Run.project_id)
+                .where(Project.name == project, Run.name == run_name, Checkpoint.step == step)
+            ).first()
             if row is not None:
                 row.state = DELETED
                 s.add(row)
-                audit.record(s, reg.user, "gc", ref, reason=row.delete_reason or reason,
-                             freed_bytes=freed)
-                outbox.emit(s, outbox.CHECKPOINT_COLLECTED, project=project, run=run_name,
-                            step=step, ref=ref, reason=row.delete_reason or reason)
+                audit.record(
+                    s, reg.user, "gc", ref, reason=row.delete_reason or reason, freed_bytes=freed
+                )
+                outbox.emit(
+                    s,
+                    outbox.CHECKPOINT_COLLECTED,
+                    project=project,
+                    run=run_name,
+                    step=step,
+                    ref=ref,
+                    reason=row.delete_reason or reason,
+                )
                 reg.after_commit()
     return freed
 
@@ -249,15 +310,18 @@ def _delete_objects(reg: Registry, prefix: str, ref: str, errors: list[str],
 def _finish_interrupted(reg: Registry, errors: list[str]) -> int:
     """Checkpoints a crashed GC left `deleting`: finish them."""
     with reg.catalog.session() as s:
-        rows = s.exec(select(Checkpoint, Run.name, Project.name)
-                      .join(Run, col(Run.id) == Checkpoint.run_id)
-                      .join(Project, col(Project.id) == Run.project_id)
-                      .where(Checkpoint.state == DELETING)).all()
+        rows = s.exec(
+            select(Checkpoint, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(Checkpoint.state == DELETING)
+        ).all()
     freed = 0
     for c, run, project in rows:
         ref = f"{'' if project == 'default' else project + '/'}{run}@step{c.step}"
-        freed += _delete_objects(reg, checkpoint_prefix(project, run, c.step), ref, errors,
-                                 c.delete_reason)
+        freed += _delete_objects(
+            reg, checkpoint_prefix(project, run, c.step), ref, errors, c.delete_reason
+        )
     return freed
 
 
@@ -266,20 +330,29 @@ def _sweep_orphans(reg: Registry, out: dict[str, Any]) -> int:
     grace = reg.policy.retention.orphan_grace
     cutoff = now() - grace
     with reg.catalog.session() as s:
-        rows = s.exec(select(Checkpoint, Run.name, Project.name)
-                      .join(Run, col(Run.id) == Checkpoint.run_id)
-                      .join(Project, col(Project.id) == Run.project_id)
-                      .where(Checkpoint.state == PENDING, Checkpoint.created_at < cutoff,
-                             col(Checkpoint.lease_until) < now())).all()
+        rows = s.exec(
+            select(Checkpoint, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(
+                Checkpoint.state == PENDING,
+                Checkpoint.created_at < cutoff,
+                col(Checkpoint.lease_until) < now(),
+            )
+        ).all()
     freed = 0
     for c, run, project in rows:
         prefix = checkpoint_prefix(project, run, c.step)
         with reg.catalog.session(write=True) as s:
-            gone = s.exec(delete(Checkpoint).where(
-                col(Checkpoint.id) == c.id, col(Checkpoint.state) == PENDING,
-                col(Checkpoint.claim_token) == c.claim_token,
-                col(Checkpoint.lease_until) < now()))
-            if gone.rowcount != 1:  # type: ignore[attr-defined]
+            gone = s.exec(
+                delete(Checkpoint).where(
+                    col(Checkpoint.id) == c.id,
+                    col(Checkpoint.state) == PENDING,
+                    col(Checkpoint.claim_token) == c.claim_token,
+                    col(Checkpoint.lease_until) < now(),
+                )
+            )
+            if gone.rowcount != 1:
                 continue  # someone took the claim over meanwhile
         for obj in list(reg.store.list(prefix)):
             try:
@@ -309,10 +382,16 @@ def every(reg_factory: Any, interval: float, emit: Any, stop: Any) -> None:
             reg = reg_factory()
             with reg:
                 result = run_gc(reg)
-            emit({"ts": iso(now()), "ok": True, "freed_bytes": result["freed_bytes"],
-                  "deleted": sum(d["action"] == "delete" for d in result["decisions"]),
-                  "kept": sum(d["action"] == "keep" for d in result["decisions"]),
-                  "errors": result["errors"]})
+            emit(
+                {
+                    "ts": iso(now()),
+                    "ok": True,
+                    "freed_bytes": result["freed_bytes"],
+                    "deleted": sum(d["action"] == "delete" for d in result["decisions"]),
+                    "kept": sum(d["action"] == "keep" for d in result["decisions"]),
+                    "errors": result["errors"],
+                }
+            )
         except RegistryError as exc:
             emit({"ts": iso(now()), "ok": False, "error": str(exc)})
         stop.wait(max(0.0, interval - (time.monotonic() - started)))

@@ -35,16 +35,27 @@ def hold_name(checkpoint_id: int) -> str:
 def hold(reg: Registry, checkpoint_id: int, purpose: str) -> Iterator[None]:
     name = f"{hold_name(checkpoint_id)}{uuid.uuid4().hex[:12]}"
     with reg.catalog.session(write=True) as s:
-        s.add(Lease(name=name, holder=f"{reg.user} ({purpose})", host=socket.gethostname(),
-                    pid=os.getpid(), token=name, acquired_at=now(),
-                    expires_at=now() + HOLD_SECONDS))
+        s.add(
+            Lease(
+                name=name,
+                holder=f"{reg.user} ({purpose})",
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                token=name,
+                acquired_at=now(),
+                expires_at=now() + HOLD_SECONDS,
+            )
+        )
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(HOLD_SECONDS / 4):
             with contextlib.suppress(RegistryError), reg.catalog.session(write=True) as s:
-                s.exec(update(Lease).where(col(Lease.name) == name)
-                       .values(expires_at=now() + HOLD_SECONDS))
+                s.exec(
+                    update(Lease)
+                    .where(col(Lease.name) == name)
+                    .values(expires_at=now() + HOLD_SECONDS)
+                )
 
     thread = threading.Thread(target=renew, name="reg-hold", daemon=True)
     thread.start()
@@ -59,6 +70,7 @@ def hold(reg: Registry, checkpoint_id: int, purpose: str) -> Iterator[None]:
 
 def held_checkpoint_ids(reg: Registry) -> set[int]:
     with reg.catalog.session() as s:
-        names = s.exec(select(Lease.name).where(col(Lease.name).startswith("use:"),
-                                                Lease.expires_at > now())).all()
+        names = s.exec(
+            select(Lease.name).where(col(Lease.name).startswith("use:"), Lease.expires_at > now())
+        ).all()
     return {int(n.split(":")[1]) for n in names}

@@ -25,8 +25,12 @@ def spawn_drain(settings: Settings) -> None:
         with open(log, "ab") as out:
             subprocess.Popen(
                 [sys.executable, "-m", "registry.mlflow_mirror", "--budget", str(DRAIN_BUDGET_S)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                close_fds=True, env={**os.environ, "REG_HOME": str(settings.home)},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                close_fds=True,
+                env={**os.environ, "REG_HOME": str(settings.home)},
             )
     except OSError:
         pass  # the events wait; `reg mlflow sync` or the next command drains them

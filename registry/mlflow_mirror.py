@@ -57,8 +57,9 @@ class Mirror:
             exp = self.client.get_experiment_by_name(project)
             if exp is None:
                 artifacts = (self.reg.settings.home / "mlflow-artifacts" / project).as_uri()
-                exp_id = self.client.create_experiment(project, artifact_location=artifacts,
-                                                       tags={"reg.project": project})
+                exp_id = self.client.create_experiment(
+                    project, artifact_location=artifacts, tags={"reg.project": project}
+                )
             else:
                 exp_id = exp.experiment_id
             self._experiments[project] = exp_id
@@ -68,20 +69,24 @@ class Mirror:
         key = (project, run)
         if key not in self._runs:
             exp = self.experiment(project)
-            found = self.client.search_runs([exp], filter_string=f"tags.`reg.run` = '{run}'",
-                                            max_results=1)
+            found = self.client.search_runs(
+                [exp], filter_string=f"tags.`reg.run` = '{run}'", max_results=1
+            )
             if found:
                 self._runs[key] = found[0].info.run_id
             else:
-                created = self.client.create_run(exp, run_name=run, tags={
-                    "reg.run": run, "reg.project": project})
+                created = self.client.create_run(
+                    exp, run_name=run, tags={"reg.run": run, "reg.project": project}
+                )
                 self._runs[key] = created.info.run_id
         return self._runs[key]
 
     def logged_model(self, project: str, ref: str) -> Any | None:
         found = self.client.search_logged_models(
             experiment_ids=[self.experiment(project)],
-            filter_string=f"tags.`reg.ref` = '{ref}'", max_results=1)
+            filter_string=f"tags.`reg.ref` = '{ref}'",
+            max_results=1,
+        )
         return found[0] if found else None
 
     def model_version(self, model: str, version: int) -> Any | None:
@@ -103,16 +108,29 @@ class Mirror:
             import mlflow
             from mlflow.entities import LoggedModelOutput
 
-            params = {"step": str(p["step"]), "world_size": str(p["world_size"]),
-                      "bytes": str(p["bytes"]), "resumable": str(p["resumable"]).lower(),
-                      "uri": p["uri"], "manifest_sha256": p["manifest_sha256"]}
+            params = {
+                "step": str(p["step"]),
+                "world_size": str(p["world_size"]),
+                "bytes": str(p["bytes"]),
+                "resumable": str(p["resumable"]).lower(),
+                "uri": p["uri"],
+                "manifest_sha256": p["manifest_sha256"],
+            }
             model = mlflow.create_external_model(
-                name=safe_name(f"{p['run']}-step{p['step']}"), source_run_id=run_id,
-                model_type="checkpoint", experiment_id=self.experiment(p["project"]),
-                params=params, tags={"reg.ref": p["ref"], "reg.kind": "checkpoint",
-                                     "step": str(p["step"]), "state": "committed",
-                                     "reg.expires_at": iso(p.get("expires_at")) or "never",
-                                     "reg.uri": p["uri"]})
+                name=safe_name(f"{p['run']}-step{p['step']}"),
+                source_run_id=run_id,
+                model_type="checkpoint",
+                experiment_id=self.experiment(p["project"]),
+                params=params,
+                tags={
+                    "reg.ref": p["ref"],
+                    "reg.kind": "checkpoint",
+                    "step": str(p["step"]),
+                    "state": "committed",
+                    "reg.expires_at": iso(p.get("expires_at")) or "never",
+                    "reg.uri": p["uri"],
+                },
+            )
             self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, p["step"])])
         for key, value in sorted((p.get("metrics") or {}).items()):
             history = self.client.get_metric_history(run_id, key)
@@ -122,16 +140,21 @@ class Mirror:
     def on_checkpoint_validated(self, p: dict[str, Any]) -> None:
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:
-            self.client.set_logged_model_tags(model.model_id, {
-                "reg.validation": "passed" if p["passed"] else "failed",
-                "reg.validation.device": f"{p['device']} ({p['device_name']})",
-                "reg.restore_seconds": str(p["seconds"])})
+            self.client.set_logged_model_tags(
+                model.model_id,
+                {
+                    "reg.validation": "passed" if p["passed"] else "failed",
+                    "reg.validation.device": f"{p['device']} ({p['device_name']})",
+                    "reg.restore_seconds": str(p["seconds"]),
+                },
+            )
 
     def on_checkpoint_collected(self, p: dict[str, Any]) -> None:
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:
-            self.client.set_logged_model_tags(model.model_id, {
-                "state": "deleted", "reg.delete_reason": p.get("reason") or ""})
+            self.client.set_logged_model_tags(
+                model.model_id, {"state": "deleted", "reg.delete_reason": p.get("reason") or ""}
+            )
 
     def on_release_created(self, p: dict[str, Any]) -> None:
         if self.model_version(p["model"], p["version"]) is not None:
@@ -142,44 +165,62 @@ class Mirror:
         try:
             self.client.get_registered_model(name)
         except Exception:
-            self.client.create_registered_model(name, tags={"reg.model": p["model"]},
-                                                description=f"reg model {p['model']}")
+            self.client.create_registered_model(
+                name, tags={"reg.model": p["model"]}, description=f"reg model {p['model']}"
+            )
         run_id = self.run(p["project"], p["run"])
-        tags = {"reg.sha256": p["sha256"], "reg.version": str(p["version"]),
-                "reg.release": p["release"], "reg.source": p["source"], "reg.uri": p["uri"],
-                "reg.validation": "passed" if p["validation_passed"] else "failed",
-                "reg.validation.device": p["validation_device"], "reg.status": "active"}
-        description = (f"{p['release']}: {p['uri']} (sha256 {p['sha256']}), promoted from "
-                       f"{p['source']}")
+        tags = {
+            "reg.sha256": p["sha256"],
+            "reg.version": str(p["version"]),
+            "reg.release": p["release"],
+            "reg.source": p["source"],
+            "reg.uri": p["uri"],
+            "reg.validation": "passed" if p["validation_passed"] else "failed",
+            "reg.validation.device": p["validation_device"],
+            "reg.status": "active",
+        }
+        description = (
+            f"{p['release']}: {p['uri']} (sha256 {p['sha256']}), promoted from {p['source']}"
+        )
         if p["uri"].startswith("s3://"):
-            self.client.create_model_version(name, source=p["uri"], run_id=run_id, tags=tags,
-                                             description=description)
+            self.client.create_model_version(
+                name, source=p["uri"], run_id=run_id, tags=tags, description=description
+            )
             return
         existing = self.logged_model(p["project"], p["release"])
         logged = existing or mlflow.create_external_model(
-            name=safe_name(f"{p['model']}-v{p['version']}"), source_run_id=run_id,
-            model_type="release", experiment_id=self.experiment(p["project"]),
-            tags={"reg.ref": p["release"], "reg.kind": "release", "reg.uri": p["uri"]})
-        self.client.create_model_version(name, source=f"models:/{logged.model_id}",
-                                         run_id=run_id, tags=tags, description=description,
-                                         model_id=logged.model_id)
+            name=safe_name(f"{p['model']}-v{p['version']}"),
+            source_run_id=run_id,
+            model_type="release",
+            experiment_id=self.experiment(p["project"]),
+            tags={"reg.ref": p["release"], "reg.kind": "release", "reg.uri": p["uri"]},
+        )
+        self.client.create_model_version(
+            name,
+            source=f"models:/{logged.model_id}",
+            run_id=run_id,
+            tags=tags,
+            description=description,
+            model_id=logged.model_id,
+        )
 
     def on_release_alias(self, p: dict[str, Any]) -> None:
         version = self.model_version(p["model"], p["version"])
         if version is None:
             raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
-        self.client.set_registered_model_alias(safe_name(p["model"]), p["alias"],
-                                               version.version)
+        self.client.set_registered_model_alias(safe_name(p["model"]), p["alias"], version.version)
 
     def on_release_status(self, p: dict[str, Any]) -> None:
         version = self.model_version(p["model"], p["version"])
         if version is None:
             raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
-        self.client.set_model_version_tag(safe_name(p["model"]), version.version,
-                                          "reg.status", p["status"])
+        self.client.set_model_version_tag(
+            safe_name(p["model"]), version.version, "reg.status", p["status"]
+        )
         if p.get("reason"):
-            self.client.set_model_version_tag(safe_name(p["model"]), version.version,
-                                              "reg.status_reason", p["reason"])
+            self.client.set_model_version_tag(
+                safe_name(p["model"]), version.version, "reg.status_reason", p["reason"]
+            )
 
 
 def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[str, Any]:
@@ -198,8 +239,12 @@ def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[
         mirror = Mirror(reg)
         while time.monotonic() - started < budget_s:
             with reg.catalog.session() as s:
-                batch = s.exec(select(OutboxEvent).where(col(OutboxEvent.done_at).is_(None))
-                               .order_by(col(OutboxEvent.id)).limit(50)).all()
+                batch = s.exec(
+                    select(OutboxEvent)
+                    .where(col(OutboxEvent.done_at).is_(None))
+                    .order_by(col(OutboxEvent.id))
+                    .limit(50)
+                ).all()
             if not batch:
                 break
             for event in batch:
@@ -212,8 +257,11 @@ def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[
                     _note_failure(reg, event.id or 0, error)
                     raise _Stop from exc
                 with reg.catalog.session(write=True) as s:
-                    s.exec(update(OutboxEvent).where(col(OutboxEvent.id) == event.id)
-                           .values(done_at=now()))
+                    s.exec(
+                        update(OutboxEvent)
+                        .where(col(OutboxEvent.id) == event.id)
+                        .values(done_at=now())
+                    )
                 applied += 1
     except _Stop:
         pass
@@ -232,14 +280,22 @@ def _pending_count(reg: Registry) -> int:
     from sqlalchemy import func
 
     with reg.catalog.session() as s:
-        return int(s.exec(select(func.count()).select_from(OutboxEvent)
-                          .where(col(OutboxEvent.done_at).is_(None))).one())
+        return int(
+            s.exec(
+                select(func.count())
+                .select_from(OutboxEvent)
+                .where(col(OutboxEvent.done_at).is_(None))
+            ).one()
+        )
 
 
 def _note_failure(reg: Registry, event_id: int, error: str) -> None:
     with reg.catalog.session(write=True) as s:
-        s.exec(update(OutboxEvent).where(col(OutboxEvent.id) == event_id).values(
-            attempts=OutboxEvent.attempts + 1, last_error=error[:1000]))
+        s.exec(
+            update(OutboxEvent)
+            .where(col(OutboxEvent.id) == event_id)
+            .values(attempts=OutboxEvent.attempts + 1, last_error=error[:1000])
+        )
 
 
 def _take_lease(reg: Registry, budget_s: float) -> str | None:
@@ -252,9 +308,15 @@ def _take_lease(reg: Registry, budget_s: float) -> str | None:
         if lease is not None and lease.expires_at > now() and _alive(lease):
             return None
         if lease is None:
-            lease = Lease(name=DRAIN_LEASE, holder=reg.user, host=socket.gethostname(),
-                          pid=os.getpid(), token=token, acquired_at=now(),
-                          expires_at=now() + budget_s + 60)
+            lease = Lease(
+                name=DRAIN_LEASE,
+                holder=reg.user,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                token=token,
+                acquired_at=now(),
+                expires_at=now() + budget_s + 60,
+            )
         else:
             lease.token, lease.pid, lease.acquired_at = token, os.getpid(), now()
             lease.expires_at = now() + budget_s + 60
@@ -281,8 +343,7 @@ def _drop_lease(reg: Registry, token: str) -> None:
 
     try:
         with reg.catalog.session(write=True) as s:
-            s.exec(delete(Lease).where(col(Lease.name) == DRAIN_LEASE,
-                                       col(Lease.token) == token))
+            s.exec(delete(Lease).where(col(Lease.name) == DRAIN_LEASE, col(Lease.token) == token))
     except RegistryError:
         pass
 

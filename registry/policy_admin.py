@@ -35,10 +35,19 @@ def apply(reg: Registry, path: Path) -> dict[str, Any]:
     digest = hashlib.sha256(text.encode()).hexdigest()
     with reg.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
-        s.add(PolicyDocument(version=version, text=text, sha256=digest, applied_at=now(),
-                             applied_by=reg.user))
-        audit.record(s, reg.user, "policy-apply", f"policy v{version}", sha256=digest,
-                     grants=len(parsed.access.grants))
+        s.add(
+            PolicyDocument(
+                version=version, text=text, sha256=digest, applied_at=now(), applied_by=reg.user
+            )
+        )
+        audit.record(
+            s,
+            reg.user,
+            "policy-apply",
+            f"policy v{version}",
+            sha256=digest,
+            grants=len(parsed.access.grants),
+        )
     reg.reset_policy()
     return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
 
@@ -48,8 +57,7 @@ def show(reg: Registry) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         text, source = reg._policy_text()
         policy = reg.policy
-    return {"source": source, "document": text,
-            "effective": policy.model_dump(mode="json")}
+    return {"source": source, "document": text, "effective": policy.model_dump(mode="json")}
 
 
 def export(reg: Registry, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -60,8 +68,10 @@ def export(reg: Registry, bucket: str | None = None) -> tuple[dict[str, Any], li
     if bucket is None:
         url = urlparse(reg.settings.store_url)
         if url.scheme != "s3":
-            raise UsageError("the store is not on S3; say which bucket the policy is for",
-                             "reg policy export --bucket NAME[/PREFIX]")
+            raise UsageError(
+                "the store is not on S3; say which bucket the policy is for",
+                "reg policy export --bucket NAME[/PREFIX]",
+            )
         bucket, prefix = url.netloc, url.path.strip("/")
     else:
         bucket, _, prefix = bucket.partition("/")

@@ -90,8 +90,11 @@ def promote(
     extra_files = _check_extras(extras or [])
     _, ckpt, _ = resolve(reg, ref)
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
-    options = {"dtype": dtype, "max_shard_bytes": max_bytes,
-               "extras": {p.name: digest for p, digest in extra_files}}
+    options = {
+        "dtype": dtype,
+        "max_shard_bytes": max_bytes,
+        "extras": {p.name: digest for p, digest in extra_files},
+    }
     options_key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
 
     existing = _existing(reg, ckpt.id or 0, model, options_key, alias)
@@ -100,19 +103,34 @@ def promote(
 
     gate = resumable_gate(reg.policy.promotion, ckpt.resumable, list(ckpt.missing_state))
     if gate:
-        raise GateNotMet(f"refusing to promote {source}: {gate}",
-                         "promote a full training checkpoint, or set require_resumable = false")
+        raise GateNotMet(
+            f"refusing to promote {source}: {gate}",
+            "promote a full training checkpoint, or set require_resumable = false",
+        )
     validation = _validation_for(reg, source, ckpt, model_factory)
 
     with hold(reg, ckpt.id or 0, f"promote {source}"):
         release_id, version, token, validation_id = _reserve(
-            reg, model, ckpt, source, options_key, options, validation, dtype)
+            reg, model, ckpt, source, options_key, options, validation, dtype
+        )
         if validation_id != validation.id:
             with reg.catalog.session() as s:
                 validation = s.get(Validation, validation_id) or validation
         with _Heartbeat(reg, release_id, token):
-            return _build_and_commit(reg, source, ckpt, model, version, release_id, token,
-                                     options, extra_files, validation, alias, progress)
+            return _build_and_commit(
+                reg,
+                source,
+                ckpt,
+                model,
+                version,
+                release_id,
+                token,
+                options,
+                extra_files,
+                validation,
+                alias,
+                progress,
+            )
 
 
 def _shard_bytes(text: str) -> int:
@@ -142,13 +160,21 @@ def _check_extras(extras: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
-def _existing(reg: Registry, ckpt_id: int, model: str, options_key: str, alias: str | None
-              ) -> dict[str, Any] | None:
+def _existing(
+    reg: Registry, ckpt_id: int, model: str, options_key: str, alias: str | None
+) -> dict[str, Any] | None:
     with reg.catalog.session(write=alias is not None) as s:
-        row = s.exec(select(Model, Release).join(Release, col(Release.model_id) == Model.id)
-                     .where(Model.name == model, Release.source_checkpoint_id == ckpt_id,
-                            Release.options_key == options_key, Release.status == ACTIVE)
-                     .order_by(col(Release.version).desc())).first()
+        row = s.exec(
+            select(Model, Release)
+            .join(Release, col(Release.model_id) == Model.id)
+            .where(
+                Model.name == model,
+                Release.source_checkpoint_id == ckpt_id,
+                Release.options_key == options_key,
+                Release.status == ACTIVE,
+            )
+            .order_by(col(Release.version).desc())
+        ).first()
         if row is None:
             return None
         m, release = row
@@ -159,8 +185,9 @@ def _existing(reg: Registry, ckpt_id: int, model: str, options_key: str, alias: 
     return out
 
 
-def _validation_for(reg: Registry, source: CheckpointRef, ckpt: Checkpoint,
-                    model_factory: str | None) -> Validation:
+def _validation_for(
+    reg: Registry, source: CheckpointRef, ckpt: Checkpoint, model_factory: str | None
+) -> Validation:
     """A recorded validation the policy accepts, or a new one run here."""
     from registry.validation import resolve_device, validate
 
@@ -179,9 +206,11 @@ def _validation_for(reg: Registry, source: CheckpointRef, ckpt: Checkpoint,
     result = validate(reg, source, device=resolve_device(device), model_factory=model_factory)
     if not result["passed"] or not satisfies_device(policy, result["device"]):
         failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
-        raise ValidationFailed(f"refusing to promote {source}: validation "
-                               f"{result['validation_id']} failed: {'; '.join(failed)}",
-                               f"reg show {source} and reg validate {source} --json for details")
+        raise ValidationFailed(
+            f"refusing to promote {source}: validation "
+            f"{result['validation_id']} failed: {'; '.join(failed)}",
+            f"reg show {source} and reg validate {source} --json for details",
+        )
     with reg.catalog.session() as s:
         found = s.get(Validation, result["validation_id"])
         assert found is not None
@@ -194,13 +223,24 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _reserve(reg: Registry, model: str, ckpt: Checkpoint, source: CheckpointRef,
-             options_key: str, options: dict[str, Any], validation: Validation,
-             dtype: str | None) -> tuple[int, int, str, int | None]:
+def _reserve(
+    reg: Registry,
+    model: str,
+    ckpt: Checkpoint,
+    source: CheckpointRef,
+    options_key: str,
+    options: dict[str, Any],
+    validation: Validation,
+    dtype: str | None,
+) -> tuple[int, int, str, int | None]:
     """A pending release row for this promotion: new (next version) or taken over."""
     token = uuid.uuid4().hex
-    claim = {"claim_token": token, "claim_host": socket.gethostname(), "claim_pid": os.getpid(),
-             "lease_until": now() + LEASE_SECONDS}
+    claim = {
+        "claim_token": token,
+        "claim_host": socket.gethostname(),
+        "claim_pid": os.getpid(),
+        "lease_until": now() + LEASE_SECONDS,
+    }
     for _ in range(10):
         with reg.catalog.session(write=True) as s:
             m = s.exec(select(Model).where(Model.name == model)).first()
@@ -211,30 +251,54 @@ def _reserve(reg: Registry, model: str, ckpt: Checkpoint, source: CheckpointRef,
                         s.add(m)
                 except DBIntegrityError:
                     continue
-            pending = s.exec(select(Release).where(
-                Release.model_id == m.id, Release.source_checkpoint_id == ckpt.id,
-                Release.options_key == options_key, Release.status == RELEASE_PENDING)).first()
+            pending = s.exec(
+                select(Release).where(
+                    Release.model_id == m.id,
+                    Release.source_checkpoint_id == ckpt.id,
+                    Release.options_key == options_key,
+                    Release.status == RELEASE_PENDING,
+                )
+            ).first()
             if pending is not None:
                 if not _stale(pending):
                     raise Conflict(
                         f"{source} is being promoted to {model}:v{pending.version} by "
                         f"{pending.created_by} on {pending.claim_host} (pid {pending.claim_pid})",
                         "wait for it; a dead promotion's claim expires within "
-                        f"{LEASE_SECONDS:.0f}s and a rerun continues it")
-                taken = s.exec(update(Release).where(
-                    col(Release.id) == pending.id,
-                    col(Release.claim_token) == pending.claim_token).values(**claim))
-                if taken.rowcount == 1:  # type: ignore[attr-defined]
+                        f"{LEASE_SECONDS:.0f}s and a rerun continues it",
+                    )
+                taken = s.exec(
+                    update(Release)
+                    .where(
+                        col(Release.id) == pending.id,
+                        col(Release.claim_token) == pending.claim_token,
+                    )
+                    .values(**claim)
+                )
+                if taken.rowcount == 1:
                     # The rerun continues with the attempt's validation, so the files it
                     # already wrote (whose metadata names it) stay valid.
                     return pending.id or 0, pending.version, token, pending.validation_id
                 continue
             top = s.exec(select(func.max(Release.version)).where(Release.model_id == m.id)).one()
-            row = Release(model_id=m.id or 0, version=(top or 0) + 1, status=RELEASE_PENDING,
-                          source_checkpoint_id=ckpt.id or 0, source_ref=str(source),
-                          validation_id=validation.id, options_key=options_key,
-                          options=options, dtype=dtype, created_at=now(),
-                          created_by=reg.user, stage="reserved", **claim)
+            row = Release(
+                model_id=m.id or 0,
+                version=(top or 0) + 1,
+                status=RELEASE_PENDING,
+                source_checkpoint_id=ckpt.id or 0,
+                source_ref=str(source),
+                validation_id=validation.id,
+                options_key=options_key,
+                options=options,
+                dtype=dtype,
+                created_at=now(),
+                created_by=reg.user,
+                stage="reserved",
+                claim_token=token,
+                claim_host=socket.gethostname(),
+                claim_pid=os.getpid(),
+                lease_until=now() + LEASE_SECONDS,
+            )
             try:
                 with s.begin_nested():
                     s.add(row)
@@ -242,8 +306,9 @@ def _reserve(reg: Registry, model: str, ckpt: Checkpoint, source: CheckpointRef,
                 continue  # another promotion took that version: allocate again
             s.flush()
             return row.id or 0, row.version, token, validation.id
-    raise Conflict(f"could not allocate a version of {model}: too many concurrent promotions",
-                   "retry")
+    raise Conflict(
+        f"could not allocate a version of {model}: too many concurrent promotions", "retry"
+    )
 
 
 def _stale(row: Release) -> bool:
@@ -277,26 +342,39 @@ class _Heartbeat:
         while not self._stop.wait(LEASE_SECONDS / 4):
             try:
                 with self._reg.catalog.session(write=True) as s:
-                    s.exec(update(Release).where(col(Release.id) == self._id,
-                                                 col(Release.claim_token) == self._token)
-                           .values(lease_until=now() + LEASE_SECONDS))
+                    s.exec(
+                        update(Release)
+                        .where(col(Release.id) == self._id, col(Release.claim_token) == self._token)
+                        .values(lease_until=now() + LEASE_SECONDS)
+                    )
             except RegistryError:
                 continue
 
 
 def _stage(reg: Registry, release_id: int, token: str, stage: str) -> None:
     with reg.catalog.session(write=True) as s:
-        s.exec(update(Release).where(col(Release.id) == release_id,
-                                     col(Release.claim_token) == token).values(stage=stage))
+        s.exec(
+            update(Release)
+            .where(col(Release.id) == release_id, col(Release.claim_token) == token)
+            .values(stage=stage)
+        )
 
 
 def _build_and_commit(
-    reg: Registry, source: CheckpointRef, ckpt: Checkpoint, model: str, version: int,
-    release_id: int, token: str, options: dict[str, Any], extras: list[tuple[Path, str]],
-    validation: Validation, alias: str | None, progress: Progress | None,
+    reg: Registry,
+    source: CheckpointRef,
+    ckpt: Checkpoint,
+    model: str,
+    version: int,
+    release_id: int,
+    token: str,
+    options: dict[str, Any],
+    extras: list[tuple[Path, str]],
+    validation: Validation,
+    alias: str | None,
+    progress: Progress | None,
 ) -> dict[str, Any]:
-    from registry.consolidate import consolidate
-    from registry.consolidate import model_tensor_names
+    from registry.consolidate import consolidate, model_tensor_names
 
     name = f"{model}:v{version}"
     src_prefix = checkpoint_prefix(source.project, source.run, ckpt.step)
@@ -305,17 +383,33 @@ def _build_and_commit(
     resume = reg.classify_resume(inv.top_level_keys())
     names = model_tensor_names(inv, resume.model_keys, reg.policy.resume.model_key)
     if not names:
-        raise GateNotMet(f"{source} holds no model tensors under "
-                         f"[resume] model_key = {reg.policy.resume.model_key!r}",
-                         "set model_key to where the checkpoint keeps the model")
-    tie_groups = next((c["detail"] for c in validation.checks if c["name"] == "tied_weights"),
-                      [])
-    lineage = {"format": "pt", "reg.release": name, "reg.source": str(source),
-               "reg.validation_id": str(validation.id),
-               "reg.manifest_sha256": ckpt.manifest_sha256 or ""}
-    built = consolidate(reg.store, src_prefix, inv, names, dest, cast=options["dtype"],
-                        max_shard_bytes=options["max_shard_bytes"], metadata=lineage,
-                        tie_groups=tie_groups, progress=progress)
+        raise GateNotMet(
+            f"{source} holds no model tensors under "
+            f"[resume] model_key = {reg.policy.resume.model_key!r}",
+            "set model_key to where the checkpoint keeps the model",
+        )
+    tie_groups: list[list[str]] = next(
+        (c["detail"] for c in validation.checks if c["name"] == "tied_weights"), []
+    )
+    lineage = {
+        "format": "pt",
+        "reg.release": name,
+        "reg.source": str(source),
+        "reg.validation_id": str(validation.id),
+        "reg.manifest_sha256": ckpt.manifest_sha256 or "",
+    }
+    built = consolidate(
+        reg.store,
+        src_prefix,
+        inv,
+        names,
+        dest,
+        cast=options["dtype"],
+        max_shard_bytes=options["max_shard_bytes"],
+        metadata=lineage,
+        tie_groups=tie_groups,
+        progress=progress,
+    )
     files = list(built.files)
     _stage(reg, release_id, token, "consolidated")
     for path, digest in extras:
@@ -324,9 +418,10 @@ def _build_and_commit(
             files.append({"path": path.name, "size": put.size, "sha256": put.sha256})
         except ObjectExists:
             if reg.store.sha256(dest + path.name) != digest:
-                raise Conflict(f"{dest}{path.name} exists with other content",
-                               "the release prefix holds files from another promotion"
-                               ) from None
+                raise Conflict(
+                    f"{dest}{path.name} exists with other content",
+                    "the release prefix holds files from another promotion",
+                ) from None
             files.append({"path": path.name, "size": path.stat().st_size, "sha256": digest})
     files.sort(key=lambda f: f["path"])
     with reg.catalog.session() as s:
@@ -335,49 +430,101 @@ def _build_and_commit(
         created_at, created_by = row.created_at, row.created_by
     tied = built.tied
     document = {
-        "format": RELEASE_FORMAT, "release": name, "model": model, "version": version,
-        "files": files, "source": {"ref": str(source), "manifest_sha256": ckpt.manifest_sha256,
-                                   "world_size": ckpt.world_size},
-        "validation": {"id": validation.id, "passed": validation.passed,
-                       "device": validation.device, "device_name": validation.device_name,
-                       "torch": validation.torch_version, "seconds": validation.seconds},
-        "dtype": options["dtype"], "tied": tied,
-        "created_at": iso(created_at), "created_by": created_by,
+        "format": RELEASE_FORMAT,
+        "release": name,
+        "model": model,
+        "version": version,
+        "files": files,
+        "source": {
+            "ref": str(source),
+            "manifest_sha256": ckpt.manifest_sha256,
+            "world_size": ckpt.world_size,
+        },
+        "validation": {
+            "id": validation.id,
+            "passed": validation.passed,
+            "device": validation.device,
+            "device_name": validation.device_name,
+            "torch": validation.torch_version,
+            "seconds": validation.seconds,
+        },
+        "dtype": options["dtype"],
+        "tied": tied,
+        "created_at": iso(created_at),
+        "created_by": created_by,
     }
     data = json.dumps(document, indent=2, sort_keys=True).encode()
     try:
         reg.store.put_bytes(dest + RELEASE_JSON, data, immutable=True)
     except ObjectExists:
         if reg.store.get_bytes(dest + RELEASE_JSON) != data:
-            raise Conflict(f"{dest}{RELEASE_JSON} exists with other content",
-                           "the release prefix holds files from another promotion") from None
+            raise Conflict(
+                f"{dest}{RELEASE_JSON} exists with other content",
+                "the release prefix holds files from another promotion",
+            ) from None
     digest = hashlib.sha256(data).hexdigest()
     tensor_count = built.tensor_count
     with reg.catalog.session(write=True) as s:
-        done = s.exec(update(Release).where(
-            col(Release.id) == release_id, col(Release.claim_token) == token,
-            col(Release.status) == RELEASE_PENDING).values(
-            status=ACTIVE, sha256=digest, bytes=sum(f["size"] for f in files) + len(data),
-            tensor_count=tensor_count, tied=[[a, k] for a, k in sorted(tied.items())],
-            stage="committed", claim_token=None, lease_until=None))
-        if done.rowcount != 1:  # type: ignore[attr-defined]
-            raise Conflict(f"lost the claim on {name} while promoting",
-                           "another process took the promotion over; check reg releases")
+        done = s.exec(
+            update(Release)
+            .where(
+                col(Release.id) == release_id,
+                col(Release.claim_token) == token,
+                col(Release.status) == RELEASE_PENDING,
+            )
+            .values(
+                status=ACTIVE,
+                sha256=digest,
+                bytes=sum(f["size"] for f in files) + len(data),
+                tensor_count=tensor_count,
+                tied=[[a, k] for a, k in sorted(tied.items())],
+                stage="committed",
+                claim_token=None,
+                lease_until=None,
+            )
+        )
+        if done.rowcount != 1:
+            raise Conflict(
+                f"lost the claim on {name} while promoting",
+                "another process took the promotion over; check reg releases",
+            )
         for f in files:
-            s.add(ReleaseFile(release_id=release_id, path=f["path"], size=f["size"],
-                              sha256=f["sha256"]))
+            s.add(
+                ReleaseFile(
+                    release_id=release_id, path=f["path"], size=f["size"], sha256=f["sha256"]
+                )
+            )
         m = s.exec(select(Model).where(Model.name == model)).one()
         release = s.get(Release, release_id)
         assert release is not None
-        outbox.emit(s, outbox.RELEASE_CREATED, model=model, version=version, release=name,
-                    sha256=digest, uri=reg.store.describe(dest), source=str(source),
-                    project=source.project, run=source.run, step=source.step,
-                    validation_id=validation.id, validation_device=validation.device,
-                    validation_passed=validation.passed, files=len(files))
+        outbox.emit(
+            s,
+            outbox.RELEASE_CREATED,
+            model=model,
+            version=version,
+            release=name,
+            sha256=digest,
+            uri=reg.store.describe(dest),
+            source=str(source),
+            project=source.project,
+            run=source.run,
+            step=source.step,
+            validation_id=validation.id,
+            validation_device=validation.device,
+            validation_passed=validation.passed,
+            files=len(files),
+        )
         if alias is not None:
             move_alias(s, reg, m, alias, release)
-        audit.record(s, reg.user, "promote", name, source=str(source),
-                     validation_id=validation.id, sha256=digest)
+        audit.record(
+            s,
+            reg.user,
+            "promote",
+            name,
+            source=str(source),
+            validation_id=validation.id,
+            sha256=digest,
+        )
         s.flush()
         out = view(s, m, release, reg.store.describe(dest))
     out["existing"] = False

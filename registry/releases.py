@@ -50,37 +50,54 @@ def resolve_release(session: Session, ref: ReleaseRef) -> tuple[Model, Release]:
         hint = f"models: {', '.join(names[-8:])}" if names else "reg promote makes the first one"
         raise NotFound(f"model {ref.model} not found", hint)
     if ref.alias is not None:
-        alias = session.exec(select(Alias).where(Alias.model_id == model.id,
-                                                 Alias.name == ref.alias)).first()
+        alias = session.exec(
+            select(Alias).where(Alias.model_id == model.id, Alias.name == ref.alias)
+        ).first()
         if alias is None:
             aliases = session.exec(select(Alias.name).where(Alias.model_id == model.id)).all()
-            raise NotFound(f"alias {ref} not found",
-                           f"{ref.model} has aliases {', '.join(sorted(aliases))}" if aliases
-                           else f"{ref.model} has no aliases (reg alias set)")
+            raise NotFound(
+                f"alias {ref} not found",
+                f"{ref.model} has aliases {', '.join(sorted(aliases))}"
+                if aliases
+                else f"{ref.model} has no aliases (reg alias set)",
+            )
         release = session.get(Release, alias.release_id)
     else:
-        release = session.exec(select(Release).where(Release.model_id == model.id,
-                                                     Release.version == ref.version)).first()
+        release = session.exec(
+            select(Release).where(Release.model_id == model.id, Release.version == ref.version)
+        ).first()
     if release is None or release.status == RELEASE_PENDING:
         versions = visible_versions(session, model.id or 0)
-        raise NotFound(f"{ref} not found",
-                       f"{ref.model} has versions {', '.join(f'v{v}' for v in versions)}"
-                       if versions else f"{ref.model} has no releases yet")
+        raise NotFound(
+            f"{ref} not found",
+            f"{ref.model} has versions {', '.join(f'v{v}' for v in versions)}"
+            if versions
+            else f"{ref.model} has no releases yet",
+        )
     return model, release
 
 
 def visible_versions(session: Session, model_id: int) -> list[int]:
-    return list(session.exec(select(Release.version).where(
-        Release.model_id == model_id, Release.status != RELEASE_PENDING
-    ).order_by(col(Release.version))).all())
+    return list(
+        session.exec(
+            select(Release.version)
+            .where(Release.model_id == model_id, Release.status != RELEASE_PENDING)
+            .order_by(col(Release.version))
+        ).all()
+    )
 
 
-def view(session: Session, model: Model, release: Release, store_uri: str | None = None
-         ) -> dict[str, Any]:
-    files = session.exec(select(ReleaseFile).where(ReleaseFile.release_id == release.id)
-                         .order_by(col(ReleaseFile.path))).all()
-    aliases = session.exec(select(Alias.name).where(Alias.release_id == release.id)
-                           .order_by(col(Alias.name))).all()
+def view(
+    session: Session, model: Model, release: Release, store_uri: str | None = None
+) -> dict[str, Any]:
+    files = session.exec(
+        select(ReleaseFile)
+        .where(ReleaseFile.release_id == release.id)
+        .order_by(col(ReleaseFile.path))
+    ).all()
+    aliases = session.exec(
+        select(Alias.name).where(Alias.release_id == release.id).order_by(col(Alias.name))
+    ).all()
     validation = session.get(Validation, release.validation_id) if release.validation_id else None
     out = {
         "release": f"{model.name}:v{release.version}",
@@ -98,9 +115,15 @@ def view(session: Session, model: Model, release: Release, store_uri: str | None
         "tied": release.tied,
         "created_at": iso(release.created_at),
         "created_by": release.created_by,
-        "validation": {"id": validation.id, "passed": validation.passed,
-                       "device": validation.device, "device_name": validation.device_name,
-                       "seconds": validation.seconds} if validation else None,
+        "validation": {
+            "id": validation.id,
+            "passed": validation.passed,
+            "device": validation.device,
+            "device_name": validation.device_name,
+            "seconds": validation.seconds,
+        }
+        if validation
+        else None,
     }
     if store_uri is not None:
         out["uri"] = store_uri
@@ -111,9 +134,12 @@ def list_releases(reg: Registry, model: str | None = None) -> list[dict[str, Any
     if model is not None:
         check_name(model, "model name")
     with reg.catalog.session() as s:
-        stmt = (select(Model, Release).join(Release, col(Release.model_id) == Model.id)
-                .where(Release.status != RELEASE_PENDING)
-                .order_by(col(Model.name), col(Release.version)))
+        stmt = (
+            select(Model, Release)
+            .join(Release, col(Release.model_id) == Model.id)
+            .where(Release.status != RELEASE_PENDING)
+            .order_by(col(Model.name), col(Release.version))
+        )
         if model is not None:
             stmt = stmt.where(Model.name == model)
         rows = s.exec(stmt).all()
@@ -126,20 +152,27 @@ def show(reg: Registry, ref: ReleaseRef) -> dict[str, Any]:
     reg.authorize_read(model=ref.model)
     with reg.catalog.session() as s:
         model, release = resolve_release(s, ref)
-        out = view(s, model, release,
-                   reg.store.describe(release_prefix(model.name, release.version)))
-        history = s.exec(select(AliasEvent).where(AliasEvent.model_id == model.id)
-                         .order_by(col(AliasEvent.id))).all()
+        out = view(
+            s, model, release, reg.store.describe(release_prefix(model.name, release.version))
+        )
+        history = s.exec(
+            select(AliasEvent).where(AliasEvent.model_id == model.id).order_by(col(AliasEvent.id))
+        ).all()
         out["alias_history"] = [
-            {"alias": e.name, "from": f"v{e.from_version}" if e.from_version else None,
-             "to": f"v{e.to_version}", "at": iso(e.ts), "by": e.actor}
-            for e in history if e.to_version == release.version or e.from_version == release.version
+            {
+                "alias": e.name,
+                "from": f"v{e.from_version}" if e.from_version else None,
+                "to": f"v{e.to_version}",
+                "at": iso(e.ts),
+                "by": e.actor,
+            }
+            for e in history
+            if e.to_version == release.version or e.from_version == release.version
         ]
     return out
 
 
-def verify(reg: Registry, ref: ReleaseRef, *, progress: Progress | None = None
-           ) -> dict[str, Any]:
+def verify(reg: Registry, ref: ReleaseRef, *, progress: Progress | None = None) -> dict[str, Any]:
     reg.authorize_read(model=ref.model)
     with reg.catalog.session() as s:
         model, release = resolve_release(s, ref)
@@ -151,12 +184,18 @@ def verify(reg: Registry, ref: ReleaseRef, *, progress: Progress | None = None
         head = reg.store.head(prefix + RELEASE_JSON)
         listed.append((RELEASE_JSON, head.size if head else -1, release.sha256))
     problems = check_stored_files(reg, prefix, listed, progress, f"verify {name}")
-    return {"release": name, "ok": not problems, "files": len(listed),
-            "bytes": sum(size for _, size, _ in listed), "problems": problems}
+    return {
+        "release": name,
+        "ok": not problems,
+        "files": len(listed),
+        "bytes": sum(size for _, size, _ in listed),
+        "problems": problems,
+    }
 
 
-def pull(reg: Registry, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
-         ) -> dict[str, Any]:
+def pull(
+    reg: Registry, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
+) -> dict[str, Any]:
     """Copy a release to `dest` (new or empty), every byte verified; all or nothing."""
     from registry.checkpoints import _check_dest
 
@@ -165,8 +204,10 @@ def pull(reg: Registry, ref: ReleaseRef, dest: Path, *, progress: Progress | Non
         model, release = resolve_release(s, ref)
         out = view(s, model, release)
     if release.status == YANKED:
-        raise Conflict(f"{out['release']} was yanked: {release.status_reason}",
-                       f"pull another version of {model.name} (reg releases {model.name})")
+        raise Conflict(
+            f"{out['release']} was yanked: {release.status_reason}",
+            f"pull another version of {model.name} (reg releases {model.name})",
+        )
     prefix = release_prefix(model.name, release.version)
     files = [*out["files"], {"path": RELEASE_JSON, "size": None, "sha256": release.sha256}]
     dest = Path(dest).absolute()
@@ -177,14 +218,18 @@ def pull(reg: Registry, ref: ReleaseRef, dest: Path, *, progress: Progress | Non
         if progress:
             progress.start(f"pull {out['release']}", sum(f["size"] or 0 for f in files))
         for f in files:
-            got = reg.store.get_file(prefix + f["path"], temp / f["path"],
-                                     progress=progress.advance if progress else None)
+            got = reg.store.get_file(
+                prefix + f["path"],
+                temp / f["path"],
+                progress=progress.advance if progress else None,
+            )
             if got.sha256 != f["sha256"] or (f["size"] is not None and got.size != f["size"]):
                 raise IntegrityError(
                     f"{out['release']}: stored file {f['path']} is corrupt (sha256 "
                     f"{got.sha256[:12]}..., expected {str(f['sha256'])[:12]}...); nothing was "
                     "written to the destination",
-                    f"reg verify {out['release']} lists every damaged file")
+                    f"reg verify {out['release']} lists every damaged file",
+                )
         if progress:
             progress.finish()
         _check_dest(dest)
@@ -201,31 +246,54 @@ def pull(reg: Registry, ref: ReleaseRef, dest: Path, *, progress: Progress | Non
 # -- status and aliases -------------------------------------------------------------------------
 
 
-def move_alias(session: Session, reg: Registry, model: Model, alias: str, release: Release
-               ) -> int | None:
+def move_alias(
+    session: Session, reg: Registry, model: Model, alias: str, release: Release
+) -> int | None:
     """Point `alias` at `release` (in the caller's transaction); returns the previous version."""
     check_alias(alias)
     if release.status == YANKED:
-        raise Conflict(f"{model.name}:v{release.version} is yanked ({release.status_reason}); "
-                       f"an alias cannot point at it", "choose an active version")
-    row = session.exec(select(Alias).where(Alias.model_id == model.id, Alias.name == alias)
-                       ).first()
+        raise Conflict(
+            f"{model.name}:v{release.version} is yanked ({release.status_reason}); "
+            f"an alias cannot point at it",
+            "choose an active version",
+        )
+    row = session.exec(select(Alias).where(Alias.model_id == model.id, Alias.name == alias)).first()
     previous = None
     if row is None:
-        row = Alias(model_id=model.id or 0, name=alias, release_id=release.id or 0,
-                    updated_at=now(), updated_by=reg.user)
+        row = Alias(
+            model_id=model.id or 0,
+            name=alias,
+            release_id=release.id or 0,
+            updated_at=now(),
+            updated_by=reg.user,
+        )
     else:
         old = session.get(Release, row.release_id)
         previous = old.version if old else None
         row.release_id, row.updated_at, row.updated_by = release.id or 0, now(), reg.user
     session.add(row)
     if previous != release.version:
-        session.add(AliasEvent(model_id=model.id or 0, name=alias, from_version=previous,
-                               to_version=release.version, ts=now(), actor=reg.user))
-        audit.record(session, reg.user, "alias", f"{model.name}@{alias}",
-                     to=f"v{release.version}", **{"from": f"v{previous}" if previous else None})
-        outbox.emit(session, outbox.ALIAS_MOVED, model=model.name, alias=alias,
-                    version=release.version)
+        session.add(
+            AliasEvent(
+                model_id=model.id or 0,
+                name=alias,
+                from_version=previous,
+                to_version=release.version,
+                ts=now(),
+                actor=reg.user,
+            )
+        )
+        audit.record(
+            session,
+            reg.user,
+            "alias",
+            f"{model.name}@{alias}",
+            to=f"v{release.version}",
+            **{"from": f"v{previous}" if previous else None},
+        )
+        outbox.emit(
+            session, outbox.ALIAS_MOVED, model=model.name, alias=alias, version=release.version
+        )
         reg.after_commit()
     return previous
 
@@ -245,8 +313,9 @@ def set_alias(reg: Registry, model_name: str, alias: str, version: str | int) ->
     return out
 
 
-def set_status(reg: Registry, ref: ReleaseRef, status: str, reason: str | None = None
-               ) -> dict[str, Any]:
+def set_status(
+    reg: Registry, ref: ReleaseRef, status: str, reason: str | None = None
+) -> dict[str, Any]:
     action = {DEPRECATED: "deprecate", YANKED: "yank"}[status]
     reg.authorize(action, model=ref.model, target=str(ref))
     if status == YANKED and not (reason and reason.strip()):
@@ -254,14 +323,22 @@ def set_status(reg: Registry, ref: ReleaseRef, status: str, reason: str | None =
     with reg.catalog.session(write=True) as s:
         model, release = resolve_release(s, ref)
         if release.status == YANKED:
-            raise Conflict(f"{model.name}:v{release.version} is already yanked "
-                           f"({release.status_reason})", "a yank is final")
+            raise Conflict(
+                f"{model.name}:v{release.version} is already yanked ({release.status_reason})",
+                "a yank is final",
+            )
         release.status, release.status_reason = status, reason
         release.status_changed_at, release.status_changed_by = now(), reg.user
         s.add(release)
         audit.record(s, reg.user, action, f"{model.name}:v{release.version}", reason=reason)
-        outbox.emit(s, outbox.RELEASE_STATUS, model=model.name, version=release.version,
-                    status=status, reason=reason)
+        outbox.emit(
+            s,
+            outbox.RELEASE_STATUS,
+            model=model.name,
+            version=release.version,
+            status=status,
+            reason=reason,
+        )
         reg.after_commit()
         return view(s, model, release)
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from registry import audit, outbox
 from registry.catalog.models import Validation
 from registry.checkpoints import check_stored_files, checkpoint_prefix, resolve
+from registry.consolidate import model_tensor_names
 from registry.errors import RegistryError, UsageError
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory, load_metadata
-from registry.consolidate import model_tensor_names
 from registry.holds import hold
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
@@ -116,19 +116,23 @@ def validate(
 
     with hold(reg, ckpt.id or 0, f"validate {full}"):
         started = time.perf_counter()
-        problems = check_stored_files(reg, prefix, [(f.path, f.size, f.sha256) for f in files],
-                                      progress, f"verify {full}")
+        problems = check_stored_files(
+            reg, prefix, [(f.path, f.size, f.sha256) for f in files], progress, f"verify {full}"
+        )
         metadata = inv = None
         if problems:
-            out.add("integrity", False, "; ".join(f"{p['path']}: {p['problem']}"
-                                                  for p in problems))
+            out.add("integrity", False, "; ".join(f"{p['path']}: {p['problem']}" for p in problems))
         else:
             metadata = load_metadata(reg.store.get_bytes(prefix + METADATA))
             inv = inventory(metadata)
             try:
                 check_ranges(inv, {f.path: f.size for f in files}, str(full))
-                out.add("integrity", True, f"{len(files)} files, sha256 verified; "
-                        f"{sum(len(t.chunks) for t in inv.tensors.values())} chunks in range")
+                out.add(
+                    "integrity",
+                    True,
+                    f"{len(files)} files, sha256 verified; "
+                    f"{sum(len(t.chunks) for t in inv.tensors.values())} chunks in range",
+                )
             except RegistryError as exc:
                 out.add("integrity", False, str(exc))
         out.phases["integrity_seconds"] = round(time.perf_counter() - started, 3)
@@ -139,27 +143,54 @@ def validate(
             else:
                 _restore_distributed(reg, prefix, inv, dev, world_size, out)
         resume = reg.classify_resume(inv.top_level_keys() if inv else set())
-        out.add("resume_state", resume.resumable,
-                "complete: " + ", ".join(sorted(resume.classes)) if resume.resumable
-                else f"missing {', '.join(resume.missing)}")
+        out.add(
+            "resume_state",
+            resume.resumable,
+            "complete: " + ", ".join(sorted(resume.classes))
+            if resume.resumable
+            else f"missing {', '.join(resume.missing)}",
+        )
 
     seconds = out.phases.get("restore_seconds", 0.0)
     with reg.catalog.session(write=True) as s:
-        row = Validation(checkpoint_id=ckpt.id or 0, passed=out.passed, device=dev,
-                         device_name=device_name(dev), torch_version=torch.__version__,
-                         world_size=world_size, seconds=seconds, phases=out.phases,
-                         checks=[c.as_dict() for c in out.checks]
-                         + ([{"name": "tied_weights", "passed": True, "detail": out.tied}]
-                            if out.tied else []),
-                         created_at=now(), created_by=reg.user)
+        row = Validation(
+            checkpoint_id=ckpt.id or 0,
+            passed=out.passed,
+            device=dev,
+            device_name=device_name(dev),
+            torch_version=torch.__version__,
+            world_size=world_size,
+            seconds=seconds,
+            phases=out.phases,
+            checks=[c.as_dict() for c in out.checks]
+            + ([{"name": "tied_weights", "passed": True, "detail": out.tied}] if out.tied else []),
+            created_at=now(),
+            created_by=reg.user,
+        )
         s.add(row)
         s.flush()
-        audit.record(s, reg.user, "validate", str(full),
-                     audit.ALLOWED if out.passed else audit.FAILED, device=dev,
-                     validation_id=row.id)
-        outbox.emit(s, outbox.CHECKPOINT_VALIDATED, project=full.project, run=full.run,
-                    step=full.step, ref=str(full), passed=out.passed, device=dev,
-                    device_name=device_name(dev), validation_id=row.id, seconds=seconds)
+        audit.record(
+            s,
+            reg.user,
+            "validate",
+            str(full),
+            audit.ALLOWED if out.passed else audit.FAILED,
+            device=dev,
+            validation_id=row.id,
+        )
+        outbox.emit(
+            s,
+            outbox.CHECKPOINT_VALIDATED,
+            project=full.project,
+            run=full.run,
+            step=full.step,
+            ref=str(full),
+            passed=out.passed,
+            device=dev,
+            device_name=device_name(dev),
+            validation_id=row.id,
+            seconds=seconds,
+        )
         validation_id = row.id
     reg.after_commit()
     return {
@@ -188,8 +219,16 @@ def _template(inv: Inventory, device: str) -> dict[str, Any]:
     return state
 
 
-def _restore_here(reg: Registry, prefix: str, metadata: Any, inv: Inventory, device: str,
-                  metrics: dict[str, float], model_factory: str | None, out: Outcome) -> None:
+def _restore_here(
+    reg: Registry,
+    prefix: str,
+    metadata: Any,
+    inv: Inventory,
+    device: str,
+    metrics: dict[str, float],
+    model_factory: str | None,
+    out: Outcome,
+) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -200,8 +239,11 @@ def _restore_here(reg: Registry, prefix: str, metadata: Any, inv: Inventory, dev
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            dcp.load(state, storage_reader=StoreReader(reg.store, prefix, metadata),
-                     planner=SafeLoadPlanner())
+            dcp.load(
+                state,
+                storage_reader=StoreReader(reg.store, prefix, metadata),
+                planner=SafeLoadPlanner(),
+            )
         if device == "cuda":
             torch.cuda.synchronize()
     except RegistryError as exc:
@@ -211,8 +253,12 @@ def _restore_here(reg: Registry, prefix: str, metadata: Any, inv: Inventory, dev
         out.add("restore", False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
         return
     out.phases["restore_seconds"] = round(time.perf_counter() - started, 3)
-    out.add("restore", True, f"{len(inv.tensors)} tensors and {len(inv.byte_items)} objects "
-            f"loaded on {device} at world size 1 in {out.phases['restore_seconds']:.2f}s")
+    out.add(
+        "restore",
+        True,
+        f"{len(inv.tensors)} tensors and {len(inv.byte_items)} objects "
+        f"loaded on {device} at world size 1 in {out.phases['restore_seconds']:.2f}s",
+    )
     started = time.perf_counter()
     _check_tensors(state, inv, out)
     _check_model(reg, state, inv, device, metrics, model_factory, out)
@@ -222,10 +268,18 @@ def _restore_here(reg: Registry, prefix: str, metadata: Any, inv: Inventory, dev
 def _check_tensors(state: dict[str, Any], inv: Inventory, out: Outcome) -> None:
     import torch
 
-    wrong = [f for f, t in inv.tensors.items()
-             if tuple(state[f].shape) != t.shape or str(state[f].dtype) != f"torch.{t.dtype}"]
-    out.add("shapes", not wrong, f"{len(wrong)} mismatched, first {wrong[0]}" if wrong
-            else f"{len(inv.tensors)} tensors match the metadata")
+    wrong = [
+        f
+        for f, t in inv.tensors.items()
+        if tuple(state[f].shape) != t.shape or str(state[f].dtype) != f"torch.{t.dtype}"
+    ]
+    out.add(
+        "shapes",
+        not wrong,
+        f"{len(wrong)} mismatched, first {wrong[0]}"
+        if wrong
+        else f"{len(inv.tensors)} tensors match the metadata",
+    )
     bad: list[str] = []
     for fqn in sorted(inv.tensors):
         tensor = state[fqn]
@@ -235,9 +289,13 @@ def _check_tensors(state: dict[str, Any], inv: Inventory, out: Outcome) -> None:
                 n = int((~finite).sum())
                 kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
                 bad.append(f"{fqn} ({n} non-finite, {kind})")
-    out.add("finite", not bad, f"first non-finite tensor: {bad[0]}" + (
-        f" and {len(bad) - 1} more" if len(bad) > 1 else "") if bad
-        else "every floating tensor is finite")
+    out.add(
+        "finite",
+        not bad,
+        f"first non-finite tensor: {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+        if bad
+        else "every floating tensor is finite",
+    )
 
 
 def load_factory(spec: str) -> tuple[Any, Any]:
@@ -251,10 +309,10 @@ def load_factory(spec: str) -> tuple[Any, Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise UsageError(f"--model-factory {spec}: cannot import {module_name}: "
-                         f"{type(exc).__name__}: {exc}",
-                         "check the module path (run from the directory that contains it)"
-                         ) from exc
+        raise UsageError(
+            f"--model-factory {spec}: cannot import {module_name}: {type(exc).__name__}: {exc}",
+            "check the module path (run from the directory that contains it)",
+        ) from exc
     fn = getattr(module, function, None)
     if not callable(fn):
         raise UsageError(f"--model-factory {spec}: {module_name} has no function {function}")
@@ -270,8 +328,15 @@ def tied_groups(model: Any) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _check_model(reg: Registry, state: dict[str, Any], inv: Inventory, device: str,
-                 metrics: dict[str, float], spec: str | None, out: Outcome) -> None:
+def _check_model(
+    reg: Registry,
+    state: dict[str, Any],
+    inv: Inventory,
+    device: str,
+    metrics: dict[str, float],
+    spec: str | None,
+    out: Outcome,
+) -> None:
     if spec is None:
         return
     resume = reg.classify_resume(inv.top_level_keys())
@@ -288,22 +353,37 @@ def _check_model(reg: Registry, state: dict[str, Any], inv: Inventory, device: s
         result = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:  # size mismatches are raised even when strict=False
         lines = [ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln]
-        out.add("model", False, f"{spec} does not match the checkpoint: "
-                + ("; ".join(lines[:3]) or str(exc).splitlines()[0]))
+        out.add(
+            "model",
+            False,
+            f"{spec} does not match the checkpoint: "
+            + ("; ".join(lines[:3]) or str(exc).splitlines()[0]),
+        )
         return
     missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
     if missing or unexpected:
-        detail = "; ".join(part for part in (
-            f"missing keys: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
-            if missing else "",
-            f"unexpected keys: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5
-                                                              else "")
-            if unexpected else "") if part)
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing keys: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+                if missing
+                else "",
+                f"unexpected keys: {', '.join(unexpected[:5])}"
+                + (" ..." if len(unexpected) > 5 else "")
+                if unexpected
+                else "",
+            )
+            if part
+        )
         out.add("model", False, f"{spec} does not match the checkpoint: {detail}")
         return
     out.tied = tied_groups(model)
-    out.add("model", True, f"strict load of {len(weights)} tensors into {spec}"
-            + (f"; tied: {', '.join('='.join(g) for g in out.tied)}" if out.tied else ""))
+    out.add(
+        "model",
+        True,
+        f"strict load of {len(weights)} tensors into {spec}"
+        + (f"; tied: {', '.join('='.join(g) for g in out.tied)}" if out.tied else ""),
+    )
     probe = getattr(module, "probe_loss", None)
     if probe is None:
         out.add("probe", True, f"skipped: {module.__name__} defines no probe_loss(model)")
@@ -311,8 +391,12 @@ def _check_model(reg: Registry, state: dict[str, Any], inv: Inventory, device: s
     loss = float(probe(model))
     recorded = metrics.get("probe_loss")
     if recorded is None:
-        out.add("probe", False, f"probe loss {loss:.6g}, but no probe_loss metric was recorded "
-                "at push (reg push-ckpt --metric probe_loss=...)")
+        out.add(
+            "probe",
+            False,
+            f"probe loss {loss:.6g}, but no probe_loss metric was recorded "
+            "at push (reg push-ckpt --metric probe_loss=...)",
+        )
         return
     rtol = reg.policy.promotion.probe_rtol
     ok = math.isfinite(loss) and abs(loss - recorded) <= rtol * max(abs(recorded), 1e-12)
@@ -322,33 +406,47 @@ def _check_model(reg: Registry, state: dict[str, Any], inv: Inventory, device: s
 # -- validation at world size M > 1 -------------------------------------------------------------
 
 
-def _restore_distributed(reg: Registry, prefix: str, inv: Inventory, device: str,
-                         world_size: int, out: Outcome) -> None:
+def _restore_distributed(
+    reg: Registry, prefix: str, inv: Inventory, device: str, world_size: int, out: Outcome
+) -> None:
     """Reshard onto M ranks (spawned processes, gloo or NCCL), each loading its Shard(0) slice."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="reg-validate-") as tmp:
         port = _free_port()
         try:
-            mp.spawn(_rank_main, args=(world_size, port, device, reg.settings.store_url, prefix,
-                                       tmp), nprocs=world_size, join=True)
+            mp.spawn(
+                _rank_main,
+                args=(world_size, port, device, reg.settings.store_url, prefix, tmp),
+                nprocs=world_size,
+                join=True,
+            )
         except Exception as exc:
-            out.add("restore", False, f"restore at world size {world_size} failed: "
-                    f"{str(exc).strip().splitlines()[-1]}")
+            out.add(
+                "restore",
+                False,
+                f"restore at world size {world_size} failed: {str(exc).strip().splitlines()[-1]}",
+            )
             return
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text())
-                   for r in range(world_size)]
+        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
     out.phases["restore_seconds"] = round(max(r["seconds"] for r in results), 3)
     errors = [r["error"] for r in results if r.get("error")]
     if errors:
         out.add("restore", False, errors[0])
         return
-    out.add("restore", True, f"{len(inv.tensors)} tensors resharded onto {world_size} ranks "
-            f"({device}) in {out.phases['restore_seconds']:.2f}s")
+    out.add(
+        "restore",
+        True,
+        f"{len(inv.tensors)} tensors resharded onto {world_size} ranks "
+        f"({device}) in {out.phases['restore_seconds']:.2f}s",
+    )
     bad = sorted({b for r in results for b in r["nonfinite"]})
     out.add("shapes", True, f"{len(inv.tensors)} tensors match the metadata")
-    out.add("finite", not bad, f"first non-finite tensor: {bad[0]}" if bad
-            else "every floating tensor is finite")
+    out.add(
+        "finite",
+        not bad,
+        f"first non-finite tensor: {bad[0]}" if bad else "every floating tensor is finite",
+    )
 
 
 def _free_port() -> int:
@@ -357,8 +455,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, device: str, store_url: str, prefix: str,
-               tmp: str) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, device: str, store_url: str, prefix: str, tmp: str
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -373,8 +472,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, store_url: str, pr
     try:
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank,
-                                world_size=world)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
         mesh = init_device_mesh(device, (world,))
         store = open_store(store_url)
         metadata = load_metadata(store.get_bytes(prefix + METADATA))
@@ -388,8 +486,9 @@ def _rank_main(rank: int, world: int, port: int, device: str, store_url: str, pr
             state[fqn] = None
         dist.barrier()
         started = time.perf_counter()
-        dcp.load(state, storage_reader=StoreReader(store, prefix, metadata),
-                 planner=SafeLoadPlanner())
+        dcp.load(
+            state, storage_reader=StoreReader(store, prefix, metadata), planner=SafeLoadPlanner()
+        )
         result["seconds"] = time.perf_counter() - started
         for fqn in sorted(inv.tensors):
             local = state[fqn].to_local()

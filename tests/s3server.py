@@ -69,8 +69,10 @@ class FaultyProxy:
                     return
                 if kind:
                     code = "SlowDown" if kind == "503" else "InternalError"
-                    payload = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
-                               f"<Message>injected</Message></Error>").encode()
+                    payload = (
+                        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                        f"<Message>injected</Message></Error>"
+                    ).encode()
                     self.send_response(int(kind))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))

@@ -59,12 +59,19 @@ def test_every_role_and_action_in_scope(principal, action):
     assert in_scope.allowed == allowed, in_scope.reason
 
 
-@pytest.mark.parametrize(("principal", "project", "model", "allowed"), [
-    ("alice", "team-a", None, True), ("alice", "team-b", None, False),
-    ("carol", "team-b", "tiny-x", True), ("carol", "other", "tiny-x", False),
-    ("carol", "team-a", "llama", False), ("bob", "team-a", "llama", False),
-    ("dave", "anything", "anything", True), ("erin", "team-a", None, False),
-])
+@pytest.mark.parametrize(
+    ("principal", "project", "model", "allowed"),
+    [
+        ("alice", "team-a", None, True),
+        ("alice", "team-b", None, False),
+        ("carol", "team-b", "tiny-x", True),
+        ("carol", "other", "tiny-x", False),
+        ("carol", "team-a", "llama", False),
+        ("bob", "team-a", "llama", False),
+        ("dave", "anything", "anything", True),
+        ("erin", "team-a", None, False),
+    ],
+)
 def test_scopes(principal, project, model, allowed):
     action = "read"
     assert check(grants(), principal, action, project=project, model=model).allowed == allowed
@@ -75,12 +82,17 @@ def test_no_grants_is_single_user_mode():
     assert decision.allowed and "single-user" in decision.reason
 
 
-@pytest.mark.parametrize(("doc", "message"), [
-    ('[[access.grants]]\nprincipals = ["x"]\nrole = "owner"\n', "access.grants.0.role"),
-    ('[[access.grants]]\nprincipals = ["a*"]\nrole = "viewer"\n', "invalid principal 'a\\*'"),
-    ('[[access.grants]]\nprincipals = ["x"]\nrole = "viewer"\nprojects = ["a/../b"]\n',
-     "invalid glob"),
-])
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ('[[access.grants]]\nprincipals = ["x"]\nrole = "owner"\n', "access.grants.0.role"),
+        ('[[access.grants]]\nprincipals = ["a*"]\nrole = "viewer"\n', "invalid principal 'a\\*'"),
+        (
+            '[[access.grants]]\nprincipals = ["x"]\nrole = "viewer"\nprojects = ["a/../b"]\n',
+            "invalid glob",
+        ),
+    ],
+)
 def test_malformed_grants_are_refused_at_load(doc, message):
     with pytest.raises(PolicyError, match=message):
         parse_policy(doc, "p.toml")
@@ -109,8 +121,9 @@ def test_enforced_in_the_library(applied, ckpts):
         with pytest.raises(PermissionDenied) as info:
             alice.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=9, project="team-b")
         assert info.value.exit_code == 4
-        assert str(info.value).startswith("alice may not push team-b/r@step9 (needs a trainer "
-                                          "grant covering project team-b")
+        assert str(info.value).startswith(
+            "alice may not push team-b/r@step9 (needs a trainer grant covering project team-b"
+        )
         with pytest.raises(PermissionDenied):
             alice.promote("team-a/r@step4", model="tiny")
     with as_user("bob") as bob:
@@ -133,21 +146,27 @@ def test_enforced_in_the_library(applied, ckpts):
         events = dave.audit_log()
     denied = [e for e in events if e["outcome"] == "denied"]
     assert {(e["actor"], e["action"]) for e in denied} == {
-        ("alice", "push"), ("alice", "promote"), ("bob", "pin"), ("bob", "read"),
-        ("erin", "audit"), ("carol", "yank")}
+        ("alice", "push"),
+        ("alice", "promote"),
+        ("bob", "pin"),
+        ("bob", "read"),
+        ("erin", "audit"),
+        ("carol", "yank"),
+    }
     assert any(e["action"] == "alias" and e["target"] == "tiny-lm@prod" for e in events)
     assert any(e["action"] == "yank" and e["details"]["reason"] == "drill" for e in events)
 
 
-def test_local_policy_files_cannot_grant_rights_once_one_is_applied(applied, tmp_path,
-                                                                   monkeypatch):
+def test_local_policy_files_cannot_grant_rights_once_one_is_applied(applied, tmp_path, monkeypatch):
     own = tmp_path / "mine.toml"
     own.write_text('[[access.grants]]\nprincipals = ["mallory"]\nrole = "admin"\n')
     monkeypatch.setenv("REG_POLICY", str(own))
-    with pytest.warns(UserWarning, match="ignoring .*mine.toml: the catalog has policy v1"):
-        with as_user("mallory") as mallory:
-            with pytest.raises(PermissionDenied):
-                mallory.audit_log()
+    with (
+        pytest.warns(UserWarning, match="ignoring .*mine.toml: the catalog has policy v1"),
+        as_user("mallory") as mallory,
+        pytest.raises(PermissionDenied),
+    ):
+        mallory.audit_log()
 
 
 def test_refs_cannot_escape_their_project(applied):
@@ -158,12 +177,22 @@ def test_refs_cannot_escape_their_project(applied):
 
 
 def test_cli_denial_is_one_line_exit_4(applied, cli, ckpts):
-    res = cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "3", "--project",
-              "team-b", env={"REG_USER": "alice"})
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(2),
+        "--run",
+        "r",
+        "--step",
+        "3",
+        "--project",
+        "team-b",
+        env={"REG_USER": "alice"},
+    )
     assert res.returncode == 4
     assert res.stderr.strip().splitlines() == [
         "reg: error: alice may not push team-b/r@step3 (needs a trainer grant covering project "
-        "team-b (ask an admin to add it to the policy))"]
+        "team-b (ask an admin to add it to the policy))"
+    ]
     res = cli("audit", "--json", env={"REG_USER": "dave"})
     assert res.returncode == 0
     assert json.loads(res.stdout)[-1]["outcome"] == "denied"
@@ -178,14 +207,18 @@ def test_policy_show_and_export(applied, cli):
     assert "left out principals with no [access.aws] ARN: bob" in res.stderr
     doc = json.loads(res.stdout)
     sids = {s["Sid"]: s for s in doc["Statement"]}
-    alice_write = next(s for s in doc["Statement"] if s["Sid"].endswith("WriteCheckpoints")
-                       and "trainer-alice" in str(s["Principal"]))
+    alice_write = next(
+        s
+        for s in doc["Statement"]
+        if s["Sid"].endswith("WriteCheckpoints") and "trainer-alice" in str(s["Principal"])
+    )
     assert alice_write["Resource"] == ["arn:aws:s3:::ml/reg/ckpt/team-a/*"]
     deny = sids["NoReleaseDeletes"]
     assert deny["Effect"] == "Deny" and "s3:DeleteObject" in deny["Action"]
     assert "admin-dave" not in str(deny["Principal"])
     assert sids["ReleaseWritesMustNotOverwrite"]["Condition"] == {
-        "Null": {"s3:if-none-match": "true"}}
+        "Null": {"s3:if-none-match": "true"}
+    }
     assert cli("policy", "export", "--bucket", "ml", env={"REG_USER": "bob"}).returncode == 4
 
 

@@ -4,7 +4,6 @@ orphans, and GC racing pushes and a promotion in other processes."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,8 +17,10 @@ from registry.errors import Collected, Conflict, PolicyError
 from registry.gc import run_gc
 from tests.conftest import ROOT
 
-AGGRESSIVE = '[retention]\nkeep_last = 1\nttl = "0s"\norphan_grace = "0s"\n' \
-             '[promotion]\nrequire_device = "any"\n'
+AGGRESSIVE = (
+    '[retention]\nkeep_last = 1\nttl = "0s"\norphan_grace = "0s"\n'
+    '[promotion]\nrequire_device = "any"\n'
+)
 
 
 @pytest.fixture
@@ -44,8 +45,10 @@ def test_gc_deletes_explains_and_leaves_tombstones(aggressive, reg, ckpts, tmp_p
     old_dir = _store_dir(reg, "r@step2")
     dry = run_gc(reg, dry_run=True)
     assert not dry["applied"] and old_dir.exists()
-    assert {d["ref"]: d["action"] for d in dry["decisions"]} == {"r@step2": "delete",
-                                                                "r@step4": "keep"}
+    assert {d["ref"]: d["action"] for d in dry["decisions"]} == {
+        "r@step2": "delete",
+        "r@step4": "keep",
+    }
     out = run_gc(reg)
     pushed_bytes = sum(f.stat().st_size for f in ckpts.ws2.step_dir(2).iterdir())
     assert out["applied"] and out["freed_bytes"] > pushed_bytes  # + its MANIFEST.json
@@ -82,8 +85,9 @@ def test_release_sources_are_kept(aggressive, reg_lite, ckpts):
     _push_steps(reg_lite, ckpts)
     reg_lite.promote("r@step2", model="tiny")
     out = run_gc(reg_lite)
-    assert {d["ref"]: d["reason"] for d in out["decisions"]}["r@step2"] == \
-        "kept: source of release tiny:v1"
+    assert {d["ref"]: d["reason"] for d in out["decisions"]}[
+        "r@step2"
+    ] == "kept: source of release tiny:v1"
 
 
 def test_one_gc_at_a_time(aggressive, reg_lite, ckpts):
@@ -103,8 +107,11 @@ def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg_lite
 
     _push_steps(reg_lite, ckpts)
     records, protections, _ = _records(reg_lite)
-    doomed = [d for d in plan(records, reg_lite.policy.retention, time.time(), protections)
-              if d.action == "delete"]
+    doomed = [
+        d
+        for d in plan(records, reg_lite.policy.retention, time.time(), protections)
+        if d.action == "delete"
+    ]
     assert _mark_deleting(reg_lite, doomed)  # ... and the process dies here
     path = reg_lite.settings.home / "store" / "ckpt" / "default" / "r" / "step-2"
     assert path.exists()
@@ -118,16 +125,24 @@ def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, 
     with Registry() as reg:
         for step in range(1, 5):
             reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=step)
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "gc"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "gc"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     time.sleep(0.8)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     with Registry() as reg:
         run_gc(reg)
         remaining = reg.list_checkpoints(include_deleted=True)
-        assert {c["step"]: c["state"] for c in remaining} == {1: "deleted", 2: "deleted",
-                                                              3: "deleted", 4: "committed"}
+        assert {c["step"]: c["state"] for c in remaining} == {
+            1: "deleted",
+            2: "deleted",
+            3: "deleted",
+            4: "committed",
+        }
         store = reg.settings.home / "store" / "ckpt" / "default" / "big"
         assert sorted(p.name for p in store.iterdir()) == ["step-4"]
         assert reg.verify("big@step4")["ok"]
@@ -151,19 +166,28 @@ def test_malformed_policy_is_a_one_line_error(tmp_path, monkeypatch, cli):
     monkeypatch.setenv("REG_POLICY", str(bad))
     res = cli("gc", "--dry-run")
     assert res.returncode == 2
-    assert res.stderr.strip() == (f"reg: error: {bad}:3: retention.ttl: expected a duration like "
-                                  "'7d', '24h', '0s' or 'never', got 'seven days' "
-                                  "(see policies/default.toml)")
+    assert res.stderr.strip() == (
+        f"reg: error: {bad}:3: retention.ttl: expected a duration like "
+        "'7d', '24h', '0s' or 'never', got 'seven days' "
+        "(see policies/default.toml)"
+    )
     bad.write_text("[retention]\nkeep_lats = 3\n")
-    with pytest.raises(PolicyError, match=r"bad.toml:2: retention.keep_lats: Extra inputs"):
-        with Registry() as reg:
-            reg.policy  # noqa: B018
+    with (
+        pytest.raises(PolicyError, match=r"bad.toml:2: retention.keep_lats: Extra inputs"),
+        Registry() as reg,
+    ):
+        reg.policy  # noqa: B018
 
 
 def test_gc_every_emits_json_lines_and_stops_on_sigterm(aggressive, reg_lite, ckpts):
     _push_steps(reg_lite, ckpts)
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "gc", "--every", "1s"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "gc", "--every", "1s"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = json.loads(proc.stdout.readline())
     second = json.loads(proc.stdout.readline())
     proc.send_signal(signal.SIGTERM)
@@ -177,14 +201,20 @@ def test_gc_racing_pushes_and_a_promotion(aggressive, catalog_url, ckpts):
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="race", step=0)
     pusher = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys\nfrom registry import Registry\n"
-         "with Registry() as reg:\n"
-         "    for step in range(1, 9):\n"
-         f"        reg.push_checkpoint({str(ckpts.ws2.step_dir(2))!r}, run='race', step=step)\n"
-         "        if step == 4:\n"
-         "            reg.promote('race@step4', model='racer')\n"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom registry import Registry\n"
+            "with Registry() as reg:\n"
+            "    for step in range(1, 9):\n"
+            f"        reg.push_checkpoint({str(ckpts.ws2.step_dir(2))!r}, run='race', step=step)\n"
+            "        if step == 4:\n"
+            "            reg.promote('race@step4', model='racer')\n",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     gcs = 0
     while pusher.poll() is None:
         subprocess.run([sys.executable, "-m", "cli", "gc"], cwd=ROOT, capture_output=True)

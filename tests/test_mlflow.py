@@ -12,7 +12,7 @@ from registry import Registry
 from registry.gc import run_gc
 from registry.mlflow_mirror import drain
 
-POLICY = ('[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n')
+POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'
 
 
 @pytest.fixture
@@ -25,9 +25,12 @@ def policy(tmp_path, monkeypatch):
 def _history(ckpts):
     with Registry() as reg:
         for step in (2, 4):
-            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="run42", step=step,
-                                metrics={"probe_loss": ckpts.ws2.probe_loss(step),
-                                         "val_loss": 3.0 - step / 10})
+            reg.push_checkpoint(
+                ckpts.ws2.step_dir(step),
+                run="run42",
+                step=step,
+                metrics={"probe_loss": ckpts.ws2.probe_loss(step), "val_loss": 3.0 - step / 10},
+            )
         reg.validate("run42@step4", device="cpu")
         reg.promote("run42@step4", model="tiny.lm", alias="prod")
         reg.set_alias("tiny.lm", "canary", "v1")
@@ -56,7 +59,9 @@ def test_every_mapping(policy, ckpts):
     assert [r.info.run_name for r in runs] == ["run42"]
     run_id = runs[0].info.run_id
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [
-        (2, pytest.approx(2.8)), (4, pytest.approx(2.6))]
+        (2, pytest.approx(2.8)),
+        (4, pytest.approx(2.6)),
+    ]
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
     assert set(models) == {"run42-step2", "run42-step4", "tiny-lm-v1"}
     step4 = models["run42-step4"]
@@ -124,12 +129,14 @@ def test_the_command_returns_and_the_detached_drain_mirrors(policy, ckpts, monke
             from sqlalchemy import text
 
             with reg.catalog.engine.connect() as conn:
-                pending = conn.execute(text("SELECT count(*) FROM outbox_event "
-                                            "WHERE done_at IS NULL")).scalar()
+                pending = conn.execute(
+                    text("SELECT count(*) FROM outbox_event WHERE done_at IS NULL")
+                ).scalar()
         if pending == 0:
             break
-        assert time.monotonic() < deadline, (Path(os.environ["REG_HOME"]) /
-                                             "mlflow-drain.log").read_text()
+        assert time.monotonic() < deadline, (
+            Path(os.environ["REG_HOME"]) / "mlflow-drain.log"
+        ).read_text()
         time.sleep(1)
     exp = _client().get_experiment_by_name("default")
     assert [m.name for m in _client().search_logged_models([exp.experiment_id])] == ["r-step2"]

@@ -3,6 +3,7 @@ with its alias and digest, and the run's checkpoints, are visible. Saves the REA
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,8 +21,15 @@ from tests.conftest import ROOT
 from tests.s3server import free_port
 
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture
@@ -33,13 +41,22 @@ def ui(tmp_path, monkeypatch, ckpts):
     monkeypatch.setenv("REG_POLICY", str(policy))
     with Registry() as reg:
         for step in (2, 4):
-            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="run42", step=step,
-                                metrics={"val_loss": 3.0 - step / 10})
+            reg.push_checkpoint(
+                ckpts.ws2.step_dir(step),
+                run="run42",
+                step=step,
+                metrics={"val_loss": 3.0 - step / 10},
+            )
         reg.promote("run42@step4", model="tiny-lm", alias="prod")
         assert drain(reg, 120)["pending"] == 0
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "ui", "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "ui", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -64,16 +81,13 @@ def _open(page, url: str, wait_for: str) -> None:
     for label in ("Close", "close"):  # the assistant side panel, a first-visit modal
         button = page.get_by_role("button", name=label)
         if button.count():
-            try:
+            with contextlib.suppress(Exception):  # gone already: nothing to close
                 button.first.click(timeout=2_000)
-            except Exception:
-                pass
 
 
 def test_release_and_checkpoints_are_visible_in_the_mlflow_ui(ui, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     from mlflow import MlflowClient
+    from playwright.sync_api import sync_playwright
 
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     version = client.search_model_versions("name = 'tiny-lm'")[0]

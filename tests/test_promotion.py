@@ -176,9 +176,11 @@ def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
         "UPDATE release_file SET sha256 = 'x'",
         "DELETE FROM release_file",
     ):
-        with pytest.raises(DBAPIError, match="immutable|append-only|never deleted"):
-            with reg.catalog.engine.begin() as conn:
-                conn.execute(text(statement))
+        with (
+            pytest.raises(DBAPIError, match="immutable|append-only|never deleted"),
+            reg.catalog.engine.begin() as conn,
+        ):
+            conn.execute(text(statement))
     assert reg.verify("tiny:v1")["ok"]
 
 

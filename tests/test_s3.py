@@ -34,11 +34,11 @@ def _same(reg, ref, src, dest):
         assert (dest / f.name).read_bytes() == f.read_bytes()
 
 
-def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp_path,
-                                                  moto_server):
+def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp_path, moto_server):
     with Registry() as reg:
-        out = reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4,
-                                  metrics={"probe_loss": ckpts.ws2.probe_loss(4)})
+        out = reg.push_checkpoint(
+            ckpts.ws2.step_dir(4), run="r", step=4, metrics={"probe_loss": ckpts.ws2.probe_loss(4)}
+        )
         assert out["state"] == "committed"
         assert reg.show("r@step4")["uri"] == f"{s3_env}/ckpt/default/r/step-4/"
         assert reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)["unchanged"]
@@ -53,8 +53,10 @@ def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp
     full = ckpts.ws2.full_weights(4)
     assert set(weights) == set(full) - {"lm_head.weight"}  # tied to embed.weight, as HF does
     assert all(torch.equal(weights[k], full[k]) for k in weights)
-    keys = {o["Key"] for o in _client(moto_server).list_objects_v2(
-        Bucket=_bucket_of(s3_env))["Contents"]}
+    keys = {
+        o["Key"]
+        for o in _client(moto_server).list_objects_v2(Bucket=_bucket_of(s3_env))["Contents"]
+    }
     assert "reg/ckpt/default/r/step-4/MANIFEST.json" in keys
     assert "reg/release/tiny/v1/release.json" in keys
 
@@ -104,9 +106,16 @@ def test_two_promotions_racing_on_s3(s3_env, cpu_policy, ckpts):
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
             reg.validate(f"r@step{step}", device="cpu")
-    procs = [subprocess.Popen([sys.executable, "-m", "cli", "promote", f"r@step{s}", "--model",
-                               "tiny", "--json"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for s in (2, 4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli", "promote", f"r@step{s}", "--model", "tiny", "--json"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for s in (2, 4)
+    ]
     outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
     assert [rc for rc, _, _ in outs] == [0, 0], outs
     assert sorted(json.loads(o)["version"] for _, o, _ in outs) == [1, 2]
@@ -127,40 +136,44 @@ def locked_bucket(moto_server, monkeypatch):
     return bucket
 
 
-def test_object_lock_versioned_deletes_and_storage_init(locked_bucket, tmp_path, monkeypatch,
-                                                        ckpts, moto_server):
+def test_object_lock_versioned_deletes_and_storage_init(
+    locked_bucket, tmp_path, monkeypatch, ckpts, moto_server
+):
     policy = tmp_path / "p.toml"
-    policy.write_text('[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\n'
-                      'require_device = "any"\n[release]\nobject_lock = "COMPLIANCE"\n'
-                      'lock_days = 1\n')
+    policy.write_text(
+        '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\n'
+        'require_device = "any"\n[release]\nobject_lock = "COMPLIANCE"\n'
+        "lock_days = 1\n"
+    )
     monkeypatch.setenv("REG_POLICY", str(policy))
     client = _client(moto_server)
     with Registry() as reg:
         init = reg.storage_init()
         assert init["versioning"] is True and init["object_lock"] is True
         rules = client.get_bucket_lifecycle_configuration(Bucket=locked_bucket)["Rules"]
-        assert {r["ID"] for r in rules} == {"reg-abort-incomplete-multipart",
-                                            "reg-expire-noncurrent-checkpoints"}
+        assert {r["ID"] for r in rules} == {
+            "reg-abort-incomplete-multipart",
+            "reg-expire-noncurrent-checkpoints",
+        }
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
         rel = reg.promote("r@step4", model="tiny")
-        head = client.head_object(Bucket=locked_bucket,
-                                  Key="release/tiny/v1/model.safetensors")
+        head = client.head_object(Bucket=locked_bucket, Key="release/tiny/v1/model.safetensors")
         assert head["ObjectLockMode"] == "COMPLIANCE"
         from registry.gc import run_gc
 
         out = run_gc(reg)
         expected = sum(f.stat().st_size for f in ckpts.ws2.step_dir(2).iterdir())
         assert out["freed_bytes"] > expected  # every version deleted by id (+ manifest)
-        versions = client.list_object_versions(Bucket=locked_bucket,
-                                               Prefix="ckpt/default/r/step-2/")
+        versions = client.list_object_versions(
+            Bucket=locked_bucket, Prefix="ckpt/default/r/step-2/"
+        )
         assert not versions.get("Versions") and not versions.get("DeleteMarkers")
         assert reg.verify(rel["release"])["ok"]
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, tmp_path,
-                                    seed):
+def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, tmp_path, seed):
     proxy = FaultyProxy(moto_server.port, fault_rate=0.10, seed=seed).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -185,7 +198,14 @@ def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, 
 
 
 def test_unreachable_s3_is_a_one_line_error(s3_env, ckpts, cli):
-    res = cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "2",
-              env={"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "REG_S3_RETRY_MODE": "standard"})
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(2),
+        "--run",
+        "r",
+        "--step",
+        "2",
+        env={"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "REG_S3_RETRY_MODE": "standard"},
+    )
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0 and "cannot reach S3" in res.stderr

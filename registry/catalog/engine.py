@@ -151,7 +151,7 @@ class Catalog:
         engine = create_engine(self.url, creator=self._sqlite_connect)
 
         @event.listens_for(engine, "begin")
-        def _on_begin(conn):  # type: ignore[no-untyped-def]
+        def _on_begin(conn: Connection) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if _WRITE.get() else "BEGIN")
 
         return engine
@@ -172,9 +172,9 @@ class Catalog:
                 conn.close()
         from sqlalchemy.exc import DBAPIError
 
-        with self.engine.connect() as conn:
+        with self.engine.connect() as pg:
             try:
-                return conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+                return pg.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
             except DBAPIError as exc:
                 if "alembic_version" in str(exc.orig):
                     return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -30,7 +33,7 @@ def get_or_create_run(session: Session, project: str, run: str) -> tuple[Project
     return proj, row
 
 
-def _insert_or_get(session, obj, stmt):  # type: ignore[no-untyped-def]
+def _insert_or_get(session: Session, obj: Any, stmt: Any) -> Any:
     try:
         with session.begin_nested():
             session.add(obj)
@@ -72,7 +75,7 @@ def resolve_checkpoint(
             f"reg ls {ref.run_label} lists what remains",
         )
     if row is None or row.state == PENDING:
-        steps = committed_steps(session, run.id)  # type: ignore[arg-type]
+        steps = committed_steps(session, run.id or 0)
         if steps:
             raise NotFound(
                 f"{ref} not found: {ref.run_label} has steps {_few(steps)}",
@@ -105,7 +108,7 @@ def files_of(session: Session, checkpoint_id: int) -> list[CheckpointFile]:
     )
 
 
-def _few(items: list, limit: int = 8) -> str:  # type: ignore[type-arg]
+def _few(items: Sequence[Any], limit: int = 8) -> str:
     shown = [str(i) for i in items[-limit:]]
     more = len(items) - len(shown)
     return (f"... ({more} more), " if more else "") + ", ".join(shown)

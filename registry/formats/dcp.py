@@ -275,8 +275,8 @@ def inventory(metadata: Any) -> Inventory:
     byte_items: dict[str, list[ChunkRange]] = {}
     top_level: dict[str, str] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
-        path = planner.get(fqn)
-        top_level[fqn] = str(path[0]) if path else fqn.split(".", 1)[0]
+        key_path = planner.get(fqn)
+        top_level[fqn] = str(key_path[0]) if key_path else fqn.split(".", 1)[0]
         stored = ranges.get(fqn, {})
         if hasattr(meta, "chunks"):
             itemsize = meta.properties.dtype.itemsize

@@ -40,8 +40,10 @@ def load_chunk(data: bytes, where: str) -> torch.Tensor:
     try:
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise IntegrityError(f"{where} does not load: {type(exc).__name__}: {exc}",
-                             "the shard is corrupt; run `reg verify`") from exc
+        raise IntegrityError(
+            f"{where} does not load: {type(exc).__name__}: {exc}",
+            "the shard is corrupt; run `reg verify`",
+        ) from exc
     if not isinstance(tensor, torch.Tensor):
         raise InvalidCheckpoint(f"{where} holds a {type(tensor).__name__}, not a tensor")
     return tensor
@@ -56,8 +58,10 @@ def load_object(data: bytes, where: str) -> Any:
                 f"{where} needs arbitrary unpickling to load; refused",
                 "store resume state as tensors, numbers, strings, lists and dicts",
             ) from exc
-        raise IntegrityError(f"{where} does not load: {type(exc).__name__}: {exc}",
-                             "the shard is corrupt; run `reg verify`") from exc
+        raise IntegrityError(
+            f"{where} does not load: {type(exc).__name__}: {exc}",
+            "the shard is corrupt; run `reg verify`",
+        ) from exc
 
 
 class StoreReader(StorageReader):
@@ -76,8 +80,9 @@ class StoreReader(StorageReader):
             self._metadata = load_metadata(self.store.get_bytes(self.prefix + METADATA))
         return self._metadata
 
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -101,19 +106,23 @@ class StoreReader(StorageReader):
                     f"({info.transform_descriptors}), which reg does not read",
                     "save without transforms (compression, encryption)",
                 )
-            data = self.store.read_range(self.prefix + str(info.relative_path), info.offset,
-                                         info.length)
+            data = self.store.read_range(
+                self.prefix + str(info.relative_path), info.offset, info.length
+            )
             self.bytes_read += len(data)
             where = f"{req.storage_index.fqn} in {info.relative_path}"
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data))
                 continue
-            tensor = narrow_tensor_by_index(load_chunk(data, where), req.storage_offsets,
-                                            req.lengths)
+            tensor = narrow_tensor_by_index(
+                load_chunk(data, where), req.storage_offsets, req.lengths
+            )
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise IntegrityError(f"{where}: chunk has shape {tuple(tensor.size())}, "
-                                     f"metadata says {tuple(target.size())}")
+                raise IntegrityError(
+                    f"{where}: chunk has shape {tuple(tensor.size())}, "
+                    f"metadata says {tuple(target.size())}"
+                )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
         fut: Future[None] = Future()
@@ -138,8 +147,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_chunk(store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
-               ) -> torch.Tensor:
+def read_chunk(
+    store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
+) -> torch.Tensor:
     data = store.read_range(prefix + chunk.file, chunk.offset, chunk.length)
     fast = stored_tensor_view(data, dtype, chunk.sizes)
     if fast is not None:
@@ -158,9 +168,15 @@ def read_chunk(store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange, dty
 # offsets or strides, other rebuild functions) returns None and goes through torch.load.
 
 _LEGACY_STORAGES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
     "BoolStorage": "bool",
 }
 
@@ -187,31 +203,44 @@ class _LayoutUnpickler(pickle.Unpickler):
 def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.Tensor | None:
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
-        names = {n.rsplit("/", 1)[-1] if "/data/" not in n else "data/" + n.rsplit("/", 1)[-1]: n
-                 for n in archive.namelist()}
+        names = {
+            n.rsplit("/", 1)[-1] if "/data/" not in n else "data/" + n.rsplit("/", 1)[-1]: n
+            for n in archive.namelist()
+        }
         if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
             return None
         layout = _LayoutUnpickler(io.BytesIO(archive.read(names["data.pkl"]))).load()
         if not isinstance(layout, _Rebuild):
             return None
         (kind, storage_dtype, key, _location, numel), offset, size, stride = layout.args[:4]
-        expected_stride = tuple(math.prod(sizes[i + 1:]) for i in range(len(sizes)))
-        if (kind != "storage" or storage_dtype != dtype or tuple(size) != sizes
-                or tuple(stride) != expected_stride or offset != 0
-                or numel != math.prod(sizes)):
+        expected_stride = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+        if (
+            kind != "storage"
+            or storage_dtype != dtype
+            or tuple(size) != sizes
+            or tuple(stride) != expected_stride
+            or offset != 0
+            or numel != math.prod(sizes)
+        ):
             return None
         info = archive.getinfo(names[f"data/{key}"])
         if info.compress_type != zipfile.ZIP_STORED:
             return None
-        header = memoryview(data)[info.header_offset:info.header_offset + 30]
+        header = memoryview(data)[info.header_offset : info.header_offset + 30]
         name_len, extra_len = struct.unpack("<HH", header[26:30])
         start = info.header_offset + 30 + name_len + extra_len
         itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        view = memoryview(data)[start:start + numel * itemsize]
+        view = memoryview(data)[start : start + numel * itemsize]
         if len(view) != numel * itemsize:
             return None
-    except (KeyError, ValueError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile,
-            struct.error):
+    except (
+        KeyError,
+        ValueError,
+        TypeError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        struct.error,
+    ):
         return None
     if numel == 0:
         return torch.empty(sizes, dtype=getattr(torch, dtype))
@@ -232,8 +261,7 @@ def row_parts(info: TensorInfo) -> list[ChunkRange] | None:
     return parts if row == info.shape[0] else None
 
 
-def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo
-                      ) -> Iterator[torch.Tensor]:
+def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo) -> Iterator[torch.Tensor]:
     """The tensor as contiguous pieces in row-major order: chunk by chunk when the chunks split
     it by rows (memory: one chunk), else assembled whole."""
     parts = row_parts(info)
@@ -244,8 +272,9 @@ def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo
         yield read_chunk(store, prefix, info.fqn, chunk, info.dtype).contiguous()
 
 
-def read_tensor(store: ObjectStore, prefix: str, info: TensorInfo,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def read_tensor(
+    store: ObjectStore, prefix: str, info: TensorInfo, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The full tensor `info` describes, assembled from its chunks."""
     dtype = getattr(torch, info.dtype)
     full = out if out is not None else torch.empty(info.shape, dtype=dtype)
@@ -256,6 +285,8 @@ def read_tensor(store: ObjectStore, prefix: str, info: TensorInfo,
         full[index].copy_(part)
         covered += part.numel()
     if covered != full.numel():
-        raise IntegrityError(f"{info.fqn}: chunks cover {covered} of {full.numel()} elements",
-                             "the checkpoint metadata is inconsistent")
+        raise IntegrityError(
+            f"{info.fqn}: chunks cover {covered} of {full.numel()} elements",
+            "the checkpoint metadata is inconsistent",
+        )
     return full

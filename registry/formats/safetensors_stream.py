@@ -14,10 +14,21 @@ from typing import Any
 
 # torch dtype name -> (safetensors dtype, itemsize)
 DTYPES: dict[str, tuple[str, int]] = {
-    "float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2),
-    "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1),
-    "uint8": ("U8", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
-    "bool": ("BOOL", 1), "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "uint16": ("U16", 2),
+    "uint32": ("U32", 4),
+    "uint64": ("U64", 8),
+    "bool": ("BOOL", 1),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
 }
 
 
@@ -37,8 +48,11 @@ def header_bytes(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": DTYPES[e.dtype][0], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": DTYPES[e.dtype][0],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -12,6 +12,7 @@ bytes are real.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
@@ -87,13 +88,21 @@ class S3Store:
     # -- writes --------------------------------------------------------------------------------
     def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
         digest = hashlib.sha256(data).hexdigest()
-        self._call(key, lambda: self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*",
-            **self._lock_args(immutable)))
+        self._call(
+            key,
+            lambda: self.client.put_object(
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+                IfNoneMatch="*",
+                **self._lock_args(immutable),
+            ),
+        )
         return PutResult(key, len(data), digest)
 
-    def put_file(self, key: str, src: Path, *, immutable: bool = False,
-                 progress: Progress = None) -> PutResult:
+    def put_file(
+        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
+    ) -> PutResult:
         size = os.path.getsize(src)
         part = part_size_for(size)
         with open(src, "rb") as f:
@@ -114,8 +123,8 @@ class S3Store:
             view = memoryview(data).cast("B")
             buffer.extend(view)
             while len(buffer) >= MIN_PART * 2:
-                chunk = bytes(buffer[:MIN_PART * 2])
-                del buffer[:MIN_PART * 2]
+                chunk = bytes(buffer[: MIN_PART * 2])
+                del buffer[: MIN_PART * 2]
                 with lock:
                     while len(pending) >= 2 and not failure:  # bounded memory
                         lock.wait(0.1)
@@ -162,33 +171,49 @@ class S3Store:
             raise failure[0]
         return result[0]
 
-    def _multipart(self, key: str, parts: Iterator[bytes], immutable: bool,
-                   progress: Progress) -> PutResult:
+    def _multipart(
+        self, key: str, parts: Iterator[bytes], immutable: bool, progress: Progress
+    ) -> PutResult:
         """Upload parts in parallel (at most IN_FLIGHT in memory), hashing them in order."""
         full_key = self._key(key)
         for attempt in range(3):
-            upload_id = self._call(key, lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=full_key, ChecksumAlgorithm="CRC32",
-                **self._lock_args(immutable)))["UploadId"]
+            upload_id = self._call(
+                key,
+                lambda: self.client.create_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    ChecksumAlgorithm="CRC32",
+                    **self._lock_args(immutable),
+                ),
+            )["UploadId"]
             digest, size, done = hashlib.sha256(), 0, []
             in_flight: list[tuple[int, Future[dict[str, Any]]]] = []
             try:
                 for number, data in enumerate(parts, start=1):
                     digest.update(data)
                     size += len(data)
-                    in_flight.append((number, self._pool.submit(
-                        self._upload_part, full_key, upload_id, number, data, progress)))
+                    in_flight.append(
+                        (
+                            number,
+                            self._pool.submit(
+                                self._upload_part, full_key, upload_id, number, data, progress
+                            ),
+                        )
+                    )
                     while len(in_flight) >= IN_FLIGHT:
                         n, fut = in_flight.pop(0)
                         done.append(_completed(n, fut.result()))
                 for n, fut in in_flight:
                     done.append(_completed(n, fut.result()))
                 if not done:  # an empty object
-                    done.append(_completed(1, self._upload_part(full_key, upload_id, 1, b"",
-                                                                None)))
+                    done.append(_completed(1, self._upload_part(full_key, upload_id, 1, b"", None)))
                 completed = self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=full_key, UploadId=upload_id,
-                    MultipartUpload={"Parts": done}, IfNoneMatch="*")
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                    IfNoneMatch="*",
+                )
                 self._retain(full_key, completed.get("VersionId"), immutable)
                 return PutResult(key, size, digest.hexdigest())
             except ClientError as exc:
@@ -204,14 +229,20 @@ class S3Store:
                 raise
         raise Conflict(f"{key}: concurrent writes kept conflicting", "retry")
 
-    def _upload_part(self, full_key: str, upload_id: str, number: int, data: bytes,
-                     progress: Progress) -> dict[str, Any]:
+    def _upload_part(
+        self, full_key: str, upload_id: str, number: int, data: bytes, progress: Progress
+    ) -> dict[str, Any]:
         for attempt in range(PART_RETRIES):
             try:
                 # CRC32 per part, as boto3's own transfers do: the server checks each part.
-                out = self.client.upload_part(Bucket=self.bucket, Key=full_key,
-                                              UploadId=upload_id, PartNumber=number, Body=data,
-                                              ChecksumAlgorithm="CRC32")
+                out = self.client.upload_part(
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data,
+                    ChecksumAlgorithm="CRC32",
+                )
                 if progress:
                     progress(len(data))
                 return dict(out)
@@ -222,11 +253,9 @@ class S3Store:
         raise AssertionError("unreachable")
 
     def _abort(self, full_key: str, upload_id: str) -> None:
-        try:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full_key,
-                                               UploadId=upload_id)
-        except (ClientError, BotoCoreError):
-            pass  # the lifecycle rule of `reg storage init` cleans up what is left
+        # On failure the lifecycle rule of `reg storage init` cleans up what is left.
+        with contextlib.suppress(ClientError, BotoCoreError):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
 
     def _retain(self, full_key: str, version_id: str | None, immutable: bool) -> None:
         """Set the retention explicitly after a multipart upload: some S3-compatible servers
@@ -236,10 +265,18 @@ class S3Store:
         if not args:
             return
         extra = {"VersionId": version_id} if version_id else {}
-        self._call(full_key, lambda: self.client.put_object_retention(
-            Bucket=self.bucket, Key=full_key, Retention={
-                "Mode": args["ObjectLockMode"],
-                "RetainUntilDate": args["ObjectLockRetainUntilDate"]}, **extra))
+        self._call(
+            full_key,
+            lambda: self.client.put_object_retention(
+                Bucket=self.bucket,
+                Key=full_key,
+                Retention={
+                    "Mode": args["ObjectLockMode"],
+                    "RetainUntilDate": args["ObjectLockRetainUntilDate"],
+                },
+                **extra,
+            ),
+        )
 
     def _lock_args(self, immutable: bool) -> dict[str, Any]:
         if not immutable or self._lock_mode is None or not self.bucket_has_lock():
@@ -260,8 +297,9 @@ class S3Store:
         return ObjectInfo(key, int(out["ContentLength"]), out.get("VersionId"))
 
     def _get(self, key: str, **kwargs: Any) -> Any:
-        return self._call(key, lambda: self.client.get_object(
-            Bucket=self.bucket, Key=self._key(key), **kwargs))["Body"]
+        return self._call(
+            key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
+        )["Body"]
 
     def get_bytes(self, key: str) -> bytes:
         return bytes(self._get(key).read())
@@ -273,9 +311,11 @@ class S3Store:
         if len(data) != length:
             from registry.errors import IntegrityError
 
-            raise IntegrityError(f"object {key} is truncated: wanted bytes "
-                                 f"{offset}..{offset + length}, got {len(data)}",
-                                 "run `reg verify` on the checkpoint")
+            raise IntegrityError(
+                f"object {key} is truncated: wanted bytes "
+                f"{offset}..{offset + length}, got {len(data)}",
+                "run `reg verify` on the checkpoint",
+            )
         return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
 
     def open_read(self, key: str) -> BinaryIO:
@@ -349,13 +389,21 @@ class S3Store:
         # Versioned (Object Lock needs it): a plain delete only adds a marker, so delete every
         # version and marker of this key by id; the freed bytes are then real.
         freed = 0
-        out = self._call(key, lambda: self.client.list_object_versions(Bucket=self.bucket,
-                                                                       Prefix=full))
+        out = self._call(
+            key, lambda: self.client.list_object_versions(Bucket=self.bucket, Prefix=full)
+        )
         for version in out.get("Versions", []) + out.get("DeleteMarkers", []):
             if version["Key"] != full:
                 continue
-            self._call(key, lambda v=version: self.client.delete_object(
-                Bucket=self.bucket, Key=full, VersionId=v["VersionId"]))
+            version_id = str(version["VersionId"])
+
+            def remove(version_id: str = version_id) -> Any:
+                return self.client.delete_object(Bucket=self.bucket, Key=full, VersionId=version_id)
+
+            self._call(
+                key,
+                remove,
+            )
             freed += int(version.get("Size", 0))
         return freed
 
@@ -370,8 +418,9 @@ class S3Store:
         if self._bucket_lock is None:
             try:
                 out = self.client.get_object_lock_configuration(Bucket=self.bucket)
-                self._bucket_lock = (out.get("ObjectLockConfiguration", {})
-                                     .get("ObjectLockEnabled") == "Enabled")
+                self._bucket_lock = (
+                    out.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
+                )
             except ClientError:
                 self._bucket_lock = False
         return self._bucket_lock
@@ -381,18 +430,36 @@ class S3Store:
         self._call("", lambda: self.client.head_bucket(Bucket=self.bucket))
         versioned, locked = self.versioned(), self.bucket_has_lock()
         base = f"{self.prefix}/" if self.prefix else ""
-        rules: list[dict[str, Any]] = [{
-            "ID": "reg-abort-incomplete-multipart", "Status": "Enabled",
-            "Filter": {"Prefix": base},
-            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}]
+        rules: list[dict[str, Any]] = [
+            {
+                "ID": "reg-abort-incomplete-multipart",
+                "Status": "Enabled",
+                "Filter": {"Prefix": base},
+                "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+            }
+        ]
         if versioned:
-            rules.append({"ID": "reg-expire-noncurrent-checkpoints", "Status": "Enabled",
-                          "Filter": {"Prefix": f"{base}ckpt/"},
-                          "NoncurrentVersionExpiration": {"NoncurrentDays": 1}})
-        self._call("", lambda: self.client.put_bucket_lifecycle_configuration(
-            Bucket=self.bucket, LifecycleConfiguration={"Rules": rules}))
-        return {"bucket": self.bucket, "prefix": self.prefix, "versioning": versioned,
-                "object_lock": locked, "lifecycle_rules": [r["ID"] for r in rules]}
+            rules.append(
+                {
+                    "ID": "reg-expire-noncurrent-checkpoints",
+                    "Status": "Enabled",
+                    "Filter": {"Prefix": f"{base}ckpt/"},
+                    "NoncurrentVersionExpiration": {"NoncurrentDays": 1},
+                }
+            )
+        self._call(
+            "",
+            lambda: self.client.put_bucket_lifecycle_configuration(
+                Bucket=self.bucket, LifecycleConfiguration={"Rules": rules}
+            ),
+        )
+        return {
+            "bucket": self.bucket,
+            "prefix": self.prefix,
+            "versioning": versioned,
+            "object_lock": locked,
+            "lifecycle_rules": [r["ID"] for r in rules],
+        }
 
     # -- errors --------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], Any]) -> Any:
@@ -419,10 +486,13 @@ def _file_parts(f: BinaryIO, part: int) -> Iterator[bytes]:
 
 
 def _client() -> Any:
-    config = Config(retries={"mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
-                             "max_attempts": 10},
-                    max_pool_connections=32, s3={"addressing_style": "path"},
-                    connect_timeout=10, read_timeout=60)
+    config = Config(
+        retries={"mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"), "max_attempts": 10},
+        max_pool_connections=32,
+        s3={"addressing_style": "path"},
+        connect_timeout=10,
+        read_timeout=60,
+    )
     return boto3.session.Session().client("s3", config=config)
 
 
@@ -432,8 +502,17 @@ def _code(exc: ClientError) -> str:
 
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, ClientError):
-        return _code(exc) in ("SlowDown", "500", "502", "503", "504", "InternalError",
-                              "ServiceUnavailable", "RequestTimeout", "ThrottlingException")
+        return _code(exc) in (
+            "SlowDown",
+            "500",
+            "502",
+            "503",
+            "504",
+            "InternalError",
+            "ServiceUnavailable",
+            "RequestTimeout",
+            "ThrottlingException",
+        )
     return True  # connection errors
 
 
@@ -445,10 +524,16 @@ def _translate(exc: BaseException, key: str) -> RegistryError:
         if code in ("NoSuchBucket",):
             return UsageError(f"S3 bucket does not exist: {exc}", "check REG_STORE_URL")
         if code in ("AccessDenied", "403", "AllAccessDisabled"):
-            return RegistryError(f"S3 refused access to {key or 'the bucket'}: {code}",
-                                 "check the credentials and the bucket policy")
-        return RegistryError(f"S3 error on {key or 'the bucket'}: {code}: "
-                             f"{exc.response.get('Error', {}).get('Message', '')}",
-                             "retry; a failed push leaves nothing visible")
-    return RegistryError(f"cannot reach S3 for {key or 'the bucket'}: {exc}",
-                         "check AWS_ENDPOINT_URL and the network; retry")
+            return RegistryError(
+                f"S3 refused access to {key or 'the bucket'}: {code}",
+                "check the credentials and the bucket policy",
+            )
+        return RegistryError(
+            f"S3 error on {key or 'the bucket'}: {code}: "
+            f"{exc.response.get('Error', {}).get('Message', '')}",
+            "retry; a failed push leaves nothing visible",
+        )
+    return RegistryError(
+        f"cannot reach S3 for {key or 'the bucket'}: {exc}",
+        "check AWS_ENDPOINT_URL and the network; retry",
+    )
