@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ from registry.errors import (
     UsageError,
 )
 from registry.formats.dcp import MANIFEST, ScannedDir, scan_directory
+from registry.leases import Heartbeat, is_stale
 from registry.progress import Counter, Progress
 from registry.refs import CheckpointRef, check_name
 from registry.storage.base import hash_stream
@@ -149,7 +149,7 @@ def push(
 
     started = time.monotonic()
     try:
-        with _Heartbeat(reg, claim):
+        with Heartbeat(lambda: _renew_claim(reg, claim), LEASE_SECONDS / 4):
             uploaded = _upload(reg, ref, scanned, claim, progress)
             upload_seconds = time.monotonic() - started
             manifest = _manifest(
@@ -227,7 +227,7 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
                     f"({row.delete_reason}); a collected step is not pushed again",
                     "push under a new step",
                 )
-            if not _claim_is_stale(row):
+            if not is_stale(row.lease_until, row.claim_host, row.claim_pid):
                 raise Conflict(
                     f"{ref} is being pushed by {row.pushed_by} on {row.claim_host} "
                     f"(pid {row.claim_pid}) since {iso(row.created_at)}",
@@ -255,17 +255,16 @@ def _claim(reg: Registry, ref: CheckpointRef) -> tuple[_Claim, Checkpoint | None
     raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
 
 
-def _claim_is_stale(row: Checkpoint) -> bool:
-    if row.lease_until is None or row.lease_until < now():
-        return True
-    if row.claim_host == socket.gethostname() and row.claim_pid:
-        try:
-            os.kill(row.claim_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-    return False
+def _renew_claim(reg: Registry, claim: _Claim) -> None:
+    with reg.catalog.session(write=True) as s:
+        s.exec(
+            update(Checkpoint)
+            .where(
+                col(Checkpoint.id) == claim.checkpoint_id,
+                col(Checkpoint.claim_token) == claim.token,
+            )
+            .values(lease_until=now() + LEASE_SECONDS)
+        )
 
 
 def _expire_claim(reg: Registry, claim: _Claim) -> None:
@@ -283,38 +282,6 @@ def _expire_claim(reg: Registry, claim: _Claim) -> None:
             )
     except RegistryError:
         pass  # the lease runs out by itself
-
-
-class _Heartbeat:
-    """Renews the claim's lease while the push runs."""
-
-    def __init__(self, reg: Registry, claim: _Claim) -> None:
-        self._reg, self._claim = reg, claim
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reg-lease", daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 4):
-            try:
-                with self._reg.catalog.session(write=True) as s:
-                    s.exec(
-                        update(Checkpoint)
-                        .where(
-                            col(Checkpoint.id) == self._claim.checkpoint_id,
-                            col(Checkpoint.claim_token) == self._claim.token,
-                        )
-                        .values(lease_until=now() + LEASE_SECONDS)
-                    )
-            except RegistryError:
-                continue  # try again next beat; the commit checks the token anyway
 
 
 @dataclass(frozen=True, slots=True)

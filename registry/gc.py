@@ -39,6 +39,7 @@ from registry.checkpoints import checkpoint_prefix
 from registry.errors import Conflict, RegistryError
 from registry.formats.dcp import MANIFEST
 from registry.holds import held_checkpoint_ids
+from registry.leases import holder_gone
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -130,7 +131,11 @@ def _acquire(reg: Registry) -> str:
     host, pid = socket.gethostname(), os.getpid()
     with reg.catalog.session(write=True) as s:
         lease = s.get(Lease, GC_LEASE)
-        if lease is not None and lease.expires_at > now() and not _dead(lease):
+        if (
+            lease is not None
+            and lease.expires_at > now()
+            and not holder_gone(lease.host, lease.pid)
+        ):
             raise Conflict(
                 f"another GC is running: {lease.holder} on {lease.host} "
                 f"(pid {lease.pid}) since {iso(lease.acquired_at)}",
@@ -153,18 +158,6 @@ def _acquire(reg: Registry) -> str:
             lease.acquired_at, lease.expires_at = now(), now() + GC_LEASE_SECONDS
             s.add(lease)
     return token
-
-
-def _dead(lease: Lease) -> bool:
-    if lease.host != socket.gethostname():
-        return False
-    try:
-        os.kill(lease.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _renew(reg: Registry, token: str) -> None:

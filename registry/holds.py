@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from sqlmodel import col, select
 
 from registry.catalog.models import Lease
 from registry.errors import RegistryError
+from registry.leases import Heartbeat
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -46,24 +46,17 @@ def hold(reg: Registry, checkpoint_id: int, purpose: str) -> Iterator[None]:
                 expires_at=now() + HOLD_SECONDS,
             )
         )
-    stop = threading.Event()
 
     def renew() -> None:
-        while not stop.wait(HOLD_SECONDS / 4):
-            with contextlib.suppress(RegistryError), reg.catalog.session(write=True) as s:
-                s.exec(
-                    update(Lease)
-                    .where(col(Lease.name) == name)
-                    .values(expires_at=now() + HOLD_SECONDS)
-                )
+        with reg.catalog.session(write=True) as s:
+            s.exec(
+                update(Lease).where(col(Lease.name) == name).values(expires_at=now() + HOLD_SECONDS)
+            )
 
-    thread = threading.Thread(target=renew, name="reg-hold", daemon=True)
-    thread.start()
     try:
-        yield
+        with Heartbeat(renew, HOLD_SECONDS / 4):
+            yield
     finally:
-        stop.set()
-        thread.join()
         with contextlib.suppress(RegistryError), reg.catalog.session(write=True) as s:
             s.exec(delete(Lease).where(col(Lease.name) == name))
 

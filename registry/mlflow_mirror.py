@@ -27,6 +27,7 @@ from sqlmodel import col, select
 
 from registry.catalog.models import Lease, OutboxEvent
 from registry.errors import RegistryError
+from registry.leases import holder_gone
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -305,7 +306,11 @@ def _take_lease(reg: Registry, budget_s: float) -> str | None:
     token = uuid.uuid4().hex
     with reg.catalog.session(write=True) as s:
         lease = s.get(Lease, DRAIN_LEASE)
-        if lease is not None and lease.expires_at > now() and _alive(lease):
+        if (
+            lease is not None
+            and lease.expires_at > now()
+            and not holder_gone(lease.host, lease.pid)
+        ):
             return None
         if lease is None:
             lease = Lease(
@@ -322,20 +327,6 @@ def _take_lease(reg: Registry, budget_s: float) -> str | None:
             lease.expires_at = now() + budget_s + 60
         s.add(lease)
     return token
-
-
-def _alive(lease: Lease) -> bool:
-    import socket
-
-    if lease.host != socket.gethostname():
-        return True
-    try:
-        os.kill(lease.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _drop_lease(reg: Registry, token: str) -> None:

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import socket
-import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,12 +49,12 @@ from registry.errors import (
     Conflict,
     GateNotMet,
     ObjectExists,
-    RegistryError,
     UsageError,
     ValidationFailed,
 )
 from registry.formats.dcp import METADATA, inventory, load_metadata
 from registry.holds import hold
+from registry.leases import Heartbeat, is_stale
 from registry.refs import CheckpointRef, check_alias, check_name
 from registry.releases import RELEASE_FORMAT, RELEASE_JSON, move_alias, release_prefix, view
 from registry.timeutil import iso, now
@@ -116,7 +115,7 @@ def promote(
         if validation_id != validation.id:
             with reg.catalog.session() as s:
                 validation = s.get(Validation, validation_id) or validation
-        with _Heartbeat(reg, release_id, token):
+        with Heartbeat(lambda: _renew(reg, release_id, token), LEASE_SECONDS / 4):
             return _build_and_commit(
                 reg,
                 source,
@@ -260,7 +259,7 @@ def _reserve(
                 )
             ).first()
             if pending is not None:
-                if not _stale(pending):
+                if not is_stale(pending.lease_until, pending.claim_host, pending.claim_pid):
                     raise Conflict(
                         f"{source} is being promoted to {model}:v{pending.version} by "
                         f"{pending.created_by} on {pending.claim_host} (pid {pending.claim_pid})",
@@ -311,44 +310,13 @@ def _reserve(
     )
 
 
-def _stale(row: Release) -> bool:
-    if row.lease_until is None or row.lease_until < now():
-        return True
-    if row.claim_host == socket.gethostname() and row.claim_pid:
-        try:
-            os.kill(row.claim_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-    return False
-
-
-class _Heartbeat:
-    def __init__(self, reg: Registry, release_id: int, token: str) -> None:
-        self._reg, self._id, self._token = reg, release_id, token
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reg-promote-lease", daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 4):
-            try:
-                with self._reg.catalog.session(write=True) as s:
-                    s.exec(
-                        update(Release)
-                        .where(col(Release.id) == self._id, col(Release.claim_token) == self._token)
-                        .values(lease_until=now() + LEASE_SECONDS)
-                    )
-            except RegistryError:
-                continue
+def _renew(reg: Registry, release_id: int, token: str) -> None:
+    with reg.catalog.session(write=True) as s:
+        s.exec(
+            update(Release)
+            .where(col(Release.id) == release_id, col(Release.claim_token) == token)
+            .values(lease_until=now() + LEASE_SECONDS)
+        )
 
 
 def _stage(reg: Registry, release_id: int, token: str, stage: str) -> None:
