@@ -13,6 +13,7 @@ from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, table
 
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
+catalog_app = typer.Typer(help="Catalog administration.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -20,6 +21,32 @@ def register(app: typer.Typer) -> None:
     app.command("audit")(audit)
     app.add_typer(storage_app, name="storage")
     storage_app.command("init")(storage_init)
+    app.add_typer(catalog_app, name="catalog")
+    catalog_app.command("rebuild")(catalog_rebuild)
+
+
+def catalog_rebuild(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be added."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Rebuild missing catalog rows from the store's MANIFEST.json and release.json (admin)."""
+    from registry.rebuild import rebuild
+
+    with open_registry() as reg:
+        out = rebuild(reg, dry_run=dry_run)
+    if json_output:
+        emit_json(out)
+        return
+    verb = "would add" if dry_run else "added"
+    print(
+        f"{verb} {len(out['checkpoints_added'])} checkpoint(s), "
+        f"{len(out['releases_added'])} release(s)"
+    )
+    for ref in out["checkpoints_added"] + out["releases_added"]:
+        print(f"  {ref}")
+    for skipped in out["skipped"]:
+        print(f"  skipped {skipped}", file=sys.stderr)
+    print(f"not recoverable from the store: {out['not_recoverable']}")
 
 
 def storage_init(json_output: bool = JSON_OPTION) -> None:
