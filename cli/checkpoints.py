@@ -19,6 +19,34 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
     app.command("pin")(pin)
     app.command("unpin")(unpin)
+    app.command("recovery")(recovery)
+
+
+def recovery(
+    run: str = typer.Argument(..., help="Run name."),
+    project: str = typer.Option("default", "--project", help="Project name."),
+    mtbf: str = typer.Option("24h", "--mtbf", help="Mean time between failures of the job."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Checkpoint economics of a run: save cost C, restore time RTO, interval advice."""
+    from policies.loader import parse_duration
+    from registry.errors import UsageError
+    from registry.recovery import economics
+
+    try:
+        mtbf_s = parse_duration(mtbf)
+    except ValueError as exc:
+        raise UsageError(f"bad --mtbf: {exc}") from None
+    with open_registry() as reg:
+        out = economics(reg, run, project=project, mtbf_s=mtbf_s)
+    if json_output:
+        emit_json(out)
+        return
+    for key, value in out.items():
+        if key != "advice":
+            print(f"{key}: {value}")
+    for line in out["advice"]:
+        print(f"advice: {line}")
 
 
 def push_ckpt(

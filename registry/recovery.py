@@ -1,0 +1,139 @@
+"""Checkpoint economics: what a checkpoint costs to save (C) and to restore (RTO), and what that
+means for the checkpoint interval and the work lost to a failure.
+
+Inputs are measured, not assumed: C is the median time the registry took to take a checkpoint of
+the run (`upload_seconds`); RTO is the median restore time of the run's validations plus the time
+to move the newest checkpoint's bytes at the run's measured transfer rate. With a mean time
+between failures M, the Young/Daly first-order optimum interval is sqrt(2 C M); between
+checkpoints a failure loses on average half an interval of work, plus the RTO.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import col, select
+
+from registry.catalog import queries
+from registry.catalog.models import COMMITTED, Checkpoint, Validation
+from registry.errors import NotFound
+from registry.refs import CheckpointRef, check_name
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+
+
+def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def expected_loss(interval_s: float, rto_s: float) -> float:
+    """Work lost per failure: half an interval on average, plus the time to get back."""
+    return interval_s / 2.0 + rto_s
+
+
+def economics(
+    reg: Registry, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+) -> dict[str, Any]:
+    check_name(run, "run name")
+    check_name(project, "project name")
+    reg.authorize_read(project=project)
+    with reg.catalog.session() as s:
+        run_row = queries.find_run(s, project, run)
+        if run_row is None:
+            raise NotFound(
+                f"run {CheckpointRef(project, run, None).run_label} not found",
+                "reg ls lists the runs",
+            )
+        rows = list(
+            s.exec(
+                select(Checkpoint)
+                .where(Checkpoint.run_id == run_row.id, Checkpoint.state == COMMITTED)
+                .order_by(col(Checkpoint.step))
+            ).all()
+        )
+        ids = [r.id for r in rows]
+        restores = [
+            v.seconds
+            for v in s.exec(
+                select(Validation).where(col(Validation.checkpoint_id).in_(ids), Validation.passed)
+            ).all()
+            if v.seconds
+        ]
+    if not rows:
+        raise NotFound(f"{run} has no committed checkpoints", "reg push-ckpt registers one")
+    uploads = [r.upload_seconds for r in rows if r.upload_seconds]
+    cost = statistics.median(uploads) if uploads else None
+    rate = (
+        statistics.median(r.bytes / r.upload_seconds for r in rows if r.upload_seconds)
+        if uploads
+        else None
+    )
+    newest = rows[-1]
+    transfer = newest.bytes / rate if rate else None
+    restore = statistics.median(restores) if restores else None
+    rto = (restore or 0.0) + (transfer or 0.0) if (restore or transfer) else None
+    times = [r.committed_at or r.created_at for r in rows]
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
+    interval = statistics.median(gaps) if gaps else None
+    out: dict[str, Any] = {
+        "run": CheckpointRef(project, run, None).run_label,
+        "checkpoints": len(rows),
+        "bytes": newest.bytes,
+        "save_cost_seconds": _r(cost),
+        "transfer_rate_bytes_per_second": _r(rate),
+        "restore_seconds": _r(restore),
+        "rto_seconds": _r(rto),
+        "observed_interval_seconds": _r(interval),
+        "mtbf_seconds": mtbf_s,
+        "advice": [],
+    }
+    if cost is not None:
+        best = young_daly_interval(cost, mtbf_s)
+        out["optimal_interval_seconds"] = _r(best)
+        out["overhead_at_optimal"] = _r(cost / best)
+        out["expected_loss_at_optimal_seconds"] = _r(expected_loss(best, rto or 0.0))
+        if interval is not None:
+            out["overhead_now"] = _r(cost / interval)
+            out["expected_loss_now_seconds"] = _r(expected_loss(interval, rto or 0.0))
+            if interval > 1.5 * best:
+                out["advice"].append(
+                    f"checkpoint more often: every {_human(best)} instead of {_human(interval)} "
+                    f"cuts the expected loss per failure from "
+                    f"{_human(expected_loss(interval, rto or 0))} to "
+                    f"{_human(expected_loss(best, rto or 0))}"
+                )
+            elif interval < best / 1.5:
+                out["advice"].append(
+                    f"checkpoint less often: every {_human(best)} instead of {_human(interval)} "
+                    f"cuts the save overhead from {cost / interval:.1%} to {cost / best:.1%} of "
+                    f"training time, for an expected loss per failure of "
+                    f"{_human(expected_loss(best, rto or 0))} instead of "
+                    f"{_human(expected_loss(interval, rto or 0))}"
+                )
+            else:
+                out["advice"].append(
+                    f"the interval ({_human(interval)}) is near the optimum "
+                    f"({_human(best)}) for an MTBF of {_human(mtbf_s)}"
+                )
+    if restore is None:
+        out["advice"].append(
+            "no passing validation yet: the restore time is unmeasured "
+            f"(reg validate {CheckpointRef(project, run, newest.step)})"
+        )
+    return out
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _human(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
