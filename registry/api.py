@@ -6,7 +6,6 @@ it touches; every entry point checks access here, in the library, not in the CLI
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,11 +63,6 @@ class Registry:
         if self._policy is None:
             self._policy, self._policy_source = self._load_policy()
         return self._policy
-
-    @property
-    def policy_source(self) -> str:
-        self.policy  # noqa: B018 - loads it
-        return self._policy_source or ""
 
     def _load_policy(self) -> tuple[Policy, str]:
         from policies.loader import parse_policy
@@ -205,9 +199,6 @@ class Registry:
         """A catalog change with an outbox event committed: the MLflow mirror drains after the
         command, in a detached process (see `close`)."""
         self._outbox_dirty = True
-
-    def policy_digest(self) -> str:
-        return hashlib.sha256(self.policy.model_dump_json().encode()).hexdigest()
 
     # -- checkpoints -------------------------------------------------------------------------
     def push_checkpoint(

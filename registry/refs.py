@@ -53,9 +53,6 @@ class CheckpointRef:
         prefix = "" if self.project == DEFAULT_PROJECT else f"{self.project}/"
         return f"{prefix}{self.run}@{at}"
 
-    def at_step(self, step: int) -> CheckpointRef:
-        return CheckpointRef(self.project, self.run, step)
-
     @property
     def run_label(self) -> str:
         return self.run if self.project == DEFAULT_PROJECT else f"{self.project}/{self.run}"

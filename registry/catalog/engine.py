@@ -68,12 +68,6 @@ class Catalog:
             _WRITE.reset(token)
 
     @contextlib.contextmanager
-    def read_connection(self) -> Iterator[Connection]:
-        """A SQLAlchemy Core connection for read-only queries."""
-        with self._translate_errors(), self.engine.connect() as conn:
-            yield conn
-
-    @contextlib.contextmanager
     def dbapi(self) -> Iterator[tuple[Any, str]]:
         """A raw DB-API connection and its parameter mark, for read-only fast paths: on SQLite it
         is the standard `sqlite3` module, with no SQLAlchemy import at all."""
