@@ -1,0 +1,36 @@
+"""All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
+
+Runs bench.checkpoints, bench.promotion, bench.s3 and bench.gc in turn on one shared 1.2 GiB
+checkpoint (made once by 2 torchrun ranks); each prints ratios against baselines measured in
+the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import ROOT, rm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=1.2)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
+    common = ["--work", str(work), "--gib", str(args.gib), "--repeat", str(args.repeat)]
+    try:
+        for module, extra in (("bench.checkpoints", common), ("bench.promotion", common),
+                              ("bench.s3", common), ("bench.gc", [])):
+            print(f"== {module}", flush=True)
+            subprocess.run([sys.executable, "-m", module, *extra], cwd=ROOT, check=True)
+    finally:
+        rm(work)
+
+
+if __name__ == "__main__":
+    main()
