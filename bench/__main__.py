@@ -24,8 +24,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
     common = ["--work", str(work), "--gib", str(args.gib), "--repeat", str(args.repeat)]
     try:
-        for module, extra in (("bench.checkpoints", common), ("bench.promotion", common),
-                              ("bench.s3", common), ("bench.gc", [])):
+        for module, extra in (
+            ("bench.checkpoints", common),
+            ("bench.promotion", common),
+            ("bench.s3", common),
+            ("bench.gc", []),
+        ):
             print(f"== {module}", flush=True)
             subprocess.run([sys.executable, "-m", module, *extra], cwd=ROOT, check=True)
     finally:
