@@ -538,7 +538,7 @@ def pull(
 ) -> dict[str, Any]:
     """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing."""
     reg.authorize_read(project=ref.project)
-    run, ckpt, files = resolve(reg, ref)
+    _, ckpt, files = resolve(reg, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     dest = Path(dest).absolute()
     _check_dest(dest)
@@ -557,14 +557,19 @@ def pull(
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    with reg.catalog.session(write=True) as s:
-        row = s.get(Run, run.id)
-        if row is not None:
-            row.resumed_from_step, row.resumed_at = ckpt.step, now()
-            s.add(row)
+    record_resume(reg, full)
     out = view(ref.project, ref.run, ckpt_now, files)
     out["dest"] = str(dest)
     return out
+
+
+def record_resume(reg: Registry, ref: CheckpointRef) -> None:
+    """The run resumes from `ref`: retention keeps it until the run commits a newer step."""
+    with reg.catalog.session(write=True) as s:
+        run = queries.find_run(s, ref.project, ref.run)
+        if run is not None:
+            run.resumed_from_step, run.resumed_at = ref.step, now()
+            s.add(run)
 
 
 def _check_dest(dest: Path) -> None:
