@@ -167,7 +167,7 @@ class Registry:
             "read",
             project=project,
             model=model,
-            target=f"project {project}" if project else f"model {model}",
+            target=f"project {project}" if project else f"model {model}" if model else "registry",
         )
 
     def can_read_project(self, project: str) -> bool:
