@@ -260,16 +260,20 @@ def _delete_objects(
     reg: Registry, prefix: str, ref: str, errors: list[str], reason: str | None
 ) -> int:
     """Delete a checkpoint's objects (manifest first), then leave the tombstone."""
-    freed = 0
     keys = [o.key for o in reg.store.list(prefix)]
-    keys.sort(key=lambda k: (not k.endswith(MANIFEST), k))
-    failed = False
-    for key in keys:
-        try:
-            freed += reg.store.delete(key)
-        except Exception as exc:  # logged, retried next run; never stops the others
-            errors.append(f"{ref}: could not delete {key}: {exc}")
-            failed = True
+    manifest = [k for k in keys if k.endswith(MANIFEST)]
+    failed: dict[str, str] = {}
+    freed = 0
+    # The manifest first, so the prefix stops looking committed; then the rest in batches.
+    for batch in (manifest, [k for k in keys if k not in manifest]):
+        if batch and not failed:
+            try:
+                got, failed = reg.store.delete_many(batch)
+                freed += got
+            except RegistryError as exc:  # logged, retried next run; never stops the others
+                failed = {batch[0]: str(exc)}
+    for key, why in failed.items():
+        errors.append(f"{ref}: could not delete {key}: {why}")
     if not failed:
         with reg.catalog.session(write=True) as s:
             project, run_and_step = prefix.removeprefix("ckpt/").split("/", 1)

@@ -11,7 +11,7 @@ import hashlib
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
@@ -78,6 +78,11 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> int:
         """Delete the object (every version where versioned). Return the bytes freed."""
+        ...
+
+    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
+        """Delete objects in batches (every version where versioned): (bytes freed, errors by
+        key). A failed key never stops the others."""
         ...
 
     def describe(self, key: str) -> str:

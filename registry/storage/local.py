@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -157,6 +157,17 @@ class LocalStore:
                             yield p, p.stat().st_mtime
 
     # -- deletes -----------------------------------------------------------------------------
+    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
+        for key in keys:  # all refused before any is deleted, as on S3
+            check_deletable(key)
+        freed, errors = 0, {}
+        for key in keys:
+            try:
+                freed += self.delete(key)
+            except (OSError, RegistryError) as exc:
+                errors[key] = str(exc)
+        return freed, errors
+
     def delete(self, key: str) -> int:
         check_deletable(key)
         path = self._path(key)

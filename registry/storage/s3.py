@@ -12,6 +12,7 @@ bytes are real.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime as dt
 import hashlib
@@ -19,7 +20,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -377,6 +378,46 @@ class S3Store:
             raise _translate(exc, prefix) from exc
 
     # -- deletes -------------------------------------------------------------------------------
+    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
+        """DeleteObjects, 1,000 keys a call; on versioned buckets every version by id."""
+        for key in keys:
+            check_deletable(key)
+        wanted = {self._key(k): k for k in keys}
+        targets: builtins.list[dict[str, str]] = []
+        sizes: dict[tuple[str, str], int] = {}
+        if self.versioned():
+            for prefix in sorted({full.rsplit("/", 1)[0] + "/" for full in wanted}):
+                pages = self.client.get_paginator("list_object_versions").paginate(
+                    Bucket=self.bucket, Prefix=prefix
+                )
+                for page in pages:
+                    for v in page.get("Versions", []) + page.get("DeleteMarkers", []):
+                        if v["Key"] in wanted:
+                            targets.append({"Key": v["Key"], "VersionId": v["VersionId"]})
+                            sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
+        else:
+            for full, key in wanted.items():
+                head = self.head(key)
+                if head is not None:
+                    targets.append({"Key": full})
+                    sizes[(full, "")] = head.size
+        freed, errors = 0, {}
+        for start in range(0, len(targets), 1000):
+            batch = targets[start : start + 1000]
+
+            def call(batch: builtins.list[dict[str, str]] = batch) -> Any:
+                return self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": False}
+                )
+
+            out = self._call("", call)
+            for err in out.get("Errors", []):
+                key = wanted.get(err["Key"], err["Key"])
+                errors[key] = f"{err.get('Code')}: {err.get('Message')}"
+            for done in out.get("Deleted", []):
+                freed += sizes.get((done["Key"], done.get("VersionId", "")), 0)
+        return freed, errors
+
     def delete(self, key: str) -> int:
         check_deletable(key)
         full = self._key(key)

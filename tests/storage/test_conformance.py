@@ -116,3 +116,14 @@ def test_delete_frees_bytes_and_refuses_release_objects(store):
 def test_keys_cannot_escape(store, key):
     with pytest.raises(UsageError):
         store.put_bytes(key, b"x")
+
+
+def test_delete_many_frees_bytes_and_reports_failures(store):
+    keys = [f"ckpt/dm/run/step-1/f{i}" for i in range(5)]
+    for i, key in enumerate(keys):
+        store.put_bytes(key, b"x" * (i + 1))
+    freed, errors = store.delete_many([*keys, "ckpt/dm/run/step-1/absent"])
+    assert freed == 15 and errors == {}
+    assert list(store.list("ckpt/dm/")) == []
+    with pytest.raises(Conflict, match="immutable"):
+        store.delete_many(["release/m/v1/model.safetensors"])
