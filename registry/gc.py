@@ -10,18 +10,15 @@ the others.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete
 from sqlalchemy import select as sa_select
 from sqlmodel import col, select
 
 from policies.retention import DELETE, CheckpointRecord, Protections, plan
-from registry import audit, outbox
+from registry import audit, leases, outbox
 from registry.catalog.models import (
     COMMITTED,
     DELETED,
@@ -29,7 +26,6 @@ from registry.catalog.models import (
     PENDING,
     YANKED,
     Checkpoint,
-    Lease,
     Model,
     Project,
     Release,
@@ -39,7 +35,6 @@ from registry.checkpoints import checkpoint_prefix
 from registry.errors import Conflict, RegistryError
 from registry.formats.dcp import MANIFEST
 from registry.holds import held_checkpoint_ids
-from registry.leases import holder_gone
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -127,54 +122,23 @@ def explain(reg: Registry, project: str, run: Run, ckpt: Checkpoint) -> dict[str
 
 
 def _acquire(reg: Registry) -> str:
-    token = uuid.uuid4().hex
-    host, pid = socket.gethostname(), os.getpid()
-    with reg.catalog.session(write=True) as s:
-        lease = s.get(Lease, GC_LEASE)
-        if (
-            lease is not None
-            and lease.expires_at > now()
-            and not holder_gone(lease.host, lease.pid)
-        ):
-            raise Conflict(
-                f"another GC is running: {lease.holder} on {lease.host} "
-                f"(pid {lease.pid}) since {iso(lease.acquired_at)}",
-                f"wait for it; a crashed GC's lease expires after {GC_LEASE_SECONDS:.0f}s",
-            )
-        if lease is None:
-            s.add(
-                Lease(
-                    name=GC_LEASE,
-                    holder=reg.user,
-                    host=host,
-                    pid=pid,
-                    token=token,
-                    acquired_at=now(),
-                    expires_at=now() + GC_LEASE_SECONDS,
-                )
-            )
-        else:
-            lease.holder, lease.host, lease.pid, lease.token = reg.user, host, pid, token
-            lease.acquired_at, lease.expires_at = now(), now() + GC_LEASE_SECONDS
-            s.add(lease)
+    token, holder = leases.try_acquire(reg, GC_LEASE, GC_LEASE_SECONDS)
+    if token is None:
+        assert holder is not None
+        raise Conflict(
+            f"another GC is running: {holder.holder} on {holder.host} "
+            f"(pid {holder.pid}) since {iso(holder.acquired_at)}",
+            f"wait for it; a crashed GC's lease expires after {GC_LEASE_SECONDS:.0f}s",
+        )
     return token
 
 
 def _renew(reg: Registry, token: str) -> None:
-    with reg.catalog.session(write=True) as s:
-        s.exec(
-            update(Lease)
-            .where(col(Lease.name) == GC_LEASE, col(Lease.token) == token)
-            .values(expires_at=now() + GC_LEASE_SECONDS)
-        )
+    leases.renew(reg, GC_LEASE, token, GC_LEASE_SECONDS)
 
 
 def _release(reg: Registry, token: str) -> None:
-    try:
-        with reg.catalog.session(write=True) as s:
-            s.exec(delete(Lease).where(col(Lease.name) == GC_LEASE, col(Lease.token) == token))
-    except RegistryError:
-        pass
+    leases.release(reg, GC_LEASE, token)
 
 
 # -- the run ------------------------------------------------------------------------------------

@@ -7,10 +7,16 @@ import contextlib
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from registry.errors import RegistryError
 from registry.timeutil import now
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+    from registry.catalog.models import Lease
 
 
 def holder_gone(host: str | None, pid: int | None) -> bool:
@@ -52,3 +58,60 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             with contextlib.suppress(RegistryError):
                 self._renew()
+
+
+# -- named leases in the catalog (one GC at a time, one MLflow drain at a time) ----------------
+
+
+def try_acquire(reg: Registry, name: str, seconds: float) -> tuple[str | None, Lease | None]:
+    """Take the named lease: (token, None), or (None, the live holder's lease)."""
+    from registry.catalog.models import Lease
+
+    token = uuid.uuid4().hex
+    with reg.catalog.session(write=True) as s:
+        lease = s.get(Lease, name)
+        if (
+            lease is not None
+            and lease.expires_at > now()
+            and not holder_gone(lease.host, lease.pid)
+        ):
+            s.expunge(lease)
+            return None, lease
+        if lease is None:
+            lease = Lease(
+                name=name, holder="", host="", pid=0, token="", acquired_at=0.0, expires_at=0.0
+            )
+        lease.holder, lease.host, lease.pid, lease.token = (
+            reg.user,
+            socket.gethostname(),
+            os.getpid(),
+            token,
+        )
+        lease.acquired_at, lease.expires_at = now(), now() + seconds
+        s.add(lease)
+    return token, None
+
+
+def renew(reg: Registry, name: str, token: str, seconds: float) -> None:
+    from sqlalchemy import update
+    from sqlmodel import col
+
+    from registry.catalog.models import Lease
+
+    with reg.catalog.session(write=True) as s:
+        s.exec(
+            update(Lease)
+            .where(col(Lease.name) == name, col(Lease.token) == token)
+            .values(expires_at=now() + seconds)
+        )
+
+
+def release(reg: Registry, name: str, token: str) -> None:
+    """Give the lease back; if that fails, it runs out by itself."""
+    from sqlalchemy import delete
+    from sqlmodel import col
+
+    from registry.catalog.models import Lease
+
+    with contextlib.suppress(RegistryError), reg.catalog.session(write=True) as s:
+        s.exec(delete(Lease).where(col(Lease.name) == name, col(Lease.token) == token))

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import update
 from sqlmodel import col, select
 
-from registry.catalog.models import Lease, OutboxEvent
-from registry.errors import RegistryError
-from registry.leases import holder_gone
+from registry import leases
+from registry.catalog.models import OutboxEvent
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -300,43 +299,11 @@ def _note_failure(reg: Registry, event_id: int, error: str) -> None:
 
 
 def _take_lease(reg: Registry, budget_s: float) -> str | None:
-    import socket
-    import uuid
-
-    token = uuid.uuid4().hex
-    with reg.catalog.session(write=True) as s:
-        lease = s.get(Lease, DRAIN_LEASE)
-        if (
-            lease is not None
-            and lease.expires_at > now()
-            and not holder_gone(lease.host, lease.pid)
-        ):
-            return None
-        if lease is None:
-            lease = Lease(
-                name=DRAIN_LEASE,
-                holder=reg.user,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                token=token,
-                acquired_at=now(),
-                expires_at=now() + budget_s + 60,
-            )
-        else:
-            lease.token, lease.pid, lease.acquired_at = token, os.getpid(), now()
-            lease.expires_at = now() + budget_s + 60
-        s.add(lease)
-    return token
+    return leases.try_acquire(reg, DRAIN_LEASE, budget_s + 60)[0]
 
 
 def _drop_lease(reg: Registry, token: str) -> None:
-    from sqlalchemy import delete
-
-    try:
-        with reg.catalog.session(write=True) as s:
-            s.exec(delete(Lease).where(col(Lease.name) == DRAIN_LEASE, col(Lease.token) == token))
-    except RegistryError:
-        pass
+    leases.release(reg, DRAIN_LEASE, token)
 
 
 def main() -> None:
