@@ -7,9 +7,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -27,12 +29,23 @@ def env(home: Path, **extra: str) -> dict[str, str]:
 
 def run(cmd: list[str], environ: dict[str, str] | None = None) -> float:
     """Wall seconds of one command (which must succeed)."""
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=environ, cwd=ROOT, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
-    return elapsed
+    return measured(cmd, environ)[0]
+
+
+def measured(cmd: list[str], environ: dict[str, str] | None) -> tuple[float, Any, str]:
+    """Run one command (which must succeed): wall seconds, its own rusage (os.wait4: CPU
+    seconds and peak RSS of this child alone), and its stdout."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=environ, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, cmd[:4]))} failed: {err.read()[-2000:]}")
+        return wall, usage, out.read()
 
 
 def median_of(n: int, fn: Callable[[int], float]) -> float:

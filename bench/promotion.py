@@ -22,26 +22,13 @@ import time
 from pathlib import Path
 
 from bench.checkpoints import make_checkpoint
-from bench.common import PY, REG, ROOT, env, evict, rm
+from bench.common import PY, REG, ROOT, env, evict, measured, rm
 
 
 def _measure(args: list[str], environ: dict[str, str]) -> tuple[float, float, dict]:
     """Wall seconds, peak RSS (MiB) and the JSON the worker printed."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [PY, "-m", "bench.promotion", "--worker", *args],
-        cwd=ROOT,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    elapsed = time.perf_counter() - start
-    out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"worker {args[0]} failed: {err[-2000:]}")
-    return elapsed, usage.ru_maxrss / 1024, json.loads(out.strip().splitlines()[-1] or "{}")
+    wall, usage, out = measured([PY, "-m", "bench.promotion", "--worker", *args], environ)
+    return wall, usage.ru_maxrss / 1024, json.loads(out.strip().splitlines()[-1] or "{}")
 
 
 def worker(mode: str, src: str, out: str, home: str) -> None:

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from bench.checkpoints import make_checkpoint
-from bench.common import PY, REG, ROOT, dir_bytes, env, rm, settle
+from bench.common import PY, REG, ROOT, dir_bytes, env, measured, rm, settle
 
 BOTO_UPLOAD = """
 import sys, boto3
@@ -45,14 +45,7 @@ for obj in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
 
 def timed(cmd: list[str], environ: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, client CPU seconds) of one command."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, env=environ, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{cmd[:4]} failed: {proc.stderr.read()[-2000:]}")  # type: ignore
+    wall, usage, _ = measured(cmd, environ)
     return wall, usage.ru_utime + usage.ru_stime
 
 
