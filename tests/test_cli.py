@@ -135,3 +135,68 @@ def test_json_output_is_one_document_and_nothing_else(cli, ckpts):
     )
     json.loads(res.stdout)
     assert json.loads(cli("ls", "r", "--json").stdout)[0]["world_size"] == 3
+
+
+def _bad_dir(kind: str, ckpts, tmp_path: Path) -> Path:
+    import os
+    import pickle
+
+    d = ckpts.ws2.copy_step(4, tmp_path / kind)
+    if kind == "no-metadata":
+        (d / ".metadata").unlink()
+    elif kind == "truncated":
+        shard = d / "__0_0.distcp"
+        os.truncate(shard, shard.stat().st_size - 10)
+    elif kind == "missing-shard":
+        (d / "__1_0.distcp").unlink()
+    elif kind == "crafted":
+        (d / ".metadata").write_bytes(pickle.dumps(print))
+    elif kind == "symlink":
+        (d / "link").symlink_to("/etc/passwd")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("kind", "pattern"),
+    [
+        ("no-metadata", "has no .metadata"),
+        ("truncated", "shard __0_0.distcp is truncated"),
+        ("missing-shard", "shard __1_0.distcp named in .metadata is missing"),
+        ("crafted", "references builtins.print, which a DCP checkpoint never does; refused"),
+        ("symlink", "link is a symlink; refused"),
+    ],
+)
+def test_bad_checkpoint_directories_exit_2_with_one_line(cli, ckpts, tmp_path, kind, pattern):
+    res = cli("push-ckpt", _bad_dir(kind, ckpts, tmp_path), "--run", "r", "--step", "1")
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reg: error: ") and pattern in lines[0]
+    assert json.loads(cli("ls", "--json").stdout) == []
+
+
+def test_promotion_refusals_exit_codes_and_one_line(cli, ckpts, bad_ckpts, tmp_path, monkeypatch):
+    monkeypatch.setenv("REG_POLICY", str(ROOT / "examples" / "cpu-policy.toml"))
+    for name, trained in (("nan", bad_ckpts["nan"]), ("wo", bad_ckpts["weights_only"])):
+        assert cli("push-ckpt", trained.step_dir(2), "--run", name, "--step", "2").returncode == 0
+    assert cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "r", "--step", "4").returncode == 0
+    cases = [
+        (["promote", "nan@step2", "--model", "m"], 1, "model.blocks.0.up.bias"),
+        (["promote", "wo@step2", "--model", "m"], 1, "not resumable"),
+        (
+            ["validate", "r@step4", "--device", "cpu", "--model-factory", "nope:f"],
+            2,
+            "cannot import nope",
+        ),
+        (["show", "m:v1"], 3, "model m not found"),
+        (["promote", "r@step4", "--model", "m", "--alias", "prod"], 0, ""),
+        (["show", "m@staging"], 3, "alias m@staging not found"),
+        (["yank", "m:v1", "--reason", "bad"], 0, ""),
+        (["alias", "set", "m", "canary", "v1"], 5, "is yanked (bad)"),
+    ]
+    for args, code, pattern in cases:
+        res = cli(*args)
+        assert res.returncode == code, (args, res.stderr)
+        if code:
+            lines = res.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("reg: error: "), (args, res.stderr)
+            assert pattern in lines[0], (args, lines[0])
