@@ -56,13 +56,13 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
     elif mode == "reg":
         os.environ["REG_HOME"] = home
         from registry import Registry
-        from registry.consolidate import consolidate, model_tensor_names
         from registry.formats.dcp import METADATA, inventory, load_metadata
+        from registry.lifecycle.promotion.consolidate import consolidate
 
         with Registry() as reg:
             prefix = "ckpt/default/bench/step-0/"
             inv = inventory(load_metadata(reg.store.get_bytes(prefix + METADATA), light=True))
-            names = model_tensor_names(inv, ["model"], "model")
+            names = inv.model_names(["model"], "model")
             dest = f"release/bench/v{time.time_ns()}/"
             consolidate(
                 reg.store,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 
 import typer
 
@@ -30,10 +28,8 @@ def catalog_rebuild(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Rebuild missing catalog rows from the store's MANIFEST.json and release.json (admin)."""
-    from registry.rebuild import rebuild
-
     with open_registry() as reg:
-        out = rebuild(reg, dry_run=dry_run)
+        out = reg.rebuild_catalog(dry_run=dry_run)
     if json_output:
         emit_json(out)
         return
@@ -69,12 +65,12 @@ def gc(
 ) -> None:
     """Apply the retention policy: delete what no rule keeps, sweep orphans, explain each."""
     if every is not None:
-        _every(every)
-        return
-    from registry.gc import run_gc
+        from cli.schedule import repeat
 
+        repeat(every, _gc_cycle)
+        return
     with open_registry() as reg:
-        out = run_gc(reg, dry_run=dry_run)
+        out = reg.gc(dry_run=dry_run)
     if json_output:
         emit_json(out)
         return
@@ -93,25 +89,15 @@ def gc(
     )
 
 
-def _every(interval: str) -> None:
-    from policies.loader import parse_duration
-    from registry.errors import UsageError
-    from registry.gc import every
-
-    try:
-        seconds = parse_duration(interval)
-    except ValueError as exc:
-        raise UsageError(f"bad --every: {exc}") from None
-    if not 0 < seconds < float("inf"):
-        raise UsageError(f"--every {interval} must be a positive duration", "e.g. 1h")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-    def emit(line: dict) -> None:  # type: ignore[type-arg]
-        print(json.dumps(line), flush=True)
-
-    every(open_registry, seconds, emit, stop)
+def _gc_cycle() -> dict[str, object]:
+    with open_registry() as reg:
+        result = reg.gc()
+    return {
+        "freed_bytes": result["freed_bytes"],
+        "deleted": sum(d["action"] == "delete" for d in result["decisions"]),
+        "kept": sum(d["action"] == "keep" for d in result["decisions"]),
+        "errors": result["errors"],
+    }
 
 
 def audit(

@@ -31,14 +31,13 @@ def recovery(
     """Checkpoint economics of a run: save cost C, restore time RTO, interval advice."""
     from policies.loader import parse_duration
     from registry.errors import UsageError
-    from registry.recovery import economics
 
     try:
         mtbf_s = parse_duration(mtbf)
     except ValueError as exc:
         raise UsageError(f"bad --mtbf: {exc}") from None
     with open_registry() as reg:
-        out = economics(reg, run, project=project, mtbf_s=mtbf_s)
+        out = reg.recovery(run, project=project, mtbf_s=mtbf_s)
     if json_output:
         emit_json(out)
         return

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import typer
 
@@ -32,40 +29,31 @@ def sync(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Drain pending catalog events into MLflow now (admin); idempotent."""
-    from registry.mlflow_mirror import drain
 
-    def once() -> dict:  # type: ignore[type-arg]
+    def once() -> dict[str, object]:
         with open_registry() as reg:
-            reg.authorize("mlflow-sync", target=reg.settings.mlflow_tracking_uri)
-            return drain(reg, budget, wait=True)
+            return reg.mlflow_sync(budget)
 
-    if every is None:
-        out = once()
-        if json_output:
-            emit_json(out)
-        else:
-            print(
-                f"mirrored {out['applied']} event(s); {out['pending']} pending"
-                + (f"; stopped at: {out['error']}" if out.get("error") else "")
-            )
-        if out.get("error"):
-            from registry.errors import RegistryError
+    if every is not None:
+        from cli.schedule import repeat
 
-            raise RegistryError(
-                f"MLflow sync incomplete: {out['error']}",
-                "the events wait; run `reg mlflow sync` again when MLflow is up",
-            )
+        repeat(every, once)
         return
-    from policies.loader import parse_duration
+    out = once()
+    if json_output:
+        emit_json(out)
+    else:
+        print(
+            f"mirrored {out['applied']} event(s); {out['pending']} pending"
+            + (f"; stopped at: {out['error']}" if out.get("error") else "")
+        )
+    if out.get("error"):
+        from registry.errors import RegistryError
 
-    seconds = parse_duration(every)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set():
-        started = time.monotonic()
-        print(json.dumps(once()), flush=True)
-        stop.wait(max(0.0, seconds - (time.monotonic() - started)))
+        raise RegistryError(
+            f"MLflow sync incomplete: {out['error']}",
+            "the events wait; run `reg mlflow sync` again when MLflow is up",
+        )
 
 
 def ui(port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1.")) -> None:

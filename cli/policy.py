@@ -26,10 +26,8 @@ def register(app: typer.Typer) -> None:
 
 def show(json_output: bool = JSON_OPTION) -> None:
     """Print the effective policy and where it comes from."""
-    from registry.policy_admin import show as show_policy
-
     with open_registry() as reg:
-        out = show_policy(reg)
+        out = reg.policy_show()
     if json_output:
         emit_json(out)
         return
@@ -39,9 +37,9 @@ def show(json_output: bool = JSON_OPTION) -> None:
 
 def check(path: Path = typer.Argument(..., help="A policy TOML file.")) -> None:
     """Validate a policy file (exit 2 with file:line on the first error)."""
-    from registry.policy_admin import check as check_policy
+    from policies.loader import load_policy_file
 
-    policy = check_policy(path)
+    policy = load_policy_file(path)
     print(f"{path}: ok ({len(policy.access.grants)} grant(s))")
 
 
@@ -49,10 +47,8 @@ def apply(
     path: Path = typer.Argument(..., help="A policy TOML file."), json_output: bool = JSON_OPTION
 ) -> None:
     """Store the policy in the catalog (admin): every host and client uses it from now on."""
-    from registry.policy_admin import apply as apply_policy
-
     with open_registry() as reg:
-        out = apply_policy(reg, path)
+        out = reg.apply_policy(path)
     emit_json(out) if json_output else print(
         f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})"
     )
@@ -66,12 +62,11 @@ def export(
 ) -> None:
     """Render the grants as an S3 bucket policy (JSON on stdout)."""
     from registry.errors import UsageError
-    from registry.policy_admin import export as export_policy
 
     if fmt != "s3":
         raise UsageError(f"unknown --format {fmt!r}", "use s3")
     with open_registry() as reg:
-        document, missing = export_policy(reg, bucket)
+        document, missing = reg.export_policy(bucket)
     if missing:
         note(f"warning: left out principals with no [access.aws] ARN: {', '.join(missing)}")
     sys.stdout.write(json.dumps(document, indent=2) + "\n")

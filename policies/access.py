@@ -8,9 +8,15 @@ No grants at all is single-user mode: everyone is admin.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from policies.loader import ROLES, Grant
+if TYPE_CHECKING:  # the policy models cost pydantic's import; a check needs only their fields
+    from policies.loader import Grant
+
+ROLES = ("viewer", "trainer", "releaser", "admin")
+SINGLE_USER = "single-user mode (no grants in the policy)"
 
 ACTIONS: dict[str, str] = {
     # viewer
@@ -50,17 +56,30 @@ def _matches(globs: list[str], name: str | None) -> bool:
 
 
 def check(
-    grants: list[Grant],
+    grants: Sequence[Grant],
     principal: str,
     action: str,
     *,
     project: str | None = None,
     model: str | None = None,
 ) -> Decision:
-    """Allow `principal` to do `action` on the project and/or model named?"""
-    needed = ACTIONS[action]
+    """Allow `principal` to do `action` on the project and/or model named, under a policy whose
+    grants are `grants` (none at all: single-user mode)?"""
     if not grants:
-        return Decision(True, "single-user mode (no grants in the policy)")
+        return Decision(True, SINGLE_USER)
+    return check_grants(grants, principal, action, project=project, model=model)
+
+
+def check_grants(
+    grants: Sequence[Grant],
+    principal: str,
+    action: str,
+    *,
+    project: str | None = None,
+    model: str | None = None,
+) -> Decision:
+    """Does one of `grants` allow it? No grant, no access (single-user mode is `check`'s)."""
+    needed = ACTIONS[action]
     for grant in grants:
         if principal not in grant.principals or _rank(grant.role) < _rank(needed):
             continue
@@ -75,14 +94,6 @@ def check(
         or "the registry"
     )
     return Decision(False, f"needs a {needed} grant covering {scope}")
-
-
-def can_read_project(grants: list[Grant], principal: str, project: str) -> bool:
-    return check(grants, principal, "read", project=project).allowed
-
-
-def can_read_model(grants: list[Grant], principal: str, model: str) -> bool:
-    return check(grants, principal, "read", model=model).allowed
 
 
 def _scope(grant: Grant) -> str:

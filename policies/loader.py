@@ -135,7 +135,6 @@ class ReleasePolicy(_Model):
     lock_days: int = Field(default=3650, ge=1)
 
 
-ROLES = ("viewer", "trainer", "releaser", "admin")
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 

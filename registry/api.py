@@ -1,41 +1,51 @@
 """`Registry`: the one object a Python user (and the CLI) works through.
 
-It opens the catalog, the store and the effective policy lazily, so a command pays only for what
-it touches; every entry point checks access here, in the library, not in the CLI.
+It builds a `Context` from local settings (the embedded mode of DESIGN §9) and delegates every
+call to the lifecycle functions; access checks live there, in the library, not in the CLI. The
+catalog and the store are opened lazily, so a command pays only for what it touches; the
+Context is built on first use and rebuilt after `apply_policy`.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.config import Settings
-from registry.errors import PermissionDenied
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
+from registry.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    parse_checkpoint_ref,
+    parse_ref,
+    parse_release_ref,
+)
 
 if TYPE_CHECKING:
-    from policies.loader import Policy
-    from policies.resume import ResumeInventory
     from registry.catalog.engine import Catalog
-    from registry.catalog.models import Checkpoint, Run
+    from registry.context import Context
+    from registry.events import Outbox
+    from registry.policy_source import EffectivePolicy
     from registry.progress import Progress
-    from registry.storage.base import ObjectStore
+    from registry.storage.base import BaseStore
 
 
 class Registry:
     def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
         self.settings = settings or Settings.from_env()
-        self.user = user or self.settings.user
+        if user is not None:
+            self._identity = (user, "caller")
+        else:
+            self._identity = (self.settings.user, self.settings.user_source)
         self._catalog: Catalog | None = None
-        self._store: ObjectStore | None = None
-        self._policy: Policy | None = None
-        self._policy_source: str | None = None
-        self._policy_doc: tuple[str, str] | None = None
-        self._outbox_dirty = False
+        self._store: BaseStore | None = None
+        self._context: Context | None = None
+        self._events: Outbox | None = None
 
-    # -- parts -------------------------------------------------------------------------------
+    # -- parts ---------------------------------------------------------------------------------
+    @property
+    def user(self) -> str:
+        return self._identity[0]
+
     @property
     def catalog(self) -> Catalog:
         if self._catalog is None:
@@ -47,86 +57,47 @@ class Registry:
         return self._catalog
 
     @property
-    def store(self) -> ObjectStore:
+    def store(self) -> BaseStore:
         if self._store is None:
             from registry.storage import open_store
 
-            store = open_store(self.settings.store_url)
-            configure = getattr(store, "configure_lock", None)
-            if configure is not None:  # Object Lock for release objects, from [release]
-                configure(self.policy.release.object_lock, self.policy.release.lock_days)
-            self._store = store
+            def release_lock() -> tuple[str, int]:  # Object Lock for release objects
+                rules = self.context.policy.release
+                return rules.object_lock, rules.lock_days
+
+            self._store = open_store(self.settings.store_url, release_lock=release_lock)
         return self._store
 
     @property
-    def policy(self) -> Policy:
-        if self._policy is None:
-            self._policy, self._policy_source = self._load_policy()
-        return self._policy
+    def context(self) -> Context:
+        if self._context is None:
+            from registry.context import Context
+            from registry.events import Outbox
+            from registry.policy_source import EffectivePolicy
+            from registry.principal import Principal
 
-    def _load_policy(self) -> tuple[Policy, str]:
-        from policies.loader import parse_policy
-
-        text, source = self._policy_text()
-        return parse_policy(text, source), source
-
-    def _policy_text(self) -> tuple[str, str]:
-        """The effective policy document: the one applied to the catalog wins; local files only
-        bootstrap a registry that has none (DESIGN §6)."""
-        from policies.loader import DEFAULT_POLICY_PATH
-        from registry.errors import PolicyError
-
-        if self._policy_doc is not None:
-            return self._policy_doc
-        local = self.settings.policy_path or self.settings.home / "policy.toml"
-        with self.catalog.dbapi() as (conn, _):
-            cursor = conn.cursor()
-            cursor.execute(
-                "SELECT version, text, applied_by FROM policy_document "
-                "ORDER BY version DESC LIMIT 1"
+            policy = EffectivePolicy.load(
+                self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
             )
-            applied = cursor.fetchone()
-            cursor.close()
-        if applied is not None:
-            if self.settings.policy_path is not None or local.exists():
-                warnings.warn(
-                    f"ignoring {local}: the catalog has policy v{applied[0]} applied, "
-                    "which every client uses",
-                    stacklevel=3,
-                )
-            doc = (applied[1], f"catalog policy v{applied[0]} (applied by {applied[2]})")
-        else:
-            path = self.settings.policy_path or (local if local.exists() else DEFAULT_POLICY_PATH)
-            try:
-                doc = (Path(path).read_text(), str(path))
-            except OSError as exc:
-                raise PolicyError(
-                    f"cannot read policy {path}: {exc.strerror}", "check REG_POLICY"
-                ) from exc
-        self._policy_doc = doc
-        return doc
+            if self._events is None:
+                self._events = Outbox(self.settings)
+            self._context = Context(
+                catalog=self.catalog,
+                store=self.store,
+                policy=policy,
+                principal=Principal.under(*self._identity, policy),
+                events=self._events,
+                workers=self.settings.workers,
+            )
+        return self._context
 
-    def reset_policy(self) -> None:
-        """Forget the cached policy (after `policy apply`)."""
-        self._policy = self._policy_source = self._policy_doc = None
-
-    def _has_grants(self) -> bool:
-        """Single-user mode is decided without validating the whole document (fast listings);
-        any grant means the full, validated policy decides."""
-        import tomllib
-
-        text, _ = self._policy_text()
-        try:
-            return bool(tomllib.loads(text).get("access", {}).get("grants"))
-        except tomllib.TOMLDecodeError:
-            return True  # let the full parse report the error
+    @property
+    def policy(self) -> EffectivePolicy:
+        return self.context.policy
 
     def close(self) -> None:
-        if self._outbox_dirty:
-            self._outbox_dirty = False
-            from registry.mirror_spawn import spawn_drain
-
-            spawn_drain(self.settings)
+        if self._events is not None:
+            self._events.flush()
         if self._catalog is not None:
             self._catalog.dispose()
 
@@ -136,71 +107,17 @@ class Registry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- access ------------------------------------------------------------------------------
+    # -- access ----------------------------------------------------------------------------------
     def authorize(
         self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
     ) -> None:
         """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
-        from policies.access import check
-
-        decision = check(self.policy.access.grants, self.user, action, project=project, model=model)
-        if decision.allowed:
-            return
-        from registry import audit
-
-        with self.catalog.session(write=True) as s:
-            audit.record(
-                s,
-                self.user,
-                action,
-                target or project or model or "",
-                audit.DENIED,
-                reason=decision.reason,
-            )
-        raise PermissionDenied(
-            f"{self.user} may not {action} {target or project or model or ''}".rstrip(),
-            decision.reason + " (ask an admin to add it to the policy)",
-        )
+        self.context.authorize(action, project=project, model=model, target=target)
 
     def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
-        self.authorize(
-            "read",
-            project=project,
-            model=model,
-            target=f"project {project}" if project else f"model {model}" if model else "registry",
-        )
+        self.context.authorize_read(project=project, model=model)
 
-    def can_read_project(self, project: str) -> bool:
-        if not self._has_grants():
-            return True
-        from policies.access import can_read_project
-
-        return can_read_project(self.policy.access.grants, self.user, project)
-
-    def can_read_model(self, model: str) -> bool:
-        if not self._has_grants():
-            return True
-        from policies.access import can_read_model
-
-        return can_read_model(self.policy.access.grants, self.user, model)
-
-    # -- helpers for the lifecycles ------------------------------------------------------------
-    def classify_resume(self, top_level_keys: Iterable[str]) -> ResumeInventory:
-        from policies.resume import classify
-
-        return classify(top_level_keys, self.policy.resume)
-
-    def protection_of(self, project: str, run: Run, ckpt: Checkpoint) -> dict[str, Any]:
-        from registry.gc import explain
-
-        return explain(self, project, run, ckpt)
-
-    def after_commit(self) -> None:
-        """A catalog change with an outbox event committed: the MLflow mirror drains after the
-        command, in a detached process (see `close`)."""
-        self._outbox_dirty = True
-
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------
     def push_checkpoint(
         self,
         src: str | Path,
@@ -213,10 +130,10 @@ class Registry:
         progress: Progress | None = None,
         notes: list[str] | None = None,
     ) -> dict[str, Any]:
-        from registry import checkpoints
+        from registry.lifecycle.checkpoints.push import push
 
-        return checkpoints.push(
-            self,
+        return push(
+            self.context,
             Path(src),
             run=run,
             step=step,
@@ -225,59 +142,55 @@ class Registry:
             metrics=metrics,
             progress=progress,
             notes=notes,
-        )
+        ).to_json()
 
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
     ) -> list[dict[str, Any]]:
-        from registry import listing
+        from registry.lifecycle.checkpoints.listing import list_checkpoints
 
-        return listing.list_checkpoints(self, run, project, include_deleted=include_deleted)
+        return list_checkpoints(self.context, run, project, include_deleted=include_deleted)
 
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
-        from registry.refs import parse_ref
-
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if isinstance(parsed, ReleaseRef):
-            from registry import releases
+            from registry.lifecycle import releases
 
-            return releases.show(self, parsed)
-        from registry import checkpoints
+            return releases.show(self.context, parsed)
+        from registry.lifecycle.checkpoints import read
 
-        return checkpoints.show(self, parsed)
+        return read.show(self.context, parsed)
 
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
-        from registry import checkpoints
+        from registry.lifecycle.checkpoints.read import pull
 
-        return checkpoints.pull(self, _ckpt(ref), Path(dest), progress=progress)
+        return pull(self.context, _ckpt(ref), Path(dest), progress=progress)
 
     def verify(
         self, ref: str | CheckpointRef | ReleaseRef, *, progress: Progress | None = None
     ) -> dict[str, Any]:
-        from registry.refs import parse_ref
-
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if isinstance(parsed, ReleaseRef):
-            from registry import releases
+            from registry.lifecycle import releases
 
-            return releases.verify(self, parsed, progress=progress)
-        from registry import checkpoints
+            return releases.verify(self.context, parsed, progress=progress)
+        from registry.lifecycle.checkpoints import read
 
-        return checkpoints.verify(self, parsed, progress=progress)
+        return read.verify(self.context, parsed, progress=progress)
 
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
-        from registry import checkpoints
+        from registry.lifecycle.checkpoints.read import set_pin
 
-        return checkpoints.set_pin(self, _ckpt(ref), True, reason)
+        return set_pin(self.context, _ckpt(ref), True, reason)
 
     def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
-        from registry import checkpoints
+        from registry.lifecycle.checkpoints.read import set_pin
 
-        return checkpoints.set_pin(self, _ckpt(ref), False)
+        return set_pin(self.context, _ckpt(ref), False)
 
-    # -- validation, promotion, releases ------------------------------------------------------
+    # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
         self,
         ref: str | CheckpointRef,
@@ -287,10 +200,10 @@ class Registry:
         model_factory: str | None = None,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        from registry import validation
+        from registry.lifecycle.validation import validate
 
-        return validation.validate(
-            self,
+        return validate(
+            self.context,
             _ckpt(ref),
             device=device,
             world_size=world_size,
@@ -310,10 +223,10 @@ class Registry:
         model_factory: str | None = None,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        from registry import promotion
+        from registry.lifecycle.promotion import promote
 
-        return promotion.promote(
-            self,
+        return promote(
+            self.context,
             _ckpt(ref),
             model=model,
             alias=alias,
@@ -325,73 +238,94 @@ class Registry:
         )
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:
-        from registry import releases
+        from registry.lifecycle.releases import list_releases
 
-        return releases.list_releases(self, model)
+        return list_releases(self.context, model)
 
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
-        from registry import releases
+        from registry.lifecycle.releases import pull
 
-        return releases.pull(self, _release(ref), Path(dest), progress=progress)
+        return pull(self.context, _release(ref), Path(dest), progress=progress)
 
     def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
-        from registry import releases
+        from registry.lifecycle.releases import set_alias
 
-        return releases.set_alias(self, model, alias, version)
+        return set_alias(self.context, model, alias, version)
 
     def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
-        from registry import releases
         from registry.catalog.models import DEPRECATED
+        from registry.lifecycle.releases import set_status
 
-        return releases.set_status(self, _release(ref), DEPRECATED)
+        return set_status(self.context, _release(ref), DEPRECATED)
 
     def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
-        from registry import releases
         from registry.catalog.models import YANKED
+        from registry.lifecycle.releases import set_status
 
-        return releases.set_status(self, _release(ref), YANKED, reason)
+        return set_status(self.context, _release(ref), YANKED, reason)
+
+    # -- administration --------------------------------------------------------------------------
+    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
+        from registry.lifecycle.gc import run_gc
+
+        return run_gc(self.context, dry_run=dry_run)
+
+    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """Re-create missing catalog rows from the store's documents (admin)."""
+        from registry.lifecycle.rebuild import rebuild
+
+        return rebuild(self.context, dry_run=dry_run)
+
+    def recovery(
+        self, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+    ) -> dict[str, Any]:
+        """Checkpoint economics of a run: save cost, restore time, interval advice."""
+        from registry.lifecycle.recovery import economics
+
+        return economics(self.context, run, project=project, mtbf_s=mtbf_s)
 
     def storage_init(self) -> dict[str, Any]:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
-        from registry import audit
+        from registry.lifecycle.admin import storage_init
 
-        self.authorize("storage", target=self.settings.store_url)
-        init = getattr(self.store, "init", None)
-        if init is not None:
-            out: dict[str, Any] = init()
-        else:
-            root = Path(self.settings.store_url.removeprefix("file://"))
-            root.mkdir(parents=True, exist_ok=True)
-            out = {
-                "store": self.settings.store_url,
-                "kind": "local filesystem",
-                "note": "nothing to configure: objects are put-if-absent via link()",
-            }
-        with self.catalog.session(write=True) as s:
-            audit.record(
-                s,
-                self.user,
-                "storage-init",
-                self.settings.store_url,
-                **{k: v for k, v in out.items() if isinstance(v, bool | str)},
-            )
-        return out
+        return storage_init(self.context)
 
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
     ) -> list[dict[str, Any]]:
-        from registry import audit
+        from registry.lifecycle.admin import audit_log
 
-        self.authorize("audit", target="audit log")
-        with self.catalog.session() as s:
-            return audit.query(s, since=since, actor=actor, action=action)
+        return audit_log(self.context, since=since, actor=actor, action=action)
+
+    def policy_show(self) -> dict[str, Any]:
+        from registry.lifecycle.policy_admin import show
+
+        return show(self.context)
+
+    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+        from registry.lifecycle.policy_admin import apply
+
+        out = apply(self.context, Path(path))
+        self._context = None  # the next call runs under the applied policy
+        return out
+
+    def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
+        from registry.lifecycle.policy_admin import export
+
+        return export(self.context, bucket)
+
+    def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
+        """Drain pending catalog events into MLflow now (admin), waiting for a running drain."""
+        from registry.mlflow_mirror import drain
+
+        self.authorize("mlflow-sync", target=self.settings.mlflow_tracking_uri)
+        return drain(self.catalog, self.settings, budget_s, wait=True)
 
 
 def _release(ref: str | ReleaseRef) -> ReleaseRef:
-    from registry.refs import parse_release_ref
-
     return parse_release_ref(ref) if isinstance(ref, str) else ref
 
 

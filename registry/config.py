@@ -24,6 +24,7 @@ class Settings:
     mlflow_tracking_uri: str
     policy_path: Path | None = None
     user: str = field(default_factory=getpass.getuser)
+    user_source: str = "OS login"  # where `user` came from: REG_USER, config.toml, OS login
     busy_timeout_s: float = 30.0
     workers: int = 4
 
@@ -44,6 +45,7 @@ class Settings:
             raise UsageError(
                 f"bad number in environment: {exc}", "REG_BUSY_TIMEOUT and REG_WORKERS are numbers"
             ) from exc
+        user, source = _identity(env, file_values)
         return cls(
             home=home,
             catalog_url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
@@ -52,10 +54,20 @@ class Settings:
                 "MLFLOW_TRACKING_URI", "mlflow_tracking_uri", f"sqlite:///{home / 'mlflow.db'}"
             ),
             policy_path=Path(policy).expanduser() if policy else None,
-            user=env.get("REG_USER") or file_values.get("user") or _login_name(),
+            user=user,
+            user_source=source,
             busy_timeout_s=busy,
             workers=max(1, workers),
         )
+
+
+def _identity(env: dict[str, str], file_values: dict[str, str]) -> tuple[str, str]:
+    """The embedded identity and where it came from: asserted, not proven (DESIGN §9)."""
+    if env.get("REG_USER"):
+        return env["REG_USER"], "REG_USER"
+    if file_values.get("user"):
+        return file_values["user"], "config.toml"
+    return _login_name(), "OS login"
 
 
 def _login_name() -> str:

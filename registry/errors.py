@@ -13,6 +13,7 @@
     │   ├── ObjectExists                   put-if-absent found an object already there
     │   └── CatalogLocked                  another process holds the catalog
     ├── IntegrityError             exit 1  a stored file is missing, truncated or fails its digest
+    │   └── InvalidDocument                a stored MANIFEST.json or release.json that does not read
     ├── ValidationFailed           exit 1  restore validation did not pass
     └── GateNotMet                 exit 1  a promotion gate of the policy is not satisfied
 
@@ -84,6 +85,10 @@ class CatalogLocked(Conflict):
 
 class IntegrityError(RegistryError):
     exit_code = 1
+
+
+class InvalidDocument(IntegrityError):
+    pass
 
 
 class ValidationFailed(RegistryError):

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import update
 from sqlmodel import col, select
 
-from registry import leases
+from registry.catalog import leases
 from registry.catalog.models import OutboxEvent
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.catalog.engine import Catalog
+    from registry.config import Settings
 
 DRAIN_LEASE = "mlflow-drain"
 _UNSAFE = re.compile(r"[/:.%\"']")
@@ -42,12 +43,12 @@ def safe_name(name: str) -> str:
 
 
 class Mirror:
-    def __init__(self, reg: Registry) -> None:
+    def __init__(self, settings: Settings) -> None:
         import mlflow  # noqa: F401 - seconds of import, paid only by the drain
         from mlflow import MlflowClient
 
-        self.reg = reg
-        self.client = MlflowClient(tracking_uri=reg.settings.mlflow_tracking_uri)
+        self.settings = settings
+        self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
         self._experiments: dict[str, str] = {}
         self._runs: dict[tuple[str, str], str] = {}
 
@@ -56,7 +57,7 @@ class Mirror:
         if project not in self._experiments:
             exp = self.client.get_experiment_by_name(project)
             if exp is None:
-                artifacts = (self.reg.settings.home / "mlflow-artifacts" / project).as_uri()
+                artifacts = (self.settings.home / "mlflow-artifacts" / project).as_uri()
                 exp_id = self.client.create_experiment(
                     project, artifact_location=artifacts, tags={"reg.project": project}
                 )
@@ -223,22 +224,29 @@ class Mirror:
             )
 
 
-def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[str, Any]:
+def drain(
+    catalog: Catalog, settings: Settings, budget_s: float = 30.0, *, wait: bool = False
+) -> dict[str, Any]:
     """Apply pending outbox events in order until done or out of time. One drain at a time:
     with `wait`, a running drain is waited for (within the budget), else this one skips."""
     started = time.monotonic()
-    token = _take_lease(reg, budget_s)
+    seconds = budget_s + 60
+
+    def take() -> str | None:
+        return leases.try_acquire(catalog, DRAIN_LEASE, settings.user, seconds)[0]
+
+    token = take()
     while token is None and wait and time.monotonic() - started < budget_s:
         time.sleep(0.5)
-        token = _take_lease(reg, budget_s)
+        token = take()
     if token is None:
-        return {"applied": 0, "pending": _pending_count(reg), "skipped": "another drain runs"}
+        return {"applied": 0, "pending": _pending_count(catalog), "skipped": "another drain runs"}
     applied, error = 0, None
     try:
-        os.chdir(reg.settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
-        mirror = Mirror(reg)
+        os.chdir(settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
+        mirror = Mirror(settings)
         while time.monotonic() - started < budget_s:
-            with reg.catalog.session() as s:
+            with catalog.session() as s:
                 batch = s.exec(
                     select(OutboxEvent)
                     .where(col(OutboxEvent.done_at).is_(None))
@@ -254,9 +262,9 @@ def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[
                     mirror.apply(event.kind, event.payload)
                 except Exception as exc:
                     error = f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}"
-                    _note_failure(reg, event.id or 0, error)
+                    _note_failure(catalog, event.id or 0, error)
                     raise _Stop from exc
-                with reg.catalog.session(write=True) as s:
+                with catalog.session(write=True) as s:
                     s.exec(
                         update(OutboxEvent)
                         .where(col(OutboxEvent.id) == event.id)
@@ -268,18 +276,18 @@ def drain(reg: Registry, budget_s: float = 30.0, *, wait: bool = False) -> dict[
     except Exception as exc:  # MLflow unreachable at start-up, and the like
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
     finally:
-        _drop_lease(reg, token)
-    return {"applied": applied, "pending": _pending_count(reg), "error": error}
+        leases.release(catalog, DRAIN_LEASE, token)
+    return {"applied": applied, "pending": _pending_count(catalog), "error": error}
 
 
 class _Stop(Exception):
     """Stop at the first failing event: order matters (a version before its alias)."""
 
 
-def _pending_count(reg: Registry) -> int:
+def _pending_count(catalog: Catalog) -> int:
     from sqlalchemy import func
 
-    with reg.catalog.session() as s:
+    with catalog.session() as s:
         return int(
             s.exec(
                 select(func.count())
@@ -289,8 +297,8 @@ def _pending_count(reg: Registry) -> int:
         )
 
 
-def _note_failure(reg: Registry, event_id: int, error: str) -> None:
-    with reg.catalog.session(write=True) as s:
+def _note_failure(catalog: Catalog, event_id: int, error: str) -> None:
+    with catalog.session(write=True) as s:
         s.exec(
             update(OutboxEvent)
             .where(col(OutboxEvent.id) == event_id)
@@ -298,23 +306,20 @@ def _note_failure(reg: Registry, event_id: int, error: str) -> None:
         )
 
 
-def _take_lease(reg: Registry, budget_s: float) -> str | None:
-    return leases.try_acquire(reg, DRAIN_LEASE, budget_s + 60)[0]
-
-
-def _drop_lease(reg: Registry, token: str) -> None:
-    leases.release(reg, DRAIN_LEASE, token)
-
-
 def main() -> None:
     """The detached drain started after a command (`python -m registry.mlflow_mirror`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=30.0)
     args = parser.parse_args()
-    from registry.api import Registry
+    from registry.catalog.engine import Catalog
+    from registry.config import Settings
 
-    with Registry() as reg:
-        result = drain(reg, args.budget)
+    settings = Settings.from_env()
+    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    try:
+        result = drain(catalog, settings, args.budget)
+    finally:
+        catalog.dispose()
     print(f"{iso(now())} drain: {result}", file=sys.stderr)
 
 

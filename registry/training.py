@@ -81,8 +81,9 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from registry.checkpoints import checkpoint_prefix, record_resume
         from registry.formats.dcp_load import SafeLoadPlanner, StoreReader
+        from registry.layout import checkpoint_prefix
+        from registry.lifecycle.checkpoints.read import record_resume
 
         latest: list[Any] = [None]
         if _rank() == 0:
@@ -102,7 +103,7 @@ class CheckpointManager:
             planner=SafeLoadPlanner(),
         )
         if _rank() == 0:
-            record_resume(self.registry, CheckpointRef(self.project, self.run, step))
+            record_resume(self.registry.context, CheckpointRef(self.project, self.run, step))
         return int(step)
 
     def close(self) -> None:

@@ -27,6 +27,14 @@ class Trained:
     def probe_loss(self, step: int) -> float:
         return float(json.loads((self.out / f"step-{step}.json").read_text())["probe_loss"])
 
+    def probe_metrics(self, step: int) -> dict[str, float]:
+        """The probe loss as a push metric; none for a diverged (non-finite) checkpoint, whose
+        metric push refuses."""
+        import math
+
+        loss = self.probe_loss(step)
+        return {"probe_loss": loss} if math.isfinite(loss) else {}
+
     def full_weights(self, step: int) -> dict:  # type: ignore[type-arg]
         import torch
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from policies.access import ACTIONS, check
-from policies.loader import ROLES, parse_policy
+from policies.access import ACTIONS, ROLES, check
+from policies.loader import parse_policy
 from registry import Registry
 from registry.errors import MalformedRef, PermissionDenied, PolicyError
 
@@ -105,9 +105,7 @@ def applied(reg_lite, tmp_path, ckpts):
     reg_lite.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-b")
     path = tmp_path / "policy.toml"
     path.write_text(POLICY)
-    from registry.policy_admin import apply
-
-    assert apply(reg_lite, path)["version"] == 1
+    assert reg_lite.apply_policy(path)["version"] == 1
     return path
 
 

@@ -109,14 +109,14 @@ def test_live_claim_is_a_conflict_naming_the_holder(reg, ckpts):
     from sqlmodel import select
 
     from registry.catalog.models import Checkpoint
-    from registry.checkpoints import _claim
     from registry.errors import Conflict
+    from registry.lifecycle.checkpoints.push import _claim
     from registry.refs import CheckpointRef
 
-    claim, existing = _claim(reg, CheckpointRef("default", "held", 1))
+    claim, existing = _claim(reg.context, CheckpointRef("default", "held", 1))
     assert existing is None
     with pytest.raises(Conflict, match=r"is being pushed by tester on .* \(pid \d+\)"):
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="held", step=1)
     with reg.catalog.session() as s:
-        row = s.exec(select(Checkpoint).where(Checkpoint.id == claim.checkpoint_id)).one()
+        row = s.exec(select(Checkpoint).where(Checkpoint.id == claim.row_id)).one()
     assert row.state == "pending" and row.claim_token == claim.token

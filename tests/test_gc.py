@@ -14,7 +14,6 @@ import pytest
 
 from registry import Registry
 from registry.errors import Collected, Conflict, PolicyError
-from registry.gc import run_gc
 from tests.conftest import ROOT
 
 AGGRESSIVE = (
@@ -43,13 +42,13 @@ def _store_dir(reg, ref) -> Path:
 def test_gc_deletes_explains_and_leaves_tombstones(aggressive, reg, ckpts, tmp_path):
     _push_steps(reg, ckpts)
     old_dir = _store_dir(reg, "r@step2")
-    dry = run_gc(reg, dry_run=True)
+    dry = reg.gc(dry_run=True)
     assert not dry["applied"] and old_dir.exists()
     assert {d["ref"]: d["action"] for d in dry["decisions"]} == {
         "r@step2": "delete",
         "r@step4": "keep",
     }
-    out = run_gc(reg)
+    out = reg.gc()
     pushed_bytes = sum(f.stat().st_size for f in ckpts.ws2.step_dir(2).iterdir())
     assert out["applied"] and out["freed_bytes"] > pushed_bytes  # + its MANIFEST.json
     assert not old_dir.exists()
@@ -60,7 +59,7 @@ def test_gc_deletes_explains_and_leaves_tombstones(aggressive, reg, ckpts, tmp_p
     with pytest.raises(Collected, match="collected by retention at .* reason: deleted: older"):
         reg.pull("r@step2", tmp_path / "x")
     assert not (tmp_path / "x").exists()
-    assert run_gc(reg)["freed_bytes"] == 0  # applying again changes nothing
+    assert reg.gc()["freed_bytes"] == 0  # applying again changes nothing
     assert reg.verify("r@step4")["ok"]
     assert [e["action"] for e in reg.audit_log()].count("gc") == 1
 
@@ -71,52 +70,54 @@ def test_protections_hold_in_practice(aggressive, reg_lite, ckpts, tmp_path):
     _push_steps(reg, ckpts, run="s", steps=(2, 4))
     reg.pin("r@step2")
     reg.pull("s@step2", tmp_path / "resume")  # s resumes from step 2
-    out = run_gc(reg)
+    out = reg.gc()
     reasons = {d["ref"]: d["reason"] for d in out["decisions"]}
     assert reasons["r@step2"] == "kept: pinned"
     assert reasons["s@step2"] == "kept: s last resumed from it"
     # A newer commit of s lifts the resume protection.
     reg.push_checkpoint(ckpts.ws3.step_dir(3), run="s", step=6)
-    out = run_gc(reg)
+    out = reg.gc()
     assert {d["ref"]: d["action"] for d in out["decisions"]}["s@step2"] == "delete"
 
 
 def test_release_sources_are_kept(aggressive, reg_lite, ckpts):
     _push_steps(reg_lite, ckpts)
     reg_lite.promote("r@step2", model="tiny")
-    out = run_gc(reg_lite)
+    out = reg_lite.gc()
     assert {d["ref"]: d["reason"] for d in out["decisions"]}[
         "r@step2"
     ] == "kept: source of release tiny:v1"
 
 
 def test_one_gc_at_a_time(aggressive, reg_lite, ckpts):
-    from registry.gc import _acquire, _release
+    from registry.catalog import leases
+    from registry.lifecycle.gc import GC_LEASE, acquire
 
-    token = _acquire(reg_lite)
+    token = acquire(reg_lite.context)
     try:
         with pytest.raises(Conflict, match=r"another GC is running: tester on .* since"):
-            run_gc(reg_lite)
+            reg_lite.gc()
     finally:
-        _release(reg_lite, token)
-    run_gc(reg_lite)
+        leases.release(reg_lite.catalog, GC_LEASE, token)
+    reg_lite.gc()
 
 
 def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg_lite, ckpts):
-    from registry.gc import _mark_deleting, _records, plan
+    from registry.lifecycle.gc import _mark_deleting, _records, plan
 
     _push_steps(reg_lite, ckpts)
-    records, protections, _ = _records(reg_lite)
+    with reg_lite.catalog.session() as s:
+        records, protections = _records(s)
     doomed = [
         d
         for d in plan(records, reg_lite.policy.retention, time.time(), protections)
         if d.action == "delete"
     ]
-    assert _mark_deleting(reg_lite, doomed)  # ... and the process dies here
+    assert _mark_deleting(reg_lite.context, doomed)  # ... and the process dies here
     path = reg_lite.settings.home / "store" / "ckpt" / "default" / "r" / "step-2"
     assert path.exists()
     assert [c["step"] for c in reg_lite.list_checkpoints()] == [4]  # not visible any more
-    run_gc(reg_lite)
+    reg_lite.gc()
     assert not path.exists()
     assert reg_lite.show("r@step2")["state"] == "deleted"
 
@@ -135,7 +136,7 @@ def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     with Registry() as reg:
-        run_gc(reg)
+        reg.gc()
         remaining = reg.list_checkpoints(include_deleted=True)
         assert {c["step"]: c["state"] for c in remaining} == {
             1: "deleted",
@@ -149,13 +150,14 @@ def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, 
 
 
 def test_orphans_are_swept(aggressive, reg_lite, ckpts):
-    from registry.checkpoints import _claim, _expire_claim
+    from registry.catalog import claims
+    from registry.lifecycle.checkpoints.push import _claim
     from registry.refs import CheckpointRef
 
-    claim, _ = _claim(reg_lite, CheckpointRef("default", "dead", 1))
+    claim, _ = _claim(reg_lite.context, CheckpointRef("default", "dead", 1))
     reg_lite.store.put_bytes("ckpt/default/dead/step-1/__0_0.distcp", b"half an upload")
-    _expire_claim(reg_lite, claim)
-    out = run_gc(reg_lite)
+    claims.expire(reg_lite.catalog, claim)
+    out = reg_lite.gc()
     assert out["orphans"] == ["ckpt/default/dead/step-1/"]
     assert reg_lite.store.head("ckpt/default/dead/step-1/__0_0.distcp") is None
 
@@ -176,7 +178,7 @@ def test_malformed_policy_is_a_one_line_error(tmp_path, monkeypatch, cli):
         pytest.raises(PolicyError, match=r"bad.toml:2: retention.keep_lats: Extra inputs"),
         Registry() as reg,
     ):
-        reg.policy  # noqa: B018
+        reg.gc(dry_run=True)
 
 
 def test_gc_every_emits_json_lines_and_stops_on_sigterm(aggressive, reg_lite, ckpts):
@@ -221,7 +223,7 @@ def test_gc_racing_pushes_and_a_promotion(aggressive, catalog_url, ckpts):
         gcs += 1
     assert pusher.returncode == 0, pusher.stderr.read()
     with Registry() as reg:
-        run_gc(reg)
+        reg.gc()
         states = {c["step"]: c["state"] for c in reg.list_checkpoints(include_deleted=True)}
         assert states[8] == "committed" and states[4] == "committed"
         assert reg.verify("race@step8")["ok"] and reg.verify("racer:v1")["ok"]

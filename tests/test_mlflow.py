@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.gc import run_gc
 from registry.mlflow_mirror import drain
 
 POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'
@@ -35,7 +34,7 @@ def _history(ckpts):
         reg.promote("run42@step4", model="tiny.lm", alias="prod")
         reg.set_alias("tiny.lm", "canary", "v1")
         reg.deprecate("tiny.lm:v1")
-        run_gc(reg)  # collects step 2
+        reg.gc()  # collects step 2
 
 
 def _client():
@@ -46,7 +45,7 @@ def _client():
 
 def _drain():
     with Registry() as reg:
-        return drain(reg, 120)
+        return drain(reg.catalog, reg.settings, 120)
 
 
 def test_every_mapping(policy, ckpts):
@@ -108,7 +107,7 @@ def test_mlflow_outage_loses_nothing(policy, ckpts, monkeypatch, cli):
     assert res.returncode == 0 and time.monotonic() - start < 20
     monkeypatch.setenv("REG_MLFLOW", "off")
     with Registry() as reg:
-        out = drain(reg, 20)
+        out = drain(reg.catalog, reg.settings, 20)
     assert out["applied"] == 0 and out["pending"] == 1 and out["error"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", good)
     res = cli("mlflow", "sync", "--json")

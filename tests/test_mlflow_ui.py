@@ -48,7 +48,7 @@ def ui(tmp_path, monkeypatch, ckpts):
                 metrics={"val_loss": 3.0 - step / 10},
             )
         reg.promote("run42@step4", model="tiny-lm", alias="prod")
-        assert drain(reg, 120)["pending"] == 0
+        assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "ui", "--port", str(port)],

@@ -35,7 +35,7 @@ FACTORY = "examples.tiny_model:build_model"
 
 def _push(reg, trained, step, run="r"):
     return reg.push_checkpoint(
-        trained.step_dir(step), run=run, step=step, metrics={"probe_loss": trained.probe_loss(step)}
+        trained.step_dir(step), run=run, step=step, metrics=trained.probe_metrics(step)
     )
 
 

@@ -160,9 +160,7 @@ def test_object_lock_versioned_deletes_and_storage_init(
         rel = reg.promote("r@step4", model="tiny")
         head = client.head_object(Bucket=locked_bucket, Key="release/tiny/v1/model.safetensors")
         assert head["ObjectLockMode"] == "COMPLIANCE"
-        from registry.gc import run_gc
-
-        out = run_gc(reg)
+        out = reg.gc()
         expected = sum(f.stat().st_size for f in ckpts.ws2.step_dir(2).iterdir())
         assert out["freed_bytes"] > expected  # every version deleted by id (+ manifest)
         versions = client.list_object_versions(

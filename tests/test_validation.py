@@ -17,7 +17,7 @@ def _push(reg, trained, step, run="r", **kw):
         trained.step_dir(step),
         run=run,
         step=step,
-        metrics={"probe_loss": trained.probe_loss(step)},
+        metrics=trained.probe_metrics(step),
         **kw,
     )
 

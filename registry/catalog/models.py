@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
-from sqlmodel import Field, SQLModel
+from sqlmodel import Field, SQLModel, col
 
 # Checkpoint states
 PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
@@ -20,6 +20,16 @@ RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = "pending", "active", "deprecated",
 def _json(default: Any = None) -> Any:
     factory = dict if default is None else default
     return Field(default_factory=factory, sa_column=Column(JSON, nullable=False))
+
+
+class ClaimColumns(SQLModel):
+    """Who holds a pending row (a push's step, a promotion's version) and until when; see
+    `registry.catalog.claims`. Cleared when the row commits."""
+
+    claim_token: str | None = Field(default=None, max_length=64)
+    claim_host: str | None = None
+    claim_pid: int | None = None
+    lease_until: float | None = None
 
 
 class Project(SQLModel, table=True):
@@ -40,7 +50,7 @@ class Run(SQLModel, table=True):
     resumed_at: float | None = None
 
 
-class Checkpoint(SQLModel, table=True):
+class Checkpoint(ClaimColumns, table=True):
     __table_args__ = (UniqueConstraint("run_id", "step"), Index("ix_checkpoint_state", "state"))
     id: int | None = Field(default=None, primary_key=True)
     run_id: int = Field(foreign_key="run.id", index=True)
@@ -64,14 +74,13 @@ class Checkpoint(SQLModel, table=True):
     committed_at: float | None = None
     pushed_by: str
     upload_seconds: float | None = None
-    # The claim: who may write this step's objects, and until when without renewing.
-    claim_token: str | None = Field(default=None, max_length=64)
-    claim_host: str | None = None
-    claim_pid: int | None = None
-    lease_until: float | None = None
     deleted_at: float | None = None
     deleted_by: str | None = None
     delete_reason: str | None = None
+
+    @classmethod
+    def pending_clause(cls) -> Any:
+        return col(cls.state) == PENDING
 
 
 class CheckpointFile(SQLModel, table=True):
@@ -106,7 +115,7 @@ class Model(SQLModel, table=True):
     created_at: float
 
 
-class Release(SQLModel, table=True):
+class Release(ClaimColumns, table=True):
     __table_args__ = (UniqueConstraint("model_id", "version"),)
     id: int | None = Field(default=None, primary_key=True)
     model_id: int = Field(foreign_key="model.id", index=True)
@@ -127,12 +136,11 @@ class Release(SQLModel, table=True):
     status_reason: str | None = None
     status_changed_at: float | None = None
     status_changed_by: str | None = None
-    # The promotion that holds this reserved version (while pending).
-    claim_token: str | None = Field(default=None, max_length=64)
-    claim_host: str | None = None
-    claim_pid: int | None = None
-    lease_until: float | None = None
     stage: str = Field(default="reserved", max_length=32)
+
+    @classmethod
+    def pending_clause(cls) -> Any:
+        return col(cls.status) == RELEASE_PENDING
 
 
 class ReleaseFile(SQLModel, table=True):
@@ -190,7 +198,8 @@ class PolicyDocument(SQLModel, table=True):
 
 
 class Lease(SQLModel, table=True):
-    """Named leases (one GC at a time)."""
+    """Named leases: one GC at a time, one MLflow drain at a time, holds on checkpoints in use
+    (see `registry.catalog.leases`)."""
 
     name: str = Field(primary_key=True, max_length=64)
     holder: str

@@ -8,8 +8,18 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from registry.catalog.models import COMMITTED, PENDING, Checkpoint, CheckpointFile, Project, Run
+from registry.catalog.models import (
+    COMMITTED,
+    DELETED,
+    DELETING,
+    PENDING,
+    Checkpoint,
+    CheckpointFile,
+    Project,
+    Run,
+)
 from registry.errors import Collected, NotFound
+from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
 
@@ -68,7 +78,7 @@ def resolve_checkpoint(
     else:
         stmt = stmt.where(Checkpoint.step == ref.step)
     row = session.exec(stmt).first()
-    if row is not None and row.state in ("deleting", "deleted") and not tombstones:
+    if row is not None and row.state in (DELETING, DELETED) and not tombstones:
         raise Collected(
             f"{ref} was collected by retention at {iso(row.deleted_at)}, reason: "
             f"{row.delete_reason or 'unknown'}",
@@ -98,14 +108,13 @@ def committed_steps(session: Session, run_id: int) -> list[int]:
     )
 
 
-def files_of(session: Session, checkpoint_id: int) -> list[CheckpointFile]:
-    return list(
-        session.exec(
-            select(CheckpointFile)
-            .where(CheckpointFile.checkpoint_id == checkpoint_id)
-            .order_by(col(CheckpointFile.path))
-        ).all()
-    )
+def files_of(session: Session, checkpoint_id: int) -> list[FileRecord]:
+    rows = session.exec(
+        select(CheckpointFile)
+        .where(CheckpointFile.checkpoint_id == checkpoint_id)
+        .order_by(col(CheckpointFile.path))
+    ).all()
+    return [FileRecord(f.path, f.size, f.sha256, f.rank) for f in rows]
 
 
 def _few(items: Sequence[Any], limit: int = 8) -> str:

@@ -246,6 +246,17 @@ class Inventory:
     def top_level_keys(self) -> set[str]:
         return set(self.top_level.values())
 
+    def model_names(self, model_keys: list[str], model_key: str) -> dict[str, str]:
+        """Model state_dict name -> checkpoint FQN for the tensors under the top-level keys the
+        resume classification calls the model (`model_key.` stripped; with `model_key = ""`
+        the names are kept as they are)."""
+        prefix = f"{model_key}." if model_key else ""
+        out = {}
+        for fqn in self.tensors:
+            if self.top_level[fqn] in model_keys:
+                out[fqn.removeprefix(prefix) if prefix and fqn.startswith(prefix) else fqn] = fqn
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {
             "tensors": len(self.tensors),

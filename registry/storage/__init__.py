@@ -1,22 +1,32 @@
-"""Object stores by URL scheme; a backend's dependencies are imported only when it is used."""
+"""Object stores by URL scheme; a backend's dependencies are imported only when it is used.
+
+file:///path or /path    LocalStore (the embedded default)
+s3://bucket/prefix       S3Store (boto3; AWS_ENDPOINT_URL for S3-compatible servers)
+memory://name            MemoryStore (one per name per process; tests, trying things out)
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from registry.errors import UsageError
-from registry.storage.base import ObjectInfo, ObjectStore, PutResult
+from registry.storage.base import BaseStore, ObjectInfo, ObjectStore, PutResult, Swept
 
-__all__ = ["ObjectInfo", "ObjectStore", "PutResult", "open_store"]
+__all__ = ["BaseStore", "ObjectInfo", "ObjectStore", "PutResult", "Swept", "open_store"]
 
+# scheme -> (module, class, what to install when the import fails)
 _SCHEMES = {
     "s3": ("registry.storage.s3", "S3Store", "pip install boto3"),
+    "memory": ("registry.storage.memory", "MemoryStore", ""),
 }
 
 
-def open_store(url: str) -> ObjectStore:
+def open_store(url: str, *, release_lock: Callable[[], tuple[str, int]] | None = None) -> BaseStore:
+    """The store at `url`. `release_lock` gives the Object Lock (mode, days) for release
+    objects, asked only when one is written to a store that supports locking (S3)."""
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         from registry.storage.local import LocalStore
@@ -26,7 +36,7 @@ def open_store(url: str) -> ObjectStore:
     if parsed.scheme not in _SCHEMES:
         raise UsageError(
             f"unsupported store URL {url!r}",
-            "use file:///path or s3://bucket/prefix in REG_STORE_URL",
+            "use file:///path, s3://bucket/prefix or memory://name in REG_STORE_URL",
         )
     module_name, class_name, install = _SCHEMES[parsed.scheme]
     try:
@@ -35,5 +45,9 @@ def open_store(url: str) -> ObjectStore:
         raise UsageError(
             f"the {parsed.scheme} store needs a missing package: {exc}", install
         ) from exc
-    store: ObjectStore = getattr(module, class_name).from_url(url)
+    cls = getattr(module, class_name)
+    if parsed.scheme == "s3":
+        store: BaseStore = cls.from_url(url, release_lock=release_lock)
+    else:
+        store = cls.from_url(url)
     return store

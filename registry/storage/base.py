@@ -1,25 +1,39 @@
 """The object-store contract, shaped by what the two lifecycles need (DESIGN §3).
 
-Every write is put-if-absent: an existing object is never replaced. A caller that finds an object
-already there compares digests (equal: skip; different: conflict, or for the holder of a stale
-claim, delete and retry). Keys are `/`-separated relative paths; `release/` keys are never deleted.
+`BaseStore` is the one class every backend extends. Its public methods check each key once
+(relative, no odd segments, never inside the store's own `.`-namespace) and that deletes never
+touch `release/`, then call small backend hooks (`_put_stream`, `_read_range`, `_head`, ...).
+Conveniences (`put_bytes`, `get_bytes`, `sha256`, `get_file`) are built on the hooks here; a
+backend overrides one only where it has a faster way.
+
+Every write is put-if-absent: an existing object is never replaced (`ObjectExists`). A caller
+that finds an object already there compares digests (`registry.transfer.put_reconciled`).
+Keys are `/`-separated relative paths.
+
+Optional capabilities are explicit methods with safe defaults: `init()` (`reg storage init`) and
+`sweep_incomplete(prefix, older_than)` (temp files or multipart uploads that crashed writers
+left behind).
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import os
 import queue
 import re
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any
 
-from registry.errors import Conflict, UsageError
+from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 
 Progress = Callable[[int], None] | None
-Producer = Callable[[Callable[[Any], None]], None]
+Write = Callable[[Any], None]
+Producer = Callable[[Write], None]
 CHUNK = 8 * 1024 * 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 
@@ -38,60 +52,18 @@ class PutResult:
     sha256: str
 
 
-@runtime_checkable
-class ObjectStore(Protocol):
-    url: str
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """Something a crashed writer left behind, removed by `sweep_incomplete`."""
 
-    def put_file(
-        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
-    ) -> PutResult:
-        """Stream `src` to `key`, hashing in the same pass. Raise ObjectExists if `key` exists."""
-        ...
-
-    def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult: ...
-
-    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
-        """Write what `produce(write)` writes, hashing it; put-if-absent like `put_file`."""
-        ...
-
-    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
-        """Write the object to `dest` (created, fsynced), returning its size and sha256."""
-        ...
-
-    def get_bytes(self, key: str) -> bytes: ...
-
-    def read_range(self, key: str, offset: int, length: int) -> bytes: ...
-
-    def open_read(self, key: str) -> BinaryIO:
-        """A readable, seekable binary stream over the object."""
-        ...
-
-    def head(self, key: str) -> ObjectInfo | None: ...
-
-    def sha256(self, key: str, *, progress: Progress = None) -> str:
-        """Re-hash the stored bytes (a scrub reads every byte)."""
-        ...
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        """Objects whose key starts with `prefix`, in key order."""
-        ...
-
-    def delete(self, key: str) -> int:
-        """Delete the object (every version where versioned). Return the bytes freed."""
-        ...
-
-    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
-        """Delete objects in batches (every version where versioned): (bytes freed, errors by
-        key). A failed key never stops the others."""
-        ...
-
-    def describe(self, key: str) -> str:
-        """A URI a person or another tool can use for `key`."""
-        ...
+    what: str  # a temp file or a multipart upload, as a person would name it
+    key: str  # the key it was meant to become
+    size: int
 
 
 def check_key(key: str) -> str:
-    """Refuse keys that could escape the store root or alias another key."""
+    """Refuse keys that could escape the store root, alias another key, or enter the store's
+    own namespace (top-level names starting with `.`, where temp files live)."""
     parts = key.split("/")
     if not key or key.startswith("/") or any(not _SEGMENT.fullmatch(p) for p in parts):
         raise UsageError(
@@ -99,7 +71,18 @@ def check_key(key: str) -> str:
         )
     if any(p in {".", ".."} or p.startswith("..") for p in parts):
         raise UsageError(f"invalid object key {key!r}", "keys never contain '.' or '..' segments")
+    if parts[0].startswith("."):
+        raise UsageError(
+            f"invalid object key {key!r}", "top-level names starting with '.' are the store's own"
+        )
     return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A listing prefix: empty, or a key (possibly ending in `/` or mid-segment)."""
+    if prefix:
+        check_key(prefix.removesuffix("/"))
+    return prefix
 
 
 def check_deletable(key: str) -> None:
@@ -109,12 +92,179 @@ def check_deletable(key: str) -> None:
         )
 
 
-def hash_stream(stream: BinaryIO, progress: Progress = None) -> tuple[int, str]:
+class BaseStore(ABC):
+    url: str
+
+    # -- writes (put-if-absent) -----------------------------------------------------------------
+    def put_file(
+        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
+    ) -> PutResult:
+        """Stream `src` to `key`, hashing in the same pass. Raise ObjectExists if `key` exists."""
+        size, digest = self._put_file(check_key(key), Path(src), immutable, progress)
+        return PutResult(key, size, digest)
+
+    def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
+        size, digest = self._put_bytes(check_key(key), bytes(data), immutable)
+        return PutResult(key, size, digest)
+
+    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
+        """Write what `produce(write)` writes, hashing it; put-if-absent like `put_file`."""
+        size, digest = self._put_stream(check_key(key), produce, immutable)
+        return PutResult(key, size, digest)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo | None:
+        return self._head(check_key(key))
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Exactly `length` bytes from `offset` (a writable buffer, so tensors can be made from
+        it without a copy); a short object is an IntegrityError."""
+        if offset < 0 or length < 0:
+            raise UsageError(f"bad range of {key}: offset {offset}, length {length}")
+        if length == 0:
+            return b""
+        data = self._read_range(check_key(key), offset, length)
+        if len(data) != length:
+            raise IntegrityError(
+                f"object {key} is truncated: wanted bytes {offset}..{offset + length}, "
+                f"it has {offset + len(data)}",
+                "run `reg verify` on the checkpoint",
+            )
+        return data
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in order, in pieces of at most CHUNK (NotFound if missing)."""
+        return self._stream(check_key(key))
+
+    def get_bytes(self, key: str) -> bytes:
+        return b"".join(self.stream(key))
+
+    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
+        """Write the object to the new file `dest` (fsynced), returning its size and sha256."""
+        size, digest = self._get_file(check_key(key), Path(dest), progress)
+        return PutResult(key, size, digest)
+
+    def sha256(self, key: str, *, progress: Progress = None) -> str:
+        """Re-hash the stored bytes (a scrub reads every byte)."""
+        digest = hashlib.sha256()
+        for piece in self.stream(key):
+            digest.update(piece)
+            if progress:
+                progress(len(piece))
+        return digest.hexdigest()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Objects whose key starts with `prefix`, in key order."""
+        return self._list(check_prefix(prefix))
+
+    def describe(self, key: str) -> str:
+        """A URI a person or another tool can use for `key` (or a prefix ending in `/`)."""
+        return self._describe(check_prefix(key))
+
+    # -- deletes --------------------------------------------------------------------------------
+    def delete(self, key: str) -> int:
+        """Delete the object (every version where versioned). Return the bytes freed."""
+        check_deletable(check_key(key))
+        return self._delete(key)
+
+    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
+        """Delete objects in batches (every version where versioned): (bytes freed, errors by
+        key). All keys are checked before any is deleted; a failed key never stops the others."""
+        for key in keys:
+            check_deletable(check_key(key))
+        return self._delete_many(list(keys))
+
+    # -- optional capabilities ------------------------------------------------------------------
+    def init(self) -> dict[str, Any]:
+        """Check the store and set what it needs (`reg storage init`)."""
+        return {"store": self.url, "note": "nothing to configure"}
+
+    def sweep_incomplete(
+        self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None
+    ) -> builtins.list[Swept]:
+        """Remove what writers that crashed left under `prefix` (temp files, multipart uploads)
+        more than `older_than` seconds ago, except where `skip(key)` says a writer still holds
+        the key. Committed objects are never touched."""
+        return []
+
+    # -- backend hooks --------------------------------------------------------------------------
+    @abstractmethod
+    def _put_stream(self, key: str, produce: Producer, immutable: bool) -> tuple[int, str]: ...
+
+    def _put_file(
+        self, key: str, src: Path, immutable: bool, progress: Progress
+    ) -> tuple[int, str]:
+        def produce(write: Write) -> None:
+            with open(src, "rb") as f:
+                while piece := f.read(CHUNK):
+                    write(piece)
+                    if progress:
+                        progress(len(piece))
+
+        return self._put_stream(key, produce, immutable)
+
+    def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
+        return self._put_stream(key, lambda write: write(data), immutable)
+
+    @abstractmethod
+    def _head(self, key: str) -> ObjectInfo | None: ...
+
+    @abstractmethod
+    def _read_range(self, key: str, offset: int, length: int) -> bytes: ...
+
+    @abstractmethod
+    def _stream(self, key: str) -> Iterator[bytes]: ...
+
+    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
+        digest, size = hashlib.sha256(), 0
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for piece in self._stream(key):
+                digest.update(piece)
+                write_all(fd, memoryview(piece))
+                size += len(piece)
+                if progress:
+                    progress(len(piece))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size, digest.hexdigest()
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]: ...
+
+    @abstractmethod
+    def _describe(self, key: str) -> str: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> int: ...
+
+    def _delete_many(self, keys: builtins.list[str]) -> tuple[int, dict[str, str]]:
+        freed, errors = 0, {}
+        for key in keys:
+            try:
+                freed += self._delete(key)
+            except (OSError, RegistryError) as exc:
+                errors[key] = str(exc)
+        return freed, errors
+
+
+ObjectStore = BaseStore  # the name the lifecycles use for "a store"
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+
+
+def hash_stream(stream: Any, progress: Progress = None) -> tuple[int, str]:
+    """(size, sha256) of a readable binary stream, read in CHUNK pieces."""
     digest = hashlib.sha256()
     size = 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    while n := stream.readinto(view):  # type: ignore[attr-defined]
+    while n := stream.readinto(view):
         digest.update(view[:n])
         size += n
         if progress:

@@ -1,133 +1,193 @@
 """The local filesystem store: the embedded default.
 
-A write goes to a temp name in the target directory, is fsynced, then `link()`ed to its final
-name: link fails if the name exists, so an object is never replaced (put-if-absent), and a reader
-never sees a partial object. The directory is fsynced after the link so the name is durable.
+A write goes to a file with no name yet (`O_TMPFILE` in the target directory), is fsynced, then
+`link()`ed to its final name: link fails if the name exists, so an object is never replaced
+(put-if-absent), a reader never sees a partial object, and a writer that dies leaves nothing
+behind (the kernel frees an unnamed file). The directory is fsynced after the link so the name
+is durable.
+
+Where the filesystem has no `O_TMPFILE`, the temp file is named under `<root>/.tmp/`, a
+namespace no key can enter (keys never start with `.`), and held with `flock` while it is
+written; `sweep_incomplete` removes the ones whose writer is gone.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
+import fcntl
 import hashlib
+import io
 import mmap
 import os
 import stat
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 from registry.errors import IntegrityError, NotFound, ObjectExists, RegistryError
 from registry.storage.base import (
     CHUNK,
+    BaseStore,
     HashingSink,
     ObjectInfo,
     Producer,
     Progress,
-    PutResult,
-    check_deletable,
-    check_key,
-    hash_stream,
+    Swept,
+    write_all,
 )
 
-TEMP_MARK = ".tmp-"
+TEMP_DIR = ".tmp"
+_TEMP_SEPARATOR = "~"  # never in a key segment, so a temp name gives its key back
 
 
-class LocalStore:
+class LocalStore(BaseStore):
     def __init__(self, root: Path) -> None:
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
+        # O_TMPFILE (named through /proc) until the filesystem says otherwise.
+        self._tmpfile = os.path.isdir("/proc/self/fd")
 
-    # -- paths -------------------------------------------------------------------------------
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        return self.root / key
 
-    def describe(self, key: str) -> str:
+    def _describe(self, key: str) -> str:
         if key.endswith("/"):
             return self._path(key.rstrip("/")).as_uri() + "/"
-        return self._path(key).as_uri()
+        return self._path(key).as_uri() if key else self.url + "/"
 
-    # -- writes ------------------------------------------------------------------------------
-    def put_file(
-        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
-    ) -> PutResult:
-        return self._put(key, lambda temp: _copy_path_hashing(Path(src), temp, progress), immutable)
+    # -- writes --------------------------------------------------------------------------------
+    def _put_file(
+        self, key: str, src: Path, immutable: bool, progress: Progress
+    ) -> tuple[int, str]:
+        return self._put(key, lambda fd: _copy_path_hashing(src, fd, progress), immutable)
 
-    def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
-        import io
+    def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
+        return self._put(key, lambda fd: _copy_stream_hashing(io.BytesIO(data), fd), immutable)
 
-        return self._put(key, lambda temp: _copy_hashing(io.BytesIO(data), temp, None), immutable)
-
-    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
-        return self._put(key, lambda temp: _write_produced(temp, produce), immutable)
+    def _put_stream(self, key: str, produce: Producer, immutable: bool) -> tuple[int, str]:
+        return self._put(key, lambda fd: _write_produced(fd, produce), immutable)
 
     def _put(
-        self, key: str, write: Callable[[Path], tuple[int, str]], immutable: bool
-    ) -> PutResult:
+        self, key: str, write: Callable[[int], tuple[int, str]], immutable: bool
+    ) -> tuple[int, str]:
         final = self._path(key)
-        if final.exists():
+        if os.path.lexists(final):
             raise ObjectExists(key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        temp = final.with_name(f".{final.name}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+        dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            size, digest = write(temp)
-            if immutable:
-                os.chmod(temp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+            fd, temp = self._open_temp(key, dir_fd)
             try:
-                os.link(temp, final)
-            except FileExistsError:
-                raise ObjectExists(key) from None
-            _fsync_dir(final.parent)
+                size, digest = write(fd)
+                os.fsync(fd)
+                if immutable:
+                    os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+                # An unnamed file gets its name through /proc (linkat with AT_SYMLINK_FOLLOW:
+                # os.link only passes it when a dir_fd is given).
+                source = temp or f"/proc/self/fd/{fd}"
+                try:
+                    os.link(source, final.name, dst_dir_fd=dir_fd, follow_symlinks=temp is None)
+                except FileExistsError:
+                    raise ObjectExists(key) from None
+                os.fsync(dir_fd)
+            finally:
+                if temp is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(temp)
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise RegistryError(f"no space left writing {key}", "free space and retry") from exc
+            raise
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        return PutResult(key, size, digest)
+            os.close(dir_fd)
+        return size, digest
 
-    # -- reads -------------------------------------------------------------------------------
-    def open_read(self, key: str) -> BinaryIO:
+    def _open_temp(self, key: str, dir_fd: int) -> tuple[int, str | None]:
+        """An unnamed file in the directory `dir_fd` (None for its name), or, where the
+        filesystem has no O_TMPFILE, a named one under .tmp/, locked while its writer lives."""
+        if self._tmpfile:
+            try:
+                return os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o644, dir_fd=dir_fd), None
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+                self._tmpfile = False
+        temp = self.root / TEMP_DIR / f"{key}{_TEMP_SEPARATOR}{uuid.uuid4().hex[:12]}"
+        temp.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd, str(temp)
+
+    def sweep_incomplete(
+        self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None
+    ) -> builtins.list[Swept]:
+        start = self.root / TEMP_DIR
+        cutoff = time.time() - older_than
+        swept: builtins.list[Swept] = []
+        for dirpath, _, filenames in os.walk(start):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                key = os.path.relpath(path, start).rpartition(_TEMP_SEPARATOR)[0]
+                if not key.startswith(prefix) or (skip is not None and skip(key)):
+                    continue
+                removed = _remove_if_abandoned(path, cutoff)
+                if removed is not None:
+                    swept.append(Swept(f"temp file {path}", key, removed))
+        return swept
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _open(self, key: str) -> int:
         try:
-            return open(self._path(key), "rb")
+            return os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise NotFound(f"object {key} is missing from the store") from None
 
-    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
+    def _stream(self, key: str) -> Iterator[bytes]:
+        fd = self._open(key)
+
+        def pieces() -> Iterator[bytes]:
+            try:
+                while piece := os.read(fd, CHUNK):
+                    yield piece
+            finally:
+                os.close(fd)
+
+        return pieces()
+
+    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
+        fd_in = self._open(key)
+        os.close(fd_in)  # NotFound before the destination is created
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            size, digest = _copy_path_hashing(self._path(key), dest, progress)
-        except FileNotFoundError:
-            raise NotFound(f"object {key} is missing from the store") from None
-        return PutResult(key, size, digest)
+            size, digest = _copy_path_hashing(self._path(key), fd, progress)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size, digest
 
-    def get_bytes(self, key: str) -> bytes:
-        with self.open_read(key) as f:
-            return f.read()
-
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def _read_range(self, key: str, offset: int, length: int) -> bytes:
         # Into a writable buffer, read once: tensors are made straight from it (no copy).
         data = bytearray(length)
-        with self.open_read(key) as f:
-            got = os.preadv(f.fileno(), [data], offset) if length else 0
-        if got != length:
-            raise IntegrityError(
-                f"object {key} is truncated: wanted bytes {offset}..{offset + length}, "
-                f"it has {offset + got}",
-                "run `reg verify` on the checkpoint",
-            )
-        return data  # type: ignore[return-value]  # a bytearray: bytes-like and writable
-
-    def head(self, key: str) -> ObjectInfo | None:
+        fd = self._open(key)
         try:
-            st = os.stat(self._path(key))
+            got = os.preadv(fd, [data], offset)
+        finally:
+            os.close(fd)
+        return data if got == length else data[:got]  # type: ignore[return-value]
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(key), follow_symlinks=False)
         except FileNotFoundError:
             return None
-        return ObjectInfo(key, st.st_size)
+        return ObjectInfo(key, st.st_size) if stat.S_ISREG(st.st_mode) else None
 
-    def sha256(self, key: str, *, progress: Progress = None) -> str:
-        with self.open_read(key) as f:
-            return hash_stream(f, progress)[1]
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         # The prefix may end mid-segment ("ckpt/p/run4" matches run4 and run42).
         base, _, _ = prefix.rpartition("/")
         start = self.root / base if base else self.root
@@ -135,41 +195,17 @@ class LocalStore:
             return
         found: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames.sort()
+            if dirpath == str(self.root):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if TEMP_MARK in name:
-                    continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}"
-                if key.startswith(prefix):
+                if key.startswith(prefix) and not key.startswith("."):
                     found.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
         yield from sorted(found, key=lambda o: o.key)
 
-    def list_temp(self, prefix: str) -> Iterator[tuple[Path, float]]:
-        """Leftover temp files of crashed writes (for the orphan sweep)."""
-        start = self.root / prefix
-        if start.is_dir():
-            for dirpath, _, filenames in os.walk(start):
-                for name in filenames:
-                    if TEMP_MARK in name:
-                        p = Path(dirpath) / name
-                        with contextlib.suppress(FileNotFoundError):
-                            yield p, p.stat().st_mtime
-
-    # -- deletes -----------------------------------------------------------------------------
-    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
-        for key in keys:  # all refused before any is deleted, as on S3
-            check_deletable(key)
-        freed, errors = 0, {}
-        for key in keys:
-            try:
-                freed += self.delete(key)
-            except (OSError, RegistryError) as exc:
-                errors[key] = str(exc)
-        return freed, errors
-
-    def delete(self, key: str) -> int:
-        check_deletable(key)
+    # -- deletes -------------------------------------------------------------------------------
+    def _delete(self, key: str) -> int:
         path = self._path(key)
         try:
             size = path.stat().st_size
@@ -179,28 +215,46 @@ class LocalStore:
         _prune_empty_dirs(path.parent, self.root)
         return size
 
+    # -- store --------------------------------------------------------------------------------
+    def init(self) -> dict[str, object]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return {
+            "store": self.url,
+            "kind": "local filesystem",
+            "note": "nothing to configure: objects are put-if-absent via link()",
+        }
 
-def _write_produced(dest: Path, produce: Producer) -> tuple[int, str]:
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+def _remove_if_abandoned(path: str, cutoff: float) -> int | None:
+    """Remove a temp file older than `cutoff` unless its writer still holds its lock."""
     try:
-
-        def write_all(view: memoryview) -> None:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-
-        sink = HashingSink(write_all)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_mtime >= cutoff:
+            return None
         try:
-            produce(sink.write)
-        finally:
-            size, digest = sink.close()
-        os.fsync(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a live writer
+        os.unlink(path)
+        return st.st_size
     finally:
         os.close(fd)
+
+
+def _write_produced(fd: int, produce: Producer) -> tuple[int, str]:
+    sink = HashingSink(lambda view: write_all(fd, view))
+    try:
+        produce(sink.write)
+    finally:
+        size, digest = sink.close()
     return size, digest
 
 
-def _copy_path_hashing(src: Path, dest: Path, progress: Progress) -> tuple[int, str]:
+def _copy_path_hashing(src: Path, fd_out: int, progress: Progress) -> tuple[int, str]:
     """Copy file to file in the kernel (copy_file_range) while a second thread hashes the source
     through mmap: no byte passes through Python buffers. Both read the same page-cache pages,
     and a source that changes meanwhile is refused, so the digest is that of the copy."""
@@ -232,12 +286,7 @@ def _copy_path_hashing(src: Path, dest: Path, progress: Progress) -> tuple[int, 
         if hasher:
             hasher.start()
         try:
-            fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _kernel_copy(fd_in, fd_out, size)
-                os.fsync(fd_out)
-            finally:
-                os.close(fd_out)
+            _kernel_copy(fd_in, fd_out, size)
         finally:
             if hasher:
                 hasher.join()
@@ -250,10 +299,6 @@ def _copy_path_hashing(src: Path, dest: Path, progress: Progress) -> tuple[int, 
                 "copy a checkpoint that is no longer being written",
             )
         return size, digest.hexdigest()
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise RegistryError(f"no space left writing {dest}", "free space and retry") from exc
-        raise
     finally:
         os.close(fd_in)
 
@@ -275,39 +320,14 @@ def _kernel_copy(fd_in: int, fd_out: int, size: int) -> None:
         offset += n
 
 
-def _copy_hashing(source: BinaryIO, dest: Path, progress: Progress) -> tuple[int, str]:
-    """Copy `source` into a new file `dest` while hashing; fsync before returning."""
+def _copy_stream_hashing(source: io.BytesIO, fd: int) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        while n := source.readinto(view):  # type: ignore[attr-defined]
-            chunk = view[:n]
-            digest.update(chunk)  # releases the GIL: other files copy meanwhile
-            written = 0
-            while written < n:
-                written += os.write(fd, chunk[written:])
-            size += n
-            if progress:
-                progress(n)
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise RegistryError(f"no space left writing {dest}", "free space and retry") from exc
-        raise
-    finally:
-        os.close(fd)
+    while piece := source.read(CHUNK):
+        digest.update(piece)
+        write_all(fd, memoryview(piece))
+        size += len(piece)
     return size, digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune_empty_dirs(path: Path, root: Path) -> None:

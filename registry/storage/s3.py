@@ -7,7 +7,8 @@ the file (S3 allows 10,000 parts), a bounded number of parts in memory, and sha2
 the same pass: S3's own multipart checksums are composites of part checksums, so the manifest
 is the record of each file's digest. Reads are ranged GETs. Where the bucket has Object Lock,
 release objects get a retention; on versioned buckets a delete removes every version, so freed
-bytes are real.
+bytes are real. boto3 itself is imported when the first request is made, so opening the store
+costs nothing for a command that never touches it.
 """
 
 from __future__ import annotations
@@ -20,25 +21,22 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from registry.errors import Conflict, NotFound, ObjectExists, RegistryError, UsageError
 from registry.storage.base import (
     CHUNK,
+    BaseStore,
     ObjectInfo,
     Producer,
     Progress,
-    PutResult,
-    check_deletable,
-    check_key,
+    Swept,
 )
 
 MIN_PART = 8 * 1024 * 1024
@@ -54,40 +52,51 @@ def part_size_for(size: int) -> int:
     return max(MIN_PART, -(-needed // mib) * mib)
 
 
-class S3Store:
-    def __init__(self, bucket: str, prefix: str = "", client: Any = None) -> None:
+class S3Store(BaseStore):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        client: Any = None,
+        *,
+        release_lock: Callable[[], tuple[str, int]] | None = None,
+    ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.client = client or _client()
-        self._lock_mode: str | None = None
-        self._lock_days = 0
+        self._client = client
+        self._client_lock = threading.Lock()
+        self._release_lock = release_lock
         self._bucket_lock: bool | None = None
         self._versioned: bool | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reg-s3")
 
     @classmethod
-    def from_url(cls, url: str) -> S3Store:
+    def from_url(
+        cls, url: str, *, release_lock: Callable[[], tuple[str, int]] | None = None
+    ) -> S3Store:
         parsed = urlparse(url)
         if not parsed.netloc:
             raise UsageError(f"bad S3 URL {url!r}", "write s3://bucket/prefix")
-        return cls(parsed.netloc, parsed.path)
+        return cls(parsed.netloc, parsed.path, release_lock=release_lock)
 
-    def configure_lock(self, mode: str, days: int) -> None:
-        """Object Lock settings for immutable (release) objects, from `[release]` policy."""
-        self._lock_mode = None if mode == "off" else mode
-        self._lock_days = days
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = _client()
+        return self._client
 
     # -- keys ----------------------------------------------------------------------------------
-    def _key(self, key: str, *, prefix_ok: bool = False) -> str:
-        check_key(key[:-1] if prefix_ok and key.endswith("/") else key)
+    def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def describe(self, key: str) -> str:
-        return f"s3://{self.bucket}/{self._key(key, prefix_ok=True)}"
+    def _describe(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
 
     # -- writes --------------------------------------------------------------------------------
-    def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
+    def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
         digest = hashlib.sha256(data).hexdigest()
         self._call(
             key,
@@ -99,23 +108,23 @@ class S3Store:
                 **self._lock_args(immutable),
             ),
         )
-        return PutResult(key, len(data), digest)
+        return len(data), digest
 
-    def put_file(
-        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
-    ) -> PutResult:
+    def _put_file(
+        self, key: str, src: Path, immutable: bool, progress: Progress
+    ) -> tuple[int, str]:
         size = os.path.getsize(src)
         part = part_size_for(size)
         with open(src, "rb") as f:
             if size <= part:
                 data = f.read()
-                result = self.put_bytes(key, data, immutable=immutable)
+                result = self._put_bytes(key, data, immutable)
                 if progress:
                     progress(len(data))
                 return result
             return self._multipart(key, _file_parts(f, part), immutable, progress)
 
-    def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
+    def _put_stream(self, key: str, produce: Producer, immutable: bool) -> tuple[int, str]:
         buffer = bytearray()
         pending: list[bytes | None] = []
         lock = threading.Condition()
@@ -135,7 +144,7 @@ class S3Store:
                     lock.notify_all()
 
         # The producer runs on this thread and the upload reads the queue on another.
-        result: list[PutResult] = []
+        result: list[tuple[int, str]] = []
         failure: list[BaseException] = []
 
         def chunks() -> Iterator[bytes]:
@@ -174,7 +183,7 @@ class S3Store:
 
     def _multipart(
         self, key: str, parts: Iterator[bytes], immutable: bool, progress: Progress
-    ) -> PutResult:
+    ) -> tuple[int, str]:
         """Upload parts in parallel (at most IN_FLIGHT in memory), hashing them in order."""
         full_key = self._key(key)
         for attempt in range(3):
@@ -216,7 +225,7 @@ class S3Store:
                     IfNoneMatch="*",
                 )
                 self._retain(full_key, completed.get("VersionId"), immutable)
-                return PutResult(key, size, digest.hexdigest())
+                return size, digest.hexdigest()
             except ClientError as exc:
                 self._abort(full_key, upload_id)
                 code = _code(exc)
@@ -280,13 +289,16 @@ class S3Store:
         )
 
     def _lock_args(self, immutable: bool) -> dict[str, Any]:
-        if not immutable or self._lock_mode is None or not self.bucket_has_lock():
+        if not immutable or self._release_lock is None or not self.bucket_has_lock():
             return {}
-        until = dt.datetime.now(dt.UTC) + dt.timedelta(days=self._lock_days)
-        return {"ObjectLockMode": self._lock_mode, "ObjectLockRetainUntilDate": until}
+        mode, days = self._release_lock()
+        if mode == "off":
+            return {}
+        until = dt.datetime.now(dt.UTC) + dt.timedelta(days=days)
+        return {"ObjectLockMode": mode, "ObjectLockRetainUntilDate": until}
 
     # -- reads ---------------------------------------------------------------------------------
-    def head(self, key: str) -> ObjectInfo | None:
+    def _head(self, key: str) -> ObjectInfo | None:
         try:
             out = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
@@ -302,31 +314,27 @@ class S3Store:
             key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
         )["Body"]
 
-    def get_bytes(self, key: str) -> bytes:
-        return bytes(self._get(key).read())
-
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        data = self._get(key, Range=f"bytes={offset}-{offset + length - 1}").read()
-        if len(data) != length:
-            from registry.errors import IntegrityError
-
-            raise IntegrityError(
-                f"object {key} is truncated: wanted bytes "
-                f"{offset}..{offset + length}, got {len(data)}",
-                "run `reg verify` on the checkpoint",
-            )
+    def _read_range(self, key: str, offset: int, length: int) -> bytes:
+        body = self._get(key, Range=f"bytes={offset}-{offset + length - 1}")
+        data = self._call(key, body.read)
         return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
 
-    def open_read(self, key: str) -> BinaryIO:
-        import io
+    def _stream(self, key: str) -> Iterator[bytes]:
+        body = self._get(key)
 
-        return io.BytesIO(self.get_bytes(key))
+        def pieces() -> Iterator[bytes]:
+            try:
+                yield from body.iter_chunks(CHUNK)
+            except (ClientError, BotoCoreError) as exc:
+                raise _translate(exc, key) from exc
+            finally:
+                body.close()
 
-    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
+        return pieces()
+
+    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
         """Parallel ranged GETs, written in order while hashing; fsynced."""
-        head = self.head(key)
+        head = self._head(key)
         if head is None:
             raise NotFound(f"object {key} is missing from the store")
         part = part_size_for(head.size)
@@ -344,7 +352,7 @@ class S3Store:
             os.fsync(fd)
         finally:
             os.close(fd)
-        return PutResult(key, head.size, digest.hexdigest())
+        return head.size, digest.hexdigest()
 
     @staticmethod
     def _write_part(fd: int, data: bytes, digest: Any, progress: Progress) -> None:
@@ -356,16 +364,7 @@ class S3Store:
         if progress:
             progress(len(data))
 
-    def sha256(self, key: str, *, progress: Progress = None) -> str:
-        digest = hashlib.sha256()
-        body = self._get(key)
-        for chunk in body.iter_chunks(CHUNK):
-            digest.update(chunk)
-            if progress:
-                progress(len(chunk))
-        return digest.hexdigest()
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
         full = base + prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
@@ -378,10 +377,8 @@ class S3Store:
             raise _translate(exc, prefix) from exc
 
     # -- deletes -------------------------------------------------------------------------------
-    def delete_many(self, keys: Sequence[str]) -> tuple[int, dict[str, str]]:
+    def _delete_many(self, keys: builtins.list[str]) -> tuple[int, dict[str, str]]:
         """DeleteObjects, 1,000 keys a call; on versioned buckets every version by id."""
-        for key in keys:
-            check_deletable(key)
         wanted = {self._key(k): k for k in keys}
         targets: builtins.list[dict[str, str]] = []
         sizes: dict[tuple[str, str], int] = {}
@@ -397,7 +394,7 @@ class S3Store:
                             sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
         else:
             for full, key in wanted.items():
-                head = self.head(key)
+                head = self._head(key)
                 if head is not None:
                     targets.append({"Key": full})
                     sizes[(full, "")] = head.size
@@ -418,11 +415,10 @@ class S3Store:
                 freed += sizes.get((done["Key"], done.get("VersionId", "")), 0)
         return freed, errors
 
-    def delete(self, key: str) -> int:
-        check_deletable(key)
+    def _delete(self, key: str) -> int:
         full = self._key(key)
         if not self.versioned():
-            head = self.head(key)
+            head = self._head(key)
             if head is None:
                 return 0
             self._call(key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
@@ -447,6 +443,37 @@ class S3Store:
             )
             freed += int(version.get("Size", 0))
         return freed
+
+    def sweep_incomplete(
+        self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None
+    ) -> builtins.list[Swept]:
+        """Abort multipart uploads under `prefix` started more than `older_than` seconds ago
+        (their parts cost storage until then; `reg storage init` also sets a lifecycle rule)."""
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        swept: builtins.list[Swept] = []
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self._key(prefix)
+        )
+        try:
+            uploads = [u for page in pages for u in page.get("Uploads", [])]
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, prefix) from exc
+        for upload in uploads:
+            key = upload["Key"][strip:]
+            if upload["Initiated"] >= cutoff or (skip is not None and skip(key)):
+                continue
+            size = self._parts_size(upload["Key"], upload["UploadId"])
+            self._abort(upload["Key"], upload["UploadId"])
+            swept.append(Swept(f"multipart upload {upload['UploadId']}", key, size))
+        return swept
+
+    def _parts_size(self, full_key: str, upload_id: str) -> int:
+        try:
+            out = self.client.list_parts(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
+        except (ClientError, BotoCoreError):
+            return 0
+        return sum(int(p.get("Size", 0)) for p in out.get("Parts", []))
 
     # -- bucket --------------------------------------------------------------------------------
     def versioned(self) -> bool:
@@ -527,6 +554,9 @@ def _file_parts(f: BinaryIO, part: int) -> Iterator[bytes]:
 
 
 def _client() -> Any:
+    import boto3  # here, not at import: opening a store must not cost boto3's import
+    from botocore.config import Config
+
     config = Config(
         retries={"mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"), "max_attempts": 10},
         max_pool_connections=32,

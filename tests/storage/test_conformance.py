@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ from registry.errors import Conflict, NotFound, ObjectExists, UsageError
 from registry.storage import ObjectStore, open_store
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["memory", "local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     if request.param == "local":
         return open_store((tmp_path / "store").as_uri())
+    if request.param == "memory":
+        return open_store(f"memory://{uuid.uuid4().hex}")
     return open_store(request.getfixturevalue("s3_env"))
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import UsageError
 from registry.formats.dcp import Inventory
+from registry.formats.documents import FileRecord
 from registry.formats.safetensors_stream import (
     DTYPES,
     Entry,
@@ -29,7 +30,7 @@ from registry.formats.safetensors_stream import (
 
 if TYPE_CHECKING:
     from registry.progress import Progress
-    from registry.storage.base import ObjectStore
+    from registry.storage.base import BaseStore
 
 CAST = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
@@ -38,22 +39,11 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass
 class Consolidated:
-    files: list[dict[str, Any]] = field(default_factory=list)  # path, size, sha256
+    files: list[FileRecord] = field(default_factory=list)
     tensor_count: int = 0
     tensor_bytes: int = 0
     tied: dict[str, str] = field(default_factory=dict)  # dropped alias -> kept name
     broken_ties: list[list[str]] = field(default_factory=list)
-
-
-def model_tensor_names(inv: Inventory, model_keys: list[str], model_key: str) -> dict[str, str]:
-    """Release name -> checkpoint FQN for the model's tensors (the `model_key.` prefix
-    stripped; with `model_key = ""` the names are kept as they are)."""
-    prefix = f"{model_key}." if model_key else ""
-    out = {}
-    for fqn in inv.tensors:
-        if inv.top_level[fqn] in model_keys:
-            out[fqn.removeprefix(prefix) if prefix and fqn.startswith(prefix) else fqn] = fqn
-    return out
 
 
 def target_dtype(source: str, cast: str | None) -> str:
@@ -65,7 +55,7 @@ def target_dtype(source: str, cast: str | None) -> str:
 
 
 def consolidate(
-    store: ObjectStore,
+    store: BaseStore,
     src_prefix: str,
     inv: Inventory,
     names: dict[str, str],
@@ -113,14 +103,7 @@ def consolidate(
                 if progress:
                     progress.advance(entry.nbytes)
 
-        result.files.append(
-            _put_once(
-                store,
-                dest_prefix + path,
-                path,
-                lambda key, p=produce: store.put_stream(key, p, immutable=True),
-            )
-        )
+        result.files.append(_put_once(store, dest_prefix, path, produce=produce))
     if len(files) > 1:
         weight_map = {
             e.name: path for path, shard in zip(files, shards, strict=True) for e in shard
@@ -130,14 +113,7 @@ def consolidate(
             "weight_map": dict(sorted(weight_map.items())),
         }
         data = json.dumps(index, indent=2, sort_keys=True).encode()
-        result.files.append(
-            _put_once(
-                store,
-                dest_prefix + INDEX,
-                INDEX,
-                lambda key: store.put_bytes(key, data, immutable=True),
-            )
-        )
+        result.files.append(_put_once(store, dest_prefix, INDEX, data=data))
     if progress:
         progress.finish()
     result.tensor_count = len(entries)
@@ -145,23 +121,19 @@ def consolidate(
     return result
 
 
-def _put_once(store: ObjectStore, key: str, path: str, put: Any) -> dict[str, Any]:
-    """Write `key` unless a killed attempt of this same promotion already completed it: objects
-    appear whole or not at all, and the inputs are the same, so a present one is ours."""
-    from registry.errors import ObjectExists
+def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRecord:
+    """Write one release file. One already there is from a killed attempt of this promotion
+    (same inputs): adopted only if its bytes are exactly what this run produces."""
+    from registry.transfer import OnMismatch, put_reconciled
 
-    if store.head(key) is None:
-        try:
-            done = put(key)
-            return {"path": path, "size": done.size, "sha256": done.sha256}
-        except ObjectExists:
-            pass
-    head = store.head(key)
-    return {"path": path, "size": head.size if head else 0, "sha256": store.sha256(key)}
+    done = put_reconciled(
+        store, prefix + path, immutable=True, on_mismatch=OnMismatch.CONFLICT, **source
+    )
+    return FileRecord(path, done.size, done.sha256)
 
 
 def _resolve_ties(
-    store: ObjectStore,
+    store: BaseStore,
     prefix: str,
     inv: Inventory,
     names: dict[str, str],

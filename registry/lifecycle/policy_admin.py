@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -18,55 +17,57 @@ from registry.errors import PolicyError, UsageError
 from registry.timeutil import now
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.context import Context
 
 
 def check(path: Path) -> Policy:
     return load_policy_file(path)
 
 
-def apply(reg: Registry, path: Path) -> dict[str, Any]:
+def apply(ctx: Context, path: Path) -> dict[str, Any]:
+    """Store the policy in the catalog (admin): versioned and audited; every client uses it
+    from now on (the caller makes a new Context to see it)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
     parsed = parse_policy(text, str(path))  # refused before anything is stored
-    reg.authorize("policy", target=f"policy {path}")
+    ctx.authorize("policy", target=f"policy {path}")
     digest = hashlib.sha256(text.encode()).hexdigest()
-    with reg.catalog.session(write=True) as s:
+    with ctx.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
         s.add(
             PolicyDocument(
-                version=version, text=text, sha256=digest, applied_at=now(), applied_by=reg.user
+                version=version, text=text, sha256=digest, applied_at=now(), applied_by=ctx.actor
             )
         )
         audit.record(
             s,
-            reg.user,
+            ctx.actor,
             "policy-apply",
             f"policy v{version}",
             sha256=digest,
             grants=len(parsed.access.grants),
         )
-    reg.reset_policy()
     return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
 
 
-def show(reg: Registry) -> dict[str, Any]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        text, source = reg._policy_text()
-        policy = reg.policy
-    return {"source": source, "document": text, "effective": policy.model_dump(mode="json")}
+def show(ctx: Context) -> dict[str, Any]:
+    policy = ctx.policy
+    return {
+        "source": policy.source,
+        "document": policy.text,
+        "effective": policy.rules.model_dump(mode="json"),
+    }
 
 
-def export(reg: Registry, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
     from policies.export import bucket_policy
 
-    reg.authorize("policy", target="policy export")
+    ctx.authorize("policy", target="policy export")
     prefix = ""
     if bucket is None:
-        url = urlparse(reg.settings.store_url)
+        url = urlparse(ctx.store.url)
         if url.scheme != "s3":
             raise UsageError(
                 "the store is not on S3; say which bucket the policy is for",
@@ -75,4 +76,4 @@ def export(reg: Registry, bucket: str | None = None) -> tuple[dict[str, Any], li
         bucket, prefix = url.netloc, url.path.strip("/")
     else:
         bucket, _, prefix = bucket.partition("/")
-    return bucket_policy(reg.policy.access, bucket, prefix)
+    return bucket_policy(ctx.policy.access, bucket, prefix)

@@ -23,7 +23,7 @@ from registry.errors import NotFound
 from registry.refs import CheckpointRef, check_name
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.context import Context
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
@@ -36,12 +36,12 @@ def expected_loss(interval_s: float, rto_s: float) -> float:
 
 
 def economics(
-    reg: Registry, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+    ctx: Context, run: str, *, project: str = "default", mtbf_s: float = 86400.0
 ) -> dict[str, Any]:
     check_name(run, "run name")
     check_name(project, "project name")
-    reg.authorize_read(project=project)
-    with reg.catalog.session() as s:
+    ctx.authorize_read(project=project)
+    with ctx.catalog.session() as s:
         run_row = queries.find_run(s, project, run)
         if run_row is None:
             raise NotFound(

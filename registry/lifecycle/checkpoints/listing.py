@@ -14,7 +14,7 @@ from registry.refs import CheckpointRef, check_name
 from registry.timeutil import iso
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.context import Context
 
 _CHECKPOINTS = """
 SELECT c.id, c.step, c.world_size, c.state, c.bytes, c.resumable, c.missing_state, c.pinned,
@@ -28,7 +28,7 @@ _FILES = "SELECT checkpoint_id, path, size, sha256 FROM checkpoint_file {where} 
 
 
 def list_checkpoints(
-    reg: Registry,
+    ctx: Context,
     run: str | None = None,
     project: str | None = None,
     *,
@@ -43,14 +43,14 @@ def list_checkpoints(
     if run is not None:
         where += " AND r.name = {p}"
         params.append(check_name(run, "run name"))
-    with reg.catalog.dbapi() as (conn, mark):
+    with ctx.catalog.dbapi() as (conn, mark):
         # The DB-API cursor directly: SQLAlchemy's import and row objects would cost more than
         # the query itself.
         cursor = conn.cursor()
         sql = _CHECKPOINTS.format(states=", ".join([mark] * len(states)), where=where)
         cursor.execute(sql.replace("{p}", mark), params)
         rows = [r for r in cursor.fetchall()]
-        readable = {p for p in {r[12] for r in rows} if reg.can_read_project(p)}
+        readable = {p for p in {r[12] for r in rows} if ctx.principal.can_read(project=p)}
         rows = [r for r in rows if r[12] in readable]
         files: dict[int, list[dict[str, Any]]] = {}
         if rows:

@@ -1,0 +1,35 @@
+"""`--every INTERVAL`: run a command's work once per interval until SIGTERM or Ctrl-C, one JSON
+line per cycle on stdout (for cron-less deployments: a systemd service, a Kubernetes pod)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def repeat(interval: str, cycle: Callable[[], dict[str, Any]]) -> None:
+    from policies.loader import parse_duration
+    from registry.errors import RegistryError, UsageError
+    from registry.timeutil import iso, now
+
+    try:
+        seconds = parse_duration(interval)
+    except ValueError as exc:
+        raise UsageError(f"bad --every: {exc}") from None
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--every {interval} must be a positive duration", "e.g. 1h")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            line = {"ts": iso(now()), "ok": True, **cycle()}
+        except RegistryError as exc:  # this cycle failed; the next one tries again
+            line = {"ts": iso(now()), "ok": False, "error": str(exc)}
+        print(json.dumps(line), flush=True)
+        stop.wait(max(0.0, seconds - (time.monotonic() - started)))

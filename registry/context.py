@@ -1,0 +1,68 @@
+"""`Context`: everything a lifecycle function needs, and nothing it should reach around for.
+
+    catalog    the source of truth (visibility, claims, leases, audit, outbox)
+    store      where the bytes are
+    policy     the policy in force, parsed on first use
+    principal  who is asking, with their grants: the only identity below the CLI
+    events     where catalog events go (the outbox for the MLflow mirror)
+    workers    parallel transfers per operation
+
+Lifecycle functions take a Context; `Registry` builds one from local settings (embedded mode),
+and `reg server` builds one per request around the authenticated Principal, sharing catalog and
+store. A Context is frozen: a changed policy or principal is a new Context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from registry.errors import PermissionDenied
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+    from registry.events import EventSink
+    from registry.policy_source import EffectivePolicy
+    from registry.principal import Principal
+    from registry.storage.base import BaseStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    catalog: Catalog
+    store: BaseStore
+    policy: EffectivePolicy
+    principal: Principal
+    events: EventSink
+    workers: int = 4
+
+    @property
+    def actor(self) -> str:
+        """The name that goes into the audit log and onto what this Context creates."""
+        return self.principal.name
+
+    def authorize(
+        self,
+        action: str,
+        *,
+        project: str | None = None,
+        model: str | None = None,
+        target: str = "",
+    ) -> None:
+        """Raise PermissionDenied, and audit the denial, unless the principal may do it."""
+        decision = self.principal.authorize(action, project=project, model=model)
+        if decision.allowed:
+            return
+        from registry import audit
+
+        what = target or project or model or ""
+        with self.catalog.session(write=True) as s:
+            audit.record(s, self.actor, action, what, audit.DENIED, reason=decision.reason)
+        raise PermissionDenied(
+            f"{self.actor} may not {action} {what}".rstrip(),
+            decision.reason + " (ask an admin to add it to the policy)",
+        )
+
+    def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
+        target = f"project {project}" if project else f"model {model}" if model else "registry"
+        self.authorize("read", project=project, model=model, target=target)

@@ -1,0 +1,50 @@
+"""Catalog events for the MLflow mirror (DESIGN §2): written into the outbox table in the same
+transaction as the change they describe, so a change and its event commit together or not at
+all; drained into MLflow after the command, never adding to its latency.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from registry.timeutil import now
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from registry.config import Settings
+
+CHECKPOINT_COMMITTED = "checkpoint.committed"
+CHECKPOINT_VALIDATED = "checkpoint.validated"
+CHECKPOINT_COLLECTED = "checkpoint.collected"
+RELEASE_CREATED = "release.created"
+ALIAS_MOVED = "release.alias"
+RELEASE_STATUS = "release.status"
+
+
+class EventSink(Protocol):
+    def emit(self, session: Session, kind: str, **payload: Any) -> None:
+        """Record an event in the caller's transaction."""
+        ...
+
+
+class Outbox:
+    """The embedded sink: events go to the outbox table; `flush()`, when the command is done,
+    starts a detached drain if any were written (`registry.mirror_spawn`)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._written = False
+
+    def emit(self, session: Session, kind: str, **payload: Any) -> None:
+        from registry.catalog.models import OutboxEvent
+
+        session.add(OutboxEvent(ts=now(), kind=kind, payload=payload))
+        self._written = True
+
+    def flush(self) -> None:
+        if self._written:
+            self._written = False
+            from registry.mirror_spawn import spawn_drain
+
+            spawn_drain(self._settings)

@@ -1,0 +1,1 @@
+"""The checkpoint lifecycle: push, read (show, pull, verify, pin), listing."""

@@ -1,0 +1,122 @@
+"""Reading checkpoints: resolve a ref, show, pull, verify; pin and unpin (DESIGN §3, §7).
+
+Only committed rows are visible; a collected one answers with its tombstone (when, why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry import audit
+from registry.catalog import queries
+from registry.catalog.models import Checkpoint, Run
+from registry.formats.documents import FileRecord
+from registry.layout import checkpoint_prefix
+from registry.lifecycle.views import CheckpointView
+from registry.refs import CheckpointRef
+from registry.timeutil import now
+from registry.transfer import download, verify_stored
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.progress import Progress
+
+
+def resolve(
+    ctx: Context, ref: CheckpointRef, *, tombstones: bool = False
+) -> tuple[Run, Checkpoint, list[FileRecord]]:
+    """The committed checkpoint `ref` names (`@latest`: the newest), with its files."""
+    with ctx.catalog.session() as s:
+        run, ckpt = queries.resolve_checkpoint(s, ref, tombstones=tombstones)
+        return run, ckpt, queries.files_of(s, ckpt.id or 0)
+
+
+def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
+    from registry.lifecycle.gc import explain
+
+    ctx.authorize_read(project=ref.project)
+    run, ckpt, files = resolve(ctx, ref, tombstones=True)
+    view = CheckpointView.of(ref.project, run.name, ckpt, files)
+    out = view.detail_json(ctx.store.describe(checkpoint_prefix(ref.project, run.name, ckpt.step)))
+    out["protection"] = explain(ctx, ref.project, run, ckpt)
+    return out
+
+
+def pull(
+    ctx: Context, ref: CheckpointRef, dest: Path, *, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing. The run is
+    recorded as resuming from it, so retention keeps it until the run commits a newer step."""
+    ctx.authorize_read(project=ref.project)
+    _, ckpt, files = resolve(ctx, ref)
+    full = CheckpointRef(ref.project, ref.run, ckpt.step)
+    latest: list[Checkpoint] = []
+
+    def still_committed() -> None:
+        # A collection that raced the download wins: never hand out a half-deleted checkpoint.
+        latest.append(resolve(ctx, full)[1])
+
+    where = download(
+        ctx.store,
+        checkpoint_prefix(ref.project, ref.run, ckpt.step),
+        files,
+        dest,
+        label=str(full),
+        workers=ctx.workers,
+        progress=progress,
+        before_publish=still_committed,
+    )
+    record_resume(ctx, full)
+    out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
+    out["dest"] = str(where)
+    return out
+
+
+def record_resume(ctx: Context, ref: CheckpointRef) -> None:
+    """The run resumes from `ref`: retention keeps it until the run commits a newer step."""
+    with ctx.catalog.session(write=True) as s:
+        run = queries.find_run(s, ref.project, ref.run)
+        if run is not None:
+            run.resumed_from_step, run.resumed_at = ref.step, now()
+            s.add(run)
+
+
+def verify(ctx: Context, ref: CheckpointRef, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged."""
+    ctx.authorize_read(project=ref.project)
+    _, ckpt, files = resolve(ctx, ref)
+    full = CheckpointRef(ref.project, ref.run, ckpt.step)
+    problems = verify_stored(
+        ctx.store,
+        checkpoint_prefix(ref.project, ref.run, ckpt.step),
+        files,
+        label=f"verify {full}",
+        workers=ctx.workers,
+        progress=progress,
+    )
+    return {
+        "ref": str(full),
+        "ok": not problems,
+        "files": len(files),
+        "bytes": sum(f.size for f in files),
+        "problems": [p.to_json() for p in problems],
+    }
+
+
+def set_pin(
+    ctx: Context, ref: CheckpointRef, pinned: bool, reason: str | None = None
+) -> dict[str, Any]:
+    action = "pin" if pinned else "unpin"
+    ctx.authorize(action, project=ref.project, target=str(ref))
+    with ctx.catalog.session(write=True) as s:
+        run, ckpt = queries.resolve_checkpoint(s, ref)
+        ckpt.pinned = pinned
+        ckpt.pin_reason = reason if pinned else None
+        ckpt.pinned_by = ctx.actor if pinned else None
+        s.add(ckpt)
+        full = CheckpointRef(ref.project, ref.run, ckpt.step)
+        audit.record(s, ctx.actor, action, str(full), reason=reason)
+        return CheckpointView.of(
+            ref.project, run.name, ckpt, queries.files_of(s, ckpt.id or 0)
+        ).to_json()

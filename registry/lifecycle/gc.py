@@ -1,0 +1,332 @@
+"""Garbage collection: apply the retention plan, sweep orphans (DESIGN §3, §6).
+
+Decide, then delete. One GC at a time (the `gc` lease in the catalog, renewed while it runs).
+Each deletion is three steps: mark the row `deleting` (re-checking protections in the same
+transaction, holds included, so a pin, a hold or a release made after planning wins), delete
+the objects (manifest first, so the prefix stops looking committed), then leave a tombstone
+(`deleted`, who, when, why). A crash between steps is finished by the next run; a failed object
+delete is logged and retried next run, and never stops the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete
+from sqlalchemy import select as sa_select
+from sqlmodel import Session, col, select
+
+from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
+from registry import audit, events
+from registry.catalog import claims, leases
+from registry.catalog.models import (
+    COMMITTED,
+    DELETED,
+    DELETING,
+    PENDING,
+    YANKED,
+    Checkpoint,
+    Model,
+    Project,
+    Release,
+    Run,
+)
+from registry.errors import Conflict, RegistryError
+from registry.layout import CHECKPOINTS, MANIFEST, checkpoint_prefix, parse_checkpoint_key
+from registry.refs import CheckpointRef
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+GC_LEASE = "gc"
+GC_LEASE_SECONDS = 600.0
+BATCH = 200
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+
+def _records(
+    session: Session, *, project: str | None = None, run: str | None = None
+) -> tuple[list[CheckpointRecord], Protections]:
+    """Committed checkpoints (all, one project's, or one run's) and what protects them, read in
+    one transaction."""
+    c = Checkpoint.__table__.c  # type: ignore[attr-defined]
+    # Columns, not ORM objects: planning 100,000 checkpoints must not build 100,000 objects.
+    stmt = (
+        sa_select(
+            c.id,
+            c.step,
+            c.committed_at,
+            c.created_at,
+            c.bytes,
+            c.pinned,
+            c.metrics,
+            col(Run.name),
+            col(Project.name),
+        )
+        .join(Run, col(Run.id) == c.run_id)
+        .join(Project, col(Project.id) == Run.project_id)
+        .where(c.state == COMMITTED)
+    )
+    if project is not None:
+        stmt = stmt.where(col(Project.name) == project)
+    if run is not None:
+        stmt = stmt.where(col(Run.name) == run)
+    rows = session.execute(stmt).all()
+    records = [
+        CheckpointRecord(
+            cid, p, r, step, committed or created, nbytes, bool(pinned), dict(metrics or {})
+        )
+        for cid, step, committed, created, nbytes, pinned, metrics, r, p in rows
+    ]
+    return records, _protections(session)
+
+
+def _protections(session: Session) -> Protections:
+    sources = session.exec(
+        select(Release.source_checkpoint_id, Model.name, Release.version)
+        .join(Model, col(Model.id) == Release.model_id)
+        .where(col(Release.status).notin_([YANKED]))
+    ).all()
+    resumed = session.exec(
+        select(Project.name, Run.name, Run.resumed_from_step)
+        .join(Project, col(Project.id) == Run.project_id)
+        .where(col(Run.resumed_from_step).is_not(None))
+    ).all()
+    release_sources: dict[int, str] = {}
+    for cid, model, version in sorted(sources, key=lambda x: x[2]):
+        release_sources.setdefault(cid, f"{model}:v{version}")
+    return Protections(
+        release_sources=release_sources,
+        held=frozenset(leases.held_checkpoint_ids(session)),
+        resumed_from={(p, r): step for p, r, step in resumed if step is not None},
+    )
+
+
+def explain(ctx: Context, project: str, run: Run, ckpt: Checkpoint) -> dict[str, Any]:
+    """What retention would do with `ckpt` now, and why. Only its run is planned, unless the
+    project has a quota (then every run of the project counts)."""
+    if ckpt.state != COMMITTED:
+        return {"action": ckpt.state, "reason": ckpt.delete_reason, "protected": False}
+    rules = ctx.policy.retention.for_project(project)
+    scope = None if rules.max_bytes is not None else run.name
+    with ctx.catalog.session() as s:
+        records, protections = _records(s, project=project, run=scope)
+    decision = next(
+        d for d in plan(records, ctx.policy.retention, now(), protections) if d.id == ckpt.id
+    )
+    reason = decision.reason
+    if ckpt.pinned:
+        reason += f" by {ckpt.pinned_by}" + (f" ({ckpt.pin_reason})" if ckpt.pin_reason else "")
+    return {
+        "action": decision.action,
+        "reason": reason,
+        "protected": decision.protected,
+        "expires_at": iso(decision.expires_at),
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def acquire(ctx: Context) -> str:
+    """The GC lease, or a Conflict naming the GC that holds it."""
+    token, holder = leases.try_acquire(ctx.catalog, GC_LEASE, ctx.actor, GC_LEASE_SECONDS)
+    if token is None:
+        assert holder is not None
+        raise Conflict(
+            f"another GC is running: {holder.holder} on {holder.host} "
+            f"(pid {holder.pid}) since {iso(holder.acquired_at)}",
+            f"wait for it; a crashed GC's lease expires after {GC_LEASE_SECONDS:.0f}s",
+        )
+    return token
+
+
+def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
+    ctx.authorize("gc", target="retention")
+    with ctx.catalog.session() as s:
+        records, protections = _records(s)
+    decisions = plan(records, ctx.policy.retention, now(), protections)
+    out: dict[str, Any] = {
+        "applied": not dry_run,
+        "decisions": [
+            {"ref": d.ref, "action": d.action, "reason": d.reason, "bytes": d.bytes}
+            for d in decisions
+        ],
+        "freed_bytes": 0,
+        "errors": [],
+        "orphans": [],
+    }
+    if dry_run:
+        out["freed_bytes"] = sum(d.bytes for d in decisions if d.action == DELETE)
+        return out
+    where = {r.id: r for r in records}
+    with leases.renewed(ctx.catalog, GC_LEASE, acquire(ctx), GC_LEASE_SECONDS):
+        freed = _finish_interrupted(ctx, out["errors"])
+        doomed = [d for d in decisions if d.action == DELETE]
+        for start in range(0, len(doomed), BATCH):
+            batch = doomed[start : start + BATCH]
+            marked = _mark_deleting(ctx, batch)
+            for d in batch:
+                if d.id not in marked:
+                    _note_skip(out, d.ref)
+                    continue
+                r = where[d.id]
+                freed += _delete_objects(
+                    ctx, CheckpointRef(r.project, r.run, r.step), out["errors"]
+                )
+        freed += _sweep_orphans(ctx, out)
+        out["freed_bytes"] = freed
+    return out
+
+
+def _note_skip(out: dict[str, Any], ref: str) -> None:
+    for d in out["decisions"]:
+        if d["ref"] == ref:
+            d["action"], d["reason"] = "keep", "kept: protected since the plan was made"
+
+
+def _mark_deleting(ctx: Context, batch: list[Decision]) -> set[int]:
+    """Mark a batch `deleting`, skipping any that became protected since planning."""
+    with ctx.catalog.session(write=True) as s:
+        protections = _protections(s)
+        ids = [
+            d.id
+            for d in batch
+            if d.id not in protections.held and d.id not in protections.release_sources
+        ]
+        reasons = {d.id: d.reason for d in batch}
+        marked = set()
+        rows = s.exec(
+            select(Checkpoint, Run)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .where(
+                col(Checkpoint.id).in_(ids),
+                Checkpoint.state == COMMITTED,
+                col(Checkpoint.pinned).is_(False),
+            )
+        ).all()
+        for row, run in rows:
+            if run.resumed_from_step == row.step:
+                continue
+            row.state, row.delete_reason = DELETING, reasons[row.id or 0]
+            row.deleted_by, row.deleted_at = ctx.actor, now()
+            s.add(row)
+            marked.add(row.id or 0)
+    return marked
+
+
+def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
+    """Delete a checkpoint's objects (manifest first), then leave the tombstone."""
+    keys = [o.key for o in ctx.store.list(checkpoint_prefix(ref.project, ref.run, ref.step or 0))]
+    manifest = [k for k in keys if k.endswith("/" + MANIFEST)]
+    failed: dict[str, str] = {}
+    freed = 0
+    # The manifest first, so the prefix stops looking committed; then the rest in batches.
+    for batch in (manifest, [k for k in keys if k not in manifest]):
+        if batch and not failed:
+            try:
+                got, failed = ctx.store.delete_many(batch)
+                freed += got
+            except RegistryError as exc:  # logged, retried next run; never stops the others
+                failed = {batch[0]: str(exc)}
+    for key, why in failed.items():
+        errors.append(f"{ref}: could not delete {key}: {why}")
+    if failed:
+        return freed
+    with ctx.catalog.session(write=True) as s:
+        row = s.exec(
+            select(Checkpoint)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(Project.name == ref.project, Run.name == ref.run, Checkpoint.step == ref.step)
+        ).first()
+        if row is not None and row.state == DELETING:
+            row.state = DELETED
+            s.add(row)
+            audit.record(s, ctx.actor, "gc", str(ref), reason=row.delete_reason, freed_bytes=freed)
+            ctx.events.emit(
+                s,
+                events.CHECKPOINT_COLLECTED,
+                project=ref.project,
+                run=ref.run,
+                step=ref.step,
+                ref=str(ref),
+                reason=row.delete_reason,
+            )
+    return freed
+
+
+def _finish_interrupted(ctx: Context, errors: list[str]) -> int:
+    """Checkpoints a crashed GC left `deleting`: finish them."""
+    with ctx.catalog.session() as s:
+        rows = s.exec(
+            select(Checkpoint.step, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(Checkpoint.state == DELETING)
+        ).all()
+    return sum(_delete_objects(ctx, CheckpointRef(p, r, step), errors) for step, r, p in rows)
+
+
+def _sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
+    """Uploads that never committed: dead claims older than orphan_grace (their objects and
+    row), and what crashed writers left in the store's own temp space."""
+    grace = ctx.policy.retention.orphan_grace
+    cutoff = now() - grace
+    with ctx.catalog.session() as s:
+        rows = s.exec(
+            select(Checkpoint, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(
+                Checkpoint.state == PENDING,
+                Checkpoint.created_at < cutoff,
+                col(Checkpoint.lease_until) < now(),
+            )
+        ).all()
+    freed = 0
+    for c, run, project in rows:
+        prefix = checkpoint_prefix(project, run, c.step)
+        with ctx.catalog.session(write=True) as s:
+            gone = s.exec(
+                delete(Checkpoint).where(
+                    col(Checkpoint.id) == c.id,
+                    col(Checkpoint.state) == PENDING,
+                    col(Checkpoint.claim_token) == c.claim_token,
+                    col(Checkpoint.lease_until) < now(),
+                )
+            )
+            if gone.rowcount != 1:
+                continue  # someone took the claim over meanwhile
+        for obj in list(ctx.store.list(prefix)):
+            try:
+                freed += ctx.store.delete(obj.key)
+            except RegistryError as exc:
+                out["errors"].append(f"orphan {prefix}: could not delete {obj.key}: {exc}")
+        out["orphans"].append(prefix)
+    for swept in ctx.store.sweep_incomplete(CHECKPOINTS, grace, skip=_live_claim_keys(ctx)):
+        freed += swept.size
+        out["orphans"].append(swept.what)
+    return freed
+
+
+def _live_claim_keys(ctx: Context) -> Callable[[str], bool]:
+    """Keys under a step some push still holds: its writes in flight are not orphans."""
+    with ctx.catalog.session() as s:
+        pending = s.exec(
+            select(Checkpoint, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(Checkpoint.state == PENDING)
+        ).all()
+    live = {(p, r, c.step) for c, r, p in pending if claims.is_live(c)}
+
+    def held(key: str) -> bool:
+        parsed = parse_checkpoint_key(key)
+        return parsed is not None and parsed[:3] in live
+
+    return held

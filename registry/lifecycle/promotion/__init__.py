@@ -1,0 +1,96 @@
+"""Promotion: checkpoint -> validated, consolidated, immutable release (DESIGN §1, §5).
+
+    plan      check the request, resolve the source (nothing written)       plan.py
+    existing  the same checkpoint and options already made an active release: return it
+    gates     resumable (policy); a passing validation the policy accepts     plan.py
+    reserve -> build -> commit, under a claim on the release row              stages.py
+
+Nothing is visible until the commit. The source checkpoint is held (protected from retention)
+from the gates to the commit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import col, select
+
+from registry.catalog import claims
+from registry.catalog.leases import hold
+from registry.catalog.models import ACTIVE, Model, Release
+from registry.lifecycle.promotion.plan import (
+    PromotionPlan,
+    check_resumable,
+    plan_promotion,
+    validation_for,
+)
+from registry.lifecycle.promotion.stages import build, commit, reserve
+from registry.lifecycle.releases import move_alias, uri_of
+from registry.lifecycle.views import ReleaseView
+from registry.refs import CheckpointRef
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.progress import Progress
+
+
+def promote(
+    ctx: Context,
+    ref: CheckpointRef,
+    *,
+    model: str,
+    alias: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    extras: list[Path] | None = None,
+    model_factory: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    plan = plan_promotion(
+        ctx,
+        ref,
+        model=model,
+        alias=alias,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        extras=list(extras or []),
+        model_factory=model_factory,
+    )
+    existing = _existing(ctx, plan)
+    if existing is not None:
+        return existing
+    check_resumable(ctx, plan)
+    validation = validation_for(ctx, plan)
+    with hold(ctx.catalog, ctx.actor, plan.checkpoint.id or 0, f"promote {plan.source}"):
+        reservation = reserve(ctx, plan, validation)
+        with claims.held(ctx.catalog, reservation.claim):
+            built = build(ctx, plan, reservation, progress)
+            out = commit(ctx, plan, reservation, built)
+    out["existing"] = False
+    return out
+
+
+def _existing(ctx: Context, plan: PromotionPlan) -> dict[str, Any] | None:
+    """The active release this checkpoint already made with these options (the alias moved to
+    it when one is asked for)."""
+    with ctx.catalog.session(write=plan.alias is not None) as s:
+        row = s.exec(
+            select(Model, Release)
+            .join(Release, col(Release.model_id) == Model.id)
+            .where(
+                Model.name == plan.model,
+                Release.source_checkpoint_id == plan.checkpoint.id,
+                Release.options_key == plan.options_key,
+                Release.status == ACTIVE,
+            )
+            .order_by(col(Release.version).desc())
+        ).first()
+        if row is None:
+            return None
+        model, release = row
+        if plan.alias is not None:
+            move_alias(ctx, s, model, plan.alias, release)
+        out = ReleaseView.load(s, model, release).to_json(uri_of(ctx, model.name, release.version))
+    out["existing"] = True
+    return out

@@ -1,0 +1,179 @@
+"""What a promotion will do, decided before anything is written: the source checkpoint, the
+release's options (and the key that makes two promotions "the same"), and the gates of the
+policy: resumable, and a passing validation the policy accepts (run here if it can be)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import select
+
+from policies.gates import (
+    ValidationRecord,
+    device_gate,
+    resumable_gate,
+    satisfies_device,
+    usable_validation,
+)
+from policies.loader import parse_size
+from registry.catalog.models import Checkpoint, Validation
+from registry.errors import GateNotMet, UsageError, ValidationFailed
+from registry.layout import RELEASE_DOCUMENT
+from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.promotion.consolidate import INDEX
+from registry.refs import CheckpointRef, check_alias, check_name
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Extra:
+    path: Path
+    sha256: str
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class PromotionPlan:
+    source: CheckpointRef  # with its step resolved
+    checkpoint: Checkpoint
+    model: str
+    alias: str | None
+    dtype: str | None
+    max_shard_bytes: int
+    extras: tuple[Extra, ...]
+    model_factory: str | None
+    options: dict[str, Any] = field(init=False)
+    options_key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        options = {
+            "dtype": self.dtype,
+            "max_shard_bytes": self.max_shard_bytes,
+            "extras": {e.name: e.sha256 for e in self.extras},
+        }
+        key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "options_key", key)
+
+
+def plan_promotion(
+    ctx: Context,
+    ref: CheckpointRef,
+    *,
+    model: str,
+    alias: str | None,
+    dtype: str | None,
+    max_shard_size: str,
+    extras: list[Path],
+    model_factory: str | None,
+) -> PromotionPlan:
+    """Check the request and resolve the source; nothing is written."""
+    check_name(model, "model name")
+    if alias is not None:
+        check_alias(alias)
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}", "use bf16, fp16 or fp32")
+    ctx.authorize("promote", project=ref.project, model=model, target=f"{ref} -> {model}")
+    max_bytes = _shard_bytes(max_shard_size)
+    checked = _check_extras(extras)
+    _, ckpt, _ = resolve(ctx, ref)
+    return PromotionPlan(
+        source=CheckpointRef(ref.project, ref.run, ckpt.step),
+        checkpoint=ckpt,
+        model=model,
+        alias=alias,
+        dtype=dtype,
+        max_shard_bytes=max_bytes,
+        extras=checked,
+        model_factory=model_factory,
+    )
+
+
+def _shard_bytes(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise UsageError(f"bad --max-shard-size: {exc}") from None
+    if not size or size < 1024:
+        raise UsageError(f"--max-shard-size {text} is too small", "e.g. 5GB")
+    return size
+
+
+def _check_extras(extras: list[Path]) -> tuple[Extra, ...]:
+    out: list[Extra] = []
+    reserved = {RELEASE_DOCUMENT, INDEX}
+    for given in extras:
+        p = Path(given)
+        if not p.is_file() or p.is_symlink():
+            raise UsageError(f"--extra {p}: not a regular file", "give files such as config.json")
+        if p.name in {e.name for e in out} or p.name in reserved or p.name.endswith(".safetensors"):
+            raise UsageError(f"--extra {p}: the name {p.name} is taken or reserved")
+        check_name(p.name, "extra file name")
+        out.append(Extra(p, hashlib.sha256(p.read_bytes()).hexdigest()))
+    return tuple(out)
+
+
+# -- gates --------------------------------------------------------------------------------------
+
+
+def check_resumable(ctx: Context, plan: PromotionPlan) -> None:
+    ckpt = plan.checkpoint
+    gate = resumable_gate(ctx.policy.promotion, ckpt.resumable, list(ckpt.missing_state))
+    if gate:
+        raise GateNotMet(
+            f"refusing to promote {plan.source}: {gate}",
+            "promote a full training checkpoint, or set require_resumable = false",
+        )
+
+
+def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
+    """A recorded validation the policy accepts, or a new one run here. With a model factory a
+    new validation always runs (its tied weights and probe are part of the release)."""
+    from registry.lifecycle.validation import validate
+    from registry.lifecycle.validation.restore import resolve_device
+
+    policy = ctx.policy.promotion
+    with ctx.catalog.session() as s:
+        rows = list(
+            s.exec(select(Validation).where(Validation.checkpoint_id == plan.checkpoint.id)).all()
+        )
+    records = [ValidationRecord(v.id or 0, v.passed, v.device) for v in rows]
+    usable = usable_validation(policy, records)
+    if usable is not None and plan.model_factory is None:
+        return next(v for v in rows if v.id == usable.id)
+    here = "cuda" if _cuda_available() else "cpu"
+    gate = device_gate(policy, [] if plan.model_factory else records, here)
+    if gate:
+        raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
+    device = policy.require_device if policy.require_device == "cuda" else "auto"
+    result = validate(
+        ctx, plan.source, device=resolve_device(device), model_factory=plan.model_factory
+    )
+    if not result["passed"] or not satisfies_device(policy, result["device"]):
+        failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
+        raise ValidationFailed(
+            f"refusing to promote {plan.source}: validation "
+            f"{result['validation_id']} failed: {'; '.join(failed)}",
+            f"reg show {plan.source} and reg validate {plan.source} --json for details",
+        )
+    with ctx.catalog.session() as s:
+        found = s.get(Validation, result["validation_id"])
+        assert found is not None
+        return found
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,311 @@
+"""The stages of a promotion after its gates, each recorded on the release row (`stage`):
+
+reserve   the version is allocated atomically (unique per model) on a pending row with a
+          claim; a killed promotion's rerun takes over the same row and version
+build     safetensors (+ index) streamed from the checkpoint, then the extras, all
+          put-if-absent and immutable (`consolidated`)
+commit    release.json written last; the row becomes active in one transaction with its
+          files, the alias move, the audit record and the MLflow event (`committed`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError as DBIntegrityError
+from sqlmodel import select
+
+from policies.resume import classify
+from registry import audit, events
+from registry.catalog import claims
+from registry.catalog.claims import Claim
+from registry.catalog.models import (
+    ACTIVE,
+    RELEASE_PENDING,
+    Model,
+    Release,
+    ReleaseFile,
+    Validation,
+)
+from registry.errors import Conflict, GateNotMet
+from registry.formats.dcp import METADATA, inventory, load_metadata
+from registry.formats.documents import (
+    FileRecord,
+    ReleaseDocument,
+    SourceRecord,
+    ValidationRecord,
+)
+from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
+from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
+from registry.lifecycle.releases import move_alias
+from registry.lifecycle.views import ReleaseView
+from registry.timeutil import iso, now
+from registry.transfer import OnMismatch, put_reconciled
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.lifecycle.promotion.plan import PromotionPlan
+    from registry.progress import Progress
+
+
+@dataclass(frozen=True)
+class Reservation:
+    claim: Claim
+    version: int
+    validation: Validation  # the attempt's: a rerun continues with the one its files name
+
+    @property
+    def release_id(self) -> int:
+        return self.claim.row_id
+
+
+# -- reserve ------------------------------------------------------------------------------------
+
+
+def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reservation:
+    """A pending release row for this promotion: new (the next version) or taken over."""
+    for _ in range(10):
+        with ctx.catalog.session(write=True) as s:
+            model = s.exec(select(Model).where(Model.name == plan.model)).first()
+            if model is None:
+                try:
+                    with s.begin_nested():
+                        s.add(Model(name=plan.model, created_at=now()))
+                except DBIntegrityError:
+                    pass  # a concurrent promotion created it
+                continue
+            pending = s.exec(
+                select(Release).where(
+                    Release.model_id == model.id,
+                    Release.source_checkpoint_id == plan.checkpoint.id,
+                    Release.options_key == plan.options_key,
+                    Release.status == RELEASE_PENDING,
+                )
+            ).first()
+            if pending is not None:
+                taken = _take_over(ctx, s, plan, pending, validation)
+                if taken is not None:
+                    return taken
+                continue
+            created = _allocate(ctx, s, plan, model, validation)
+            if created is not None:
+                return created
+    raise Conflict(
+        f"could not allocate a version of {plan.model}: too many concurrent promotions", "retry"
+    )
+
+
+def _take_over(
+    ctx: Context, session: Any, plan: PromotionPlan, pending: Release, validation: Validation
+) -> Reservation | None:
+    if claims.is_live(pending):
+        raise Conflict(
+            f"{plan.source} is being promoted to {plan.model}:v{pending.version} by "
+            f"{pending.created_by} on {pending.claim_host} (pid {pending.claim_pid})",
+            "wait for it; a dead promotion's claim expires within "
+            f"{claims.LEASE_SECONDS:.0f}s and a rerun continues it",
+        )
+    claim = claims.take_over(session, pending)
+    if claim is None:
+        return None
+    # The rerun continues with the attempt's validation, so the files it already wrote (whose
+    # metadata names it) stay valid.
+    attempt = session.get(Validation, pending.validation_id) if pending.validation_id else None
+    return Reservation(claim, pending.version, attempt or validation)
+
+
+def _allocate(
+    ctx: Context, session: Any, plan: PromotionPlan, model: Model, validation: Validation
+) -> Reservation | None:
+    top = session.exec(select(func.max(Release.version)).where(Release.model_id == model.id)).one()
+    token = claims.new_token()
+    row = Release(
+        model_id=model.id or 0,
+        version=(top or 0) + 1,
+        status=RELEASE_PENDING,
+        source_checkpoint_id=plan.checkpoint.id or 0,
+        source_ref=str(plan.source),
+        validation_id=validation.id,
+        options_key=plan.options_key,
+        options=plan.options,
+        dtype=plan.dtype,
+        created_at=now(),
+        created_by=ctx.actor,
+        stage="reserved",
+        **claims.claim_columns(token),
+    )
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except DBIntegrityError:
+        return None  # another promotion took that version: allocate again
+    session.flush()
+    return Reservation(Claim(Release, row.id or 0, token), row.version, validation)
+
+
+def _stage(ctx: Context, reservation: Reservation, stage: str) -> None:
+    with ctx.catalog.session(write=True) as s:
+        claims.guarded_update(s, reservation.claim, stage=stage)
+
+
+# -- build --------------------------------------------------------------------------------------
+
+
+def build(
+    ctx: Context, plan: PromotionPlan, reservation: Reservation, progress: Progress | None
+) -> Consolidated:
+    """Consolidate the model's tensors into safetensors and store the extras."""
+    name = f"{plan.model}:v{reservation.version}"
+    src = checkpoint_prefix(plan.source.project, plan.source.run, plan.checkpoint.step)
+    dest = release_prefix(plan.model, reservation.version)
+    inv = inventory(load_metadata(ctx.store.get_bytes(src + METADATA), light=True))
+    resume = classify(inv.top_level_keys(), ctx.policy.resume)
+    names = inv.model_names(resume.model_keys, ctx.policy.resume.model_key)
+    if not names:
+        raise GateNotMet(
+            f"{plan.source} holds no model tensors under "
+            f"[resume] model_key = {ctx.policy.resume.model_key!r}",
+            "set model_key to where the checkpoint keeps the model",
+        )
+    validation = reservation.validation
+    tie_groups: list[list[str]] = next(
+        (c["detail"] for c in validation.checks if c["name"] == "tied_weights"), []
+    )
+    built = consolidate(
+        ctx.store,
+        src,
+        inv,
+        names,
+        dest,
+        cast=plan.dtype,
+        max_shard_bytes=plan.max_shard_bytes,
+        metadata={
+            "format": "pt",
+            "reg.release": name,
+            "reg.source": str(plan.source),
+            "reg.validation_id": str(validation.id),
+            "reg.manifest_sha256": plan.checkpoint.manifest_sha256 or "",
+        },
+        tie_groups=tie_groups,
+        progress=progress,
+    )
+    _stage(ctx, reservation, "consolidated")
+    for extra in plan.extras:
+        stored = put_reconciled(
+            ctx.store,
+            dest + extra.name,
+            path=extra.path,
+            immutable=True,
+            on_mismatch=OnMismatch.CONFLICT,
+        )
+        if stored.sha256 != extra.sha256:
+            raise Conflict(f"--extra {extra.path} changed while being promoted", "promote again")
+        built.files.append(FileRecord(extra.name, stored.size, stored.sha256))
+    built.files.sort(key=lambda f: f.path)
+    return built
+
+
+# -- commit -------------------------------------------------------------------------------------
+
+
+def commit(
+    ctx: Context, plan: PromotionPlan, reservation: Reservation, built: Consolidated
+) -> dict[str, Any]:
+    """Write release.json last, then make the release visible in one transaction."""
+    document = _document(ctx, plan, reservation, built)
+    data = document.to_bytes()
+    put_reconciled(
+        ctx.store,
+        release_prefix(plan.model, reservation.version) + RELEASE_DOCUMENT,
+        data=data,
+        immutable=True,
+        on_mismatch=OnMismatch.CONFLICT,
+    )
+    digest = hashlib.sha256(data).hexdigest()
+    uri = ctx.store.describe(release_prefix(plan.model, reservation.version))
+    validation = reservation.validation
+    with ctx.catalog.session(write=True) as s:
+        done = claims.guarded_update(
+            s,
+            reservation.claim,
+            status=ACTIVE,
+            sha256=digest,
+            bytes=sum(f.size for f in built.files) + len(data),
+            tensor_count=built.tensor_count,
+            tied=[[a, k] for a, k in sorted(built.tied.items())],
+            stage="committed",
+            claim_token=None,
+            lease_until=None,
+        )
+        if not done:
+            raise Conflict(
+                f"lost the claim on {document.release} while promoting",
+                "another process took the promotion over; check reg releases",
+            )
+        for f in built.files:
+            s.add(
+                ReleaseFile(
+                    release_id=reservation.release_id, path=f.path, size=f.size, sha256=f.sha256
+                )
+            )
+        model = s.exec(select(Model).where(Model.name == plan.model)).one()
+        release = s.get(Release, reservation.release_id)
+        assert release is not None
+        ctx.events.emit(
+            s,
+            events.RELEASE_CREATED,
+            model=plan.model,
+            version=reservation.version,
+            release=document.release,
+            sha256=digest,
+            uri=uri,
+            source=str(plan.source),
+            project=plan.source.project,
+            run=plan.source.run,
+            step=plan.source.step,
+            validation_id=validation.id,
+            validation_device=validation.device,
+            validation_passed=validation.passed,
+            files=len(built.files),
+        )
+        if plan.alias is not None:
+            move_alias(ctx, s, model, plan.alias, release)
+        audit.record(
+            s,
+            ctx.actor,
+            "promote",
+            document.release,
+            source=str(plan.source),
+            validation_id=validation.id,
+            sha256=digest,
+        )
+        s.flush()
+        return ReleaseView.load(s, model, release).to_json(uri)
+
+
+def _document(
+    ctx: Context, plan: PromotionPlan, reservation: Reservation, built: Consolidated
+) -> ReleaseDocument:
+    with ctx.catalog.session() as s:
+        row = s.get(Release, reservation.release_id)
+        assert row is not None
+        created_at, created_by = row.created_at, row.created_by
+    v = reservation.validation
+    return ReleaseDocument(
+        model=plan.model,
+        version=reservation.version,
+        files=tuple(built.files),
+        source=SourceRecord(
+            plan.source, plan.checkpoint.manifest_sha256, plan.checkpoint.world_size
+        ),
+        validation=ValidationRecord(
+            v.id, v.passed, v.device, v.device_name, v.torch_version, v.seconds
+        ),
+        dtype=plan.dtype,
+        tied=built.tied,
+        created_at=iso(created_at) or "",
+        created_by=created_by,
+    )

@@ -1,0 +1,248 @@
+"""Rebuild the catalog from the store: the store is self-describing (DESIGN §3).
+
+Every committed checkpoint has a MANIFEST.json and every release a release.json, written last;
+both list each file's size and sha256. A lost or damaged catalog is rebuilt from them: rows that
+already exist are left alone, missing ones are added. A document counts only where the registry
+writes it (`ckpt/<project>/<run>/step-<N>/MANIFEST.json`, `release/<model>/v<K>/release.json`),
+only if it reads strictly, and only if what it claims matches where it is: a manifest nested
+inside a checkpoint, or naming another project, run or step, is skipped and reported.
+
+What lives only in the catalog (aliases, deprecations and yanks, pins, validations, the audit
+log) cannot come back from the store and is reported as such.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import select
+
+from registry import audit
+from registry.catalog import queries
+from registry.catalog.models import (
+    ACTIVE,
+    COMMITTED,
+    DELETED,
+    PENDING,
+    RELEASE_PENDING,
+    Checkpoint,
+    CheckpointFile,
+    Model,
+    Release,
+    ReleaseFile,
+)
+from registry.errors import InvalidDocument
+from registry.formats.documents import Manifest, ReleaseDocument
+from registry.layout import (
+    CHECKPOINTS,
+    MANIFEST,
+    RELEASE_DOCUMENT,
+    RELEASES,
+    parse_checkpoint_key,
+    parse_release_key,
+)
+from registry.timeutil import now
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+
+def _ts(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
+    ctx.authorize("catalog", target="catalog rebuild")
+    out: dict[str, Any] = {
+        "applied": not dry_run,
+        "checkpoints_added": [],
+        "releases_added": [],
+        "skipped": [],
+    }
+    for obj in ctx.store.list(CHECKPOINTS):
+        if obj.key.endswith("/" + MANIFEST):
+            manifest = _read_manifest(ctx, obj.key, out)
+            if manifest is not None:
+                _checkpoint(ctx, obj.key, manifest, out, dry_run)
+    for obj in ctx.store.list(RELEASES):
+        if obj.key.endswith("/" + RELEASE_DOCUMENT):
+            document = _read_release(ctx, obj.key, out)
+            if document is not None:
+                _release(ctx, document, out, dry_run)
+    out["not_recoverable"] = (
+        "aliases, deprecations and yanks, pins, validations and the audit "
+        "log live only in the catalog"
+    )
+    if not dry_run and (out["checkpoints_added"] or out["releases_added"]):
+        with ctx.catalog.session(write=True) as s:
+            audit.record(
+                s,
+                ctx.actor,
+                "catalog-rebuild",
+                "catalog",
+                checkpoints=len(out["checkpoints_added"]),
+                releases=len(out["releases_added"]),
+            )
+    return out
+
+
+def _read_manifest(ctx: Context, key: str, out: dict[str, Any]) -> tuple[Manifest, str] | None:
+    place = parse_checkpoint_key(key)
+    if place is None or place[3] != MANIFEST:
+        out["skipped"].append(f"{key}: not where a checkpoint's manifest is kept")
+        return None
+    data = ctx.store.get_bytes(key)
+    try:
+        manifest = Manifest.from_bytes(data, key)
+    except InvalidDocument as exc:
+        out["skipped"].append(str(exc))
+        return None
+    if (manifest.project, manifest.run, manifest.step) != place[:3]:
+        out["skipped"].append(f"{key}: the manifest names {manifest.ref}, not its own place")
+        return None
+    return manifest, hashlib.sha256(data).hexdigest()
+
+
+def _read_release(
+    ctx: Context, key: str, out: dict[str, Any]
+) -> tuple[ReleaseDocument, bytes] | None:
+    place = parse_release_key(key)
+    if place is None or place[2] != RELEASE_DOCUMENT:
+        out["skipped"].append(f"{key}: not where a release document is kept")
+        return None
+    data = ctx.store.get_bytes(key)
+    try:
+        document = ReleaseDocument.from_bytes(data, key)
+    except InvalidDocument as exc:
+        out["skipped"].append(str(exc))
+        return None
+    if (document.model, document.version) != place[:2]:
+        out["skipped"].append(f"{key}: the document names {document.release}, not its own place")
+        return None
+    return document, data
+
+
+def _checkpoint(
+    ctx: Context, key: str, read: tuple[Manifest, str], out: dict[str, Any], dry_run: bool
+) -> None:
+    manifest, digest = read
+    with ctx.catalog.session(write=not dry_run) as s:
+        _, run_row = queries.get_or_create_run(s, manifest.project, manifest.run)
+        existing = s.exec(
+            select(Checkpoint).where(
+                Checkpoint.run_id == run_row.id, Checkpoint.step == manifest.step
+            )
+        ).first()
+        if existing is not None and existing.state != PENDING:
+            s.rollback()
+            return
+        out["checkpoints_added"].append(str(manifest.ref))
+        if dry_run:
+            s.rollback()
+            return
+        if existing is not None:  # a pending claim: the manifest shows it was complete
+            s.delete(existing)
+            s.flush()
+        created = _ts(manifest.created_at)
+        ckpt = Checkpoint(
+            run_id=run_row.id or 0,
+            step=manifest.step,
+            state=COMMITTED,
+            world_size=manifest.world_size,
+            world_size_inferred=manifest.world_size_inferred,
+            bytes=manifest.bytes,
+            file_count=len(manifest.files),
+            tensor_count=manifest.tensors.tensors,
+            tensor_bytes=manifest.tensors.tensor_bytes,
+            manifest_sha256=digest,
+            resumable=manifest.resume.resumable,
+            missing_state=manifest.resume.missing,
+            resume_classes=manifest.resume.classes,
+            metrics=manifest.metrics,
+            created_at=created,
+            committed_at=created,
+            pushed_by=manifest.pushed_by,
+        )
+        s.add(ckpt)
+        s.flush()
+        for f in manifest.files:
+            s.add(
+                CheckpointFile(
+                    checkpoint_id=ckpt.id or 0,
+                    path=f.path,
+                    size=f.size,
+                    sha256=f.sha256,
+                    rank=f.rank,
+                )
+            )
+
+
+def _release(
+    ctx: Context, read: tuple[ReleaseDocument, bytes], out: dict[str, Any], dry_run: bool
+) -> None:
+    doc, data = read
+    with ctx.catalog.session(write=not dry_run) as s:
+        model = s.exec(select(Model).where(Model.name == doc.model)).first()
+        if model is None:
+            model = Model(name=doc.model, created_at=_ts(doc.created_at))
+            s.add(model)
+            s.flush()
+        existing = s.exec(
+            select(Release).where(Release.model_id == model.id, Release.version == doc.version)
+        ).first()
+        if existing is not None and existing.status != RELEASE_PENDING:
+            s.rollback()
+            return
+        out["releases_added"].append(doc.release)
+        if dry_run:
+            s.rollback()
+            return
+        if existing is not None:
+            s.delete(existing)
+            s.flush()
+        source = doc.source.ref
+        _, run_row = queries.get_or_create_run(s, source.project, source.run)
+        ckpt = s.exec(
+            select(Checkpoint).where(
+                Checkpoint.run_id == run_row.id, Checkpoint.step == source.step
+            )
+        ).first()
+        if ckpt is None:  # the source was collected: a tombstone keeps the lineage
+            ckpt = Checkpoint(
+                run_id=run_row.id or 0,
+                step=source.step or 0,
+                state=DELETED,
+                created_at=now(),
+                pushed_by="unknown",
+                deleted_at=now(),
+                delete_reason="not in the store at catalog rebuild",
+                manifest_sha256=doc.source.manifest_sha256,
+                world_size=doc.source.world_size,
+            )
+            s.add(ckpt)
+            s.flush()
+        release = Release(
+            model_id=model.id or 0,
+            version=doc.version,
+            status=ACTIVE,
+            sha256=hashlib.sha256(data).hexdigest(),
+            bytes=sum(f.size for f in doc.files) + len(data),
+            source_checkpoint_id=ckpt.id or 0,
+            source_ref=str(source),
+            options_key="rebuilt",
+            options={"dtype": doc.dtype},
+            dtype=doc.dtype,
+            tied=[[a, k] for a, k in sorted(doc.tied.items())],
+            created_at=_ts(doc.created_at),
+            created_by=doc.created_by,
+            stage="committed",
+            tensor_count=0,
+        )
+        s.add(release)
+        s.flush()
+        for f in doc.files:
+            s.add(
+                ReleaseFile(release_id=release.id or 0, path=f.path, size=f.size, sha256=f.sha256)
+            )

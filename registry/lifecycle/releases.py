@@ -1,0 +1,293 @@
+"""The release lifecycle: immutable content; only status (active, deprecated, yanked) and aliases
+move, and every move is recorded (DESIGN §1, §3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import Session, col, select
+
+from registry import audit, events
+from registry.catalog.models import (
+    DEPRECATED,
+    RELEASE_PENDING,
+    YANKED,
+    Alias,
+    AliasEvent,
+    Model,
+    Release,
+)
+from registry.errors import Conflict, NotFound, UsageError
+from registry.formats.documents import FileRecord
+from registry.layout import RELEASE_DOCUMENT, release_prefix
+from registry.lifecycle.views import ReleaseView
+from registry.refs import ReleaseRef, check_alias, check_name
+from registry.timeutil import iso, now
+from registry.transfer import download, verify_stored
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.progress import Progress
+
+
+# -- lookups ----------------------------------------------------------------------------------
+
+
+def resolve_release(session: Session, ref: ReleaseRef) -> tuple[Model, Release]:
+    model = session.exec(select(Model).where(Model.name == ref.model)).first()
+    if model is None:
+        names = session.exec(select(Model.name).order_by(col(Model.name))).all()
+        hint = f"models: {', '.join(names[-8:])}" if names else "reg promote makes the first one"
+        raise NotFound(f"model {ref.model} not found", hint)
+    if ref.alias is not None:
+        alias = session.exec(
+            select(Alias).where(Alias.model_id == model.id, Alias.name == ref.alias)
+        ).first()
+        if alias is None:
+            aliases = session.exec(select(Alias.name).where(Alias.model_id == model.id)).all()
+            raise NotFound(
+                f"alias {ref} not found",
+                f"{ref.model} has aliases {', '.join(sorted(aliases))}"
+                if aliases
+                else f"{ref.model} has no aliases (reg alias set)",
+            )
+        release = session.get(Release, alias.release_id)
+    else:
+        release = session.exec(
+            select(Release).where(Release.model_id == model.id, Release.version == ref.version)
+        ).first()
+    if release is None or release.status == RELEASE_PENDING:
+        versions = _visible_versions(session, model.id or 0)
+        raise NotFound(
+            f"{ref} not found",
+            f"{ref.model} has versions {', '.join(f'v{v}' for v in versions)}"
+            if versions
+            else f"{ref.model} has no releases yet",
+        )
+    return model, release
+
+
+def _visible_versions(session: Session, model_id: int) -> list[int]:
+    return list(
+        session.exec(
+            select(Release.version)
+            .where(Release.model_id == model_id, Release.status != RELEASE_PENDING)
+            .order_by(col(Release.version))
+        ).all()
+    )
+
+
+def uri_of(ctx: Context, model: str, version: int) -> str:
+    return ctx.store.describe(release_prefix(model, version))
+
+
+def stored_files(view: ReleaseView) -> list[FileRecord]:
+    """Every file of the release in the store, release.json included (its size is what the
+    catalog counted beyond the listed files)."""
+    files = list(view.files)
+    if view.row.sha256:
+        document_size = view.row.bytes - sum(f.size for f in files)
+        files.append(FileRecord(RELEASE_DOCUMENT, document_size, view.row.sha256))
+    return files
+
+
+# -- reads --------------------------------------------------------------------------------------
+
+
+def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]]:
+    if model is not None:
+        check_name(model, "model name")
+    with ctx.catalog.session() as s:
+        stmt = (
+            select(Model, Release)
+            .join(Release, col(Release.model_id) == Model.id)
+            .where(Release.status != RELEASE_PENDING)
+            .order_by(col(Model.name), col(Release.version))
+        )
+        if model is not None:
+            stmt = stmt.where(Model.name == model)
+        rows = s.exec(stmt).all()
+        if model is not None and not rows:
+            resolve_release(s, ReleaseRef(model, version=1))  # raises a helpful NotFound
+        return [
+            ReleaseView.load(s, m, r).to_json()
+            for m, r in rows
+            if ctx.principal.can_read(model=m.name)
+        ]
+
+
+def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
+    ctx.authorize_read(model=ref.model)
+    with ctx.catalog.session() as s:
+        model, release = resolve_release(s, ref)
+        out = ReleaseView.load(s, model, release).to_json(uri_of(ctx, model.name, release.version))
+        history = s.exec(
+            select(AliasEvent).where(AliasEvent.model_id == model.id).order_by(col(AliasEvent.id))
+        ).all()
+    out["alias_history"] = [
+        {
+            "alias": e.name,
+            "from": f"v{e.from_version}" if e.from_version else None,
+            "to": f"v{e.to_version}",
+            "at": iso(e.ts),
+            "by": e.actor,
+        }
+        for e in history
+        if release.version in (e.to_version, e.from_version)
+    ]
+    return out
+
+
+def verify(ctx: Context, ref: ReleaseRef, *, progress: Progress | None = None) -> dict[str, Any]:
+    ctx.authorize_read(model=ref.model)
+    with ctx.catalog.session() as s:
+        model, release = resolve_release(s, ref)
+        view = ReleaseView.load(s, model, release)
+    files = stored_files(view)
+    problems = verify_stored(
+        ctx.store,
+        release_prefix(model.name, release.version),
+        files,
+        label=f"verify {view.name}",
+        workers=ctx.workers,
+        progress=progress,
+    )
+    return {
+        "release": view.name,
+        "ok": not problems,
+        "files": len(files),
+        "bytes": sum(f.size for f in files),
+        "problems": [p.to_json() for p in problems],
+    }
+
+
+def pull(
+    ctx: Context, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Copy a release to `dest` (new or empty), every byte verified; all or nothing."""
+    ctx.authorize_read(model=ref.model)
+    with ctx.catalog.session() as s:
+        model, release = resolve_release(s, ref)
+        view = ReleaseView.load(s, model, release)
+    if release.status == YANKED:
+        raise Conflict(
+            f"{view.name} was yanked: {release.status_reason}",
+            f"pull another version of {model.name} (reg releases {model.name})",
+        )
+    where = download(
+        ctx.store,
+        release_prefix(model.name, release.version),
+        stored_files(view),
+        dest,
+        label=view.name,
+        workers=ctx.workers,
+        progress=progress,
+    )
+    out = view.to_json()
+    out["dest"] = str(where)
+    return out
+
+
+# -- status and aliases -------------------------------------------------------------------------
+
+
+def move_alias(
+    ctx: Context, session: Session, model: Model, alias: str, release: Release
+) -> int | None:
+    """Point `alias` at `release` (in the caller's transaction); returns the previous version."""
+    check_alias(alias)
+    if release.status == YANKED:
+        raise Conflict(
+            f"{model.name}:v{release.version} is yanked ({release.status_reason}); "
+            f"an alias cannot point at it",
+            "choose an active version",
+        )
+    row = session.exec(select(Alias).where(Alias.model_id == model.id, Alias.name == alias)).first()
+    previous = None
+    if row is None:
+        row = Alias(
+            model_id=model.id or 0,
+            name=alias,
+            release_id=release.id or 0,
+            updated_at=now(),
+            updated_by=ctx.actor,
+        )
+    else:
+        old = session.get(Release, row.release_id)
+        previous = old.version if old else None
+        row.release_id, row.updated_at, row.updated_by = release.id or 0, now(), ctx.actor
+    session.add(row)
+    if previous != release.version:
+        session.add(
+            AliasEvent(
+                model_id=model.id or 0,
+                name=alias,
+                from_version=previous,
+                to_version=release.version,
+                ts=now(),
+                actor=ctx.actor,
+            )
+        )
+        audit.record(
+            session,
+            ctx.actor,
+            "alias",
+            f"{model.name}@{alias}",
+            to=f"v{release.version}",
+            **{"from": f"v{previous}" if previous else None},
+        )
+        ctx.events.emit(
+            session, events.ALIAS_MOVED, model=model.name, alias=alias, version=release.version
+        )
+    return previous
+
+
+def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> dict[str, Any]:
+    check_name(model_name, "model name")
+    check_alias(alias)
+    number = _version_number(version)
+    ctx.authorize("alias", model=model_name, target=f"{model_name}@{alias}")
+    with ctx.catalog.session(write=True) as s:
+        model, release = resolve_release(s, ReleaseRef(model_name, version=number))
+        previous = move_alias(ctx, s, model, alias, release)
+        out = ReleaseView.load(s, model, release).to_json()
+    out["alias"] = alias
+    out["previous"] = f"v{previous}" if previous else None
+    return out
+
+
+def set_status(
+    ctx: Context, ref: ReleaseRef, status: str, reason: str | None = None
+) -> dict[str, Any]:
+    action = {DEPRECATED: "deprecate", YANKED: "yank"}[status]
+    ctx.authorize(action, model=ref.model, target=str(ref))
+    if status == YANKED and not (reason and reason.strip()):
+        raise UsageError("a yank needs a reason", "reg yank NAME:vK --reason TEXT")
+    with ctx.catalog.session(write=True) as s:
+        model, release = resolve_release(s, ref)
+        if release.status == YANKED:
+            raise Conflict(
+                f"{model.name}:v{release.version} is already yanked ({release.status_reason})",
+                "a yank is final",
+            )
+        release.status, release.status_reason = status, reason
+        release.status_changed_at, release.status_changed_by = now(), ctx.actor
+        s.add(release)
+        audit.record(s, ctx.actor, action, f"{model.name}:v{release.version}", reason=reason)
+        ctx.events.emit(
+            s,
+            events.RELEASE_STATUS,
+            model=model.name,
+            version=release.version,
+            status=status,
+            reason=reason,
+        )
+        return ReleaseView.load(s, model, release).to_json()
+
+
+def _version_number(version: str | int) -> int:
+    text = str(version).removeprefix("v")
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"bad version {version!r}", "write vK, e.g. v3")
+    return int(text)

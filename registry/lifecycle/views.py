@@ -1,0 +1,146 @@
+"""What the library hands back about checkpoints and releases, typed; `to_json()` is the shape
+DESIGN §7 documents for `--json` and the Python API (the same dictionaries)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from registry.catalog.models import (
+    DELETED,
+    DELETING,
+    Alias,
+    Checkpoint,
+    Model,
+    Release,
+    ReleaseFile,
+    Validation,
+)
+from registry.formats.documents import FileRecord
+from registry.refs import CheckpointRef
+from registry.timeutil import iso
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointView:
+    ref: CheckpointRef
+    row: Checkpoint
+    files: tuple[FileRecord, ...]
+
+    @classmethod
+    def of(
+        cls, project: str, run: str, row: Checkpoint, files: Sequence[FileRecord]
+    ) -> CheckpointView:
+        return cls(CheckpointRef(project, run, row.step), row, tuple(files))
+
+    def to_json(self) -> dict[str, Any]:
+        row = self.row
+        return {
+            "ref": str(self.ref),
+            "project": self.ref.project,
+            "run": self.ref.run,
+            "step": row.step,
+            "world_size": row.world_size,
+            "state": row.state,
+            "bytes": row.bytes,
+            "files": [f.to_json() for f in self.files],
+            "resumable": row.resumable,
+            "missing_state": list(row.missing_state),
+            "pinned": row.pinned,
+            "created_at": iso(row.committed_at or row.created_at),
+            "upload_seconds": row.upload_seconds,
+        }
+
+    def detail_json(self, uri: str) -> dict[str, Any]:
+        """`reg show`: everything the catalog knows about the checkpoint."""
+        row = self.row
+        out = self.to_json()
+        for shown, f in zip(out["files"], self.files, strict=True):
+            shown["rank"] = f.rank
+        out.update(
+            world_size_inferred=row.world_size_inferred,
+            tensor_count=row.tensor_count,
+            tensor_bytes=row.tensor_bytes,
+            resume_state=row.resume_classes,
+            metrics=row.metrics,
+            pushed_by=row.pushed_by,
+            pin_reason=row.pin_reason,
+            manifest_sha256=row.manifest_sha256,
+            uri=uri,
+        )
+        if row.state in (DELETING, DELETED):
+            out.update(
+                deleted_at=iso(row.deleted_at),
+                deleted_by=row.deleted_by,
+                delete_reason=row.delete_reason,
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseView:
+    model: Model
+    row: Release
+    files: tuple[FileRecord, ...]
+    aliases: tuple[str, ...]
+    validation: Validation | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.name}:v{self.row.version}"
+
+    @classmethod
+    def load(cls, session: Session, model: Model, release: Release) -> ReleaseView:
+        files = session.exec(
+            select(ReleaseFile)
+            .where(ReleaseFile.release_id == release.id)
+            .order_by(col(ReleaseFile.path))
+        ).all()
+        aliases = session.exec(
+            select(Alias.name).where(Alias.release_id == release.id).order_by(col(Alias.name))
+        ).all()
+        validation = (
+            session.get(Validation, release.validation_id) if release.validation_id else None
+        )
+        return cls(
+            model,
+            release,
+            tuple(FileRecord(f.path, f.size, f.sha256) for f in files),
+            tuple(aliases),
+            validation,
+        )
+
+    def to_json(self, uri: str | None = None) -> dict[str, Any]:
+        row, v = self.row, self.validation
+        out: dict[str, Any] = {
+            "release": self.name,
+            "model": self.model.name,
+            "version": row.version,
+            "sha256": row.sha256,
+            "files": [f.to_json() for f in self.files],
+            "source": row.source_ref,
+            "aliases": list(self.aliases),
+            "status": row.status,
+            "status_reason": row.status_reason,
+            "bytes": row.bytes,
+            "tensor_count": row.tensor_count,
+            "dtype": row.dtype,
+            "tied": row.tied,
+            "created_at": iso(row.created_at),
+            "created_by": row.created_by,
+            "validation": {
+                "id": v.id,
+                "passed": v.passed,
+                "device": v.device,
+                "device_name": v.device_name,
+                "seconds": v.seconds,
+            }
+            if v
+            else None,
+        }
+        if uri is not None:
+            out["uri"] = uri
+        return out

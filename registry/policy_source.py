@@ -1,0 +1,98 @@
+"""The policy in force (DESIGN §6): the document an admin applied to the catalog; until one is
+applied, `REG_POLICY`, else `REG_HOME/policy.toml`, else the shipped `policies/default.toml`.
+
+Once a policy is applied, local files are ignored with a warning, so a client cannot grant
+itself rights by pointing `REG_POLICY` elsewhere. The document is read when a Context is made
+(one query); it is validated only when a rule is first asked for, and single-user mode (no
+grants) is decided from the TOML alone, so `reg ls` pays for neither pydantic nor validation.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import warnings
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from registry.errors import PolicyError
+
+if TYPE_CHECKING:
+    from policies.loader import (
+        AccessPolicy,
+        Policy,
+        PromotionPolicy,
+        ReleasePolicy,
+        ResumePolicy,
+        RetentionPolicy,
+    )
+    from registry.catalog.engine import Catalog
+
+
+class EffectivePolicy:
+    def __init__(self, text: str, source: str) -> None:
+        self.text = text
+        self.source = source  # where it came from, for people: a path or "catalog policy vN"
+
+    @classmethod
+    def load(cls, catalog: Catalog, *, policy_path: Path | None, home: Path) -> EffectivePolicy:
+        from policies.loader import DEFAULT_POLICY_PATH
+
+        local = policy_path or home / "policy.toml"
+        with catalog.dbapi() as (conn, _):
+            cursor = conn.cursor()
+            cursor.execute(
+                "SELECT version, text, applied_by FROM policy_document "
+                "ORDER BY version DESC LIMIT 1"
+            )
+            applied = cursor.fetchone()
+            cursor.close()
+        if applied is not None:
+            if policy_path is not None or local.exists():
+                warnings.warn(
+                    f"ignoring {local}: the catalog has policy v{applied[0]} applied, "
+                    "which every client uses",
+                    stacklevel=3,
+                )
+            return cls(applied[1], f"catalog policy v{applied[0]} (applied by {applied[2]})")
+        path = policy_path or (local if local.exists() else DEFAULT_POLICY_PATH)
+        try:
+            return cls(Path(path).read_text(), str(path))
+        except OSError as exc:
+            raise PolicyError(
+                f"cannot read policy {path}: {exc.strerror}", "check REG_POLICY"
+            ) from exc
+
+    @cached_property
+    def rules(self) -> Policy:
+        """The whole document, validated (a bad one is a PolicyError naming file:line)."""
+        from policies.loader import parse_policy
+
+        return parse_policy(self.text, self.source)
+
+    @cached_property
+    def has_grants(self) -> bool:
+        try:
+            return bool(tomllib.loads(self.text).get("access", {}).get("grants"))
+        except tomllib.TOMLDecodeError:
+            return True  # let the full parse report the error
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return self.rules.retention
+
+    @property
+    def promotion(self) -> PromotionPolicy:
+        return self.rules.promotion
+
+    @property
+    def resume(self) -> ResumePolicy:
+        return self.rules.resume
+
+    @property
+    def release(self) -> ReleasePolicy:
+        return self.rules.release
+
+    @property
+    def access(self) -> AccessPolicy:
+        return self.rules.access

@@ -1,0 +1,46 @@
+"""Who is asking: the only source of identity below the CLI (DESIGN §6, §9).
+
+A `Principal` is a name, how that name was established, and the grants of the policy in force
+that name it. Embedded, the name is asserted by the environment (`REG_USER`, config.toml or the
+OS login): advisory, as DESIGN §9 says. `reg server` builds one per request from a verified
+token. Lifecycle code never reads the environment for identity; it asks the Principal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policies.access import SINGLE_USER, Decision, check_grants
+
+if TYPE_CHECKING:
+    from policies.loader import Grant
+    from registry.policy_source import EffectivePolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    name: str
+    authenticated_by: str  # "REG_USER", "config.toml", "OS login", "caller", "token", ...
+    grants: tuple[Grant, ...] = ()  # the policy's grants that name this principal
+    single_user: bool = False  # the policy has no grants at all: everyone is admin
+
+    @classmethod
+    def under(cls, name: str, authenticated_by: str, policy: EffectivePolicy) -> Principal:
+        """`name` with what `policy` grants it. A policy without grants is single-user mode,
+        decided without validating the whole document (listings stay fast)."""
+        if not policy.has_grants:
+            return cls(name, authenticated_by, single_user=True)
+        mine = tuple(g for g in policy.access.grants if name in g.principals)
+        return cls(name, authenticated_by, mine)
+
+    def authorize(
+        self, action: str, *, project: str | None = None, model: str | None = None
+    ) -> Decision:
+        """May this principal do `action` on the project and/or model named?"""
+        if self.single_user:
+            return Decision(True, SINGLE_USER)
+        return check_grants(self.grants, self.name, action, project=project, model=model)
+
+    def can_read(self, *, project: str | None = None, model: str | None = None) -> bool:
+        return self.authorize("read", project=project, model=model).allowed

@@ -1,0 +1,220 @@
+"""Verified bytes between the store and local files, shared by every lifecycle.
+
+- `download`: copy an artifact's files out of the store into a new or empty directory, in
+  parallel, each file's size and sha256 checked against the catalog's record; all or nothing
+  (a temp directory renamed into place), one error type (`IntegrityError`) for a missing or
+  damaged stored file.
+- `verify_stored`: re-hash stored files against their records; one problem per damaged file.
+- `put_reconciled`: put-if-absent with an explicit choice for an object already there: equal
+  bytes are reused; other bytes are replaced (a claim holder's own leftover) or a conflict.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
+from registry.formats.documents import FileRecord
+from registry.progress import Counter, Progress
+from registry.storage.base import BaseStore, Producer, check_key, hash_stream
+
+
+class OnMismatch(enum.Enum):
+    REPLACE = "replace"  # the object is our own leftover (we hold the claim): replace it
+    CONFLICT = "conflict"  # someone else's bytes: refuse
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    key: str
+    size: int
+    sha256: str
+    reused: bool  # the object was already there with these bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    path: str
+    problem: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "problem": self.problem}
+
+
+# -- writes -------------------------------------------------------------------------------------
+
+
+def put_reconciled(
+    store: BaseStore,
+    key: str,
+    *,
+    data: bytes | None = None,
+    path: Path | None = None,
+    produce: Producer | None = None,
+    immutable: bool = False,
+    on_mismatch: OnMismatch,
+    progress: Callable[[int], None] | None = None,
+) -> Stored:
+    """Put one of `data`, `path` or `produce` at `key`; if the key exists, compare digests."""
+    if sum(x is not None for x in (data, path, produce)) != 1:
+        raise TypeError("give exactly one of data, path, produce")
+
+    def put() -> Stored:
+        if data is not None:
+            done = store.put_bytes(key, data, immutable=immutable)
+        elif path is not None:
+            done = store.put_file(key, path, immutable=immutable, progress=progress)
+        else:
+            assert produce is not None
+            done = store.put_stream(key, produce, immutable=immutable)
+        return Stored(key, done.size, done.sha256, False)
+
+    try:
+        return put()
+    except ObjectExists:
+        pass
+    head = store.head(key)
+    size, digest = _source_digest(data, path, produce)
+    if head is not None and head.size == size and store.sha256(key) == digest:
+        if progress:
+            progress(size)
+        return Stored(key, size, digest, True)
+    if on_mismatch is OnMismatch.CONFLICT:
+        raise Conflict(
+            f"{key} exists with other content",
+            "the prefix holds files from another attempt; nothing was overwritten",
+        )
+    store.delete(key)
+    return put()
+
+
+def _source_digest(
+    data: bytes | None, path: Path | None, produce: Producer | None
+) -> tuple[int, str]:
+    if data is not None:
+        return len(data), hashlib.sha256(data).hexdigest()
+    if path is not None:
+        with open(path, "rb") as f:
+            return hash_stream(f)
+    assert produce is not None
+    digest, size = hashlib.sha256(), 0
+
+    def write(piece: Any) -> None:
+        nonlocal size
+        view = memoryview(piece).cast("B")
+        digest.update(view)
+        size += len(view)
+
+    produce(write)  # the same bytes again, hashed, not stored
+    return size, digest.hexdigest()
+
+
+# -- reads --------------------------------------------------------------------------------------
+
+
+def download(
+    store: BaseStore,
+    prefix: str,
+    files: Sequence[FileRecord],
+    dest: Path,
+    *,
+    label: str,
+    workers: int,
+    progress: Progress | None = None,
+    before_publish: Callable[[], None] | None = None,
+) -> Path:
+    """Copy `files` (under `prefix`) into `dest`, a new or empty directory, all or nothing.
+    `before_publish` runs after every byte is verified and before `dest` appears (a last check
+    that the artifact is still there). Returns the absolute destination."""
+    for f in files:
+        check_key(prefix + f.path)
+    dest = Path(dest).absolute()
+    _check_dest(dest)
+    temp = dest.parent / f".{dest.name}.reg-pull-{uuid.uuid4().hex[:8]}"
+    temp.mkdir(parents=True)
+    if progress:
+        progress.start(f"pull {label}", sum(f.size for f in files))
+    counter = Counter(progress)
+
+    def one(f: FileRecord) -> None:
+        target = temp / f.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            got = store.get_file(prefix + f.path, target, progress=counter)
+        except NotFound:
+            raise IntegrityError(
+                f"{label}: stored file {f.path} is missing; nothing was written to the destination",
+                f"reg verify {label} lists every damaged file",
+            ) from None
+        if got.size != f.size or got.sha256 != f.sha256:
+            raise IntegrityError(
+                f"{label}: stored file {f.path} is corrupt (sha256 {got.sha256[:12]}..., "
+                f"expected {f.sha256[:12]}...); nothing was written to the destination",
+                f"reg verify {label} lists every damaged file",
+            )
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(one, files))
+        if before_publish is not None:
+            before_publish()
+        _check_dest(dest)
+        if dest.exists():
+            dest.rmdir()
+        os.rename(temp, dest)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    finally:
+        if progress:
+            progress.finish()
+    return dest
+
+
+def _check_dest(dest: Path) -> None:
+    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+        raise UsageError(
+            f"{dest} exists and is not an empty directory", "pull into a new or empty directory"
+        )
+
+
+def verify_stored(
+    store: BaseStore,
+    prefix: str,
+    files: Sequence[FileRecord],
+    *,
+    label: str,
+    workers: int,
+    progress: Progress | None = None,
+) -> list[Problem]:
+    """Sizes and sha256 of stored files against their records; one problem per damaged file."""
+    if progress:
+        progress.start(label, sum(f.size for f in files))
+    counter = Counter(progress)
+
+    def one(f: FileRecord) -> Problem | None:
+        head = store.head(prefix + f.path)
+        if head is None:
+            return Problem(f.path, "missing")
+        if head.size != f.size:
+            return Problem(f.path, f"size {head.size}, expected {f.size}")
+        got = store.sha256(prefix + f.path, progress=counter)
+        if got != f.sha256:
+            return Problem(f.path, f"sha256 {got}, expected {f.sha256}")
+        return None
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return [p for p in pool.map(one, files) if p]
+    finally:
+        if progress:
+            progress.finish()
