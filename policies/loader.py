@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from policies import DEFAULT_POLICY_PATH
 from registry.errors import PolicyError
 
-DEFAULT_POLICY_PATH = Path(__file__).with_name("default.toml")
 NEVER = math.inf
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from policies import DEFAULT_POLICY_PATH
 from registry.errors import PolicyError
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ class EffectivePolicy:
 
     @classmethod
     def load(cls, catalog: Catalog, *, policy_path: Path | None, home: Path) -> EffectivePolicy:
-        from policies.loader import DEFAULT_POLICY_PATH
-
         local = policy_path or home / "policy.toml"
         with catalog.dbapi() as (conn, _):
             cursor = conn.cursor()

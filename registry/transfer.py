@@ -25,7 +25,7 @@ from typing import Any
 from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
 from registry.formats.documents import FileRecord
 from registry.progress import Counter, Progress
-from registry.storage.base import BaseStore, Producer, check_key, hash_stream
+from registry.storage.base import BaseStore, Producer, Staged, check_key
 
 
 class OnMismatch(enum.Enum):
@@ -60,51 +60,69 @@ def put_reconciled(
     data: bytes | None = None,
     path: Path | None = None,
     produce: Producer | None = None,
+    staged: Staged | None = None,
     immutable: bool = False,
     on_mismatch: OnMismatch,
     progress: Callable[[int], None] | None = None,
 ) -> Stored:
-    """Put one of `data`, `path` or `produce` at `key`; if the key exists, compare digests."""
-    if sum(x is not None for x in (data, path, produce)) != 1:
-        raise TypeError("give exactly one of data, path, produce")
-
-    def put() -> Stored:
+    """Put one of `data`, `path`, `produce` or what `staged` holds at `key`; if the key exists,
+    compare digests: equal is a reuse, other bytes follow `on_mismatch`."""
+    if sum(x is not None for x in (data, path, produce, staged)) != 1:
+        raise TypeError("give exactly one of data, path, produce, staged")
+    if path is not None:
+        staged = store.stage_file(key, path, immutable=immutable, progress=progress)
+    if staged is not None:
+        with staged:
+            return _publish_reconciled(store, staged, on_mismatch)
+    try:
         if data is not None:
             done = store.put_bytes(key, data, immutable=immutable)
-        elif path is not None:
-            done = store.put_file(key, path, immutable=immutable, progress=progress)
         else:
             assert produce is not None
             done = store.put_stream(key, produce, immutable=immutable)
         return Stored(key, done.size, done.sha256, False)
-
-    try:
-        return put()
     except ObjectExists:
         pass
-    head = store.head(key)
-    size, digest = _source_digest(data, path, produce)
-    if head is not None and head.size == size and store.sha256(key) == digest:
-        if progress:
-            progress(size)
+    size, digest = _digest_of(data, produce)
+    if _holds(store, key, size, digest):
         return Stored(key, size, digest, True)
+    _refuse_or_remove(store, key, on_mismatch)
+    return put_reconciled(
+        store, key, data=data, produce=produce, immutable=immutable, on_mismatch=OnMismatch.CONFLICT
+    )
+
+
+def _publish_reconciled(store: BaseStore, staged: Staged, on_mismatch: OnMismatch) -> Stored:
+    try:
+        done = staged.publish()
+        return Stored(done.key, done.size, done.sha256, False)
+    except ObjectExists:
+        pass
+    size, digest = staged.digest()
+    if _holds(store, staged.key, size, digest):
+        return Stored(staged.key, size, digest, True)
+    _refuse_or_remove(store, staged.key, on_mismatch)
+    done = staged.publish()
+    return Stored(done.key, done.size, done.sha256, False)
+
+
+def _holds(store: BaseStore, key: str, size: int, digest: str) -> bool:
+    head = store.head(key)
+    return head is not None and head.size == size and store.sha256(key) == digest
+
+
+def _refuse_or_remove(store: BaseStore, key: str, on_mismatch: OnMismatch) -> None:
     if on_mismatch is OnMismatch.CONFLICT:
         raise Conflict(
             f"{key} exists with other content",
             "the prefix holds files from another attempt; nothing was overwritten",
         )
-    store.delete(key)
-    return put()
+    store.delete(key)  # our own leftover: the claim we hold makes it ours to replace
 
 
-def _source_digest(
-    data: bytes | None, path: Path | None, produce: Producer | None
-) -> tuple[int, str]:
+def _digest_of(data: bytes | None, produce: Producer | None) -> tuple[int, str]:
     if data is not None:
         return len(data), hashlib.sha256(data).hexdigest()
-    if path is not None:
-        with open(path, "rb") as f:
-            return hash_stream(f)
     assert produce is not None
     digest, size = hashlib.sha256(), 0
 

@@ -4,6 +4,7 @@ orphans, and GC racing pushes and a promotion in other processes."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -122,20 +123,24 @@ def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg_lite
     assert reg_lite.show("r@step2")["state"] == "deleted"
 
 
-def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, big_ckpt):
+def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog_url, big_ckpt):
     with Registry() as reg:
         for step in range(1, 5):
             reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=step)
-    proc = subprocess.Popen(
+    proc = subprocess.run(
         [sys.executable, "-m", "cli", "gc"],
         cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        env=dict(os.environ, REG_FAULT="gc-marked"),
+        capture_output=True,
+        timeout=300,
     )
-    time.sleep(0.8)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    store = Path(os.environ["REG_HOME"]) / "store" / "ckpt" / "default" / "big"
     with Registry() as reg:
+        states = {c["step"]: c["state"] for c in reg.list_checkpoints(include_deleted=True)}
+        assert states == {1: "deleting", 2: "deleting", 3: "deleting", 4: "committed"}
+        assert sorted(p.name for p in store.iterdir()) == [f"step-{s}" for s in range(1, 5)]
+        assert [c["step"] for c in reg.list_checkpoints()] == [4]  # marked: no longer visible
         reg.gc()
         remaining = reg.list_checkpoints(include_deleted=True)
         assert {c["step"]: c["state"] for c in remaining} == {
@@ -144,14 +149,13 @@ def test_sigkill_during_apply_then_rerun_is_consistent(aggressive, catalog_url, 
             3: "deleted",
             4: "committed",
         }
-        store = reg.settings.home / "store" / "ckpt" / "default" / "big"
         assert sorted(p.name for p in store.iterdir()) == ["step-4"]
         assert reg.verify("big@step4")["ok"]
 
 
 def test_orphans_are_swept(aggressive, reg_lite, ckpts):
     from registry.catalog import claims
-    from registry.lifecycle.checkpoints.push import _claim
+    from registry.lifecycle.checkpoints.commit import claim_step as _claim
     from registry.refs import CheckpointRef
 
     claim, _ = _claim(reg_lite.context, CheckpointRef("default", "dead", 1))

@@ -6,10 +6,13 @@ The catalog is the source of truth for visibility: a checkpoint exists for reade
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
 from sqlmodel import Field, SQLModel, col
+
+if TYPE_CHECKING:
+    from registry.formats.documents import FileRecord
 
 # Checkpoint states
 PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
@@ -92,6 +95,16 @@ class CheckpointFile(SQLModel, table=True):
     size: int = Field(sa_type=BigInteger)
     sha256: str = Field(max_length=64)
     rank: int | None = None
+
+    @classmethod
+    def of(cls, checkpoint_id: int, record: FileRecord) -> CheckpointFile:
+        return cls(
+            checkpoint_id=checkpoint_id,
+            path=record.path,
+            size=record.size,
+            sha256=record.sha256,
+            rank=record.rank,
+        )
 
 
 class Validation(SQLModel, table=True):

@@ -18,7 +18,7 @@ from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
-from registry import audit, events
+from registry import audit, events, faults
 from registry.catalog import claims, leases
 from registry.catalog.models import (
     COMMITTED,
@@ -170,6 +170,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         for start in range(0, len(doomed), BATCH):
             batch = doomed[start : start + BATCH]
             marked = _mark_deleting(ctx, batch)
+            faults.point("gc-marked")
             for d in batch:
                 if d.id not in marked:
                     _note_skip(out, d.ref)

@@ -167,16 +167,7 @@ def _checkpoint(
         )
         s.add(ckpt)
         s.flush()
-        for f in manifest.files:
-            s.add(
-                CheckpointFile(
-                    checkpoint_id=ckpt.id or 0,
-                    path=f.path,
-                    size=f.size,
-                    sha256=f.sha256,
-                    rank=f.rank,
-                )
-            )
+        s.add_all(CheckpointFile.of(ckpt.id or 0, f) for f in manifest.files)
 
 
 def _release(

@@ -10,6 +10,11 @@ Every write is put-if-absent: an existing object is never replaced (`ObjectExist
 that finds an object already there compares digests (`registry.transfer.put_reconciled`).
 Keys are `/`-separated relative paths.
 
+A writer that may not publish yet (a push waiting for its claim) stages: `stage_file` writes and
+hashes the bytes where no reader can see them, `Staged.publish()` makes them the object later
+(put-if-absent), `discard()` drops them. Backends without invisible staging defer the write to
+`publish()`.
+
 Optional capabilities are explicit methods with safe defaults: `init()` (`reg storage init`) and
 `sweep_incomplete(prefix, older_than)` (temp files or multipart uploads that crashed writers
 left behind).
@@ -61,6 +66,53 @@ class Swept:
     size: int
 
 
+class Staged:
+    """Bytes on their way to `key`, not visible to any reader until `publish()`."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def publish(self) -> PutResult:
+        """Make the staged bytes the object at `key`; ObjectExists if the key is taken (the
+        staged bytes stay, for a retry after the taker's leftover is removed)."""
+        raise NotImplementedError
+
+    def digest(self) -> tuple[int, str]:
+        """(size, sha256) of the staged bytes."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        """Drop what is staged (published objects stay)."""
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+class _DeferredFile(Staged):
+    """Staging for backends that cannot hide a written object: the write happens at publish."""
+
+    def __init__(
+        self, store: BaseStore, key: str, src: Path, immutable: bool, progress: Progress
+    ) -> None:
+        super().__init__(key)
+        self._store, self._src, self._immutable, self._progress = store, src, immutable, progress
+        self._digest: tuple[int, str] | None = None
+
+    def publish(self) -> PutResult:
+        size, digest = self._store._put_file(self.key, self._src, self._immutable, self._progress)
+        self._digest = (size, digest)
+        return PutResult(self.key, size, digest)
+
+    def digest(self) -> tuple[int, str]:
+        if self._digest is None:
+            with open(self._src, "rb") as f:
+                self._digest = hash_stream(f)
+        return self._digest
+
+
 def check_key(key: str) -> str:
     """Refuse keys that could escape the store root, alias another key, or enter the store's
     own namespace (top-level names starting with `.`, where temp files live)."""
@@ -102,6 +154,12 @@ class BaseStore(ABC):
         """Stream `src` to `key`, hashing in the same pass. Raise ObjectExists if `key` exists."""
         size, digest = self._put_file(check_key(key), Path(src), immutable, progress)
         return PutResult(key, size, digest)
+
+    def stage_file(
+        self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
+    ) -> Staged:
+        """Start writing `src` toward `key` without making it visible (see `Staged`)."""
+        return self._stage_file(check_key(key), Path(src), immutable, progress)
 
     def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
         size, digest = self._put_bytes(check_key(key), bytes(data), immutable)
@@ -205,6 +263,9 @@ class BaseStore(ABC):
 
     def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
         return self._put_stream(key, lambda write: write(data), immutable)
+
+    def _stage_file(self, key: str, src: Path, immutable: bool, progress: Progress) -> Staged:
+        return _DeferredFile(self, key, src, immutable, progress)
 
     @abstractmethod
     def _head(self, key: str) -> ObjectInfo | None: ...

@@ -1,6 +1,6 @@
 """The local filesystem store: the embedded default.
 
-A write goes to a file with no name yet (`O_TMPFILE` in the target directory), is fsynced, then
+A write goes to a file with no name yet (`O_TMPFILE` on the store's filesystem), is fsynced, then
 `link()`ed to its final name: link fails if the name exists, so an object is never replaced
 (put-if-absent), a reader never sees a partial object, and a writer that dies leaves nothing
 behind (the kernel frees an unnamed file). The directory is fsynced after the link so the name
@@ -36,6 +36,8 @@ from registry.storage.base import (
     ObjectInfo,
     Producer,
     Progress,
+    PutResult,
+    Staged,
     Swept,
     write_all,
 )
@@ -60,6 +62,9 @@ class LocalStore(BaseStore):
         return self._path(key).as_uri() if key else self.url + "/"
 
     # -- writes --------------------------------------------------------------------------------
+    def _stage_file(self, key: str, src: Path, immutable: bool, progress: Progress) -> _LocalStaged:
+        return self._stage(key, lambda fd: _copy_path_hashing(src, fd, progress), immutable)
+
     def _put_file(
         self, key: str, src: Path, immutable: bool, progress: Progress
     ) -> tuple[int, str]:
@@ -74,45 +79,36 @@ class LocalStore(BaseStore):
     def _put(
         self, key: str, write: Callable[[int], tuple[int, str]], immutable: bool
     ) -> tuple[int, str]:
-        final = self._path(key)
-        if os.path.lexists(final):
+        if os.path.lexists(self._path(key)):
             raise ObjectExists(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+        with self._stage(key, write, immutable) as staged:
+            done = staged.publish()
+        return done.size, done.sha256
+
+    def _stage(
+        self, key: str, write: Callable[[int], tuple[int, str]], immutable: bool
+    ) -> _LocalStaged:
+        """Write into a file no reader can see yet, fsynced, hashed."""
+        fd, temp = self._open_temp(key)
         try:
-            fd, temp = self._open_temp(key, dir_fd)
-            try:
-                size, digest = write(fd)
-                os.fsync(fd)
-                if immutable:
-                    os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-                # An unnamed file gets its name through /proc (linkat with AT_SYMLINK_FOLLOW:
-                # os.link only passes it when a dir_fd is given).
-                source = temp or f"/proc/self/fd/{fd}"
-                try:
-                    os.link(source, final.name, dst_dir_fd=dir_fd, follow_symlinks=temp is None)
-                except FileExistsError:
-                    raise ObjectExists(key) from None
-                os.fsync(dir_fd)
-            finally:
-                if temp is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(temp)
-                os.close(fd)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            size, digest = write(fd)
+            os.fsync(fd)
+            if immutable:
+                os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        except BaseException as exc:
+            _close_temp(fd, temp)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 raise RegistryError(f"no space left writing {key}", "free space and retry") from exc
             raise
-        finally:
-            os.close(dir_fd)
-        return size, digest
+        return _LocalStaged(self, key, fd, temp, size, digest)
 
-    def _open_temp(self, key: str, dir_fd: int) -> tuple[int, str | None]:
-        """An unnamed file in the directory `dir_fd` (None for its name), or, where the
+    def _open_temp(self, key: str) -> tuple[int, str | None]:
+        """An unnamed file on the store's filesystem (None for its name), or, where the
         filesystem has no O_TMPFILE, a named one under .tmp/, locked while its writer lives."""
         if self._tmpfile:
+            self.root.mkdir(parents=True, exist_ok=True)
             try:
-                return os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o644, dir_fd=dir_fd), None
+                return os.open(self.root, os.O_TMPFILE | os.O_WRONLY, 0o644), None
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                     raise
@@ -223,6 +219,51 @@ class LocalStore(BaseStore):
             "kind": "local filesystem",
             "note": "nothing to configure: objects are put-if-absent via link()",
         }
+
+
+class _LocalStaged(Staged):
+    """A written, fsynced file with no name yet (or a locked temp name); `publish` links it to
+    its key: link() fails if the name exists, so an object is never replaced."""
+
+    def __init__(
+        self, store: LocalStore, key: str, fd: int, temp: str | None, size: int, digest: str
+    ) -> None:
+        super().__init__(key)
+        self._store, self._fd, self._temp = store, fd, temp
+        self._digest = (size, digest)
+        self._open = True
+
+    def digest(self) -> tuple[int, str]:
+        return self._digest
+
+    def publish(self) -> PutResult:
+        final = self._store._path(self.key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            # An unnamed file gets its name through /proc (linkat with AT_SYMLINK_FOLLOW, which
+            # os.link passes only when a dir_fd is given).
+            source = self._temp or f"/proc/self/fd/{self._fd}"
+            try:
+                os.link(source, final.name, dst_dir_fd=dir_fd, follow_symlinks=self._temp is None)
+            except FileExistsError:
+                raise ObjectExists(self.key) from None
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return PutResult(self.key, *self._digest)
+
+    def discard(self) -> None:
+        if self._open:
+            self._open = False
+            _close_temp(self._fd, self._temp)
+
+
+def _close_temp(fd: int, temp: str | None) -> None:
+    if temp is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    os.close(fd)
 
 
 def _remove_if_abandoned(path: str, cutoff: float) -> int | None:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import select
 
 from policies.resume import classify
-from registry import audit, events
+from registry import audit, events, faults
 from registry.catalog import claims
 from registry.catalog.claims import Claim
 from registry.catalog.models import (
@@ -205,6 +205,7 @@ def build(
             raise Conflict(f"--extra {extra.path} changed while being promoted", "promote again")
         built.files.append(FileRecord(extra.name, stored.size, stored.sha256))
     built.files.sort(key=lambda f: f.path)
+    faults.point("promote-consolidated")
     return built
 
 
@@ -224,6 +225,7 @@ def commit(
         immutable=True,
         on_mismatch=OnMismatch.CONFLICT,
     )
+    faults.point("promote-documented")
     digest = hashlib.sha256(data).hexdigest()
     uri = ctx.store.describe(release_prefix(plan.model, reservation.version))
     validation = reservation.validation

@@ -1,0 +1,203 @@
+"""The catalog side of a push: claim the step, commit it under the claim, or compare with what
+is already committed (DESIGN §3). `push.py` imports this module only once the copy is running,
+so the import of SQLAlchemy and the catalog models overlaps the data path."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import IntegrityError as DBIntegrityError
+from sqlmodel import select
+
+from registry import audit, events
+from registry.catalog import claims, queries
+from registry.catalog.claims import Claim
+from registry.catalog.models import (
+    COMMITTED,
+    DELETED,
+    DELETING,
+    PENDING,
+    Checkpoint,
+    CheckpointFile,
+)
+from registry.errors import Conflict
+from registry.layout import checkpoint_prefix
+from registry.lifecycle.views import CheckpointView
+from registry.storage.base import hash_stream
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.formats.dcp import ScannedDir
+    from registry.formats.documents import Manifest
+    from registry.refs import CheckpointRef
+
+held = claims.held
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    view: CheckpointView
+    unchanged: bool  # identical content was already committed; nothing copied
+    reused_files: int = 0  # files a killed earlier attempt had uploaded
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.view.to_json()
+        out["unchanged"] = self.unchanged
+        if not self.unchanged:
+            out["reused_files"] = self.reused_files
+        return out
+
+
+def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | None]:
+    """Take the step: a new pending row, or a stale claim. Returns the committed row instead if
+    the step is already committed."""
+    for _ in range(5):
+        with ctx.catalog.session(write=True) as s:
+            _, run = queries.get_or_create_run(s, ref.project, ref.run)
+            row = s.exec(
+                select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.step == ref.step)
+            ).first()
+            if row is None:
+                token = claims.new_token()
+                row = Checkpoint(
+                    run_id=run.id or 0,
+                    step=ref.step or 0,
+                    state=PENDING,
+                    created_at=now(),
+                    pushed_by=ctx.actor,
+                    **claims.claim_columns(token),
+                )
+                try:
+                    with s.begin_nested():
+                        s.add(row)
+                except DBIntegrityError:
+                    continue  # a concurrent push inserted it first: look again
+                s.flush()
+                assert row.id is not None
+                return Claim(Checkpoint, row.id, token), None
+            if row.state == COMMITTED:
+                return Claim(Checkpoint, row.id or 0, ""), row
+            if row.state in (DELETING, DELETED):
+                raise Conflict(
+                    f"{ref} was collected by retention at {iso(row.deleted_at)} "
+                    f"({row.delete_reason}); a collected step is not pushed again",
+                    "push under a new step",
+                )
+            if claims.is_live(row):
+                raise Conflict(
+                    f"{ref} is being pushed by {row.pushed_by} on {row.claim_host} "
+                    f"(pid {row.claim_pid}) since {iso(row.created_at)}",
+                    "wait for that push to finish or fail; a dead push's claim expires within "
+                    f"{claims.LEASE_SECONDS:.0f}s",
+                )
+            taken = claims.take_over(s, row, pushed_by=ctx.actor, created_at=now())
+            if taken is not None:
+                return taken, None
+    raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
+
+
+def commit(
+    ctx: Context,
+    claim: Claim,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    upload_seconds: float,
+    reused: int,
+) -> PushResult:
+    """Make the step visible: committed in one transaction with its files, the audit record and
+    the MLflow event, only while the claim is still ours."""
+    ref = manifest.ref
+    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+    with ctx.catalog.session(write=True) as s:
+        committed = claims.guarded_update(
+            s,
+            claim,
+            state=COMMITTED,
+            world_size=manifest.world_size,
+            world_size_inferred=manifest.world_size_inferred,
+            bytes=manifest.bytes,
+            file_count=len(manifest.files),
+            tensor_count=manifest.tensors.tensors,
+            tensor_bytes=manifest.tensors.tensor_bytes,
+            manifest_sha256=manifest_sha256,
+            resumable=manifest.resume.resumable,
+            missing_state=manifest.resume.missing,
+            resume_classes=manifest.resume.classes,
+            metrics=manifest.metrics,
+            committed_at=now(),
+            upload_seconds=round(upload_seconds, 3),
+            claim_token=None,
+            lease_until=None,
+        )
+        if not committed:
+            raise Conflict(
+                f"lost the claim on {ref} while pushing (another push took it over)",
+                "check `reg show` and push again if needed",
+            )
+        s.add_all(CheckpointFile.of(claim.row_id, f) for f in manifest.files)
+        run = queries.find_run(s, ref.project, ref.run)
+        resumed = run.resumed_from_step if run is not None else None
+        if run is not None and resumed is not None and manifest.step > resumed:
+            run.resumed_from_step = None  # a newer step lifts the resume protection
+            s.add(run)
+        audit.record(
+            s,
+            ctx.actor,
+            "push",
+            str(ref),
+            bytes=manifest.bytes,
+            files=len(manifest.files),
+            reused=reused,
+        )
+        ttl = ctx.policy.retention.for_project(ref.project).ttl
+        ctx.events.emit(
+            s,
+            events.CHECKPOINT_COMMITTED,
+            project=ref.project,
+            run=ref.run,
+            step=ref.step,
+            ref=str(ref),
+            world_size=manifest.world_size,
+            bytes=manifest.bytes,
+            resumable=manifest.resume.resumable,
+            missing_state=manifest.resume.missing,
+            metrics=manifest.metrics,
+            uri=ctx.store.describe(checkpoint_prefix(ref.project, ref.run, manifest.step)),
+            manifest_sha256=manifest_sha256,
+            committed_at=now(),
+            expires_at=None if ttl == float("inf") else now() + ttl,
+        )
+        s.flush()
+        row = s.get(Checkpoint, claim.row_id)
+        assert row is not None
+        view = CheckpointView.of(ref.project, ref.run, row, queries.files_of(s, claim.row_id))
+    return PushResult(view, unchanged=False, reused_files=reused)
+
+
+def compare_existing(
+    ctx: Context, ref: CheckpointRef, scanned: ScannedDir, existing: Checkpoint
+) -> PushResult:
+    """The step is committed: identical content is a no-op (exit 0), anything else a conflict."""
+    with ctx.catalog.session() as s:
+        files = queries.files_of(s, existing.id or 0)
+    stored = {f.path: (f.size, f.sha256) for f in files}
+    differs = f"{ref} is already committed with different content"
+    hint = f"pushed by {existing.pushed_by} at {iso(existing.committed_at)}; push under a new step"
+    if set(stored) != set(scanned.files) or any(
+        stored[p][0] != size for p, size in scanned.files.items()
+    ):
+        raise Conflict(differs, hint)
+
+    def digest(path: str) -> str:
+        with open(scanned.root / path, "rb") as f:
+            return hash_stream(f)[1]
+
+    with ThreadPoolExecutor(max_workers=ctx.workers) as pool:
+        digests = dict(zip(scanned.files, pool.map(digest, scanned.files), strict=True))
+    if any(stored[p][1] != d for p, d in digests.items()):
+        raise Conflict(differs, hint)
+    return PushResult(CheckpointView.of(ref.project, ref.run, existing, files), unchanged=True)

@@ -1,0 +1,116 @@
+"""Damaged stored objects on every store (memory, local, S3 over HTTP): verify names each damaged
+file, pull and pull-release refuse with exit 1 and write nothing, promotion refuses to consolidate
+a checkpoint that fails its digests."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.errors import IntegrityError, UsageError, ValidationFailed
+from tests import tamper
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "memory":
+        monkeypatch.setenv("REG_STORE_URL", f"memory://{uuid.uuid4().hex}")
+    elif request.param == "s3":
+        request.getfixturevalue("s3_env")
+    return str(request.param)
+
+
+@pytest.fixture
+def pushed(store_kind, cpu_policy, ckpts):  # type: ignore[no-untyped-def]
+    with Registry() as reg:
+        reg.push_checkpoint(
+            ckpts.ws2.step_dir(4), run="r", step=4, metrics=ckpts.ws2.probe_metrics(4)
+        )
+        yield reg
+
+
+KEY = "ckpt/default/r/step-4/"
+
+
+def _nothing_written(tmp_path: Path, name: str) -> None:
+    assert not (tmp_path / name).exists()
+    assert not list(tmp_path.glob(f".{name}.reg-pull-*"))
+
+
+def test_flipped_byte_fails_verify_and_pull(pushed, tmp_path):
+    tamper.flip_byte(pushed.store, KEY + "__0_0.distcp")
+    report = pushed.verify("r@step4")
+    assert not report["ok"]
+    assert [p["path"] for p in report["problems"]] == ["__0_0.distcp"]
+    assert report["problems"][0]["problem"].startswith("sha256 ")
+    with pytest.raises(IntegrityError, match=r"r@step4: stored file __0_0.distcp is corrupt"):
+        pushed.pull("r@step4", tmp_path / "out")
+    _nothing_written(tmp_path, "out")
+
+
+def test_missing_and_truncated_files_are_named(pushed, tmp_path):
+    tamper.remove(pushed.store, KEY + "__1_0.distcp")
+    tamper.truncate(pushed.store, KEY + "__0_0.distcp", 100)
+    report = pushed.verify("r@step4")
+    problems = {p["path"]: p["problem"] for p in report["problems"]}
+    assert problems["__1_0.distcp"] == "missing"
+    assert problems["__0_0.distcp"].startswith("size 100, expected ")
+    with pytest.raises(IntegrityError, match="is missing|is corrupt") as info:
+        pushed.pull("r@step4", tmp_path / "out")
+    assert info.value.exit_code == 1
+    _nothing_written(tmp_path, "out")
+
+
+def test_promotion_refuses_a_corrupt_shard_and_consumes_no_version(pushed):
+    tamper.flip_byte(pushed.store, KEY + "__1_0.distcp")
+    with pytest.raises(ValidationFailed, match="integrity: __1_0.distcp: sha256"):
+        pushed.promote("r@step4", model="tiny")
+    assert pushed.releases() == []
+    assert pushed.store.head("release/tiny/v1/model.safetensors") is None
+
+
+def test_damaged_release_fails_verify_and_pull(pushed, tmp_path):
+    out = pushed.promote("r@step4", model="tiny", alias="prod")
+    assert pushed.verify("tiny:v1")["ok"]
+    tamper.flip_byte(pushed.store, "release/tiny/v1/model.safetensors")
+    tamper.replace(pushed.store, "release/tiny/v1/release.json", b"{}")
+    report = pushed.verify("tiny@prod")
+    assert {p["path"] for p in report["problems"]} == {"model.safetensors", "release.json"}
+    with pytest.raises(IntegrityError, match="tiny:v1: stored file .* is corrupt"):
+        pushed.pull_release("tiny@prod", tmp_path / "rel")
+    _nothing_written(tmp_path, "rel")
+    assert out["files"] == pushed.show("tiny:v1")["files"]  # the catalog's record is unchanged
+
+
+def test_missing_release_file_exits_1(pushed, tmp_path):
+    pushed.promote("r@step4", model="tiny")
+    tamper.remove(pushed.store, "release/tiny/v1/model.safetensors")
+    with pytest.raises(IntegrityError, match="stored file model.safetensors is missing") as info:
+        pushed.pull_release("tiny:v1", tmp_path / "rel")
+    assert info.value.exit_code == 1
+    _nothing_written(tmp_path, "rel")
+    assert pushed.verify("tiny:v1")["problems"] == [
+        {"path": "model.safetensors", "problem": "missing"}
+    ]
+
+
+def test_memory_store_is_not_shared_with_validation_ranks(monkeypatch, ckpts):
+    monkeypatch.setenv("REG_STORE_URL", f"memory://{uuid.uuid4().hex}")
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        with pytest.raises(UsageError, match="memory store cannot be shared"):
+            reg.validate("r@step2", device="cpu", world_size=2)
+
+
+def test_cli_missing_release_file_is_one_line_exit_1(cpu_policy, ckpts, cli, tmp_path):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="tiny")
+        tamper.remove(reg.store, "release/tiny/v1/model.safetensors")
+    res = cli("pull-release", "tiny:v1", tmp_path / "rel")
+    assert res.returncode == 1
+    assert res.stderr.count("\n") == 1
+    assert "stored file model.safetensors is missing" in res.stderr
