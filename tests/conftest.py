@@ -87,15 +87,6 @@ def cpu_policy(monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-@pytest.fixture
-def reg_lite(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A registry on the embedded defaults only (for tests whose catalog is not the point)."""
-    from registry import Registry
-
-    with Registry() as r:
-        yield r
-
-
 @pytest.fixture(scope="session")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """A ~200 MB ws=2 checkpoint (model + AdamW), big enough to kill a push midway."""
@@ -137,6 +128,7 @@ def _drop_schema(schema: str) -> None:
 
 @pytest.fixture
 def reg(catalog_url: str):  # type: ignore[no-untyped-def]
+    """A registry on each catalog (SQLite, PostgreSQL) with the local store."""
     from registry import Registry
 
     with Registry() as r:

@@ -99,13 +99,13 @@ def test_malformed_grants_are_refused_at_load(doc, message):
 
 
 @pytest.fixture
-def applied(reg_lite, tmp_path, ckpts):
+def applied(reg, tmp_path, ckpts):
     """Team-a and team-b checkpoints, then the policy applied by the bootstrap admin."""
-    reg_lite.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, project="team-a")
-    reg_lite.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-b")
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, project="team-a")
+    reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-b")
     path = tmp_path / "policy.toml"
     path.write_text(POLICY)
-    assert reg_lite.apply_policy(path)["version"] == 1
+    assert reg.apply_policy(path)["version"] == 1
     return path
 
 

@@ -65,8 +65,8 @@ def test_gc_deletes_explains_and_leaves_tombstones(aggressive, reg, ckpts, tmp_p
     assert [e["action"] for e in reg.audit_log()].count("gc") == 1
 
 
-def test_protections_hold_in_practice(aggressive, reg_lite, ckpts, tmp_path):
-    reg = reg_lite
+def test_protections_hold_in_practice(aggressive, reg, ckpts, tmp_path):
+    reg = reg
     _push_steps(reg, ckpts, steps=(2, 4))
     _push_steps(reg, ckpts, run="s", steps=(2, 4))
     reg.pin("r@step2")
@@ -81,46 +81,46 @@ def test_protections_hold_in_practice(aggressive, reg_lite, ckpts, tmp_path):
     assert {d["ref"]: d["action"] for d in out["decisions"]}["s@step2"] == "delete"
 
 
-def test_release_sources_are_kept(aggressive, reg_lite, ckpts):
-    _push_steps(reg_lite, ckpts)
-    reg_lite.promote("r@step2", model="tiny")
-    out = reg_lite.gc()
+def test_release_sources_are_kept(aggressive, reg, ckpts):
+    _push_steps(reg, ckpts)
+    reg.promote("r@step2", model="tiny")
+    out = reg.gc()
     assert {d["ref"]: d["reason"] for d in out["decisions"]}[
         "r@step2"
     ] == "kept: source of release tiny:v1"
 
 
-def test_one_gc_at_a_time(aggressive, reg_lite, ckpts):
+def test_one_gc_at_a_time(aggressive, reg, ckpts):
     from registry.catalog import leases
     from registry.lifecycle.gc import GC_LEASE, acquire
 
-    token = acquire(reg_lite.context)
+    token = acquire(reg.context)
     try:
         with pytest.raises(Conflict, match=r"another GC is running: tester on .* since"):
-            reg_lite.gc()
+            reg.gc()
     finally:
-        leases.release(reg_lite.catalog, GC_LEASE, token)
-    reg_lite.gc()
+        leases.release(reg.catalog, GC_LEASE, token)
+    reg.gc()
 
 
-def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg_lite, ckpts):
+def test_crash_between_mark_and_delete_is_finished_next_run(aggressive, reg, ckpts):
     from registry.lifecycle.gc import _mark_deleting, _records, plan
 
-    _push_steps(reg_lite, ckpts)
-    with reg_lite.catalog.session() as s:
+    _push_steps(reg, ckpts)
+    with reg.catalog.session() as s:
         records, protections = _records(s)
     doomed = [
         d
-        for d in plan(records, reg_lite.policy.retention, time.time(), protections)
+        for d in plan(records, reg.policy.retention, time.time(), protections)
         if d.action == "delete"
     ]
-    assert _mark_deleting(reg_lite.context, doomed)  # ... and the process dies here
-    path = reg_lite.settings.home / "store" / "ckpt" / "default" / "r" / "step-2"
+    assert _mark_deleting(reg.context, doomed)  # ... and the process dies here
+    path = reg.settings.home / "store" / "ckpt" / "default" / "r" / "step-2"
     assert path.exists()
-    assert [c["step"] for c in reg_lite.list_checkpoints()] == [4]  # not visible any more
-    reg_lite.gc()
+    assert [c["step"] for c in reg.list_checkpoints()] == [4]  # not visible any more
+    reg.gc()
     assert not path.exists()
-    assert reg_lite.show("r@step2")["state"] == "deleted"
+    assert reg.show("r@step2")["state"] == "deleted"
 
 
 def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog_url, big_ckpt):
@@ -153,17 +153,17 @@ def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog
         assert reg.verify("big@step4")["ok"]
 
 
-def test_orphans_are_swept(aggressive, reg_lite, ckpts):
+def test_orphans_are_swept(aggressive, reg, ckpts):
     from registry.catalog import claims
     from registry.lifecycle.checkpoints.commit import claim_step as _claim
     from registry.refs import CheckpointRef
 
-    claim, _ = _claim(reg_lite.context, CheckpointRef("default", "dead", 1))
-    reg_lite.store.put_bytes("ckpt/default/dead/step-1/__0_0.distcp", b"half an upload")
-    claims.expire(reg_lite.catalog, claim)
-    out = reg_lite.gc()
+    claim, _ = _claim(reg.context, CheckpointRef("default", "dead", 1))
+    reg.store.put_bytes("ckpt/default/dead/step-1/__0_0.distcp", b"half an upload")
+    claims.expire(reg.catalog, claim)
+    out = reg.gc()
     assert out["orphans"] == ["ckpt/default/dead/step-1/"]
-    assert reg_lite.store.head("ckpt/default/dead/step-1/__0_0.distcp") is None
+    assert reg.store.head("ckpt/default/dead/step-1/__0_0.distcp") is None
 
 
 def test_malformed_policy_is_a_one_line_error(tmp_path, monkeypatch, cli):
@@ -185,8 +185,8 @@ def test_malformed_policy_is_a_one_line_error(tmp_path, monkeypatch, cli):
         reg.gc(dry_run=True)
 
 
-def test_gc_every_emits_json_lines_and_stops_on_sigterm(aggressive, reg_lite, ckpts):
-    _push_steps(reg_lite, ckpts)
+def test_gc_every_emits_json_lines_and_stops_on_sigterm(aggressive, reg, ckpts):
+    _push_steps(reg, ckpts)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "gc", "--every", "1s"],
         cwd=ROOT,

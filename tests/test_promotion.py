@@ -64,11 +64,11 @@ def test_release_is_bit_exact_with_the_trained_weights(cpu_policy, reg, ckpts, w
     assert document["files"] == out["files"]
 
 
-def test_dtype_ties_extras_and_shards(cpu_policy, reg_lite, ckpts, tmp_path):
-    _push(reg_lite, ckpts.ws2, 4)
+def test_dtype_ties_extras_and_shards(cpu_policy, reg, ckpts, tmp_path):
+    _push(reg, ckpts.ws2, 4)
     config = tmp_path / "config.json"
     config.write_text('{"dim": 64}')
-    out = reg_lite.promote(
+    out = reg.promote(
         "r@step4",
         model="tiny",
         dtype="bf16",
@@ -94,32 +94,32 @@ def test_dtype_ties_extras_and_shards(cpu_policy, reg_lite, ckpts, tmp_path):
         assert torch.equal(tensor, full[name].to(torch.bfloat16))
 
 
-def test_promote_again_returns_the_existing_release(cpu_policy, reg_lite, ckpts):
-    _push(reg_lite, ckpts.ws2, 2)
-    _push(reg_lite, ckpts.ws2, 4)
-    first = reg_lite.promote("r@step4", model="tiny")
-    again = reg_lite.promote("r@step4", model="tiny", alias="prod")
+def test_promote_again_returns_the_existing_release(cpu_policy, reg, ckpts):
+    _push(reg, ckpts.ws2, 2)
+    _push(reg, ckpts.ws2, 4)
+    first = reg.promote("r@step4", model="tiny")
+    again = reg.promote("r@step4", model="tiny", alias="prod")
     assert again["existing"] and again["release"] == "tiny:v1" and again["aliases"] == ["prod"]
     assert again["sha256"] == first["sha256"]
-    assert reg_lite.promote("r@step4", model="tiny", dtype="bf16")["release"] == "tiny:v2"
-    assert reg_lite.promote("r@step2", model="tiny")["release"] == "tiny:v3"
-    assert [r["release"] for r in reg_lite.releases("tiny")] == ["tiny:v1", "tiny:v2", "tiny:v3"]
+    assert reg.promote("r@step4", model="tiny", dtype="bf16")["release"] == "tiny:v2"
+    assert reg.promote("r@step2", model="tiny")["release"] == "tiny:v3"
+    assert [r["release"] for r in reg.releases("tiny")] == ["tiny:v1", "tiny:v2", "tiny:v3"]
 
 
-def test_default_policy_requires_cuda(reg_lite, ckpts, cli):
+def test_default_policy_requires_cuda(reg, ckpts, cli):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    _push(reg_lite, ckpts.ws2, 4)
+    _push(reg, ckpts.ws2, 4)
     with pytest.raises(GateNotMet, match=r'require_device = "cuda"') as info:
-        reg_lite.promote("r@step4", model="tiny")
+        reg.promote("r@step4", model="tiny")
     assert "reg validate REF --device cuda" in str(info.value)
     res = cli("promote", "r@step4", "--model", "tiny")
     assert res.returncode == 1 and res.stderr.count("\n") == 1 and "require_device" in res.stderr
-    assert reg_lite.releases() == []
+    assert reg.releases() == []
     # A passing CUDA validation recorded on a GPU node satisfies the gate from anywhere.
     from registry.catalog.models import Validation
 
-    with reg_lite.catalog.session(write=True) as s:
+    with reg.catalog.session(write=True) as s:
         s.add(
             Validation(
                 checkpoint_id=1,
@@ -133,30 +133,30 @@ def test_default_policy_requires_cuda(reg_lite, ckpts, cli):
                 created_by="gpu-node",
             )
         )
-    out = reg_lite.promote("r@step4", model="tiny")
+    out = reg.promote("r@step4", model="tiny")
     assert out["validation"]["device"] == "cuda"
 
 
-def test_nan_checkpoint_is_refused_and_consumes_no_version(cpu_policy, reg_lite, ckpts, bad_ckpts):
-    _push(reg_lite, bad_ckpts["nan"], 2, run="nan")
+def test_nan_checkpoint_is_refused_and_consumes_no_version(cpu_policy, reg, ckpts, bad_ckpts):
+    _push(reg, bad_ckpts["nan"], 2, run="nan")
     with pytest.raises(ValidationFailed, match="model.blocks.0.up.bias"):
-        reg_lite.promote("nan@step2", model="tiny")
-    assert reg_lite.releases() == []
-    _push(reg_lite, ckpts.ws2, 4)
-    assert reg_lite.promote("r@step4", model="tiny")["release"] == "tiny:v1"
+        reg.promote("nan@step2", model="tiny")
+    assert reg.releases() == []
+    _push(reg, ckpts.ws2, 4)
+    assert reg.promote("r@step4", model="tiny")["release"] == "tiny:v1"
 
 
-def test_weights_only_checkpoint_is_refused(cpu_policy, reg_lite, bad_ckpts):
-    _push(reg_lite, bad_ckpts["weights_only"], 2)
+def test_weights_only_checkpoint_is_refused(cpu_policy, reg, bad_ckpts):
+    _push(reg, bad_ckpts["weights_only"], 2)
     with pytest.raises(GateNotMet, match="not resumable .*require_resumable"):
-        reg_lite.promote("r@step2", model="tiny")
+        reg.promote("r@step2", model="tiny")
 
 
-def test_corrupt_shard_is_refused(cpu_policy, reg_lite, ckpts):
-    _push(reg_lite, ckpts.ws2, 4)
-    flip_byte(Path(reg_lite.show("r@step4")["uri"].removeprefix("file://")) / "__1_0.distcp")
+def test_corrupt_shard_is_refused(cpu_policy, reg, ckpts):
+    _push(reg, ckpts.ws2, 4)
+    flip_byte(Path(reg.show("r@step4")["uri"].removeprefix("file://")) / "__1_0.distcp")
     with pytest.raises(ValidationFailed, match="integrity"):
-        reg_lite.promote("r@step4", model="tiny")
+        reg.promote("r@step4", model="tiny")
 
 
 def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
@@ -183,52 +183,52 @@ def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
     assert reg.verify("tiny:v1")["ok"]
 
 
-def test_tampered_release_fails_verify_and_pull(cpu_policy, reg_lite, ckpts, tmp_path, cli):
-    _push(reg_lite, ckpts.ws2, 4)
-    out = reg_lite.promote("r@step4", model="tiny", alias="prod")
+def test_tampered_release_fails_verify_and_pull(cpu_policy, reg, ckpts, tmp_path, cli):
+    _push(reg, ckpts.ws2, 4)
+    out = reg.promote("r@step4", model="tiny", alias="prod")
     flip_byte(_release_dir(out) / "model.safetensors")
-    report = reg_lite.verify("tiny:v1")
+    report = reg.verify("tiny:v1")
     assert not report["ok"] and report["problems"][0]["path"] == "model.safetensors"
     with pytest.raises(IntegrityError, match="corrupt"):
-        reg_lite.pull_release("tiny@prod", tmp_path / "o")
+        reg.pull_release("tiny@prod", tmp_path / "o")
     assert not (tmp_path / "o").exists()
     assert cli("verify", "tiny:v1").returncode == 1
 
 
-def test_aliases_status_and_history(cpu_policy, reg_lite, ckpts, tmp_path):
-    _push(reg_lite, ckpts.ws2, 2)
-    _push(reg_lite, ckpts.ws2, 4)
-    reg_lite.promote("r@step2", model="tiny", alias="prod")
-    reg_lite.promote("r@step4", model="tiny")
-    moved = reg_lite.set_alias("tiny", "prod", "v2")
-    assert moved["previous"] == "v1" and reg_lite.show("tiny@prod")["version"] == 2
-    history = reg_lite.show("tiny:v2")["alias_history"]
+def test_aliases_status_and_history(cpu_policy, reg, ckpts, tmp_path):
+    _push(reg, ckpts.ws2, 2)
+    _push(reg, ckpts.ws2, 4)
+    reg.promote("r@step2", model="tiny", alias="prod")
+    reg.promote("r@step4", model="tiny")
+    moved = reg.set_alias("tiny", "prod", "v2")
+    assert moved["previous"] == "v1" and reg.show("tiny@prod")["version"] == 2
+    history = reg.show("tiny:v2")["alias_history"]
     assert [(h["alias"], h["from"], h["to"]) for h in history] == [("prod", "v1", "v2")]
-    assert reg_lite.deprecate("tiny:v1")["status"] == "deprecated"
+    assert reg.deprecate("tiny:v1")["status"] == "deprecated"
     with pytest.raises(UsageError, match="needs a reason"):
-        reg_lite.yank("tiny:v1", "")
-    assert reg_lite.yank("tiny:v1", "leaked eval data")["status"] == "yanked"
+        reg.yank("tiny:v1", "")
+    assert reg.yank("tiny:v1", "leaked eval data")["status"] == "yanked"
     with pytest.raises(Conflict, match="yanked"):
-        reg_lite.set_alias("tiny", "canary", "v1")
+        reg.set_alias("tiny", "canary", "v1")
     with pytest.raises(Conflict, match="leaked eval data"):
-        reg_lite.pull_release("tiny:v1", tmp_path / "y")
-    reg_lite.pull_release("tiny@prod", tmp_path / "p")
+        reg.pull_release("tiny:v1", tmp_path / "y")
+    reg.pull_release("tiny@prod", tmp_path / "p")
     assert (tmp_path / "p" / "model.safetensors").exists()
-    actions = [e["action"] for e in reg_lite.audit_log()]
+    actions = [e["action"] for e in reg.audit_log()]
     assert actions.count("alias") == 2 and "yank" in actions and "deprecate" in actions
 
 
-def test_unknown_models_versions_and_aliases(cpu_policy, reg_lite, ckpts):
+def test_unknown_models_versions_and_aliases(cpu_policy, reg, ckpts):
     with pytest.raises(NotFound, match="model nope not found"):
-        reg_lite.show("nope:v1")
-    _push(reg_lite, ckpts.ws2, 4)
-    reg_lite.promote("r@step4", model="tiny", alias="prod")
+        reg.show("nope:v1")
+    _push(reg, ckpts.ws2, 4)
+    reg.promote("r@step4", model="tiny", alias="prod")
     with pytest.raises(NotFound, match="tiny has versions v1"):
-        reg_lite.show("tiny:v7")
+        reg.show("tiny:v7")
     with pytest.raises(NotFound, match="tiny has aliases prod"):
-        reg_lite.show("tiny@staging")
+        reg.show("tiny@staging")
     with pytest.raises(MalformedRef):
-        reg_lite.set_alias("tiny", "latest", "v1")
+        reg.set_alias("tiny", "latest", "v1")
 
 
 def _promote_process(*args: str, fault: str | None = None) -> subprocess.Popen[str]:

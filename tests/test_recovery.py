@@ -16,20 +16,20 @@ def test_young_daly_and_expected_loss():
     assert expected_loss(600, 30) == 330
 
 
-def test_economics_of_a_run(reg_lite, ckpts, cli):
+def test_economics_of_a_run(reg, ckpts, cli):
     for step in (2, 4):
-        reg_lite.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
-    out = reg_lite.recovery("r", mtbf_s=3600)
+        reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+    out = reg.recovery("r", mtbf_s=3600)
     assert out["checkpoints"] == 2 and out["save_cost_seconds"] > 0
     assert out["restore_seconds"] is None and "no passing validation" in out["advice"][-1]
     assert out["optimal_interval_seconds"] == pytest.approx(
         math.sqrt(2 * out["save_cost_seconds"] * 3600), rel=1e-3
     )
-    reg_lite.validate("r@step4", device="cpu")
-    out = reg_lite.recovery("r", mtbf_s=3600)
+    reg.validate("r@step4", device="cpu")
+    out = reg.recovery("r", mtbf_s=3600)
     assert out["restore_seconds"] > 0 and out["rto_seconds"] >= out["restore_seconds"]
     assert any(w in out["advice"][0] for w in ("checkpoint more", "checkpoint less", "near the"))
     res = cli("recovery", "r", "--mtbf", "1h", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["run"] == "r"
     with pytest.raises(NotFound):
-        reg_lite.recovery("nope")
+        reg.recovery("nope")

@@ -47,83 +47,131 @@ def test_validation_with_factory_passes_and_is_recorded(reg, ckpts):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_reshard_ws2_checkpoint(reg_lite, ckpts, world_size):
-    _push(reg_lite, ckpts.ws2, 2)
-    out = reg_lite.validate("r@step2", device="cpu", world_size=world_size)
+def test_reshard_ws2_checkpoint(reg, ckpts, world_size):
+    _push(reg, ckpts.ws2, 2)
+    out = reg.validate("r@step2", device="cpu", world_size=world_size)
     assert out["passed"], out["checks"]
     assert out["world_size"] == world_size
     assert f"{world_size} ranks" in _checks(out)["restore"]["detail"] or world_size == 1
 
 
-def test_ws3_checkpoint_restores_at_ws2(reg_lite, ckpts):
-    _push(reg_lite, ckpts.ws3, 3)
-    assert reg_lite.validate("r@step3", device="cpu", world_size=2)["passed"]
-    assert reg_lite.validate("r@step3", device="cpu", model_factory=FACTORY)["passed"]
+def test_ws3_checkpoint_restores_at_ws2(reg, ckpts):
+    _push(reg, ckpts.ws3, 3)
+    assert reg.validate("r@step3", device="cpu", world_size=2)["passed"]
+    assert reg.validate("r@step3", device="cpu", model_factory=FACTORY)["passed"]
 
 
-def test_nan_weight_fails_and_names_the_tensor(reg_lite, bad_ckpts):
-    _push(reg_lite, bad_ckpts["nan"], 2)
-    out = reg_lite.validate("r@step2", device="cpu")
+def test_nan_weight_fails_and_names_the_tensor(reg, bad_ckpts):
+    _push(reg, bad_ckpts["nan"], 2)
+    out = reg.validate("r@step2", device="cpu")
     assert not out["passed"]
     finite = _checks(out)["finite"]
     assert not finite["passed"]
     assert "model.blocks.0.up.bias" in finite["detail"] and "NaN" in finite["detail"]
 
 
-def test_weights_only_checkpoint_is_not_resumable(reg_lite, bad_ckpts):
-    pushed = _push(reg_lite, bad_ckpts["weights_only"], 2)
+def test_weights_only_checkpoint_is_not_resumable(reg, bad_ckpts):
+    pushed = _push(reg, bad_ckpts["weights_only"], 2)
     assert pushed["resumable"] is False
-    out = reg_lite.validate("r@step2", device="cpu")
+    out = reg.validate("r@step2", device="cpu")
     assert not out["passed"]
     assert _checks(out)["resume_state"]["detail"].startswith("missing optimizer")
 
 
-def test_corrupt_shard_fails_integrity_and_loads_nothing(reg_lite, ckpts):
-    _push(reg_lite, ckpts.ws2, 4)
-    stored = Path(reg_lite.show("r@step4")["uri"].removeprefix("file://"))
+def test_corrupt_shard_fails_integrity_and_loads_nothing(reg, ckpts):
+    _push(reg, ckpts.ws2, 4)
+    stored = Path(reg.show("r@step4")["uri"].removeprefix("file://"))
     flip_byte(stored / "__0_0.distcp")
-    out = reg_lite.validate("r@step4", device="cpu")
+    out = reg.validate("r@step4", device="cpu")
     assert not out["passed"]
     assert "__0_0.distcp: sha256" in _checks(out)["integrity"]["detail"]
     assert "restore" not in _checks(out)
 
 
-def test_factory_errors(reg_lite, ckpts):
-    _push(reg_lite, ckpts.ws2, 4)
+def test_factory_errors(reg, ckpts):
+    _push(reg, ckpts.ws2, 4)
     with pytest.raises(UsageError, match="cannot import no_such_module"):
-        reg_lite.validate("r@step4", device="cpu", model_factory="no_such_module:build")
+        reg.validate("r@step4", device="cpu", model_factory="no_such_module:build")
     with pytest.raises(UsageError, match="write module:function"):
-        reg_lite.validate("r@step4", device="cpu", model_factory="examples.tiny_model")
-    out = reg_lite.validate("r@step4", device="cpu", model_factory="tests.factories:wrong_names")
+        reg.validate("r@step4", device="cpu", model_factory="examples.tiny_model")
+    out = reg.validate("r@step4", device="cpu", model_factory="tests.factories:wrong_names")
     detail = _checks(out)["model"]["detail"]
     assert not out["passed"]
     assert "missing keys: 0.weight" in detail and "unexpected keys: embed.weight" in detail
-    out = reg_lite.validate("r@step4", device="cpu", model_factory="tests.factories:broken")
+    out = reg.validate("r@step4", device="cpu", model_factory="tests.factories:broken")
     assert "factory exploded" in _checks(out)["model"]["detail"]
 
 
-def test_probe_mismatch_fails(reg_lite, ckpts):
-    reg_lite.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, metrics={"probe_loss": 99.0})
-    out = reg_lite.validate("r@step4", device="cpu", model_factory=FACTORY)
+def test_probe_mismatch_fails(reg, ckpts):
+    reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, metrics={"probe_loss": 99.0})
+    out = reg.validate("r@step4", device="cpu", model_factory=FACTORY)
     assert not _checks(out)["probe"]["passed"] and "recorded 99" in _checks(out)["probe"]["detail"]
 
 
-def test_cuda_request_without_cuda_is_a_clear_error(reg_lite, ckpts):
+def test_cuda_request_without_cuda_is_a_clear_error(reg, ckpts):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the refusal only applies without one")
-    _push(reg_lite, ckpts.ws2, 4)
+    _push(reg, ckpts.ws2, 4)
     with pytest.raises(UsageError, match="no CUDA device here"):
-        reg_lite.validate("r@step4", device="cuda")
+        reg.validate("r@step4", device="cuda")
 
 
 @pytest.mark.cuda
-def test_cuda_validation_and_reshard(reg_lite, ckpts):
+def test_cuda_validation_and_reshard(reg, ckpts):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (CI has none; run tests/gpu/run.sh on a GPU machine)")
-    _push(reg_lite, ckpts.ws2, 4)
-    out = reg_lite.validate("r@step4", device="cuda", model_factory=FACTORY)
+    _push(reg, ckpts.ws2, 4)
+    out = reg.validate("r@step4", device="cuda", model_factory=FACTORY)
     assert out["passed"] and out["device"] == "cuda", out["checks"]
+
+
+def test_reshard_runs_the_model_factory_on_the_gathered_tensors(reg, ckpts):
+    _push(reg, ckpts.ws2, 4)
+    out = reg.validate("r@step4", device="cpu", world_size=2, model_factory=FACTORY)
+    checks = _checks(out)
+    assert out["passed"], out["checks"]
+    assert "resharded onto 2 ranks" in checks["restore"]["detail"]
+    assert "tied: embed.weight=lm_head.weight" in checks["model"]["detail"]
+    assert checks["probe"]["passed"] and "probe loss" in checks["probe"]["detail"]
+    wrong = reg.validate(
+        "r@step4", device="cpu", world_size=2, model_factory="tests.factories:wrong_names"
+    )
+    assert not wrong["passed"]
+    assert "missing keys: 0.weight" in _checks(wrong)["model"]["detail"]
+
+
+def _drop_a_chunk(src: Path, dest: Path) -> str:
+    """A copy of the checkpoint whose .metadata lists one chunk fewer for a sharded tensor: the
+    tensor is then partly covered, and a load would leave the rest uninitialised."""
+    import pickle
+    import shutil
+
+    shutil.copytree(src, dest)
+    with open(dest / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own test checkpoint, not an untrusted file
+    fqn = next(
+        k
+        for k, m in metadata.state_dict_metadata.items()
+        if hasattr(m, "chunks") and len(m.chunks) == 2
+    )
+    dropped = metadata.state_dict_metadata[fqn].chunks.pop()
+    for index in [i for i in metadata.storage_data if i.fqn == fqn]:
+        if tuple(index.offset) == tuple(dropped.offsets):
+            del metadata.storage_data[index]
+    with open(dest / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return fqn
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_partly_covered_tensor_fails_the_shapes_check(reg, ckpts, tmp_path, world_size):
+    fqn = _drop_a_chunk(ckpts.ws2.step_dir(4), tmp_path / "partial")
+    reg.push_checkpoint(tmp_path / "partial", run="p", step=4)
+    out = reg.validate("p@step4", device="cpu", world_size=world_size)
+    shapes = _checks(out)["shapes"]
+    assert not out["passed"] and not shapes["passed"]
+    assert f"the chunks of {fqn} cover" in shapes["detail"]

@@ -155,7 +155,7 @@ class Catalog:
         if self.is_sqlite:
             conn = self._sqlite_connect()
             try:
-                return conn.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+                return str(conn.execute("SELECT version_num FROM alembic_version").fetchone()[0])
             except sqlite3.OperationalError as exc:
                 if "no such table" in str(exc):
                     return None

@@ -161,7 +161,6 @@ class LocalStore(BaseStore):
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             size, digest = _copy_path_hashing(self._path(key), fd, progress)
-            os.fsync(fd)
         finally:
             os.close(fd)
         return size, digest
@@ -297,8 +296,8 @@ def _write_produced(fd: int, produce: Producer) -> tuple[int, str]:
 
 def _copy_path_hashing(src: Path, fd_out: int, progress: Progress) -> tuple[int, str]:
     """Copy file to file in the kernel (copy_file_range) while a second thread hashes the source
-    through mmap: no byte passes through Python buffers. Both read the same page-cache pages,
-    and a source that changes meanwhile is refused, so the digest is that of the copy."""
+    through mmap, then fsync: no byte passes through Python buffers. Both read the same page-cache
+    pages, and a source that changes meanwhile is refused, so the digest is that of the copy."""
     fd_in = os.open(src, os.O_RDONLY)
     try:
         before = os.fstat(fd_in)
@@ -328,6 +327,7 @@ def _copy_path_hashing(src: Path, fd_out: int, progress: Progress) -> tuple[int,
             hasher.start()
         try:
             _kernel_copy(fd_in, fd_out, size)
+            os.fsync(fd_out)  # while the hash thread finishes: the two overlap
         finally:
             if hasher:
                 hasher.join()

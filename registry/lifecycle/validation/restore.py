@@ -138,7 +138,7 @@ def restore_distributed(
         )
     with tempfile.TemporaryDirectory(prefix="reg-validate-") as tmp:
         try:
-            mp.spawn(
+            mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn unannotated
                 _rank_main,
                 args=(world_size, _free_port(), device, store.url, prefix, tmp, model),
                 nprocs=world_size,
