@@ -56,7 +56,8 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
     elif mode == "reg":
         os.environ["REG_HOME"] = home
         from registry import Registry
-        from registry.formats.dcp import METADATA, inventory, load_metadata
+        from registry.formats.dcp import METADATA, inventory
+        from registry.formats.dcp_metadata import load_metadata
         from registry.lifecycle.promotion.consolidate import consolidate
 
         with Registry() as reg:

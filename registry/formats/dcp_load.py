@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
-from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, load_metadata
+from registry.formats.dcp import METADATA, ChunkRange, TensorInfo
+from registry.formats.dcp_metadata import load_metadata
 
 if TYPE_CHECKING:
     from registry.storage.base import ObjectStore

@@ -12,17 +12,11 @@ from __future__ import annotations
 import builtins
 import json
 import math
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, ClassVar
 
-from registry.errors import InvalidDocument, RegistryError
-from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_PATH_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
+from registry.formats.strict_json import StrictReader
+from registry.refs import CheckpointRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +102,14 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: builtins.bytes, where: str) -> Manifest:
-        doc = _Reader(where).document(data, (cls.FORMAT,))
-        r = _Reader(where)
+        r = StrictReader(where)
+        doc = r.document(data, (cls.FORMAT,))
         r.keys(
             doc,
             "format project run step world_size world_size_inferred files bytes tensors resume "
             "metrics pushed_by created_at",
         )
-        files = r.files(doc["files"], with_rank=True)
+        files = _files(r, doc["files"], with_rank=True)
         manifest = cls(
             project=r.name(doc["project"], "project"),
             run=r.name(doc["run"], "run"),
@@ -123,9 +117,9 @@ class Manifest:
             world_size=r.integer(doc["world_size"], "world_size", minimum=1),
             world_size_inferred=r.boolean(doc["world_size_inferred"], "world_size_inferred"),
             files=files,
-            tensors=r.tensor_summary(doc["tensors"]),
-            resume=r.resume(doc["resume"]),
-            metrics=r.metrics(doc["metrics"]),
+            tensors=_tensor_summary(r, doc["tensors"]),
+            resume=_resume(r, doc["resume"]),
+            metrics=_metrics(r, doc["metrics"]),
             pushed_by=r.text(doc["pushed_by"], "pushed_by"),
             created_at=r.timestamp(doc["created_at"], "created_at"),
         )
@@ -202,7 +196,7 @@ class ReleaseDocument:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> ReleaseDocument:
-        r = _Reader(where)
+        r = StrictReader(where)
         doc = r.document(data, (cls.FORMAT,))
         r.keys(
             doc,
@@ -215,7 +209,7 @@ class ReleaseDocument:
         out = cls(
             model=r.name(doc["model"], "model"),
             version=r.integer(doc["version"], "version", minimum=1),
-            files=r.files(doc["files"], with_rank=False),
+            files=_files(r, doc["files"], with_rank=False),
             source=SourceRecord(
                 ref=r.checkpoint_ref(source["ref"], "source.ref"),
                 manifest_sha256=r.optional(source["manifest_sha256"], r.digest, "source.sha"),
@@ -241,169 +235,62 @@ class ReleaseDocument:
         return out
 
 
-class _Reader:
-    """Strict readers of JSON values; every failure names the document and the key."""
+# -- the parts both documents share ---------------------------------------------------------
 
-    def __init__(self, where: str) -> None:
-        self.where = where
 
-    def error(self, key: str, problem: str) -> InvalidDocument:
-        return InvalidDocument(
-            f"{self.where}: {key} {problem}",
-            "the stored document is damaged or was not written by reg",
-        )
-
-    def document(self, data: bytes, formats: tuple[str, ...]) -> dict[str, Any]:
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidDocument(
-                f"{self.where}: not JSON ({exc})", "the stored document is damaged"
-            ) from None
-        if not isinstance(doc, dict):
-            raise self.error("document", "is not a JSON object")
-        if doc.get("format") not in formats:
-            raise self.error(
-                "format", f"is {doc.get('format')!r}; this reg reads {', '.join(formats)}"
-            )
-        return doc
-
-    def keys(self, doc: dict[str, Any], names: str, where: str = "") -> None:
-        wanted = set(names.split())
-        unknown, missing = sorted(set(doc) - wanted), sorted(wanted - set(doc))
-        label = f"{where}." if where else ""
-        if unknown:
-            raise self.error(f"{label}{unknown[0]}", "is not a known key")
-        if missing:
-            raise self.error(f"{label}{missing[0]}", "is missing")
-
-    def mapping(self, value: Any, key: str, names: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.error(key, "is not an object")
-        self.keys(value, names, key)
-        return value
-
-    def integer(self, value: Any, key: str, *, minimum: int | None = None) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.error(key, f"is {value!r}, not a whole number")
-        if minimum is not None and value < minimum:
-            raise self.error(key, f"is {value}, below {minimum}")
-        return value
-
-    def number(self, value: Any, key: str) -> float:
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise self.error(key, f"is {value!r}, not a number")
-        return float(value)
-
-    def boolean(self, value: Any, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.error(key, f"is {value!r}, not true or false")
-        return value
-
-    def text(self, value: Any, key: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise self.error(key, f"is {value!r}, not a non-empty string")
-        return value
-
-    def digest(self, value: Any, key: str) -> str:
-        if not isinstance(value, str) or not _SHA256.fullmatch(value):
-            raise self.error(key, f"is {value!r}, not a lowercase hex sha256")
-        return value
-
-    def name(self, value: Any, key: str) -> str:
-        try:
-            return check_name(self.text(value, key), key)
-        except RegistryError as exc:
-            raise self.error(key, f"is not a valid name ({exc.message})") from None
-
-    def timestamp(self, value: Any, key: str) -> str:
-        try:
-            datetime.fromisoformat(self.text(value, key).replace("Z", "+00:00"))
-        except ValueError:
-            raise self.error(key, f"is {value!r}, not an ISO 8601 time") from None
-        return str(value)
-
-    def checkpoint_ref(self, value: Any, key: str) -> CheckpointRef:
-        try:
-            ref = parse_checkpoint_ref(self.text(value, key))
-        except RegistryError as exc:
-            raise self.error(key, f"is not a checkpoint ref ({exc.message})") from None
-        if ref.step is None:
-            raise self.error(key, f"is {value!r}, which names no step")
-        return ref
-
-    def optional(self, value: Any, read: Callable[[Any, str], Any], key: str) -> Any:
-        return None if value is None else read(value, key)
-
-    def string_list(self, value: Any, key: str) -> list[str]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.error(key, "is not a list of strings")
-        return list(value)
-
-    def string_map(self, value: Any, key: str) -> dict[str, str]:
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise self.error(key, "is not an object of strings")
-        return dict(value)
-
-    def files(self, value: Any, *, with_rank: bool) -> tuple[FileRecord, ...]:
-        if not isinstance(value, list):
-            raise self.error("files", "is not a list")
-        out, seen = [], set()
-        for i, item in enumerate(value):
-            key = f"files[{i}]"
-            entry = self.mapping(item, key, "path size sha256" + (" rank" if with_rank else ""))
-            path = self.relative_path(entry["path"], f"{key}.path")
-            if path in seen:
-                raise self.error(f"{key}.path", f"repeats {path}")
-            seen.add(path)
-            rank = entry.get("rank")
-            out.append(
-                FileRecord(
-                    path,
-                    self.integer(entry["size"], f"{key}.size", minimum=0),
-                    self.digest(entry["sha256"], f"{key}.sha256"),
-                    None if rank is None else self.integer(rank, f"{key}.rank", minimum=0),
-                )
-            )
-        return tuple(out)
-
-    def relative_path(self, value: Any, key: str) -> str:
-        path = self.text(value, key)
-        parts = path.split("/")
-        if any(not _PATH_SEGMENT.fullmatch(p) or p.startswith("..") for p in parts):
-            raise self.error(key, f"is {path!r}, not a safe relative path")
-        return path
-
-    def tensor_summary(self, value: Any) -> TensorSummary:
-        doc = self.mapping(value, "tensors", "tensors tensor_bytes objects")
-        return TensorSummary(
-            *(
-                self.integer(doc[k], f"tensors.{k}", minimum=0)
-                for k in ("tensors", "tensor_bytes", "objects")
+def _files(r: StrictReader, value: Any, *, with_rank: bool) -> tuple[FileRecord, ...]:
+    if not isinstance(value, list):
+        raise r.error("files", "is not a list")
+    out, seen = [], set()
+    for i, item in enumerate(value):
+        key = f"files[{i}]"
+        entry = r.mapping(item, key, "path size sha256" + (" rank" if with_rank else ""))
+        path = r.relative_path(entry["path"], f"{key}.path")
+        if path in seen:
+            raise r.error(f"{key}.path", f"repeats {path}")
+        seen.add(path)
+        rank = entry.get("rank")
+        out.append(
+            FileRecord(
+                path,
+                r.integer(entry["size"], f"{key}.size", minimum=0),
+                r.digest(entry["sha256"], f"{key}.sha256"),
+                None if rank is None else r.integer(rank, f"{key}.rank", minimum=0),
             )
         )
+    return tuple(out)
 
-    def resume(self, value: Any) -> ResumeRecord:
-        doc = self.mapping(value, "resume", "classes missing resumable unclassified")
-        classes = doc["classes"]
-        if not isinstance(classes, dict):
-            raise self.error("resume.classes", "is not an object")
-        return ResumeRecord(
-            classes={
-                str(k): self.string_list(v, f"resume.classes.{k}") for k, v in classes.items()
-            },
-            missing=self.string_list(doc["missing"], "resume.missing"),
-            resumable=self.boolean(doc["resumable"], "resume.resumable"),
-            unclassified=self.string_list(doc["unclassified"], "resume.unclassified"),
+
+def _tensor_summary(r: StrictReader, value: Any) -> TensorSummary:
+    doc = r.mapping(value, "tensors", "tensors tensor_bytes objects")
+    return TensorSummary(
+        *(
+            r.integer(doc[k], f"tensors.{k}", minimum=0)
+            for k in ("tensors", "tensor_bytes", "objects")
         )
+    )
 
-    def metrics(self, value: Any) -> dict[str, float]:
-        if not isinstance(value, dict):
-            raise self.error("metrics", "is not an object")
-        out = {}
-        for k, v in value.items():
-            number = self.number(v, f"metrics.{k}")
-            if not math.isfinite(number):
-                raise self.error(f"metrics.{k}", f"is {v!r}, not a finite number")
-            out[self.name(k, "metric name")] = number
-        return out
+
+def _resume(r: StrictReader, value: Any) -> ResumeRecord:
+    doc = r.mapping(value, "resume", "classes missing resumable unclassified")
+    classes = doc["classes"]
+    if not isinstance(classes, dict):
+        raise r.error("resume.classes", "is not an object")
+    return ResumeRecord(
+        classes={str(k): r.string_list(v, f"resume.classes.{k}") for k, v in classes.items()},
+        missing=r.string_list(doc["missing"], "resume.missing"),
+        resumable=r.boolean(doc["resumable"], "resume.resumable"),
+        unclassified=r.string_list(doc["unclassified"], "resume.unclassified"),
+    )
+
+
+def _metrics(r: StrictReader, value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise r.error("metrics", "is not an object")
+    out = {}
+    for k, v in value.items():
+        number = r.number(v, f"metrics.{k}")
+        if not math.isfinite(number):
+            raise r.error(f"metrics.{k}", f"is {v!r}, not a finite number")
+        out[r.name(k, "metric name")] = number
+    return out

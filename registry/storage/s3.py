@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -38,18 +38,10 @@ from registry.storage.base import (
     Progress,
     Swept,
 )
+from registry.storage.parts import MIN_PART, file_parts, part_size_for, stream_parts
 
-MIN_PART = 8 * 1024 * 1024
-MAX_PARTS = 10_000
 IN_FLIGHT = 4  # parts in memory per upload
 PART_RETRIES = 4
-
-
-def part_size_for(size: int) -> int:
-    """Smallest part size (whole MiB, >= 8 MiB) that fits `size` in 10,000 parts."""
-    needed = -(-size // MAX_PARTS)
-    mib = 1024 * 1024
-    return max(MIN_PART, -(-needed // mib) * mib)
 
 
 class S3Store(BaseStore):
@@ -122,64 +114,12 @@ class S3Store(BaseStore):
                 if progress:
                     progress(len(data))
                 return result
-            return self._multipart(key, _file_parts(f, part), immutable, progress)
+            return self._multipart(key, file_parts(f, part), immutable, progress)
 
     def _put_stream(self, key: str, produce: Producer, immutable: bool) -> tuple[int, str]:
-        buffer = bytearray()
-        pending: list[bytes | None] = []
-        lock = threading.Condition()
-
-        def write(data: Any) -> None:
-            view = memoryview(data).cast("B")
-            buffer.extend(view)
-            while len(buffer) >= MIN_PART * 2:
-                chunk = bytes(buffer[: MIN_PART * 2])
-                del buffer[: MIN_PART * 2]
-                with lock:
-                    while len(pending) >= 2 and not failure:  # bounded memory
-                        lock.wait(0.1)
-                    if failure:
-                        raise failure[0]
-                    pending.append(chunk)
-                    lock.notify_all()
-
-        # The producer runs on this thread and the upload reads the queue on another.
-        result: list[tuple[int, str]] = []
-        failure: list[BaseException] = []
-
-        def chunks() -> Iterator[bytes]:
-            while True:
-                with lock:
-                    while not pending:
-                        lock.wait()
-                    item = pending.pop(0)
-                    lock.notify_all()
-                if item is None:
-                    return
-                yield item
-
-        def upload() -> None:
-            try:
-                result.append(self._multipart(key, chunks(), immutable, None))
-            except BaseException as exc:
-                failure.append(exc)
-                with lock:
-                    lock.notify_all()
-
-        uploader = threading.Thread(target=upload, name="reg-s3-stream")
-        uploader.start()
-        try:
-            produce(write)
-        finally:
-            with lock:
-                if buffer:
-                    pending.append(bytes(buffer))
-                pending.append(None)
-                lock.notify_all()
-            uploader.join()
-        if failure:
-            raise failure[0]
-        return result[0]
+        return stream_parts(
+            produce, MIN_PART * 2, lambda parts: self._multipart(key, parts, immutable, None)
+        )
 
     def _multipart(
         self, key: str, parts: Iterator[bytes], immutable: bool, progress: Progress
@@ -546,11 +486,6 @@ def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
     if part.get("ChecksumCRC32"):
         out["ChecksumCRC32"] = part["ChecksumCRC32"]
     return out
-
-
-def _file_parts(f: BinaryIO, part: int) -> Iterator[bytes]:
-    while data := f.read(part):
-        yield data
 
 
 def _client() -> Any:

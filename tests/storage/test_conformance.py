@@ -208,3 +208,15 @@ def test_nothing_incomplete_after_clean_writes(store, tmp_path):
     store.put_file("ckpt/sw/a", _file(tmp_path, "a", b"x" * 100))
     assert store.sweep_incomplete("ckpt/", 0) == []
     assert store.get_bytes("ckpt/sw/a") == b"x" * 100
+
+
+def test_a_producer_that_fails_midway_leaves_no_object(store):
+    def produce(write):  # type: ignore[no-untyped-def]
+        for _ in range(5):  # 40 MiB: on S3, parts are already uploaded when it fails
+            write(os.urandom(8 * 1024 * 1024))
+        raise RuntimeError("reading the checkpoint failed")
+
+    with pytest.raises(RuntimeError, match="reading the checkpoint failed"):
+        store.put_stream("release/m/v1/model.safetensors", produce, immutable=True)
+    assert store.head("release/m/v1/model.safetensors") is None
+    assert list(store.list("release/")) == []

@@ -31,7 +31,8 @@ from registry.catalog.models import (
     Validation,
 )
 from registry.errors import Conflict, GateNotMet
-from registry.formats.dcp import METADATA, inventory, load_metadata
+from registry.formats.dcp import METADATA, inventory
+from registry.formats.dcp_metadata import load_metadata
 from registry.formats.documents import (
     FileRecord,
     ReleaseDocument,

@@ -26,7 +26,8 @@ from registry import audit, events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import RegistryError, UsageError
-from registry.formats.dcp import METADATA, check_ranges, inventory, load_metadata
+from registry.formats.dcp import METADATA, check_ranges, inventory
+from registry.formats.dcp_metadata import load_metadata
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import RegistryError, UsageError
-from registry.formats.dcp import METADATA, Inventory, inventory, load_metadata
+from registry.formats.dcp import METADATA, Inventory, inventory
+from registry.formats.dcp_metadata import load_metadata
 from registry.lifecycle.validation.checks import (
     ModelCheck,
     Outcome,
