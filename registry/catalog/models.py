@@ -165,6 +165,10 @@ class ReleaseFile(SQLModel, table=True):
     size: int = Field(sa_type=BigInteger)
     sha256: str = Field(max_length=64)
 
+    @classmethod
+    def of(cls, release_id: int, record: FileRecord) -> ReleaseFile:
+        return cls(release_id=release_id, path=record.path, size=record.size, sha256=record.sha256)
+
 
 class Alias(SQLModel, table=True):
     __table_args__ = (UniqueConstraint("model_id", "name"),)

@@ -17,7 +17,7 @@ import hashlib
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from registry import audit
 from registry.catalog import queries
@@ -194,26 +194,7 @@ def _release(
             s.delete(existing)
             s.flush()
         source = doc.source.ref
-        _, run_row = queries.get_or_create_run(s, source.project, source.run)
-        ckpt = s.exec(
-            select(Checkpoint).where(
-                Checkpoint.run_id == run_row.id, Checkpoint.step == source.step
-            )
-        ).first()
-        if ckpt is None:  # the source was collected: a tombstone keeps the lineage
-            ckpt = Checkpoint(
-                run_id=run_row.id or 0,
-                step=source.step or 0,
-                state=DELETED,
-                created_at=now(),
-                pushed_by="unknown",
-                deleted_at=now(),
-                delete_reason="not in the store at catalog rebuild",
-                manifest_sha256=doc.source.manifest_sha256,
-                world_size=doc.source.world_size,
-            )
-            s.add(ckpt)
-            s.flush()
+        ckpt = _source_row(s, doc)
         release = Release(
             model_id=model.id or 0,
             version=doc.version,
@@ -233,7 +214,28 @@ def _release(
         )
         s.add(release)
         s.flush()
-        for f in doc.files:
-            s.add(
-                ReleaseFile(release_id=release.id or 0, path=f.path, size=f.size, sha256=f.sha256)
-            )
+        s.add_all(ReleaseFile.of(release.id or 0, f) for f in doc.files)
+
+
+def _source_row(session: Session, doc: ReleaseDocument) -> Checkpoint:
+    """The release's source checkpoint; a tombstone keeps the lineage if it was collected."""
+    source = doc.source.ref
+    _, run_row = queries.get_or_create_run(session, source.project, source.run)
+    ckpt = session.exec(
+        select(Checkpoint).where(Checkpoint.run_id == run_row.id, Checkpoint.step == source.step)
+    ).first()
+    if ckpt is None:
+        ckpt = Checkpoint(
+            run_id=run_row.id or 0,
+            step=source.step or 0,
+            state=DELETED,
+            created_at=now(),
+            pushed_by="unknown",
+            deleted_at=now(),
+            delete_reason="not in the store at catalog rebuild",
+            manifest_sha256=doc.source.manifest_sha256,
+            world_size=doc.source.world_size,
+        )
+        session.add(ckpt)
+        session.flush()
+    return ckpt

@@ -92,39 +92,45 @@ def economics(
         "advice": [],
     }
     if cost is not None:
-        best = young_daly_interval(cost, mtbf_s)
-        out["optimal_interval_seconds"] = _r(best)
-        out["overhead_at_optimal"] = _r(cost / best)
-        out["expected_loss_at_optimal_seconds"] = _r(expected_loss(best, rto or 0.0))
-        if interval is not None:
-            out["overhead_now"] = _r(cost / interval)
-            out["expected_loss_now_seconds"] = _r(expected_loss(interval, rto or 0.0))
-            if interval > 1.5 * best:
-                out["advice"].append(
-                    f"checkpoint more often: every {_human(best)} instead of {_human(interval)} "
-                    f"cuts the expected loss per failure from "
-                    f"{_human(expected_loss(interval, rto or 0))} to "
-                    f"{_human(expected_loss(best, rto or 0))}"
-                )
-            elif interval < best / 1.5:
-                out["advice"].append(
-                    f"checkpoint less often: every {_human(best)} instead of {_human(interval)} "
-                    f"cuts the save overhead from {cost / interval:.1%} to {cost / best:.1%} of "
-                    f"training time, for an expected loss per failure of "
-                    f"{_human(expected_loss(best, rto or 0))} instead of "
-                    f"{_human(expected_loss(interval, rto or 0))}"
-                )
-            else:
-                out["advice"].append(
-                    f"the interval ({_human(interval)}) is near the optimum "
-                    f"({_human(best)}) for an MTBF of {_human(mtbf_s)}"
-                )
+        _advise(out, cost, interval, rto or 0.0, mtbf_s)
     if restore is None:
         out["advice"].append(
             "no passing validation yet: the restore time is unmeasured "
             f"(reg validate {CheckpointRef(project, run, newest.step)})"
         )
     return out
+
+
+def _advise(
+    out: dict[str, Any], cost: float, interval: float | None, rto: float, mtbf_s: float
+) -> None:
+    """The optimum interval, the overheads and the expected losses, and one sentence of advice."""
+    best = young_daly_interval(cost, mtbf_s)
+    out["optimal_interval_seconds"] = _r(best)
+    out["overhead_at_optimal"] = _r(cost / best)
+    out["expected_loss_at_optimal_seconds"] = _r(expected_loss(best, rto))
+    if interval is None:
+        return
+    out["overhead_now"] = _r(cost / interval)
+    out["expected_loss_now_seconds"] = _r(expected_loss(interval, rto))
+    loss_now, loss_best = _human(expected_loss(interval, rto)), _human(expected_loss(best, rto))
+    if interval > 1.5 * best:
+        out["advice"].append(
+            f"checkpoint more often: every {_human(best)} instead of {_human(interval)} "
+            f"cuts the expected loss per failure from {loss_now} to {loss_best}"
+        )
+    elif interval < best / 1.5:
+        out["advice"].append(
+            f"checkpoint less often: every {_human(best)} instead of {_human(interval)} "
+            f"cuts the save overhead from {cost / interval:.1%} to {cost / best:.1%} of "
+            f"training time, for an expected loss per failure of {loss_best} instead of "
+            f"{loss_now}"
+        )
+    else:
+        out["advice"].append(
+            f"the interval ({_human(interval)}) is near the optimum "
+            f"({_human(best)}) for an MTBF of {_human(mtbf_s)}"
+        )
 
 
 def _r(value: float | None) -> float | None:

@@ -153,29 +153,34 @@ def commit(
             files=len(manifest.files),
             reused=reused,
         )
-        ttl = ctx.policy.retention.for_project(ref.project).ttl
-        ctx.events.emit(
-            s,
-            events.CHECKPOINT_COMMITTED,
-            project=ref.project,
-            run=ref.run,
-            step=ref.step,
-            ref=str(ref),
-            world_size=manifest.world_size,
-            bytes=manifest.bytes,
-            resumable=manifest.resume.resumable,
-            missing_state=manifest.resume.missing,
-            metrics=manifest.metrics,
-            uri=ctx.store.describe(checkpoint_prefix(ref.project, ref.run, manifest.step)),
-            manifest_sha256=manifest_sha256,
-            committed_at=now(),
-            expires_at=None if ttl == float("inf") else now() + ttl,
-        )
+        _emit_committed(ctx, s, manifest, manifest_sha256)
         s.flush()
         row = s.get(Checkpoint, claim.row_id)
         assert row is not None
         view = CheckpointView.of(ref.project, ref.run, row, queries.files_of(s, claim.row_id))
     return PushResult(view, unchanged=False, reused_files=reused)
+
+
+def _emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha256: str) -> None:
+    ref = manifest.ref
+    ttl = ctx.policy.retention.for_project(ref.project).ttl
+    ctx.events.emit(
+        session,
+        events.CHECKPOINT_COMMITTED,
+        project=ref.project,
+        run=ref.run,
+        step=ref.step,
+        ref=str(ref),
+        world_size=manifest.world_size,
+        bytes=manifest.bytes,
+        resumable=manifest.resume.resumable,
+        missing_state=manifest.resume.missing,
+        metrics=manifest.metrics,
+        uri=ctx.store.describe(checkpoint_prefix(ref.project, ref.run, manifest.step)),
+        manifest_sha256=manifest_sha256,
+        committed_at=now(),
+        expires_at=None if ttl == float("inf") else now() + ttl,
+    )
 
 
 def compare_existing(

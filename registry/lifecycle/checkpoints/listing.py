@@ -65,9 +65,13 @@ def list_checkpoints(
             for cid, path, size, sha in cursor.fetchall():
                 files.setdefault(cid, []).append({"path": path, "size": size, "sha256": sha})
         cursor.close()
-    out = []
-    for (
-        cid,
+    return [_view(row, files.get(row[0], [])) for row in rows]
+
+
+def _view(row: tuple[Any, ...], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row as DESIGN §7's checkpoint shape (the same as `CheckpointView.to_json`)."""
+    (
+        _,
         step,
         ws,
         state,
@@ -80,24 +84,21 @@ def list_checkpoints(
         upload,
         run_name,
         project_name,
-    ) in rows:
-        if isinstance(missing, str):
-            missing = json.loads(missing) if missing != "[]" else []
-        out.append(
-            {
-                "ref": str(CheckpointRef(project_name, run_name, step)),
-                "project": project_name,
-                "run": run_name,
-                "step": step,
-                "world_size": ws,
-                "state": state,
-                "bytes": nbytes,
-                "files": files.get(cid, []),
-                "resumable": bool(resumable),
-                "missing_state": list(missing or []),
-                "pinned": bool(pinned),
-                "created_at": iso(committed or created),
-                "upload_seconds": upload,
-            }
-        )
-    return out
+    ) = row
+    if isinstance(missing, str):
+        missing = json.loads(missing) if missing != "[]" else []
+    return {
+        "ref": str(CheckpointRef(project_name, run_name, step)),
+        "project": project_name,
+        "run": run_name,
+        "step": step,
+        "world_size": ws,
+        "state": state,
+        "bytes": nbytes,
+        "files": files,
+        "resumable": bool(resumable),
+        "missing_state": list(missing or []),
+        "pinned": bool(pinned),
+        "created_at": iso(committed or created),
+        "upload_seconds": upload,
+    }

@@ -14,6 +14,7 @@ checkpoint's copies are bit-identical; otherwise both are written and the break 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,10 +69,6 @@ def consolidate(
     progress: Progress | None = None,
 ) -> Consolidated:
     """Write the tensors `names` (release name -> checkpoint FQN) under `dest_prefix`."""
-    import torch
-
-    from registry.formats.dcp_load import iter_tensor_bytes
-
     result = Consolidated()
     dropped = _resolve_ties(store, src_prefix, inv, names, tie_groups, result)
     entries = []
@@ -91,18 +88,7 @@ def consolidate(
         progress.start(f"consolidate {len(entries)} tensors", sum(e.nbytes for e in entries))
 
     for path, shard in zip(files, shards, strict=True):
-
-        def produce(write: Any, shard: list[Entry] = shard) -> None:
-            write(header_bytes(shard, metadata))
-            for entry in shard:
-                info = inv.tensors[names[entry.name]]
-                for part in iter_tensor_bytes(store, src_prefix, info):
-                    if entry.dtype != info.dtype:
-                        part = part.to(getattr(torch, entry.dtype))
-                    write(part.reshape(-1).view(torch.uint8).numpy())
-                if progress:
-                    progress.advance(entry.nbytes)
-
+        produce = _shard_writer(store, src_prefix, inv, names, shard, metadata, progress)
         result.files.append(_put_once(store, dest_prefix, path, produce=produce))
     if len(files) > 1:
         weight_map = {
@@ -119,6 +105,35 @@ def consolidate(
     result.tensor_count = len(entries)
     result.tensor_bytes = sum(e.nbytes for e in entries)
     return result
+
+
+def _shard_writer(
+    store: BaseStore,
+    src_prefix: str,
+    inv: Inventory,
+    names: dict[str, str],
+    shard: list[Entry],
+    metadata: dict[str, str],
+    progress: Progress | None,
+) -> Callable[[Any], None]:
+    """A producer of one safetensors file: the header, then each tensor's bytes in order, read
+    chunk by chunk from the checkpoint (cast where asked)."""
+    import torch
+
+    from registry.formats.dcp_load import iter_tensor_bytes
+
+    def produce(write: Any) -> None:
+        write(header_bytes(shard, metadata))
+        for entry in shard:
+            info = inv.tensors[names[entry.name]]
+            for part in iter_tensor_bytes(store, src_prefix, info):
+                if entry.dtype != info.dtype:
+                    part = part.to(getattr(torch, entry.dtype))
+                write(part.reshape(-1).view(torch.uint8).numpy())
+            if progress:
+                progress.advance(entry.nbytes)
+
+    return produce
 
 
 def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRecord:

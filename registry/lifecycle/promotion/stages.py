@@ -248,32 +248,11 @@ def commit(
                 f"lost the claim on {document.release} while promoting",
                 "another process took the promotion over; check reg releases",
             )
-        for f in built.files:
-            s.add(
-                ReleaseFile(
-                    release_id=reservation.release_id, path=f.path, size=f.size, sha256=f.sha256
-                )
-            )
+        s.add_all(ReleaseFile.of(reservation.release_id, f) for f in built.files)
         model = s.exec(select(Model).where(Model.name == plan.model)).one()
         release = s.get(Release, reservation.release_id)
         assert release is not None
-        ctx.events.emit(
-            s,
-            events.RELEASE_CREATED,
-            model=plan.model,
-            version=reservation.version,
-            release=document.release,
-            sha256=digest,
-            uri=uri,
-            source=str(plan.source),
-            project=plan.source.project,
-            run=plan.source.run,
-            step=plan.source.step,
-            validation_id=validation.id,
-            validation_device=validation.device,
-            validation_passed=validation.passed,
-            files=len(built.files),
-        )
+        _emit_created(ctx, s, plan, reservation, document, digest, uri)
         if plan.alias is not None:
             move_alias(ctx, s, model, plan.alias, release)
         audit.record(
@@ -287,6 +266,35 @@ def commit(
         )
         s.flush()
         return ReleaseView.load(s, model, release).to_json(uri)
+
+
+def _emit_created(
+    ctx: Context,
+    session: Any,
+    plan: PromotionPlan,
+    reservation: Reservation,
+    document: ReleaseDocument,
+    digest: str,
+    uri: str,
+) -> None:
+    validation = reservation.validation
+    ctx.events.emit(
+        session,
+        events.RELEASE_CREATED,
+        model=plan.model,
+        version=reservation.version,
+        release=document.release,
+        sha256=digest,
+        uri=uri,
+        source=str(plan.source),
+        project=plan.source.project,
+        run=plan.source.run,
+        step=plan.source.step,
+        validation_id=validation.id,
+        validation_device=validation.device,
+        validation_passed=validation.passed,
+        files=len(document.files),
+    )
 
 
 def _document(
