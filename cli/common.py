@@ -14,8 +14,16 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on std
 
 def open_registry() -> Registry:
     from registry.api import Registry
+    from registry.errors import UsageError
 
-    return Registry()
+    reg = Registry()
+    if reg.settings.store_url.startswith("memory://"):
+        raise UsageError(
+            f"REG_STORE_URL={reg.settings.store_url}: a memory store lives inside one process, "
+            "and this command's would vanish when it exits while the catalog keeps its rows",
+            "use file:///path or s3://bucket/prefix (memory:// is for the Python API in tests)",
+        )
+    return reg
 
 
 def parse_metrics(items: list[str]) -> dict[str, float]:

@@ -37,7 +37,15 @@ def sync(
     if every is not None:
         from cli.schedule import repeat
 
-        repeat(every, once)
+        def cycle() -> dict[str, object]:
+            out = once()
+            if out.get("error"):
+                from registry.errors import RegistryError
+
+                raise RegistryError(f"MLflow sync incomplete: {out['error']}")
+            return out
+
+        repeat(every, cycle)
         return
     out = once()
     if json_output:

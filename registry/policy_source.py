@@ -71,10 +71,13 @@ class EffectivePolicy:
 
     @cached_property
     def has_grants(self) -> bool:
+        """Whether the document grants anything. Anything but a clear "no" counts as yes, so a
+        malformed document is validated (and refused) rather than read as single-user mode."""
         try:
-            return bool(tomllib.loads(self.text).get("access", {}).get("grants"))
+            access = tomllib.loads(self.text).get("access", {})
         except tomllib.TOMLDecodeError:
-            return True  # let the full parse report the error
+            return True
+        return not isinstance(access, dict) or access.get("grants") not in (None, [])
 
     @property
     def retention(self) -> RetentionPolicy:

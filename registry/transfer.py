@@ -63,17 +63,19 @@ def put_reconciled(
     staged: Staged | None = None,
     immutable: bool = False,
     on_mismatch: OnMismatch,
+    before_replace: Callable[[], None] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Stored:
     """Put one of `data`, `path`, `produce` or what `staged` holds at `key`; if the key exists,
-    compare digests: equal is a reuse, other bytes follow `on_mismatch`."""
+    compare digests: equal is a reuse, other bytes follow `on_mismatch` (`before_replace` runs
+    first and may refuse, e.g. when the claim that made the leftover ours was lost)."""
     if sum(x is not None for x in (data, path, produce, staged)) != 1:
         raise TypeError("give exactly one of data, path, produce, staged")
     if path is not None:
         staged = store.stage_file(key, path, immutable=immutable, progress=progress)
     if staged is not None:
         with staged:
-            return _publish_reconciled(store, staged, on_mismatch)
+            return _publish_reconciled(store, staged, on_mismatch, before_replace)
     try:
         if data is not None:
             done = store.put_bytes(key, data, immutable=immutable)
@@ -86,13 +88,18 @@ def put_reconciled(
     size, digest = _digest_of(data, produce)
     if _holds(store, key, size, digest):
         return Stored(key, size, digest, True)
-    _refuse_or_remove(store, key, on_mismatch)
+    _refuse_or_remove(store, key, on_mismatch, before_replace)
     return put_reconciled(
         store, key, data=data, produce=produce, immutable=immutable, on_mismatch=OnMismatch.CONFLICT
     )
 
 
-def _publish_reconciled(store: BaseStore, staged: Staged, on_mismatch: OnMismatch) -> Stored:
+def _publish_reconciled(
+    store: BaseStore,
+    staged: Staged,
+    on_mismatch: OnMismatch,
+    before_replace: Callable[[], None] | None,
+) -> Stored:
     try:
         done = staged.publish()
         return Stored(done.key, done.size, done.sha256, False)
@@ -101,7 +108,7 @@ def _publish_reconciled(store: BaseStore, staged: Staged, on_mismatch: OnMismatc
     size, digest = staged.digest()
     if _holds(store, staged.key, size, digest):
         return Stored(staged.key, size, digest, True)
-    _refuse_or_remove(store, staged.key, on_mismatch)
+    _refuse_or_remove(store, staged.key, on_mismatch, before_replace)
     done = staged.publish()
     return Stored(done.key, done.size, done.sha256, False)
 
@@ -111,12 +118,19 @@ def _holds(store: BaseStore, key: str, size: int, digest: str) -> bool:
     return head is not None and head.size == size and store.sha256(key) == digest
 
 
-def _refuse_or_remove(store: BaseStore, key: str, on_mismatch: OnMismatch) -> None:
+def _refuse_or_remove(
+    store: BaseStore,
+    key: str,
+    on_mismatch: OnMismatch,
+    before_replace: Callable[[], None] | None,
+) -> None:
     if on_mismatch is OnMismatch.CONFLICT:
         raise Conflict(
             f"{key} exists with other content",
             "the prefix holds files from another attempt; nothing was overwritten",
         )
+    if before_replace is not None:
+        before_replace()
     store.delete(key)  # our own leftover: the claim we hold makes it ours to replace
 
 

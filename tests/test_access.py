@@ -225,3 +225,23 @@ def test_policy_check_cli(tmp_path, cli):
     bad.write_text('[[access.grants]]\nprincipals = ["x"]\nrole = "owner"\n')
     res = cli("policy", "check", bad)
     assert res.returncode == 2 and f"{bad}:3: access.grants.0.role" in res.stderr
+
+
+def test_policy_show_needs_a_grant(applied):
+    with as_user("erin") as erin, pytest.raises(PermissionDenied):
+        erin.policy_show()
+    with as_user("bob") as bob:
+        assert "[[access.grants]]" in bob.policy_show()["document"]
+
+
+def test_an_access_table_of_the_wrong_shape_is_a_policy_error(tmp_path, monkeypatch, cli):
+    bad = tmp_path / "p.toml"
+    bad.write_text('access = "x"\n')
+    res = cli("ls", env={"REG_POLICY": str(bad)})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "access" in res.stderr
+
+
+def test_the_cli_refuses_a_memory_store(cli):
+    res = cli("ls", env={"REG_STORE_URL": "memory://x"})
+    assert res.returncode == 2 and "a memory store lives inside one process" in res.stderr

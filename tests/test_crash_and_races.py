@@ -117,3 +117,58 @@ def test_live_claim_is_a_conflict_naming_the_holder(reg, ckpts):
     with reg.catalog.session() as s:
         row = s.exec(select(Checkpoint).where(Checkpoint.id == claim.row_id)).one()
     assert row.state == "pending" and row.claim_token == claim.token
+
+
+def test_a_failed_push_writes_nothing_after_it_gives_its_claim_back(reg, ckpts, monkeypatch):
+    """One file fails while another is still being published: the push raises only once every
+    write of its own has ended, so a later push that takes the step over is never overwritten."""
+    import time
+
+    from registry.errors import IntegrityError
+    from registry.storage import local
+
+    running: list[str] = []
+    publish, stage = local._LocalStaged.publish, local.LocalStore._stage_file
+
+    def slow_publish(self):  # type: ignore[no-untyped-def]
+        running.append(self.key)
+        try:
+            time.sleep(1.0 if self.key.endswith(".metadata") else 0.0)
+            return publish(self)
+        finally:
+            running.remove(self.key)
+
+    def failing_stage(self, key, src, immutable, progress):  # type: ignore[no-untyped-def]
+        if key.endswith("__1_0.distcp"):
+            raise IntegrityError(f"{src} changed while being copied")
+        return stage(self, key, src, immutable, progress)
+
+    monkeypatch.setattr(local._LocalStaged, "publish", slow_publish)
+    monkeypatch.setattr(local.LocalStore, "_stage_file", failing_stage)
+    with pytest.raises(IntegrityError, match="changed while being copied"):
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=7)
+    assert running == []
+    monkeypatch.undo()
+    out = reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=7)  # takes over at once
+    assert out["state"] == "committed" and reg.verify("r@step7")["ok"]
+
+
+def test_many_files_do_not_exhaust_file_descriptors(ckpts, tmp_path, cli):
+    """Staging holds a descriptor per file until it is published: only a bounded number of
+    files are staged ahead of the claim."""
+    import resource
+    import shutil
+
+    src = tmp_path / "many"
+    shutil.copytree(ckpts.ws2.step_dir(2), src)
+    for i in range(600):
+        (src / f"extra-{i:04d}.bin").write_bytes(b"x" * 10)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, limits[1]))
+    try:
+        res = cli("push-ckpt", src, "--run", "many", "--step", "1", "--json")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    assert res.returncode == 0, res.stderr
+    with Registry() as reg:
+        assert len(reg.show("many@step1")["files"]) == 603 and reg.verify("many@step1")["ok"]

@@ -150,3 +150,37 @@ def test_layout_and_its_inverses():
         "ckpt/p/r/step-1",
     ):
         assert parse_checkpoint_key(junk) is None and parse_release_key(junk) is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(pushed_by="\ud800"), "pushed_by is not valid UTF-8 text"),
+        (lambda d: d.update(step=10**18), "step is 1000000000000000000, too large"),
+        (lambda d: d.update(world_size=10**30), "too large"),
+        (lambda d: d["files"][0].update(size=10**19), "files[0].size is 10000000000000000000"),
+        (lambda d: d["files"][0].update(path="MANIFEST.json"), "is MANIFEST.json, the document"),
+        (lambda d: d.update(created_at="2026-11-30T10:00:00"), "a time without its zone"),
+        (lambda d: d["resume"]["classes"].update({"\udcff": []}), "not valid UTF-8 text"),
+    ],
+)
+def test_values_the_catalog_cannot_hold_are_refused(edit, message):
+    doc = json.loads(_manifest().to_bytes())
+    edit(doc)
+    data = json.dumps(doc).encode()  # json escapes lone surrogates as \\udXXX
+    with pytest.raises(InvalidDocument) as info:
+        Manifest.from_bytes(data, "m")
+    assert message in str(info.value)
+
+
+def test_deep_nesting_is_a_document_error():
+    data = b'{"format": "reg.manifest/1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(InvalidDocument, match="nested too deeply"):
+        Manifest.from_bytes(data, "m")
+
+
+def test_release_numbers_are_finite():
+    data = json.loads(_release().to_bytes())
+    data["validation"]["seconds"] = float("nan")
+    with pytest.raises(InvalidDocument, match="validation.seconds is nan, not a finite number"):
+        ReleaseDocument.from_bytes(json.dumps(data).encode(), "d")

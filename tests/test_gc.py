@@ -236,3 +236,34 @@ def test_gc_racing_pushes_and_a_promotion(aggressive, catalog_url, ckpts):
             path = reg.settings.home / "store" / "ckpt" / "default" / "race" / f"step-{step}"
             assert path.exists() == (state == "committed"), (step, state)
     assert gcs >= 1
+
+
+def test_an_orphan_that_cannot_be_deleted_keeps_its_step_until_a_later_gc(
+    aggressive, reg, ckpts, monkeypatch
+):
+    from registry.catalog import claims
+    from registry.lifecycle.checkpoints.commit import claim_step
+    from registry.refs import CheckpointRef
+    from registry.storage import local
+
+    claim, _ = claim_step(reg.context, CheckpointRef("default", "dead", 1))
+    for name in ("MANIFEST.json", "__0_0.distcp", "__1_0.distcp"):
+        reg.store.put_bytes(f"ckpt/default/dead/step-1/{name}", b"left by a dead push")
+    claims.expire(reg.catalog, claim)
+    delete = local.LocalStore._delete
+
+    def stuck(self, key):  # type: ignore[no-untyped-def]
+        if key.endswith("__1_0.distcp"):
+            raise PermissionError(13, "Operation not permitted", key)
+        return delete(self, key)
+
+    monkeypatch.setattr(local.LocalStore, "_delete", stuck)
+    out = reg.gc()
+    assert out["orphans"] == [] and "could not delete" in out["errors"][0]
+    assert reg.store.head("ckpt/default/dead/step-1/MANIFEST.json") is None  # manifest first
+    with pytest.raises(Conflict, match="abandoned upload of dead@step1 is being swept"):
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="dead", step=1)
+    monkeypatch.undo()
+    assert reg.gc()["orphans"] == ["ckpt/default/dead/step-1/"]
+    assert list(reg.store.list("ckpt/default/dead/")) == []
+    assert reg.push_checkpoint(ckpts.ws2.step_dir(2), run="dead", step=1)["state"] == "committed"

@@ -78,3 +78,18 @@ def test_rebuild_trusts_only_manifests_in_their_own_place(ckpts, tmp_path, cli):
     with Registry() as reg:
         assert reg.show("team-b/victim@latest")["step"] == 4
         assert reg.verify("team-b/victim@step4")["ok"]
+
+
+def test_rebuild_skips_a_manifest_whose_files_are_gone(ckpts, cli):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        from tests import tamper
+
+        tamper.remove(reg.store, "ckpt/default/r/step-2/.metadata")
+        home = reg.settings.home
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (home / name).unlink(missing_ok=True)
+    out = json.loads(cli("catalog", "rebuild", "--json").stdout)
+    assert out["checkpoints_added"] == ["r@step4"]
+    assert any(".metadata is missing; not registered" in s for s in out["skipped"])

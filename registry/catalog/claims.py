@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
-from sqlmodel import Session, col
+from sqlmodel import Session, col, select
 
 from registry.catalog.leases import Heartbeat, is_stale
 from registry.catalog.models import ClaimColumns
@@ -94,6 +94,14 @@ def guarded_update(session: Session, claim: Claim, **values: Any) -> bool:
         update(claim.table).where(*_where(claim.table, claim.row_id, claim.token)).values(**values)
     )
     return done.rowcount == 1
+
+
+def still_held(catalog: Catalog, claim: Claim) -> bool:
+    with catalog.session() as s:
+        found = s.exec(
+            select(claim.table).where(*_where(claim.table, claim.row_id, claim.token))
+        ).first()
+        return found is not None
 
 
 def renew(catalog: Catalog, claim: Claim) -> None:

@@ -27,7 +27,7 @@ from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import Session, col, select
 
 from registry.catalog.models import Lease
-from registry.errors import RegistryError
+from registry.errors import CatalogLocked, RegistryError
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -94,29 +94,33 @@ def try_acquire(
         "acquired_at": now(),
         "expires_at": now() + seconds,
     }
-    with catalog.session(write=True) as s:
-        lease = s.get(Lease, name)
-        if lease is None:
-            try:
-                with s.begin_nested():
-                    s.add(Lease(name=name, **values))
+    for _ in range(3):  # a lease given back mid-race is simply taken on the next try
+        with catalog.session(write=True) as s:
+            lease = s.get(Lease, name)
+            if lease is None:
+                try:
+                    with s.begin_nested():
+                        s.add(Lease(name=name, **values))
+                    return token, None
+                except DBIntegrityError:
+                    lease = _reread(s, name)
+                    if lease is None:
+                        continue
+            if not is_stale(lease.expires_at, lease.host, lease.pid):
+                s.expunge(lease)
+                return None, lease
+            taken = s.exec(
+                update(Lease)
+                .where(col(Lease.name) == name, col(Lease.token) == lease.token)
+                .values(**values)
+            )
+            if taken.rowcount == 1:
                 return token, None
-            except DBIntegrityError:
-                lease = _reread(s, name)
-        if lease is not None and not is_stale(lease.expires_at, lease.host, lease.pid):
-            s.expunge(lease)
-            return None, lease
-        taken = s.exec(
-            update(Lease)
-            .where(col(Lease.name) == name, col(Lease.token) == (lease.token if lease else ""))
-            .values(**values)
-        )
-        if taken.rowcount == 1:
-            return token, None
-        lease = _reread(s, name)
-        if lease is not None:
-            s.expunge(lease)
-        return None, lease
+            lease = _reread(s, name)
+            if lease is not None:
+                s.expunge(lease)
+                return None, lease
+    raise CatalogLocked(f"lease {name} kept changing hands", "retry")
 
 
 def _reread(session: Session, name: str) -> Lease | None:

@@ -12,10 +12,11 @@ from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
 from sqlmodel import Field, SQLModel, col
 
 if TYPE_CHECKING:
-    from registry.formats.documents import FileRecord
+    from registry.formats.documents import FileRecord, Manifest
 
-# Checkpoint states
+# Checkpoint states (`sweeping`: an abandoned upload whose objects GC is deleting)
 PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
+SWEEPING = "sweeping"
 # Release statuses
 RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = "pending", "active", "deprecated", "yanked"
 
@@ -84,6 +85,25 @@ class Checkpoint(ClaimColumns, table=True):
     @classmethod
     def pending_clause(cls) -> Any:
         return col(cls.state) == PENDING
+
+    @staticmethod
+    def facts_of(manifest: Manifest, manifest_sha256: str) -> dict[str, Any]:
+        """The columns a committed checkpoint's manifest decides (push and rebuild alike)."""
+        return {
+            "state": COMMITTED,
+            "world_size": manifest.world_size,
+            "world_size_inferred": manifest.world_size_inferred,
+            "bytes": manifest.bytes,
+            "file_count": len(manifest.files),
+            "tensor_count": manifest.tensors.tensors,
+            "tensor_bytes": manifest.tensors.tensor_bytes,
+            "manifest_sha256": manifest_sha256,
+            "resumable": manifest.resume.resumable,
+            "missing_state": manifest.resume.missing,
+            "resume_classes": manifest.resume.classes,
+            "metrics": manifest.metrics,
+            "pushed_by": manifest.pushed_by,
+        }
 
 
 class CheckpointFile(SQLModel, table=True):

@@ -13,6 +13,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     PENDING,
+    SWEEPING,
     Checkpoint,
     CheckpointFile,
     Project,
@@ -84,7 +85,7 @@ def resolve_checkpoint(
             f"{row.delete_reason or 'unknown'}",
             f"reg ls {ref.run_label} lists what remains",
         )
-    if row is None or row.state == PENDING:
+    if row is None or row.state in (PENDING, SWEEPING):
         steps = committed_steps(session, run.id or 0)
         if steps:
             raise NotFound(

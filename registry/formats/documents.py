@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from registry.formats.strict_json import StrictReader
+from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.refs import CheckpointRef
 
 
@@ -109,11 +110,11 @@ class Manifest:
             "format project run step world_size world_size_inferred files bytes tensors resume "
             "metrics pushed_by created_at",
         )
-        files = _files(r, doc["files"], with_rank=True)
+        files = _files(r, doc["files"], with_rank=True, reserved=MANIFEST)
         manifest = cls(
             project=r.name(doc["project"], "project"),
             run=r.name(doc["run"], "run"),
-            step=r.integer(doc["step"], "step", minimum=0),
+            step=r.integer(doc["step"], "step", minimum=0, maximum=10**18),
             world_size=r.integer(doc["world_size"], "world_size", minimum=1),
             world_size_inferred=r.boolean(doc["world_size_inferred"], "world_size_inferred"),
             files=files,
@@ -209,7 +210,7 @@ class ReleaseDocument:
         out = cls(
             model=r.name(doc["model"], "model"),
             version=r.integer(doc["version"], "version", minimum=1),
-            files=_files(r, doc["files"], with_rank=False),
+            files=_files(r, doc["files"], with_rank=False, reserved=RELEASE_DOCUMENT),
             source=SourceRecord(
                 ref=r.checkpoint_ref(source["ref"], "source.ref"),
                 manifest_sha256=r.optional(source["manifest_sha256"], r.digest, "source.sha"),
@@ -238,7 +239,10 @@ class ReleaseDocument:
 # -- the parts both documents share ---------------------------------------------------------
 
 
-def _files(r: StrictReader, value: Any, *, with_rank: bool) -> tuple[FileRecord, ...]:
+def _files(
+    r: StrictReader, value: Any, *, with_rank: bool, reserved: str
+) -> tuple[FileRecord, ...]:
+    """The file list; `reserved` (the document's own name) is never one of its files."""
     if not isinstance(value, list):
         raise r.error("files", "is not a list")
     out, seen = [], set()
@@ -248,6 +252,8 @@ def _files(r: StrictReader, value: Any, *, with_rank: bool) -> tuple[FileRecord,
         path = r.relative_path(entry["path"], f"{key}.path")
         if path in seen:
             raise r.error(f"{key}.path", f"repeats {path}")
+        if path == reserved:
+            raise r.error(f"{key}.path", f"is {reserved}, the document itself")
         seen.add(path)
         rank = entry.get("rank")
         out.append(
@@ -277,7 +283,10 @@ def _resume(r: StrictReader, value: Any) -> ResumeRecord:
     if not isinstance(classes, dict):
         raise r.error("resume.classes", "is not an object")
     return ResumeRecord(
-        classes={str(k): r.string_list(v, f"resume.classes.{k}") for k, v in classes.items()},
+        classes={
+            r.unicode(k, "resume.classes"): r.string_list(v, f"resume.classes.{k}")
+            for k, v in classes.items()
+        },
         missing=r.string_list(doc["missing"], "resume.missing"),
         resumable=r.boolean(doc["resumable"], "resume.resumable"),
         unclassified=r.string_list(doc["unclassified"], "resume.unclassified"),

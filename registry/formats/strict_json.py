@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from datetime import datetime
@@ -35,6 +36,11 @@ class StrictReader:
             raise InvalidDocument(
                 f"{self.where}: not JSON ({exc})", "the stored document is damaged"
             ) from None
+        except RecursionError:
+            raise InvalidDocument(
+                f"{self.where}: nested too deeply to be a reg document",
+                "the stored document is damaged or crafted",
+            ) from None
         if not isinstance(doc, dict):
             raise self.error("document", "is not a JSON object")
         if doc.get("format") not in formats:
@@ -58,16 +64,23 @@ class StrictReader:
         self.keys(value, names, key)
         return value
 
-    def integer(self, value: Any, key: str, *, minimum: int | None = None) -> int:
+    def integer(
+        self, value: Any, key: str, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
+        """A whole number in [minimum, maximum), always below 2^63 (the catalog's BIGINT)."""
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.error(key, f"is {value!r}, not a whole number")
         if minimum is not None and value < minimum:
             raise self.error(key, f"is {value}, below {minimum}")
+        if value >= (maximum if maximum is not None else 2**63):
+            raise self.error(key, f"is {value}, too large")
         return value
 
     def number(self, value: Any, key: str) -> float:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise self.error(key, f"is {value!r}, not a number")
+        if not math.isfinite(value):
+            raise self.error(key, f"is {value!r}, not a finite number")
         return float(value)
 
     def boolean(self, value: Any, key: str) -> bool:
@@ -78,6 +91,14 @@ class StrictReader:
     def text(self, value: Any, key: str) -> str:
         if not isinstance(value, str) or not value:
             raise self.error(key, f"is {value!r}, not a non-empty string")
+        return self.unicode(value, key)
+
+    def unicode(self, value: str, key: str) -> str:
+        """JSON can carry lone surrogates, which no database or terminal takes."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self.error(key, "is not valid UTF-8 text") from None
         return value
 
     def digest(self, value: Any, key: str) -> str:
@@ -93,9 +114,11 @@ class StrictReader:
 
     def timestamp(self, value: Any, key: str) -> str:
         try:
-            datetime.fromisoformat(self.text(value, key).replace("Z", "+00:00"))
+            when = datetime.fromisoformat(self.text(value, key).replace("Z", "+00:00"))
         except ValueError:
             raise self.error(key, f"is {value!r}, not an ISO 8601 time") from None
+        if when.tzinfo is None:
+            raise self.error(key, f"is {value!r}, a time without its zone (write Z for UTC)")
         return str(value)
 
     def checkpoint_ref(self, value: Any, key: str) -> CheckpointRef:
@@ -113,12 +136,12 @@ class StrictReader:
     def string_list(self, value: Any, key: str) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.error(key, "is not a list of strings")
-        return list(value)
+        return [self.unicode(v, key) for v in value]
 
     def string_map(self, value: Any, key: str) -> dict[str, str]:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise self.error(key, "is not an object of strings")
-        return dict(value)
+        return {self.unicode(k, key): self.unicode(v, key) for k, v in value.items()}
 
     def relative_path(self, value: Any, key: str) -> str:
         path = self.text(value, key)

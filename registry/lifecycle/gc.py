@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete
+from sqlalchemy import and_, delete, or_, update
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -25,6 +25,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     PENDING,
+    SWEEPING,
     YANKED,
     Checkpoint,
     Model,
@@ -220,23 +221,31 @@ def _mark_deleting(ctx: Context, batch: list[Decision]) -> set[int]:
     return marked
 
 
-def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
-    """Delete a checkpoint's objects (manifest first), then leave the tombstone."""
-    keys = [o.key for o in ctx.store.list(checkpoint_prefix(ref.project, ref.run, ref.step or 0))]
-    manifest = [k for k in keys if k.endswith("/" + MANIFEST)]
+def _delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> tuple[int, bool]:
+    """Delete every object under `prefix`, MANIFEST.json first so the prefix stops looking
+    committed: (bytes freed, all gone). A failed delete is logged, never raised: the next run
+    retries it, and it never stops the others."""
+    keys = [o.key for o in ctx.store.list(prefix)]
+    manifest = [k for k in keys if k == prefix + MANIFEST]
     failed: dict[str, str] = {}
     freed = 0
-    # The manifest first, so the prefix stops looking committed; then the rest in batches.
     for batch in (manifest, [k for k in keys if k not in manifest]):
         if batch and not failed:
             try:
                 got, failed = ctx.store.delete_many(batch)
                 freed += got
-            except RegistryError as exc:  # logged, retried next run; never stops the others
+            except RegistryError as exc:
                 failed = {batch[0]: str(exc)}
     for key, why in failed.items():
-        errors.append(f"{ref}: could not delete {key}: {why}")
-    if failed:
+        errors.append(f"{label}: could not delete {key}: {why}")
+    return freed, not failed
+
+
+def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
+    """Delete a checkpoint's objects, then leave the tombstone."""
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    freed, done = _delete_prefix(ctx, prefix, str(ref), errors)
+    if not done:
         return freed
     with ctx.catalog.session(write=True) as s:
         row = s.exec(
@@ -274,45 +283,62 @@ def _finish_interrupted(ctx: Context, errors: list[str]) -> int:
 
 
 def _sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
-    """Uploads that never committed: dead claims older than orphan_grace (their objects and
-    row), and what crashed writers left in the store's own temp space."""
+    """Uploads that never committed: dead claims older than orphan_grace, and sweeps an earlier
+    GC did not finish. Each row is first marked `sweeping` under its old claim (a push of the
+    step is refused meanwhile, so it cannot publish into a prefix being emptied), its objects
+    are deleted, and only then the row goes, freeing the step. Then what crashed writers left in
+    the store's own temp space (never a key a live push holds)."""
     grace = ctx.policy.retention.orphan_grace
-    cutoff = now() - grace
     with ctx.catalog.session() as s:
         rows = s.exec(
             select(Checkpoint, Run.name, Project.name)
             .join(Run, col(Run.id) == Checkpoint.run_id)
             .join(Project, col(Project.id) == Run.project_id)
             .where(
-                Checkpoint.state == PENDING,
-                Checkpoint.created_at < cutoff,
-                col(Checkpoint.lease_until) < now(),
+                or_(
+                    col(Checkpoint.state) == SWEEPING,
+                    and_(
+                        col(Checkpoint.state) == PENDING,
+                        col(Checkpoint.created_at) < now() - grace,
+                        col(Checkpoint.lease_until) < now(),
+                    ),
+                )
             )
         ).all()
     freed = 0
-    for c, run, project in rows:
-        prefix = checkpoint_prefix(project, run, c.step)
-        with ctx.catalog.session(write=True) as s:
-            gone = s.exec(
-                delete(Checkpoint).where(
-                    col(Checkpoint.id) == c.id,
-                    col(Checkpoint.state) == PENDING,
-                    col(Checkpoint.claim_token) == c.claim_token,
-                    col(Checkpoint.lease_until) < now(),
+    for row, run, project in rows:
+        if row.state == PENDING and not _mark_sweeping(ctx, row):
+            continue  # someone took the claim over meanwhile
+        prefix = checkpoint_prefix(project, run, row.step)
+        got, done = _delete_prefix(ctx, prefix, f"orphan {prefix}", out["errors"])
+        freed += got
+        if done:
+            with ctx.catalog.session(write=True) as s:
+                s.exec(
+                    delete(Checkpoint).where(
+                        col(Checkpoint.id) == row.id, col(Checkpoint.state) == SWEEPING
+                    )
                 )
-            )
-            if gone.rowcount != 1:
-                continue  # someone took the claim over meanwhile
-        for obj in list(ctx.store.list(prefix)):
-            try:
-                freed += ctx.store.delete(obj.key)
-            except RegistryError as exc:
-                out["errors"].append(f"orphan {prefix}: could not delete {obj.key}: {exc}")
-        out["orphans"].append(prefix)
+            out["orphans"].append(prefix)
     for swept in ctx.store.sweep_incomplete(CHECKPOINTS, grace, skip=_live_claim_keys(ctx)):
         freed += swept.size
         out["orphans"].append(swept.what)
     return freed
+
+
+def _mark_sweeping(ctx: Context, row: Checkpoint) -> bool:
+    with ctx.catalog.session(write=True) as s:
+        marked = s.exec(
+            update(Checkpoint)
+            .where(
+                col(Checkpoint.id) == row.id,
+                col(Checkpoint.state) == PENDING,
+                col(Checkpoint.claim_token) == row.claim_token,
+                col(Checkpoint.lease_until) < now(),
+            )
+            .values(state=SWEEPING, deleted_by=ctx.actor, deleted_at=now())
+        )
+        return marked.rowcount == 1
 
 
 def _live_claim_keys(ctx: Context) -> Callable[[str], bool]:

@@ -53,6 +53,7 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
 
 
 def show(ctx: Context) -> dict[str, Any]:
+    ctx.authorize_read()  # grants and ARNs are for the registry's users, not for anyone
     policy = ctx.policy
     return {
         "source": policy.source,

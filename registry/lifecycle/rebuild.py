@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, select
 
 from registry import audit
-from registry.catalog import queries
+from registry.catalog import claims, queries
 from registry.catalog.models import (
     ACTIVE,
-    COMMITTED,
     DELETED,
     PENDING,
     RELEASE_PENDING,
@@ -34,7 +33,7 @@ from registry.catalog.models import (
     ReleaseFile,
 )
 from registry.errors import InvalidDocument
-from registry.formats.documents import Manifest, ReleaseDocument
+from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import (
     CHECKPOINTS,
     MANIFEST,
@@ -102,7 +101,23 @@ def _read_manifest(ctx: Context, key: str, out: dict[str, Any]) -> tuple[Manifes
     if (manifest.project, manifest.run, manifest.step) != place[:3]:
         out["skipped"].append(f"{key}: the manifest names {manifest.ref}, not its own place")
         return None
+    damaged = _missing_files(ctx, key.removesuffix(MANIFEST), manifest.files)
+    if damaged:
+        out["skipped"].append(f"{key}: {damaged}; not registered (reg gc sweeps what is left)")
+        return None
     return manifest, hashlib.sha256(data).hexdigest()
+
+
+def _missing_files(ctx: Context, prefix: str, files: tuple[FileRecord, ...]) -> str | None:
+    """A document's files must all be there at their recorded sizes to be registered (their
+    digests are checked by `reg verify`, which reads every byte)."""
+    for f in files:
+        head = ctx.store.head(prefix + f.path)
+        if head is None:
+            return f"{f.path} is missing"
+        if head.size != f.size:
+            return f"{f.path} has {head.size} bytes, the document says {f.size}"
+    return None
 
 
 def _read_release(
@@ -121,6 +136,10 @@ def _read_release(
     if (document.model, document.version) != place[:2]:
         out["skipped"].append(f"{key}: the document names {document.release}, not its own place")
         return None
+    damaged = _missing_files(ctx, key.removesuffix(RELEASE_DOCUMENT), document.files)
+    if damaged:
+        out["skipped"].append(f"{key}: {damaged}; not registered")
+        return None
     return document, data
 
 
@@ -135,8 +154,8 @@ def _checkpoint(
                 Checkpoint.run_id == run_row.id, Checkpoint.step == manifest.step
             )
         ).first()
-        if existing is not None and existing.state != PENDING:
-            s.rollback()
+        if existing is not None and (existing.state != PENDING or claims.is_live(existing)):
+            s.rollback()  # registered, or a push that is still committing it
             return
         out["checkpoints_added"].append(str(manifest.ref))
         if dry_run:
@@ -149,21 +168,9 @@ def _checkpoint(
         ckpt = Checkpoint(
             run_id=run_row.id or 0,
             step=manifest.step,
-            state=COMMITTED,
-            world_size=manifest.world_size,
-            world_size_inferred=manifest.world_size_inferred,
-            bytes=manifest.bytes,
-            file_count=len(manifest.files),
-            tensor_count=manifest.tensors.tensors,
-            tensor_bytes=manifest.tensors.tensor_bytes,
-            manifest_sha256=digest,
-            resumable=manifest.resume.resumable,
-            missing_state=manifest.resume.missing,
-            resume_classes=manifest.resume.classes,
-            metrics=manifest.metrics,
             created_at=created,
             committed_at=created,
-            pushed_by=manifest.pushed_by,
+            **Checkpoint.facts_of(manifest, digest),
         )
         s.add(ckpt)
         s.flush()
@@ -183,8 +190,10 @@ def _release(
         existing = s.exec(
             select(Release).where(Release.model_id == model.id, Release.version == doc.version)
         ).first()
-        if existing is not None and existing.status != RELEASE_PENDING:
-            s.rollback()
+        if existing is not None and (
+            existing.status != RELEASE_PENDING or claims.is_live(existing)
+        ):
+            s.rollback()  # registered, or a promotion that is still committing it
             return
         out["releases_added"].append(doc.release)
         if dry_run:

@@ -20,6 +20,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     PENDING,
+    SWEEPING,
     Checkpoint,
     CheckpointFile,
 )
@@ -81,6 +82,11 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
                 return Claim(Checkpoint, row.id, token), None
             if row.state == COMMITTED:
                 return Claim(Checkpoint, row.id or 0, ""), row
+            if row.state == SWEEPING:
+                raise Conflict(
+                    f"an abandoned upload of {ref} is being swept by reg gc",
+                    "push again once that GC is done",
+                )
             if row.state in (DELETING, DELETED):
                 raise Conflict(
                     f"{ref} was collected by retention at {iso(row.deleted_at)} "
@@ -100,6 +106,15 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
     raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
 
 
+def ensure_held(ctx: Context, claim: Claim, ref: CheckpointRef) -> None:
+    """Raise Conflict unless the claim is still ours (before anything is replaced under it)."""
+    if not claims.still_held(ctx.catalog, claim):
+        raise Conflict(
+            f"lost the claim on {ref} while pushing (another push took it over)",
+            "check `reg show` and push again if needed",
+        )
+
+
 def commit(
     ctx: Context,
     claim: Claim,
@@ -116,18 +131,7 @@ def commit(
         committed = claims.guarded_update(
             s,
             claim,
-            state=COMMITTED,
-            world_size=manifest.world_size,
-            world_size_inferred=manifest.world_size_inferred,
-            bytes=manifest.bytes,
-            file_count=len(manifest.files),
-            tensor_count=manifest.tensors.tensors,
-            tensor_bytes=manifest.tensors.tensor_bytes,
-            manifest_sha256=manifest_sha256,
-            resumable=manifest.resume.resumable,
-            missing_state=manifest.resume.missing,
-            resume_classes=manifest.resume.classes,
-            metrics=manifest.metrics,
+            **Checkpoint.facts_of(manifest, manifest_sha256),
             committed_at=now(),
             upload_seconds=round(upload_seconds, 3),
             claim_token=None,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,11 @@ def push(
             uploader.cancel()
             return commit.compare_existing(ctx, ref, scanned, existing)
         with commit.held(ctx.catalog, claim):
-            uploaded = uploader.finish()
+
+            def still_ours() -> None:
+                commit.ensure_held(ctx, claim, ref)
+
+            uploaded = uploader.finish(still_ours)
             faults.point("push-published")
             manifest = _manifest(ctx, ref, scanned, uploaded, world, resume_record, checked_metrics)
             data = manifest.to_bytes()
@@ -79,6 +84,7 @@ def push(
                 manifest_key(project, run, step),
                 data=data,
                 on_mismatch=OnMismatch.REPLACE,  # a leftover of our own earlier attempt
+                before_replace=still_ours,
             )
             faults.point("push-manifest")
             reused = sum(u.reused for u in uploaded)
@@ -140,9 +146,14 @@ def _looks_free(ctx: Context, ref: CheckpointRef) -> bool:
     return state == "pending" and (lease_until or 0.0) < now()
 
 
+STAGE_AHEAD = 32  # files copied before the claim is held (each staged file holds a descriptor)
+
+
 class _Uploader:
     """Copies the files into staged (invisible) objects on a pool of workers, largest first,
-    and publishes them once the claim is held, reconciling leftovers of an earlier attempt."""
+    and publishes them once the claim is held, reconciling leftovers of an earlier attempt.
+    Before the claim only the largest STAGE_AHEAD files are staged (most of the bytes, a
+    bounded number of open files); the rest are copied and published after."""
 
     def __init__(
         self, ctx: Context, ref: CheckpointRef, scanned: ScannedDir, progress: Progress | None
@@ -152,40 +163,49 @@ class _Uploader:
         self.order = sorted(scanned.files, key=lambda p: -scanned.files[p])
         self.pool = ThreadPoolExecutor(max_workers=ctx.workers, thread_name_prefix="reg-push")
         self.staging: dict[str, Future[Staged]] = {}
-        self.started = 0.0
+        self.counter = Counter(progress)
+        self.started: float | None = None
         self.seconds = 0.0
 
     def start(self) -> None:
-        if self.staging:
+        if self.started is not None:
             return
         self.started = time.monotonic()
         if self.progress:
             self.progress.start(f"push {self.ref}", sum(self.scanned.files.values()))
-        counter = Counter(self.progress)
-        for path in self.order:
-            self.staging[path] = self.pool.submit(
-                self.ctx.store.stage_file,
-                self.prefix + path,
-                self.scanned.root / path,
-                progress=counter,
-            )
+        for path in self.order[:STAGE_AHEAD]:
+            self.staging[path] = self.pool.submit(self._stage, path)
 
-    def finish(self) -> list[Stored]:
-        """Wait for the copies and publish every file (we hold the claim now)."""
+    def _stage(self, path: str) -> Staged:
+        return self.ctx.store.stage_file(
+            self.prefix + path, self.scanned.root / path, progress=self.counter
+        )
+
+    def finish(self, still_ours: Callable[[], None]) -> list[Stored]:
+        """Publish every file (the claim is held now). Returns or raises only once every task
+        has ended, so nothing is written after the claim is given back; `still_ours` raises if
+        the claim was lost before a leftover is replaced."""
         self.start()
 
         def publish(path: str) -> Stored:
+            staged = self.staging[path].result() if path in self.staging else self._stage(path)
             # A file already there is a leftover of an earlier attempt at this step: reused if
             # it is the same bytes, replaced otherwise (the claim makes it ours).
             return put_reconciled(
                 self.ctx.store,
                 self.prefix + path,
-                staged=self.staging[path].result(),
+                staged=staged,
                 on_mismatch=OnMismatch.REPLACE,
+                before_replace=still_ours,
             )
 
-        results = list(self.pool.map(publish, self.order))
-        self.seconds = time.monotonic() - self.started
+        tasks = [self.pool.submit(publish, path) for path in self.order]
+        wait(tasks)
+        for task in tasks:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        results = [task.result() for task in tasks]
+        self.seconds = time.monotonic() - (self.started or 0.0)
         for r in results:
             path = r.key.removeprefix(self.prefix)
             if r.size != self.scanned.files[path]:
@@ -208,7 +228,7 @@ class _Uploader:
         for future in self.staging.values():  # whatever was staged and not published
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().discard()
-        if self.progress and self.staging:
+        if self.progress and self.started is not None:
             self.progress.finish()
 
 
