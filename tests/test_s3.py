@@ -172,20 +172,15 @@ def test_object_lock_versioned_deletes_and_storage_init(
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, tmp_path, seed):
+    """10% of requests fail (500, 503 SlowDown, dropped connections): retries carry the push
+    through, and a request that succeeded but lost its answer is recognised, not redone."""
     proxy = FaultyProxy(moto_server.port, fault_rate=0.10, seed=seed).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         monkeypatch.setenv("REG_S3_RETRY_MODE", "standard")
         src = big_ckpt.step_dir(1)  # ~200 MB: multipart uploads, dozens of requests
         with Registry() as reg:
-            try:
-                reg.push_checkpoint(src, run="f", step=4)
-                pushed = True
-            except RegistryError:
-                pushed = False
-                assert reg.list_checkpoints() == []  # failed cleanly: nothing visible
-            if not pushed:
-                reg.push_checkpoint(src, run="f", step=4)  # pushing again completes
+            assert reg.push_checkpoint(src, run="f", step=4)["state"] == "committed"
         assert proxy.requests > 20 and proxy.faults > 0
     finally:
         proxy.stop()
@@ -193,6 +188,26 @@ def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, 
     with Registry() as reg:
         assert reg.verify("f@step4")["ok"]
         _same(reg, "f@step4", src, tmp_path / "back")
+
+
+def test_push_through_a_dead_endpoint_fails_cleanly_and_pushing_again_completes(
+    s3_env, ckpts, moto_server, monkeypatch
+):
+    proxy = FaultyProxy(moto_server.port, fault_rate=1.0, seed=3).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("REG_S3_RETRY_MODE", "standard")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        with Registry() as reg, pytest.raises(RegistryError, match="S3|reach"):
+            reg.push_checkpoint(ckpts.ws2.step_dir(2), run="f", step=2)
+    finally:
+        proxy.stop()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    with Registry() as reg:
+        assert reg.list_checkpoints() == []
+        assert reg.push_checkpoint(ckpts.ws2.step_dir(2), run="f", step=2)["state"] == "committed"
+        assert reg.verify("f@step2")["ok"]
 
 
 def test_unreachable_s3_is_a_one_line_error(s3_env, ckpts, cli):
@@ -203,7 +218,11 @@ def test_unreachable_s3_is_a_one_line_error(s3_env, ckpts, cli):
         "r",
         "--step",
         "2",
-        env={"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "REG_S3_RETRY_MODE": "standard"},
+        env={
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+            "REG_S3_RETRY_MODE": "standard",
+            "AWS_MAX_ATTEMPTS": "2",
+        },
     )
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0 and "cannot reach S3" in res.stderr

@@ -492,8 +492,19 @@ def _client() -> Any:
     import boto3  # here, not at import: opening a store must not cost boto3's import
     from botocore.config import Config
 
+    try:
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 10)
+    except ValueError:
+        raise UsageError(
+            f"AWS_MAX_ATTEMPTS={os.environ['AWS_MAX_ATTEMPTS']!r} is not a whole number"
+        ) from None
     config = Config(
-        retries={"mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"), "max_attempts": 10},
+        # AWS_MAX_ATTEMPTS, the SDKs' own setting, lowers the 10 attempts where a dead endpoint
+        # should be reported quickly rather than ridden out.
+        retries={
+            "mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
+            "max_attempts": max(1, attempts),
+        },
         max_pool_connections=32,
         s3={"addressing_style": "path"},
         connect_timeout=10,
