@@ -37,20 +37,33 @@ def _warning(message, category, filename, lineno, file=None, line=None):  # type
 
 
 def main() -> None:
+    """The `reg` console script. Exits without the interpreter's teardown: unloading the
+    SQLAlchemy, pydantic and torch module graphs costs 0.1-0.15 s per command (measured), and
+    every command has closed its catalog, store and threads by the time it returns."""
+    code = run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run() -> int:
+    """Run one command; its exit code (DESIGN §7)."""
     warnings.showwarning = _warning
     debug = os.environ.get("REG_DEBUG") == "1"
     from registry.errors import RegistryError
 
     try:
         app()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except RegistryError as exc:
         if debug:
             raise
         sys.stderr.write(f"reg: error: {exc}\n")
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("reg: interrupted\n")
-        sys.exit(130)
+        return 130
     except Exception as exc:
         if debug:
             raise
@@ -59,7 +72,8 @@ def main() -> None:
             f"reg: internal error: {type(exc).__name__}: {first} "
             "(REG_DEBUG=1 shows the traceback)\n"
         )
-        sys.exit(1)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -322,7 +322,7 @@ class Registry:
         from registry.mlflow_mirror import drain
 
         self.authorize("mlflow-sync", target=self.settings.mlflow_tracking_uri)
-        return drain(self.catalog, self.settings, budget_s, wait=True)
+        return drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
 
 
 def _release(ref: str | ReleaseRef) -> ReleaseRef:

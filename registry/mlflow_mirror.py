@@ -225,15 +225,21 @@ class Mirror:
 
 
 def drain(
-    catalog: Catalog, settings: Settings, budget_s: float = 30.0, *, wait: bool = False
+    catalog: Catalog,
+    settings: Settings,
+    budget_s: float = 30.0,
+    *,
+    wait: bool = False,
+    holder: str = "detached drain",
 ) -> dict[str, Any]:
     """Apply pending outbox events in order until done or out of time. One drain at a time:
-    with `wait`, a running drain is waited for (within the budget), else this one skips."""
+    with `wait`, a running drain is waited for (within the budget), else this one skips.
+    `holder` names who runs it, in the lease (`reg mlflow sync`: the principal)."""
     started = time.monotonic()
     seconds = budget_s + 60
 
     def take() -> str | None:
-        return leases.try_acquire(catalog, DRAIN_LEASE, settings.user, seconds)[0]
+        return leases.try_acquire(catalog, DRAIN_LEASE, holder, seconds)[0]
 
     token = take()
     while token is None and wait and time.monotonic() - started < budget_s:

@@ -59,6 +59,8 @@ def push(
     with _Uploader(ctx, ref, scanned, progress) as uploader:
         if _looks_free(ctx, ref):
             uploader.start()
+        # Imported here, not at the top: the catalog layer (SQLAlchemy) and the policy models
+        # load while the copy runs.
         from policies.resume import classify
         from registry.lifecycle.checkpoints import commit
 
