@@ -93,7 +93,8 @@ def check_grants(
         )
         or "the registry"
     )
-    return Decision(False, f"needs a {needed} grant covering {scope}")
+    article = "an" if needed[0] in "aeiou" else "a"
+    return Decision(False, f"needs {article} {needed} grant covering {scope}")
 
 
 def _scope(grant: Grant) -> str:

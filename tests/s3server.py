@@ -36,10 +36,19 @@ class MotoServer:
 
 
 class FaultyProxy:
-    """Forwards requests to `upstream`; a share of them get 500, 503 SlowDown, or a dropped
-    connection instead. Bounded: it only serves the test that started it, on 127.0.0.1."""
+    """Forwards requests to `upstream`; a share of them fail instead, as one of `kinds`:
+    "500", "503" (SlowDown), "drop" (the connection closes before the request is forwarded) or
+    "lost" (the request is carried out upstream, then the connection closes before the reply:
+    the client cannot tell that it succeeded). Bounded: it only serves the test that started
+    it, on 127.0.0.1."""
 
-    def __init__(self, upstream_port: int, fault_rate: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        fault_rate: float,
+        seed: int = 0,
+        kinds: tuple[str, ...] = ("500", "503", "drop", "lost"),
+    ) -> None:
         self.upstream_port = upstream_port
         self.fault_rate = fault_rate
         self.random = random.Random(seed)
@@ -61,13 +70,13 @@ class FaultyProxy:
                     proxy.requests += 1
                     roll = proxy.random.random()
                     fault = roll < proxy.fault_rate
-                    kind = proxy.random.choice(["500", "503", "drop"]) if fault else ""
+                    kind = proxy.random.choice(kinds) if fault else ""
                     proxy.faults += fault
                 if kind == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if kind:
+                if kind in ("500", "503"):
                     code = "SlowDown" if kind == "503" else "InternalError"
                     payload = (
                         f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
@@ -85,6 +94,11 @@ class FaultyProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if kind == "lost":  # done upstream; the client never hears of it
+                    conn.close()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

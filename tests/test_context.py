@@ -58,7 +58,7 @@ def test_context_denial_is_audited_and_one_line(tmp_path, monkeypatch):
     with Registry(user="alice") as alice, pytest.raises(PermissionDenied) as info:
         alice.gc(dry_run=True)
     assert str(info.value) == (
-        "alice may not gc retention (needs a admin grant covering the registry "
+        "alice may not gc retention (needs an admin grant covering the registry "
         "(ask an admin to add it to the policy))"
     )
     with Registry(user="root") as root:

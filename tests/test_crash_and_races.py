@@ -122,28 +122,31 @@ def test_live_claim_is_a_conflict_naming_the_holder(reg, ckpts):
 def test_a_failed_push_writes_nothing_after_it_gives_its_claim_back(reg, ckpts, monkeypatch):
     """One file fails while another is still being published: the push raises only once every
     write of its own has ended, so a later push that takes the step over is never overwritten."""
-    import time
+    import threading
 
     from registry.errors import IntegrityError
     from registry.storage import local
 
     running: list[str] = []
+    failed = threading.Event()
     publish, stage = local._LocalStaged.publish, local.LocalStore._stage_file
 
-    def slow_publish(self):  # type: ignore[no-untyped-def]
+    def held_publish(self):  # type: ignore[no-untyped-def]
         running.append(self.key)
         try:
-            time.sleep(1.0 if self.key.endswith(".metadata") else 0.0)
+            if self.key.endswith(".metadata"):  # still publishing when the other file fails
+                assert failed.wait(30)
             return publish(self)
         finally:
             running.remove(self.key)
 
     def failing_stage(self, key, src, immutable, progress):  # type: ignore[no-untyped-def]
         if key.endswith("__1_0.distcp"):
+            failed.set()
             raise IntegrityError(f"{src} changed while being copied")
         return stage(self, key, src, immutable, progress)
 
-    monkeypatch.setattr(local._LocalStaged, "publish", slow_publish)
+    monkeypatch.setattr(local._LocalStaged, "publish", held_publish)
     monkeypatch.setattr(local.LocalStore, "_stage_file", failing_stage)
     with pytest.raises(IntegrityError, match="changed while being copied"):
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=7)

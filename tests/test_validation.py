@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from registry.errors import UsageError
-from tests.helpers import flip_byte
+from tests import tamper
 
 FACTORY = "examples.tiny_model:build_model"
 
@@ -81,8 +81,7 @@ def test_weights_only_checkpoint_is_not_resumable(reg, bad_ckpts):
 
 def test_corrupt_shard_fails_integrity_and_loads_nothing(reg, ckpts):
     _push(reg, ckpts.ws2, 4)
-    stored = Path(reg.show("r@step4")["uri"].removeprefix("file://"))
-    flip_byte(stored / "__0_0.distcp")
+    tamper.flip_byte(reg.store, "ckpt/default/r/step-4/__0_0.distcp")
     out = reg.validate("r@step4", device="cpu")
     assert not out["passed"]
     assert "__0_0.distcp: sha256" in _checks(out)["integrity"]["detail"]
@@ -128,6 +127,18 @@ def test_cuda_validation_and_reshard(reg, ckpts):
     _push(reg, ckpts.ws2, 4)
     out = reg.validate("r@step4", device="cuda", model_factory=FACTORY)
     assert out["passed"] and out["device"] == "cuda", out["checks"]
+
+
+@pytest.mark.cuda
+def test_cuda_reshard_onto_two_gpus(reg, ckpts):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank: this machine has fewer than 2")
+    _push(reg, ckpts.ws2, 4)
+    out = reg.validate("r@step4", device="cuda", world_size=2, model_factory=FACTORY)
+    assert out["passed"], out["checks"]
+    assert "resharded onto 2 ranks (cuda)" in _checks(out)["restore"]["detail"]
 
 
 def test_reshard_runs_the_model_factory_on_the_gathered_tensors(reg, ckpts):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from registry import audit
 from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
+from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.views import CheckpointView
@@ -57,16 +58,20 @@ def pull(
         # A collection that raced the download wins: never hand out a half-deleted checkpoint.
         latest.append(resolve(ctx, full)[1])
 
-    where = download(
-        ctx.store,
-        checkpoint_prefix(ref.project, ref.run, ckpt.step),
-        files,
-        dest,
-        label=str(full),
-        workers=ctx.workers,
-        progress=progress,
-        before_publish=still_committed,
-    )
+    try:
+        where = download(
+            ctx.store,
+            checkpoint_prefix(ref.project, ref.run, ckpt.step),
+            files,
+            dest,
+            label=str(full),
+            workers=ctx.workers,
+            progress=progress,
+            before_publish=still_committed,
+        )
+    except IntegrityError:
+        still_committed()  # a file gone because GC collected it meanwhile: exit 3, says so
+        raise
     record_resume(ctx, full)
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
     out["dest"] = str(where)
