@@ -311,3 +311,23 @@ def test_cli_validate_promote_releases_json(cpu_policy, cli, ckpts, tmp_path):
     assert res.returncode == 0
     res = cli("pull-release", "tiny:v1", tmp_path / "y")
     assert res.returncode == 5 and "yanked" in res.stderr
+
+
+def test_a_rerun_adopts_leftovers_only_when_their_bytes_match(cpu_policy, catalog_url, ckpts):
+    with Registry() as reg:
+        _push(reg, ckpts.ws2, 4)
+        reg.validate("r@step4", device="cpu")
+    proc = _promote_process("r@step4", "--model", "tiny", fault="promote-consolidated")
+    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stderr.read()
+    with Registry() as reg:
+        tamper.flip_byte(reg.store, "release/tiny/v1/model.safetensors")
+        with pytest.raises(Conflict, match="release/tiny/v1/model.safetensors exists with other"):
+            reg.promote("r@step4", model="tiny")
+        assert reg.releases() == []
+    res = subprocess.run(
+        [sys.executable, "-m", "cli", "promote", "r@step4", "--model", "tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 5 and res.stderr.count("\n") == 1, res.stderr
