@@ -51,14 +51,21 @@ def test_flipped_byte_fails_verify_and_pull(pushed, tmp_path):
     _nothing_written(tmp_path, "out")
 
 
-def test_missing_and_truncated_files_are_named(pushed, tmp_path):
+def test_a_missing_file_is_named(pushed, tmp_path):
     tamper.remove(pushed.store, KEY + "__1_0.distcp")
+    assert pushed.verify("r@step4")["problems"] == [{"path": "__1_0.distcp", "problem": "missing"}]
+    with pytest.raises(IntegrityError, match="stored file __1_0.distcp is missing") as info:
+        pushed.pull("r@step4", tmp_path / "out")
+    assert info.value.exit_code == 1
+    _nothing_written(tmp_path, "out")
+
+
+def test_a_truncated_file_is_named(pushed, tmp_path):
     tamper.truncate(pushed.store, KEY + "__0_0.distcp", 100)
-    report = pushed.verify("r@step4")
-    problems = {p["path"]: p["problem"] for p in report["problems"]}
-    assert problems["__1_0.distcp"] == "missing"
-    assert problems["__0_0.distcp"].startswith("size 100, expected ")
-    with pytest.raises(IntegrityError, match="is missing|is corrupt") as info:
+    [problem] = pushed.verify("r@step4")["problems"]
+    assert problem["path"] == "__0_0.distcp"
+    assert problem["problem"].startswith("size 100, expected ")
+    with pytest.raises(IntegrityError, match="stored file __0_0.distcp is corrupt") as info:
         pushed.pull("r@step4", tmp_path / "out")
     assert info.value.exit_code == 1
     _nothing_written(tmp_path, "out")
