@@ -152,6 +152,7 @@ def test_reshard_runs_the_model_factory_on_the_gathered_tensors(reg, ckpts):
     wrong = reg.validate(
         "r@step4", device="cpu", world_size=2, model_factory="tests.factories:wrong_names"
     )
+    assert _checks(wrong)["restore"]["passed"], wrong["checks"]
     assert not wrong["passed"]
     assert "missing keys: 0.weight" in _checks(wrong)["model"]["detail"]
 

@@ -129,30 +129,21 @@ def restore_distributed(
     model: ModelCheck | None,
     out: Outcome,
 ) -> None:
-    """Reshard onto `world_size` spawned ranks; each reports what it checked."""
-    import torch.multiprocessing as mp
-
+    """Reshard onto `world_size` spawned ranks; each reports what it checked. Ranks that fail
+    to come up (before any byte is read) are started once more."""
     if store.url.startswith("memory://"):
         raise UsageError(
             "a memory store cannot be shared with validation ranks in other processes",
             "validate at world size 1, or use a file:// or s3:// store",
         )
-    with tempfile.TemporaryDirectory(prefix="reg-validate-") as tmp:
-        try:
-            mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn unannotated
-                _rank_main,
-                args=(world_size, _free_port(), device, store.url, prefix, tmp, model),
-                nprocs=world_size,
-                join=True,
-            )
-        except Exception as exc:
-            out.add(
-                "restore",
-                False,
-                f"restore at world size {world_size} failed: {str(exc).strip().splitlines()[-1]}",
-            )
-            return
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    results: list[dict[str, Any]] | str = "not run"
+    for _ in range(START_ATTEMPTS):
+        results = _spawn_ranks(store.url, prefix, device, world_size, model)
+        if not (isinstance(results, str) or any(r.get("stage") == "start" for r in results)):
+            break  # the ranks came up; whatever they found stands
+    if isinstance(results, str):
+        out.add("restore", False, f"restore at world size {world_size} failed: {results}")
+        return
     out.phases["restore_seconds"] = round(max(r["seconds"] for r in results), 3)
     errors = [r["error"] for r in results if r.get("error")]
     if errors:
@@ -169,6 +160,28 @@ def restore_distributed(
     for check in results[0].get("model", []):
         out.add(check["name"], check["passed"], check["detail"])
     out.tied = results[0].get("tied", [])
+
+
+START_ATTEMPTS = 2  # gloo now and then aborts a rank while the group forms on a busy machine
+
+
+def _spawn_ranks(
+    store_url: str, prefix: str, device: str, world_size: int, model: ModelCheck | None
+) -> list[dict[str, Any]] | str:
+    """Each rank's report, or why the ranks did not all report (a rank killed by a signal)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="reg-validate-") as tmp:
+        try:
+            mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn unannotated
+                _rank_main,
+                args=(world_size, _free_port(), device, store_url, prefix, tmp, model),
+                nprocs=world_size,
+                join=True,
+            )
+        except Exception as exc:
+            return str(exc).strip().splitlines()[-1]
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def _free_port() -> int:
@@ -197,12 +210,13 @@ def _rank_main(
     from registry.storage import open_store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    result: dict[str, Any] = {"seconds": 0.0, "nonfinite": [], "shapes": []}
+    result: dict[str, Any] = {"seconds": 0.0, "nonfinite": [], "shapes": [], "stage": "start"}
     try:
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
         mesh = init_device_mesh(device, (world,))
+        result["stage"] = "load"
         store = open_store(store_url)
         metadata = load_metadata(store.get_bytes(prefix + METADATA))
         inv = inventory(metadata)
