@@ -1,6 +1,6 @@
 """Load DCP checkpoints straight from the object store, safely.
 
-`StoreReader` is a DCP `StorageReader` over an `ObjectStore` prefix: it hands DCP the metadata
+`StoreReader` is a DCP `StorageReader` over an `BaseStore` prefix: it hands DCP the metadata
 parsed by the allowlisting unpickler (never torch's own `pickle.load`) and reads every chunk with
 a ranged read, so validation works the same on a local store and on S3 without downloading
 whole shards. Each chunk is its own `torch.save` archive, loaded with `weights_only=True`.
@@ -34,7 +34,7 @@ from registry.formats.dcp import METADATA, ChunkRange, TensorInfo
 from registry.formats.dcp_metadata import load_metadata
 
 if TYPE_CHECKING:
-    from registry.storage.base import ObjectStore
+    from registry.storage.base import BaseStore
 
 
 def load_chunk(data: bytes, where: str) -> torch.Tensor:
@@ -66,7 +66,7 @@ def load_object(data: bytes, where: str) -> Any:
 
 
 class StoreReader(StorageReader):
-    def __init__(self, store: ObjectStore, prefix: str, metadata: Any | None = None) -> None:
+    def __init__(self, store: BaseStore, prefix: str, metadata: Any | None = None) -> None:
         super().__init__()
         self.store, self.prefix = store, prefix
         self._metadata = metadata
@@ -149,7 +149,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def read_chunk(
-    store: ObjectStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
+    store: BaseStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
 ) -> torch.Tensor:
     data = store.read_range(prefix + chunk.file, chunk.offset, chunk.length)
     fast = stored_tensor_view(data, dtype, chunk.sizes)
@@ -262,7 +262,7 @@ def row_parts(info: TensorInfo) -> list[ChunkRange] | None:
     return parts if row == info.shape[0] else None
 
 
-def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo) -> Iterator[torch.Tensor]:
+def iter_tensor_bytes(store: BaseStore, prefix: str, info: TensorInfo) -> Iterator[torch.Tensor]:
     """The tensor as contiguous pieces in row-major order: chunk by chunk when the chunks split
     it by rows (memory: one chunk), else assembled whole."""
     parts = row_parts(info)
@@ -274,7 +274,7 @@ def iter_tensor_bytes(store: ObjectStore, prefix: str, info: TensorInfo) -> Iter
 
 
 def read_tensor(
-    store: ObjectStore, prefix: str, info: TensorInfo, out: torch.Tensor | None = None
+    store: BaseStore, prefix: str, info: TensorInfo, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The full tensor `info` describes, assembled from its chunks."""
     dtype = getattr(torch, info.dtype)

@@ -13,9 +13,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from registry.errors import UsageError
-from registry.storage.base import BaseStore, ObjectInfo, ObjectStore, PutResult, Swept
+from registry.storage.base import BaseStore, ObjectInfo, PutResult, Swept
 
-__all__ = ["BaseStore", "ObjectInfo", "ObjectStore", "PutResult", "Swept", "open_store"]
+__all__ = ["BaseStore", "ObjectInfo", "PutResult", "Swept", "open_store"]
 
 # scheme -> (module, class, what to install when the import fails)
 _SCHEMES = {

@@ -310,9 +310,6 @@ class BaseStore(ABC):
         return freed, errors
 
 
-ObjectStore = BaseStore  # the name the lifecycles use for "a store"
-
-
 def write_all(fd: int, view: memoryview) -> None:
     written = 0
     while written < len(view):

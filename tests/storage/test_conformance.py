@@ -1,4 +1,4 @@
-"""The ObjectStore contract, run against every backend (the S3 store runs the same suite)."""
+"""The BaseStore contract, run against every backend (the S3 store runs the same suite)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
-from registry.storage import ObjectStore, open_store
+from registry.storage import BaseStore, open_store
 
 
 @pytest.fixture(params=["memory", "local", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> BaseStore:
     if request.param == "local":
         return open_store((tmp_path / "store").as_uri())
     if request.param == "memory":
