@@ -268,3 +268,18 @@ def test_a_pull_racing_a_collection_says_collected(aggressive, reg, ckpts, tmp_p
     assert info.value.exit_code == 3
     assert {d["ref"]: d["action"] for d in collected[0]["decisions"]}["r@step2"] == "delete"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.reg-pull-*"))
+
+
+def test_a_committed_file_named_like_a_temp_file_survives_the_sweep(
+    aggressive, reg, ckpts, tmp_path
+):
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpts.ws2.step_dir(4), src)
+    (src / ".__0_0.distcp.tmp-0123456789ab").write_bytes(b"a file the trainer wrote")
+    reg.push_checkpoint(src, run="t", step=4)
+    out = reg.gc()
+    assert out["orphans"] == [] and out["errors"] == []
+    assert reg.verify("t@step4")["ok"]
+    assert ".__0_0.distcp.tmp-0123456789ab" in {f["path"] for f in reg.show("t@step4")["files"]}
