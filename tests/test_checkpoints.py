@@ -121,3 +121,19 @@ def test_pin_and_unpin(reg, ckpts):
     assert reg.show("r@step2")["protection"]["protected"] is False
     actions = [e["action"] for e in reg.audit_log()]
     assert actions == ["push", "push", "pin", "unpin"]
+
+
+@pytest.mark.parametrize("name", ["sub/MANIFEST.json", "release.json", "a/b/release.json"])
+def test_push_refuses_the_registrys_own_document_names(reg, ckpts, tmp_path, name):
+    d = ckpts.ws2.copy_step(4, tmp_path / "d")
+    (d / name).parent.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text("{}")
+    with pytest.raises(InvalidCheckpoint, match=f"contains {name}, a name the registry reserves"):
+        reg.push_checkpoint(d, run="r", step=4)
+    assert reg.list_checkpoints() == []
+
+
+def test_push_refuses_a_world_size_the_catalog_cannot_hold(reg, ckpts):
+    with pytest.raises(UsageError, match="--world-size 2147483648 is too large"):
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, world_size=2**31)
+    assert reg.list_checkpoints() == []

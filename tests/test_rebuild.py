@@ -47,22 +47,19 @@ def test_catalog_rebuilt_from_the_store(cpu_policy, ckpts, tmp_path, cli):
 
 
 def test_rebuild_trusts_only_manifests_in_their_own_place(ckpts, tmp_path, cli):
-    """A checkpoint carrying a crafted `sub/MANIFEST.json` (another project's run, a huge step,
-    no files) must not become that run's @latest after a rebuild."""
-    import shutil
-
-    crafted = tmp_path / "crafted"
-    shutil.copytree(ckpts.ws2.step_dir(2), crafted)
-    (crafted / "sub").mkdir()
+    """A crafted `sub/MANIFEST.json` inside a checkpoint (another project's run, a huge step, no
+    files; push refuses such a directory now, an older registry did not), or a manifest that
+    names another step, must not become that run's @latest after a rebuild."""
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(4), run="victim", step=4, project="team-b")
-        reg.push_checkpoint(crafted, run="r", step=2, project="team-a")
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-a")
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=3, project="team-a")
         real = json.loads(reg.store.get_bytes("ckpt/team-b/victim/step-4/MANIFEST.json"))
-        forged = dict(real, step=10**12, files=[], bytes=0)
-        (crafted / "sub" / "MANIFEST.json").write_text(json.dumps(forged))
-        reg.push_checkpoint(crafted, run="r", step=3, project="team-a")
-        # ...and a manifest in a checkpoint's own place that names somebody else's step
-        reg.store.put_bytes("ckpt/team-a/r/step-5/MANIFEST.json", json.dumps(forged).encode())
+        forged = json.dumps(dict(real, step=10**12, files=[], bytes=0)).encode()
+        reg.store.put_bytes("ckpt/team-a/r/step-3/sub/MANIFEST.json", forged)
+        reg.store.put_bytes("ckpt/team-a/r/step-5/MANIFEST.json", forged)
+        empty = json.dumps(dict(real, project="team-a", run="r", step=6, files=[], bytes=0))
+        reg.store.put_bytes("ckpt/team-a/r/step-6/MANIFEST.json", empty.encode())
         home = reg.settings.home
     for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
         (home / name).unlink(missing_ok=True)
@@ -75,6 +72,7 @@ def test_rebuild_trusts_only_manifests_in_their_own_place(ckpts, tmp_path, cli):
         skipped
     )
     assert "ckpt/team-a/r/step-5/MANIFEST.json: the manifest names team-b/victim@step" in skipped
+    assert "ckpt/team-a/r/step-6/MANIFEST.json: lists no .metadata" in skipped
     with Registry() as reg:
         assert reg.show("team-b/victim@latest")["step"] == 4
         assert reg.verify("team-b/victim@step4")["ok"]

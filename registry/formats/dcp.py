@@ -18,7 +18,7 @@ from typing import Any
 
 from registry.errors import InvalidCheckpoint
 from registry.formats.dcp_metadata import load_metadata
-from registry.layout import MANIFEST
+from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 METADATA = ".metadata"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -175,9 +175,10 @@ def scan_directory(root: Path) -> ScannedDir:
     files = _walk(root)
     if METADATA not in files:
         raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
-    if MANIFEST in files:
+    reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in (MANIFEST, RELEASE_DOCUMENT))
+    if reserved:
         raise InvalidCheckpoint(
-            f"{root} contains {MANIFEST}, a name the registry reserves", "remove or rename it"
+            f"{root} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
         )
     if files[METADATA] > MAX_METADATA_BYTES:
         raise InvalidCheckpoint(

@@ -115,7 +115,7 @@ class Manifest:
             project=r.name(doc["project"], "project"),
             run=r.name(doc["run"], "run"),
             step=r.integer(doc["step"], "step", minimum=0, maximum=10**18),
-            world_size=r.integer(doc["world_size"], "world_size", minimum=1),
+            world_size=r.integer(doc["world_size"], "world_size", minimum=1, maximum=2**31),
             world_size_inferred=r.boolean(doc["world_size_inferred"], "world_size_inferred"),
             files=files,
             tensors=_tensor_summary(r, doc["tensors"]),

@@ -33,6 +33,7 @@ from registry.catalog.models import (
     ReleaseFile,
 )
 from registry.errors import InvalidDocument
+from registry.formats.dcp import METADATA
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import (
     CHECKPOINTS,
@@ -100,6 +101,9 @@ def _read_manifest(ctx: Context, key: str, out: dict[str, Any]) -> tuple[Manifes
         return None
     if (manifest.project, manifest.run, manifest.step) != place[:3]:
         out["skipped"].append(f"{key}: the manifest names {manifest.ref}, not its own place")
+        return None
+    if METADATA not in {f.path for f in manifest.files}:
+        out["skipped"].append(f"{key}: lists no {METADATA}, so it is no DCP checkpoint")
         return None
     damaged = _missing_files(ctx, key.removesuffix(MANIFEST), manifest.files)
     if damaged:

@@ -130,6 +130,8 @@ def _world_size(
         return inferred, True
     if isinstance(given, bool) or not isinstance(given, int) or given < 1:
         raise UsageError(f"--world-size must be a whole number >= 1, got {given!r}")
+    if given >= 2**31:
+        raise UsageError(f"--world-size {given} is too large", "world sizes are below 2^31")
     if given < inferred:
         raise UsageError(
             f"--world-size {given} is smaller than the {inferred} ranks the shard files show",
