@@ -108,8 +108,7 @@ class _DeferredFile(Staged):
 
     def digest(self) -> tuple[int, str]:
         if self._digest is None:
-            with open(self._src, "rb") as f:
-                self._digest = hash_stream(f)
+            self._digest = hash_file(self._src)
         return self._digest
 
 
@@ -314,6 +313,12 @@ def write_all(fd: int, view: memoryview) -> None:
     written = 0
     while written < len(view):
         written += os.write(fd, view[written:])
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a local file."""
+    with open(path, "rb") as f:
+        return hash_stream(f)
 
 
 def hash_stream(stream: Any, progress: Progress = None) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from registry.catalog.models import (
 from registry.errors import Conflict
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.views import CheckpointView
-from registry.storage.base import hash_stream
+from registry.storage.base import hash_file
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -202,8 +202,7 @@ def compare_existing(
         raise Conflict(differs, hint)
 
     def digest(path: str) -> str:
-        with open(scanned.root / path, "rb") as f:
-            return hash_stream(f)[1]
+        return hash_file(scanned.root / path)[1]
 
     with ThreadPoolExecutor(max_workers=ctx.workers) as pool:
         digests = dict(zip(scanned.files, pool.map(digest, scanned.files), strict=True))
