@@ -56,20 +56,27 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
     elif mode == "reg":
         os.environ["REG_HOME"] = home
         from registry import Registry
-        from registry.formats.dcp import METADATA, inventory
+        from registry.formats.dcp import inventory
         from registry.formats.dcp_metadata import load_metadata
+        from registry.lifecycle.checkpoints.read import resolve
         from registry.lifecycle.promotion.consolidate import consolidate
+        from registry.lifecycle.promotion.proven import ProvenCheckpoint
+        from registry.refs import CheckpointRef
 
         with Registry() as reg:
             prefix = "ckpt/default/bench/step-0/"
-            inv = inventory(load_metadata(reg.store.get_bytes(prefix + METADATA), light=True))
+            _, _, files = resolve(reg.context, CheckpointRef("default", "bench", 0))
+            # What promotion does: prove every shard holding model chunks, then consolidate.
+            source = ProvenCheckpoint(reg.store, prefix, files, label="bench", workers=2)
+            inv = inventory(load_metadata(source.metadata, light=True))
             names = inv.model_names(["model"], "model")
+            source.prove(c for fqn in names.values() for c in inv.tensors[fqn].chunks)
             dest = f"release/bench/v{time.time_ns()}/"
             consolidate(
-                reg.store,
-                prefix,
+                source,
                 inv,
                 names,
+                reg.store,
                 dest,
                 cast=None,
                 max_shard_bytes=5 * 10**9,

@@ -59,21 +59,26 @@ def run() -> int:
     except RegistryError as exc:
         if debug:
             raise
-        sys.stderr.write(f"reg: error: {exc}\n")
-        return exc.exit_code
+        return _failed(f"error: {exc}", exc.message, exc.hint, exc.exit_code)
     except KeyboardInterrupt:
-        sys.stderr.write("reg: interrupted\n")
-        return 130
-    except Exception as exc:
+        return _failed("interrupted", "interrupted", None, 130)
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if debug:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        sys.stderr.write(
-            f"reg: internal error: {type(exc).__name__}: {first} "
-            "(REG_DEBUG=1 shows the traceback)\n"
-        )
-        return 1
+        message = f"internal error: {type(exc).__name__}: {first}"
+        return _failed(f"{message} (REG_DEBUG=1 shows the traceback)", message, None, 1)
     return 0
+
+
+def _failed(line: str, message: str, hint: str | None, code: int) -> int:
+    """One line on stderr; with --json also the error document on stdout."""
+    sys.stderr.write(f"reg: {line}\n")
+    if "--json" in sys.argv[1:]:
+        from cli.render import error_json
+
+        error_json(message, hint, code)
+    return code
 
 
 if __name__ == "__main__":

@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 
 def emit_json(obj: Any) -> None:
-    # Compact on purpose: with `indent` the json module falls back to its pure-Python encoder,
-    # 10x slower on a 10,000-checkpoint listing. Pipe through `jq` to read it.
-    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.write(to_json(obj) + "\n")
+
+
+def to_json(obj: Any) -> str:
+    """Strict JSON (RFC 8259): a non-finite float (NaN, inf), which Python's json would write as
+    a bare `NaN` no parser but Python's accepts, becomes null. Compact on purpose: with `indent`
+    the json module falls back to its pure-Python encoder, 10x slower on a 10,000-checkpoint
+    listing. Pipe through `jq` to read it."""
+    try:
+        return json.dumps(obj, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), default=str, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def error_json(message: str, hint: str | None, exit_code: int) -> None:
+    """The one document a `--json` command prints when it fails (the same fields a server error
+    carries), so a script always reads JSON from stdout."""
+    emit_json({"error": {"message": message, "hint": hint, "exit_code": exit_code}})
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

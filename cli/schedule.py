@@ -3,12 +3,13 @@ line per cycle on stdout (for cron-less deployments: a systemd service, a Kubern
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from cli.render import to_json
 
 
 def repeat(interval: str, cycle: Callable[[], dict[str, Any]]) -> None:
@@ -31,5 +32,5 @@ def repeat(interval: str, cycle: Callable[[], dict[str, Any]]) -> None:
             line = {"ts": iso(now()), "ok": True, **cycle()}
         except RegistryError as exc:  # this cycle failed; the next one tries again
             line = {"ts": iso(now()), "ok": False, "error": str(exc)}
-        print(json.dumps(line), flush=True)
+        print(to_json(line), flush=True)
         stop.wait(max(0.0, seconds - (time.monotonic() - started)))

@@ -11,6 +11,8 @@ import pytest
 
 from registry import Registry
 from registry.errors import IntegrityError, UsageError, ValidationFailed
+from registry.formats.dcp import ChunkRange, inventory
+from registry.formats.dcp_metadata import load_metadata
 from tests import tamper
 
 
@@ -77,6 +79,38 @@ def test_promotion_refuses_a_corrupt_shard_and_consumes_no_version(pushed):
         pushed.promote("r@step4", model="tiny")
     assert pushed.releases() == []
     assert pushed.store.head("release/tiny/v1/model.safetensors") is None
+
+
+def _model_chunk(store, key: str) -> ChunkRange:  # type: ignore[no-untyped-def]
+    inv = inventory(load_metadata(store.get_bytes(key + ".metadata"), light=True))
+    fqn = max(inv.model_names(["model"], "model").values(), key=lambda f: inv.tensors[f].nbytes)
+    return max(inv.tensors[fqn].chunks, key=lambda c: c.length)
+
+
+def test_a_shard_changed_after_validation_is_refused_before_any_version(pushed):
+    """Validate, then change 256 bytes of a model chunk in the store, then promote: the
+    promotion proves every consolidated byte against the manifest and refuses."""
+    assert pushed.validate("r@step4")["passed"]
+    chunk = _model_chunk(pushed.store, KEY)
+    original = pushed.store.get_bytes(KEY + chunk.file)
+    body = bytearray(original)
+    middle = chunk.offset + chunk.length // 2
+    body[middle : middle + 256] = bytes(b ^ 0x5A for b in body[middle : middle + 256])
+    tamper.replace(pushed.store, KEY + chunk.file, bytes(body))
+    with pytest.raises(IntegrityError, match=f"r@step4: {chunk.file} is not the file that was"):
+        pushed.promote("r@step4", model="tiny")
+    assert pushed.releases() == []
+    assert list(pushed.store.list("release/")) == []
+    tamper.replace(pushed.store, KEY + chunk.file, original)  # repaired: the promotion goes on
+    assert pushed.promote("r@step4", model="tiny")["version"] == 1
+
+
+def test_a_changed_metadata_is_refused_before_it_is_parsed(pushed):
+    assert pushed.validate("r@step4")["passed"]
+    tamper.flip_byte(pushed.store, KEY + ".metadata", 10)
+    with pytest.raises(IntegrityError, match=r"r@step4: \.metadata is not the file that was"):
+        pushed.promote("r@step4", model="tiny")
+    assert pushed.releases() == []
 
 
 def test_damaged_release_fails_verify_and_pull(pushed, tmp_path):

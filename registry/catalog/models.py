@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
 from sqlmodel import Field, SQLModel, col
 
+from registry.formats.documents import FileRecord
+
 if TYPE_CHECKING:
-    from registry.formats.documents import FileRecord, Manifest
+    from registry.formats.documents import Manifest
 
 # Checkpoint states (`sweeping`: an abandoned upload whose objects GC is deleting)
 PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
@@ -115,6 +117,7 @@ class CheckpointFile(SQLModel, table=True):
     size: int = Field(sa_type=BigInteger)
     sha256: str = Field(max_length=64)
     rank: int | None = None
+    version: str | None = Field(default=None, max_length=1024)  # on a versioned bucket
 
     @classmethod
     def of(cls, checkpoint_id: int, record: FileRecord) -> CheckpointFile:
@@ -124,7 +127,11 @@ class CheckpointFile(SQLModel, table=True):
             size=record.size,
             sha256=record.sha256,
             rank=record.rank,
+            version=record.version,
         )
+
+    def record(self) -> FileRecord:
+        return FileRecord(self.path, self.size, self.sha256, self.rank, self.version)
 
 
 class Validation(SQLModel, table=True):
@@ -184,10 +191,20 @@ class ReleaseFile(SQLModel, table=True):
     path: str = Field(max_length=1024)
     size: int = Field(sa_type=BigInteger)
     sha256: str = Field(max_length=64)
+    version: str | None = Field(default=None, max_length=1024)  # on a versioned bucket
 
     @classmethod
     def of(cls, release_id: int, record: FileRecord) -> ReleaseFile:
-        return cls(release_id=release_id, path=record.path, size=record.size, sha256=record.sha256)
+        return cls(
+            release_id=release_id,
+            path=record.path,
+            size=record.size,
+            sha256=record.sha256,
+            version=record.version,
+        )
+
+    def record(self) -> FileRecord:
+        return FileRecord(self.path, self.size, self.sha256, version=self.version)
 
 
 class Alias(SQLModel, table=True):

@@ -115,7 +115,7 @@ def files_of(session: Session, checkpoint_id: int) -> list[FileRecord]:
         .where(CheckpointFile.checkpoint_id == checkpoint_id)
         .order_by(col(CheckpointFile.path))
     ).all()
-    return [FileRecord(f.path, f.size, f.sha256, f.rank) for f in rows]
+    return [f.record() for f in rows]
 
 
 def _few(items: Sequence[Any], limit: int = 8) -> str:

@@ -9,8 +9,8 @@ whole shards. Each chunk is its own `torch.save` archive, loaded with `weights_o
 items (`BytesStorageMetadata`) with `weights_only=False`; here they load with `weights_only=True`
 and a refusal names the item.
 
-`read_tensor` assembles one full tensor from its chunks (the consolidation path: one tensor in
-memory at a time).
+`read_tensor` assembles one full tensor from its chunks, read from a `ChunkSource` (the
+consolidation path: one tensor in memory at a time; promotion's source is the proved copy).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
@@ -35,6 +35,12 @@ from registry.formats.dcp_metadata import load_metadata
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore
+
+
+class ChunkSource(Protocol):
+    def read(self, path: str, offset: int, length: int) -> bytearray:
+        """`length` bytes of the checkpoint file `path` from `offset` (writable)."""
+        ...
 
 
 def load_chunk(data: bytes, where: str) -> torch.Tensor:
@@ -148,10 +154,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_chunk(
-    store: BaseStore, prefix: str, fqn: str, chunk: ChunkRange, dtype: str
-) -> torch.Tensor:
-    data = store.read_range(prefix + chunk.file, chunk.offset, chunk.length)
+def read_chunk(source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str) -> torch.Tensor:
+    data = source.read(chunk.file, chunk.offset, chunk.length)
     fast = stored_tensor_view(data, dtype, chunk.sizes)
     if fast is not None:
         return fast
@@ -262,26 +266,26 @@ def row_parts(info: TensorInfo) -> list[ChunkRange] | None:
     return parts if row == info.shape[0] else None
 
 
-def iter_tensor_bytes(store: BaseStore, prefix: str, info: TensorInfo) -> Iterator[torch.Tensor]:
+def iter_tensor_bytes(source: ChunkSource, info: TensorInfo) -> Iterator[torch.Tensor]:
     """The tensor as contiguous pieces in row-major order: chunk by chunk when the chunks split
     it by rows (memory: one chunk), else assembled whole."""
     parts = row_parts(info)
     if parts is None:
-        yield read_tensor(store, prefix, info)
+        yield read_tensor(source, info)
         return
     for chunk in parts:
-        yield read_chunk(store, prefix, info.fqn, chunk, info.dtype).contiguous()
+        yield read_chunk(source, info.fqn, chunk, info.dtype).contiguous()
 
 
 def read_tensor(
-    store: BaseStore, prefix: str, info: TensorInfo, out: torch.Tensor | None = None
+    source: ChunkSource, info: TensorInfo, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The full tensor `info` describes, assembled from its chunks."""
     dtype = getattr(torch, info.dtype)
     full = out if out is not None else torch.empty(info.shape, dtype=dtype)
     covered = 0
     for chunk in info.chunks:
-        part = read_chunk(store, prefix, info.fqn, chunk, info.dtype)
+        part = read_chunk(source, info.fqn, chunk, info.dtype)
         index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
         full[index].copy_(part)
         covered += part.numel()

@@ -28,6 +28,7 @@ class FileRecord:
     size: int
     sha256: str
     rank: int | None = None  # the DCP rank that wrote it (checkpoints only)
+    version: str | None = None  # the object's version on a versioned bucket
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "sha256": self.sha256}

@@ -108,7 +108,7 @@ class ReleaseView:
         return cls(
             model,
             release,
-            tuple(FileRecord(f.path, f.size, f.sha256) for f in files),
+            tuple(f.record() for f in files),
             tuple(aliases),
             validation,
         )

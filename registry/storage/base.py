@@ -189,9 +189,11 @@ class BaseStore(ABC):
             )
         return data
 
-    def stream(self, key: str) -> Iterator[bytes]:
-        """The object's bytes in order, in pieces of at most CHUNK (NotFound if missing)."""
-        return self._stream(check_key(key))
+    def stream(self, key: str, *, version: str | None = None) -> Iterator[bytes]:
+        """The object's bytes in order, in pieces of at most CHUNK (NotFound if missing). On a
+        versioned bucket `version` names the version to read; stores without versions read
+        the one object (the caller's digest check is what proves it)."""
+        return self._stream(check_key(key), version)
 
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.stream(key))
@@ -273,13 +275,13 @@ class BaseStore(ABC):
     def _read_range(self, key: str, offset: int, length: int) -> bytes: ...
 
     @abstractmethod
-    def _stream(self, key: str) -> Iterator[bytes]: ...
+    def _stream(self, key: str, version: str | None) -> Iterator[bytes]: ...
 
     def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
         digest, size = hashlib.sha256(), 0
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for piece in self._stream(key):
+            for piece in self._stream(key, None):
                 digest.update(piece)
                 write_all(fd, memoryview(piece))
                 size += len(piece)

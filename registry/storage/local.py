@@ -143,7 +143,7 @@ class LocalStore(BaseStore):
         except FileNotFoundError:
             raise NotFound(f"object {key} is missing from the store") from None
 
-    def _stream(self, key: str) -> Iterator[bytes]:
+    def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
         fd = self._open(key)
 
         def pieces() -> Iterator[bytes]:

@@ -71,7 +71,7 @@ class MemoryStore(BaseStore):
     def _read_range(self, key: str, offset: int, length: int) -> bytes:
         return bytearray(self._body(key)[offset : offset + length])  # type: ignore[return-value]
 
-    def _stream(self, key: str) -> Iterator[bytes]:
+    def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
         body = self._body(key)
         return (body[i : i + CHUNK] for i in range(0, len(body), CHUNK))
 

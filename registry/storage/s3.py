@@ -259,8 +259,8 @@ class S3Store(BaseStore):
         data = self._call(key, body.read)
         return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
 
-    def _stream(self, key: str) -> Iterator[bytes]:
-        body = self._get(key)
+    def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
+        body = self._get(key, **({"VersionId": version} if version else {}))
 
         def pieces() -> Iterator[bytes]:
             try:

@@ -3,6 +3,7 @@
     plan      check the request, resolve the source (nothing written)       plan.py
     existing  the same checkpoint and options already made an active release: return it
     gates     resumable (policy); a passing validation the policy accepts     plan.py
+    proved    the model's shards read once and proved against the manifest    proven.py
     reserve -> build -> commit, under a claim on the release row              stages.py
 
 Nothing is visible until the commit. The source checkpoint is held (protected from retention)
@@ -25,7 +26,7 @@ from registry.lifecycle.promotion.plan import (
     plan_promotion,
     validation_for,
 )
-from registry.lifecycle.promotion.stages import build, commit, reserve
+from registry.lifecycle.promotion.stages import build, commit, proved, reserve
 from registry.lifecycle.releases import move_alias, uri_of
 from registry.lifecycle.views import ReleaseView
 from registry.refs import CheckpointRef
@@ -62,10 +63,13 @@ def promote(
         return existing
     check_resumable(ctx, plan)
     validation = validation_for(ctx, plan)
-    with hold(ctx.catalog, ctx.actor, plan.checkpoint.id or 0, f"promote {plan.source}"):
+    with (
+        hold(ctx.catalog, ctx.actor, plan.checkpoint.id or 0, f"promote {plan.source}"),
+        proved(ctx, plan, progress) as source,
+    ):
         reservation = reserve(ctx, plan, validation)
         with claims.held(ctx.catalog, reservation.claim):
-            built = build(ctx, plan, reservation, progress)
+            built = build(ctx, plan, reservation, source, progress)
             out = commit(ctx, plan, reservation, built)
     out["existing"] = False
     return out

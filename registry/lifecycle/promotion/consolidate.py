@@ -1,7 +1,8 @@
 """DCP -> safetensors, streaming with bounded memory.
 
-Each model tensor is assembled from its chunks (ranged reads of the shard files, each chunk one
-`torch.load(weights_only=True)`), optionally cast, and appended to the output while a background
+Each model tensor is assembled from its chunks (read from the proved copy of the shards, see
+proven.py; each chunk one `torch.load(weights_only=True)` unless its bytes are a plain tensor),
+optionally cast, and appended to the output while a background
 thread hashes and writes the previous one: peak memory is about the largest tensor times three,
 not the model. Headers are computed from the metadata before any tensor is read.
 
@@ -30,6 +31,7 @@ from registry.formats.safetensors_stream import (
 )
 
 if TYPE_CHECKING:
+    from registry.formats.dcp_load import ChunkSource
     from registry.progress import Progress
     from registry.storage.base import BaseStore
 
@@ -56,10 +58,10 @@ def target_dtype(source: str, cast: str | None) -> str:
 
 
 def consolidate(
-    store: BaseStore,
-    src_prefix: str,
+    source: ChunkSource,
     inv: Inventory,
     names: dict[str, str],
+    store: BaseStore,
     dest_prefix: str,
     *,
     cast: str | None,
@@ -68,9 +70,10 @@ def consolidate(
     tie_groups: list[list[str]],
     progress: Progress | None = None,
 ) -> Consolidated:
-    """Write the tensors `names` (release name -> checkpoint FQN) under `dest_prefix`."""
+    """Write the tensors `names` (release name -> checkpoint FQN), read from `source`, under
+    `dest_prefix` of `store`."""
     result = Consolidated()
-    dropped = _resolve_ties(store, src_prefix, inv, names, tie_groups, result)
+    dropped = _resolve_ties(source, inv, names, tie_groups, result)
     entries = []
     for name in sorted(names):
         if name in dropped:
@@ -88,7 +91,7 @@ def consolidate(
         progress.start(f"consolidate {len(entries)} tensors", sum(e.nbytes for e in entries))
 
     for path, shard in zip(files, shards, strict=True):
-        produce = _shard_writer(store, src_prefix, inv, names, shard, metadata, progress)
+        produce = _shard_writer(source, inv, names, shard, metadata, progress)
         result.files.append(_put_once(store, dest_prefix, path, produce=produce))
     if len(files) > 1:
         weight_map = {
@@ -108,8 +111,7 @@ def consolidate(
 
 
 def _shard_writer(
-    store: BaseStore,
-    src_prefix: str,
+    source: ChunkSource,
     inv: Inventory,
     names: dict[str, str],
     shard: list[Entry],
@@ -126,7 +128,7 @@ def _shard_writer(
         write(header_bytes(shard, metadata))
         for entry in shard:
             info = inv.tensors[names[entry.name]]
-            for part in iter_tensor_bytes(store, src_prefix, info):
+            for part in iter_tensor_bytes(source, info):
                 if entry.dtype != info.dtype:
                     part = part.to(getattr(torch, entry.dtype))
                 write(part.reshape(-1).view(torch.uint8).numpy())
@@ -148,8 +150,7 @@ def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRe
 
 
 def _resolve_ties(
-    store: BaseStore,
-    prefix: str,
+    source: ChunkSource,
     inv: Inventory,
     names: dict[str, str],
     groups: list[list[str]],
@@ -165,9 +166,9 @@ def _resolve_ties(
         if len(present) < 2:
             continue
         keep, *aliases = present
-        kept = read_tensor(store, prefix, inv.tensors[names[keep]])
+        kept = read_tensor(source, inv.tensors[names[keep]])
         for alias in aliases:
-            other = read_tensor(store, prefix, inv.tensors[names[alias]])
+            other = read_tensor(source, inv.tensors[names[alias]])
             if (
                 other.shape == kept.shape
                 and other.dtype == kept.dtype

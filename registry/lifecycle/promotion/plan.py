@@ -22,6 +22,7 @@ from policies.gates import (
 from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
+from registry.formats.documents import FileRecord
 from registry.layout import RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.consolidate import INDEX
@@ -47,6 +48,7 @@ class Extra:
 class PromotionPlan:
     source: CheckpointRef  # with its step resolved
     checkpoint: Checkpoint
+    files: tuple[FileRecord, ...]  # as the catalog recorded them: what the release must hold
     model: str
     alias: str | None
     dtype: str | None
@@ -87,10 +89,11 @@ def plan_promotion(
     ctx.authorize("promote", project=ref.project, model=model, target=f"{ref} -> {model}")
     max_bytes = _shard_bytes(max_shard_size)
     checked = _check_extras(extras)
-    _, ckpt, _ = resolve(ctx, ref)
+    _, ckpt, files = resolve(ctx, ref)
     return PromotionPlan(
         source=CheckpointRef(ref.project, ref.run, ckpt.step),
         checkpoint=ckpt,
+        files=tuple(files),
         model=model,
         alias=alias,
         dtype=dtype,

@@ -2,7 +2,9 @@
 
 reserve   the version is allocated atomically (unique per model) on a pending row with a
           claim; a killed promotion's rerun takes over the same row and version
-build     safetensors (+ index) streamed from the checkpoint, then the extras, all
+(proved   before reserving: every shard holding model chunks is read once and proved against
+          the manifest's sha256, its model chunks kept in a local spool; proven.py)
+build     safetensors (+ index) streamed from those proved bytes, then the extras, all
           put-if-absent and immutable (`consolidated`)
 commit    release.json written last; the row becomes active in one transaction with its
           files, the alias move, the audit record and the MLflow event (`committed`)
@@ -11,6 +13,8 @@ commit    release.json written last; the row becomes active in one transaction w
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +35,7 @@ from registry.catalog.models import (
     Validation,
 )
 from registry.errors import Conflict, GateNotMet
-from registry.formats.dcp import METADATA, inventory
+from registry.formats.dcp import Inventory, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.documents import (
     FileRecord,
@@ -41,6 +45,7 @@ from registry.formats.documents import (
 )
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
+from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
 from registry.timeutil import iso, now
@@ -155,31 +160,55 @@ def _stage(ctx: Context, reservation: Reservation, stage: str) -> None:
 # -- build --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Source:
+    """The proved model bytes of the checkpoint being promoted."""
+
+    proven: ProvenCheckpoint
+    inventory: Inventory
+    names: dict[str, str]  # release tensor name -> checkpoint FQN
+
+
+@contextmanager
+def proved(ctx: Context, plan: PromotionPlan, progress: Progress | None) -> Iterator[Source]:
+    """Prove `.metadata` and every shard holding model chunks against the catalog's digests
+    (before a version is reserved: a tampered checkpoint consumes nothing)."""
+    src = checkpoint_prefix(plan.source.project, plan.source.run, plan.checkpoint.step)
+    with ProvenCheckpoint(
+        ctx.store, src, plan.files, label=str(plan.source), workers=ctx.workers
+    ) as proven:
+        inv = inventory(load_metadata(proven.metadata, light=True))
+        resume = classify(inv.top_level_keys(), ctx.policy.resume)
+        names = inv.model_names(resume.model_keys, ctx.policy.resume.model_key)
+        if not names:
+            raise GateNotMet(
+                f"{plan.source} holds no model tensors under "
+                f"[resume] model_key = {ctx.policy.resume.model_key!r}",
+                "set model_key to where the checkpoint keeps the model",
+            )
+        proven.prove((c for fqn in names.values() for c in inv.tensors[fqn].chunks), progress)
+        yield Source(proven, inv, names)
+
+
 def build(
-    ctx: Context, plan: PromotionPlan, reservation: Reservation, progress: Progress | None
+    ctx: Context,
+    plan: PromotionPlan,
+    reservation: Reservation,
+    source: Source,
+    progress: Progress | None,
 ) -> Consolidated:
     """Consolidate the model's tensors into safetensors and store the extras."""
     name = f"{plan.model}:v{reservation.version}"
-    src = checkpoint_prefix(plan.source.project, plan.source.run, plan.checkpoint.step)
     dest = release_prefix(plan.model, reservation.version)
-    inv = inventory(load_metadata(ctx.store.get_bytes(src + METADATA), light=True))
-    resume = classify(inv.top_level_keys(), ctx.policy.resume)
-    names = inv.model_names(resume.model_keys, ctx.policy.resume.model_key)
-    if not names:
-        raise GateNotMet(
-            f"{plan.source} holds no model tensors under "
-            f"[resume] model_key = {ctx.policy.resume.model_key!r}",
-            "set model_key to where the checkpoint keeps the model",
-        )
     validation = reservation.validation
     tie_groups: list[list[str]] = next(
         (c["detail"] for c in validation.checks if c["name"] == "tied_weights"), []
     )
     built = consolidate(
+        source.proven,
+        source.inventory,
+        source.names,
         ctx.store,
-        src,
-        inv,
-        names,
         dest,
         cast=plan.dtype,
         max_shard_bytes=plan.max_shard_bytes,

@@ -1,0 +1,206 @@
+"""The checkpoint bytes a promotion consolidates, proved to be the bytes the manifest recorded.
+
+A checkpoint's files can change in the store after they were pushed and validated (a tampered
+shard, a bad restore from backup, a disk error). Checking digests first and reading chunks later
+would leave a window in which the store hands out other bytes, so promotion reads each shard
+that holds model chunks exactly once, front to back: every byte goes through sha256, and the
+byte ranges of the model's chunks are copied, as they pass, into a local spool (an unnamed temp
+file, gone when the promotion ends). Consolidation reads its chunks from the spool only, and
+only after the whole file hashed to the digest the catalog recorded. `.metadata` is proved the
+same way before it is parsed. Shards are proved in parallel (hashlib releases the GIL).
+
+On a versioned bucket each read names the version the manifest recorded, so a newer object put
+under the same key is never read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import IntegrityError
+from registry.formats.dcp import METADATA, ChunkRange
+from registry.progress import Counter
+
+if TYPE_CHECKING:
+    from registry.formats.documents import FileRecord
+    from registry.progress import Progress
+    from registry.storage.base import BaseStore
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: int
+    end: int
+    spool_at: int
+
+
+class ProvenCheckpoint:
+    """Read access to the proved bytes of one checkpoint (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: BaseStore,
+        prefix: str,
+        files: Sequence[FileRecord],
+        *,
+        label: str,
+        workers: int = 2,
+    ) -> None:
+        self.store, self.prefix, self.label, self.workers = store, prefix, label, max(1, workers)
+        self.records = {f.path: f for f in files}
+        self._spans: dict[str, list[_Span]] = {}
+        self._starts: dict[str, list[int]] = {}
+        self.bytes_hashed = 0
+        self.metadata = self._whole(METADATA)
+        self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
+
+    def __enter__(self) -> ProvenCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._spool.close()
+
+    # -- proving --------------------------------------------------------------------------------
+
+    def prove(self, chunks: Iterable[ChunkRange], progress: Progress | None = None) -> None:
+        """One pass over every file that holds one of `chunks`, keeping those chunks' bytes."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for c in chunks:
+            record = self._record(c.file)
+            if c.offset + c.length > record.size:
+                raise IntegrityError(
+                    f"{self.label}: .metadata puts a chunk at bytes {c.offset}..."
+                    f"{c.offset + c.length} of {c.file}, which has {record.size}",
+                    "the checkpoint metadata is inconsistent; it cannot be promoted",
+                )
+            wanted.setdefault(c.file, []).append((c.offset, c.offset + c.length))
+        at = 0
+        for path in sorted(wanted):
+            spans = []
+            for start, end in _merged(wanted[path]):
+                spans.append(_Span(start, end, at))
+                at += end - start
+            self._spans[path] = spans
+            self._starts[path] = [s.start for s in spans]
+        paths = sorted(wanted)
+        if progress:
+            progress.start(
+                f"prove {len(paths)} shards of {self.label}",
+                sum(self.records[p].size for p in paths),
+            )
+        counter = Counter(progress)
+        try:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                for hashed in pool.map(lambda p: self._pass(p, counter), paths):
+                    self.bytes_hashed += hashed
+        finally:
+            if progress:
+                progress.finish()
+
+    def _pass(self, path: str, counter: Counter) -> int:
+        record, spans = self.records[path], self._spans[path]
+        fd = self._spool.fileno()
+        digest, pos, i = hashlib.sha256(), 0, 0
+        for piece in self._stream(path):
+            view = memoryview(piece)
+            end = pos + len(view)
+            if end > record.size:
+                raise self._mismatch(path, f"it is longer than the {record.size} bytes recorded")
+            digest.update(view)
+            while i < len(spans) and spans[i].start < end:
+                span = spans[i]
+                lo, hi = max(span.start, pos), min(span.end, end)
+                if hi > lo:
+                    _pwrite_all(fd, view[lo - pos : hi - pos], span.spool_at + lo - span.start)
+                if span.end > end:
+                    break
+                i += 1
+            pos = end
+            counter(len(view))
+        if pos != record.size:
+            raise self._mismatch(path, f"it has {pos} bytes, the manifest recorded {record.size}")
+        if digest.hexdigest() != record.sha256:
+            raise self._mismatch(
+                path, f"sha256 {digest.hexdigest()[:16]}..., recorded {record.sha256[:16]}..."
+            )
+        return pos
+
+    def _whole(self, path: str) -> bytes:
+        record = self._record(path)
+        data = b"".join(self._stream(path))
+        if len(data) != record.size:
+            raise self._mismatch(
+                path, f"it has {len(data)} bytes, the manifest recorded {record.size}"
+            )
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != record.sha256:
+            raise self._mismatch(path, f"sha256 {actual[:16]}..., recorded {record.sha256[:16]}...")
+        self.bytes_hashed += len(data)
+        return data
+
+    def _stream(self, path: str) -> Iterable[Any]:
+        record = self.records[path]
+        return self.store.stream(self.prefix + path, version=record.version)
+
+    def _record(self, path: str) -> FileRecord:
+        record = self.records.get(path)
+        if record is None:
+            raise IntegrityError(
+                f"{self.label}: .metadata names {path}, which the manifest does not list",
+                "the checkpoint is inconsistent; it cannot be promoted",
+            )
+        return record
+
+    def _mismatch(self, path: str, detail: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.label}: {path} is not the file that was pushed ({detail}); nothing was "
+            "promoted",
+            f"the stored copy changed after the push: run `reg verify {self.label}`, and "
+            "promote an intact checkpoint",
+        )
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read(self, path: str, offset: int, length: int) -> bytearray:
+        """`length` proved bytes of `path` from `offset` (a chunk `prove` was given)."""
+        spans = self._spans.get(path, [])
+        i = bisect.bisect_right(self._starts.get(path, []), offset) - 1
+        if i < 0 or offset + length > spans[i].end:
+            raise IntegrityError(
+                f"{self.label}: bytes {offset}..{offset + length} of {path} were not proved",
+                "this is a bug in reg; please report it",
+            )
+        buf = bytearray(length)
+        view, at = memoryview(buf), spans[i].spool_at + offset - spans[i].start
+        while view:
+            got = os.preadv(self._spool.fileno(), [view], at)
+            if got <= 0:
+                raise OSError(f"short read from the promotion spool at byte {at}")
+            view, at = view[got:], at + got
+        return buf
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
