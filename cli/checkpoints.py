@@ -151,14 +151,22 @@ def pull(
 
 def verify(
     ref: str = typer.Argument(..., help="A checkpoint or release ref."),
+    repair: bool = typer.Option(
+        False,
+        "--repair",
+        help="Restore each damaged file from the version its record names (versioned S3 "
+        "buckets; admin).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Re-hash the stored copy; exit 1 naming each missing or corrupt file."""
     with open_registry() as reg:
-        out = reg.verify(ref, progress=progress_for(json_output))
+        out = reg.verify(ref, repair=repair, progress=progress_for(json_output))
     if json_output:
         emit_json(out)
     else:
+        for path in out.get("repaired", []):
+            print(f"{out.get('ref') or out.get('release')}: {path}: restored from its version")
         for p in out["problems"]:
             print(f"{out.get('ref') or out.get('release')}: {p['path']}: {p['problem']}")
         if out["ok"]:

@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,12 @@ def main() -> None:
     parser.add_argument("--weights-only", action="store_true", help="save the model alone")
     parser.add_argument("--poison", choices=["nan", "inf"], help="corrupt one weight at the end")
     parser.add_argument("--thread-count", type=int, default=1)
+    parser.add_argument(
+        "--writer",
+        choices=["default", "safetensors", "zstd", "hf"],
+        default="default",
+        help="DCP variants: SAFETENSORS serialization, zstd transforms, HuggingFaceStorageWriter",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -71,6 +78,8 @@ def main() -> None:
 
 def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[no-untyped-def]
     model_sd, optim_sd = get_state_dict(model, optim)
+    if args.writer in ("safetensors", "hf"):  # safetensors refuses tensors sharing memory (ties)
+        model_sd = {k: v.clone() for k, v in model_sd.items()}
     state = {"model": model_sd}
     if not args.weights_only:
         state |= {
@@ -86,8 +95,7 @@ def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[
             "dataloader": {f"rank{rank}": {"epoch": 0, "position": step * 8}},
         }
     path = args.out / f"step-{step}"
-    writer = dcp.FileSystemWriter(str(path), thread_count=args.thread_count)
-    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=_writer(args, path))
     probe = probe_loss(model)
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -99,6 +107,30 @@ def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[
             json.dumps({"step": step, "world_size": world, "probe_loss": probe})
         )
         print(f"step {step}: saved {path} (probe loss {probe:.4f})", flush=True)
+
+
+def _writer(args: argparse.Namespace, path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if args.writer == "hf":
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        return HuggingFaceStorageWriter(str(path), save_distributed=True)
+    if args.writer == "safetensors":
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        return FileSystemWriter(
+            str(path),
+            thread_count=args.thread_count,
+            serialization_format=SerializationFormat.SAFETENSORS,
+        )
+    if args.writer == "zstd":
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        return FileSystemWriter(
+            str(path), thread_count=args.thread_count, _extensions=[ZStandard()]
+        )
+    return FileSystemWriter(str(path), thread_count=args.thread_count)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ ACTIONS: dict[str, str] = {
     "storage": "admin",
     "mlflow-sync": "admin",
     "catalog": "admin",
+    "repair": "admin",
 }
 
 

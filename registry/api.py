@@ -169,16 +169,20 @@ class Registry:
         return pull(self.context, _ckpt(ref), Path(dest), progress=progress)
 
     def verify(
-        self, ref: str | CheckpointRef | ReleaseRef, *, progress: Progress | None = None
+        self,
+        ref: str | CheckpointRef | ReleaseRef,
+        *,
+        repair: bool = False,
+        progress: Progress | None = None,
     ) -> dict[str, Any]:
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if isinstance(parsed, ReleaseRef):
             from registry.lifecycle import releases
 
-            return releases.verify(self.context, parsed, progress=progress)
+            return releases.verify(self.context, parsed, repair=repair, progress=progress)
         from registry.lifecycle.checkpoints import read
 
-        return read.verify(self.context, parsed, progress=progress)
+        return read.verify(self.context, parsed, repair=repair, progress=progress)
 
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
         from registry.lifecycle.checkpoints.read import set_pin

@@ -39,6 +39,7 @@ class Stored:
     size: int
     sha256: str
     reused: bool  # the object was already there with these bytes
+    version: str | None = None  # the object's version, on a versioned bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +83,13 @@ def put_reconciled(
         else:
             assert produce is not None
             done = store.put_stream(key, produce, immutable=immutable)
-        return Stored(key, done.size, done.sha256, False)
+        return Stored(key, done.size, done.sha256, False, done.version)
     except ObjectExists:
         pass
     size, digest = _digest_of(data, produce)
-    if _holds(store, key, size, digest):
-        return Stored(key, size, digest, True)
+    held = _holds(store, key, size, digest)
+    if held is not None:
+        return Stored(key, size, digest, True, held or None)
     _refuse_or_remove(store, key, on_mismatch, before_replace)
     return put_reconciled(
         store, key, data=data, produce=produce, immutable=immutable, on_mismatch=OnMismatch.CONFLICT
@@ -102,20 +104,27 @@ def _publish_reconciled(
 ) -> Stored:
     try:
         done = staged.publish()
-        return Stored(done.key, done.size, done.sha256, False)
+        return Stored(done.key, done.size, done.sha256, False, done.version)
     except ObjectExists:
         pass
     size, digest = staged.digest()
-    if _holds(store, staged.key, size, digest):
-        return Stored(staged.key, size, digest, True)
+    held = _holds(store, staged.key, size, digest)
+    if held is not None:
+        return Stored(staged.key, size, digest, True, held or None)
     _refuse_or_remove(store, staged.key, on_mismatch, before_replace)
     done = staged.publish()
-    return Stored(done.key, done.size, done.sha256, False)
+    return Stored(done.key, done.size, done.sha256, False, done.version)
 
 
-def _holds(store: BaseStore, key: str, size: int, digest: str) -> bool:
+def _holds(store: BaseStore, key: str, size: int, digest: str) -> str | None:
+    """The version of the object at `key` if it holds exactly these bytes ("" where the store
+    has no versions), else None. The bytes hashed are those of the version the HEAD saw."""
     head = store.head(key)
-    return head is not None and head.size == size and store.sha256(key) == digest
+    if head is None or head.size != size:
+        return None
+    if store.sha256(key, version=head.version_id) != digest:
+        return None
+    return head.version_id or ""
 
 
 def _refuse_or_remove(
@@ -181,7 +190,7 @@ def download(
         target = temp / f.path
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            got = store.get_file(prefix + f.path, target, progress=counter)
+            got = store.get_file(prefix + f.path, target, progress=counter, version=f.version)
         except NotFound:
             raise IntegrityError(
                 f"{label}: stored file {f.path} is missing; nothing was written to the destination",
@@ -219,6 +228,37 @@ def _check_dest(dest: Path) -> None:
         )
 
 
+def repair_stored(
+    store: BaseStore,
+    prefix: str,
+    files: Sequence[FileRecord],
+    problems: Sequence[Problem],
+    *,
+    immutable: bool,
+) -> tuple[list[str], list[Problem]]:
+    """Restore each damaged file from the version its record names, after proving that version
+    still holds the recorded bytes. Returns (repaired paths, problems left)."""
+    records = {f.path: f for f in files}
+    repaired, left = [], []
+    for problem in problems:
+        record = records[problem.path]
+        key = prefix + record.path
+        if record.version is None:
+            left.append(Problem(record.path, f"{problem.problem}; no version was recorded"))
+            continue
+        head = store.head(key, version=record.version)
+        where = f"{problem.problem}; its recorded version {record.version}"
+        if head is None:
+            left.append(Problem(record.path, f"{where} is gone"))
+            continue
+        if head.size != record.size or store.sha256(key, version=record.version) != record.sha256:
+            left.append(Problem(record.path, f"{where} is damaged too"))
+            continue
+        store.restore_version(key, record.version, immutable=immutable)
+        repaired.append(record.path)
+    return repaired, left
+
+
 def verify_stored(
     store: BaseStore,
     prefix: str,
@@ -227,19 +267,23 @@ def verify_stored(
     label: str,
     workers: int,
     progress: Progress | None = None,
+    recorded_versions: bool = False,
 ) -> list[Problem]:
-    """Sizes and sha256 of stored files against their records; one problem per damaged file."""
+    """Sizes and sha256 of stored files against their records; one problem per damaged file.
+    By default the current objects are checked (what every reader of the bucket gets); with
+    `recorded_versions` the versions the records name (what reg itself reads)."""
     if progress:
         progress.start(label, sum(f.size for f in files))
     counter = Counter(progress)
 
     def one(f: FileRecord) -> Problem | None:
-        head = store.head(prefix + f.path)
+        version = f.version if recorded_versions else None
+        head = store.head(prefix + f.path, version=version)
         if head is None:
             return Problem(f.path, "missing")
         if head.size != f.size:
             return Problem(f.path, f"size {head.size}, expected {f.size}")
-        got = store.sha256(prefix + f.path, progress=counter)
+        got = store.sha256(prefix + f.path, progress=counter, version=head.version_id)
         if got != f.sha256:
             return Problem(f.path, f"sha256 {got}, expected {f.sha256}")
         return None

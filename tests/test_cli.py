@@ -201,3 +201,20 @@ def test_promotion_refusals_exit_codes_and_one_line(cli, ckpts, bad_ckpts, tmp_p
             lines = res.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("reg: error: "), (args, res.stderr)
             assert pattern in lines[0], (args, lines[0])
+
+
+def test_json_is_strict_even_for_non_finite_numbers():
+    from cli.render import to_json
+
+    doc = {"loss": float("nan"), "nested": [{"x": float("inf")}, 1.5], "ok": True}
+    text = to_json(doc)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"loss": None, "nested": [{"x": None}, 1.5], "ok": True}
+
+
+def test_a_failing_json_command_still_prints_one_json_document(cli):
+    res = cli("show", "no-such-run@step1", "--json")
+    assert res.returncode == 3, res.stderr
+    error = json.loads(res.stdout)["error"]
+    assert error["exit_code"] == 3 and "no-such-run" in error["message"]
+    assert len(res.stderr.strip().splitlines()) == 1

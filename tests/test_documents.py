@@ -59,8 +59,40 @@ def test_manifest_round_trip_and_shape():
     data = m.to_bytes()
     assert Manifest.from_bytes(data, "m") == m
     doc = json.loads(data)
-    assert doc["format"] == "reg.manifest/1" and doc["bytes"] == 30
-    assert doc["files"][1] == {"path": "__0_0.distcp", "size": 20, "sha256": SHA, "rank": 0}
+    assert doc["format"] == "reg.manifest/2" and doc["bytes"] == 30
+    assert doc["files"][1] == {
+        "path": "__0_0.distcp",
+        "size": 20,
+        "sha256": SHA,
+        "rank": 0,
+        "version": None,
+    }
+
+
+def test_versions_round_trip_and_format_1_still_reads():
+    versioned = _manifest(
+        files=(FileRecord(".metadata", 10, SHA, None, "v-1"), FileRecord("a", 20, SHA, 0, "v-2"))
+    )
+    assert Manifest.from_bytes(versioned.to_bytes(), "m") == versioned
+    # A manifest written before versions were recorded: format 1, no `version` keys.
+    old = json.loads(_manifest().to_bytes())
+    old["format"] = "reg.manifest/1"
+    for f in old["files"]:
+        del f["version"]
+    assert Manifest.from_bytes(json.dumps(old).encode(), "m") == _manifest()
+    # ... and format 1 with a `version` key, or format 2 without one, is refused.
+    old["files"][0]["version"] = "v"
+    with pytest.raises(InvalidDocument, match=r"files\[0\]\.version is not a known key"):
+        Manifest.from_bytes(json.dumps(old).encode(), "m")
+    new = json.loads(_manifest().to_bytes())
+    del new["files"][0]["version"]
+    with pytest.raises(InvalidDocument, match=r"files\[0\]\.version is missing"):
+        Manifest.from_bytes(json.dumps(new).encode(), "m")
+    release = json.loads(_release().to_bytes())
+    release["format"] = "reg.release/1"
+    for f in release["files"]:
+        del f["version"]
+    assert ReleaseDocument.from_bytes(json.dumps(release).encode(), "d") == _release()
 
 
 @pytest.mark.parametrize(

@@ -155,3 +155,13 @@ def test_cli_missing_release_file_is_one_line_exit_1(cpu_policy, ckpts, cli, tmp
     assert res.returncode == 1
     assert res.stderr.count("\n") == 1
     assert "stored file model.safetensors is missing" in res.stderr
+
+
+def test_repair_on_a_store_without_versions_says_so(cpu_policy, ckpts, cli):
+    assert cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "2").returncode == 0
+    with Registry() as reg:
+        tamper.flip_byte(reg.store, "ckpt/default/r/step-2/__0_0.distcp")
+    res = cli("verify", "r@step2", "--repair")
+    assert res.returncode == 1, res.stderr
+    assert "__0_0.distcp: sha256" in res.stdout and "no version was recorded" in res.stdout
+    assert "Traceback" not in res.stderr

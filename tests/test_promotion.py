@@ -60,7 +60,7 @@ def test_release_is_bit_exact_with_the_trained_weights(cpu_policy, reg, ckpts, w
     assert meta["reg.source"] == f"r@step{step}" and meta["reg.release"] == "tiny:v1"
     assert meta["reg.manifest_sha256"] == reg.show(f"r@step{step}")["manifest_sha256"]
     document = json.loads((_release_dir(out) / "release.json").read_text())
-    assert document["format"] == "reg.release/1"
+    assert document["format"] == "reg.release/2"
     assert document["files"] == out["files"]
 
 

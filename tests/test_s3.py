@@ -3,6 +3,8 @@ faults injected by a proxy between boto3 and the server."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import load_file
 
 from registry import Registry
@@ -226,3 +229,128 @@ def test_unreachable_s3_is_a_one_line_error(s3_env, ckpts, cli):
     )
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0 and "cannot reach S3" in res.stderr
+
+
+# -- versions, checksums, repair (versioned bucket with Object Lock) ---------------------------
+
+
+@pytest.fixture
+def locked_registry(locked_bucket, tmp_path, monkeypatch, ckpts):  # type: ignore[no-untyped-def]
+    policy = tmp_path / "p.toml"
+    policy.write_text(
+        '[promotion]\nrequire_device = "any"\n[release]\nobject_lock = "GOVERNANCE"\n'
+        "lock_days = 1\n"
+    )
+    monkeypatch.setenv("REG_POLICY", str(policy))
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="tiny")
+        yield reg
+
+
+def _versions(client, bucket: str, key: str) -> list[str]:
+    listed = client.list_object_versions(Bucket=bucket, Prefix=key).get("Versions", [])
+    return [v["VersionId"] for v in listed if v["Key"] == key]
+
+
+def test_every_object_version_is_recorded_in_documents_and_catalog(
+    locked_registry, locked_bucket, moto_server
+):
+    client = _client(moto_server)
+    manifest = json.loads(
+        client.get_object(Bucket=locked_bucket, Key="ckpt/default/r/step-4/MANIFEST.json")[
+            "Body"
+        ].read()
+    )
+    assert manifest["format"] == "reg.manifest/2"
+    for f in manifest["files"]:
+        assert _versions(client, locked_bucket, "ckpt/default/r/step-4/" + f["path"]) == [
+            f["version"]
+        ]
+    document = json.loads(
+        client.get_object(Bucket=locked_bucket, Key="release/tiny/v1/release.json")["Body"].read()
+    )
+    assert document["format"] == "reg.release/2"
+    shown = {f["path"]: f for f in locked_registry.show("tiny:v1")["files"]}
+    for f in document["files"]:
+        key = "release/tiny/v1/" + f["path"]
+        assert (
+            _versions(client, locked_bucket, key) == [f["version"]] == [shown[f["path"]]["version"]]
+        )
+    # JSON documents are typed; small objects carry a SHA-256 checksum S3 recomputes on PUT.
+    head = client.head_object(
+        Bucket=locked_bucket, Key="release/tiny/v1/release.json", ChecksumMode="ENABLED"
+    )
+    assert head["ContentType"] == "application/json"
+    body = client.get_object(Bucket=locked_bucket, Key="release/tiny/v1/release.json")[
+        "Body"
+    ].read()
+    assert base64.b64decode(head["ChecksumSHA256"]) == hashlib.sha256(body).digest()
+
+
+def test_a_tampered_or_deleted_release_object_is_restored_from_its_locked_version(
+    locked_registry, locked_bucket, moto_server, tmp_path, cli
+):
+    client = _client(moto_server)
+    key = "release/tiny/v1/model.safetensors"
+    original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()
+    # Anyone with PutObject can stack a new version on top of a locked one.
+    client.put_object(Bucket=locked_bucket, Key=key, Body=b"not the weights")
+    client.delete_object(Bucket=locked_bucket, Key="release/tiny/v1/release.json")  # a marker
+    report = locked_registry.verify("tiny:v1")
+    assert {p["path"] for p in report["problems"]} == {"model.safetensors", "release.json"}
+    # reg itself reads the recorded versions: the pull gets the validated bytes regardless.
+    locked_registry.pull_release("tiny:v1", tmp_path / "rel")
+    assert (tmp_path / "rel" / "model.safetensors").read_bytes() == original
+    res = cli("verify", "tiny:v1", "--repair", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["ok"] and sorted(out["repaired"]) == ["model.safetensors", "release.json"]
+    assert client.get_object(Bucket=locked_bucket, Key=key)["Body"].read() == original
+    assert locked_registry.verify("tiny:v1")["ok"]
+    assert [e for e in locked_registry.audit_log() if e["action"] == "repair"]
+
+
+def test_promotion_reads_the_recorded_versions_not_a_newer_object(
+    locked_registry, locked_bucket, moto_server, ckpts
+):
+    """A shard overwritten after the push: promotion reads the version the manifest recorded,
+    and the release holds exactly the trained weights."""
+    client = _client(moto_server)
+    key = "ckpt/default/r/step-4/__0_0.distcp"
+    body = bytearray(client.get_object(Bucket=locked_bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=locked_bucket, Key=key, Body=bytes(body))
+    assert not locked_registry.verify("r@step4")["ok"]  # what other readers of the bucket get
+    locked_registry.promote("r@step4", model="again")
+    stored = client.get_object(Bucket=locked_bucket, Key="release/again/v1/model.safetensors")
+    weights = safetensors_load(stored["Body"].read())
+    full = ckpts.ws2.full_weights(4)
+    assert weights
+    assert all(torch.equal(weights[k], full[k]) for k in weights)
+
+
+def test_storage_init_keeps_other_rules_and_is_idempotent(s3_env, moto_server):
+    client = _client(moto_server)
+    bucket = _bucket_of(s3_env)
+    theirs = {
+        "ID": "other-team-expire-logs",
+        "Status": "Enabled",
+        "Filter": {"Prefix": "logs/"},
+        "Expiration": {"Days": 30},
+    }
+    client.put_bucket_lifecycle_configuration(
+        Bucket=bucket, LifecycleConfiguration={"Rules": [theirs]}
+    )
+    with Registry() as reg:
+        first = reg.storage_init()
+        second = reg.storage_init()
+    assert first["other_lifecycle_rules"] == ["other-team-expire-logs"]
+    assert second["lifecycle_rules"] == first["lifecycle_rules"]
+    rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert sorted(r["ID"] for r in rules) == sorted(
+        ["other-team-expire-logs", "reg-abort-incomplete-multipart:reg"]
+    )
+    assert next(r for r in rules if r["ID"] == "other-team-expire-logs")["Expiration"] == {
+        "Days": 30
+    }

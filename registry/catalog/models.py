@@ -69,6 +69,7 @@ class Checkpoint(ClaimColumns, table=True):
     tensor_count: int = 0
     tensor_bytes: int = Field(default=0, sa_type=BigInteger)
     manifest_sha256: str | None = Field(default=None, max_length=64)
+    manifest_version: str | None = Field(default=None, max_length=1024)
     resumable: bool = False
     missing_state: list[str] = _json(list)
     resume_classes: dict[str, Any] = _json()
@@ -89,9 +90,12 @@ class Checkpoint(ClaimColumns, table=True):
         return col(cls.state) == PENDING
 
     @staticmethod
-    def facts_of(manifest: Manifest, manifest_sha256: str) -> dict[str, Any]:
+    def facts_of(
+        manifest: Manifest, manifest_sha256: str, manifest_version: str | None
+    ) -> dict[str, Any]:
         """The columns a committed checkpoint's manifest decides (push and rebuild alike)."""
         return {
+            "manifest_version": manifest_version,
             "state": COMMITTED,
             "world_size": manifest.world_size,
             "world_size_inferred": manifest.world_size_inferred,
@@ -162,6 +166,7 @@ class Release(ClaimColumns, table=True):
     version: int
     status: str = Field(default=RELEASE_PENDING, max_length=16)
     sha256: str | None = Field(default=None, max_length=64)  # digest of release.json
+    document_version: str | None = Field(default=None, max_length=1024)  # of release.json
     bytes: int = Field(default=0, sa_type=BigInteger)
     source_checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
     source_ref: str

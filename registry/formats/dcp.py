@@ -21,6 +21,7 @@ from registry.formats.dcp_metadata import load_metadata
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 METADATA = ".metadata"
+HF_INDEX = "model.safetensors.index.json"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 MAX_METADATA_BYTES = 512 * 1024 * 1024
@@ -52,6 +53,7 @@ class Inventory:
     byte_items: dict[str, list[ChunkRange]]
     top_level: dict[str, str]  # fqn -> top-level key
     files: set[str]
+    transforms: set[str] = field(default_factory=set)  # DCP storage transforms, e.g. ZStandard/1
 
     @property
     def tensor_bytes(self) -> int:
@@ -89,9 +91,11 @@ def inventory(metadata: Any) -> Inventory:
     planner = planner_data if isinstance(planner_data, dict) else {}
     ranges: dict[str, dict[int, ChunkRange]] = {}
     files: set[str] = set()
+    transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         path = str(info.relative_path)
         files.add(path)
+        transforms.update(str(d) for d in getattr(info, "transform_descriptors", None) or ())
         ranges.setdefault(index.fqn, {})[index.index or 0] = ChunkRange(
             tuple(index.offset or ()), (), path, int(info.offset), int(info.length)
         )
@@ -128,7 +132,7 @@ def inventory(metadata: Any) -> Inventory:
             )
         else:
             byte_items[fqn] = list(stored.values())
-    return Inventory(tensors, byte_items, top_level, files)
+    return Inventory(tensors, byte_items, top_level, files, transforms)
 
 
 def _by_offsets(stored: dict[int, ChunkRange], offsets: tuple[int, ...]) -> ChunkRange | None:
@@ -168,6 +172,7 @@ def scan_directory(root: Path) -> ScannedDir:
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
     if not (root / METADATA).is_file():  # before walking: `reg push-ckpt ~` stays cheap
+        _refuse_safetensors_directory(root)
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
@@ -187,8 +192,60 @@ def scan_directory(root: Path) -> ScannedDir:
     metadata = load_metadata((root / METADATA).read_bytes(), light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
+    _check_serialization(root, inv)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
     return ScannedDir(root, files, metadata, inv, ranks)
+
+
+def _refuse_safetensors_directory(root: Path) -> None:
+    """A directory of safetensors without .metadata is Hugging Face's layout (save_pretrained,
+    or DCP's HuggingFaceStorageWriter), not an unfinished DCP save: say so."""
+    names: list[str] = []
+    with os.scandir(root) as entries:
+        for i, entry in enumerate(entries):
+            if i >= 10_000:
+                break
+            if entry.name.endswith(".safetensors") or entry.name == HF_INDEX:
+                names.append(entry.name)
+    if names:
+        raise InvalidCheckpoint(
+            f"{root} is a Hugging Face safetensors directory ({sorted(names)[0]}, ...), as "
+            "save_pretrained or DCP's HuggingFaceStorageWriter write it, not a DCP checkpoint",
+            "push-ckpt takes DCP checkpoints (dcp.save with FileSystemWriter); inference "
+            "weights become releases through `reg promote`",
+        )
+
+
+def _check_serialization(root: Path, inv: Inventory) -> None:
+    """Refuse what torch writes but reg cannot read back: storage transforms (compression via
+    `_extensions`), and shards saved with `serialization_format=SAFETENSORS`, which torch 2.13
+    cannot load either. Each chunk reg reads is a `torch.save` archive (a zip file)."""
+    if inv.transforms:
+        raise InvalidCheckpoint(
+            f"{root} was saved with DCP storage transforms ({', '.join(sorted(inv.transforms))}"
+            "), which reg does not read",
+            "save without _extensions (compress the bucket or filesystem instead)",
+        )
+    firsts: dict[str, int] = {}
+    for info in inv.tensors.values():
+        for chunk in info.chunks:
+            firsts[chunk.file] = min(firsts.get(chunk.file, chunk.offset), chunk.offset)
+    for path, offset in sorted(firsts.items()):
+        with open(root / path, "rb") as f:
+            f.seek(offset)
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04":
+            continue
+        if len(head) == 9 and head[8:9] == b"{":
+            raise InvalidCheckpoint(
+                f"{root}: {path} is a safetensors file: the checkpoint was saved with "
+                "serialization_format=SAFETENSORS, which torch cannot load back",
+                "save with the default serialization_format (TORCH_SAVE)",
+            )
+        raise InvalidCheckpoint(
+            f"{root}: the tensor data in {path} at byte {offset} is not a torch.save archive",
+            "the shard is corrupt or was not written by torch.distributed.checkpoint",
+        )
 
 
 def check_ranges(inv: Inventory, sizes: dict[str, int], where: str) -> None:

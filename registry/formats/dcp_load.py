@@ -72,9 +72,15 @@ def load_object(data: bytes, where: str) -> Any:
 
 
 class StoreReader(StorageReader):
-    def __init__(self, store: BaseStore, prefix: str, metadata: Any | None = None) -> None:
+    def __init__(
+        self,
+        store: BaseStore,
+        prefix: str,
+        metadata: Any | None = None,
+        versions: dict[str, str] | None = None,  # path -> the version to read (S3)
+    ) -> None:
         super().__init__()
-        self.store, self.prefix = store, prefix
+        self.store, self.prefix, self.versions = store, prefix, versions or {}
         self._metadata = metadata
         self.storage_data: dict[Any, Any] = {}
         self.bytes_read = 0
@@ -84,7 +90,9 @@ class StoreReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._metadata is None:
-            self._metadata = load_metadata(self.store.get_bytes(self.prefix + METADATA))
+            self._metadata = load_metadata(
+                self.store.get_bytes(self.prefix + METADATA, version=self.versions.get(METADATA))
+            )
         return self._metadata
 
     def set_up_storage_reader(
@@ -113,8 +121,9 @@ class StoreReader(StorageReader):
                     f"({info.transform_descriptors}), which reg does not read",
                     "save without transforms (compression, encryption)",
                 )
+            path = str(info.relative_path)
             data = self.store.read_range(
-                self.prefix + str(info.relative_path), info.offset, info.length
+                self.prefix + path, info.offset, info.length, version=self.versions.get(path)
             )
             self.bytes_read += len(data)
             where = f"{req.storage_index.fqn} in {info.relative_path}"

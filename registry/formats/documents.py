@@ -1,10 +1,14 @@
 """MANIFEST.json and release.json: the store's own record of what it holds (DESIGN §3).
 
 Each is written last, put-if-absent, and lists every file with its size and sha256, so the
-catalog can be rebuilt from the store. Both carry their format (`reg.manifest/1`,
-`reg.release/1`); a reader knows every version it accepts, and within a version every key: an
-unknown key, a missing one or a value of the wrong shape is an `InvalidDocument` naming the
-document and the key. A later format adds a version here and keeps reading the older ones.
+catalog can be rebuilt from the store. Both carry their format; a reader knows every version it
+accepts, and within a version every key: an unknown key, a missing one or a value of the wrong
+shape is an `InvalidDocument` naming the document and the key. A later format adds a version
+here and keeps reading the older ones:
+
+  reg.manifest/1, reg.release/1   files: path, size, sha256 (+ rank in a manifest)
+  reg.manifest/2, reg.release/2   each file also has `version`: the object's version on a
+                                  versioned bucket, null elsewhere (written from 2026-11)
 """
 
 from __future__ import annotations
@@ -31,7 +35,20 @@ class FileRecord:
     version: str | None = None  # the object's version on a versioned bucket
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+        """As commands show it (`version` only where the bucket keeps versions)."""
+        out: dict[str, Any] = {"path": self.path, "size": self.size, "sha256": self.sha256}
+        if self.version is not None:
+            out["version"] = self.version
+        return out
+
+    def document_json(self) -> dict[str, Any]:
+        """As MANIFEST.json and release.json hold it (format /2: `version` always present)."""
+        return {
+            "path": self.path,
+            "size": self.size,
+            "sha256": self.sha256,
+            "version": self.version,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +70,8 @@ class ResumeRecord:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    FORMAT: ClassVar[str] = "reg.manifest/1"
+    FORMAT: ClassVar[str] = "reg.manifest/2"
+    READS: ClassVar[tuple[str, ...]] = ("reg.manifest/1", "reg.manifest/2")
 
     project: str
     run: str
@@ -83,7 +101,7 @@ class Manifest:
             "step": self.step,
             "world_size": self.world_size,
             "world_size_inferred": self.world_size_inferred,
-            "files": [{**f.to_json(), "rank": f.rank} for f in self.files],
+            "files": [{**f.document_json(), "rank": f.rank} for f in self.files],
             "bytes": self.bytes,
             "tensors": {
                 "tensors": self.tensors.tensors,
@@ -105,13 +123,14 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: builtins.bytes, where: str) -> Manifest:
         r = StrictReader(where)
-        doc = r.document(data, (cls.FORMAT,))
+        doc = r.document(data, cls.READS)
         r.keys(
             doc,
             "format project run step world_size world_size_inferred files bytes tensors resume "
             "metrics pushed_by created_at",
         )
-        files = _files(r, doc["files"], with_rank=True, reserved=MANIFEST)
+        versioned = doc["format"] != "reg.manifest/1"
+        files = _files(r, doc["files"], with_rank=True, versioned=versioned, reserved=MANIFEST)
         manifest = cls(
             project=r.name(doc["project"], "project"),
             run=r.name(doc["run"], "run"),
@@ -153,7 +172,8 @@ class ValidationRecord:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseDocument:
-    FORMAT: ClassVar[str] = "reg.release/1"
+    FORMAT: ClassVar[str] = "reg.release/2"
+    READS: ClassVar[tuple[str, ...]] = ("reg.release/1", "reg.release/2")
 
     model: str
     version: int
@@ -175,7 +195,7 @@ class ReleaseDocument:
             "release": self.release,
             "model": self.model,
             "version": self.version,
-            "files": [f.to_json() for f in self.files],
+            "files": [f.document_json() for f in self.files],
             "source": {
                 "ref": str(self.source.ref),
                 "manifest_sha256": self.source.manifest_sha256,
@@ -199,11 +219,12 @@ class ReleaseDocument:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> ReleaseDocument:
         r = StrictReader(where)
-        doc = r.document(data, (cls.FORMAT,))
+        doc = r.document(data, cls.READS)
         r.keys(
             doc,
             "format release model version files source validation dtype tied created_at created_by",
         )
+        versioned = doc["format"] != "reg.release/1"
         source = r.mapping(doc["source"], "source", "ref manifest_sha256 world_size")
         validation = r.mapping(
             doc["validation"], "validation", "id passed device device_name torch seconds"
@@ -211,7 +232,9 @@ class ReleaseDocument:
         out = cls(
             model=r.name(doc["model"], "model"),
             version=r.integer(doc["version"], "version", minimum=1),
-            files=_files(r, doc["files"], with_rank=False, reserved=RELEASE_DOCUMENT),
+            files=_files(
+                r, doc["files"], with_rank=False, versioned=versioned, reserved=RELEASE_DOCUMENT
+            ),
             source=SourceRecord(
                 ref=r.checkpoint_ref(source["ref"], "source.ref"),
                 manifest_sha256=r.optional(source["manifest_sha256"], r.digest, "source.sha"),
@@ -241,7 +264,7 @@ class ReleaseDocument:
 
 
 def _files(
-    r: StrictReader, value: Any, *, with_rank: bool, reserved: str
+    r: StrictReader, value: Any, *, with_rank: bool, versioned: bool, reserved: str
 ) -> tuple[FileRecord, ...]:
     """The file list; `reserved` (the document's own name) is never one of its files."""
     if not isinstance(value, list):
@@ -249,7 +272,11 @@ def _files(
     out, seen = [], set()
     for i, item in enumerate(value):
         key = f"files[{i}]"
-        entry = r.mapping(item, key, "path size sha256" + (" rank" if with_rank else ""))
+        entry = r.mapping(
+            item,
+            key,
+            "path size sha256" + (" rank" if with_rank else "") + (" version" if versioned else ""),
+        )
         path = r.relative_path(entry["path"], f"{key}.path")
         if path in seen:
             raise r.error(f"{key}.path", f"repeats {path}")
@@ -263,6 +290,7 @@ def _files(
                 r.integer(entry["size"], f"{key}.size", minimum=0),
                 r.digest(entry["sha256"], f"{key}.sha256"),
                 None if rank is None else r.integer(rank, f"{key}.rank", minimum=0),
+                r.optional(entry.get("version"), r.text, f"{key}.version"),
             )
         )
     return tuple(out)

@@ -88,12 +88,21 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     return out
 
 
-def _read_manifest(ctx: Context, key: str, out: dict[str, Any]) -> tuple[Manifest, str] | None:
+def _read_current(ctx: Context, key: str) -> tuple[bytes, str | None]:
+    """The document at `key` and its version (on a versioned bucket), read as one."""
+    head = ctx.store.head(key)
+    version = head.version_id if head is not None else None
+    return b"".join(ctx.store.stream(key, version=version)), version
+
+
+def _read_manifest(
+    ctx: Context, key: str, out: dict[str, Any]
+) -> tuple[Manifest, str, str | None] | None:
     place = parse_checkpoint_key(key)
     if place is None or place[3] != MANIFEST:
         out["skipped"].append(f"{key}: not where a checkpoint's manifest is kept")
         return None
-    data = ctx.store.get_bytes(key)
+    data, version = _read_current(ctx, key)
     try:
         manifest = Manifest.from_bytes(data, key)
     except InvalidDocument as exc:
@@ -109,16 +118,16 @@ def _read_manifest(ctx: Context, key: str, out: dict[str, Any]) -> tuple[Manifes
     if damaged:
         out["skipped"].append(f"{key}: {damaged}; not registered (reg gc sweeps what is left)")
         return None
-    return manifest, hashlib.sha256(data).hexdigest()
+    return manifest, hashlib.sha256(data).hexdigest(), version
 
 
 def _missing_files(ctx: Context, prefix: str, files: tuple[FileRecord, ...]) -> str | None:
     """A document's files must all be there at their recorded sizes to be registered (their
     digests are checked by `reg verify`, which reads every byte)."""
     for f in files:
-        head = ctx.store.head(prefix + f.path)
+        head = ctx.store.head(prefix + f.path, version=f.version)
         if head is None:
-            return f"{f.path} is missing"
+            return f"{f.path} is missing" + (f" (version {f.version})" if f.version else "")
         if head.size != f.size:
             return f"{f.path} has {head.size} bytes, the document says {f.size}"
     return None
@@ -126,12 +135,12 @@ def _missing_files(ctx: Context, prefix: str, files: tuple[FileRecord, ...]) -> 
 
 def _read_release(
     ctx: Context, key: str, out: dict[str, Any]
-) -> tuple[ReleaseDocument, bytes] | None:
+) -> tuple[ReleaseDocument, bytes, str | None] | None:
     place = parse_release_key(key)
     if place is None or place[2] != RELEASE_DOCUMENT:
         out["skipped"].append(f"{key}: not where a release document is kept")
         return None
-    data = ctx.store.get_bytes(key)
+    data, version = _read_current(ctx, key)
     try:
         document = ReleaseDocument.from_bytes(data, key)
     except InvalidDocument as exc:
@@ -144,13 +153,17 @@ def _read_release(
     if damaged:
         out["skipped"].append(f"{key}: {damaged}; not registered")
         return None
-    return document, data
+    return document, data, version
 
 
 def _checkpoint(
-    ctx: Context, key: str, read: tuple[Manifest, str], out: dict[str, Any], dry_run: bool
+    ctx: Context,
+    key: str,
+    read: tuple[Manifest, str, str | None],
+    out: dict[str, Any],
+    dry_run: bool,
 ) -> None:
-    manifest, digest = read
+    manifest, digest, version = read
     with ctx.catalog.session(write=not dry_run) as s:
         _, run_row = queries.get_or_create_run(s, manifest.project, manifest.run)
         existing = s.exec(
@@ -174,7 +187,7 @@ def _checkpoint(
             step=manifest.step,
             created_at=created,
             committed_at=created,
-            **Checkpoint.facts_of(manifest, digest),
+            **Checkpoint.facts_of(manifest, digest, version),
         )
         s.add(ckpt)
         s.flush()
@@ -182,9 +195,12 @@ def _checkpoint(
 
 
 def _release(
-    ctx: Context, read: tuple[ReleaseDocument, bytes], out: dict[str, Any], dry_run: bool
+    ctx: Context,
+    read: tuple[ReleaseDocument, bytes, str | None],
+    out: dict[str, Any],
+    dry_run: bool,
 ) -> None:
-    doc, data = read
+    doc, data, version = read
     with ctx.catalog.session(write=not dry_run) as s:
         model = s.exec(select(Model).where(Model.name == doc.model)).first()
         if model is None:
@@ -213,6 +229,7 @@ def _release(
             version=doc.version,
             status=ACTIVE,
             sha256=hashlib.sha256(data).hexdigest(),
+            document_version=version,
             bytes=sum(f.size for f in doc.files) + len(data),
             source_checkpoint_id=ckpt.id or 0,
             source_ref=str(source),

@@ -24,7 +24,7 @@ from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.views import ReleaseView
 from registry.refs import ReleaseRef, check_alias, check_name
 from registry.timeutil import iso, now
-from registry.transfer import download, verify_stored
+from registry.transfer import download
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -88,7 +88,11 @@ def stored_files(view: ReleaseView) -> list[FileRecord]:
     files = list(view.files)
     if view.row.sha256:
         document_size = view.row.bytes - sum(f.size for f in files)
-        files.append(FileRecord(RELEASE_DOCUMENT, document_size, view.row.sha256))
+        files.append(
+            FileRecord(
+                RELEASE_DOCUMENT, document_size, view.row.sha256, version=view.row.document_version
+            )
+        )
     return files
 
 
@@ -139,26 +143,29 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
     return out
 
 
-def verify(ctx: Context, ref: ReleaseRef, *, progress: Progress | None = None) -> dict[str, Any]:
+def verify(
+    ctx: Context, ref: ReleaseRef, *, repair: bool = False, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Re-hash the stored release, release.json included; `repair` restores damaged files from
+    their recorded (locked) versions."""
+    from registry.lifecycle.scrub import verify_files
+
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
         view = ReleaseView.load(s, model, release)
-    files = stored_files(view)
-    problems = verify_stored(
-        ctx.store,
-        release_prefix(model.name, release.version),
-        files,
-        label=f"verify {view.name}",
-        workers=ctx.workers,
-        progress=progress,
-    )
     return {
         "release": view.name,
-        "ok": not problems,
-        "files": len(files),
-        "bytes": sum(f.size for f in files),
-        "problems": [p.to_json() for p in problems],
+        **verify_files(
+            ctx,
+            release_prefix(model.name, release.version),
+            stored_files(view),
+            name=view.name,
+            scope={"model": model.name},
+            repair=repair,
+            immutable=True,
+            progress=progress,
+        ),
     }
 
 

@@ -55,6 +55,7 @@ class PutResult:
     key: str
     size: int
     sha256: str
+    version: str | None = None  # the version the put created, on a versioned bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ class _DeferredFile(Staged):
     def publish(self) -> PutResult:
         size, digest = self._store._put_file(self.key, self._src, self._immutable, self._progress)
         self._digest = (size, digest)
-        return PutResult(self.key, size, digest)
+        return PutResult(self.key, size, digest, self._store._written_version(self.key))
 
     def digest(self) -> tuple[int, str]:
         if self._digest is None:
@@ -152,7 +153,7 @@ class BaseStore(ABC):
     ) -> PutResult:
         """Stream `src` to `key`, hashing in the same pass. Raise ObjectExists if `key` exists."""
         size, digest = self._put_file(check_key(key), Path(src), immutable, progress)
-        return PutResult(key, size, digest)
+        return PutResult(key, size, digest, self._written_version(key))
 
     def stage_file(
         self, key: str, src: Path, *, immutable: bool = False, progress: Progress = None
@@ -162,25 +163,29 @@ class BaseStore(ABC):
 
     def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
         size, digest = self._put_bytes(check_key(key), bytes(data), immutable)
-        return PutResult(key, size, digest)
+        return PutResult(key, size, digest, self._written_version(key))
 
     def put_stream(self, key: str, produce: Producer, *, immutable: bool = False) -> PutResult:
         """Write what `produce(write)` writes, hashing it; put-if-absent like `put_file`."""
         size, digest = self._put_stream(check_key(key), produce, immutable)
-        return PutResult(key, size, digest)
+        return PutResult(key, size, digest, self._written_version(key))
 
     # -- reads ----------------------------------------------------------------------------------
-    def head(self, key: str) -> ObjectInfo | None:
-        return self._head(check_key(key))
+    # Reads take the `version` a manifest recorded: on a versioned bucket they read that
+    # version, not whatever was put under the key since; stores without versions ignore it.
+    def head(self, key: str, *, version: str | None = None) -> ObjectInfo | None:
+        return self._head(check_key(key), version)
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def read_range(
+        self, key: str, offset: int, length: int, *, version: str | None = None
+    ) -> bytes:
         """Exactly `length` bytes from `offset` (a writable buffer, so tensors can be made from
         it without a copy); a short object is an IntegrityError."""
         if offset < 0 or length < 0:
             raise UsageError(f"bad range of {key}: offset {offset}, length {length}")
         if length == 0:
             return b""
-        data = self._read_range(check_key(key), offset, length)
+        data = self._read_range(check_key(key), offset, length, version)
         if len(data) != length:
             raise IntegrityError(
                 f"object {key} is truncated: wanted bytes {offset}..{offset + length}, "
@@ -190,23 +195,23 @@ class BaseStore(ABC):
         return data
 
     def stream(self, key: str, *, version: str | None = None) -> Iterator[bytes]:
-        """The object's bytes in order, in pieces of at most CHUNK (NotFound if missing). On a
-        versioned bucket `version` names the version to read; stores without versions read
-        the one object (the caller's digest check is what proves it)."""
+        """The object's bytes in order, in pieces of at most CHUNK (NotFound if missing)."""
         return self._stream(check_key(key), version)
 
-    def get_bytes(self, key: str) -> bytes:
-        return b"".join(self.stream(key))
+    def get_bytes(self, key: str, *, version: str | None = None) -> bytes:
+        return b"".join(self.stream(key, version=version))
 
-    def get_file(self, key: str, dest: Path, *, progress: Progress = None) -> PutResult:
+    def get_file(
+        self, key: str, dest: Path, *, progress: Progress = None, version: str | None = None
+    ) -> PutResult:
         """Write the object to the new file `dest` (fsynced), returning its size and sha256."""
-        size, digest = self._get_file(check_key(key), Path(dest), progress)
-        return PutResult(key, size, digest)
+        size, digest = self._get_file(check_key(key), Path(dest), progress, version)
+        return PutResult(key, size, digest, version)
 
-    def sha256(self, key: str, *, progress: Progress = None) -> str:
+    def sha256(self, key: str, *, progress: Progress = None, version: str | None = None) -> str:
         """Re-hash the stored bytes (a scrub reads every byte)."""
         digest = hashlib.sha256()
-        for piece in self.stream(key):
+        for piece in self.stream(key, version=version):
             digest.update(piece)
             if progress:
                 progress(len(piece))
@@ -268,20 +273,34 @@ class BaseStore(ABC):
     def _stage_file(self, key: str, src: Path, immutable: bool, progress: Progress) -> Staged:
         return _DeferredFile(self, key, src, immutable, progress)
 
-    @abstractmethod
-    def _head(self, key: str) -> ObjectInfo | None: ...
+    def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
+        """Make `version` of `key` its current content again (a copy of the old version on top
+        of whatever is there, a delete marker included). Versioned buckets only."""
+        raise UsageError(
+            f"{self.url} keeps no object versions, so {key} cannot be restored from one",
+            "restore the file from a backup; on S3, enable versioning (and Object Lock)",
+        )
+
+    def _written_version(self, key: str) -> str | None:
+        """The version this process's last put of `key` created (versioned buckets only)."""
+        return None
 
     @abstractmethod
-    def _read_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def _head(self, key: str, version: str | None) -> ObjectInfo | None: ...
+
+    @abstractmethod
+    def _read_range(self, key: str, offset: int, length: int, version: str | None) -> bytes: ...
 
     @abstractmethod
     def _stream(self, key: str, version: str | None) -> Iterator[bytes]: ...
 
-    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
+    def _get_file(
+        self, key: str, dest: Path, progress: Progress, version: str | None
+    ) -> tuple[int, str]:
         digest, size = hashlib.sha256(), 0
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for piece in self._stream(key, None):
+            for piece in self._stream(key, version):
                 digest.update(piece)
                 write_all(fd, memoryview(piece))
                 size += len(piece)

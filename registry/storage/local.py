@@ -155,7 +155,9 @@ class LocalStore(BaseStore):
 
         return pieces()
 
-    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
+    def _get_file(
+        self, key: str, dest: Path, progress: Progress, version: str | None
+    ) -> tuple[int, str]:
         fd_in = self._open(key)
         os.close(fd_in)  # NotFound before the destination is created
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -165,7 +167,7 @@ class LocalStore(BaseStore):
             os.close(fd)
         return size, digest
 
-    def _read_range(self, key: str, offset: int, length: int) -> bytes:
+    def _read_range(self, key: str, offset: int, length: int, version: str | None) -> bytes:
         # Into a writable buffer, read once: tensors are made straight from it (no copy).
         data = bytearray(length)
         fd = self._open(key)
@@ -175,7 +177,7 @@ class LocalStore(BaseStore):
             os.close(fd)
         return data if got == length else data[:got]  # type: ignore[return-value]
 
-    def _head(self, key: str) -> ObjectInfo | None:
+    def _head(self, key: str, version: str | None) -> ObjectInfo | None:
         try:
             st = os.stat(self._path(key), follow_symlinks=False)
         except FileNotFoundError:

@@ -64,11 +64,11 @@ class MemoryStore(BaseStore):
         except KeyError:
             raise NotFound(f"object {key} is missing from the store") from None
 
-    def _head(self, key: str) -> ObjectInfo | None:
+    def _head(self, key: str, version: str | None) -> ObjectInfo | None:
         body = self._objects.get(key)
         return None if body is None else ObjectInfo(key, len(body))
 
-    def _read_range(self, key: str, offset: int, length: int) -> bytes:
+    def _read_range(self, key: str, offset: int, length: int, version: str | None) -> bytes:
         return bytearray(self._body(key)[offset : offset + length])  # type: ignore[return-value]
 
     def _stream(self, key: str, version: str | None) -> Iterator[bytes]:

@@ -13,6 +13,7 @@ costs nothing for a command that never touches it.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import contextlib
 import datetime as dt
@@ -21,6 +22,7 @@ import os
 import random
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -37,10 +39,12 @@ from registry.storage.base import (
     Producer,
     Progress,
     Swept,
+    check_key,
 )
 from registry.storage.parts import MIN_PART, file_parts, part_size_for, stream_parts
 
 IN_FLIGHT = 4  # parts in memory per upload
+MAX_COPY = 5 * 1024**3  # the largest object CopyObject copies in one request
 PART_RETRIES = 4
 
 
@@ -61,6 +65,7 @@ class S3Store(BaseStore):
         self._release_lock = release_lock
         self._bucket_lock: bool | None = None
         self._versioned: bool | None = None
+        self._written: dict[str, str] = {}  # key -> the version our put of it created
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reg-s3")
 
     @classmethod
@@ -89,18 +94,23 @@ class S3Store(BaseStore):
 
     # -- writes --------------------------------------------------------------------------------
     def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
-        digest = hashlib.sha256(data).hexdigest()
-        self._call(
+        sha = hashlib.sha256(data)
+        out = self._call(
             key,
             lambda: self.client.put_object(
                 Bucket=self.bucket,
                 Key=self._key(key),
                 Body=data,
                 IfNoneMatch="*",
+                # S3 recomputes this and refuses the PUT if the bytes it received differ.
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=base64.b64encode(sha.digest()).decode(),
+                ContentType=_content_type(key),
                 **self._lock_args(immutable),
             ),
         )
-        return len(data), digest
+        self._record_version(key, out.get("VersionId"))
+        return len(data), sha.hexdigest()
 
     def _put_file(
         self, key: str, src: Path, immutable: bool, progress: Progress
@@ -133,14 +143,17 @@ class S3Store(BaseStore):
                     Bucket=self.bucket,
                     Key=full_key,
                     ChecksumAlgorithm="CRC32",
+                    ChecksumType="FULL_OBJECT",
+                    ContentType=_content_type(key),
                     **self._lock_args(immutable),
                 ),
             )["UploadId"]
-            digest, size, done = hashlib.sha256(), 0, []
+            digest, crc, size, done = hashlib.sha256(), 0, 0, []
             in_flight: list[tuple[int, Future[dict[str, Any]]]] = []
             try:
                 for number, data in enumerate(parts, start=1):
                     digest.update(data)
+                    crc = zlib.crc32(data, crc)
                     size += len(data)
                     in_flight.append(
                         (
@@ -163,8 +176,12 @@ class S3Store(BaseStore):
                     UploadId=upload_id,
                     MultipartUpload={"Parts": done},
                     IfNoneMatch="*",
+                    # The whole object's CRC32: S3 checks it against the assembled parts.
+                    ChecksumCRC32=base64.b64encode(crc.to_bytes(4, "big")).decode(),
+                    ChecksumType="FULL_OBJECT",
                 )
                 self._retain(full_key, completed.get("VersionId"), immutable)
+                self._record_version(key, completed.get("VersionId"))
                 return size, digest.hexdigest()
             except ClientError as exc:
                 self._abort(full_key, upload_id)
@@ -228,6 +245,44 @@ class S3Store(BaseStore):
             ),
         )
 
+    def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
+        full_key = self._key(check_key(key))
+        source = {"Bucket": self.bucket, "Key": full_key, "VersionId": version}
+        head = self._head(key, version)
+        if head is None:
+            raise NotFound(f"version {version} of {key} is gone")
+        args: dict[str, Any] = {
+            "ContentType": _content_type(key),
+            "MetadataDirective": "REPLACE",
+            "ChecksumAlgorithm": "SHA256",
+        }
+        if head.size <= MAX_COPY:
+            out = self._call(
+                key,
+                lambda: self.client.copy_object(
+                    Bucket=self.bucket, Key=full_key, CopySource=source, **args
+                ),
+            )
+            created = out.get("VersionId")
+        else:  # S3 copies objects over 5 GB part by part; boto3's managed copy does that
+            self._call(
+                key,
+                lambda: self.client.copy(source, self.bucket, full_key, ExtraArgs=args),
+            )
+            now_head = self._head(key, None)
+            created = now_head.version_id if now_head else None
+        # The lock is set on the new version afterwards, as after a multipart upload.
+        self._retain(full_key, created, immutable)
+
+    def _record_version(self, key: str, version_id: str | None) -> None:
+        if version_id and version_id != "null":
+            with self._client_lock:
+                self._written[key] = version_id
+
+    def _written_version(self, key: str) -> str | None:
+        with self._client_lock:
+            return self._written.pop(key, None)
+
     def _lock_args(self, immutable: bool) -> dict[str, Any]:
         if not immutable or self._release_lock is None or not self.bucket_has_lock():
             return {}
@@ -238,9 +293,11 @@ class S3Store(BaseStore):
         return {"ObjectLockMode": mode, "ObjectLockRetainUntilDate": until}
 
     # -- reads ---------------------------------------------------------------------------------
-    def _head(self, key: str) -> ObjectInfo | None:
+    def _head(self, key: str, version: str | None) -> ObjectInfo | None:
         try:
-            out = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            out = self.client.head_object(
+                Bucket=self.bucket, Key=self._key(key), **_version_arg(version)
+            )
         except ClientError as exc:
             if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
@@ -254,13 +311,14 @@ class S3Store(BaseStore):
             key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
         )["Body"]
 
-    def _read_range(self, key: str, offset: int, length: int) -> bytes:
-        body = self._get(key, Range=f"bytes={offset}-{offset + length - 1}")
+    def _read_range(self, key: str, offset: int, length: int, version: str | None) -> bytes:
+        span = f"bytes={offset}-{offset + length - 1}"
+        body = self._get(key, Range=span, **_version_arg(version))
         data = self._call(key, body.read)
         return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
 
     def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
-        body = self._get(key, **({"VersionId": version} if version else {}))
+        body = self._get(key, **_version_arg(version))
 
         def pieces() -> Iterator[bytes]:
             try:
@@ -272,9 +330,11 @@ class S3Store(BaseStore):
 
         return pieces()
 
-    def _get_file(self, key: str, dest: Path, progress: Progress) -> tuple[int, str]:
+    def _get_file(
+        self, key: str, dest: Path, progress: Progress, version: str | None
+    ) -> tuple[int, str]:
         """Parallel ranged GETs, written in order while hashing; fsynced."""
-        head = self._head(key)
+        head = self._head(key, version)
         if head is None:
             raise NotFound(f"object {key} is missing from the store")
         part = part_size_for(head.size)
@@ -284,7 +344,9 @@ class S3Store(BaseStore):
         try:
             futures: list[Future[bytes]] = []
             for offset, length in ranges:
-                futures.append(self._pool.submit(self.read_range, key, offset, length))
+                futures.append(
+                    self._pool.submit(self.read_range, key, offset, length, version=version)
+                )
                 while len(futures) > IN_FLIGHT:
                     self._write_part(fd, futures.pop(0).result(), digest, progress)
             for fut in futures:
@@ -334,7 +396,7 @@ class S3Store(BaseStore):
                             sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
         else:
             for full, key in wanted.items():
-                head = self._head(key)
+                head = self._head(key, None)
                 if head is not None:
                     targets.append({"Key": full})
                     sizes[(full, "")] = head.size
@@ -358,7 +420,7 @@ class S3Store(BaseStore):
     def _delete(self, key: str) -> int:
         full = self._key(key)
         if not self.versioned():
-            head = self._head(key)
+            head = self._head(key, None)
             if head is None:
                 return 0
             self._call(key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
@@ -434,13 +496,16 @@ class S3Store(BaseStore):
         return self._bucket_lock
 
     def init(self) -> dict[str, Any]:
-        """Check the bucket and set lifecycle rules (`reg storage init`)."""
+        """Check the bucket and merge reg's lifecycle rules into the bucket's (`reg storage
+        init`): rules of other teams and tools stay as they are; reg's own (named by ID, one
+        set per registry prefix) are replaced, so running init again changes nothing."""
         self._call("", lambda: self.client.head_bucket(Bucket=self.bucket))
         versioned, locked = self.versioned(), self.bucket_has_lock()
         base = f"{self.prefix}/" if self.prefix else ""
+        tag = f":{self.prefix}" if self.prefix else ""
         rules: list[dict[str, Any]] = [
             {
-                "ID": "reg-abort-incomplete-multipart",
+                "ID": f"reg-abort-incomplete-multipart{tag}",
                 "Status": "Enabled",
                 "Filter": {"Prefix": base},
                 "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
@@ -449,16 +514,18 @@ class S3Store(BaseStore):
         if versioned:
             rules.append(
                 {
-                    "ID": "reg-expire-noncurrent-checkpoints",
+                    "ID": f"reg-expire-noncurrent-checkpoints{tag}",
                     "Status": "Enabled",
                     "Filter": {"Prefix": f"{base}ckpt/"},
                     "NoncurrentVersionExpiration": {"NoncurrentDays": 1},
                 }
             )
+        ours = {r["ID"] for r in rules}
+        kept = [r for r in self._lifecycle_rules() if r.get("ID") not in ours]
         self._call(
             "",
             lambda: self.client.put_bucket_lifecycle_configuration(
-                Bucket=self.bucket, LifecycleConfiguration={"Rules": rules}
+                Bucket=self.bucket, LifecycleConfiguration={"Rules": kept + rules}
             ),
         )
         return {
@@ -467,7 +534,19 @@ class S3Store(BaseStore):
             "versioning": versioned,
             "object_lock": locked,
             "lifecycle_rules": [r["ID"] for r in rules],
+            "other_lifecycle_rules": [r.get("ID", "") for r in kept],
         }
+
+    def _lifecycle_rules(self) -> list[dict[str, Any]]:
+        try:
+            out = self.client.get_bucket_lifecycle_configuration(Bucket=self.bucket)
+        except ClientError as exc:
+            if _code(exc) == "NoSuchLifecycleConfiguration":
+                return []
+            raise _translate(exc, "") from exc
+        except BotoCoreError as exc:
+            raise _translate(exc, "") from exc
+        return list(out.get("Rules", []))
 
     # -- errors --------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], Any]) -> Any:
@@ -479,6 +558,10 @@ class S3Store(BaseStore):
             raise _translate(exc, key) from exc
         except BotoCoreError as exc:
             raise _translate(exc, key) from exc
+
+
+def _content_type(key: str) -> str:
+    return "application/json" if key.endswith(".json") else "application/octet-stream"
 
 
 def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
@@ -511,6 +594,10 @@ def _client() -> Any:
         read_timeout=60,
     )
     return boto3.session.Session().client("s3", config=config)
+
+
+def _version_arg(version: str | None) -> dict[str, str]:
+    return {"VersionId": version} if version else {}
 
 
 def _code(exc: ClientError) -> str:

@@ -120,6 +120,7 @@ def commit(
     claim: Claim,
     manifest: Manifest,
     manifest_bytes: bytes,
+    manifest_version: str | None,
     upload_seconds: float,
     reused: int,
 ) -> PushResult:
@@ -131,7 +132,7 @@ def commit(
         committed = claims.guarded_update(
             s,
             claim,
-            **Checkpoint.facts_of(manifest, manifest_sha256),
+            **Checkpoint.facts_of(manifest, manifest_sha256, manifest_version),
             committed_at=now(),
             upload_seconds=round(upload_seconds, 3),
             claim_token=None,

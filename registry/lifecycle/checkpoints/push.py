@@ -81,7 +81,7 @@ def push(
             faults.point("push-published")
             manifest = _manifest(ctx, ref, scanned, uploaded, world, resume_record, checked_metrics)
             data = manifest.to_bytes()
-            put_reconciled(
+            stored = put_reconciled(
                 ctx.store,
                 manifest_key(project, run, step),
                 data=data,
@@ -90,7 +90,9 @@ def push(
             )
             faults.point("push-manifest")
             reused = sum(u.reused for u in uploaded)
-            return commit.commit(ctx, claim, manifest, data, uploader.seconds, reused)
+            return commit.commit(
+                ctx, claim, manifest, data, stored.version, uploader.seconds, reused
+            )
 
 
 def _check_request(project: str, run: str, step: int) -> CheckpointRef:
@@ -249,7 +251,7 @@ def _manifest(
     files = []
     for u in uploaded:
         path = u.key.removeprefix(prefix)
-        files.append(FileRecord(path, u.size, u.sha256, scanned.rank_of(path)))
+        files.append(FileRecord(path, u.size, u.sha256, scanned.rank_of(path), u.version))
     summary = scanned.inventory.summary()
     return Manifest(
         project=ref.project,

@@ -17,7 +17,7 @@ from registry.layout import checkpoint_prefix
 from registry.lifecycle.views import CheckpointView
 from registry.refs import CheckpointRef
 from registry.timeutil import now
-from registry.transfer import download, verify_stored
+from registry.transfer import download
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -87,25 +87,28 @@ def record_resume(ctx: Context, ref: CheckpointRef) -> None:
             s.add(run)
 
 
-def verify(ctx: Context, ref: CheckpointRef, *, progress: Progress | None = None) -> dict[str, Any]:
-    """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged."""
+def verify(
+    ctx: Context, ref: CheckpointRef, *, repair: bool = False, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged.
+    `repair` restores damaged files from their recorded versions (versioned buckets)."""
+    from registry.lifecycle.scrub import verify_files
+
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
-    problems = verify_stored(
-        ctx.store,
-        checkpoint_prefix(ref.project, ref.run, ckpt.step),
-        files,
-        label=f"verify {full}",
-        workers=ctx.workers,
-        progress=progress,
-    )
     return {
         "ref": str(full),
-        "ok": not problems,
-        "files": len(files),
-        "bytes": sum(f.size for f in files),
-        "problems": [p.to_json() for p in problems],
+        **verify_files(
+            ctx,
+            checkpoint_prefix(ref.project, ref.run, ckpt.step),
+            files,
+            name=str(full),
+            scope={"project": ref.project},
+            repair=repair,
+            immutable=False,
+            progress=progress,
+        ),
     }
 
 

@@ -146,7 +146,7 @@ def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRe
     done = put_reconciled(
         store, prefix + path, immutable=True, on_mismatch=OnMismatch.CONFLICT, **source
     )
-    return FileRecord(path, done.size, done.sha256)
+    return FileRecord(path, done.size, done.sha256, version=done.version)
 
 
 def _resolve_ties(

@@ -233,7 +233,9 @@ def build(
         )
         if stored.sha256 != extra.sha256:
             raise Conflict(f"--extra {extra.path} changed while being promoted", "promote again")
-        built.files.append(FileRecord(extra.name, stored.size, stored.sha256))
+        built.files.append(
+            FileRecord(extra.name, stored.size, stored.sha256, version=stored.version)
+        )
     built.files.sort(key=lambda f: f.path)
     faults.point("promote-consolidated")
     return built
@@ -248,7 +250,7 @@ def commit(
     """Write release.json last, then make the release visible in one transaction."""
     document = _document(ctx, plan, reservation, built)
     data = document.to_bytes()
-    put_reconciled(
+    stored = put_reconciled(
         ctx.store,
         release_prefix(plan.model, reservation.version) + RELEASE_DOCUMENT,
         data=data,
@@ -265,6 +267,7 @@ def commit(
             reservation.claim,
             status=ACTIVE,
             sha256=digest,
+            document_version=stored.version,
             bytes=sum(f.size for f in built.files) + len(data),
             tensor_count=built.tensor_count,
             tied=[[a, k] for a, k in sorted(built.tied.items())],

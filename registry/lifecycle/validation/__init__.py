@@ -83,13 +83,22 @@ def _run_checks(
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
     started = time.perf_counter()
     problems = verify_stored(
-        ctx.store, prefix, files, label=f"verify {ref}", workers=ctx.workers, progress=progress
+        ctx.store,
+        prefix,
+        files,
+        label=f"verify {ref}",
+        workers=ctx.workers,
+        progress=progress,
+        recorded_versions=True,
     )
+    versions = {f.path: f.version for f in files if f.version}
     metadata = inv = None
     if problems:
         out.add("integrity", False, "; ".join(f"{p.path}: {p.problem}" for p in problems))
     else:
-        metadata = load_metadata(ctx.store.get_bytes(prefix + METADATA))
+        metadata = load_metadata(
+            ctx.store.get_bytes(prefix + METADATA, version=versions.get(METADATA))
+        )
         inv = inventory(metadata)
         try:
             check_ranges(inv, {f.path: f.size for f in files}, str(ref))
@@ -112,9 +121,9 @@ def _run_checks(
                 probe_rtol=ctx.policy.promotion.probe_rtol,
             )
         if world_size == 1:
-            restore_here(ctx.store, prefix, metadata, inv, device, model, out)
+            restore_here(ctx.store, prefix, versions, metadata, inv, device, model, out)
         else:
-            restore_distributed(ctx.store, prefix, inv, device, world_size, model, out)
+            restore_distributed(ctx.store, prefix, versions, inv, device, world_size, model, out)
     out.add(
         "resume_state",
         resume.resumable,

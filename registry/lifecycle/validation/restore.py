@@ -70,6 +70,7 @@ def _template(inv: Inventory, device: str) -> dict[str, Any]:
 def restore_here(
     store: BaseStore,
     prefix: str,
+    versions: dict[str, str],
     metadata: Any,
     inv: Inventory,
     device: str,
@@ -88,7 +89,7 @@ def restore_here(
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
             dcp.load(
                 state,
-                storage_reader=StoreReader(store, prefix, metadata),
+                storage_reader=StoreReader(store, prefix, metadata, versions),
                 planner=SafeLoadPlanner(),
             )
         if device == "cuda":
@@ -123,6 +124,7 @@ def _first_line(exc: BaseException) -> str:
 def restore_distributed(
     store: BaseStore,
     prefix: str,
+    versions: dict[str, str],
     inv: Inventory,
     device: str,
     world_size: int,
@@ -138,7 +140,7 @@ def restore_distributed(
         )
     results: list[dict[str, Any]] | str = "not run"
     for _ in range(START_ATTEMPTS):
-        results = _spawn_ranks(store.url, prefix, device, world_size, model)
+        results = _spawn_ranks(store.url, prefix, versions, device, world_size, model)
         if not (isinstance(results, str) or any(r.get("stage") == "start" for r in results)):
             break  # the ranks came up; whatever they found stands
     if isinstance(results, str):
@@ -166,7 +168,12 @@ START_ATTEMPTS = 2  # gloo now and then aborts a rank while the group forms on a
 
 
 def _spawn_ranks(
-    store_url: str, prefix: str, device: str, world_size: int, model: ModelCheck | None
+    store_url: str,
+    prefix: str,
+    versions: dict[str, str],
+    device: str,
+    world_size: int,
+    model: ModelCheck | None,
 ) -> list[dict[str, Any]] | str:
     """Each rank's report, or why the ranks did not all report (a rank killed by a signal)."""
     import torch.multiprocessing as mp
@@ -175,7 +182,7 @@ def _spawn_ranks(
         try:
             mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn unannotated
                 _rank_main,
-                args=(world_size, _free_port(), device, store_url, prefix, tmp, model),
+                args=(world_size, _free_port(), device, store_url, prefix, versions, tmp, model),
                 nprocs=world_size,
                 join=True,
             )
@@ -197,6 +204,7 @@ def _rank_main(
     device: str,
     store_url: str,
     prefix: str,
+    versions: dict[str, str],
     tmp: str,
     model: ModelCheck | None,
 ) -> None:
@@ -218,7 +226,7 @@ def _rank_main(
         mesh = init_device_mesh(device, (world,))
         result["stage"] = "load"
         store = open_store(store_url)
-        metadata = load_metadata(store.get_bytes(prefix + METADATA))
+        metadata = load_metadata(store.get_bytes(prefix + METADATA, version=versions.get(METADATA)))
         inv = inventory(metadata)
         state: dict[str, Any] = {}
         for fqn, t in inv.tensors.items():
@@ -230,7 +238,9 @@ def _rank_main(
         dist.barrier()
         started = time.perf_counter()
         dcp.load(
-            state, storage_reader=StoreReader(store, prefix, metadata), planner=SafeLoadPlanner()
+            state,
+            storage_reader=StoreReader(store, prefix, metadata, versions),
+            planner=SafeLoadPlanner(),
         )
         result["seconds"] = time.perf_counter() - started
         result["shapes"] = shape_problems(state, inv)  # DTensor shapes are global
