@@ -53,7 +53,11 @@ def run() -> int:
     from registry.errors import RegistryError
 
     try:
-        app()
+        code = app(standalone_mode=False, prog_name="reg")
+    except typer.TyperException as exc:  # typer's usage errors (its vendored click)
+        return _usage(exc)
+    except typer.Abort:
+        return _failed("interrupted", "interrupted", None, 130)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except RegistryError as exc:
@@ -68,7 +72,19 @@ def run() -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         message = f"internal error: {type(exc).__name__}: {first}"
         return _failed(f"{message} (REG_DEBUG=1 shows the traceback)", message, None, 1)
-    return 0
+    return code if isinstance(code, int) else 0
+
+
+def _usage(exc: typer.TyperException) -> int:
+    """`reg` or `reg alias` alone print their help; any other usage error is one line."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        exc.show()  # type: ignore[attr-defined]
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "reg"
+    message = " ".join(exc.format_message().split())
+    hint = f"`{where} --help` shows the usage"
+    return _failed(f"error: {message} ({hint})", message, hint, exc.exit_code)
 
 
 def _failed(line: str, message: str, hint: str | None, code: int) -> int:

@@ -64,10 +64,24 @@ class Settings:
 def _identity(env: dict[str, str], file_values: dict[str, str]) -> tuple[str, str]:
     """The embedded identity and where it came from: asserted, not proven (DESIGN §9)."""
     if env.get("REG_USER"):
-        return env["REG_USER"], "REG_USER"
+        return _checked_user(env["REG_USER"], "REG_USER"), "REG_USER"
     if file_values.get("user"):
-        return file_values["user"], "config.toml"
+        return _checked_user(file_values["user"], "config.toml"), "config.toml"
     return _login_name(), "OS login"
+
+
+MAX_USER = 256
+
+
+def _checked_user(name: str, source: str) -> str:
+    """The name goes into the catalog, the audit log and MLflow: printable, one line, bounded
+    (a NUL, which PostgreSQL refuses, would otherwise fail a push after its bytes moved)."""
+    if len(name) > MAX_USER or not name.isprintable() or name != name.strip():
+        raise UsageError(
+            f"{source} is not a usable user name ({name[:40]!r})",
+            f"use printable characters, no surrounding spaces, at most {MAX_USER}",
+        )
+    return name
 
 
 def _login_name() -> str:

@@ -43,3 +43,52 @@ def test_unreachable_catalog_is_a_clear_error():
 
     with pytest.raises(RegistryError, match="unavailable"):
         Catalog("postgresql+psycopg://postgres@127.0.0.1:1/none")
+
+
+def _migrate(cat: Catalog, target: str, down: bool = False) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from registry.catalog.engine import MIGRATIONS
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with cat.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        (command.downgrade if down else command.upgrade)(cfg, target)
+        conn.commit()
+
+
+def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
+    """0003 adds the version columns without rebuilding tables (which would drop SQLite's
+    guard triggers), and its downgrade leaves the guards in place too."""
+    cat = Catalog(catalog_url)
+    guards = _triggers(cat)
+    assert {"release_immutable", "release_file_no_delete"} <= guards or {
+        "release_immutable",
+        "release_file_append_only",
+    } <= guards
+    with cat.session(write=True) as s:
+        audit.record(s, "alice", "push", "r@step1")
+    _migrate(cat, "0002", down=True)
+    assert _triggers(cat) == guards
+    _migrate(cat, "head")
+    assert cat.current_revision() == HEAD_REVISION and _triggers(cat) == guards
+    with pytest.raises(DBAPIError, match="append-only"), cat.engine.begin() as conn:
+        conn.execute(text("DELETE FROM audit_event"))
+    with cat.engine.connect() as conn:
+        assert conn.execute(text("SELECT actor FROM audit_event")).scalars().all() == ["alice"]
+    cat.dispose()
+
+
+def _triggers(cat: Catalog) -> set[str]:
+    with cat.engine.connect() as conn:
+        if cat.is_sqlite:
+            sql = "SELECT name FROM sqlite_master WHERE type = 'trigger'"
+        else:
+            sql = (
+                "SELECT tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE NOT t.tgisinternal AND n.nspname = current_schema()"
+            )
+        return set(conn.execute(text(sql)).scalars().all())

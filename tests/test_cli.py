@@ -154,6 +154,17 @@ def _bad_dir(kind: str, ckpts, tmp_path: Path) -> Path:
         (d / ".metadata").write_bytes(pickle.dumps(print))
     elif kind == "symlink":
         (d / "link").symlink_to("/etc/passwd")
+    elif kind == "negative-length":  # a crafted range: would move the promotion's spool back
+        import dataclasses
+
+        metadata = pickle.loads((d / ".metadata").read_bytes())  # the test's own file
+        index, info = next(iter(metadata.storage_data.items()))
+        metadata.storage_data[index] = dataclasses.replace(info, length=-5)
+        (d / ".metadata").write_bytes(pickle.dumps(metadata))
+    elif kind == "long-path":  # longer than the catalog's path column: refused before any byte
+        deep = d.joinpath(*["d" * 200] * 6)
+        deep.mkdir(parents=True)
+        (deep / "notes.txt").write_text("x")
     return d
 
 
@@ -165,6 +176,8 @@ def _bad_dir(kind: str, ckpts, tmp_path: Path) -> Path:
         ("missing-shard", "shard __1_0.distcp named in .metadata is missing"),
         ("crafted", "references builtins.print, which a DCP checkpoint never does; refused"),
         ("symlink", "link is a symlink; refused"),
+        ("long-path", "characters; refused"),
+        ("negative-length", "offsets and lengths are never negative"),
     ],
 )
 def test_bad_checkpoint_directories_exit_2_with_one_line(cli, ckpts, tmp_path, kind, pattern):
@@ -218,3 +231,32 @@ def test_a_failing_json_command_still_prints_one_json_document(cli):
     error = json.loads(res.stdout)["error"]
     assert error["exit_code"] == 3 and "no-such-run" in error["message"]
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("user", ["bob\nadmin", " bob", "x" * 300])
+def test_an_unusable_user_name_is_refused_before_anything_is_written(cli, ckpts, user):
+    res = cli(
+        "push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "2", env={"REG_USER": user}
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("reg: error: REG_USER is not a usable user name")
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert json.loads(cli("ls", "--json").stdout) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["verify", "--json"], "Missing argument 'ref'. (`reg verify --help` shows the usage)"),
+        (["ls", "--bogus"], "No such option: --bogus (`reg ls --help` shows the usage)"),
+        (["nosuch"], "No such command 'nosuch'. (`reg --help` shows the usage)"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(cli, args, says):
+    res = cli(*args)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"reg: error: {says}"]
+    if "--json" in args:
+        assert json.loads(res.stdout)["error"]["exit_code"] == 2
+    else:
+        assert res.stdout == ""

@@ -167,6 +167,7 @@ def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
 
     for statement in (
         "UPDATE release SET sha256 = 'x'",
+        "UPDATE release SET document_version = 'attacker-chosen'",
         "DELETE FROM release",
         "UPDATE release_file SET sha256 = 'x'",
         "DELETE FROM release_file",

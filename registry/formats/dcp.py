@@ -25,6 +25,7 @@ HF_INDEX = "model.safetensors.index.json"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 MAX_METADATA_BYTES = 512 * 1024 * 1024
+MAX_PATH = 1024  # the catalog's column for a file path
 
 # -- inventory --------------------------------------------------------------------------------
 
@@ -94,10 +95,16 @@ def inventory(metadata: Any) -> Inventory:
     transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         path = str(info.relative_path)
+        offset, length = int(info.offset), int(info.length)
+        if offset < 0 or length < 0:
+            raise InvalidCheckpoint(
+                f".metadata puts {index.fqn} at bytes {offset}+{length} of {path}",
+                "offsets and lengths are never negative: the metadata is corrupt or crafted",
+            )
         files.add(path)
         transforms.update(str(d) for d in getattr(info, "transform_descriptors", None) or ())
         ranges.setdefault(index.fqn, {})[index.index or 0] = ChunkRange(
-            tuple(index.offset or ()), (), path, int(info.offset), int(info.length)
+            tuple(index.offset or ()), (), path, offset, length
         )
 
     tensors: dict[str, TensorInfo] = {}
@@ -287,6 +294,11 @@ def _walk(root: Path) -> dict[str, int]:
             if not _NAME_SEGMENT.fullmatch(name) or name in {".", ".."}:
                 raise InvalidCheckpoint(
                     f"{root}: unsafe file name {rel!r}", "names are letters, digits and . _ = + -"
+                )
+            if len(rel) > MAX_PATH:
+                raise InvalidCheckpoint(
+                    f"{root}: the path {rel[:60]}... is {len(rel)} characters; refused",
+                    f"the registry keeps paths of at most {MAX_PATH} characters",
                 )
             if stat.S_ISREG(st.st_mode):
                 files[rel.replace(os.sep, "/")] = st.st_size

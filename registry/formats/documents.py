@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -290,10 +291,23 @@ def _files(
                 r.integer(entry["size"], f"{key}.size", minimum=0),
                 r.digest(entry["sha256"], f"{key}.sha256"),
                 None if rank is None else r.integer(rank, f"{key}.rank", minimum=0),
-                r.optional(entry.get("version"), r.text, f"{key}.version"),
+                r.optional(entry.get("version"), _object_version(r), f"{key}.version"),
             )
         )
     return tuple(out)
+
+
+MAX_VERSION = 1024  # the catalog's column for an object version
+
+
+def _object_version(r: StrictReader) -> Callable[[Any, str], str]:
+    def read(value: Any, key: str) -> str:
+        text = r.text(value, key)
+        if len(text) > MAX_VERSION or not text.isprintable():
+            raise r.error(key, f"is not an object version (printable, at most {MAX_VERSION})")
+        return text
+
+    return read
 
 
 def _tensor_summary(r: StrictReader, value: Any) -> TensorSummary:

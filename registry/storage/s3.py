@@ -17,6 +17,7 @@ import base64
 import builtins
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import os
 import random
@@ -264,15 +265,53 @@ class S3Store(BaseStore):
                 ),
             )
             created = out.get("VersionId")
-        else:  # S3 copies objects over 5 GB part by part; boto3's managed copy does that
-            self._call(
+        else:  # S3 copies objects over 5 GB part by part
+            created = self._copy_parts(key, source, head.size)
+        # The lock is set on the new version afterwards, as after a multipart upload (only on
+        # the version this copy created: with no id reported, nothing is locked).
+        if created:
+            self._retain(full_key, created, immutable)
+
+    def _copy_parts(self, key: str, source: dict[str, str], size: int) -> str | None:
+        """UploadPartCopy of `source` onto `key`; the version the completion created (exactly
+        that one gets the lock, never one a concurrent writer put meanwhile)."""
+        full_key = self._key(key)
+        upload_id = self._call(
+            key,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=full_key, ContentType=_content_type(key)
+            ),
+        )["UploadId"]
+        part = part_size_for(size)
+        try:
+            done = []
+            for number, start in enumerate(range(0, size, part), start=1):
+                span = f"bytes={start}-{min(size, start + part) - 1}"
+                copy_part = functools.partial(
+                    self.client.upload_part_copy,
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceRange=span,
+                )
+                out = self._call(key, copy_part)
+                done.append({"PartNumber": number, "ETag": out["CopyPartResult"]["ETag"]})
+            completed = self._call(
                 key,
-                lambda: self.client.copy(source, self.bucket, full_key, ExtraArgs=args),
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                ),
             )
-            now_head = self._head(key, None)
-            created = now_head.version_id if now_head else None
-        # The lock is set on the new version afterwards, as after a multipart upload.
-        self._retain(full_key, created, immutable)
+        except BaseException:
+            self._abort(full_key, upload_id)
+            raise
+        version = completed.get("VersionId")
+        return str(version) if version else None
 
     def _record_version(self, key: str, version_id: str | None) -> None:
         if version_id and version_id != "null":
@@ -496,32 +535,26 @@ class S3Store(BaseStore):
         return self._bucket_lock
 
     def init(self) -> dict[str, Any]:
-        """Check the bucket and merge reg's lifecycle rules into the bucket's (`reg storage
-        init`): rules of other teams and tools stay as they are; reg's own (named by ID, one
-        set per registry prefix) are replaced, so running init again changes nothing."""
+        """Check the bucket and merge reg's lifecycle rule into the bucket's (`reg storage
+        init`): rules of other teams and tools stay as they are; reg's own (named by ID, one per
+        registry prefix) are replaced, so running init again changes nothing.
+
+        No rule expires noncurrent versions: reg deletes every version itself (GC), and a
+        noncurrent version exists only when someone put other bytes over a recorded one; that
+        recorded version is what reads by version and `reg verify --repair` need."""
         self._call("", lambda: self.client.head_bucket(Bucket=self.bucket))
         versioned, locked = self.versioned(), self.bucket_has_lock()
         base = f"{self.prefix}/" if self.prefix else ""
-        tag = f":{self.prefix}" if self.prefix else ""
+        ours = _rule_id("reg-abort-incomplete-multipart", self.prefix)
         rules: list[dict[str, Any]] = [
             {
-                "ID": f"reg-abort-incomplete-multipart{tag}",
+                "ID": ours,
                 "Status": "Enabled",
                 "Filter": {"Prefix": base},
                 "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
             }
         ]
-        if versioned:
-            rules.append(
-                {
-                    "ID": f"reg-expire-noncurrent-checkpoints{tag}",
-                    "Status": "Enabled",
-                    "Filter": {"Prefix": f"{base}ckpt/"},
-                    "NoncurrentVersionExpiration": {"NoncurrentDays": 1},
-                }
-            )
-        ours = {r["ID"] for r in rules}
-        kept = [r for r in self._lifecycle_rules() if r.get("ID") not in ours]
+        kept = [r for r in self._lifecycle_rules() if not _is_ours(r, ours, base)]
         self._call(
             "",
             lambda: self.client.put_bucket_lifecycle_configuration(
@@ -558,6 +591,26 @@ class S3Store(BaseStore):
             raise _translate(exc, key) from exc
         except BotoCoreError as exc:
             raise _translate(exc, key) from exc
+
+
+_LEGACY_RULES = ("reg-abort-incomplete-multipart", "reg-expire-noncurrent-checkpoints")
+
+
+def _rule_id(name: str, prefix: str) -> str:
+    """Rule IDs are at most 255 characters: a long prefix is named by its digest."""
+    if not prefix:
+        return name
+    tag = prefix if len(prefix) <= 200 else hashlib.sha256(prefix.encode()).hexdigest()[:32]
+    return f"{name}:{tag}"
+
+
+def _is_ours(rule: dict[str, Any], ours: str, base: str) -> bool:
+    """This registry's rule, or one an earlier reg wrote for the same prefix (unprefixed IDs,
+    and the noncurrent-version expiry it no longer sets)."""
+    if rule.get("ID") == ours:
+        return True
+    prefix = rule.get("Filter", {}).get("Prefix", rule.get("Prefix"))
+    return rule.get("ID") in _LEGACY_RULES and prefix in (base, f"{base}ckpt/")
 
 
 def _content_type(key: str) -> str:
@@ -625,6 +678,12 @@ def _translate(exc: BaseException, key: str) -> RegistryError:
         code = _code(exc)
         if code in ("NoSuchKey", "404", "NotFound"):
             return NotFound(f"object {key} is missing from the store")
+        if code in ("NoSuchVersion", "405", "MethodNotAllowed"):  # 405: a delete marker
+            return NotFound(
+                f"the recorded version of {key} is gone from the bucket",
+                "a bucket copy or replication gives objects new version ids; "
+                "`reg verify` shows what is left",
+            )
         if code in ("NoSuchBucket",):
             return UsageError(f"S3 bucket does not exist: {exc}", "check REG_STORE_URL")
         if code in ("AccessDenied", "403", "AllAccessDisabled"):

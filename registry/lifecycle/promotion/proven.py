@@ -19,12 +19,13 @@ import bisect
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import IntegrityError
+from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import METADATA, ChunkRange
 from registry.progress import Counter
 
@@ -58,6 +59,7 @@ class ProvenCheckpoint:
         self._spans: dict[str, list[_Span]] = {}
         self._starts: dict[str, list[int]] = {}
         self.bytes_hashed = 0
+        self._stop = threading.Event()
         self.metadata = self._whole(METADATA)
         self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
 
@@ -77,7 +79,7 @@ class ProvenCheckpoint:
         wanted: dict[str, list[tuple[int, int]]] = {}
         for c in chunks:
             record = self._record(c.file)
-            if c.offset + c.length > record.size:
+            if c.offset < 0 or c.length < 0 or c.offset + c.length > record.size:
                 raise IntegrityError(
                     f"{self.label}: .metadata puts a chunk at bytes {c.offset}..."
                     f"{c.offset + c.length} of {c.file}, which has {record.size}",
@@ -99,19 +101,25 @@ class ProvenCheckpoint:
                 sum(self.records[p].size for p in paths),
             )
         counter = Counter(progress)
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reg-prove")
         try:
-            with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                for hashed in pool.map(lambda p: self._pass(p, counter), paths):
-                    self.bytes_hashed += hashed
+            futures = [pool.submit(self._pass, p, counter) for p in paths]
+            for future in as_completed(futures):
+                self.bytes_hashed += future.result()  # the first failure stops the others
+        except BaseException:
+            self._stop.set()
+            raise
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
             if progress:
                 progress.finish()
 
     def _pass(self, path: str, counter: Counter) -> int:
         record, spans = self.records[path], self._spans[path]
-        fd = self._spool.fileno()
         digest, pos, i = hashlib.sha256(), 0, 0
         for piece in self._stream(path):
+            if self._stop.is_set():
+                raise IntegrityError(f"{self.label}: stopped", "another shard failed first")
             view = memoryview(piece)
             end = pos + len(view)
             if end > record.size:
@@ -121,7 +129,7 @@ class ProvenCheckpoint:
                 span = spans[i]
                 lo, hi = max(span.start, pos), min(span.end, end)
                 if hi > lo:
-                    _pwrite_all(fd, view[lo - pos : hi - pos], span.spool_at + lo - span.start)
+                    self._spool_write(view[lo - pos : hi - pos], span.spool_at + lo - span.start)
                 if span.end > end:
                     break
                 i += 1
@@ -137,7 +145,13 @@ class ProvenCheckpoint:
 
     def _whole(self, path: str) -> bytes:
         record = self._record(path)
-        data = b"".join(self._stream(path))
+        pieces, size = [], 0
+        for piece in self._stream(path):
+            pieces.append(piece)
+            size += len(piece)
+            if size > record.size:  # never hold more than the recorded size
+                break
+        data = b"".join(pieces)
         if len(data) != record.size:
             raise self._mismatch(
                 path, f"it has {len(data)} bytes, the manifest recorded {record.size}"
@@ -169,6 +183,17 @@ class ProvenCheckpoint:
             "promote an intact checkpoint",
         )
 
+    def _spool_write(self, view: memoryview, offset: int) -> None:
+        try:
+            while view:
+                n = os.pwrite(self._spool.fileno(), view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise RegistryError(
+                f"cannot write the promotion's spool in {tempfile.gettempdir()}: {exc.strerror}",
+                "the spool holds the model's bytes: free space there or point TMPDIR elsewhere",
+            ) from None
+
     # -- reading --------------------------------------------------------------------------------
 
     def read(self, path: str, offset: int, length: int) -> bytearray:
@@ -198,9 +223,3 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
