@@ -91,3 +91,34 @@ def test_rebuild_skips_a_manifest_whose_files_are_gone(ckpts, cli):
     out = json.loads(cli("catalog", "rebuild", "--json").stdout)
     assert out["checkpoints_added"] == ["r@step4"]
     assert any(".metadata is missing; not registered" in s for s in out["skipped"])
+
+
+def test_malformed_documents_are_skipped_one_by_one_and_gc_still_runs(ckpts, cli):
+    """One malformed manifest used to abort the whole rebuild (KeyError), and a rebuilt
+    non-numeric metric crashed `gc --dry-run` for the whole registry."""
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, metrics={"val_loss": 2.0})
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4, metrics={"val_loss": 1.0})
+        real = json.loads(reg.store.get_bytes("ckpt/default/r/step-2/MANIFEST.json"))
+        home = reg.settings.home
+        from tests import tamper
+
+        tamper.replace(
+            reg.store,
+            "ckpt/default/r/step-2/MANIFEST.json",
+            json.dumps(dict(real, metrics={"val_loss": "high"})).encode(),
+        )
+        reg.push_checkpoint(ckpts.ws3.step_dir(3), run="q", step=3)
+        tamper.replace(reg.store, "ckpt/default/q/step-3/MANIFEST.json", b'{"format": 1}')
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (home / name).unlink(missing_ok=True)
+    res = cli("catalog", "rebuild", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["checkpoints_added"] == ["r@step4"]
+    skipped = " | ".join(out["skipped"])
+    assert "step-2/MANIFEST.json: metrics.val_loss is 'high'" in skipped
+    assert "q/step-3/MANIFEST.json: format is 1" in skipped
+    gc = cli("gc", "--dry-run", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert [d["ref"] for d in json.loads(gc.stdout)["decisions"]] == ["r@step4"]
