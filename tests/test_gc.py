@@ -256,11 +256,11 @@ def test_a_pull_racing_a_collection_says_collected(aggressive, reg, ckpts, tmp_p
 
     get_file, collected, once = local.LocalStore._get_file, [], threading.Lock()
 
-    def racing(self, key, dest, progress):  # type: ignore[no-untyped-def]
+    def racing(self, key, dest, progress, version):  # type: ignore[no-untyped-def]
         with once:  # the first file to start downloading runs one GC
             if not collected:
                 collected.append(reg.gc())  # retention deletes r@step2 while it is being pulled
-        return get_file(self, key, dest, progress)
+        return get_file(self, key, dest, progress, version)
 
     monkeypatch.setattr(local.LocalStore, "_get_file", racing)
     with pytest.raises(Collected, match=r"r@step2 was collected by retention") as info:

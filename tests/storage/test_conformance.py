@@ -192,7 +192,14 @@ def test_describe_and_init(store):
     expected = {
         "MemoryStore": {"store", "kind", "note"},
         "LocalStore": {"store", "kind", "note"},
-        "S3Store": {"bucket", "prefix", "versioning", "object_lock", "lifecycle_rules"},
+        "S3Store": {
+            "bucket",
+            "prefix",
+            "versioning",
+            "object_lock",
+            "lifecycle_rules",
+            "other_lifecycle_rules",
+        },
     }[type(store).__name__]
     assert set(out) == expected
 
