@@ -39,6 +39,9 @@ class Catalog:
         self.sqlite_path = url.split("///", 1)[-1] if self.is_sqlite else None
         if self.sqlite_path and self.sqlite_path != ":memory:":
             Path(self.sqlite_path).parent.mkdir(parents=True, exist_ok=True)
+            # Not world-readable (SQLite gives its -wal and -shm files the same mode).
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(self.sqlite_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640))
         with self._translate_errors():
             self._ensure_schema()
 
@@ -196,7 +199,7 @@ class Catalog:
             if not self.sqlite_path or self.sqlite_path == ":memory:":
                 yield
                 return
-            fd = os.open(f"{self.sqlite_path}.migrate.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(f"{self.sqlite_path}.migrate.lock", os.O_CREAT | os.O_RDWR, 0o640)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 yield

@@ -156,11 +156,50 @@ class ScannedDir:
     metadata: Any
     inventory: Inventory
     ranks: set[int]
+    identity: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> (dev, inode)
 
     @property
     def inferred_world_size(self) -> int:
         """A lower bound: replicated items are written by one rank only (DCP dedup)."""
         return max(self.ranks) + 1 if self.ranks else 1
+
+    def open(self, path: str) -> int:
+        """A descriptor of the file the scan checked, or InvalidCheckpoint. Each component is
+        opened relative to its parent with O_NOFOLLOW (a file or directory swapped for a symlink
+        since the scan is refused), and the opened file must be the scanned one: same inode,
+        a regular file with one link, the same size."""
+        parts = path.split("/")
+        fd = -1
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            for part in parts[:-1]:
+                parent = fd
+                fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+                os.close(parent)
+            parent = fd
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+            os.close(parent)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            raise InvalidCheckpoint(
+                f"{self.root}: {path} cannot be opened safely ({exc.strerror})",
+                "it changed since it was checked (a symlink?); push again when the directory "
+                "is settled",
+            ) from None
+        st = os.fstat(fd)
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or (st.st_dev, st.st_ino) != self.identity.get(path)
+            or st.st_nlink != 1
+            or st.st_size != self.files[path]
+        ):
+            os.close(fd)
+            raise InvalidCheckpoint(
+                f"{self.root}: {path} is not the file that was checked a moment ago",
+                "something replaced it during the push; push again when the directory is settled",
+            )
+        return fd
 
     def rank_of(self, path: str) -> int | None:
         match = RANK_FILE.fullmatch(Path(path).name)
@@ -184,7 +223,7 @@ def scan_directory(root: Path) -> ScannedDir:
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
         )
-    files = _walk(root)
+    files, identity = _walk(root)
     if METADATA not in files:
         raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
     reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in (MANIFEST, RELEASE_DOCUMENT))
@@ -201,7 +240,7 @@ def scan_directory(root: Path) -> ScannedDir:
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
-    return ScannedDir(root, files, metadata, inv, ranks)
+    return ScannedDir(root, files, metadata, inv, ranks, identity)
 
 
 def _refuse_safetensors_directory(root: Path) -> None:
@@ -280,8 +319,9 @@ def _all_chunks(inv: Inventory) -> list[ChunkRange]:
     return out
 
 
-def _walk(root: Path) -> dict[str, int]:
+def _walk(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
     files: dict[str, int] = {}
+    identity: dict[str, tuple[int, int]] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in list(dirnames) + filenames:
             full = os.path.join(dirpath, name)
@@ -301,7 +341,13 @@ def _walk(root: Path) -> dict[str, int]:
                     f"the registry keeps paths of at most {MAX_PATH} characters",
                 )
             if stat.S_ISREG(st.st_mode):
+                if st.st_nlink > 1:
+                    raise InvalidCheckpoint(
+                        f"{root}: {rel} has {st.st_nlink} hard links; refused",
+                        "DCP never writes hard links: copy the file into the directory",
+                    )
                 files[rel.replace(os.sep, "/")] = st.st_size
+                identity[rel.replace(os.sep, "/")] = (st.st_dev, st.st_ino)
             elif not stat.S_ISDIR(st.st_mode):
                 raise InvalidCheckpoint(f"{root}: {rel} is not a regular file", "remove it")
-    return files
+    return files, identity

@@ -43,6 +43,16 @@ from registry.storage.base import (
 )
 
 TEMP_DIR = ".tmp"
+# Modes of what the store writes: readable by the owner and the store root's group, never by
+# others, and never looser than a source file (a 0600 checkpoint file stays 0600).
+CHECKPOINT_MODE, RELEASE_MODE, DIR_MODE = 0o640, 0o440, 0o750
+
+
+def _file_mode(immutable: bool, source_mode: int | None) -> int:
+    mode = RELEASE_MODE if immutable else CHECKPOINT_MODE
+    if source_mode is not None:
+        mode &= stat.S_IMODE(source_mode) | stat.S_IRUSR | stat.S_IWUSR
+    return mode
 _TEMP_SEPARATOR = "~"  # never in a key segment, so a temp name gives its key back
 
 
@@ -63,7 +73,10 @@ class LocalStore(BaseStore):
 
     # -- writes --------------------------------------------------------------------------------
     def _stage_file(self, key: str, src: Path, immutable: bool, progress: Progress) -> _LocalStaged:
-        return self._stage(key, lambda fd: _copy_path_hashing(src, fd, progress), immutable)
+        source_mode = os.stat(src).st_mode
+        return self._stage(
+            key, lambda fd: _copy_path_hashing(src, fd, progress), immutable, source_mode
+        )
 
     def _put_file(
         self, key: str, src: Path, immutable: bool, progress: Progress
@@ -86,15 +99,18 @@ class LocalStore(BaseStore):
         return done.size, done.sha256
 
     def _stage(
-        self, key: str, write: Callable[[int], tuple[int, str]], immutable: bool
+        self,
+        key: str,
+        write: Callable[[int], tuple[int, str]],
+        immutable: bool,
+        source_mode: int | None = None,
     ) -> _LocalStaged:
-        """Write into a file no reader can see yet, fsynced, hashed."""
+        """Write into a file no reader can see yet, fsynced, hashed, with the store's modes."""
         fd, temp = self._open_temp(key)
         try:
             size, digest = write(fd)
             os.fsync(fd)
-            if immutable:
-                os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+            self._set_owner(fd, _file_mode(immutable, source_mode))
         except BaseException as exc:
             _close_temp(fd, temp)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -102,20 +118,41 @@ class LocalStore(BaseStore):
             raise
         return _LocalStaged(self, key, fd, temp, size, digest)
 
+    def _set_owner(self, fd: int, mode: int) -> None:
+        """The object's mode, and the store root's group where the writer may give it."""
+        os.fchmod(fd, mode)
+        with contextlib.suppress(OSError):
+            os.fchown(fd, -1, os.stat(self.root).st_gid)
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create `directory` and its missing parents under the root: 0750, the root's group."""
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, DIR_MODE)
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    self._set_owner(fd, DIR_MODE)
+                finally:
+                    os.close(fd)
+
     def _open_temp(self, key: str) -> tuple[int, str | None]:
         """An unnamed file on the store's filesystem (None for its name), or, where the
         filesystem has no O_TMPFILE, a named one under .tmp/, locked while its writer lives."""
         if self._tmpfile:
             self.root.mkdir(parents=True, exist_ok=True)
             try:
-                return os.open(self.root, os.O_TMPFILE | os.O_WRONLY, 0o644), None
+                return os.open(self.root, os.O_TMPFILE | os.O_WRONLY, 0o600), None
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                     raise
                 self._tmpfile = False
         temp = self.root / TEMP_DIR / f"{key}{_TEMP_SEPARATOR}{uuid.uuid4().hex[:12]}"
         temp.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd, str(temp)
 
@@ -239,7 +276,7 @@ class _LocalStaged(Staged):
 
     def publish(self) -> PutResult:
         final = self._store._path(self.key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._store._make_dirs(final.parent)
         dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             # An unnamed file gets its name through /proc (linkat with AT_SYMLINK_FOLLOW, which

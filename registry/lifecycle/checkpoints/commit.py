@@ -5,6 +5,7 @@ so the import of SQLAlchemy and the catalog models overlaps the data path."""
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from registry.catalog.models import (
 from registry.errors import Conflict
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.views import CheckpointView
-from registry.storage.base import hash_file
+from registry.storage.base import hash_stream
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -203,7 +204,9 @@ def compare_existing(
         raise Conflict(differs, hint)
 
     def digest(path: str) -> str:
-        return hash_file(scanned.root / path)[1]
+        fd = scanned.open(path)  # the file the scan checked, not whatever the path is now
+        with os.fdopen(fd, "rb") as f:
+            return hash_stream(f)[1]
 
     with ThreadPoolExecutor(max_workers=ctx.workers) as pool:
         digests = dict(zip(scanned.files, pool.map(digest, scanned.files), strict=True))

@@ -15,6 +15,8 @@ models) and the policy models are imported once the copy runs.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -169,6 +171,7 @@ class _Uploader:
         self.order = sorted(scanned.files, key=lambda p: -scanned.files[p])
         self.pool = ThreadPoolExecutor(max_workers=ctx.workers, thread_name_prefix="reg-push")
         self.staging: dict[str, Future[Staged]] = {}
+        self.sources = _Sources(scanned)
         self.counter = Counter(progress)
         self.started: float | None = None
         self.seconds = 0.0
@@ -183,9 +186,13 @@ class _Uploader:
             self.staging[path] = self.pool.submit(self._stage, path)
 
     def _stage(self, path: str) -> Staged:
-        return self.ctx.store.stage_file(
-            self.prefix + path, self.scanned.root / path, progress=self.counter
-        )
+        source = self.sources.open(path)
+        try:
+            return self.ctx.store.stage_file(self.prefix + path, source, progress=self.counter)
+        except IntegrityError as exc:  # named by the descriptor's path: say which file
+            raise IntegrityError(
+                f"{self.scanned.root / path} changed while being pushed", exc.hint
+            ) from None
 
     def finish(self, still_ours: Callable[[], None]) -> list[Stored]:
         """Publish every file (the claim is held now). Returns or raises only once every task
@@ -197,13 +204,16 @@ class _Uploader:
             staged = self.staging[path].result() if path in self.staging else self._stage(path)
             # A file already there is a leftover of an earlier attempt at this step: reused if
             # it is the same bytes, replaced otherwise (the claim makes it ours).
-            return put_reconciled(
-                self.ctx.store,
-                self.prefix + path,
-                staged=staged,
-                on_mismatch=OnMismatch.REPLACE,
-                before_replace=still_ours,
-            )
+            try:
+                return put_reconciled(
+                    self.ctx.store,
+                    self.prefix + path,
+                    staged=staged,
+                    on_mismatch=OnMismatch.REPLACE,
+                    before_replace=still_ours,
+                )
+            finally:
+                self.sources.close(path)
 
         tasks = [self.pool.submit(publish, path) for path in self.order]
         wait(tasks)
@@ -234,6 +244,7 @@ class _Uploader:
         for future in self.staging.values():  # whatever was staged and not published
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().discard()
+        self.sources.close_all()
         if self.progress and self.started is not None:
             self.progress.finish()
 
@@ -266,3 +277,38 @@ def _manifest(
         pushed_by=ctx.actor,
         created_at=iso(now()) or "",
     )
+
+
+class _Sources:
+    """The source files, each opened once as the scan checked it (`ScannedDir.open`) and kept
+    open until its object is published: the store reads the open file through
+    /proc/self/fd, never the path again, so a file swapped after the scan is not what gets
+    copied."""
+
+    def __init__(self, scanned: ScannedDir) -> None:
+        self.scanned = scanned
+        self.fds: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.by_descriptor = os.path.isdir("/proc/self/fd")
+
+    def open(self, path: str) -> Path:
+        fd = self.scanned.open(path)
+        if not self.by_descriptor:  # no /proc: the path, checked just now
+            os.close(fd)
+            return self.scanned.root / path
+        with self.lock:
+            old = self.fds.pop(path, None)
+            self.fds[path] = fd
+        if old is not None:
+            os.close(old)
+        return Path(f"/proc/self/fd/{fd}")
+
+    def close(self, path: str) -> None:
+        with self.lock:
+            fd = self.fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close_all(self) -> None:
+        for path in list(self.fds):
+            self.close(path)
