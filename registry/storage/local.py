@@ -53,6 +53,8 @@ def _file_mode(immutable: bool, source_mode: int | None) -> int:
     if source_mode is not None:
         mode &= stat.S_IMODE(source_mode) | stat.S_IRUSR | stat.S_IWUSR
     return mode
+
+
 _TEMP_SEPARATOR = "~"  # never in a key segment, so a temp name gives its key back
 
 
