@@ -36,6 +36,8 @@ def recovery(
         mtbf_s = parse_duration(mtbf)
     except ValueError as exc:
         raise UsageError(f"bad --mtbf: {exc}") from None
+    if not 0 < mtbf_s < float("inf"):
+        raise UsageError(f"--mtbf {mtbf} must be a positive, finite duration", "e.g. 24h")
     with open_registry() as reg:
         out = reg.recovery(run, project=project, mtbf_s=mtbf_s)
     if json_output:

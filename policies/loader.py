@@ -32,9 +32,14 @@ for _i, _p in enumerate("KMGTP", start=1):
 
 
 def parse_duration(value: str | int | float) -> float:
-    """Seconds; `math.inf` for "never"."""
+    """Seconds (>= 0, finite); `math.inf` for "never" only."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        seconds = float(value)
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"expected a duration >= 0 ('7d', '24h', '0s') or 'never', got {value!r}"
+            )
+        return seconds
     text = str(value).strip().lower()
     if text == "never":
         return NEVER
@@ -49,6 +54,8 @@ def parse_size(value: str | int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"expected a size of at least 1 byte, or 'none', got {value!r}")
         return value
     text = str(value).strip()
     if text.lower() == "none":
@@ -57,7 +64,10 @@ def parse_size(value: str | int | None) -> int | None:
     if not match:
         raise ValueError(f"expected a size like '500GB', '20TB' or 'none', got {value!r}")
     unit = (match.group(2) or "").upper()
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise ValueError(f"expected a size of at least 1 byte, or 'none', got {value!r}")
+    return size
 
 
 class _Model(BaseModel):
@@ -67,12 +77,12 @@ class _Model(BaseModel):
 class KeepBest(_Model):
     metric: str
     mode: Literal["min", "max"] = "min"
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=10**9)
 
 
 class RetentionRules(_Model):
-    keep_last: int = Field(default=3, ge=1)
-    keep_every_steps: int = Field(default=0, ge=0)
+    keep_last: int = Field(default=3, ge=1, le=10**9)
+    keep_every_steps: int = Field(default=0, ge=0, le=10**18)
     milestone_ttl: float = NEVER
     ttl: float = 7 * 86400
     keep_best: KeepBest | None = None
@@ -100,7 +110,7 @@ class RetentionPolicy(RetentionRules):
 class PromotionPolicy(_Model):
     require_device: Literal["cuda", "any"] = "cuda"
     require_resumable: bool = True
-    probe_rtol: float = Field(default=1e-3, ge=0)
+    probe_rtol: float = Field(default=1e-3, ge=0, le=1e6, allow_inf_nan=False)
 
 
 RESUME_CLASSES = (
@@ -132,7 +142,7 @@ class ResumePolicy(_Model):
 
 class ReleasePolicy(_Model):
     object_lock: Literal["GOVERNANCE", "COMPLIANCE", "off"] = "GOVERNANCE"
-    lock_days: int = Field(default=3650, ge=1)
+    lock_days: int = Field(default=3650, ge=1, le=36500)  # S3 allows 100 years
 
 
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")

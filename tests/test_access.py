@@ -105,7 +105,8 @@ def applied(reg, tmp_path, ckpts):
     reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2, project="team-b")
     path = tmp_path / "policy.toml"
     path.write_text(POLICY)
-    assert reg.apply_policy(path)["version"] == 1
+    with as_user("dave") as dave:  # before any policy, everyone is admin; dave stays one
+        assert dave.apply_policy(path)["version"] == 1
     return path
 
 
@@ -245,3 +246,36 @@ def test_an_access_table_of_the_wrong_shape_is_a_policy_error(tmp_path, monkeypa
 def test_the_cli_refuses_a_memory_store(cli):
     res = cli("ls", env={"REG_STORE_URL": "memory://x"})
     assert res.returncode == 2 and "a memory store lives inside one process" in res.stderr
+
+
+def test_a_policy_that_locks_out_its_admins_is_refused(reg, tmp_path):
+    no_admin = tmp_path / "no-admin.toml"
+    no_admin.write_text('[[access.grants]]\nprincipals = ["alice"]\nrole = "releaser"\n')
+    with pytest.raises(PolicyError, match='no grant has role = "admin"'):
+        reg.apply_policy(no_admin)
+    not_me = tmp_path / "not-me.toml"
+    not_me.write_text('[[access.grants]]\nprincipals = ["dave"]\nrole = "admin"\n')
+    with as_user("erin") as erin, pytest.raises(PolicyError, match="erin .applying it. would no"):
+        erin.apply_policy(not_me)
+    assert not reg.policy_show()["source"].startswith("catalog policy")  # nothing applied
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ("[retention]\nttl = -5", "retention.ttl: expected a duration >= 0"),
+        ("[retention]\nttl = inf", "retention.ttl: expected a duration >= 0"),
+        ("[retention]\nttl = nan", "retention.ttl: expected a duration >= 0"),
+        ("[retention]\norphan_grace = -1.0", "retention.orphan_grace: expected a duration"),
+        ("[retention]\nmax_bytes = -1", "retention.max_bytes: expected a size of at least 1"),
+        ('[retention]\nmax_bytes = "0GB"', "retention.max_bytes: expected a size of at least"),
+        ("[promotion]\nprobe_rtol = inf", "promotion.probe_rtol"),
+        ("[promotion]\nprobe_rtol = -0.1", "promotion.probe_rtol"),
+        ("[release]\nlock_days = 100000000000", "release.lock_days"),
+        ("[retention]\nkeep_last = 0", "retention.keep_last"),
+    ],
+)
+def test_policy_numbers_must_mean_something(doc, message):
+    with pytest.raises(PolicyError, match=message) as info:
+        parse_policy(doc, "p.toml")
+    assert info.value.exit_code == 2

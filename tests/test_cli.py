@@ -260,3 +260,10 @@ def test_usage_errors_are_one_line_exit_2(cli, args, says):
         assert json.loads(res.stdout)["error"]["exit_code"] == 2
     else:
         assert res.stdout == ""
+
+
+@pytest.mark.parametrize("mtbf", ["0s", "never", "-1h"])
+def test_recovery_needs_a_positive_mtbf(cli, mtbf):
+    res = cli("recovery", "r", "--mtbf", mtbf)
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "mtbf" in res.stderr

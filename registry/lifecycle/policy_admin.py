@@ -33,6 +33,7 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
     parsed = parse_policy(text, str(path))  # refused before anything is stored
     ctx.authorize("policy", target=f"policy {path}")
+    _keeps_an_admin(ctx, parsed, path)
     digest = hashlib.sha256(text.encode()).hexdigest()
     with ctx.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
@@ -50,6 +51,27 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
             grants=len(parsed.access.grants),
         )
     return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
+
+
+def _keeps_an_admin(ctx: Context, policy: Policy, path: Path) -> None:
+    """A policy with grants must leave someone, and the one applying it, able to administer:
+    otherwise no one could ever apply the next policy."""
+    from policies.access import check_grants
+
+    grants = policy.access.grants
+    if not grants:
+        return  # single-user mode: everyone is admin
+    if not any(g.role == "admin" for g in grants):
+        raise PolicyError(
+            f'{path}: access.grants: no grant has role = "admin"; refused',
+            "keep at least one admin grant, or no one could apply the next policy",
+        )
+    if not check_grants(grants, ctx.principal.name, "policy").allowed:
+        raise PolicyError(
+            f"{path}: access.grants: {ctx.principal.name} (applying it) would no longer be "
+            "an admin; refused",
+            f"add {ctx.principal.name} to an admin grant, or have another admin apply it",
+        )
 
 
 def show(ctx: Context) -> dict[str, Any]:
