@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any, TextIO
 
 import typer
 
@@ -46,9 +47,29 @@ def main() -> None:
     os._exit(code)
 
 
+class _InertStdout:
+    """stdout for everything the commands print: control characters in names, reasons or
+    documents are escaped (JSON output has none: json escapes them itself)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from registry.text import inert
+
+        if not text.replace("\n", "").isprintable():
+            text = "\n".join(inert(line) for line in text.split("\n"))
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run() -> int:
     """Run one command; its exit code (DESIGN §7)."""
     warnings.showwarning = _warning
+    if not isinstance(sys.stdout, _InertStdout):
+        sys.stdout = _InertStdout(sys.stdout)  # type: ignore[assignment]
     debug = os.environ.get("REG_DEBUG") == "1"
     from registry.errors import RegistryError
 
@@ -88,12 +109,15 @@ def _usage(exc: typer.TyperException) -> int:
 
 
 def _failed(line: str, message: str, hint: str | None, code: int) -> int:
-    """One line on stderr; with --json also the error document on stdout."""
-    sys.stderr.write(f"reg: {line}\n")
+    """One line on stderr, inert and without credentials; with --json also the error document
+    on stdout."""
+    from registry.text import inert, redact
+
+    sys.stderr.write(f"reg: {inert(redact(line))}\n")
     if "--json" in sys.argv[1:]:
         from cli.render import error_json
 
-        error_json(message, hint, code)
+        error_json(redact(message), redact(hint) if hint else None, code)
     return code
 
 

@@ -66,18 +66,21 @@ def sync(
 
 def ui(port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1.")) -> None:
     """Start the MLflow UI on the mirror's tracking store (Ctrl-C stops it and its workers)."""
+    from registry.text import redact_url
+
     with open_registry() as reg:
         reg.authorize_read(project=None, model=None)
         uri = reg.settings.mlflow_tracking_uri
         home = reg.settings.home
     artifacts = (home / "mlflow-artifacts").as_uri()
+    # The tracking URI may hold a password: it goes to the server by environment, never argv
+    # (which every user of the machine can read in /proc).
+    environment = dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri)
     cmd = [
         sys.executable,
         "-m",
         "mlflow",
         "server",
-        "--backend-store-uri",
-        uri,
         "--default-artifact-root",
         artifacts,
         "--host",
@@ -88,9 +91,10 @@ def ui(port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1.")) -> N
         "1",
     ]
     # Its own process group: MLflow's server leaves worker processes behind otherwise.
-    server = subprocess.Popen(cmd, cwd=home, start_new_session=True)
+    server = subprocess.Popen(cmd, cwd=home, env=environment, start_new_session=True)
     print(
-        f"MLflow UI: http://127.0.0.1:{port}  (tracking store {uri}; Ctrl-C stops it)", flush=True
+        f"MLflow UI: http://127.0.0.1:{port}  (tracking store {redact_url(uri)}; Ctrl-C stops it)",
+        flush=True,
     )
     try:
         server.wait()

@@ -50,7 +50,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def note(message: str) -> None:
-    sys.stderr.write(f"reg: {message}\n")
+    from registry.text import inert
+
+    sys.stderr.write(f"reg: {inert(message)}\n")
 
 
 class TerminalProgress:

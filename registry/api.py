@@ -324,8 +324,9 @@ class Registry:
     def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain."""
         from registry.mlflow_mirror import drain
+        from registry.text import redact_url
 
-        self.authorize("mlflow-sync", target=self.settings.mlflow_tracking_uri)
+        self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))
         return drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
 
 

@@ -27,6 +27,7 @@ from sqlmodel import col, select
 
 from registry.catalog import leases
 from registry.catalog.models import OutboxEvent
+from registry.text import redact
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -267,7 +268,7 @@ def drain(
                 try:
                     mirror.apply(event.kind, event.payload)
                 except Exception as exc:
-                    error = f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}"
+                    error = redact(f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}")
                     _note_failure(catalog, event.id or 0, error)
                     raise _Stop from exc
                 with catalog.session(write=True) as s:
@@ -280,7 +281,8 @@ def drain(
     except _Stop:
         pass
     except Exception as exc:  # MLflow unreachable at start-up, and the like
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        error = redact(f"{type(exc).__name__}: {first}")
     finally:
         leases.release(catalog, DRAIN_LEASE, token)
     return {"applied": applied, "pending": _pending_count(catalog), "error": error}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import CatalogLocked, RegistryError
+from registry.text import redact
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -143,7 +144,7 @@ class Catalog:
                 return create_engine(self.url, pool_pre_ping=True)
             except Exception as exc:  # bad URL or missing driver
                 raise RegistryError(
-                    f"cannot open catalog {self.url!r}: {exc}", "check REG_CATALOG_URL"
+                    redact(f"cannot open catalog {self.url!r}: {exc}"), "check REG_CATALOG_URL"
                 ) from exc
         engine = create_engine(self.url, creator=self._sqlite_connect)
 

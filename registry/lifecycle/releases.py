@@ -267,7 +267,10 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
 def set_status(
     ctx: Context, ref: ReleaseRef, status: str, reason: str | None = None
 ) -> dict[str, Any]:
+    from registry.text import check_reason
+
     action = {DEPRECATED: "deprecate", YANKED: "yank"}[status]
+    reason = check_reason(reason, f"{action} reason")
     ctx.authorize(action, model=ref.model, target=str(ref))
     if status == YANKED and not (reason and reason.strip()):
         raise UsageError("a yank needs a reason", "reg yank NAME:vK --reason TEXT")

@@ -115,6 +115,9 @@ def verify(
 def set_pin(
     ctx: Context, ref: CheckpointRef, pinned: bool, reason: str | None = None
 ) -> dict[str, Any]:
+    from registry.text import check_reason
+
+    reason = check_reason(reason, "pin reason")
     action = "pin" if pinned else "unpin"
     ctx.authorize(action, project=ref.project, target=str(ref))
     with ctx.catalog.session(write=True) as s:
