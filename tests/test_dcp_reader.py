@@ -159,3 +159,57 @@ def test_non_dcp_directories(tmp_path):
     with pytest.raises(InvalidCheckpoint, match="not a directory"):
         scan_directory(tmp_path / "file")
     shutil.rmtree(tmp_path / "plain")
+
+
+def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    from registry.formats.dcp import ChunkRange
+
+    return ChunkRange(offsets, sizes, "__0_0.distcp", 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "problem"),
+    [
+        ((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))], None),  # FSDP rows
+        ((8, 4), [((0, 0), (8, 2)), ((0, 2), (8, 2))], None),  # column shards
+        ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], None),
+        ((), [((), ())], None),
+        ((0, 4), [((0, 0), (0, 4)), ((0, 0), (0, 4))], None),  # empty tensor, empty chunks
+        # the same elements twice and the other half never: the count alone looks right
+        ((8, 4), [((0, 0), (4, 4)), ((0, 0), (4, 4))], "overlap"),
+        ((4, 4), [((0, 0), (3, 4)), ((2, 0), (1, 4))], "overlap"),
+        ((8, 4), [((0, 0), (4, 4))], "hold 16 elements, the tensor 32"),
+        ((8, 4), [((0, 0), (4, 4)), ((6, 0), (4, 4))], "outside its shape"),
+        ((8, 4), [((0, 0), (4, 4)), ((-4, 0), (4, 4))], "outside its shape"),
+        ((8,), [((0, 0), (8, 1))], "has 2 dimensions, not 1"),
+        ((), [((), ()), ((), ())], "hold 2 elements, the tensor 1"),
+    ],
+)
+def test_chunks_must_tile_their_tensor_exactly(shape, chunks, problem):
+    from registry.formats.dcp import cover_problem
+
+    found = cover_problem("w", shape, [_box(o, s) for o, s in chunks])
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
+
+
+def test_overlapping_chunks_in_a_real_metadata_are_refused_at_push(tmp_path, ckpts):
+    """Chunk 1 of a row-sharded weight moved onto chunk 0: the element count still adds up, half
+    the tensor would be read twice and the other half never written (uninitialised memory)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    d = ckpts.ws2.copy_step(2, tmp_path / "overlap")
+    metadata = pickle.loads((d / ".metadata").read_bytes())  # the test's own file
+    fqn, meta = next(
+        (k, v)
+        for k, v in metadata.state_dict_metadata.items()
+        if hasattr(v, "chunks") and len(v.chunks) == 2 and v.chunks[0].sizes == v.chunks[1].sizes
+    )
+    meta.chunks[1] = ChunkStorageMetadata(
+        offsets=meta.chunks[0].offsets, sizes=meta.chunks[1].sizes
+    )
+    (d / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(InvalidCheckpoint, match=f"two chunks of {fqn} overlap"):
+        scan_directory(d)

@@ -134,12 +134,57 @@ def inventory(metadata: Any) -> Inventory:
                         found.length,
                     )
                 )
+            problem = cover_problem(fqn, shape, chunks)
+            if problem is not None:
+                raise InvalidCheckpoint(
+                    f".metadata: {problem}",
+                    "every element must come from exactly one chunk: the metadata is corrupt "
+                    "or crafted",
+                )
             tensors[fqn] = TensorInfo(
                 fqn, dtype_name(meta.properties.dtype), shape, math.prod(shape) * itemsize, chunks
             )
         else:
             byte_items[fqn] = list(stored.values())
     return Inventory(tensors, byte_items, top_level, files, transforms)
+
+
+def cover_problem(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRange]) -> str | None:
+    """None if `chunks` tile `shape` exactly: each inside it, none overlapping another, their
+    elements adding up to the tensor's (disjoint + the full count = every element exactly
+    once, so no byte of a loaded tensor is left uninitialised). The overlap test is a sweep:
+    about linear for row or column shards, and the grid's width for 2-D grids."""
+    total = 0
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+            return f"a chunk of {fqn} has {len(chunk.offsets)} dimensions, not {len(shape)}"
+        for o, s, dim in zip(chunk.offsets, chunk.sizes, shape, strict=True):
+            if o < 0 or s < 0 or o + s > dim:
+                return f"a chunk of {fqn} lies outside its shape {shape}"
+        total += math.prod(chunk.sizes)
+    if total != math.prod(shape):
+        return f"the chunks of {fqn} hold {total} elements, the tensor {math.prod(shape)}"
+    if not shape:
+        return None  # one element, counted once
+    boxes = [c for c in chunks if math.prod(c.sizes)]
+    # Sweep the dimension the chunks are split along most (rows for FSDP, columns for a
+    # column-parallel shard), comparing only chunks whose extents there meet.
+    d = max(range(len(shape)), key=lambda i: len({c.offsets[i] for c in boxes}))
+    boxes.sort(key=lambda c: (c.offsets[d], c.sizes[d]))
+    active: list[ChunkRange] = []
+    for box in boxes:
+        start = box.offsets[d]
+        active = [a for a in active if a.offsets[d] + a.sizes[d] > start]
+        for other in active:
+            if all(
+                o1 < o2 + s2 and o2 < o1 + s1
+                for o1, s1, o2, s2 in zip(
+                    box.offsets, box.sizes, other.offsets, other.sizes, strict=True
+                )
+            ):
+                return f"two chunks of {fqn} overlap at offsets {box.offsets} and {other.offsets}"
+        active.append(box)
+    return None
 
 
 def _by_offsets(stored: dict[int, ChunkRange], offsets: tuple[int, ...]) -> ChunkRange | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import UsageError
-from registry.formats.dcp import Inventory, TensorInfo
+from registry.formats.dcp import Inventory, TensorInfo, cover_problem
 
 
 @dataclass
@@ -53,20 +53,8 @@ class ModelCheck:
 
 
 def coverage_problem(info: TensorInfo) -> str | None:
-    """The chunks of a tensor must lie inside it and add up to exactly its elements."""
-    total = 0
-    for chunk in info.chunks:
-        if len(chunk.offsets) != len(info.shape) or len(chunk.sizes) != len(info.shape):
-            return (
-                f"a chunk of {info.fqn} has {len(chunk.offsets)} dimensions, not {len(info.shape)}"
-            )
-        for o, s, dim in zip(chunk.offsets, chunk.sizes, info.shape, strict=True):
-            if o < 0 or s < 0 or o + s > dim:
-                return f"a chunk of {info.fqn} lies outside its shape {info.shape}"
-        total += math.prod(chunk.sizes)
-    if total != math.prod(info.shape):
-        return f"the chunks of {info.fqn} cover {total} of {math.prod(info.shape)} elements"
-    return None
+    """The chunks of a tensor must tile it exactly (see `cover_problem`)."""
+    return cover_problem(info.fqn, info.shape, info.chunks)
 
 
 def shape_problems(state: Mapping[str, Any], inv: Inventory) -> list[str]:
