@@ -213,3 +213,41 @@ def test_overlapping_chunks_in_a_real_metadata_are_refused_at_push(tmp_path, ckp
     (d / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(InvalidCheckpoint, match=f"two chunks of {fqn} overlap"):
         scan_directory(d)
+
+
+def _build_on_global(module: str, name: str, attribute: str) -> bytes:
+    """A pickle that fetches an allowed global and BUILDs it with slot state: on a class object
+    that is `setattr(cls, attribute, set)`, changing the class for the whole process."""
+    return (
+        b"\x80\x04"
+        + f"c{module}\n{name}\n".encode()
+        + b"N}"
+        + b"X"
+        + len(attribute).to_bytes(4, "little")
+        + attribute.encode()
+        + b"cbuiltins\nset\ns\x86b."
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "attribute"),
+    [
+        ("pathlib", "PurePosixPath", "__str__"),
+        ("pathlib", "PosixPath", "__fspath__"),
+        ("torch.distributed.checkpoint.metadata", "Metadata", "__eq__"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex", "__hash__"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "__getstate__"),
+    ],
+)
+@pytest.mark.parametrize("light", [True, False])
+def test_the_stream_cannot_change_any_class(ckpts, module, name, attribute, light):
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    before = cls.__dict__.get(attribute)
+    with pytest.raises(InvalidCheckpoint):
+        load_metadata(_build_on_global(module, name, attribute), light=light)
+    assert cls.__dict__.get(attribute) is before
+    # ... and the next load of a real file is unaffected
+    real = (ckpts.ws2.step_dir(2) / ".metadata").read_bytes()
+    assert load_metadata(real, light=light).state_dict_metadata

@@ -3,8 +3,15 @@
 `.metadata` is a pickle, and torch's own `FileSystemReader.read_metadata` is a plain
 `pickle.load`: a crafted file runs code. `load_metadata` uses an unpickler that resolves only the
 globals a real DCP `.metadata` references and refuses anything else, so nothing outside that
-allowlist is ever imported or called. `light=True` maps the allowed classes to plain stand-ins,
-so a push takes its inventory without importing torch (~2 s).
+allowlist is ever imported or called.
+
+The stream never reaches a real class either. Every allowed global resolves to a stand-in made
+for this one load (a fresh subclass of a plain attribute holder, or a fresh function), so a
+stream that tries to change a class (pickle's BUILD on a class object sets its attributes)
+changes only that throwaway stand-in, never torch's classes, pathlib or another load's. With
+`light=False` the stand-ins are then converted, field by field and type-checked, into torch's
+own metadata classes by explicit construction; with `light=True` (push) torch is never imported
+(~2 s saved).
 """
 
 from __future__ import annotations
@@ -38,35 +45,28 @@ _ALLOWED_CLASSES = {
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    """Resolves allowlisted globals only; `light` maps them to plain stand-ins (no torch)."""
+    """Resolves allowlisted globals only, each to a stand-in made for this load."""
 
-    def __init__(self, data: bytes, light: bool) -> None:
+    def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
-        self.light = light
+        self._made: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _DTYPE_SIZES:
-            return _LightDtype(name) if self.light else getattr(_torch(), name)
+            return _LightDtype(name)
         if (module, name) not in _ALLOWED_CLASSES:
             raise UnsafeMetadata(
                 f".metadata references {module}.{name}, which a DCP checkpoint never does; refused "
                 "without running it",
                 "the file is corrupt or crafted: do not load it with torch either",
             )
-        if self.light:
-            return _LIGHT[(module, name)]
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
+        key = (module, name)
+        if key not in self._made:
+            self._made[key] = _stand_in(key)
+        return self._made[key]
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeMetadata(".metadata uses persistent ids; refused", "not a DCP metadata file")
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def load_metadata(data: bytes, *, light: bool = False) -> Any:
@@ -77,7 +77,7 @@ def load_metadata(data: bytes, *, light: bool = False) -> Any:
     is all `push` needs to take an inventory.
     """
     try:
-        metadata = _SafeUnpickler(data, light).load()
+        metadata = _SafeUnpickler(data).load()
     except UnsafeMetadata:
         raise
     except Exception as exc:
@@ -85,18 +85,15 @@ def load_metadata(data: bytes, *, light: bool = False) -> Any:
             f".metadata is corrupt: {type(exc).__name__}: {exc}",
             "rewrite the checkpoint; the file does not parse as DCP metadata",
         ) from exc
-    expected = _LightObject if light else _torch_metadata_class()
-    if not isinstance(metadata, expected) or not hasattr(metadata, "state_dict_metadata"):
+    if not (isinstance(metadata, _LightObject) and type(metadata).__name__ == "Metadata"):
         raise InvalidCheckpoint(
             f".metadata holds a {type(metadata).__name__}, not DCP Metadata", "not a DCP checkpoint"
         )
-    return metadata
+    if light:
+        return metadata
+    from registry.formats.dcp_torch import to_torch
 
-
-def _torch_metadata_class() -> type:
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    return Metadata
+    return to_torch(metadata)
 
 
 # Stand-ins for light parsing: enough structure for the inventory, nothing that runs code.
@@ -132,10 +129,18 @@ _DTYPE_SIZES = {
 
 
 class _LightDtype:
+    """A dtype by name; its size comes from the table, and nothing in the stream can set it."""
+
     __slots__ = ("itemsize", "name")
+    name: str
+    itemsize: int
 
     def __init__(self, name: str) -> None:
-        self.name, self.itemsize = name, _DTYPE_SIZES[name]
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "itemsize", _DTYPE_SIZES[name])
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise TypeError("a dtype is immutable")
 
     def __str__(self) -> str:
         return f"torch.{self.name}"
@@ -165,33 +170,53 @@ def _light_class(name: str, fields: tuple[str, ...] = ()) -> type:
     return type(name, (_LightObject,), {"_fields": fields, **dict.fromkeys(fields)})
 
 
-def _light_size(*args: Any) -> tuple[int, ...]:
-    return tuple(args[0]) if args else ()
-
-
-_LIGHT: dict[tuple[str, str], Any] = {
-    (_DCP_METADATA, "Metadata"): _light_class("Metadata", ("state_dict_metadata",)),
-    (_DCP_METADATA, "TensorStorageMetadata"): _light_class(
-        "TensorStorageMetadata", ("properties", "size", "chunks")
+_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
+    (_DCP_METADATA, "Metadata"): ("state_dict_metadata",),
+    (_DCP_METADATA, "TensorStorageMetadata"): ("properties", "size", "chunks"),
+    (_DCP_METADATA, "BytesStorageMetadata"): (),
+    (_DCP_METADATA, "ChunkStorageMetadata"): ("offsets", "sizes"),
+    (_DCP_METADATA, "TensorProperties"): (
+        "dtype",
+        "layout",
+        "requires_grad",
+        "memory_format",
+        "pin_memory",
     ),
-    (_DCP_METADATA, "BytesStorageMetadata"): _light_class("BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"): _light_class(
-        "ChunkStorageMetadata", ("offsets", "sizes")
+    (_DCP_METADATA, "MetadataIndex"): ("fqn", "offset", "index"),
+    (_DCP_METADATA, "StorageMeta"): (),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): (
+        "relative_path",
+        "offset",
+        "length",
     ),
-    (_DCP_METADATA, "TensorProperties"): _light_class(
-        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
-    ),
-    (_DCP_METADATA, "MetadataIndex"): _light_class("MetadataIndex", ("fqn", "offset", "index")),
-    (_DCP_METADATA, "StorageMeta"): _light_class("StorageMeta"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value: value,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _light_class(
-        "_StorageInfo", ("relative_path", "offset", "length")
-    ),
-    ("torch.serialization", "_get_layout"): lambda name: name,
-    ("torch", "Size"): _light_size,
-    ("pathlib", "PosixPath"): PurePosixPath,
-    ("pathlib", "PurePosixPath"): PurePosixPath,
+}
+_CONTAINERS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
+
+
+def _stand_in(key: tuple[str, str]) -> Any:
+    """What an allowed global resolves to, made fresh for one load."""
+    if key in _FIELDS:
+        return _light_class(key[1], _FIELDS[key])
+    if key in _CONTAINERS:
+        return _CONTAINERS[key]  # built-in types: their attributes cannot be set
+    if key == ("torch", "Size"):
+
+        def size(*args: Any) -> tuple[int, ...]:
+            return tuple(args[0]) if args else ()
+
+        return size
+    if key in (("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
+
+        def path(*parts: Any) -> PurePosixPath:
+            return PurePosixPath(*parts)
+
+        return path
+
+    def value(argument: Any) -> Any:  # _MEM_FORMAT_ENCODING(n), _get_layout(name)
+        return argument
+
+    return value
