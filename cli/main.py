@@ -5,6 +5,7 @@ Errors are one line on stderr with the exit code of DESIGN §7; `REG_DEBUG=1` sh
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import warnings
@@ -69,7 +70,7 @@ def run() -> int:
     """Run one command; its exit code (DESIGN §7)."""
     warnings.showwarning = _warning
     if not isinstance(sys.stdout, _InertStdout):
-        sys.stdout = _InertStdout(sys.stdout)  # type: ignore[assignment]
+        sys.stdout = _InertStdout(sys.stdout)
     debug = os.environ.get("REG_DEBUG") == "1"
     from registry.errors import RegistryError
 
@@ -87,6 +88,10 @@ def run() -> int:
         return _failed(f"error: {exc}", exc.message, exc.hint, exc.exit_code)
     except KeyboardInterrupt:
         return _failed("interrupted", "interrupted", None, 130)
+    except OSError as exc:  # a path reg cannot use: REG_HOME read-only or full, a bad destination
+        if debug:
+            raise
+        return _os_error(exc)
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if debug:
             raise
@@ -94,6 +99,20 @@ def run() -> int:
         message = f"internal error: {type(exc).__name__}: {first}"
         return _failed(f"{message} (REG_DEBUG=1 shows the traceback)", message, None, 1)
     return code if isinstance(code, int) else 0
+
+
+def _os_error(exc: OSError) -> int:
+    """One line naming the path and what the system said; exit 1 when the disk or device
+    failed, 2 when the path itself is unusable (read-only, missing, not a directory, denied)."""
+    failed = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+    where = f" {exc.filename}" if exc.filename else ""
+    message = f"{exc.strerror or type(exc).__name__}:{where}"
+    hint = (
+        "free space there and retry"
+        if failed
+        else "check the path and its permissions (REG_HOME, REG_STORE_URL, the destination)"
+    )
+    return _failed(f"error: {message} ({hint})", message, hint, 1 if failed else 2)
 
 
 def _usage(exc: typer.TyperException) -> int:

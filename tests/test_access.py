@@ -10,7 +10,7 @@ import pytest
 from policies.access import ACTIONS, ROLES, check
 from policies.loader import parse_policy
 from registry import Registry
-from registry.errors import MalformedRef, PermissionDenied, PolicyError
+from registry.errors import MalformedRef, NotFound, PermissionDenied, PolicyError
 
 POLICY = """
 [promotion]
@@ -279,3 +279,35 @@ def test_policy_numbers_must_mean_something(doc, message):
     with pytest.raises(PolicyError, match=message) as info:
         parse_policy(doc, "p.toml")
     assert info.value.exit_code == 2
+
+
+def test_only_a_trainer_pull_protects_a_checkpoint_from_retention(applied, tmp_path):
+    """A resume record changes what retention may delete: a viewer's pull must not make one."""
+    from sqlmodel import select
+
+    from registry.catalog.models import Project, Run
+
+    def resumed() -> int | None:
+        with as_user("dave") as dave, dave.catalog.session() as s:
+            return s.exec(
+                select(Run.resumed_from_step)
+                .join(Project)
+                .where(Run.name == "r", Project.name == "team-a")
+            ).one()
+
+    with as_user("bob") as bob:
+        bob.pull("team-a/r@step4", tmp_path / "viewer")
+    assert resumed() is None
+    with as_user("alice") as alice:
+        alice.pull("team-a/r@step4", tmp_path / "trainer")
+    assert resumed() == 4
+    with as_user("dave") as dave:
+        assert [e["target"] for e in dave.audit_log() if e["action"] == "resume"] == [
+            "team-a/r@step4"
+        ]
+
+
+def test_not_found_hints_name_nothing_the_caller_cannot_read(applied):
+    with as_user("bob") as bob, pytest.raises(NotFound) as info:
+        bob.show("tiny-missing:v1")  # bob may read tiny*, not every model's name
+    assert info.value.hint == "reg releases lists the models you may read"

@@ -267,3 +267,21 @@ def test_recovery_needs_a_positive_mtbf(cli, mtbf):
     res = cli("recovery", "r", "--mtbf", mtbf)
     assert res.returncode == 2, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "mtbf" in res.stderr
+
+
+def test_an_unusable_reg_home_is_one_line_naming_the_path(cli, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    res = cli("ls", "--json", env={"REG_HOME": str(tmp_path / "a-file" / "home")})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"reg: error: Not a directory: {tmp_path / 'a-file' / 'home'} (check the path and its "
+        "permissions (REG_HOME, REG_STORE_URL, the destination))"
+    ]
+    assert json.loads(res.stdout)["error"]["exit_code"] == 2
+
+
+def test_a_failed_pull_creates_no_directory(cli, tmp_path):
+    dest = tmp_path / "new" / "deeper" / "out"
+    assert cli("pull", "r@step999", dest).returncode == 3
+    assert cli("pull", "bad@@ref", dest).returncode == 2
+    assert not (tmp_path / "new").exists()

@@ -114,12 +114,13 @@ def inventory(metadata: Any) -> Inventory:
         key_path = planner.get(fqn)
         top_level[fqn] = str(key_path[0]) if key_path else fqn.split(".", 1)[0]
         stored = ranges.get(fqn, {})
+        by_offsets = {r.offsets: r for r in stored.values()}  # one lookup per chunk: linear
         if hasattr(meta, "chunks"):
             itemsize = meta.properties.dtype.itemsize
             shape = tuple(int(s) for s in meta.size)
             chunks = []
             for i, chunk in enumerate(meta.chunks):
-                found = _by_offsets(stored, tuple(chunk.offsets)) or stored.get(i)
+                found = by_offsets.get(tuple(chunk.offsets)) or stored.get(i)
                 if found is None:
                     raise InvalidCheckpoint(
                         f".metadata lists chunk {i} of {fqn} with no storage location",
@@ -185,10 +186,6 @@ def cover_problem(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRange]) ->
                 return f"two chunks of {fqn} overlap at offsets {box.offsets} and {other.offsets}"
         active.append(box)
     return None
-
-
-def _by_offsets(stored: dict[int, ChunkRange], offsets: tuple[int, ...]) -> ChunkRange | None:
-    return next((r for r in stored.values() if r.offsets == offsets), None)
 
 
 # -- directories ------------------------------------------------------------------------------

@@ -36,10 +36,8 @@ if TYPE_CHECKING:
 
 def resolve_release(session: Session, ref: ReleaseRef) -> tuple[Model, Release]:
     model = session.exec(select(Model).where(Model.name == ref.model)).first()
-    if model is None:
-        names = session.exec(select(Model.name).order_by(col(Model.name))).all()
-        hint = f"models: {', '.join(names[-8:])}" if names else "reg promote makes the first one"
-        raise NotFound(f"model {ref.model} not found", hint)
+    if model is None:  # no list of names here: the caller may not be allowed to read them
+        raise NotFound(f"model {ref.model} not found", "reg releases lists the models you may read")
     if ref.alias is not None:
         alias = session.exec(
             select(Alias).where(Alias.model_id == model.id, Alias.name == ref.alias)

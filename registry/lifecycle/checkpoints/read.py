@@ -47,8 +47,9 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
 def pull(
     ctx: Context, ref: CheckpointRef, dest: Path, *, progress: Progress | None = None
 ) -> dict[str, Any]:
-    """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing. The run is
-    recorded as resuming from it, so retention keeps it until the run commits a newer step."""
+    """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing. A trainer's
+    pull records the run as resuming from it, so retention keeps it until the run commits a
+    newer step (a viewer's pull changes nothing)."""
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
@@ -72,19 +73,22 @@ def pull(
     except IntegrityError:
         still_committed()  # a file gone because GC collected it meanwhile: exit 3, says so
         raise
-    record_resume(ctx, full)
+    if ctx.principal.authorize("push", project=ref.project).allowed:
+        record_resume(ctx, full)
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
     out["dest"] = str(where)
     return out
 
 
 def record_resume(ctx: Context, ref: CheckpointRef) -> None:
-    """The run resumes from `ref`: retention keeps it until the run commits a newer step."""
+    """The run resumes from `ref`: retention keeps it until the run commits a newer step.
+    Audited: it changes what retention may delete."""
     with ctx.catalog.session(write=True) as s:
         run = queries.find_run(s, ref.project, ref.run)
         if run is not None:
             run.resumed_from_step, run.resumed_at = ref.step, now()
             s.add(run)
+            audit.record(s, ctx.actor, "resume", str(ref))
 
 
 def verify(
