@@ -24,11 +24,16 @@ Vendor exceptions (botocore, sqlalchemy, mlflow) are translated where they are c
 
 from __future__ import annotations
 
+from registry.text import inert
+
 
 class RegistryError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, hint: str | None = None) -> None:
+        # One printable line, whatever a file, a name or a stream put into it.
+        message = inert(message)
+        hint = None if hint is None else inert(hint)
         super().__init__(message)
         self.message = message
         self.hint = hint

@@ -14,8 +14,6 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-from registry.errors import UsageError
-
 MAX_REASON = 500
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
@@ -35,6 +33,8 @@ def inert(text: str) -> str:
 
 
 def check_reason(reason: str | None, what: str = "reason") -> str | None:
+    from registry.errors import UsageError  # errors imports this module
+
     if reason is None:
         return None
     if len(reason) > MAX_REASON:

@@ -251,3 +251,12 @@ def test_the_stream_cannot_change_any_class(ckpts, module, name, attribute, ligh
     # ... and the next load of a real file is unaffected
     real = (ckpts.ws2.step_dir(2) / ".metadata").read_bytes()
     assert load_metadata(real, light=light).state_dict_metadata
+
+
+def test_a_memo_index_near_2_to_the_32_costs_nothing():
+    """LONG_BINPUT at index 680 million: the C unpickler grows its memo array to that size
+    (5 GB, 20 s here, found by the fuzzer); the dict memo takes one entry."""
+    bomb = b"\x80\x04N" + b"r" + (0x28947D94).to_bytes(4, "little") + b"."
+    for light in (True, False):
+        with pytest.raises(InvalidCheckpoint, match="holds a NoneType, not DCP Metadata"):
+            load_metadata(bomb, light=light)

@@ -87,7 +87,18 @@ def dtype_name(dtype: Any) -> str:
 
 
 def inventory(metadata: Any) -> Inventory:
-    """Works on DCP's own Metadata and on the light stand-ins alike (attributes only)."""
+    """Works on DCP's own Metadata and on the light stand-ins alike (attributes only). A
+    metadata of the wrong structure (a field of the wrong type anywhere) is InvalidCheckpoint."""
+    try:
+        return _inventory(metadata)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise InvalidCheckpoint(
+            f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})",
+            "the file is corrupt or crafted",
+        ) from None
+
+
+def _inventory(metadata: Any) -> Inventory:
     planner_data = getattr(metadata, "planner_data", None)
     planner = planner_data if isinstance(planner_data, dict) else {}
     ranges: dict[str, dict[int, ChunkRange]] = {}

@@ -20,6 +20,13 @@ _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.
 
 
 def to_torch(light: Any) -> dcp.Metadata:
+    try:
+        return _metadata(light)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise _bad(f"not DCP's structure ({type(exc).__name__}: {exc})") from None
+
+
+def _metadata(light: Any) -> dcp.Metadata:
     state = _mapping(getattr(light, "state_dict_metadata", None), "state_dict_metadata")
     storage = _mapping(getattr(light, "storage_data", None) or {}, "storage_data")
     return dcp.Metadata(
@@ -134,7 +141,7 @@ def _layout(value: Any, fqn: str) -> torch.layout:
 
 def _memory_format(value: Any, fqn: str) -> torch.memory_format:
     code = getattr(value, "value", value)  # an enum member or its code
-    if isinstance(code, bool) or code not in _MEMORY_FORMATS:
+    if not isinstance(code, int) or isinstance(code, bool) or code not in _MEMORY_FORMATS:
         raise _bad(f"{fqn}: unknown memory format {value!r}")
     return _MEMORY_FORMATS[code]
 
