@@ -66,3 +66,9 @@ def test_a_catalog_password_never_reaches_the_terminal(cli):
     assert res.returncode != 0
     assert "hunter2" not in res.stderr and "hunter2" not in res.stdout
     assert "reg:***@127.0.0.1" in res.stderr
+
+
+def test_a_store_url_with_credentials_is_refused_without_showing_them(cli):
+    res = cli("ls", env={"REG_STORE_URL": "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/prefix"})
+    assert res.returncode == 2
+    assert "carries credentials" in res.stderr and "wJalrXUtnFEMI" not in res.stderr

@@ -28,6 +28,14 @@ def open_store(url: str, *, release_lock: Callable[[], tuple[str, int]] | None =
     """The store at `url`. `release_lock` gives the Object Lock (mode, days) for release
     objects, asked only when one is written to a store that supports locking (S3)."""
     parsed = urlparse(url)
+    if "@" in parsed.netloc:
+        from registry.text import redact_url
+
+        raise UsageError(
+            f"the store URL {redact_url(url)!r} carries credentials; refused",
+            "give S3 credentials through the AWS variables or profile, never in REG_STORE_URL "
+            "(it is shown in output, logs and MLflow)",
+        )
     if parsed.scheme in ("", "file"):
         from registry.storage.local import LocalStore
 
