@@ -148,7 +148,7 @@ def test_a_failed_push_writes_nothing_after_it_gives_its_claim_back(reg, ckpts, 
 
     monkeypatch.setattr(local._LocalStaged, "publish", held_publish)
     monkeypatch.setattr(local.LocalStore, "_stage_file", failing_stage)
-    with pytest.raises(IntegrityError, match="changed while being copied"):
+    with pytest.raises(IntegrityError, match=r"__1_0.distcp changed while being pushed"):
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=7)
     assert running == []
     monkeypatch.undo()
