@@ -9,6 +9,7 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, table
+from registry.text import inert
 
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
 catalog_app = typer.Typer(help="Catalog administration.", no_args_is_help=True)
@@ -41,7 +42,7 @@ def catalog_rebuild(
     for ref in out["checkpoints_added"] + out["releases_added"]:
         print(f"  {ref}")
     for skipped in out["skipped"]:
-        print(f"  skipped {skipped}", file=sys.stderr)
+        print(f"  skipped {inert(skipped)}", file=sys.stderr)
     print(f"not recoverable from the store: {out['not_recoverable']}")
 
 
@@ -81,7 +82,7 @@ def gc(
         [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])] for d in out["decisions"]],
     )
     for err in out["errors"]:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {inert(str(err))}", file=sys.stderr)
     verb = "would free" if dry_run else "freed"
     print(
         f"{verb} {human_bytes(out['freed_bytes'])}"

@@ -35,7 +35,9 @@ mirror_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-    sys.stderr.write(f"reg: warning: {message}\n")
+    from registry.text import inert
+
+    sys.stderr.write(f"reg: warning: {inert(str(message))}\n")
 
 
 def main() -> None:

@@ -56,6 +56,15 @@ def _matches(globs: list[str], name: str | None) -> bool:
     return name is None or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+def _covers(grant: Grant, needed: str, project: str | None, model: str | None) -> bool:
+    """Does a grant's scope cover the target? An admin action on no particular project or model
+    (gc, policy, storage, the audit log, repair) is covered only by an admin grant over every
+    project and every model (`*`): an admin of one project is not an admin of the registry."""
+    if needed == "admin" and project is None and model is None:
+        return "*" in grant.projects and "*" in grant.models
+    return _matches(grant.projects, project) and _matches(grant.models, model)
+
+
 def check(
     grants: Sequence[Grant],
     principal: str,
@@ -84,7 +93,7 @@ def check_grants(
     for grant in grants:
         if principal not in grant.principals or _rank(grant.role) < _rank(needed):
             continue
-        if _matches(grant.projects, project) and _matches(grant.models, model):
+        if _covers(grant, needed, project, model):
             return Decision(True, f"granted {grant.role} on {_scope(grant)}")
     scope = (
         ", ".join(

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 MAX_REASON = 500
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
@@ -49,17 +48,29 @@ def check_reason(reason: str | None, what: str = "reason") -> str | None:
     return reason
 
 
+_SECRET_PARAMETER = re.compile(
+    r"(?i)([?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey|key|sig|"
+    r"signature|x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&;#\s]*"
+)
+
+
 def redact_url(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if "@" not in parts.netloc:
-        return url
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user, has_password, _ = userinfo.partition(":")
-    shown = f"{user}:***" if has_password else "***"
-    return urlunsplit(parts._replace(netloc=f"{shown}@{host}"))
+    """The URL with its userinfo's password (or a lone user, often a token) shown as `***` and
+    secret-looking query parameters blanked. Works on text no URL parser accepts, too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return _SECRET_PARAMETER.sub(r"\1***", url)
+    authority_end = len(rest)
+    for stop in "/?#":
+        found = rest.find(stop, rest.rfind("@") + 1 if "@" in rest else 0)
+        if found != -1:
+            authority_end = min(authority_end, found)
+    authority, tail = rest[:authority_end], rest[authority_end:]
+    if "@" in authority:
+        userinfo, _, host = authority.rpartition("@")
+        user, has_password, _ = userinfo.partition(":")
+        authority = f"{user}:***@{host}" if has_password else f"***@{host}"
+    return f"{scheme}://{authority}" + _SECRET_PARAMETER.sub(r"\1***", tail)
 
 
 def redact(text: str) -> str:

@@ -85,25 +85,28 @@ class CheckpointManager:
         from registry.layout import checkpoint_prefix
         from registry.lifecycle.checkpoints.read import record_resume
 
-        latest: list[Any] = [None]
+        latest: list[Any] = [None, {}]  # the step, and its files' recorded versions
         if _rank() == 0:
             try:
-                latest[0] = self.registry.show(CheckpointRef(self.project, self.run, None))["step"]
+                shown = self.registry.show(CheckpointRef(self.project, self.run, None))
+                versions = {f["path"]: f["version"] for f in shown["files"] if f.get("version")}
+                latest[:] = [shown["step"], versions]
             except NotFound:
                 latest[0] = None
         if dist.is_initialized():
             dist.broadcast_object_list(latest, src=0)
-        step = latest[0]
+        step, versions = latest
         if step is None:
             return None
         prefix = checkpoint_prefix(self.project, self.run, step)
         dcp.load(
             state,
-            storage_reader=StoreReader(self.registry.store, prefix),
+            storage_reader=StoreReader(self.registry.store, prefix, versions=versions),
             planner=SafeLoadPlanner(),
         )
-        if _rank() == 0:
-            record_resume(self.registry.context, CheckpointRef(self.project, self.run, step))
+        context = self.registry.context
+        if _rank() == 0 and context.principal.authorize("push", project=self.project).allowed:
+            record_resume(context, CheckpointRef(self.project, self.run, step))
         return int(step)
 
     def close(self) -> None:

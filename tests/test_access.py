@@ -311,3 +311,14 @@ def test_not_found_hints_name_nothing_the_caller_cannot_read(applied):
     with as_user("bob") as bob, pytest.raises(NotFound) as info:
         bob.show("tiny-missing:v1")  # bob may read tiny*, not every model's name
     assert info.value.hint == "reg releases lists the models you may read"
+
+
+def test_an_admin_of_one_project_is_not_an_admin_of_the_registry():
+    scoped = parse_policy(
+        '[[access.grants]]\nprincipals = ["erin"]\nrole = "admin"\nprojects = ["team-c"]\n'
+        '[[access.grants]]\nprincipals = ["dave"]\nrole = "admin"\n'
+    ).access.grants
+    for action in ("policy", "gc", "storage", "catalog", "audit", "repair"):
+        assert not check(scoped, "erin", action).allowed, action
+        assert check(scoped, "dave", action).allowed, action
+    assert check(scoped, "erin", "yank", project="team-c").allowed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -260,3 +261,57 @@ def test_a_memo_index_near_2_to_the_32_costs_nothing():
     for light in (True, False):
         with pytest.raises(InvalidCheckpoint, match="holds a NoneType, not DCP Metadata"):
             load_metadata(bomb, light=light)
+
+
+def _crafted(ckpts, tmp_path, edit):  # type: ignore[no-untyped-def]
+    """A copy of a real checkpoint whose .metadata went through `edit(metadata)`."""
+    d = ckpts.ws2.copy_step(2, tmp_path / "crafted")
+    metadata = pickle.loads((d / ".metadata").read_bytes())  # the test's own file
+    edit(metadata)
+    (d / ".metadata").write_bytes(pickle.dumps(metadata))
+    return d
+
+
+def _first_tensor(metadata):  # type: ignore[no-untyped-def]
+    return next(v for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # numbers a shape never holds: checked before any arithmetic on them
+        (lambda m: setattr(_first_tensor(m), "size", (10**30, 4)), "0..2^63"),
+        (lambda m: setattr(_first_tensor(m), "size", ("2", 4)), "0..2^63"),
+        (lambda m: setattr(_first_tensor(m), "size", tuple([1] * 65)), "is not a shape"),
+        (lambda m: setattr(_first_tensor(m), "size", (2**40, 2**40)), "is too large"),
+        (
+            lambda m: setattr(next(iter(m.storage_data.values())), "offset", 10**5000),
+            "0..2^63",
+        ),
+        (lambda m: setattr(_first_tensor(m).properties, "dtype", "float1024"), "unknown dtype"),
+        # a dict keyed by tuples: hashing one built from shared references is exponential
+        (lambda m: m.state_dict_metadata.update({("a", "b"): 1}), "as a key"),
+    ],
+)
+def test_numbers_and_shapes_no_checkpoint_has_are_refused(ckpts, tmp_path, edit, message):
+    import sys
+
+    sys.set_int_max_str_digits(0)  # so the test itself can write 10^5000
+    try:
+        d = _crafted(ckpts, tmp_path, edit)
+    finally:
+        sys.set_int_max_str_digits(4300)
+    with pytest.raises(InvalidCheckpoint, match=re.escape(message)):
+        scan_directory(d)
+
+
+def test_a_chunk_layout_too_irregular_to_check_is_refused():
+    """A staircase of chunks that tiles its tensor but keeps every chunk in the sweep: the
+    check's work is bounded instead of growing with the square of the chunk count."""
+    from registry.formats.dcp import cover_problem
+
+    n = 3000  # column c split at row c + 1: each dimension has n distinct offsets
+    chunks = [_box((0, c), (c + 1, 1)) for c in range(n)] + [
+        _box((c + 1, c), (n - c - 1, 1)) for c in range(n - 1)
+    ]
+    assert "too irregularly to check" in (cover_problem("w", (n, n), chunks) or "")

@@ -39,7 +39,9 @@ def _swap_after_scan(monkeypatch, swap):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(push, "scan_directory", scanned_then_swapped)
 
 
-@pytest.mark.parametrize("how", ["symlink", "other-file", "symlinked-directory"])
+@pytest.mark.parametrize(
+    "how", ["symlink", "other-file", "symlinked-directory", "metadata-rewritten-in-place"]
+)
 def test_a_file_swapped_after_the_scan_is_refused_not_followed(
     ckpts, tmp_path, secret, monkeypatch, how
 ):
@@ -54,9 +56,15 @@ def test_a_file_swapped_after_the_scan_is_refused_not_followed(
         elif how == "other-file":  # same size, other inode
             (root / "other").write_bytes(b"x" * size)
             os.replace(root / "other", target)
-        else:  # the whole directory replaced by a symlink to a copy
+        elif how == "symlinked-directory":  # the whole directory replaced by a symlink to a copy
             os.rename(root, tmp_path / "moved")
             root.symlink_to(tmp_path / "moved")
+        else:  # same inode, same size, other bytes: the .metadata that was checked is gone
+            metadata = root / ".metadata"
+            data = bytearray(metadata.read_bytes())
+            data[-20] ^= 0x01
+            with open(metadata, "r+b") as f:
+                f.write(data)
 
     _swap_after_scan(monkeypatch, swap)
     with Registry() as reg:

@@ -24,6 +24,12 @@ def test_inert_escapes_every_control_character():
         ("https://token123@mlflow.internal/", "https://***@mlflow.internal/"),
         ("sqlite:////home/a/.reg/catalog.db", "sqlite:////home/a/.reg/catalog.db"),
         ("s3://bucket/prefix", "s3://bucket/prefix"),
+        ("postgresql+psycopg://u:s3cr3t@[::1/db", "postgresql+psycopg://u:***@[::1/db"),
+        (
+            "postgresql://h/db?password=s3cr3t&sslmode=on",
+            "postgresql://h/db?password=***&sslmode=on",
+        ),
+        ("postgresql://u:p@ss@h/db", "postgresql://u:***@h/db"),
     ],
 )
 def test_urls_lose_their_credentials(url, shown):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import CatalogLocked, RegistryError
-from registry.text import redact
+from registry.text import redact, redact_url
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -49,7 +49,7 @@ class Catalog:
     def describe(self) -> str:
         if self.is_sqlite:
             return self.url
-        return self.engine.url.render_as_string(hide_password=True)
+        return redact_url(self.engine.url.render_as_string(hide_password=True))
 
     @property
     def engine(self) -> Engine:

@@ -8,16 +8,17 @@ from (for the resume-state inventory).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from registry.errors import InvalidCheckpoint
-from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp_metadata import DTYPE_SIZES, load_metadata
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 METADATA = ".metadata"
@@ -83,7 +84,47 @@ class Inventory:
 
 
 def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = getattr(dtype, "name", None)  # a stand-in: its name; torch's dtypes: str()
+    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+
+
+# Every number in .metadata is a whole number below 2^63 (what torch itself can hold), a shape
+# has at most 64 dimensions and at most 2^63 elements: checked before any arithmetic, so a
+# crafted 10^5000 cannot make a check slow or fail with something other than one line.
+MAX_INT = 2**63 - 1
+MAX_DIMS = 64
+
+
+def _whole(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+        raise InvalidCheckpoint(
+            f".metadata: {where} is not a whole number in 0..2^63", "the file is corrupt or crafted"
+        )
+    return value
+
+
+def _dims(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or len(value) > MAX_DIMS:
+        raise InvalidCheckpoint(
+            f".metadata: {where} is not a shape", "the file is corrupt or crafted"
+        )
+    dims = tuple(_whole(v, where) for v in value)
+    count = 1
+    for d in dims:
+        count *= d
+        if count > MAX_INT:
+            raise InvalidCheckpoint(
+                f".metadata: {where} is too large", "the file is corrupt or crafted"
+            )
+    return dims
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise InvalidCheckpoint(
+            f".metadata: {where} is not a name", "the file is corrupt or crafted"
+        )
+    return value
 
 
 def inventory(metadata: Any) -> Inventory:
@@ -91,7 +132,15 @@ def inventory(metadata: Any) -> Inventory:
     metadata of the wrong structure (a field of the wrong type anywhere) is InvalidCheckpoint."""
     try:
         return _inventory(metadata)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+    except (
+        AttributeError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
         raise InvalidCheckpoint(
             f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})",
             "the file is corrupt or crafted",
@@ -105,47 +154,54 @@ def _inventory(metadata: Any) -> Inventory:
     files: set[str] = set()
     transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        path = str(info.relative_path)
-        offset, length = int(info.offset), int(info.length)
-        if offset < 0 or length < 0:
-            raise InvalidCheckpoint(
-                f".metadata puts {index.fqn} at bytes {offset}+{length} of {path}",
-                "offsets and lengths are never negative: the metadata is corrupt or crafted",
-            )
+        path = _text(
+            info.relative_path
+            if isinstance(info.relative_path, str)
+            else str(info.relative_path)
+            if isinstance(info.relative_path, PurePath)
+            else None,
+            "a relative path",
+        )
+        fqn = _text(index.fqn, "an fqn")
+        offset = _whole(info.offset, f"the storage offset of {fqn}")
+        length = _whole(info.length, f"the storage length of {fqn}")
         files.add(path)
-        transforms.update(str(d) for d in getattr(info, "transform_descriptors", None) or ())
-        ranges.setdefault(index.fqn, {})[index.index or 0] = ChunkRange(
-            tuple(index.offset or ()), (), path, offset, length
+        for descriptor in getattr(info, "transform_descriptors", None) or ():
+            transforms.add(_text(descriptor, "a transform"))
+        position = index.index if index.index is not None else 0
+        ranges.setdefault(fqn, {})[_whole(position, f"the chunk index of {fqn}")] = ChunkRange(
+            _dims(index.offset or (), f"the chunk offsets of {fqn}"), (), path, offset, length
         )
 
     tensors: dict[str, TensorInfo] = {}
     byte_items: dict[str, list[ChunkRange]] = {}
     top_level: dict[str, str] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
+        _text(fqn, "an fqn")
         key_path = planner.get(fqn)
-        top_level[fqn] = str(key_path[0]) if key_path else fqn.split(".", 1)[0]
+        first = key_path[0] if isinstance(key_path, list | tuple) and key_path else None
+        top_level[fqn] = str(first) if isinstance(first, str | int) else fqn.split(".", 1)[0]
         stored = ranges.get(fqn, {})
         by_offsets = {r.offsets: r for r in stored.values()}  # one lookup per chunk: linear
         if hasattr(meta, "chunks"):
-            itemsize = meta.properties.dtype.itemsize
-            shape = tuple(int(s) for s in meta.size)
+            dtype = dtype_name(meta.properties.dtype)
+            itemsize = DTYPE_SIZES.get(dtype)  # from the table, never from the file
+            if itemsize is None:
+                raise InvalidCheckpoint(f".metadata: {fqn} has an unknown dtype", "not DCP")
+            shape = _dims(meta.size, f"the shape of {fqn}")
+            if not isinstance(meta.chunks, list):
+                raise InvalidCheckpoint(f".metadata: the chunks of {fqn} are not a list", "not DCP")
             chunks = []
             for i, chunk in enumerate(meta.chunks):
-                found = by_offsets.get(tuple(chunk.offsets)) or stored.get(i)
+                offsets = _dims(chunk.offsets, f"a chunk offset of {fqn}")
+                sizes = _dims(chunk.sizes, f"a chunk size of {fqn}")
+                found = by_offsets.get(offsets) or stored.get(i)
                 if found is None:
                     raise InvalidCheckpoint(
                         f".metadata lists chunk {i} of {fqn} with no storage location",
                         "the checkpoint is incomplete",
                     )
-                chunks.append(
-                    ChunkRange(
-                        tuple(chunk.offsets),
-                        tuple(chunk.sizes),
-                        found.file,
-                        found.offset,
-                        found.length,
-                    )
-                )
+                chunks.append(ChunkRange(offsets, sizes, found.file, found.offset, found.length))
             problem = cover_problem(fqn, shape, chunks)
             if problem is not None:
                 raise InvalidCheckpoint(
@@ -153,9 +209,7 @@ def _inventory(metadata: Any) -> Inventory:
                     "every element must come from exactly one chunk: the metadata is corrupt "
                     "or crafted",
                 )
-            tensors[fqn] = TensorInfo(
-                fqn, dtype_name(meta.properties.dtype), shape, math.prod(shape) * itemsize, chunks
-            )
+            tensors[fqn] = TensorInfo(fqn, dtype, shape, math.prod(shape) * itemsize, chunks)
         else:
             byte_items[fqn] = list(stored.values())
     return Inventory(tensors, byte_items, top_level, files, transforms)
@@ -184,9 +238,13 @@ def cover_problem(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRange]) ->
     d = max(range(len(shape)), key=lambda i: len({c.offsets[i] for c in boxes}))
     boxes.sort(key=lambda c: (c.offsets[d], c.sizes[d]))
     active: list[ChunkRange] = []
+    budget = 64 * len(boxes) + 4096  # pair tests: DCP's layouts need about one per chunk
     for box in boxes:
         start = box.offsets[d]
         active = [a for a in active if a.offsets[d] + a.sizes[d] > start]
+        budget -= len(active)
+        if budget < 0:
+            return f"the chunks of {fqn} are laid out too irregularly to check; refused"
         for other in active:
             if all(
                 o1 < o2 + s2 and o2 < o1 + s1
@@ -209,7 +267,8 @@ class ScannedDir:
     metadata: Any
     inventory: Inventory
     ranks: set[int]
-    identity: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> (dev, inode)
+    identity: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # dev, inode, ctime
+    metadata_sha256: str = ""  # of the .metadata bytes the scan parsed
 
     @property
     def inferred_world_size(self) -> int:
@@ -217,46 +276,52 @@ class ScannedDir:
         return max(self.ranks) + 1 if self.ranks else 1
 
     def open(self, path: str) -> int:
-        """A descriptor of the file the scan checked, or InvalidCheckpoint. Each component is
-        opened relative to its parent with O_NOFOLLOW (a file or directory swapped for a symlink
-        since the scan is refused), and the opened file must be the scanned one: same inode,
-        a regular file with one link, the same size."""
-        parts = path.split("/")
-        fd = -1
-        try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            for part in parts[:-1]:
-                parent = fd
-                fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
-                os.close(parent)
-            parent = fd
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
-            os.close(parent)
-        except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            raise InvalidCheckpoint(
-                f"{self.root}: {path} cannot be opened safely ({exc.strerror})",
-                "it changed since it was checked (a symlink?); push again when the directory "
-                "is settled",
-            ) from None
-        st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or (st.st_dev, st.st_ino) != self.identity.get(path)
-            or st.st_nlink != 1
-            or st.st_size != self.files[path]
-        ):
-            os.close(fd)
-            raise InvalidCheckpoint(
-                f"{self.root}: {path} is not the file that was checked a moment ago",
-                "something replaced it during the push; push again when the directory is settled",
-            )
-        return fd
+        """A descriptor of the file the scan checked (see `open_checked`)."""
+        return open_checked(self.root, path, self.identity.get(path), self.files[path])
 
     def rank_of(self, path: str) -> int | None:
         match = RANK_FILE.fullmatch(Path(path).name)
         return int(match.group(1)) if match else None
+
+
+def open_checked(root: Path, path: str, identity: Any, size: int) -> int:
+    """A descriptor of `root/path` if it is still the file the scan checked, else
+    InvalidCheckpoint. Each component is opened relative to its parent with O_NOFOLLOW (a file
+    or directory swapped for a symlink since the scan is refused), and the opened file must be
+    the scanned one: same inode and change time (a rewrite in place changes it), a regular
+    file with one link, the same size."""
+    parts = path.split("/")
+    fd = -1
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        for part in parts[:-1]:
+            parent = fd
+            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            os.close(parent)
+        parent = fd
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+        os.close(parent)
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        raise InvalidCheckpoint(
+            f"{root}: {path} cannot be opened safely ({exc.strerror})",
+            "it changed since it was checked (a symlink?); push again when the directory "
+            "is settled",
+        ) from None
+    st = os.fstat(fd)
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or (st.st_dev, st.st_ino, st.st_ctime_ns) != identity
+        or st.st_nlink != 1
+        or st.st_size != size
+    ):
+        os.close(fd)
+        raise InvalidCheckpoint(
+            f"{root}: {path} is not the file that was checked a moment ago",
+            "something changed it during the push; push again when the directory is settled",
+        )
+    return fd
 
 
 def scan_directory(root: Path) -> ScannedDir:
@@ -288,12 +353,18 @@ def scan_directory(root: Path) -> ScannedDir:
         raise InvalidCheckpoint(
             f"{root}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
         )
-    metadata = load_metadata((root / METADATA).read_bytes(), light=True)
+    # Parsed from the descriptor the identity check gave, hashed: the push later refuses a
+    # stored .metadata with another digest, so what was checked is what gets committed.
+    with os.fdopen(open_checked(root, METADATA, identity[METADATA], files[METADATA]), "rb") as f:
+        metadata_bytes = f.read()
+    metadata = load_metadata(metadata_bytes, light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
-    return ScannedDir(root, files, metadata, inv, ranks, identity)
+    return ScannedDir(
+        root, files, metadata, inv, ranks, identity, hashlib.sha256(metadata_bytes).hexdigest()
+    )
 
 
 def _refuse_safetensors_directory(root: Path) -> None:
@@ -372,9 +443,9 @@ def _all_chunks(inv: Inventory) -> list[ChunkRange]:
     return out
 
 
-def _walk(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+def _walk(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int, int]]]:
     files: dict[str, int] = {}
-    identity: dict[str, tuple[int, int]] = {}
+    identity: dict[str, tuple[int, int, int]] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in list(dirnames) + filenames:
             full = os.path.join(dirpath, name)
@@ -400,7 +471,7 @@ def _walk(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
                         "DCP never writes hard links: copy the file into the directory",
                     )
                 files[rel.replace(os.sep, "/")] = st.st_size
-                identity[rel.replace(os.sep, "/")] = (st.st_dev, st.st_ino)
+                identity[rel.replace(os.sep, "/")] = (st.st_dev, st.st_ino, st.st_ctime_ns)
             elif not stat.S_ISDIR(st.st_mode):
                 raise InvalidCheckpoint(f"{root}: {rel} is not a regular file", "remove it")
     return files, identity

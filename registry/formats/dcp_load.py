@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
-from registry.formats.dcp import METADATA, ChunkRange, TensorInfo
+from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
 
 if TYPE_CHECKING:
@@ -90,9 +90,11 @@ class StoreReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._metadata is None:
-            self._metadata = load_metadata(
+            metadata = load_metadata(
                 self.store.get_bytes(self.prefix + METADATA, version=self.versions.get(METADATA))
             )
+            inventory(metadata)  # the same checks as everywhere: every tensor tiled exactly
+            self._metadata = metadata
         return self._metadata
 
     def set_up_storage_reader(

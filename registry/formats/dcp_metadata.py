@@ -71,8 +71,38 @@ class _SafeUnpickler(pickle._Unpickler):
 
     dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]
 
+    # Dict keys and set members are checked before they are hashed (see `_key`).
+    def _load_dict(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self.append({_key(items[i]): items[i + 1] for i in range(0, len(items), 2)})  # type: ignore[attr-defined]
+
+    def _load_setitem(self) -> None:
+        stack = self.stack  # type: ignore[attr-defined]
+        value, key = stack.pop(), stack.pop()
+        stack[-1][_key(key)] = value
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        target = self.stack[-1]  # type: ignore[attr-defined]
+        for i in range(0, len(items), 2):
+            target[_key(items[i])] = items[i + 1]
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self.stack[-1].update(_key(v) for v in items)  # type: ignore[attr-defined]
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self.append(frozenset(_key(v) for v in items))  # type: ignore[attr-defined]
+
+    dispatch[pickle.DICT[0]] = _load_dict  # type: ignore[assignment]
+    dispatch[pickle.SETITEM[0]] = _load_setitem  # type: ignore[assignment]
+    dispatch[pickle.SETITEMS[0]] = _load_setitems  # type: ignore[assignment]
+    dispatch[pickle.ADDITEMS[0]] = _load_additems  # type: ignore[assignment]
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset  # type: ignore[assignment]
+
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _DTYPE_SIZES:
+        if module == "torch" and name in DTYPE_SIZES:
             return _LightDtype(name)
         if (module, name) not in _ALLOWED_CLASSES:
             raise UnsafeMetadata(
@@ -117,7 +147,7 @@ def load_metadata(data: bytes, *, light: bool = False) -> Any:
 
 
 # Stand-ins for light parsing: enough structure for the inventory, nothing that runs code.
-_DTYPE_SIZES = {
+DTYPE_SIZES = {
     "float64": 8,
     "double": 8,
     "float32": 4,
@@ -157,7 +187,7 @@ class _LightDtype:
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)
-        object.__setattr__(self, "itemsize", _DTYPE_SIZES[name])
+        object.__setattr__(self, "itemsize", DTYPE_SIZES[name])
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise TypeError("a dtype is immutable")
@@ -217,12 +247,29 @@ _CONTAINERS: dict[tuple[str, str], Any] = {
 }
 
 
+def _key(value: Any) -> Any:
+    """What may be hashed as a dict key or set member: names, numbers, stand-in instances (hashed
+    by identity). A tuple key is refused: hashing one built from shared references costs time
+    exponential in its depth, and a deep one crashes the interpreter."""
+    if value is None or isinstance(value, str | int | _LightObject | _LightDtype):
+        return value
+    raise pickle.UnpicklingError(f"a {type(value).__name__} as a key or set member")
+
+
 def _stand_in(key: tuple[str, str]) -> Any:
     """What an allowed global resolves to, made fresh for one load."""
     if key in _FIELDS:
         return _light_class(key[1], _FIELDS[key])
     if key in _CONTAINERS:
-        return _CONTAINERS[key]  # built-in types: their attributes cannot be set
+        container = _CONTAINERS[key]
+
+        def build(*args: Any) -> Any:  # set(iterable), OrderedDict(pairs): keys checked first
+            items = list(args[0]) if args else []
+            if container is dict:
+                return {_key(k): v for k, v in items}
+            return container(_key(v) for v in items)
+
+        return build
     if key == ("torch", "Size"):
 
         def size(*args: Any) -> tuple[int, ...]:

@@ -22,7 +22,15 @@ _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.
 def to_torch(light: Any) -> dcp.Metadata:
     try:
         return _metadata(light)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+    except (
+        AttributeError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
         raise _bad(f"not DCP's structure ({type(exc).__name__}: {exc})") from None
 
 
@@ -31,7 +39,9 @@ def _metadata(light: Any) -> dcp.Metadata:
     storage = _mapping(getattr(light, "storage_data", None) or {}, "storage_data")
     return dcp.Metadata(
         state_dict_metadata={_text(k, "an fqn"): _item(k, v) for k, v in state.items()},
-        planner_data=_plain(getattr(light, "planner_data", None), "planner_data", 0),
+        planner_data=_plain(
+            getattr(light, "planner_data", None), "planner_data", [16 * len(state) + 10_000]
+        ),
         storage_data={_index(k): _storage(v) for k, v in storage.items()},
         storage_meta=_storage_meta(getattr(light, "storage_meta", None)),
         version=_optional_text(getattr(light, "version", None), "version"),
@@ -110,16 +120,22 @@ def _storage_meta(meta: Any) -> dcp.StorageMeta | None:
     )
 
 
-def _plain(value: Any, where: str, depth: int) -> Any:
-    """planner_data: nested dicts, lists and tuples of strings and ints, nothing else."""
-    if depth > 32:
-        raise _bad(f"{where} is nested too deeply")
+def _plain(value: Any, where: str, budget: list[int], depth: int = 0) -> Any:
+    """planner_data: dicts of lists and tuples of strings and ints (DCP writes fqn -> key path),
+    at most 8 deep and within a budget of nodes visited: shared references cannot make it
+    exponential."""
+    budget[0] -= 1
+    if depth > 8 or budget[0] < 0:
+        raise _bad(f"{where} is nested too deeply or too large")
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, list | tuple):
-        return type(value)(_plain(v, where, depth + 1) for v in value)
+        return type(value)(_plain(v, where, budget, depth + 1) for v in value)
     if isinstance(value, dict):
-        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1) for k, v in value.items()}
+        return {
+            _plain(k, where, budget, depth + 1): _plain(v, where, budget, depth + 1)
+            for k, v in value.items()
+        }
     raise _bad(f"{where} holds a {type(value).__name__}")
 
 

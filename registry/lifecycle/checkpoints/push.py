@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
-from registry.formats.dcp import ScannedDir, scan_directory
+from registry.formats.dcp import METADATA, ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.progress import Counter, Progress
@@ -224,9 +224,11 @@ class _Uploader:
         self.seconds = time.monotonic() - (self.started or 0.0)
         for r in results:
             path = r.key.removeprefix(self.prefix)
-            if r.size != self.scanned.files[path]:
+            if r.size != self.scanned.files[path] or (
+                path == METADATA and r.sha256 != self.scanned.metadata_sha256
+            ):
                 raise IntegrityError(
-                    f"{self.scanned.root / path} changed size while being pushed",
+                    f"{self.scanned.root / path} changed while being pushed",
                     "push a checkpoint that is no longer being written",
                 )
         return sorted(results, key=lambda r: r.key)
