@@ -177,7 +177,7 @@ def _bad_dir(kind: str, ckpts, tmp_path: Path) -> Path:
         ("crafted", "references builtins.print, which a DCP checkpoint never does; refused"),
         ("symlink", "link is a symlink; refused"),
         ("long-path", "characters; refused"),
-        ("negative-length", "offsets and lengths are never negative"),
+        ("negative-length", "storage length of rng.rank0.python is not a whole number in 0..2^63"),
     ],
 )
 def test_bad_checkpoint_directories_exit_2_with_one_line(cli, ckpts, tmp_path, kind, pattern):

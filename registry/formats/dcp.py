@@ -84,8 +84,14 @@ class Inventory:
 
 
 def dtype_name(dtype: Any) -> str:
-    name = getattr(dtype, "name", None)  # a stand-in: its name; torch's dtypes: str()
-    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+    """A stand-in's name, or a torch dtype's; anything else is "unknown" (never str() of an
+    object from the file, which could be a structure built to make that slow)."""
+    name = getattr(dtype, "name", None)
+    if isinstance(name, str):
+        return name
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        return str(dtype).removeprefix("torch.")
+    return "unknown"
 
 
 # Every number in .metadata is a whole number below 2^63 (what torch itself can hold), a shape
