@@ -18,7 +18,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from registry.errors import InvalidCheckpoint
-from registry.formats.dcp_metadata import DTYPE_SIZES, load_metadata
+from registry.formats.dcp_metadata import DTYPE_SIZES, STRUCTURE_ERRORS, load_metadata
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 METADATA = ".metadata"
@@ -138,15 +138,7 @@ def inventory(metadata: Any) -> Inventory:
     metadata of the wrong structure (a field of the wrong type anywhere) is InvalidCheckpoint."""
     try:
         return _inventory(metadata)
-    except (
-        AttributeError,
-        TypeError,
-        ValueError,
-        KeyError,
-        IndexError,
-        OverflowError,
-        RecursionError,
-    ) as exc:
+    except STRUCTURE_ERRORS as exc:
         raise InvalidCheckpoint(
             f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})",
             "the file is corrupt or crafted",

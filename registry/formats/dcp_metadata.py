@@ -24,6 +24,17 @@ from typing import Any
 from registry.errors import InvalidCheckpoint, UnsafeMetadata
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# What reading a stand-in of the wrong structure raises (a field of the wrong type, missing, too
+# deep): callers turn it into one InvalidCheckpoint line.
+STRUCTURE_ERRORS = (
+    AttributeError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RecursionError,
+)
 _ALLOWED_CLASSES = {
     (_DCP_METADATA, "Metadata"),
     (_DCP_METADATA, "TensorStorageMetadata"),

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from registry.errors import InvalidCheckpoint
+from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
 
@@ -22,15 +23,7 @@ _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.
 def to_torch(light: Any) -> dcp.Metadata:
     try:
         return _metadata(light)
-    except (
-        AttributeError,
-        TypeError,
-        ValueError,
-        KeyError,
-        IndexError,
-        OverflowError,
-        RecursionError,
-    ) as exc:
+    except STRUCTURE_ERRORS as exc:
         raise _bad(f"not DCP's structure ({type(exc).__name__}: {exc})") from None
 
 
