@@ -5,6 +5,7 @@ Errors are one line on stderr with the exit code of DESIGN §7; `REG_DEBUG=1` sh
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -45,8 +46,9 @@ def main() -> None:
     SQLAlchemy, pydantic and torch module graphs costs 0.1-0.15 s per command (measured), and
     every command has closed its catalog, store and threads by the time it returns."""
     code = run()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # a reader that went away (`reg ls | head`)
+            stream.flush()
     os._exit(code)
 
 
@@ -106,6 +108,8 @@ def run() -> int:
 def _os_error(exc: OSError) -> int:
     """One line naming the path and what the system said; exit 1 when the disk or device
     failed, 2 when the path itself is unusable (read-only, missing, not a directory, denied)."""
+    if exc.errno == errno.EPIPE:  # the reader of our output went away (`reg ls | head`)
+        return 1
     failed = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)
     where = f" {exc.filename}" if exc.filename else ""
     message = f"{exc.strerror or type(exc).__name__}:{where}"
