@@ -109,3 +109,16 @@ def test_stored_objects_and_the_catalog_are_not_world_readable(cpu_policy, ckpts
     assert not mode(home / "catalog.db") & 0o007
     group = store.stat().st_gid
     assert all(p.stat().st_gid == group for p in ckpt.iterdir())
+
+
+def test_storage_init_brings_an_older_store_to_the_modes(ckpts, cpu_policy):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        store = reg.settings.home / "store"
+        shard = store / "ckpt" / "default" / "r" / "step-2" / "__0_0.distcp"
+        shard.chmod(0o644)  # what an older reg left
+        shard.parent.chmod(0o755)
+        out = reg.storage_init()
+    assert out["modes_tightened"] == 2
+    assert stat.S_IMODE(shard.stat().st_mode) == 0o640
+    assert stat.S_IMODE(shard.parent.stat().st_mode) == 0o750

@@ -48,6 +48,10 @@ TEMP_DIR = ".tmp"
 CHECKPOINT_MODE, RELEASE_MODE, DIR_MODE = 0o640, 0o440, 0o750
 
 
+def _is_release(root: Path, directory: str) -> bool:
+    return os.path.relpath(directory, root).split(os.sep, 1)[0] == "release"
+
+
 def _file_mode(immutable: bool, source_mode: int | None) -> int:
     mode = RELEASE_MODE if immutable else CHECKPOINT_MODE
     if source_mode is not None:
@@ -253,11 +257,29 @@ class LocalStore(BaseStore):
 
     # -- store --------------------------------------------------------------------------------
     def init(self) -> dict[str, object]:
+        """Create the root; bring objects an older reg wrote (0644 files, 0755 directories) to
+        the store's modes, never loosening one."""
         self.root.mkdir(parents=True, exist_ok=True)
+        tightened = 0
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not (dirpath == str(self.root) and d == TEMP_DIR)]
+            for name, limit in [(d, DIR_MODE) for d in dirnames] + [
+                (f, RELEASE_MODE if _is_release(self.root, dirpath) else CHECKPOINT_MODE)
+                for f in filenames
+            ]:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                mode = stat.S_IMODE(st.st_mode)
+                if mode & ~limit:
+                    os.chmod(path, mode & limit)
+                    tightened += 1
         return {
             "store": self.url,
             "kind": "local filesystem",
-            "note": "nothing to configure: objects are put-if-absent via link()",
+            "note": "objects are put-if-absent via link()",
+            "modes_tightened": tightened,
         }
 
 

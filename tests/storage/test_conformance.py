@@ -191,7 +191,7 @@ def test_describe_and_init(store):
     out = store.init()
     expected = {
         "MemoryStore": {"store", "kind", "note"},
-        "LocalStore": {"store", "kind", "note"},
+        "LocalStore": {"store", "kind", "note", "modes_tightened"},
         "S3Store": {
             "bucket",
             "prefix",
