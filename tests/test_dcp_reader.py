@@ -12,8 +12,8 @@ import pytest
 from policies.loader import default_policy
 from policies.resume import classify
 from registry.errors import InvalidCheckpoint, UnsafeMetadata
-from registry.formats.dcp import scan_directory
 from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp_scan import scan_directory
 
 
 def test_inventory_matches_torch_metadata(ckpts):

@@ -14,7 +14,7 @@ import pytest
 
 from registry import Registry
 from registry.errors import InvalidCheckpoint
-from registry.formats import dcp
+from registry.formats import dcp_scan
 
 
 @pytest.fixture
@@ -27,9 +27,9 @@ def secret(tmp_path: Path) -> Path:
 
 def _swap_after_scan(monkeypatch, swap):  # type: ignore[no-untyped-def]
     """Run `swap(root)` right after push has scanned and checked the directory."""
-    scan = dcp.scan_directory
+    scan = dcp_scan.scan_directory
 
-    def scanned_then_swapped(root: Path) -> dcp.ScannedDir:
+    def scanned_then_swapped(root: Path) -> dcp_scan.ScannedDir:
         out = scan(root)
         swap(Path(root))
         return out

@@ -33,7 +33,7 @@ from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.context import Context
-    from registry.formats.dcp import ScannedDir
+    from registry.formats.dcp_scan import ScannedDir
     from registry.formats.documents import Manifest
     from registry.refs import CheckpointRef
 

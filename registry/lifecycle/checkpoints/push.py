@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
-from registry.formats.dcp import METADATA, ScannedDir, scan_directory
+from registry.formats.dcp import METADATA
+from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.progress import Counter, Progress

@@ -1,0 +1,220 @@
+"""Read a DCP checkpoint directory without trusting it: what push copies.
+
+`scan_directory` walks the directory (no symlinks, no hard links, no odd or overlong names, no
+document names of the registry's), parses `.metadata` from a descriptor it checked, takes the
+inventory and refuses what torch writes but reg cannot read back. `open_checked` gives the copy
+the very files the scan checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import InvalidCheckpoint
+from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
+from registry.formats.dcp_metadata import load_metadata
+from registry.layout import MANIFEST, RELEASE_DOCUMENT
+
+HF_INDEX = "model.safetensors.index.json"
+RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+MAX_PATH = 1024  # the catalog's column for a file path
+
+
+@dataclass(slots=True)
+class ScannedDir:
+    root: Path
+    files: dict[str, int]  # relative path -> size
+    metadata: Any
+    inventory: Inventory
+    ranks: set[int]
+    identity: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # dev, inode, ctime
+    metadata_sha256: str = ""  # of the .metadata bytes the scan parsed
+
+    @property
+    def inferred_world_size(self) -> int:
+        """A lower bound: replicated items are written by one rank only (DCP dedup)."""
+        return max(self.ranks) + 1 if self.ranks else 1
+
+    def open(self, path: str) -> int:
+        """A descriptor of the file the scan checked (see `open_checked`)."""
+        return open_checked(self.root, path, self.identity.get(path), self.files[path])
+
+    def rank_of(self, path: str) -> int | None:
+        match = RANK_FILE.fullmatch(Path(path).name)
+        return int(match.group(1)) if match else None
+
+
+def open_checked(root: Path, path: str, identity: Any, size: int) -> int:
+    """A descriptor of `root/path` if it is still the file the scan checked, else
+    InvalidCheckpoint. Each component is opened relative to its parent with O_NOFOLLOW (a file
+    or directory swapped for a symlink since the scan is refused), and the opened file must be
+    the scanned one: same inode and change time (a rewrite in place changes it), a regular
+    file with one link, the same size."""
+    parts = path.split("/")
+    fd = -1
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        for part in parts[:-1]:
+            parent = fd
+            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            os.close(parent)
+        parent = fd
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+        os.close(parent)
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        raise InvalidCheckpoint(
+            f"{root}: {path} cannot be opened safely ({exc.strerror})",
+            "it changed since it was checked (a symlink?); push again when the directory "
+            "is settled",
+        ) from None
+    st = os.fstat(fd)
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or (st.st_dev, st.st_ino, st.st_ctime_ns) != identity
+        or st.st_nlink != 1
+        or st.st_size != size
+    ):
+        os.close(fd)
+        raise InvalidCheckpoint(
+            f"{root}: {path} is not the file that was checked a moment ago",
+            "something changed it during the push; push again when the directory is settled",
+        )
+    return fd
+
+
+def scan_directory(root: Path) -> ScannedDir:
+    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{root} does not exist", "give the checkpoint directory") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
+    if not (root / METADATA).is_file():  # before walking: `reg push-ckpt ~` stays cheap
+        _refuse_safetensors_directory(root)
+        raise InvalidCheckpoint(
+            f"{root} has no .metadata: not a complete DCP checkpoint",
+            "DCP writes .metadata last; the save may not have finished",
+        )
+    files, identity = _walk(root)
+    if METADATA not in files:
+        raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
+    reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in (MANIFEST, RELEASE_DOCUMENT))
+    if reserved:
+        raise InvalidCheckpoint(
+            f"{root} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
+        )
+    if files[METADATA] > MAX_METADATA_BYTES:
+        raise InvalidCheckpoint(
+            f"{root}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
+        )
+    # Parsed from the descriptor the identity check gave, hashed: the push later refuses a
+    # stored .metadata with another digest, so what was checked is what gets committed.
+    with os.fdopen(open_checked(root, METADATA, identity[METADATA], files[METADATA]), "rb") as f:
+        metadata_bytes = f.read()
+    metadata = load_metadata(metadata_bytes, light=True)
+    inv = inventory(metadata)
+    check_ranges(inv, files, str(root))
+    _check_serialization(root, inv)
+    ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
+    return ScannedDir(
+        root, files, metadata, inv, ranks, identity, hashlib.sha256(metadata_bytes).hexdigest()
+    )
+
+
+def _refuse_safetensors_directory(root: Path) -> None:
+    """A directory of safetensors without .metadata is Hugging Face's layout (save_pretrained,
+    or DCP's HuggingFaceStorageWriter), not an unfinished DCP save: say so."""
+    names: list[str] = []
+    with os.scandir(root) as entries:
+        for i, entry in enumerate(entries):
+            if i >= 10_000:
+                break
+            if entry.name.endswith(".safetensors") or entry.name == HF_INDEX:
+                names.append(entry.name)
+    if names:
+        raise InvalidCheckpoint(
+            f"{root} is a Hugging Face safetensors directory ({sorted(names)[0]}, ...), as "
+            "save_pretrained or DCP's HuggingFaceStorageWriter write it, not a DCP checkpoint",
+            "push-ckpt takes DCP checkpoints (dcp.save with FileSystemWriter); inference "
+            "weights become releases through `reg promote`",
+        )
+
+
+def _check_serialization(root: Path, inv: Inventory) -> None:
+    """Refuse what torch writes but reg cannot read back: storage transforms (compression via
+    `_extensions`), and shards saved with `serialization_format=SAFETENSORS`, which torch 2.13
+    cannot load either. Each chunk reg reads is a `torch.save` archive (a zip file)."""
+    if inv.transforms:
+        raise InvalidCheckpoint(
+            f"{root} was saved with DCP storage transforms ({', '.join(sorted(inv.transforms))}"
+            "), which reg does not read",
+            "save without _extensions (compress the bucket or filesystem instead)",
+        )
+    firsts: dict[str, int] = {}
+    for info in inv.tensors.values():
+        for chunk in info.chunks:
+            firsts[chunk.file] = min(firsts.get(chunk.file, chunk.offset), chunk.offset)
+    for path, offset in sorted(firsts.items()):
+        with open(root / path, "rb") as f:
+            f.seek(offset)
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04":
+            continue
+        if len(head) == 9 and head[8:9] == b"{":
+            raise InvalidCheckpoint(
+                f"{root}: {path} is a safetensors file: the checkpoint was saved with "
+                "serialization_format=SAFETENSORS, which torch cannot load back",
+                "save with the default serialization_format (TORCH_SAVE)",
+            )
+        raise InvalidCheckpoint(
+            f"{root}: the tensor data in {path} at byte {offset} is not a torch.save archive",
+            "the shard is corrupt or was not written by torch.distributed.checkpoint",
+        )
+
+
+def _walk(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int, int]]]:
+    files: dict[str, int] = {}
+    identity: dict[str, tuple[int, int, int]] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in list(dirnames) + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                raise InvalidCheckpoint(
+                    f"{root}: {rel} is a symlink; refused", "copy the real files into the directory"
+                )
+            if not _NAME_SEGMENT.fullmatch(name) or name in {".", ".."}:
+                raise InvalidCheckpoint(
+                    f"{root}: unsafe file name {rel!r}", "names are letters, digits and . _ = + -"
+                )
+            if len(rel) > MAX_PATH:
+                raise InvalidCheckpoint(
+                    f"{root}: the path {rel[:60]}... is {len(rel)} characters; refused",
+                    f"the registry keeps paths of at most {MAX_PATH} characters",
+                )
+            if stat.S_ISREG(st.st_mode):
+                if st.st_nlink > 1:
+                    raise InvalidCheckpoint(
+                        f"{root}: {rel} has {st.st_nlink} hard links; refused",
+                        "DCP never writes hard links: copy the file into the directory",
+                    )
+                files[rel.replace(os.sep, "/")] = st.st_size
+                identity[rel.replace(os.sep, "/")] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+            elif not stat.S_ISDIR(st.st_mode):
+                raise InvalidCheckpoint(f"{root}: {rel} is not a regular file", "remove it")
+    return files, identity
