@@ -1,4 +1,5 @@
-"""The S3 store (AWS S3, MinIO, Ceph RGW, ... through boto3). The only module that imports boto3.
+"""The S3 store (AWS S3, MinIO, Ceph RGW, ... through boto3; the client and the translation of
+its errors are in s3_client.py).
 
 Every write is conditional (`If-None-Match: *` on PutObject and CompleteMultipartUpload): 412 means
 the object exists (the caller compares digests), 409 a concurrent write (the upload is retried
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from registry.errors import Conflict, NotFound, ObjectExists, RegistryError, UsageError
+from registry.errors import Conflict, NotFound, ObjectExists, UsageError
 from registry.storage.base import (
     CHUNK,
     BaseStore,
@@ -43,6 +44,7 @@ from registry.storage.base import (
     check_key,
 )
 from registry.storage.parts import MIN_PART, file_parts, part_size_for, stream_parts
+from registry.storage.s3_client import error_code, new_client, retryable, translate
 
 IN_FLIGHT = 4  # parts in memory per upload
 MAX_COPY = 5 * 1024**3  # the largest object CopyObject copies in one request
@@ -83,7 +85,7 @@ class S3Store(BaseStore):
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    self._client = _client()
+                    self._client = new_client()
         return self._client
 
     # -- keys ----------------------------------------------------------------------------------
@@ -186,12 +188,12 @@ class S3Store(BaseStore):
                 return size, digest.hexdigest()
             except ClientError as exc:
                 self._abort(full_key, upload_id)
-                code = _code(exc)
+                code = error_code(exc)
                 if code in ("PreconditionFailed", "412"):
                     raise ObjectExists(key) from None
                 if code in ("ConditionalRequestConflict", "409") and attempt < 2:
                     continue  # a concurrent write: retry the whole upload (parts are gone)
-                raise _translate(exc, key) from exc
+                raise translate(exc, key) from exc
             except BaseException:
                 self._abort(full_key, upload_id)
                 raise
@@ -215,7 +217,7 @@ class S3Store(BaseStore):
                     progress(len(data))
                 return dict(out)
             except (ClientError, BotoCoreError) as exc:
-                if attempt == PART_RETRIES - 1 or not _retryable(exc):
+                if attempt == PART_RETRIES - 1 or not retryable(exc):
                     raise
                 time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")
@@ -338,11 +340,11 @@ class S3Store(BaseStore):
                 Bucket=self.bucket, Key=self._key(key), **_version_arg(version)
             )
         except ClientError as exc:
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         except BotoCoreError as exc:
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         return ObjectInfo(key, int(out["ContentLength"]), out.get("VersionId"))
 
     def _get(self, key: str, **kwargs: Any) -> Any:
@@ -363,7 +365,7 @@ class S3Store(BaseStore):
             try:
                 yield from body.iter_chunks(CHUNK)
             except (ClientError, BotoCoreError) as exc:
-                raise _translate(exc, key) from exc
+                raise translate(exc, key) from exc
             finally:
                 body.close()
 
@@ -415,7 +417,7 @@ class S3Store(BaseStore):
                 for obj in page.get("Contents", []):
                     yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]))
         except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, prefix) from exc
+            raise translate(exc, prefix) from exc
 
     # -- deletes -------------------------------------------------------------------------------
     def _delete_many(self, keys: builtins.list[str]) -> tuple[int, dict[str, str]]:
@@ -499,7 +501,7 @@ class S3Store(BaseStore):
         try:
             uploads = [u for page in pages for u in page.get("Uploads", [])]
         except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, prefix) from exc
+            raise translate(exc, prefix) from exc
         for upload in uploads:
             key = upload["Key"][strip:]
             if upload["Initiated"] >= cutoff or (skip is not None and skip(key)):
@@ -574,11 +576,11 @@ class S3Store(BaseStore):
         try:
             out = self.client.get_bucket_lifecycle_configuration(Bucket=self.bucket)
         except ClientError as exc:
-            if _code(exc) == "NoSuchLifecycleConfiguration":
+            if error_code(exc) == "NoSuchLifecycleConfiguration":
                 return []
-            raise _translate(exc, "") from exc
+            raise translate(exc, "") from exc
         except BotoCoreError as exc:
-            raise _translate(exc, "") from exc
+            raise translate(exc, "") from exc
         return list(out.get("Rules", []))
 
     # -- errors --------------------------------------------------------------------------------
@@ -586,11 +588,11 @@ class S3Store(BaseStore):
         try:
             return fn()
         except ClientError as exc:
-            if _code(exc) in ("PreconditionFailed", "412"):
+            if error_code(exc) in ("PreconditionFailed", "412"):
                 raise ObjectExists(key) from None
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         except BotoCoreError as exc:
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
 
 
 _LEGACY_RULES = ("reg-abort-incomplete-multipart", "reg-expire-noncurrent-checkpoints")
@@ -624,79 +626,5 @@ def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _client() -> Any:
-    import boto3  # here, not at import: opening a store must not cost boto3's import
-    from botocore.config import Config
-
-    try:
-        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 10)
-    except ValueError:
-        raise UsageError(
-            f"AWS_MAX_ATTEMPTS={os.environ['AWS_MAX_ATTEMPTS']!r} is not a whole number"
-        ) from None
-    config = Config(
-        # AWS_MAX_ATTEMPTS, the SDKs' own setting, lowers the 10 attempts where a dead endpoint
-        # should be reported quickly rather than ridden out.
-        retries={
-            "mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
-            "max_attempts": max(1, attempts),
-        },
-        max_pool_connections=32,
-        s3={"addressing_style": "path"},
-        connect_timeout=10,
-        read_timeout=60,
-    )
-    return boto3.session.Session().client("s3", config=config)
-
-
 def _version_arg(version: str | None) -> dict[str, str]:
     return {"VersionId": version} if version else {}
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, ClientError):
-        return _code(exc) in (
-            "SlowDown",
-            "500",
-            "502",
-            "503",
-            "504",
-            "InternalError",
-            "ServiceUnavailable",
-            "RequestTimeout",
-            "ThrottlingException",
-        )
-    return True  # connection errors
-
-
-def _translate(exc: BaseException, key: str) -> RegistryError:
-    if isinstance(exc, ClientError):
-        code = _code(exc)
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return NotFound(f"object {key} is missing from the store")
-        if code in ("NoSuchVersion", "405", "MethodNotAllowed"):  # 405: a delete marker
-            return NotFound(
-                f"the recorded version of {key} is gone from the bucket",
-                "a bucket copy or replication gives objects new version ids; "
-                "`reg verify` shows what is left",
-            )
-        if code in ("NoSuchBucket",):
-            return UsageError(f"S3 bucket does not exist: {exc}", "check REG_STORE_URL")
-        if code in ("AccessDenied", "403", "AllAccessDisabled"):
-            return RegistryError(
-                f"S3 refused access to {key or 'the bucket'}: {code}",
-                "check the credentials and the bucket policy",
-            )
-        return RegistryError(
-            f"S3 error on {key or 'the bucket'}: {code}: "
-            f"{exc.response.get('Error', {}).get('Message', '')}",
-            "retry; a failed push leaves nothing visible",
-        )
-    return RegistryError(
-        f"cannot reach S3 for {key or 'the bucket'}: {exc}",
-        "check AWS_ENDPOINT_URL and the network; retry",
-    )

@@ -1,0 +1,89 @@
+"""The boto3 client the S3 store uses, and what its errors mean to the registry.
+
+boto3 itself is imported when the first client is made, so opening a store costs nothing for a
+command that never touches it. `translate` turns botocore's errors into the registry's (one line,
+an exit code); `retryable` says which ones a part upload retries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from registry.errors import NotFound, RegistryError, UsageError
+
+
+def new_client() -> Any:
+    import boto3  # here, not at import: opening a store must not cost boto3's import
+    from botocore.config import Config
+
+    try:
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 10)
+    except ValueError:
+        raise UsageError(
+            f"AWS_MAX_ATTEMPTS={os.environ['AWS_MAX_ATTEMPTS']!r} is not a whole number"
+        ) from None
+    config = Config(
+        # AWS_MAX_ATTEMPTS, the SDKs' own setting, lowers the 10 attempts where a dead endpoint
+        # should be reported quickly rather than ridden out.
+        retries={
+            "mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
+            "max_attempts": max(1, attempts),
+        },
+        max_pool_connections=32,
+        s3={"addressing_style": "path"},
+        connect_timeout=10,
+        read_timeout=60,
+    )
+    return boto3.session.Session().client("s3", config=config)
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ClientError):
+        return error_code(exc) in (
+            "SlowDown",
+            "500",
+            "502",
+            "503",
+            "504",
+            "InternalError",
+            "ServiceUnavailable",
+            "RequestTimeout",
+            "ThrottlingException",
+        )
+    return True  # connection errors
+
+
+def translate(exc: BaseException, key: str) -> RegistryError:
+    if isinstance(exc, ClientError):
+        code = error_code(exc)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return NotFound(f"object {key} is missing from the store")
+        if code in ("NoSuchVersion", "405", "MethodNotAllowed"):  # 405: a delete marker
+            return NotFound(
+                f"the recorded version of {key} is gone from the bucket",
+                "a bucket copy or replication gives objects new version ids; "
+                "`reg verify` shows what is left",
+            )
+        if code in ("NoSuchBucket",):
+            return UsageError(f"S3 bucket does not exist: {exc}", "check REG_STORE_URL")
+        if code in ("AccessDenied", "403", "AllAccessDisabled"):
+            return RegistryError(
+                f"S3 refused access to {key or 'the bucket'}: {code}",
+                "check the credentials and the bucket policy",
+            )
+        return RegistryError(
+            f"S3 error on {key or 'the bucket'}: {code}: "
+            f"{exc.response.get('Error', {}).get('Message', '')}",
+            "retry; a failed push leaves nothing visible",
+        )
+    return RegistryError(
+        f"cannot reach S3 for {key or 'the bucket'}: {exc}",
+        "check AWS_ENDPOINT_URL and the network; retry",
+    )
