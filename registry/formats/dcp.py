@@ -92,7 +92,7 @@ MAX_INT = 2**63 - 1
 MAX_DIMS = 64
 
 
-def _whole(value: Any, where: str) -> int:
+def checked_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
         raise InvalidCheckpoint(
             f".metadata: {where} is not a whole number in 0..2^63", "the file is corrupt or crafted"
@@ -100,12 +100,12 @@ def _whole(value: Any, where: str) -> int:
     return value
 
 
-def _dims(value: Any, where: str) -> tuple[int, ...]:
+def checked_dims(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or len(value) > MAX_DIMS:
         raise InvalidCheckpoint(
             f".metadata: {where} is not a shape", "the file is corrupt or crafted"
         )
-    dims = tuple(_whole(v, where) for v in value)
+    dims = tuple(checked_int(v, where) for v in value)
     count = 1
     for d in dims:
         count *= d
@@ -116,7 +116,12 @@ def _dims(value: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
-def _text(value: Any, where: str) -> str:
+def checked_path(value: Any) -> str:
+    """A storage location: text, or the path object an older torch pickled."""
+    return checked_text(str(value) if isinstance(value, PurePath) else value, "a relative path")
+
+
+def checked_text(value: Any, where: str) -> str:
     if not isinstance(value, str) or len(value) > 4096:
         raise InvalidCheckpoint(
             f".metadata: {where} is not a name", "the file is corrupt or crafted"
@@ -143,30 +148,27 @@ def _inventory(metadata: Any) -> Inventory:
     files: set[str] = set()
     transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        path = _text(
-            info.relative_path
-            if isinstance(info.relative_path, str)
-            else str(info.relative_path)
-            if isinstance(info.relative_path, PurePath)
-            else None,
-            "a relative path",
-        )
-        fqn = _text(index.fqn, "an fqn")
-        offset = _whole(info.offset, f"the storage offset of {fqn}")
-        length = _whole(info.length, f"the storage length of {fqn}")
+        path = checked_path(info.relative_path)
+        fqn = checked_text(index.fqn, "an fqn")
+        offset = checked_int(info.offset, f"the storage offset of {fqn}")
+        length = checked_int(info.length, f"the storage length of {fqn}")
         files.add(path)
         for descriptor in getattr(info, "transform_descriptors", None) or ():
-            transforms.add(_text(descriptor, "a transform"))
+            transforms.add(checked_text(descriptor, "a transform"))
         position = index.index if index.index is not None else 0
-        ranges.setdefault(fqn, {})[_whole(position, f"the chunk index of {fqn}")] = ChunkRange(
-            _dims(index.offset or (), f"the chunk offsets of {fqn}"), (), path, offset, length
+        ranges.setdefault(fqn, {})[checked_int(position, f"the chunk index of {fqn}")] = ChunkRange(
+            checked_dims(index.offset or (), f"the chunk offsets of {fqn}"),
+            (),
+            path,
+            offset,
+            length,
         )
 
     tensors: dict[str, TensorInfo] = {}
     byte_items: dict[str, list[ChunkRange]] = {}
     top_level: dict[str, str] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
-        _text(fqn, "an fqn")
+        checked_text(fqn, "an fqn")
         key_path = planner.get(fqn)
         first = key_path[0] if isinstance(key_path, list | tuple) and key_path else None
         top_level[fqn] = str(first) if isinstance(first, str | int) else fqn.split(".", 1)[0]
@@ -177,13 +179,13 @@ def _inventory(metadata: Any) -> Inventory:
             itemsize = DTYPE_SIZES.get(dtype)  # from the table, never from the file
             if itemsize is None:
                 raise InvalidCheckpoint(f".metadata: {fqn} has an unknown dtype", "not DCP")
-            shape = _dims(meta.size, f"the shape of {fqn}")
+            shape = checked_dims(meta.size, f"the shape of {fqn}")
             if not isinstance(meta.chunks, list):
                 raise InvalidCheckpoint(f".metadata: the chunks of {fqn} are not a list", "not DCP")
             chunks = []
             for i, chunk in enumerate(meta.chunks):
-                offsets = _dims(chunk.offsets, f"a chunk offset of {fqn}")
-                sizes = _dims(chunk.sizes, f"a chunk size of {fqn}")
+                offsets = checked_dims(chunk.offsets, f"a chunk offset of {fqn}")
+                sizes = checked_dims(chunk.sizes, f"a chunk size of {fqn}")
                 found = by_offsets.get(offsets) or stored.get(i)
                 if found is None:
                     raise InvalidCheckpoint(

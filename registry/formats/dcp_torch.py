@@ -1,9 +1,9 @@
 """Build torch's DCP `Metadata` from the stand-ins the safe unpickler made (dcp_metadata.py).
 
-Each object is constructed explicitly from checked fields: strings are strings, sizes are
-tuples of non-negative ints, dtypes and layouts are names torch knows, memory formats are one of
-DCP's three codes. Nothing from the stream is handed to torch as it came, so torch's own classes
-are never touched by the pickle.
+Each object is constructed explicitly from checked fields (the same checks as the inventory's,
+formats/dcp.py): strings are strings, numbers whole and below 2^63, shapes bounded, dtypes and
+layouts names torch knows, memory formats one of DCP's three codes. Nothing from the stream is
+handed to torch as it came, so torch's own classes are never touched by the pickle.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from registry.errors import InvalidCheckpoint
+from registry.formats.dcp import checked_dims, checked_int, checked_path, checked_text
 from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
@@ -31,7 +32,7 @@ def _metadata(light: Any) -> dcp.Metadata:
     state = _mapping(getattr(light, "state_dict_metadata", None), "state_dict_metadata")
     storage = _mapping(getattr(light, "storage_data", None) or {}, "storage_data")
     return dcp.Metadata(
-        state_dict_metadata={_text(k, "an fqn"): _item(k, v) for k, v in state.items()},
+        state_dict_metadata={checked_text(k, "an fqn"): _item(k, v) for k, v in state.items()},
         planner_data=_plain(
             getattr(light, "planner_data", None), "planner_data", [16 * len(state) + 10_000]
         ),
@@ -61,11 +62,11 @@ def _item(fqn: str, value: Any) -> dcp.TensorStorageMetadata | dcp.BytesStorageM
             memory_format=_memory_format(props.memory_format, fqn),
             pin_memory=bool(props.pin_memory),
         ),
-        size=torch.Size(_sizes(value.size, f"{fqn}.size")),
+        size=torch.Size(checked_dims(value.size, f"{fqn}.size")),
         chunks=[
             dcp.ChunkStorageMetadata(
-                offsets=torch.Size(_sizes(c.offsets, f"{fqn} chunk offsets")),
-                sizes=torch.Size(_sizes(c.sizes, f"{fqn} chunk sizes")),
+                offsets=torch.Size(checked_dims(c.offsets, f"{fqn} chunk offsets")),
+                sizes=torch.Size(checked_dims(c.sizes, f"{fqn} chunk sizes")),
             )
             for c in chunks
         ],
@@ -78,9 +79,9 @@ def _index(key: Any) -> dcp.MetadataIndex:
     offset = getattr(key, "offset", None)
     index = getattr(key, "index", None)
     return dcp.MetadataIndex(
-        fqn=_text(key.fqn, "a storage fqn"),
-        offset=None if offset is None else torch.Size(_sizes(offset, "a storage offset")),
-        index=None if index is None else _int(index, "a storage index"),
+        fqn=checked_text(key.fqn, "a storage fqn"),
+        offset=None if offset is None else torch.Size(checked_dims(offset, "a storage offset")),
+        index=None if index is None else checked_int(index, "a storage index"),
     )
 
 
@@ -89,12 +90,12 @@ def _storage(info: Any) -> _StorageInfo:
         raise _bad(f"a storage_data value is a {type(info).__name__}")
     transforms = getattr(info, "transform_descriptors", None)
     return _StorageInfo(
-        relative_path=_text(str(info.relative_path), "a relative path"),
-        offset=_int(info.offset, "a storage offset"),
-        length=_int(info.length, "a storage length"),
+        relative_path=checked_path(info.relative_path),
+        offset=checked_int(info.offset, "a storage offset"),
+        length=checked_int(info.length, "a storage length"),
         transform_descriptors=None
         if transforms is None
-        else [_text(t, "a transform") for t in transforms],
+        else [checked_text(t, "a transform") for t in transforms],
     )
 
 
@@ -109,7 +110,7 @@ def _storage_meta(meta: Any) -> dcp.StorageMeta | None:
         checkpoint_id=None if checkpoint_id is None else str(checkpoint_id),
         save_id=_optional_text(getattr(meta, "save_id", None), "save_id"),
         load_id=_optional_text(getattr(meta, "load_id", None), "load_id"),
-        modules=[_text(m, "a module name") for m in modules],
+        modules=[checked_text(m, "a module name") for m in modules],
     )
 
 
@@ -155,26 +156,8 @@ def _memory_format(value: Any, fqn: str) -> torch.memory_format:
     return _MEMORY_FORMATS[code]
 
 
-def _sizes(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or len(value) > 64:
-        raise _bad(f"{where} is not a shape")
-    return tuple(_int(v, where) for v in value)
-
-
-def _int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad(f"{where} is {value!r}, not a whole number >= 0")
-    return value
-
-
-def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise _bad(f"{where} is a {type(value).__name__}, not text")
-    return value
-
-
 def _optional_text(value: Any, where: str) -> str | None:
-    return None if value is None else _text(value, where)
+    return None if value is None else checked_text(value, where)
 
 
 def _mapping(value: Any, where: str) -> dict[Any, Any]:
