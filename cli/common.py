@@ -17,7 +17,7 @@ def open_registry() -> Registry:
     from registry.errors import UsageError
 
     reg = Registry()
-    if reg.settings.store_url.startswith("memory://"):
+    if not reg.settings.remote and reg.settings.store_url.startswith("memory://"):
         raise UsageError(
             f"REG_STORE_URL={reg.settings.store_url}: a memory store lives inside one process, "
             "and this command's would vanish when it exits while the catalog keeps its rows",

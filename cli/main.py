@@ -19,6 +19,7 @@ from cli import checkpoints as checkpoint_commands
 from cli import mirror as mirror_commands
 from cli import policy as policy_commands
 from cli import releases as release_commands
+from cli import server as server_commands
 
 app = typer.Typer(
     name="reg",
@@ -33,6 +34,7 @@ release_commands.register(app)
 admin_commands.register(app)
 policy_commands.register(app)
 mirror_commands.register(app)
+server_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

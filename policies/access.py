@@ -1,8 +1,12 @@
 """Who may do what: roles, grants and a pure check (DESIGN §6).
 
 Roles are ordered viewer < trainer < releaser < admin; each adds actions to the one below.
-A grant gives one role to principals on project globs (checkpoints) and model globs (releases).
-No grants at all is single-user mode: everyone is admin.
+`validator` stands beside them: it reads and attests validations (through `reg server`, only a
+validator's validation passes the GPU gate); admin includes it. A grant gives one role to
+principals on project globs (checkpoints) and model globs (releases). Admin grants are
+registry-wide: one scoped to some projects or models is no grant at all (`scoped_admin_grants`
+names them; `policy apply` refuses them). No grants at all is single-user mode: everyone is
+admin.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ if TYPE_CHECKING:  # the policy models cost pydantic's import; a check needs onl
     from policies.loader import Grant
 
 ROLES = ("viewer", "trainer", "releaser", "admin")
+VALIDATOR = "validator"
 SINGLE_USER = "single-user mode (no grants in the policy)"
 
 ACTIONS: dict[str, str] = {
@@ -39,6 +44,9 @@ ACTIONS: dict[str, str] = {
     "mlflow-sync": "admin",
     "catalog": "admin",
     "repair": "admin",
+    "token": "admin",
+    # validator (beside the others; admin includes it)
+    "attest": VALIDATOR,
 }
 
 
@@ -48,8 +56,28 @@ class Decision:
     reason: str
 
 
-def _rank(role: str) -> int:
-    return ROLES.index(role)
+def gives(role: str, needed: str) -> bool:
+    """Does holding `role` give what `needed` (a role) allows?"""
+    if needed == VALIDATOR:
+        return role in (VALIDATOR, "admin")
+    if role == VALIDATOR:
+        return needed == "viewer"
+    return ROLES.index(role) >= ROLES.index(needed)
+
+
+def is_scoped_admin(grant: Grant) -> bool:
+    """An admin grant limited to some projects or models: registry-wide or nothing."""
+    return grant.role == "admin" and (grant.projects != ["*"] or grant.models != ["*"])
+
+
+def scoped_admin_grants(grants: Sequence[Grant]) -> list[str]:
+    """One line per scoped admin grant (which count as no grant at all)."""
+    return [
+        f"access.grants[{i}]: admin grant for {', '.join(g.principals)} is scoped to "
+        f"{_scope(g)}; admin grants are registry-wide, so it grants nothing"
+        for i, g in enumerate(grants)
+        if is_scoped_admin(g)
+    ]
 
 
 def _matches(globs: list[str], name: str | None) -> bool:
@@ -57,11 +85,10 @@ def _matches(globs: list[str], name: str | None) -> bool:
 
 
 def _covers(grant: Grant, needed: str, project: str | None, model: str | None) -> bool:
-    """Does a grant's scope cover the target? An admin action on no particular project or model
-    (gc, policy, storage, the audit log, repair) is covered only by an admin grant over every
-    project and every model (`*`): an admin of one project is not an admin of the registry."""
-    if needed == "admin" and project is None and model is None:
-        return "*" in grant.projects and "*" in grant.models
+    """Does a grant's scope cover the target? A scoped admin grant covers nothing: an admin of
+    one project is not an admin of the registry (and could otherwise promote itself)."""
+    if is_scoped_admin(grant):
+        return False
     return _matches(grant.projects, project) and _matches(grant.models, model)
 
 
@@ -91,7 +118,7 @@ def check_grants(
     """Does one of `grants` allow it? No grant, no access (single-user mode is `check`'s)."""
     needed = ACTIONS[action]
     for grant in grants:
-        if principal not in grant.principals or _rank(grant.role) < _rank(needed):
+        if principal not in grant.principals or not gives(grant.role, needed):
             continue
         if _covers(grant, needed, project, model):
             return Decision(True, f"granted {grant.role} on {_scope(grant)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.access import _rank
+from policies.access import gives, is_scoped_admin
 from policies.loader import AccessPolicy
 
 
@@ -24,6 +24,8 @@ def bucket_policy(
     admins: set[str] = set()
     non_admins: set[str] = set()
     for n, grant in enumerate(access.grants):
+        if is_scoped_admin(grant):  # grants nothing (policies.access)
+            continue
         arns = []
         for p in grant.principals:
             arn = access.aws.get(p)
@@ -66,7 +68,7 @@ def bucket_policy(
                 "Resource": f"arn:aws:s3:::{bucket}",
             }
         )
-        if _rank(grant.role) >= _rank("trainer"):
+        if gives(grant.role, "trainer"):
             statements.append(
                 {
                     "Sid": f"Grant{n}WriteCheckpoints",
@@ -76,7 +78,7 @@ def bucket_policy(
                     "Resource": projects,
                 }
             )
-        if _rank(grant.role) >= _rank("releaser"):
+        if gives(grant.role, "releaser"):
             statements.append(
                 {
                     "Sid": f"Grant{n}WriteReleases",

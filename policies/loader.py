@@ -150,7 +150,7 @@ _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 class Grant(_Model):
     principals: list[str]
-    role: Literal["viewer", "trainer", "releaser", "admin"]
+    role: Literal["viewer", "trainer", "releaser", "admin", "validator"]
     projects: list[str] = Field(default_factory=lambda: ["*"])
     models: list[str] = Field(default_factory=lambda: ["*"])
 

@@ -4,6 +4,9 @@ It builds a `Context` from local settings (the embedded mode of DESIGN §9) and 
 call to the lifecycle functions; access checks live there, in the library, not in the CLI. The
 catalog and the store are opened lazily, so a command pays only for what it touches; the
 Context is built on first use and rebuilt after `apply_policy`.
+
+With `REG_URL` set, `Registry()` is a `registry.remote.registry.RemoteRegistry`: the same
+methods, run by `reg server` under the identity of a token.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ if TYPE_CHECKING:
 
 
 class Registry:
+    def __new__(cls, settings: Settings | None = None, *, user: str | None = None) -> Registry:
+        if cls is Registry and (settings or Settings.from_env()).remote:
+            from registry.remote.registry import RemoteRegistry
+
+            return super().__new__(RemoteRegistry)
+        return super().__new__(cls)
+
     def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
         self.settings = settings or Settings.from_env()
         if user is not None:
@@ -320,6 +330,22 @@ class Registry:
         from registry.lifecycle.policy_admin import export
 
         return export(self.context, bucket)
+
+    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
+        """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
+        from registry.lifecycle import token_admin
+
+        return token_admin.create(self.context, principal, expires_s=expires_s)
+
+    def list_tokens(self) -> list[dict[str, Any]]:
+        from registry.lifecycle import token_admin
+
+        return token_admin.listing(self.context)
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        from registry.lifecycle import token_admin
+
+        return token_admin.revoke(self.context, token_id)
 
     def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain."""

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from registry.errors import UsageError
 
-_FILE_KEYS = {"catalog_url", "store_url", "mlflow_tracking_uri", "policy", "user"}
+_FILE_KEYS = {"catalog_url", "store_url", "mlflow_tracking_uri", "policy", "user", "url"}
+LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,6 +28,12 @@ class Settings:
     user_source: str = "OS login"  # where `user` came from: REG_USER, config.toml, OS login
     busy_timeout_s: float = 30.0
     workers: int = 4
+    url: str | None = None  # REG_URL: remote mode, through reg server (DESIGN §9)
+    token: str | None = None  # REG_TOKEN, else the one `reg login` stored for `url`
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.url)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -46,7 +53,11 @@ class Settings:
                 f"bad number in environment: {exc}", "REG_BUSY_TIMEOUT and REG_WORKERS are numbers"
             ) from exc
         user, source = _identity(env, file_values)
+        url = (env.get("REG_URL") or file_values.get("url") or "").rstrip("/") or None
+        token = env.get("REG_TOKEN") or (_logged_in(home, url) if url else None)
         return cls(
+            url=url,
+            token=token,
             home=home,
             catalog_url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
             store_url=pick("REG_STORE_URL", "store_url", (home / "store").as_uri()),
@@ -64,16 +75,16 @@ class Settings:
 def _identity(env: dict[str, str], file_values: dict[str, str]) -> tuple[str, str]:
     """The embedded identity and where it came from: asserted, not proven (DESIGN §9)."""
     if env.get("REG_USER"):
-        return _checked_user(env["REG_USER"], "REG_USER"), "REG_USER"
+        return checked_user(env["REG_USER"], "REG_USER"), "REG_USER"
     if file_values.get("user"):
-        return _checked_user(file_values["user"], "config.toml"), "config.toml"
+        return checked_user(file_values["user"], "config.toml"), "config.toml"
     return _login_name(), "OS login"
 
 
 MAX_USER = 256
 
 
-def _checked_user(name: str, source: str) -> str:
+def checked_user(name: str, source: str) -> str:
     """The name goes into the catalog, the audit log and MLflow: printable, one line, bounded
     (a NUL, which PostgreSQL refuses, would otherwise fail a push after its bytes moved)."""
     if len(name) > MAX_USER or not name.isprintable() or name != name.strip():
@@ -89,6 +100,19 @@ def _login_name() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return f"uid{os.getuid()}"
+
+
+def _logged_in(home: Path, url: str) -> str | None:
+    """The token `reg login` stored for `url`, if any (a login for another URL is not used)."""
+    import json
+
+    try:
+        doc = json.loads((home / LOGIN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and doc.get("url") == url and isinstance(doc.get("token"), str):
+        return str(doc["token"])
+    return None
 
 
 def _read_config_file(path: Path) -> dict[str, str]:

@@ -6,6 +6,8 @@
     principal  who is asking, with their grants: the only identity below the CLI
     events     where catalog events go (the outbox for the MLflow mirror)
     workers    parallel transfers per operation
+    server     True inside `reg server`: identities are verified, so the GPU gate accepts only
+               validations a validator attested
 
 Lifecycle functions take a Context; `Registry` builds one from local settings (embedded mode),
 and `reg server` builds one per request around the authenticated Principal, sharing catalog and
@@ -15,11 +17,13 @@ store. A Context is frozen: a changed policy or principal is a new Context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from registry.errors import PermissionDenied
 
 if TYPE_CHECKING:
+    from sqlmodel import Session
+
     from registry.catalog.engine import Catalog
     from registry.events import EventSink
     from registry.policy_source import EffectivePolicy
@@ -35,11 +39,28 @@ class Context:
     principal: Principal
     events: EventSink
     workers: int = 4
+    server: bool = False
 
     @property
     def actor(self) -> str:
         """The name that goes into the audit log and onto what this Context creates."""
         return self.principal.name
+
+    def audit(
+        self,
+        session: Session,
+        action: str,
+        target: str,
+        outcome: str = "allowed",
+        /,
+        **details: Any,
+    ) -> None:
+        """Record an audit event by this Context's principal (with the token it used, if any)."""
+        from registry import audit
+
+        audit.record(
+            session, self.actor, action, target, outcome, token=self.principal.credential, **details
+        )
 
     def authorize(
         self,
@@ -53,11 +74,9 @@ class Context:
         decision = self.principal.authorize(action, project=project, model=model)
         if decision.allowed:
             return
-        from registry import audit
-
         what = target or project or model or ""
         with self.catalog.session(write=True) as s:
-            audit.record(s, self.actor, action, what, audit.DENIED, reason=decision.reason)
+            self.audit(s, action, what, "denied", reason=decision.reason)
         raise PermissionDenied(
             f"{self.actor} may not {action} {what}".rstrip(),
             decision.reason + " (ask an admin to add it to the policy)",

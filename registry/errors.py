@@ -9,6 +9,7 @@
     ├── NotFound                   exit 3  no such checkpoint, run, model, version or alias
     │   └── Collected                      deleted by retention (a tombstone explains when and why)
     ├── PermissionDenied           exit 4  the access policy refuses the action
+    │   └── Unauthenticated                no valid token (reg server)
     ├── Conflict                   exit 5  exists with other content, immutable, or locked
     │   ├── ObjectExists                   put-if-absent found an object already there
     │   └── CatalogLocked                  another process holds the catalog
@@ -72,6 +73,10 @@ class Collected(NotFound):
 
 class PermissionDenied(RegistryError):
     exit_code = 4
+
+
+class Unauthenticated(PermissionDenied):
+    pass
 
 
 class Conflict(RegistryError):

@@ -247,7 +247,7 @@ def drain(
         time.sleep(0.5)
         token = take()
     if token is None:
-        return {"applied": 0, "pending": _pending_count(catalog), "skipped": "another drain runs"}
+        return {"applied": 0, "pending": pending_count(catalog), "skipped": "another drain runs"}
     applied, error = 0, None
     try:
         os.chdir(settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
@@ -285,14 +285,14 @@ def drain(
         error = redact(f"{type(exc).__name__}: {first}")
     finally:
         leases.release(catalog, DRAIN_LEASE, token)
-    return {"applied": applied, "pending": _pending_count(catalog), "error": error}
+    return {"applied": applied, "pending": pending_count(catalog), "error": error}
 
 
 class _Stop(Exception):
     """Stop at the first failing event: order matters (a version before its alias)."""
 
 
-def _pending_count(catalog: Catalog) -> int:
+def pending_count(catalog: Catalog) -> int:
     from sqlalchemy import func
 
     with catalog.session() as s:

@@ -24,15 +24,22 @@ class Principal:
     authenticated_by: str  # "REG_USER", "config.toml", "OS login", "caller", "token", ...
     grants: tuple[Grant, ...] = ()  # the policy's grants that name this principal
     single_user: bool = False  # the policy has no grants at all: everyone is admin
+    credential: str | None = None  # the id of the token that proved the name (reg server)
 
     @classmethod
-    def under(cls, name: str, authenticated_by: str, policy: EffectivePolicy) -> Principal:
+    def under(
+        cls,
+        name: str,
+        authenticated_by: str,
+        policy: EffectivePolicy,
+        credential: str | None = None,
+    ) -> Principal:
         """`name` with what `policy` grants it. A policy without grants is single-user mode,
         decided without validating the whole document (listings stay fast)."""
         if not policy.has_grants:
-            return cls(name, authenticated_by, single_user=True)
+            return cls(name, authenticated_by, single_user=True, credential=credential)
         mine = tuple(g for g in policy.access.grants if name in g.principals)
-        return cls(name, authenticated_by, mine)
+        return cls(name, authenticated_by, mine, credential=credential)
 
     def authorize(
         self, action: str, *, project: str | None = None, model: str | None = None

@@ -151,6 +151,9 @@ class Validation(SQLModel, table=True):
     checks: list[dict[str, Any]] = _json(list)
     created_at: float
     created_by: str
+    # Recorded through `reg server` by a validator (or run by the server itself): only these
+    # pass the server's GPU gate. Embedded, every validation counts (identity is advisory).
+    attested: bool = Field(default=False)
 
 
 class Model(SQLModel, table=True):
@@ -281,3 +284,19 @@ class OutboxEvent(SQLModel, table=True):
     done_at: float | None = Field(default=None, index=True)
     attempts: int = 0
     last_error: str | None = None
+
+
+class ApiToken(SQLModel, table=True):
+    """A bearer token of `reg server` (`reg token create`): only the sha256 of its secret is
+    kept. The id is public (audit events name it); the secret is shown once, at creation."""
+
+    __tablename__ = "api_token"
+    id: str = Field(primary_key=True, max_length=32)
+    principal: str = Field(index=True, max_length=256)
+    secret_sha256: str = Field(max_length=64)
+    created_at: float
+    created_by: str
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    revoked_by: str | None = None
+    last_used_at: float | None = None

@@ -16,9 +16,8 @@ def storage_init(ctx: Context) -> dict[str, Any]:
     ctx.authorize("storage", target=ctx.store.url)
     out = ctx.store.init()
     with ctx.catalog.session(write=True) as s:
-        audit.record(
+        ctx.audit(
             s,
-            ctx.actor,
             "storage-init",
             ctx.store.url,
             **{k: v for k, v in out.items() if isinstance(v, bool | str)},

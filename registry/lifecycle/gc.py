@@ -18,7 +18,7 @@ from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
-from registry import audit, events, faults
+from registry import events, faults
 from registry.catalog import claims, leases
 from registry.catalog.models import (
     COMMITTED,
@@ -257,7 +257,7 @@ def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
         if row is not None and row.state == DELETING:
             row.state = DELETED
             s.add(row)
-            audit.record(s, ctx.actor, "gc", str(ref), reason=row.delete_reason, freed_bytes=freed)
+            ctx.audit(s, "gc", str(ref), reason=row.delete_reason, freed_bytes=freed)
             ctx.events.emit(
                 s,
                 events.CHECKPOINT_COLLECTED,

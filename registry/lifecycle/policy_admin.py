@@ -11,7 +11,6 @@ from sqlalchemy import func
 from sqlmodel import select
 
 from policies.loader import Policy, load_policy_file, parse_policy
-from registry import audit
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
 from registry.timeutil import now
@@ -31,9 +30,14 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
-    parsed = parse_policy(text, str(path))  # refused before anything is stored
-    ctx.authorize("policy", target=f"policy {path}")
-    _keeps_an_admin(ctx, parsed, path)
+    return apply_text(ctx, text, str(path))
+
+
+def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
+    """`apply` of a document already read (`name` says where it came from, for errors)."""
+    parsed = parse_policy(text, name)  # refused before anything is stored
+    ctx.authorize("policy", target=f"policy {name}")
+    _keeps_an_admin(ctx, parsed, name)
     digest = hashlib.sha256(text.encode()).hexdigest()
     with ctx.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
@@ -42,9 +46,8 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
                 version=version, text=text, sha256=digest, applied_at=now(), applied_by=ctx.actor
             )
         )
-        audit.record(
+        ctx.audit(
             s,
-            ctx.actor,
             "policy-apply",
             f"policy v{version}",
             sha256=digest,
@@ -53,14 +56,21 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
     return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
 
 
-def _keeps_an_admin(ctx: Context, policy: Policy, path: Path) -> None:
+def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:
     """A policy with grants must leave someone, and the one applying it, able to administer:
     otherwise no one could ever apply the next policy."""
-    from policies.access import check_grants
+    from policies.access import check_grants, scoped_admin_grants
 
     grants = policy.access.grants
     if not grants:
         return  # single-user mode: everyone is admin
+    scoped = scoped_admin_grants(grants)
+    if scoped:
+        raise PolicyError(
+            f"{path}: {scoped[0]}; refused",
+            'an admin grant has projects = ["*"] and models = ["*"]; use releaser or trainer '
+            "for one project or model",
+        )
     if not any(g.role == "admin" for g in grants):
         raise PolicyError(
             f'{path}: access.grants: no grant has role = "admin"; refused',

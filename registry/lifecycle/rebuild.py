@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
-from registry import audit
 from registry.catalog import claims, queries
 from registry.catalog.models import (
     ACTIVE,
@@ -77,9 +76,8 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     )
     if not dry_run and (out["checkpoints_added"] or out["releases_added"]):
         with ctx.catalog.session(write=True) as s:
-            audit.record(
+            ctx.audit(
                 s,
-                ctx.actor,
                 "catalog-rebuild",
                 "catalog",
                 checkpoints=len(out["checkpoints_added"]),

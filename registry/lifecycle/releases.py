@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from registry import audit, events
+from registry import events
 from registry.catalog.models import (
     DEPRECATED,
     RELEASE_PENDING,
@@ -234,9 +234,8 @@ def move_alias(
                 actor=ctx.actor,
             )
         )
-        audit.record(
+        ctx.audit(
             session,
-            ctx.actor,
             "alias",
             f"{model.name}@{alias}",
             to=f"v{release.version}",
@@ -282,7 +281,7 @@ def set_status(
         release.status, release.status_reason = status, reason
         release.status_changed_at, release.status_changed_by = now(), ctx.actor
         s.add(release)
-        audit.record(s, ctx.actor, action, f"{model.name}:v{release.version}", reason=reason)
+        ctx.audit(s, action, f"{model.name}:v{release.version}", reason=reason)
         ctx.events.emit(
             s,
             events.RELEASE_STATUS,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from registry import audit
 from registry.transfer import repair_stored, verify_stored
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ def verify_files(
         ctx.authorize("repair", target=name, **scope)
         repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)
         with ctx.catalog.session(write=True) as s:
-            audit.record(s, ctx.actor, "repair", name, repaired=repaired, left=len(left))
+            ctx.audit(s, "repair", name, repaired=repaired, left=len(left))
         after = verify_stored(
             ctx.store,
             prefix,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import select
 
-from registry import audit, events
+from registry import events
 from registry.catalog import claims, queries
 from registry.catalog.claims import Claim
 from registry.catalog.models import (
@@ -150,9 +150,8 @@ def commit(
         if run is not None and resumed is not None and manifest.step > resumed:
             run.resumed_from_step = None  # a newer step lifts the resume protection
             s.add(run)
-        audit.record(
+        ctx.audit(
             s,
-            ctx.actor,
             "push",
             str(ref),
             bytes=manifest.bytes,

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry import audit
 from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
 from registry.errors import IntegrityError
@@ -88,7 +87,7 @@ def record_resume(ctx: Context, ref: CheckpointRef) -> None:
         if run is not None:
             run.resumed_from_step, run.resumed_at = ref.step, now()
             s.add(run)
-            audit.record(s, ctx.actor, "resume", str(ref))
+            ctx.audit(s, "resume", str(ref))
 
 
 def verify(
@@ -131,7 +130,7 @@ def set_pin(
         ckpt.pinned_by = ctx.actor if pinned else None
         s.add(ckpt)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
-        audit.record(s, ctx.actor, action, str(full), reason=reason)
+        ctx.audit(s, action, str(full), reason=reason)
         return CheckpointView.of(
             ref.project, run.name, ckpt, queries.files_of(s, ckpt.id or 0)
         ).to_json()

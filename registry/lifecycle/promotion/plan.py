@@ -151,6 +151,8 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         rows = list(
             s.exec(select(Validation).where(Validation.checkpoint_id == plan.checkpoint.id)).all()
         )
+    if ctx.server:  # identities are proven here: only what a validator attested counts
+        rows = [v for v in rows if v.attested]
     records = [ValidationRecord(v.id or 0, v.passed, v.device) for v in rows]
     usable = usable_validation(policy, records)
     if usable is not None and plan.model_factory is None:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import select
 
 from policies.resume import classify
-from registry import audit, events, faults
+from registry import events, faults
 from registry.catalog import claims
 from registry.catalog.claims import Claim
 from registry.catalog.models import (
@@ -287,9 +287,8 @@ def commit(
         _emit_created(ctx, s, plan, reservation, document, digest, uri)
         if plan.alias is not None:
             move_alias(ctx, s, model, plan.alias, release)
-        audit.record(
+        ctx.audit(
             s,
-            ctx.actor,
             "promote",
             document.release,
             source=str(plan.source),

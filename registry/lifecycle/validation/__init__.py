@@ -18,11 +18,13 @@ the checks are timed separately.
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policies.resume import classify
-from registry import audit, events
+from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import RegistryError, UsageError
@@ -42,9 +44,11 @@ from registry.timeutil import iso, now
 from registry.transfer import verify_stored
 
 if TYPE_CHECKING:
+    from policies.loader import Policy
     from registry.context import Context
     from registry.formats.documents import FileRecord
     from registry.progress import Progress
+    from registry.storage.base import BaseStore
 
 
 def validate(
@@ -57,37 +61,58 @@ def validate(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     ctx.authorize("validate", project=ref.project, target=str(ref))
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"--world-size must be a whole number >= 1, got {world_size!r}")
+    check_world_size(world_size)
     dev = resolve_device(device)
     if model_factory is not None:
         load_factory(model_factory)  # a bad spec is a usage error before any work
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     with hold(ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}"):
-        out = _run_checks(ctx, full, ckpt, files, dev, world_size, model_factory, progress)
-    return _record(ctx, full, ckpt, out, dev, world_size)
+        out = run_checks(
+            ctx.store,
+            ctx.workers,
+            ctx.policy.rules,
+            full,
+            dict(ckpt.metrics),
+            files,
+            dev,
+            world_size,
+            model_factory,
+            progress,
+        )
+    # Inside reg server the server itself ran it: as trustworthy as a validator's.
+    return record(ctx, full, ckpt, Attempt.of(out, dev, world_size), attested=ctx.server)
 
 
-def _run_checks(
-    ctx: Context,
+def check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"--world-size must be a whole number >= 1, got {world_size!r}")
+
+
+def run_checks(
+    store: BaseStore,
+    workers: int,
+    rules: Policy,
     ref: CheckpointRef,
-    ckpt: Checkpoint,
+    metrics: dict[str, float],
     files: list[FileRecord],
     device: str,
     world_size: int,
     model_factory: str | None,
     progress: Progress | None,
 ) -> Outcome:
+    """Every check of the module docstring on the stored checkpoint `ref` (its `files` as the
+    catalog lists them); no catalog access, so a validator reading through `reg server` runs
+    the same code."""
     out = Outcome()
-    prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     started = time.perf_counter()
     problems = verify_stored(
-        ctx.store,
+        store,
         prefix,
         files,
         label=f"verify {ref}",
-        workers=ctx.workers,
+        workers=workers,
         progress=progress,
         recorded_versions=True,
     )
@@ -96,9 +121,7 @@ def _run_checks(
     if problems:
         out.add("integrity", False, "; ".join(f"{p.path}: {p.problem}" for p in problems))
     else:
-        metadata = load_metadata(
-            ctx.store.get_bytes(prefix + METADATA, version=versions.get(METADATA))
-        )
+        metadata = load_metadata(store.get_bytes(prefix + METADATA, version=versions.get(METADATA)))
         inv = inventory(metadata)
         try:
             check_ranges(inv, {f.path: f.size for f in files}, str(ref))
@@ -110,20 +133,20 @@ def _run_checks(
             out.add("integrity", False, str(exc))
     out.phases["integrity_seconds"] = round(time.perf_counter() - started, 3)
 
-    resume = classify(inv.top_level_keys() if inv else set(), ctx.policy.resume)
+    resume = classify(inv.top_level_keys() if inv else set(), rules.resume)
     if out.passed and metadata is not None and inv is not None:
         model = None
         if model_factory is not None:
             model = ModelCheck(
                 spec=model_factory,
-                names=inv.model_names(resume.model_keys, ctx.policy.resume.model_key),
-                metrics=dict(ckpt.metrics),
-                probe_rtol=ctx.policy.promotion.probe_rtol,
+                names=inv.model_names(resume.model_keys, rules.resume.model_key),
+                metrics=metrics,
+                probe_rtol=rules.promotion.probe_rtol,
             )
         if world_size == 1:
-            restore_here(ctx.store, prefix, versions, metadata, inv, device, model, out)
+            restore_here(store, prefix, versions, metadata, inv, device, model, out)
         else:
-            restore_distributed(ctx.store, prefix, versions, inv, device, world_size, model, out)
+            restore_distributed(store, prefix, versions, inv, device, world_size, model, out)
     out.add(
         "resume_state",
         resume.resumable,
@@ -134,33 +157,136 @@ def _run_checks(
     return out
 
 
-def _record(
-    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, out: Outcome, device: str, world_size: int
-) -> dict[str, Any]:
-    import torch
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one validation found, as recorded: made here from an Outcome, or sent to reg
+    server by a validator (`from_json` checks every field)."""
 
-    seconds = out.phases.get("restore_seconds", 0.0)
-    checks = [c.as_dict() for c in out.checks]
-    with ctx.catalog.session(write=True) as s:
-        row = Validation(
-            checkpoint_id=ckpt.id or 0,
+    passed: bool
+    device: str
+    device_name: str
+    torch_version: str
+    world_size: int
+    seconds: float
+    phases: dict[str, float]
+    checks: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, out: Outcome, device: str, world_size: int) -> Attempt:
+        import torch
+
+        checks = [c.as_dict() for c in out.checks]
+        if out.tied:
+            checks.append({"name": "tied_weights", "passed": True, "detail": out.tied})
+        return cls(
             passed=out.passed,
             device=device,
             device_name=device_name(device),
             torch_version=torch.__version__,
             world_size=world_size,
-            seconds=seconds,
-            phases=out.phases,
-            checks=checks
-            + ([{"name": "tied_weights", "passed": True, "detail": out.tied}] if out.tied else []),
+            seconds=out.phases.get("restore_seconds", 0.0),
+            phases=dict(out.phases),
+            checks=checks,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "device": self.device,
+            "device_name": self.device_name,
+            "torch_version": self.torch_version,
+            "world_size": self.world_size,
+            "seconds": self.seconds,
+            "phases": self.phases,
+            "checks": self.checks,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Attempt:
+        from registry.text import inert
+
+        def bad(what: str) -> UsageError:
+            return UsageError(f"validation report: {what}", "send what reg validate produces")
+
+        if not isinstance(doc, dict):
+            raise bad("not an object")
+        passed, device, world = doc.get("passed"), doc.get("device"), doc.get("world_size")
+        seconds, phases, checks = doc.get("seconds"), doc.get("phases"), doc.get("checks")
+        if not isinstance(passed, bool):
+            raise bad("passed is not true or false")
+        if device not in ("cuda", "cpu"):
+            raise bad("device is neither cuda nor cpu")
+        if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world < 2**31:
+            raise bad("world_size is not a whole number >= 1")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise bad("seconds is not a number")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise bad("seconds is not a finite number >= 0")
+        if (
+            not isinstance(phases, dict)
+            or len(phases) > 64
+            or not all(
+                isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+                for k, v in phases.items()
+            )
+        ):
+            raise bad("phases is not an object of finite numbers")
+        if not isinstance(checks, list) or not checks or len(checks) > 64:
+            raise bad("checks is not a list of 1 to 64 checks")
+        clean = []
+        for c in checks:
+            if not isinstance(c, dict) or not isinstance(c.get("passed"), bool):
+                raise bad("a check has no passed")
+            name, detail = c.get("name"), c.get("detail")
+            if not isinstance(name, str) or not isinstance(detail, str | list | dict | None):
+                raise bad("a check has no name")
+            clean.append({"name": inert(name)[:64], "passed": c["passed"], "detail": detail})
+        if passed != all(c["passed"] for c in clean):
+            raise bad("passed disagrees with the checks")
+        text = {k: doc.get(k) for k in ("device_name", "torch_version")}
+        if not all(isinstance(v, str) for v in text.values()):
+            raise bad("device_name and torch_version are strings")
+        return cls(
+            passed=passed,
+            device=device,
+            device_name=inert(str(text["device_name"]))[:200],
+            torch_version=inert(str(text["torch_version"]))[:64],
+            world_size=world,
+            seconds=float(seconds),
+            phases={k[:64]: float(v) for k, v in phases.items()},
+            checks=clean,
+        )
+
+
+def record(
+    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, attempt: Attempt, *, attested: bool
+) -> dict[str, Any]:
+    """The Validation row, its audit event and its outbox event, in one transaction."""
+    with ctx.catalog.session(write=True) as s:
+        row = Validation(
+            checkpoint_id=ckpt.id or 0,
+            passed=attempt.passed,
+            device=attempt.device,
+            device_name=attempt.device_name,
+            torch_version=attempt.torch_version,
+            world_size=attempt.world_size,
+            seconds=attempt.seconds,
+            phases=attempt.phases,
+            checks=attempt.checks,
             created_at=now(),
             created_by=ctx.actor,
+            attested=attested,
         )
         s.add(row)
         s.flush()
-        outcome = audit.ALLOWED if out.passed else audit.FAILED
-        audit.record(
-            s, ctx.actor, "validate", str(ref), outcome, device=device, validation_id=row.id
+        ctx.audit(
+            s,
+            "validate",
+            str(ref),
+            "allowed" if attempt.passed else "failed",
+            device=attempt.device,
+            validation_id=row.id,
+            attested=attested or None,
         )
         ctx.events.emit(
             s,
@@ -169,23 +295,17 @@ def _record(
             run=ref.run,
             step=ref.step,
             ref=str(ref),
-            passed=out.passed,
-            device=device,
+            passed=attempt.passed,
+            device=attempt.device,
             device_name=row.device_name,
             validation_id=row.id,
-            seconds=seconds,
+            seconds=attempt.seconds,
         )
         validation_id = row.id
     return {
         "ref": str(ref),
-        "passed": out.passed,
-        "device": device,
-        "device_name": row.device_name,
-        "seconds": seconds,
-        "world_size": world_size,
-        "torch_version": torch.__version__,
-        "phases": out.phases,
-        "checks": checks,
+        **attempt.to_json(),
         "validation_id": validation_id,
+        "attested": attested,
         "created_at": iso(row.created_at),
     }

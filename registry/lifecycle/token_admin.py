@@ -1,0 +1,41 @@
+"""Tokens of `reg server`, administered (admin): create, list, revoke; each change audited."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from registry import tokens
+from registry.config import checked_user
+from registry.errors import UsageError
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+MAX_EXPIRY_S = 10 * 365 * 86400.0
+
+
+def create(ctx: Context, principal: str, *, expires_s: float | None) -> dict[str, Any]:
+    """A new token for `principal`, returned in full once (only its hash is kept)."""
+    checked_user(principal, "principal")
+    if expires_s is not None and not (math.isfinite(expires_s) and 0 < expires_s <= MAX_EXPIRY_S):
+        raise UsageError(f"--expires must be positive and at most {MAX_EXPIRY_S / 86400:.0f} days")
+    ctx.authorize("token", target=f"token for {principal}")
+    token = tokens.mint(ctx.catalog, principal, created_by=ctx.actor, expires_s=expires_s)
+    token_id, _ = tokens.split(token)
+    with ctx.catalog.session(write=True) as s:
+        ctx.audit(s, "token-create", f"token {token_id}", principal=principal, expires_s=expires_s)
+    return {"id": token_id, "principal": principal, "token": token}
+
+
+def listing(ctx: Context) -> list[dict[str, Any]]:
+    ctx.authorize("token", target="tokens")
+    return tokens.listing(ctx.catalog)
+
+
+def revoke(ctx: Context, token_id: str) -> dict[str, Any]:
+    ctx.authorize("token", target=f"token {token_id[:32]}")
+    out = tokens.revoke(ctx.catalog, token_id, revoked_by=ctx.actor)
+    with ctx.catalog.session(write=True) as s:
+        ctx.audit(s, "token-revoke", f"token {out['id']}", principal=out["principal"])
+    return out

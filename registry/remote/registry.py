@@ -1,0 +1,373 @@
+"""`RemoteRegistry`: the `Registry` API through `reg server` (`REG_URL`).
+
+Same methods, same dictionaries, same errors as the embedded Registry; identity comes only
+from the token. The client never opens the catalog or the store: pushes stream through the
+server, pulls and validations read through it, and promotion, GC and policy changes run in it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.api import Registry
+from registry.config import Settings
+from registry.errors import IntegrityError, UsageError
+from registry.formats.documents import FileRecord
+from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
+from registry.remote.client import Client
+from registry.remote.reader import RemoteReader
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+    from registry.context import Context
+    from registry.policy_source import EffectivePolicy
+    from registry.progress import Progress
+    from registry.storage.base import BaseStore
+
+PIECE = 1 << 20
+
+
+class RemoteRegistry(Registry):
+    def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        if user is not None:
+            raise UsageError(
+                "a remote registry takes no user name: the token says who you are",
+                "drop user=..., or use the embedded mode",
+            )
+        assert self.settings.url is not None
+        self.client = Client(self.settings.url, self.settings.token)
+        self._whoami: dict[str, Any] | None = None
+
+    # -- parts: none of them live here -------------------------------------------------------
+    def _server_only(self, what: str) -> UsageError:
+        return UsageError(
+            f"remote mode: the {what} belongs to reg server ({self.settings.url})",
+            "use the Registry methods; they run in the server",
+        )
+
+    @property
+    def user(self) -> str:
+        if self._whoami is None:
+            self._whoami = self.client.call("GET", "/whoami")
+        return str(self._whoami["principal"])
+
+    @property
+    def catalog(self) -> Catalog:
+        raise self._server_only("catalog")
+
+    @property
+    def store(self) -> BaseStore:
+        raise self._server_only("store")
+
+    @property
+    def context(self) -> Context:
+        raise self._server_only("context")
+
+    @property
+    def policy(self) -> EffectivePolicy:
+        from registry.policy_source import EffectivePolicy
+
+        out = self.policy_show()
+        return EffectivePolicy(out["document"], out["source"])
+
+    def close(self) -> None:
+        self.client.close()
+
+    def whoami(self) -> dict[str, Any]:
+        return dict(self.client.call("GET", "/whoami"))
+
+    # -- access: decided by the server on every request ----------------------------------------
+    def authorize(
+        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
+    ) -> None:
+        raise self._server_only("access check")
+
+    def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
+        raise self._server_only("access check")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def push_checkpoint(
+        self,
+        src: str | Path,
+        *,
+        run: str,
+        step: int,
+        project: str = "default",
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        progress: Progress | None = None,
+        notes: list[str] | None = None,
+    ) -> dict[str, Any]:
+        from registry.formats.dcp_scan import scan_directory
+        from registry.server.upload import frame_header
+
+        scanned = scan_directory(Path(src))  # refused here, before a byte moves
+        order = sorted(scanned.files)
+        header = {
+            "project": project,
+            "run": run,
+            "step": step,
+            "world_size": world_size,
+            "metrics": metrics or {},
+            "files": [{"path": p, "size": scanned.files[p]} for p in order],
+        }
+        if progress:
+            progress.start(f"push {project}/{run}@step{step}", sum(scanned.files.values()))
+
+        def body() -> Iterator[bytes]:
+            yield frame_header(header)
+            for path in order:
+                yield from _send_file(scanned, path, progress)
+
+        try:
+            out = dict(self.client.call("POST", "/checkpoints/push", content=body()))
+        finally:
+            if progress:
+                progress.finish()
+        for n in out.pop("notes", []):
+            if notes is not None:
+                notes.append(n)
+        return out
+
+    def list_checkpoints(
+        self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
+    ) -> list[dict[str, Any]]:
+        params = {"run": run, "project": project, "include_deleted": include_deleted}
+        return list(self.client.call("GET", "/checkpoints", params=params))
+
+    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
+        return dict(self.client.call("GET", "/show", params={"ref": str(_parsed(ref))}))
+
+    def pull(
+        self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
+        parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+        where = self._download(str(parsed), Path(dest), progress)
+        out = dict(self.client.call("POST", "/checkpoints/pulled", body={"ref": where[0]}))
+        out["dest"] = str(where[1])
+        return out
+
+    def _download(self, ref: str, dest: Path, progress: Progress | None) -> tuple[str, Path, Any]:
+        from registry.transfer import download
+
+        listing = self.client.call("GET", "/files", params={"ref": ref})
+        files = [_record(f) for f in listing["files"]]
+        full = listing["ref"]
+        prefix = "remote/"  # any key prefix: the reader asks for each file of `full`
+        reader = RemoteReader(self.client, full, prefix, files)
+        workers = self.settings.workers
+        where = download(
+            reader, prefix, files, dest, label=full, workers=workers, progress=progress
+        )
+        return full, where, listing["view"]
+
+    def verify(
+        self,
+        ref: str | CheckpointRef | ReleaseRef,
+        *,
+        repair: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        body = {"ref": str(_parsed(ref)), "repair": repair}
+        return dict(self.client.call("POST", "/verify", body=body))
+
+    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
+        body = {"ref": str(ref), "pinned": True, "reason": reason}
+        return dict(self.client.call("POST", "/pin", body=body))
+
+    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/pin", body={"ref": str(ref), "pinned": False}))
+
+    # -- validation, promotion, releases ---------------------------------------------------------
+    def validate(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        device: str = "auto",
+        world_size: int = 1,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Validate on this machine's device, reading through the server, and report it: only
+        a validator may (refused before any work otherwise)."""
+        from policies.loader import parse_policy
+        from registry.lifecycle.validation import Attempt, check_world_size, run_checks
+        from registry.lifecycle.validation.checks import load_factory
+        from registry.lifecycle.validation.restore import resolve_device
+
+        parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+        check_world_size(world_size)
+        dev = resolve_device(device)
+        if model_factory is not None:
+            load_factory(model_factory)
+        begun = self.client.call("POST", "/validations/begin", body={"ref": str(parsed)})
+        full = parse_checkpoint_ref(begun["ref"])
+        files = [_record(f) for f in begun["files"]]
+        from registry.layout import checkpoint_prefix
+
+        prefix = checkpoint_prefix(full.project, full.run, full.step or 0)
+        reader = RemoteReader(self.client, str(full), prefix, files)
+        outcome = run_checks(
+            reader,
+            self.settings.workers,
+            parse_policy(begun["policy"], "the server's policy"),
+            full,
+            dict(begun["metrics"]),
+            files,
+            dev,
+            world_size,
+            model_factory,
+            progress,
+        )
+        attempt = Attempt.of(outcome, dev, world_size)
+        body = {"ref": str(full), "attempt": attempt.to_json()}
+        return dict(self.client.call("POST", "/validations", body=body))
+
+    def promote(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        model: str,
+        alias: str | None = None,
+        dtype: str | None = None,
+        max_shard_size: str = "5GB",
+        extras: list[str | Path] | None = None,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        sent = []
+        for given in extras or []:
+            p = Path(given)
+            if not p.is_file() or p.is_symlink():
+                raise UsageError(
+                    f"--extra {p}: not a regular file", "give files such as config.json"
+                )
+            sent.append({"name": p.name, "data": base64.b64encode(p.read_bytes()).decode()})
+        body = {
+            "ref": str(ref),
+            "model": model,
+            "alias": alias,
+            "dtype": dtype,
+            "max_shard_size": max_shard_size,
+            "extras": sent,
+            "model_factory": model_factory,
+        }
+        return dict(self.client.call("POST", "/promote", body=body))
+
+    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
+        return list(self.client.call("GET", "/releases", params={"model": model}))
+
+    def pull_release(
+        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
+        _, where, view = self._download(str(ref), Path(dest), progress)
+        out = dict(view)
+        out["dest"] = str(where)
+        return out
+
+    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
+        body = {"model": model, "alias": alias, "version": version}
+        return dict(self.client.call("POST", "/alias", body=body))
+
+    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
+        body = {"ref": str(ref), "status": "deprecated"}
+        return dict(self.client.call("POST", "/status", body=body))
+
+    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
+        body = {"ref": str(ref), "status": "yanked", "reason": reason}
+        return dict(self.client.call("POST", "/status", body=body))
+
+    # -- administration --------------------------------------------------------------------------
+    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/gc", body={"dry_run": dry_run}))
+
+    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/catalog/rebuild", body={"dry_run": dry_run}))
+
+    def recovery(
+        self, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+    ) -> dict[str, Any]:
+        params = {"run": run, "project": project, "mtbf_s": mtbf_s}
+        return dict(self.client.call("GET", "/recovery", params=params))
+
+    def storage_init(self) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/storage/init"))
+
+    def audit_log(
+        self, *, since: float | None = None, actor: str | None = None, action: str | None = None
+    ) -> list[dict[str, Any]]:
+        params = {"since": since, "actor": actor, "action": action}
+        return list(self.client.call("GET", "/audit", params=params))
+
+    def policy_show(self) -> dict[str, Any]:
+        return dict(self.client.call("GET", "/policy"))
+
+    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+        from registry.errors import PolicyError
+
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
+        body = {"text": text, "name": str(path)}
+        return dict(self.client.call("POST", "/policy", body=body))
+
+    def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
+        out = self.client.call("GET", "/policy/export", params={"bucket": bucket})
+        return dict(out["document"]), list(out["missing"])
+
+    def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/mlflow/sync", body={"budget_s": budget_s}))
+
+    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
+        body = {"principal": principal, "expires_s": expires_s}
+        return dict(self.client.call("POST", "/tokens", body=body))
+
+    def list_tokens(self) -> list[dict[str, Any]]:
+        return list(self.client.call("GET", "/tokens"))
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        from urllib.parse import quote
+
+        return dict(self.client.call("DELETE", f"/tokens/{quote(token_id, safe='')}"))
+
+
+def _parsed(ref: str | CheckpointRef | ReleaseRef) -> CheckpointRef | ReleaseRef:
+    return parse_ref(ref) if isinstance(ref, str) else ref
+
+
+def _record(doc: dict[str, Any]) -> FileRecord:
+    return FileRecord(
+        doc["path"], int(doc["size"]), doc["sha256"], doc.get("rank"), doc.get("version")
+    )
+
+
+def _send_file(scanned: Any, path: str, progress: Progress | None) -> Iterator[bytes]:
+    """The bytes of one scanned file, then its sha256: opened as the scan checked it, read
+    once; a file that changed size since the scan is refused here."""
+    fd = scanned.open(path)
+    digest, sent = hashlib.sha256(), 0
+    try:
+        while piece := os.read(fd, PIECE):
+            digest.update(piece)
+            sent += len(piece)
+            if sent > scanned.files[path]:
+                break
+            if progress:
+                progress.advance(len(piece))
+            yield piece
+    finally:
+        os.close(fd)
+    if sent != scanned.files[path]:
+        raise IntegrityError(
+            f"{scanned.root / path} changed while being pushed ({sent} bytes, the scan saw "
+            f"{scanned.files[path]})",
+            "push a checkpoint that is no longer being written",
+        )
+    yield digest.digest()

@@ -1,0 +1,14 @@
+"""`reg server`: the one trusted process of a shared registry (DESIGN §9).
+
+It alone holds the catalog and store credentials. Every request carries a bearer token; the
+server verifies it, builds a `Context` around the principal the token names, and runs the same
+lifecycle code as the embedded mode. Clients (`REG_URL`, `registry.remote`) never touch the
+catalog or the store.
+
+    app.py          the FastAPI application: state, middleware, errors, health, metrics
+    auth.py         token -> Principal -> Context, per request
+    upload.py       a push's framed byte stream -> a private directory the server scans itself
+    routes.py       one endpoint per `Registry` method
+    background.py   the MLflow drain and the GC schedule (one leader among replicas)
+    bootstrap.py    `reg server init --admin NAME`
+"""

@@ -1,0 +1,175 @@
+"""The FastAPI application of `reg server`: shared state, middleware, errors, health, metrics.
+
+Stateless between requests: everything lives in the catalog and the store, so replicas behind
+one PostgreSQL catalog serve the same registry. Errors answer with the body every client turns
+back into the CLI's behaviour: `{"exit_code", "message", "hint", "type"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from registry.errors import (
+    Conflict,
+    NotFound,
+    PermissionDenied,
+    RegistryError,
+    Unauthenticated,
+    UsageError,
+)
+from registry.server import metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from registry.catalog.engine import Catalog
+    from registry.config import Settings
+    from registry.storage.base import BaseStore
+
+log = logging.getLogger("reg.server")
+API_VERSION = "v1"
+MAX_JSON_BYTES = 1 << 20  # JSON request bodies; a push streams, a promotion's extras get more
+MAX_PROMOTE_BYTES = 64 << 20
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    catalog: Catalog
+    store: BaseStore
+
+
+def _status(exc: RegistryError) -> int:
+    if isinstance(exc, Unauthenticated):
+        return 401
+    if isinstance(exc, PermissionDenied):
+        return 403
+    if isinstance(exc, NotFound):
+        return 404
+    if isinstance(exc, Conflict):
+        return 409
+    if isinstance(exc, UsageError):
+        return 400
+    return 422
+
+
+def error_body(exc: RegistryError) -> dict[str, Any]:
+    return {
+        "exit_code": exc.exit_code,
+        "message": exc.message,
+        "hint": exc.hint,
+        "type": type(exc).__name__,
+    }
+
+
+def create_app(settings: Settings) -> FastAPI:
+    from registry.catalog.engine import Catalog
+    from registry.policy_source import EffectivePolicy
+    from registry.server import routes
+    from registry.storage import open_store
+
+    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+
+    def release_lock() -> tuple[str, int]:
+        policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
+        return policy.release.object_lock, policy.release.lock_days
+
+    store = open_store(settings.store_url, release_lock=release_lock)
+    app = FastAPI(
+        title="reg server",
+        summary="Checkpoint and release-model registry: the trusted process of a shared registry",
+        version=API_VERSION,
+    )
+    app.state.reg = ServerState(settings, catalog, store)
+    app.include_router(routes.router, prefix=f"/{API_VERSION}")
+
+    @app.exception_handler(RegistryError)
+    async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:
+        request.state.outcome = type(exc).__name__
+        return JSONResponse(error_body(exc), status_code=_status(exc))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        rid = getattr(request.state, "request_id", "")
+        log.exception("internal error", extra={"request_id": rid})
+        request.state.outcome = "internal"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        body = {
+            "exit_code": 1,
+            "message": f"server error: {type(exc).__name__}: {first}"[:500],
+            "hint": f"the server log has the traceback (request {rid})",
+            "type": "InternalError",
+        }
+        return JSONResponse(body, status_code=500)
+
+    @app.middleware("http")
+    async def observe(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        rid = request.headers.get("x-request-id", "")
+        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum()):
+            rid = uuid.uuid4().hex
+        request.state.request_id = rid
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            response.headers["x-request-id"] = rid
+            return response
+        finally:
+            seconds = time.perf_counter() - started
+            route = request.scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            metrics.observe(request.method, path, status, seconds, request)
+            events = getattr(request.state, "events", None)
+            if events is not None:
+                events.flush()  # a detached MLflow drain, as after an embedded command
+            log.info(
+                json.dumps(
+                    {
+                        "ts": time.time(),
+                        "request_id": rid,
+                        "method": request.method,
+                        "path": path,
+                        "status": status,
+                        "seconds": round(seconds, 4),
+                        "principal": getattr(request.state, "principal", None),
+                        "token": getattr(request.state, "token_id", None),
+                        "outcome": getattr(request.state, "outcome", "ok"),
+                    }
+                )
+            )
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    def readyz() -> JSONResponse:
+        problems = []
+        try:
+            catalog.current_revision()
+        except Exception as exc:
+            problems.append(f"catalog: {type(exc).__name__}")
+        try:
+            store.head("reg-readyz-probe")
+        except Exception as exc:
+            problems.append(f"store: {type(exc).__name__}")
+        body = {"status": "ready" if not problems else "not ready", "problems": problems}
+        return JSONResponse(body, status_code=200 if not problems else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus() -> PlainTextResponse:
+        data, content_type = metrics.render()
+        return PlainTextResponse(data, media_type=content_type)
+
+    return app

@@ -1,0 +1,107 @@
+"""Work the server does on its own: the MLflow drain and, when asked, the GC schedule.
+
+Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
+for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
+GCs apart), and the drain holds the drain lease while it runs (`registry.mlflow_mirror`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from registry.server.app import ServerState
+
+log = logging.getLogger("reg.server")
+SCHEDULE_LEASE = "gc-schedule"
+DRAIN_EVERY_S = 30.0
+SERVER_PRINCIPAL = "reg-server"
+
+
+class Background:
+    def __init__(self, state: ServerState, gc_every_s: float | None) -> None:
+        self.state, self.gc_every_s = state, gc_every_s
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        from registry.mirror_spawn import enabled
+
+        if enabled():
+            self._spawn(self._drain_loop, "reg-drain")
+        if self.gc_every_s:
+            self._spawn(self._gc_loop, "reg-gc-schedule")
+
+    def _spawn(self, target: object, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self.threads.append(thread)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=5)
+
+    def _drain_loop(self) -> None:
+        """Events a request's own drain left behind (MLflow down, a crash) are retried."""
+        from registry.mirror_spawn import spawn_drain
+        from registry.mlflow_mirror import pending_count
+
+        while not self.stop.wait(DRAIN_EVERY_S):
+            try:
+                if pending_count(self.state.catalog):
+                    spawn_drain(self.state.settings)
+            except Exception:
+                log.exception("mlflow drain check failed")
+
+    def _gc_loop(self) -> None:
+        assert self.gc_every_s is not None
+        while not self.stop.wait(self.gc_every_s):
+            try:
+                out = self.run_gc_cycle()
+                if out is not None:
+                    log.info(json.dumps({"gc": "scheduled", **out}))
+            except Exception:
+                log.exception("scheduled gc failed")
+
+    def run_gc_cycle(self) -> dict[str, object] | None:
+        """One scheduled GC, if this replica leads this interval; None if another does."""
+        from registry.catalog import leases
+        from registry.context import Context
+        from registry.events import Outbox
+        from registry.lifecycle.gc import run_gc
+        from registry.policy_source import EffectivePolicy
+        from registry.principal import Principal
+
+        state = self.state
+        assert self.gc_every_s is not None
+        token, _ = leases.try_acquire(
+            state.catalog, SCHEDULE_LEASE, SERVER_PRINCIPAL, self.gc_every_s * 0.9
+        )
+        if token is None:
+            return None
+        policy = EffectivePolicy.load(
+            state.catalog, policy_path=state.settings.policy_path, home=state.settings.home
+        )
+        # The schedule acts for the server itself, registry-wide: an admin by construction.
+        events = Outbox(state.settings)
+        ctx = Context(
+            catalog=state.catalog,
+            store=state.store,
+            policy=policy,
+            principal=Principal(SERVER_PRINCIPAL, "server", single_user=True),
+            events=events,
+            workers=state.settings.workers,
+            server=True,
+        )
+        try:
+            result = run_gc(ctx)
+        finally:
+            events.flush()
+        return {
+            "deleted": sum(1 for d in result["decisions"] if d["action"] == "delete"),
+            "freed_bytes": result["freed_bytes"],
+        }

@@ -1,0 +1,65 @@
+"""`reg server init --admin NAME`: the first admin of a shared registry and its token.
+
+Run on the server's host with the server's settings (whoever can read the catalog credentials
+is already trusted with everything). With no grants in force it applies the policy in force
+plus an admin grant for NAME, so the registry leaves single-user mode; when grants exist, NAME
+must already be an admin under them. Either way it mints a token for NAME, shown once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from registry.config import checked_user
+from registry.errors import PolicyError
+
+if TYPE_CHECKING:
+    from registry.config import Settings
+
+
+def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
+    from policies.access import check_grants
+    from registry.catalog.engine import Catalog
+    from registry.context import Context
+    from registry.events import Outbox
+    from registry.lifecycle.policy_admin import apply_text
+    from registry.policy_source import EffectivePolicy
+    from registry.principal import Principal
+    from registry.storage.memory import MemoryStore
+    from registry.tokens import mint
+
+    checked_user(admin, "--admin")
+    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    try:
+        policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
+        applied = None
+        if not policy.has_grants:
+            name = json.dumps(admin, ensure_ascii=False)  # a TOML basic string, escaped
+            text = policy.text.rstrip() + (
+                f"\n\n[[access.grants]]  # added by reg server init\nprincipals = [{name}]\n"
+                'role = "admin"\n'
+            )
+            ctx = Context(
+                catalog=catalog,
+                store=MemoryStore(),  # applying a policy touches no object
+                policy=policy,
+                principal=Principal.under(admin, f"reg server init by {operator}", policy),
+                events=Outbox(settings),
+            )
+            applied = apply_text(ctx, text, "reg server init")
+        elif not check_grants(policy.access.grants, admin, "policy").allowed:
+            raise PolicyError(
+                f"{admin} is not an admin under the policy in force ({policy.source})",
+                "name an admin of that policy, or have an admin add one",
+            )
+        token = mint(catalog, admin, created_by=f"reg server init ({operator})", expires_s=None)
+        with catalog.session(write=True) as s:
+            from registry import audit
+
+            audit.record(
+                s, operator, "token-create", f"token {token.split('_')[1]}", principal=admin
+            )
+        return {"principal": admin, "token": token, "policy": applied}
+    finally:
+        catalog.dispose()

@@ -1,0 +1,91 @@
+"""Run `reg server` under uvicorn: logging as JSON lines, SIGTERM lets in-flight requests end
+(`--graceful-timeout`), the background work (MLflow drain, GC schedule) starts with the app."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from fastapi import FastAPI
+
+
+def build_app(gc_every_s: float | None = None) -> FastAPI:
+    """The app for this host's settings, with its background work tied to its lifespan."""
+    from registry.config import Settings
+    from registry.server.app import create_app
+    from registry.server.background import Background
+
+    settings = Settings.from_env()
+    app = create_app(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        app.state.reg.catalog.current_revision()  # migrate (or fail) before the first request
+        background = Background(app.state.reg, gc_every_s)
+        background.start()
+        try:
+            yield
+        finally:
+            background.close()
+            app.state.reg.catalog.dispose()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def factory() -> FastAPI:
+    """For `uvicorn --factory registry.server.run:factory` and `--workers N`."""
+    import os
+
+    every = os.environ.get("REG_SERVER_GC_EVERY_S")
+    return build_app(float(every) if every else None)
+
+
+def serve(
+    *,
+    host: str,
+    port: int,
+    gc_every: str | None,
+    workers: int,
+    ssl_certfile: str | None,
+    ssl_keyfile: str | None,
+    graceful_s: int,
+) -> None:
+    import os
+
+    import uvicorn
+
+    from policies.loader import parse_duration
+    from registry.config import Settings
+    from registry.errors import UsageError
+
+    if Settings.from_env().remote:
+        raise UsageError("reg server serves this host's catalog: unset REG_URL")
+    gc_every_s = None
+    if gc_every is not None:
+        try:
+            gc_every_s = parse_duration(gc_every)
+        except ValueError as exc:
+            raise UsageError(f"bad --gc-every: {exc}", "e.g. 1h") from None
+        if not 0 < gc_every_s < float("inf"):
+            raise UsageError(f"--gc-every {gc_every} must be a positive duration", "e.g. 1h")
+        os.environ["REG_SERVER_GC_EVERY_S"] = str(gc_every_s)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    uvicorn.run(
+        "registry.server.run:factory",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        timeout_graceful_shutdown=graceful_s,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+    )

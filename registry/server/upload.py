@@ -1,0 +1,207 @@
+"""A push's bytes, received: one request carries a header and then every file, back to back.
+
+    b"REGPUSH1" | u64 big-endian header length | header JSON |
+        file 1 bytes | sha256 of file 1 (32 bytes) | file 2 bytes | sha256 of file 2 | ...
+
+The header names the checkpoint (project, run, step, world size, metrics) and each file's path
+and size. Each file's digest follows its bytes, so the client reads every file once. The server
+writes the files into a private directory, hashing each as it lands and stopping at its declared
+size, then pushes that directory with the same code as the embedded mode: it scans and
+inventories `.metadata` itself, so nothing the client says about the checkpoint's content is
+taken on trust. A file whose bytes do not match the client's digest was damaged in transit or
+changed while being sent: refused, named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import IntegrityError, UsageError
+
+MAGIC = b"REGPUSH1"
+MAX_HEADER = 16 << 20
+MAX_FILES = 100_000
+MAX_FILE_SIZE = 1 << 50
+MAX_PATH = 1024
+DIGEST = 32
+
+
+def frame_header(header: dict[str, Any]) -> bytes:
+    data = json.dumps(header, separators=(",", ":")).encode()
+    return MAGIC + struct.pack(">Q", len(data)) + data
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    path: str
+    size: int
+
+
+@dataclass
+class PushRequest:
+    project: str
+    run: str
+    step: int
+    world_size: int | None
+    metrics: dict[str, float]
+    files: list[Declared]
+
+    @property
+    def total(self) -> int:
+        """Bytes that follow the header: every file and its digest."""
+        return sum(f.size + DIGEST for f in self.files)
+
+
+def parse_header(data: bytes) -> PushRequest:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"push header is not JSON: {exc}", "use reg push-ckpt") from None
+    if not isinstance(doc, dict):
+        raise UsageError("push header is not a JSON object", "use reg push-ckpt")
+    files = doc.get("files")
+    if not isinstance(files, list) or not files or len(files) > MAX_FILES:
+        raise UsageError(f"push header: files must be a list of 1 to {MAX_FILES} entries")
+    declared = [_declared(f) for f in files]
+    _check_tree([d.path for d in declared])
+    step, world = doc.get("step"), doc.get("world_size")
+    metrics = doc.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise UsageError("push header: metrics must be an object of numbers")
+    return PushRequest(
+        project=_text(doc.get("project"), "project"),
+        run=_text(doc.get("run"), "run"),
+        step=step if isinstance(step, int) and not isinstance(step, bool) else -1,
+        world_size=world if world is None or isinstance(world, int) else -1,
+        metrics=metrics,
+        files=declared,
+    )
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"push header: {what} must be a string")
+    return value
+
+
+def _declared(entry: object) -> Declared:
+    if not isinstance(entry, dict):
+        raise UsageError("push header: each file is an object with path and size")
+    path, size = entry.get("path"), entry.get("size")
+    if not isinstance(path, str):
+        raise UsageError("push header: a file path is not a string")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_SIZE:
+        raise UsageError(f"push header: {path[:80]!r} has a bad size {size!r}")
+    return Declared(_checked_path(path), size)
+
+
+def _checked_path(path: str) -> str:
+    """A relative path of plain names: nothing that could leave the upload directory."""
+    parts = path.split("/")
+    bad = (
+        not path
+        or len(path) > MAX_PATH
+        or not path.isprintable()
+        or any(p in ("", ".", "..") or len(p) > 255 for p in parts)
+    )
+    if bad:
+        raise UsageError(f"push header: {path[:80]!r} is not a plain relative file path")
+    return path
+
+
+def _check_tree(paths: list[str]) -> None:
+    seen = set(paths)
+    if len(seen) != len(paths):
+        raise UsageError("push header: a file path appears twice")
+    for p in paths:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in seen:
+                raise UsageError(f"push header: {p!r} is inside the file {'/'.join(parts[:i])!r}")
+
+
+@dataclass
+class Receiver:
+    """Writes the declared files, in order, from the bytes that follow the header."""
+
+    root: Path
+    files: list[Declared]
+    index: int = 0
+    written: int = 0
+    fd: int | None = None
+    trailer: bytearray = field(default_factory=bytearray)
+    hasher: Any = field(default_factory=hashlib.sha256)
+
+    @classmethod
+    def create(cls, parent: Path, files: list[Declared]) -> Receiver:
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root = parent / f"push-{uuid.uuid4().hex}"
+        root.mkdir(mode=0o700)
+        return cls(root, files)
+
+    def _open(self) -> int:
+        if self.index >= len(self.files):
+            raise UsageError("the push sent more bytes than its header declared")
+        target = self.root / self.files[self.index].path
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(target, flags, 0o600)
+        self.hasher, self.written = hashlib.sha256(), 0
+        self.trailer.clear()
+        return self.fd
+
+    def _check_trailer(self) -> None:
+        f = self.files[self.index]
+        assert self.fd is not None
+        os.close(self.fd)
+        self.fd = None
+        got, sent = self.hasher.hexdigest(), bytes(self.trailer).hex()
+        if got != sent:
+            raise IntegrityError(
+                f"{f.path} arrived with sha256 {got[:16]}..., not the {sent[:16]}... the "
+                "client read",
+                "the file changed while being pushed, or was damaged in transit: push again",
+            )
+        self.index += 1
+
+    def feed(self, data: bytes) -> None:
+        """Write `data`, the bytes that follow the previous ones."""
+        view = memoryview(data)
+        while view:
+            fd = self.fd if self.fd is not None else self._open()
+            f = self.files[self.index]
+            if self.written < f.size:
+                piece = view[: f.size - self.written]
+                self.hasher.update(piece)
+                rest = piece
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+                self.written += len(piece)
+            else:
+                piece = view[: DIGEST - len(self.trailer)]
+                self.trailer += piece
+                if len(self.trailer) == DIGEST:
+                    self._check_trailer()
+            view = view[len(piece) :]
+
+    def finish(self) -> None:
+        if self.index < len(self.files):
+            f = self.files[self.index]
+            raise IntegrityError(
+                f"the push ended inside {f.path} ({self.written} of {f.size} bytes)",
+                "the connection dropped or the client stopped: push again",
+            )
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        shutil.rmtree(self.root, ignore_errors=True)
