@@ -35,12 +35,25 @@ def show(json_output: bool = JSON_OPTION) -> None:
     print(out["document"].rstrip() or "# (the shipped default)")
 
 
-def check(path: Path = typer.Argument(..., help="A policy TOML file.")) -> None:
-    """Validate a policy file (exit 2 with file:line on the first error)."""
-    from policies.loader import load_policy_file
+def check(
+    path: Path | None = typer.Argument(None, help="A policy TOML file (default: the applied one)."),
+) -> None:
+    """Validate a policy file, or the policy in force (exit 2 with file:line on the first
+    error); warns about grants that count for nothing (scoped admin grants)."""
+    from policies.access import scoped_admin_grants
+    from policies.loader import load_policy_file, parse_policy
 
-    policy = load_policy_file(path)
-    print(f"{path}: ok ({len(policy.access.grants)} grant(s))")
+    if path is None:
+        with open_registry() as reg:
+            shown = reg.policy_show()
+        name = shown["source"]
+        policy = parse_policy(shown["document"], name)
+    else:
+        name = str(path)
+        policy = load_policy_file(path)
+    for problem in scoped_admin_grants(policy.access.grants):
+        note(f"warning: {name}: {problem}")
+    print(f"{name}: ok ({len(policy.access.grants)} grant(s))")
 
 
 def apply(

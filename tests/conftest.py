@@ -153,3 +153,20 @@ def cli():  # type: ignore[no-untyped-def]
         )
 
     return run
+
+
+@pytest.fixture
+def reg_server(catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """`reg server` on this test's catalog (SQLite or PostgreSQL) and a local store, with the
+    team policy applied (tests/serverproc.py); the test's own environment becomes a client's:
+    REG_URL and the admin's token, no catalog or store settings."""
+    from tests.serverproc import RegServer, server_env, team_policy
+
+    server = RegServer(server_env(tmp_path / "server-home", catalog_url), tmp_path / "server-home")
+    server.init().start()
+    server.apply_policy(team_policy())
+    monkeypatch.delenv("REG_CATALOG_URL", raising=False)
+    for key, value in server.client_env("admin").items():
+        monkeypatch.setenv(key, value)
+    yield server
+    server.stop()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from policies.access import ACTIONS, ROLES, check
+from policies.access import ACTIONS, check, gives, scoped_admin_grants
 from policies.loader import parse_policy
 from registry import Registry
 from registry.errors import MalformedRef, NotFound, PermissionDenied, PolicyError
@@ -54,7 +54,7 @@ ROLE_OF = {"bob": "viewer", "alice": "trainer", "carol": "releaser", "dave": "ad
 @pytest.mark.parametrize("principal", sorted(ROLE_OF))
 @pytest.mark.parametrize("action", sorted(ACTIONS))
 def test_every_role_and_action_in_scope(principal, action):
-    allowed = ROLES.index(ROLE_OF[principal]) >= ROLES.index(ACTIONS[action])
+    allowed = gives(ROLE_OF[principal], ACTIONS[action])
     in_scope = check(grants(), principal, action, project="team-a", model="tiny-lm")
     assert in_scope.allowed == allowed, in_scope.reason
 
@@ -75,6 +75,31 @@ def test_every_role_and_action_in_scope(principal, action):
 def test_scopes(principal, project, model, allowed):
     action = "read"
     assert check(grants(), principal, action, project=project, model=model).allowed == allowed
+
+
+@pytest.mark.parametrize(
+    ("role", "action", "allowed"),
+    [
+        ("validator", "attest", True),
+        ("validator", "read", True),
+        ("validator", "push", False),
+        ("validator", "validate", False),
+        ("admin", "attest", True),
+        ("releaser", "attest", False),
+        ("trainer", "attest", False),
+    ],
+)
+def test_validator_stands_beside_the_ordered_roles(role, action, allowed):
+    doc = f'[[access.grants]]\nprincipals = ["x"]\nrole = "{role}"\n'
+    assert check(parse_policy(doc).access.grants, "x", action, project="p").allowed == allowed
+
+
+def test_a_scoped_admin_grant_grants_nothing():
+    doc = '[[access.grants]]\nprincipals = ["x"]\nrole = "admin"\nprojects = ["team-a"]\n'
+    scoped = parse_policy(doc).access.grants
+    assert scoped_admin_grants(scoped) and "grants nothing" in scoped_admin_grants(scoped)[0]
+    for action in ("read", "push", "promote", "yank", "gc", "policy"):
+        assert not check(scoped, "x", action, project="team-a").allowed
 
 
 def test_no_grants_is_single_user_mode():
@@ -321,4 +346,6 @@ def test_an_admin_of_one_project_is_not_an_admin_of_the_registry():
     for action in ("policy", "gc", "storage", "catalog", "audit", "repair"):
         assert not check(scoped, "erin", action).allowed, action
         assert check(scoped, "dave", action).allowed, action
-    assert check(scoped, "erin", "yank", project="team-c").allowed
+    # Admin grants are registry-wide or nothing: not even in its own project (DESIGN §6).
+    assert not check(scoped, "erin", "yank", project="team-c").allowed
+    assert not check(scoped, "erin", "read", project="team-c").allowed

@@ -70,6 +70,17 @@ def error_body(exc: RegistryError) -> dict[str, Any]:
     }
 
 
+def _route_label(request: Request) -> str:
+    """The route's template (`/v1/tokens/{token_id}`), not the path: bounded label values."""
+    route = getattr(request.scope.get("route"), "path", None)
+    if route is None:
+        return "unmatched"
+    prefix = f"/{API_VERSION}"
+    if request.url.path.startswith(prefix + "/") and not route.startswith(prefix + "/"):
+        return prefix + route
+    return str(route)
+
+
 def create_app(settings: Settings) -> FastAPI:
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
@@ -127,8 +138,7 @@ def create_app(settings: Settings) -> FastAPI:
             return response
         finally:
             seconds = time.perf_counter() - started
-            route = request.scope.get("route")
-            path = getattr(route, "path", "unmatched")
+            path = _route_label(request)
             metrics.observe(request.method, path, status, seconds, request)
             events = getattr(request.state, "events", None)
             if events is not None:

@@ -1,0 +1,647 @@
+"""`reg server` over real HTTP (uvicorn on 127.0.0.1), on SQLite and PostgreSQL catalogs.
+
+Every attack of the issue is a test here that now does no harm: exit 4, nothing written, the
+denial audited under the token's principal. Checkpoints are the session's real torchrun ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import team_policy
+
+
+def _as(server, who: str, **extra: str) -> dict[str, str]:
+    return {**server.client_env(who), **extra}
+
+
+def _audit(server) -> list[dict]:
+    return server.call("admin", "GET", "/v1/audit")
+
+
+def _one_line(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reg: "), res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def test_identity_comes_from_the_token_not_reg_user(cli, ckpts, reg_server):
+    """A viewer sets REG_USER=alice and pushes: refused as vera, audited as vera."""
+    env = _as(reg_server, "vera", REG_USER="alice")
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(2),
+        "--run",
+        "r",
+        "--step",
+        "2",
+        "--project",
+        "team-a",
+        env=env,
+    )
+    assert res.returncode == 4, res.stderr
+    assert "vera may not push" in _one_line(res)
+    denied = [e for e in _audit(reg_server) if e["outcome"] == "denied"]
+    assert denied[-1]["actor"] == "vera" and denied[-1]["action"] == "push"
+    assert denied[-1]["details"]["token"] == reg_server.token("vera").split("_")[1]
+    assert not [e for e in _audit(reg_server) if e["actor"] == "alice"]
+    assert reg_server.call("admin", "GET", "/v1/checkpoints") == []
+    who = cli("whoami", "--json", env=env)
+    assert json.loads(who.stdout)["principal"] == "vera"
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["", "garbage", "reg_deadbeef0000_nosuchsecret", "Bearer x" * 100],
+)
+def test_requests_without_a_valid_token_exit_4(cli, reg_server, token):
+    res = cli("ls", env={"REG_URL": reg_server.url, "REG_TOKEN": token})
+    assert res.returncode == 4, res.stderr
+    _one_line(res)
+
+
+def test_revoked_and_expired_tokens_stop_working(cli, reg_server):
+    made = reg_server.call("admin", "POST", "/v1/tokens", json={"principal": "vera"})
+    env = {"REG_URL": reg_server.url, "REG_TOKEN": made["token"]}
+    assert cli("ls", env=env).returncode == 0
+    res = cli("token", "revoke", made["id"], "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["principal"] == "vera"
+    res = cli("ls", env=env)
+    assert (res.returncode == 4 and "not valid" not in res.stderr) or "revoked" in res.stderr
+    short = reg_server.call(
+        "admin", "POST", "/v1/tokens", json={"principal": "vera", "expires_s": 0.5}
+    )
+    import time
+
+    time.sleep(1.0)
+    res = cli("ls", env={"REG_URL": reg_server.url, "REG_TOKEN": short["token"]})
+    assert res.returncode == 4 and "expired" in res.stderr
+    listed = json.loads(cli("token", "ls", "--json").stdout)
+    states = {t["id"]: t["state"] for t in listed}
+    assert states[made["id"]] == "revoked" and states[short["id"]] == "expired"
+    assert all("token" not in t and "secret" not in json.dumps(t) for t in listed)
+    actions = [e["action"] for e in _audit(reg_server)]
+    assert "token-create" in actions and "token-revoke" in actions
+
+
+def test_the_catalog_keeps_only_token_hashes(reg_server, catalog_url):
+    token = reg_server.token("vera")
+    secret = token.split("_", 2)[2]
+    from registry.catalog.engine import Catalog
+
+    catalog = Catalog(catalog_url)
+    with catalog.dbapi() as (conn, _):
+        cur = conn.cursor()
+        cur.execute("SELECT id, principal, secret_sha256 FROM api_token")
+        rows = cur.fetchall()
+    catalog.dispose()
+    assert rows and all(secret not in json.dumps(list(map(str, r))) for r in rows)
+
+
+def test_only_admins_mint_tokens(cli, reg_server):
+    res = cli("token", "create", "mallory", env=_as(reg_server, "alice"))
+    assert res.returncode == 4 and "alice may not token" in _one_line(res)
+
+
+def test_a_trainers_validation_is_refused_and_never_recorded(cli, ckpts, reg_server):
+    """A trainer runs `reg validate` through the server: exit 4 before any work; nothing a
+    client sends can add a validation row except a validator's report."""
+    env = _as(reg_server, "alice")
+    pushed = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(2),
+        "--run",
+        "r",
+        "--step",
+        "2",
+        "--project",
+        "team-a",
+        env=env,
+    )
+    assert pushed.returncode == 0, pushed.stderr
+    res = cli("validate", "team-a/r@step2", "--device", "cpu", env=env)
+    assert res.returncode == 4 and "alice may not attest" in _one_line(res)
+    forged = {
+        "ref": "team-a/r@step2",
+        "attempt": {
+            "passed": True,
+            "device": "cuda",
+            "device_name": "NVIDIA H100 80GB HBM3",
+            "torch_version": "2.13.0",
+            "world_size": 1,
+            "seconds": 1.0,
+            "phases": {},
+            "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+        },
+    }
+    r = httpx.post(
+        f"{reg_server.url}/v1/validations",
+        json=forged,
+        headers={"authorization": f"Bearer {reg_server.token('alice')}"},
+    )
+    assert r.status_code == 403 and r.json()["exit_code"] == 4
+    shown = reg_server.call("admin", "GET", "/v1/show", params={"ref": "team-a/r@step2"})
+    assert shown["state"] == "committed"
+    assert not [e for e in _audit(reg_server) if e["action"] == "validate"]
+    from registry import Registry
+
+    # The Python API in remote mode has no catalog to write to.
+    with Registry() as remote, pytest.raises(Exception, match="belongs to reg server"):
+        remote.catalog  # noqa: B018
+
+
+def test_the_gpu_gate_takes_only_a_validators_attestation(cli, ckpts, reg_server, catalog_url):
+    """A validation row written straight into the catalog (as any embedded client could) does
+    not open the gate; a validator's report does."""
+    cuda_policy = team_policy().replace('require_device = "any"', 'require_device = "cuda"')
+    assert 'require_device = "cuda"' in cuda_policy
+    reg_server.apply_policy(cuda_policy)
+    env = _as(reg_server, "alice")
+    assert (
+        cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(2),
+            "--run",
+            "r",
+            "--step",
+            "2",
+            "--project",
+            "team-a",
+            env=env,
+        ).returncode
+        == 0
+    )
+    _insert_validation(catalog_url, device="cuda", device_name="NVIDIA H100 80GB HBM3")
+    res = cli("promote", "team-a/r@step2", "--model", "tiny-a", env=_as(reg_server, "rel"))
+    assert res.returncode == 1 and "require_device" in _one_line(res)
+    assert reg_server.call("admin", "GET", "/v1/releases") == []
+    attempt = {
+        "passed": True,
+        "device": "cuda",
+        "device_name": "NVIDIA H200",
+        "torch_version": "2.13",
+        "world_size": 1,
+        "seconds": 0.5,
+        "phases": {"restore_seconds": 0.5},
+        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+    }
+    recorded = reg_server.call(
+        "val", "POST", "/v1/validations", json={"ref": "team-a/r@step2", "attempt": attempt}
+    )
+    assert recorded["attested"] is True
+    res = cli(
+        "promote", "team-a/r@step2", "--model", "tiny-a", "--json", env=_as(reg_server, "rel")
+    )
+    assert res.returncode == 0, res.stderr
+    release = json.loads(res.stdout)
+    assert release["validation"]["id"] == recorded["validation_id"]
+    assert release["created_by"] == "rel"
+
+
+def _insert_validation(catalog_url: str, **values: str) -> None:
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import Checkpoint, Validation
+
+    catalog = Catalog(catalog_url)
+    with catalog.session(write=True) as s:
+        ckpt = s.exec(__import__("sqlmodel").select(Checkpoint)).first()
+        s.add(
+            Validation(
+                checkpoint_id=ckpt.id,
+                passed=True,
+                torch_version="2.13",
+                world_size=1,
+                seconds=1.0,
+                created_at=0.0,
+                created_by="alice",
+                **values,
+            )
+        )
+    catalog.dispose()
+
+
+def test_a_forged_report_is_checked_field_by_field(reg_server):
+    bad = {
+        "passed": True,
+        "device": "tpu",
+        "device_name": "x",
+        "torch_version": "2",
+        "world_size": 1,
+        "seconds": 1,
+        "phases": {},
+        "checks": [],
+    }
+    r = httpx.post(
+        f"{reg_server.url}/v1/validations",
+        json={"ref": "r@step1", "attempt": bad},
+        headers={"authorization": f"Bearer {reg_server.token('val')}"},
+    )
+    assert r.status_code == 400 and r.json()["exit_code"] == 2
+
+
+def test_scoped_admin_grants_are_refused_and_count_for_nothing(
+    cli, reg_server, catalog_url, tmp_path
+):
+    scoped = team_policy(
+        '\n[[access.grants]]\nprincipals = ["carol"]\nrole = "admin"\nprojects = ["team-a"]\n'
+    )
+    policy = tmp_path / "scoped.toml"
+    policy.write_text(scoped)
+    res = cli("policy", "apply", policy)
+    assert res.returncode == 2 and "registry-wide" in _one_line(res)
+    # One applied by an older reg (straight into the catalog): treated as no grant.
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import PolicyDocument
+
+    catalog = Catalog(catalog_url)
+    with catalog.session(write=True) as s:
+        s.add(
+            PolicyDocument(
+                version=99, text=scoped, sha256="0" * 64, applied_at=0.0, applied_by="old-reg"
+            )
+        )
+    catalog.dispose()
+    res = cli("policy", "check")
+    assert res.returncode == 0 and "carol" in res.stderr and "grants nothing" in res.stderr
+    escalate = tmp_path / "escalate.toml"
+    escalate.write_text(
+        team_policy('\n[[access.grants]]\nprincipals = ["carol"]\nrole = "admin"\n')
+    )
+    res = cli("policy", "apply", escalate, env=_as(reg_server, "carol"))
+    assert res.returncode == 4 and "carol may not policy" in _one_line(res)
+    res = cli("gc", "--dry-run", env=_as(reg_server, "carol"))
+    assert res.returncode == 4
+
+
+def test_a_viewer_cannot_apply_a_policy_or_lock_admins_out(cli, reg_server, tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[[access.grants]]\nprincipals = ["vera"]\nrole = "admin"\n')
+    res = cli("policy", "apply", mine, env=_as(reg_server, "vera"))
+    assert res.returncode == 4
+    shown = json.loads(cli("policy", "show", "--json").stdout)
+    assert '"vera"' in shown["document"] and 'role = "viewer"' in shown["document"]
+    lockout = tmp_path / "lockout.toml"
+    lockout.write_text('[[access.grants]]\nprincipals = ["someone-else"]\nrole = "admin"\n')
+    res = cli("policy", "apply", lockout)  # the admin demoting itself
+    assert res.returncode == 2 and "would no longer be an admin" in _one_line(res)
+
+
+def test_server_init_names_an_admin_of_the_policy_in_force(reg_server):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "server", "init", "--admin", "vera"],
+        env=reg_server.env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 2 and "vera is not an admin" in out.stderr
+
+
+def test_a_private_catalog_cannot_drive_gc_of_the_shared_store(cli, ckpts, reg_server, tmp_path):
+    """A trainer points REG_CATALOG_URL at an empty private SQLite file and REG_STORE_URL at
+    the shared store, then runs rebuild and GC: with REG_URL they are not used at all."""
+    alice = _as(reg_server, "alice")
+    assert (
+        cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(2),
+            "--run",
+            "r",
+            "--step",
+            "2",
+            "--project",
+            "team-a",
+            env=alice,
+        ).returncode
+        == 0
+    )
+    bob = _as(reg_server, "bob")
+    assert (
+        cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(4),
+            "--run",
+            "other",
+            "--step",
+            "4",
+            "--project",
+            "team-b",
+            env=bob,
+        ).returncode
+        == 0
+    )
+    private = tmp_path / "private.db"
+    attack = {
+        **alice,
+        "REG_CATALOG_URL": f"sqlite:///{private}",
+        "REG_STORE_URL": (reg_server.home / "store").as_uri(),
+        "REG_USER": "admin",
+    }
+    for args in (["catalog", "rebuild"], ["gc"], ["storage", "init"]):
+        res = cli(*args, env=attack)
+        assert res.returncode == 4, (args, res.stderr)
+    assert not private.exists()
+    listed = reg_server.call("admin", "GET", "/v1/checkpoints")
+    assert {c["ref"] for c in listed} == {"team-a/r@step2", "team-b/other@step4"}
+    for ref in ("team-a/r@step2", "team-b/other@step4"):
+        assert reg_server.call("admin", "POST", "/v1/verify", json={"ref": ref})["ok"]
+    denied = {(e["actor"], e["action"]) for e in _audit(reg_server) if e["outcome"] == "denied"}
+    assert {("alice", "catalog"), ("alice", "gc"), ("alice", "storage")} <= denied
+
+
+def test_listing_shows_only_what_the_caller_may_read(cli, ckpts, reg_server):
+    assert (
+        cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(2),
+            "--run",
+            "r",
+            "--step",
+            "2",
+            "--project",
+            "team-a",
+            env=_as(reg_server, "alice"),
+        ).returncode
+        == 0
+    )
+    assert json.loads(cli("ls", "--json", env=_as(reg_server, "bob")).stdout) == []
+    res = cli("pull", "team-a/r@step2", "/tmp/never", env=_as(reg_server, "bob"))
+    assert res.returncode == 4
+
+
+# -- the data path -------------------------------------------------------------------------------
+
+
+def _raw_push(server, who: str, header: dict, tail: bytes) -> httpx.Response:
+    data = json.dumps(header).encode()
+    body = b"REGPUSH1" + struct.pack(">Q", len(data)) + data + tail
+    return httpx.post(
+        f"{server.url}/v1/checkpoints/push",
+        content=body,
+        headers={"authorization": f"Bearer {server.token(who)}"},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "path", ["../escape", "/abs", "a/../../b", "a//b", ".", "x\x00y", "a" * 2000]
+)
+def test_push_paths_cannot_leave_the_upload_directory(reg_server, path):
+    header = {"project": "team-a", "run": "r", "step": 1, "files": [{"path": path, "size": 1}]}
+    r = _raw_push(reg_server, "alice", header, b"x" + b"\0" * 32)
+    assert r.status_code == 400 and r.json()["exit_code"] == 2
+    assert not (reg_server.home / "escape").exists()
+    assert not any((reg_server.home / "uploads").glob("push-*"))
+
+
+def test_a_push_is_capped_at_its_declared_sizes(reg_server):
+    header = {"project": "team-a", "run": "r", "step": 1, "files": [{"path": "a", "size": 4}]}
+    r = _raw_push(reg_server, "alice", header, b"abcd" + b"\0" * 32 + b"more bytes")
+    assert r.status_code == 400 and "more bytes than its header declared" in r.json()["message"]
+    r = _raw_push(reg_server, "alice", header, b"ab")
+    assert r.status_code == 422 and "ended inside a" in r.json()["message"]
+    assert not any((reg_server.home / "uploads").glob("push-*"))
+    assert reg_server.call("admin", "GET", "/v1/checkpoints") == []
+
+
+def test_bytes_damaged_in_transit_are_refused_naming_the_file(reg_server):
+    header = {"project": "team-a", "run": "r", "step": 1, "files": [{"path": "a", "size": 4}]}
+    r = _raw_push(reg_server, "alice", header, b"abcd" + b"\1" * 32)
+    assert r.status_code == 422 and r.json()["message"].startswith("a arrived with sha256")
+
+
+def test_a_push_needs_the_grant_before_a_byte_is_stored(reg_server):
+    header = {"project": "team-a", "run": "r", "step": 1, "files": [{"path": "a", "size": 4}]}
+    r = _raw_push(reg_server, "vera", header, b"abcd" + b"\0" * 32)
+    assert r.status_code == 403 and r.json()["exit_code"] == 4
+    assert not any((reg_server.home / "uploads").glob("push-*"))
+
+
+def test_json_bodies_are_bounded(reg_server):
+    r = httpx.post(
+        f"{reg_server.url}/v1/pin",
+        content=b"{" + b" " * (2 << 20) + b"}",
+        headers={
+            "authorization": f"Bearer {reg_server.token('admin')}",
+            "content-type": "application/json",
+        },
+    )
+    assert r.status_code == 400 and "over" in r.json()["message"]
+
+
+def test_a_server_side_dcp_check_refuses_what_the_client_did_not(reg_server, ckpts):
+    """The server inventories .metadata itself: a client that skips its own scan and sends a
+    directory without .metadata is refused with exit 2."""
+    shard = (ckpts.ws2.step_dir(2) / "__0_0.distcp").read_bytes()
+    import hashlib
+
+    header = {
+        "project": "team-a",
+        "run": "r",
+        "step": 1,
+        "files": [{"path": "__0_0.distcp", "size": len(shard)}],
+    }
+    r = _raw_push(reg_server, "alice", header, shard + hashlib.sha256(shard).digest())
+    assert r.status_code == 400 and "no .metadata" in r.json()["message"]
+
+
+# -- the whole CLI through the server ----------------------------------------------------------
+
+
+def test_every_lifecycle_command_works_remotely_with_json(cli, ckpts, reg_server, tmp_path):
+    """The same commands, JSON and exit codes as embedded (tests/test_cli.py)."""
+    alice, rel = _as(reg_server, "alice"), _as(reg_server, "rel")
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(4),
+        "--run",
+        "run42",
+        "--step",
+        "4",
+        "--project",
+        "team-a",
+        "--world-size",
+        "2",
+        "--metric",
+        "val_loss=1.5",
+        "--json",
+        env=alice,
+    )
+    assert res.returncode == 0, res.stderr
+    pushed = json.loads(res.stdout)
+    assert pushed["ref"] == "team-a/run42@step4" and pushed["world_size"] == 2
+    assert json.loads(cli("ls", "--json", env=alice).stdout)[0]["ref"] == "team-a/run42@step4"
+    shown = json.loads(cli("show", "team-a/run42@latest", "--json", env=alice).stdout)
+    assert shown["metrics"] == {"val_loss": 1.5} and shown["pushed_by"] == "alice"
+    res = cli("pull", "team-a/run42@step4", tmp_path / "out", env=alice)
+    assert res.returncode == 0 and (tmp_path / "out" / ".metadata").exists()
+    for f in pushed["files"]:
+        assert (tmp_path / "out" / f["path"]).stat().st_size == f["size"]
+    assert cli("verify", "team-a/run42@step4", env=alice).returncode == 0
+    assert cli("pin", "team-a/run42@step4", "--reason", "keep", env=alice).returncode == 0
+    assert json.loads(cli("show", "team-a/run42@step4", "--json").stdout)["pinned"]
+    assert cli("unpin", "team-a/run42@step4", env=alice).returncode == 0
+    res = cli(
+        "validate", "team-a/run42@step4", "--device", "cpu", "--json", env=_as(reg_server, "val")
+    )
+    assert res.returncode == 0, res.stderr
+    validated = json.loads(res.stdout)
+    assert validated["passed"] and validated["attested"]
+    extra = tmp_path / "config.json"
+    extra.write_text('{"hidden": 8}')
+    res = cli(
+        "promote",
+        "team-a/run42@step4",
+        "--model",
+        "tiny-lm",
+        "--alias",
+        "prod",
+        "--extra",
+        extra,
+        "--json",
+        env=rel,
+    )
+    assert res.returncode == 0, res.stderr
+    release = json.loads(res.stdout)
+    assert (
+        release["release"] == "tiny-lm:v1"
+        and release["validation"]["id"] == validated["validation_id"]
+    )
+    assert json.loads(cli("releases", "--json", env=alice).stdout)[0]["aliases"] == ["prod"]
+    res = cli("pull-release", "tiny-lm@prod", tmp_path / "rel", env=alice)
+    assert res.returncode == 0 and (tmp_path / "rel" / "config.json").read_text() == '{"hidden": 8}'
+    assert cli("alias", "set", "tiny-lm", "canary", "v1", env=rel).returncode == 0
+    assert cli("deprecate", "tiny-lm:v1", env=rel).returncode == 0
+    res = cli("yank", "tiny-lm:v1", "--reason", "bad data", env=rel)
+    assert res.returncode == 4  # yank is admin
+    assert cli("yank", "tiny-lm:v1", "--reason", "bad data").returncode == 0
+    res = cli("pull-release", "tiny-lm:v1", tmp_path / "gone", env=alice)
+    assert res.returncode == 5 and "yanked" in _one_line(res)
+    gc = json.loads(cli("gc", "--dry-run", "--json").stdout)
+    assert {d["ref"] for d in gc["decisions"]} == {"team-a/run42@step4"}
+    audit = json.loads(cli("audit", "--json").stdout)
+    assert {"push", "pin", "validate", "promote", "alias", "yank"} <= {e["action"] for e in audit}
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "pattern"),
+    [
+        (["show", "run42@stepX"], 2, "malformed ref"),
+        (["show", "nope@step1"], 3, "run nope not found"),
+        (["pull", "nope@latest", "/tmp/none-such"], 3, "not found"),
+        (["push-ckpt", ".", "--run", "r", "--step", "1"], 2, "no .metadata"),
+        (["gc"], 4, "may not gc"),
+    ],
+)
+def test_remote_errors_keep_their_exit_codes(cli, reg_server, args, code, pattern):
+    res = cli(*args, env=_as(reg_server, "vera"))
+    assert res.returncode == code, res.stderr
+    assert pattern in _one_line(res)
+    res = cli(*args, "--json", env=_as(reg_server, "vera")) if args[0] != "pull" else None
+    if res is not None:
+        doc = json.loads(res.stdout)
+        assert doc["error"]["exit_code"] == code
+
+
+def test_an_unreachable_server_is_one_line(cli):
+    from tests.serverproc import free_port
+
+    res = cli("ls", env={"REG_URL": f"http://127.0.0.1:{free_port()}", "REG_TOKEN": "reg_a_b"})
+    assert res.returncode == 1 and "cannot talk to" in _one_line(res)
+
+
+def test_login_stores_the_token_for_that_url_only(cli, reg_server, clean_env):
+    token = reg_server.token("vera")
+    env = {"REG_TOKEN": ""}
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "login", reg_server.url, "--token-stdin", "--json"],
+        input=token + "\n",
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    saved = clean_env / "login.json"
+    assert saved.stat().st_mode & 0o777 == 0o600
+    assert json.loads(out.stdout)["principal"] == "vera"
+    res = cli("whoami", env={"REG_TOKEN": ""})
+    assert res.returncode == 0 and res.stdout.strip() == "vera"
+    res = cli("whoami", env={"REG_TOKEN": "", "REG_URL": "http://127.0.0.1:1"})
+    assert res.returncode == 4  # the saved token is for the other URL
+
+
+# -- operations ----------------------------------------------------------------------------------
+
+
+def test_health_readiness_metrics_and_request_ids(cli, reg_server):
+    assert httpx.get(f"{reg_server.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{reg_server.url}/readyz").json()["status"] == "ready"
+    r = httpx.get(
+        f"{reg_server.url}/v1/checkpoints",
+        headers={"authorization": f"Bearer {reg_server.token('vera')}", "x-request-id": "abc-123"},
+    )
+    assert r.headers["x-request-id"] == "abc-123"
+    metrics = httpx.get(f"{reg_server.url}/metrics").text
+    assert 'reg_requests_total{method="GET",route="/v1/checkpoints",status="200"}' in metrics
+    assert "reg_request_seconds_bucket" in metrics
+    logged = [
+        json.loads(line) for line in reg_server.log_text().splitlines() if line.startswith("{")
+    ]
+    mine = [e for e in logged if e.get("request_id") == "abc-123"]
+    assert mine and mine[0]["principal"] == "vera" and mine[0]["status"] == 200
+    assert httpx.get(f"{reg_server.url}/openapi.json").json()["info"]["title"] == "reg server"
+
+
+def test_sigterm_lets_an_inflight_push_finish(cli, big_ckpt, reg_server):
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, **_as(reg_server, "alice")}
+    push = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "push-ckpt",
+            str(big_ckpt.step_dir(1)),
+            "--run",
+            "big",
+            "--step",
+            "1",
+            "--project",
+            "team-a",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    deadline = time.monotonic() + 30
+    uploads = reg_server.home / "uploads"
+    while time.monotonic() < deadline and not any(uploads.glob("push-*")):
+        time.sleep(0.02)
+    assert any(uploads.glob("push-*")), "the push never started"
+    # uvicorn finishes in-flight requests, then exits by the signal it got (-15).
+    assert reg_server.stop() in (0, -15)
+    _out, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    reg_server.start()
+    listed = reg_server.call("admin", "GET", "/v1/checkpoints")
+    assert [c["ref"] for c in listed] == ["team-a/big@step1"]
+    assert reg_server.call("admin", "POST", "/v1/verify", json={"ref": "team-a/big@step1"})["ok"]
