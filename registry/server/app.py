@@ -72,13 +72,13 @@ def error_body(exc: RegistryError) -> dict[str, Any]:
 
 def _route_label(request: Request) -> str:
     """The route's template (`/v1/tokens/{token_id}`), not the path: bounded label values."""
-    route = getattr(request.scope.get("route"), "path", None)
+    route: str | None = getattr(request.scope.get("route"), "path", None)
     if route is None:
         return "unmatched"
     prefix = f"/{API_VERSION}"
     if request.url.path.startswith(prefix + "/") and not route.startswith(prefix + "/"):
         return prefix + route
-    return str(route)
+    return route
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -26,7 +26,13 @@ from registry.lifecycle.promotion.plan import (
     plan_promotion,
     validation_for,
 )
-from registry.lifecycle.promotion.stages import build, commit, proved, reserve
+from registry.lifecycle.promotion.stages import (
+    AlreadyReleased,
+    build,
+    commit,
+    proved,
+    reserve,
+)
 from registry.lifecycle.releases import move_alias, uri_of
 from registry.lifecycle.views import ReleaseView
 from registry.refs import CheckpointRef
@@ -67,7 +73,13 @@ def promote(
         hold(ctx.catalog, ctx.actor, plan.checkpoint.id or 0, f"promote {plan.source}"),
         proved(ctx, plan, progress) as source,
     ):
-        reservation = reserve(ctx, plan, validation)
+        try:
+            reservation = reserve(ctx, plan, validation)
+        except AlreadyReleased:  # a concurrent twin won the race: its release is this one
+            existing = _existing(ctx, plan)
+            if existing is not None:
+                return existing
+            raise
         with claims.held(ctx.catalog, reservation.claim):
             built = build(ctx, plan, reservation, source, progress)
             out = commit(ctx, plan, reservation, built)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
-from sqlmodel import select
+from sqlmodel import col, select
 
 from policies.resume import classify
 from registry import events, faults
@@ -71,8 +71,14 @@ class Reservation:
 # -- reserve ------------------------------------------------------------------------------------
 
 
+class AlreadyReleased(Exception):
+    """A concurrent promotion of the same checkpoint with the same options committed first."""
+
+
 def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reservation:
-    """A pending release row for this promotion: new (the next version) or taken over."""
+    """A pending release row for this promotion: new (the next version) or taken over.
+    Raises AlreadyReleased when the same promotion committed meanwhile (decided in the write
+    transaction, so two racing promotions make one release)."""
     for _ in range(10):
         with ctx.catalog.session(write=True) as s:
             model = s.exec(select(Model).where(Model.name == plan.model)).first()
@@ -83,14 +89,17 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
                 except DBIntegrityError:
                     pass  # a concurrent promotion created it
                 continue
-            pending = s.exec(
+            same = s.exec(
                 select(Release).where(
                     Release.model_id == model.id,
                     Release.source_checkpoint_id == plan.checkpoint.id,
                     Release.options_key == plan.options_key,
-                    Release.status == RELEASE_PENDING,
+                    col(Release.status).in_([RELEASE_PENDING, ACTIVE]),
                 )
-            ).first()
+            ).all()
+            if any(r.status == ACTIVE for r in same):
+                raise AlreadyReleased
+            pending = same[0] if same else None
             if pending is not None:
                 taken = _take_over(ctx, s, plan, pending, validation)
                 if taken is not None:
