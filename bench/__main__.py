@@ -1,6 +1,6 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
-Runs bench.checkpoints, bench.promotion, bench.s3 and bench.gc in turn on one shared 1.2 GiB
+Runs bench.checkpoints, bench.promotion, bench.s3, bench.server and bench.gc in turn on one shared 1.2 GiB
 checkpoint (made once by 2 torchrun ranks); each prints ratios against baselines measured in
 the same run.
 """
@@ -28,6 +28,7 @@ def main() -> None:
             ("bench.checkpoints", common),
             ("bench.promotion", common),
             ("bench.s3", common),
+            ("bench.server", common),
             ("bench.gc", []),
         ):
             print(f"== {module}", flush=True)

@@ -8,8 +8,11 @@ server, pulls and validations read through it, and promotion, GC and policy chan
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from registry.storage.base import BaseStore
 
 PIECE = 1 << 20
+DEPTH = 16  # pieces read ahead of the network
 
 
 class RemoteRegistry(Registry):
@@ -122,8 +126,7 @@ class RemoteRegistry(Registry):
 
         def body() -> Iterator[bytes]:
             yield frame_header(header)
-            for path in order:
-                yield from _send_file(scanned, path, progress)
+            yield from _prefetched(scanned, order, progress)
 
         try:
             out = dict(self.client.call("POST", "/checkpoints/push", content=body()))
@@ -348,9 +351,44 @@ def _record(doc: dict[str, Any]) -> FileRecord:
     )
 
 
-def _send_file(scanned: Any, path: str, progress: Progress | None) -> Iterator[bytes]:
-    """The bytes of one scanned file, then its sha256: opened as the scan checked it, read
-    once; a file that changed size since the scan is refused here."""
+def _prefetched(scanned: Any, order: list[str], progress: Progress | None) -> Iterator[bytes]:
+    """The body after the header, read and hashed by a thread ahead of the sender, so disk
+    reads overlap the network (at most DEPTH pieces in memory)."""
+    pieces: queue.Queue[tuple[bytes, bool] | BaseException | None] = queue.Queue(DEPTH)
+    stop = threading.Event()
+
+    def read_all() -> None:
+        try:
+            for path in order:
+                for item in _file_pieces(scanned, path):
+                    if stop.is_set():
+                        return
+                    pieces.put(item)
+            pieces.put(None)
+        except BaseException as exc:  # handed to the sender, which raises it
+            pieces.put(exc)
+
+    reader = threading.Thread(target=read_all, name="reg-push-read", daemon=True)
+    reader.start()
+    try:
+        while (item := pieces.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            piece, content = item
+            if progress and content:
+                progress.advance(len(piece))
+            yield piece
+    finally:
+        stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                pieces.get_nowait()
+        reader.join(timeout=10)
+
+
+def _file_pieces(scanned: Any, path: str) -> Iterator[tuple[bytes, bool]]:
+    """The bytes of one scanned file (True: content), then its sha256 (False): opened as the
+    scan checked it, read once; a file that changed size since the scan is refused here."""
     fd = scanned.open(path)
     digest, sent = hashlib.sha256(), 0
     try:
@@ -359,9 +397,7 @@ def _send_file(scanned: Any, path: str, progress: Progress | None) -> Iterator[b
             sent += len(piece)
             if sent > scanned.files[path]:
                 break
-            if progress:
-                progress.advance(len(piece))
-            yield piece
+            yield piece, True
     finally:
         os.close(fd)
     if sent != scanned.files[path]:
@@ -370,4 +406,4 @@ def _send_file(scanned: Any, path: str, progress: Progress | None) -> Iterator[b
             f"{scanned.files[path]})",
             "push a checkpoint that is no longer being written",
         )
-    yield digest.digest()
+    yield digest.digest(), False

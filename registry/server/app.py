@@ -155,6 +155,7 @@ def create_app(settings: Settings) -> FastAPI:
                         "principal": getattr(request.state, "principal", None),
                         "token": getattr(request.state, "token_id", None),
                         "outcome": getattr(request.state, "outcome", "ok"),
+                        **getattr(request.state, "phases", {}),
                     }
                 )
             )

@@ -13,6 +13,7 @@ import json
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.server.app import MAX_JSON_BYTES, MAX_PROMOTE_BYTES
 from registry.server.auth import context_for
-from registry.server.upload import MAGIC, MAX_HEADER, Receiver, parse_header
+from registry.server.upload import MAGIC, MAX_HEADER, Receiver, Writer, parse_header
 
 router = APIRouter()
 CTX = Depends(context_for)
@@ -130,20 +131,24 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
     )
     state = request.app.state.reg
     receiver = await run_in_threadpool(Receiver.create, state.settings.home / "uploads", req.files)
+    started = time.perf_counter()
+    writer = Writer(receiver)
     try:
-        pending = bytearray(rest)
-        received = len(rest)
+        batch, batched, received = [rest], len(rest), len(rest)
         async for chunk in stream:
-            pending += chunk
+            batch.append(chunk)
+            batched += len(chunk)
             received += len(chunk)
             if received > req.total:
                 raise UsageError("the push sent more bytes than its header declared")
-            if len(pending) >= WRITE_BATCH:
-                await run_in_threadpool(receiver.feed, bytes(pending))
-                pending.clear()
-        await run_in_threadpool(receiver.feed, bytes(pending))
-        await run_in_threadpool(receiver.finish)
+            if batched >= WRITE_BATCH:
+                if not writer.offer(batch):
+                    await run_in_threadpool(writer.put, batch)
+                batch, batched = [], 0
+        await run_in_threadpool(writer.put, batch)
+        await run_in_threadpool(writer.close)
         metrics.BYTES_IN.inc(received)
+        request.state.phases = {"receive_seconds": round(time.perf_counter() - started, 3)}
         notes: list[str] = []
         result = await run_in_threadpool(
             lambda: push(
@@ -155,11 +160,16 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
                 world_size=req.world_size,
                 metrics=req.metrics,
                 notes=notes,
+                received=receiver.received,
             ).to_json()
         )
         result["notes"] = notes
+        request.state.phases["push_seconds"] = round(
+            time.perf_counter() - started - request.state.phases["receive_seconds"], 3
+        )
         return result
     finally:
+        await run_in_threadpool(writer.abandon)
         await run_in_threadpool(receiver.discard)
 
 

@@ -14,11 +14,14 @@ changed while being sent: refused, named.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import queue
 import shutil
 import struct
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +142,7 @@ class Receiver:
     fd: int | None = None
     trailer: bytearray = field(default_factory=bytearray)
     hasher: Any = field(default_factory=hashlib.sha256)
+    received: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> size, sha256
 
     @classmethod
     def create(cls, parent: Path, files: list[Declared]) -> Receiver:
@@ -161,7 +165,7 @@ class Receiver:
     def _check_trailer(self) -> None:
         f = self.files[self.index]
         assert self.fd is not None
-        os.close(self.fd)
+        os.close(self.fd)  # made durable by the store when it takes the file (adopt_file)
         self.fd = None
         got, sent = self.hasher.hexdigest(), bytes(self.trailer).hex()
         if got != sent:
@@ -170,6 +174,7 @@ class Receiver:
                 "client read",
                 "the file changed while being pushed, or was damaged in transit: push again",
             )
+        self.received[f.path] = (f.size, got)
         self.index += 1
 
     def feed(self, data: bytes) -> None:
@@ -192,6 +197,10 @@ class Receiver:
                     self._check_trailer()
             view = view[len(piece) :]
 
+    def feed_all(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.feed(piece)
+
     def finish(self) -> None:
         if self.index < len(self.files):
             f = self.files[self.index]
@@ -205,3 +214,55 @@ class Receiver:
             os.close(self.fd)
             self.fd = None
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Writer:
+    """Feeds a Receiver on its own thread, so receiving the next bytes overlaps hashing and
+    writing the last ones. A bounded queue keeps the memory in use at `depth` batches."""
+
+    def __init__(self, receiver: Receiver, depth: int = 8) -> None:
+        self.receiver = receiver
+        self.queue: queue.Queue[list[bytes] | None] = queue.Queue(depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="reg-receive", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is None:  # after a failure, drain without writing
+                try:
+                    self.receiver.feed_all(batch)
+                except BaseException as exc:
+                    self.error = exc
+
+    def offer(self, batch: list[bytes]) -> bool:
+        """Queue `batch` if there is room now (no waiting); False if the queue is full."""
+        self._raise()
+        try:
+            self.queue.put_nowait(batch)
+        except queue.Full:
+            return False
+        return True
+
+    def put(self, batch: list[bytes]) -> None:
+        """Queue `batch`, waiting for room (call from a worker thread)."""
+        self._raise()
+        self.queue.put(batch)
+
+    def close(self) -> None:
+        """Wait until everything queued is written; raise what writing raised."""
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+        self.receiver.finish()
+
+    def abandon(self) -> None:
+        self.error = self.error or RuntimeError("abandoned")
+        with contextlib.suppress(queue.Full):
+            while True:
+                self.queue.put_nowait(None)
+        self.thread.join(timeout=30)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error

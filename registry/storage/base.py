@@ -161,6 +161,19 @@ class BaseStore(ABC):
         """Start writing `src` toward `key` without making it visible (see `Staged`)."""
         return self._stage_file(check_key(key), Path(src), immutable, progress)
 
+    def adopt_file(
+        self, key: str, src: Path, *, size: int, sha256: str, immutable: bool = False
+    ) -> Staged:
+        """Stage a file this process wrote itself and already hashed (`reg server`'s received
+        uploads), giving it up: a store on the same filesystem takes the file as it is (no
+        copy); any other copies it, and a copy whose digest differs is refused."""
+        check_key(key)
+        staged = self.stage_file(key, Path(src), immutable=immutable)
+        if staged.digest() != (size, sha256):
+            staged.discard()
+            raise IntegrityError(f"{src} changed before it was stored", "push again")
+        return staged
+
     def put_bytes(self, key: str, data: bytes, *, immutable: bool = False) -> PutResult:
         size, digest = self._put_bytes(check_key(key), bytes(data), immutable)
         return PutResult(key, size, digest, self._written_version(key))

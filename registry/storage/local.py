@@ -39,6 +39,7 @@ from registry.storage.base import (
     PutResult,
     Staged,
     Swept,
+    check_key,
     write_all,
 )
 
@@ -83,6 +84,30 @@ class LocalStore(BaseStore):
         return self._stage(
             key, lambda fd: _copy_path_hashing(src, fd, progress), immutable, source_mode
         )
+
+    def adopt_file(
+        self, key: str, src: Path, *, size: int, sha256: str, immutable: bool = False
+    ) -> Staged:
+        """On the store's filesystem the file itself becomes the object: made durable, given
+        the store's mode, then linked to its key at publish (put-if-absent, as any staged
+        write) and its old name removed. Elsewhere: copied like any file."""
+        check_key(key)
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            self.root.mkdir(parents=True, exist_ok=True)
+            if st.st_dev != os.stat(self.root).st_dev or st.st_nlink != 1:
+                os.close(fd)
+                return super().adopt_file(key, src, size=size, sha256=sha256, immutable=immutable)
+            if st.st_size != size:
+                raise IntegrityError(f"{src} changed before it was stored", "push again")
+            os.fsync(fd)
+            self._set_owner(fd, _file_mode(immutable, st.st_mode))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        return _LocalStaged(self, key, fd, str(src), size, sha256)
 
     def _put_file(
         self, key: str, src: Path, immutable: bool, progress: Progress

@@ -52,14 +52,17 @@ def push(
     metrics: dict[str, float] | None = None,
     progress: Progress | None = None,
     notes: list[str] | None = None,
+    received: dict[str, tuple[int, str]] | None = None,
 ) -> PushResult:
-    """Register the DCP checkpoint in `src` as project/run@step."""
+    """Register the DCP checkpoint in `src` as project/run@step. `received` (reg server) says
+    `src` is the server's own private copy of an upload, with each file's size and sha256 as
+    it landed: the store may then take the files as they are instead of copying them."""
     ref = _check_request(project, run, step)
     checked_metrics = _check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
     scanned = scan_directory(Path(src))
     world = _world_size(scanned, world_size, notes)
-    with _Uploader(ctx, ref, scanned, progress) as uploader:
+    with _Uploader(ctx, ref, scanned, progress, received) as uploader:
         if _looks_free(ctx, ref):
             uploader.start()
         # Imported here, not at the top: the catalog layer (SQLAlchemy) and the policy models
@@ -165,9 +168,15 @@ class _Uploader:
     bounded number of open files); the rest are copied and published after."""
 
     def __init__(
-        self, ctx: Context, ref: CheckpointRef, scanned: ScannedDir, progress: Progress | None
+        self,
+        ctx: Context,
+        ref: CheckpointRef,
+        scanned: ScannedDir,
+        progress: Progress | None,
+        received: dict[str, tuple[int, str]] | None = None,
     ) -> None:
         self.ctx, self.ref, self.scanned, self.progress = ctx, ref, scanned, progress
+        self.received = received
         self.prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
         self.order = sorted(scanned.files, key=lambda p: -scanned.files[p])
         self.pool = ThreadPoolExecutor(max_workers=ctx.workers, thread_name_prefix="reg-push")
@@ -187,6 +196,13 @@ class _Uploader:
             self.staging[path] = self.pool.submit(self._stage, path)
 
     def _stage(self, path: str) -> Staged:
+        if self.received is not None:  # the server's own private copy: given up, not copied
+            size, digest = self.received[path]
+            staged = self.ctx.store.adopt_file(
+                self.prefix + path, self.scanned.root / path, size=size, sha256=digest
+            )
+            self.counter(size)
+            return staged
         source = self.sources.open(path)
         try:
             return self.ctx.store.stage_file(self.prefix + path, source, progress=self.counter)
