@@ -170,3 +170,27 @@ def reg_server(catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(key, value)
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def deployment(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The CLI matrix twice: embedded, and through `reg server` (the test's environment then
+    holds only REG_URL and the admin's token; the server has the test's catalog, a local store
+    and the CPU policy). `direct()` is what an operator on the server host has."""
+    from tests.serverproc import Deployment, RegServer, server_env
+
+    if request.param == "embedded":
+        yield Deployment(None)
+        return
+    catalog = (
+        request.getfixturevalue("catalog_url")
+        if "catalog_url" in request.fixturenames
+        else f"sqlite:///{tmp_path / 'server-home' / 'catalog.db'}"
+    )
+    server = RegServer(server_env(tmp_path / "server-home", catalog), tmp_path / "server-home")
+    server.init().start()
+    monkeypatch.delenv("REG_CATALOG_URL", raising=False)
+    for key, value in server.client_env("admin").items():
+        monkeypatch.setenv(key, value)
+    yield Deployment(server)
+    server.stop()

@@ -162,3 +162,23 @@ class RegServer:
 
 def team_policy(extra: str = "") -> str:
     return CPU_POLICY.read_text() + TEAM_GRANTS + extra
+
+
+@dataclass
+class Deployment:
+    """How a test's commands reach the registry: embedded (server None) or through a server."""
+
+    server: RegServer | None
+
+    @property
+    def remote(self) -> bool:
+        return self.server is not None
+
+    def direct(self) -> Any:
+        """An embedded Registry over the registry's own catalog and store."""
+        from registry import Registry
+        from registry.config import Settings
+
+        if self.server is None:
+            return Registry()
+        return Registry(Settings.from_env(self.server.env))

@@ -1,4 +1,7 @@
-"""The command line as users and scripts meet it: exit codes, one-line errors, JSON, help."""
+"""The command line as users and scripts meet it: exit codes, one-line errors, JSON, help.
+
+Tests taking `deployment` run twice: embedded, and through `reg server` (remote mode), where
+the same commands must print the same output and exit with the same codes."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def test_every_command_has_help_and_is_in_readme():
         assert f"reg {name}" in readme, f"reg {name} is not documented in README.md"
 
 
-def test_cli_round_trip_with_json(cli, ckpts, tmp_path, catalog_url):
+def test_cli_round_trip_with_json(deployment, cli, ckpts, tmp_path, catalog_url):
     res = cli(
         "push-ckpt",
         ckpts.ws2.step_dir(4),
@@ -98,7 +101,7 @@ def test_cli_round_trip_with_json(cli, ckpts, tmp_path, catalog_url):
         (["push-ckpt", ".", "--run", "r", "--step", "1", "--metric", "x"], 2, "bad --metric"),
     ],
 )
-def test_errors_are_one_line_with_the_right_exit_code(cli, args, code, pattern):
+def test_errors_are_one_line_with_the_right_exit_code(deployment, cli, args, code, pattern):
     res = cli(*args)
     assert res.returncode == code, (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
@@ -107,12 +110,11 @@ def test_errors_are_one_line_with_the_right_exit_code(cli, args, code, pattern):
     assert "Traceback" not in res.stderr
 
 
-def test_corrupt_store_makes_verify_and_pull_exit_1(cli, ckpts, tmp_path):
-    from registry import Registry
+def test_corrupt_store_makes_verify_and_pull_exit_1(deployment, cli, ckpts, tmp_path):
     from tests import tamper
 
     assert cli("push-ckpt", ckpts.ws2.step_dir(2), "--run", "r", "--step", "2").returncode == 0
-    with Registry() as reg:
+    with deployment.direct() as reg:
         tamper.flip_byte(reg.store, "ckpt/default/r/step-2/__1_0.distcp")
     res = cli("verify", "r@step2")
     assert res.returncode == 1
@@ -122,7 +124,7 @@ def test_corrupt_store_makes_verify_and_pull_exit_1(cli, ckpts, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_json_output_is_one_document_and_nothing_else(cli, ckpts):
+def test_json_output_is_one_document_and_nothing_else(deployment, cli, ckpts):
     res = cli(
         "push-ckpt",
         ckpts.ws3.step_dir(3),
@@ -180,7 +182,9 @@ def _bad_dir(kind: str, ckpts, tmp_path: Path) -> Path:
         ("negative-length", "storage length of rng.rank0.python is not a whole number in 0..2^63"),
     ],
 )
-def test_bad_checkpoint_directories_exit_2_with_one_line(cli, ckpts, tmp_path, kind, pattern):
+def test_bad_checkpoint_directories_exit_2_with_one_line(
+    deployment, cli, ckpts, tmp_path, kind, pattern
+):
     res = cli("push-ckpt", _bad_dir(kind, ckpts, tmp_path), "--run", "r", "--step", "1")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -188,7 +192,9 @@ def test_bad_checkpoint_directories_exit_2_with_one_line(cli, ckpts, tmp_path, k
     assert json.loads(cli("ls", "--json").stdout) == []
 
 
-def test_promotion_refusals_exit_codes_and_one_line(cli, ckpts, bad_ckpts, tmp_path, monkeypatch):
+def test_promotion_refusals_exit_codes_and_one_line(
+    deployment, cli, ckpts, bad_ckpts, tmp_path, monkeypatch
+):
     monkeypatch.setenv("REG_POLICY", str(ROOT / "examples" / "cpu-policy.toml"))
     for name, trained in (("nan", bad_ckpts["nan"]), ("wo", bad_ckpts["weights_only"])):
         assert cli("push-ckpt", trained.step_dir(2), "--run", name, "--step", "2").returncode == 0
@@ -225,7 +231,7 @@ def test_json_is_strict_even_for_non_finite_numbers():
     assert json.loads(text) == {"loss": None, "nested": [{"x": None}, 1.5], "ok": True}
 
 
-def test_a_failing_json_command_still_prints_one_json_document(cli):
+def test_a_failing_json_command_still_prints_one_json_document(deployment, cli):
     res = cli("show", "no-such-run@step1", "--json")
     assert res.returncode == 3, res.stderr
     error = json.loads(res.stdout)["error"]
@@ -252,7 +258,7 @@ def test_an_unusable_user_name_is_refused_before_anything_is_written(cli, ckpts,
         (["nosuch"], "No such command 'nosuch'. (`reg --help` shows the usage)"),
     ],
 )
-def test_usage_errors_are_one_line_exit_2(cli, args, says):
+def test_usage_errors_are_one_line_exit_2(deployment, cli, args, says):
     res = cli(*args)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [f"reg: error: {says}"]
@@ -280,7 +286,7 @@ def test_an_unusable_reg_home_is_one_line_naming_the_path(cli, tmp_path):
     assert json.loads(res.stdout)["error"]["exit_code"] == 2
 
 
-def test_a_failed_pull_creates_no_directory(cli, tmp_path):
+def test_a_failed_pull_creates_no_directory(deployment, cli, tmp_path):
     dest = tmp_path / "new" / "deeper" / "out"
     assert cli("pull", "r@step999", dest).returncode == 3
     assert cli("pull", "bad@@ref", dest).returncode == 2

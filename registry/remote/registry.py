@@ -109,9 +109,12 @@ class RemoteRegistry(Registry):
         notes: list[str] | None = None,
     ) -> dict[str, Any]:
         from registry.formats.dcp_scan import scan_directory
+        from registry.lifecycle.checkpoints.push import check_metrics, check_request
         from registry.server.upload import frame_header
 
-        scanned = scan_directory(Path(src))  # refused here, before a byte moves
+        check_request(project, run, step)  # refused here as embedded, before a byte moves
+        metrics = check_metrics(metrics or {})
+        scanned = scan_directory(Path(src))
         order = sorted(scanned.files)
         header = {
             "project": project,

@@ -57,8 +57,8 @@ def push(
     """Register the DCP checkpoint in `src` as project/run@step. `received` (reg server) says
     `src` is the server's own private copy of an upload, with each file's size and sha256 as
     it landed: the store may then take the files as they are instead of copying them."""
-    ref = _check_request(project, run, step)
-    checked_metrics = _check_metrics(metrics or {})
+    ref = check_request(project, run, step)
+    checked_metrics = check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
     scanned = scan_directory(Path(src))
     world = _world_size(scanned, world_size, notes)
@@ -101,7 +101,7 @@ def push(
             )
 
 
-def _check_request(project: str, run: str, step: int) -> CheckpointRef:
+def check_request(project: str, run: str, step: int) -> CheckpointRef:
     check_name(project, "project name")
     check_name(run, "run name")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -111,7 +111,7 @@ def _check_request(project: str, run: str, step: int) -> CheckpointRef:
     return CheckpointRef(project, run, step)
 
 
-def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
+def check_metrics(metrics: dict[str, float]) -> dict[str, float]:
     out = {}
     for name, value in metrics.items():
         check_name(name, "metric name")
