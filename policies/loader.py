@@ -145,7 +145,7 @@ class ReleasePolicy(_Model):
     lock_days: int = Field(default=3650, ge=1, le=36500)  # S3 allows 100 years
 
 
-_PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
 class Grant(_Model):
@@ -158,7 +158,7 @@ class Grant(_Model):
     @classmethod
     def _principals(cls, v: list[str]) -> list[str]:
         for p in v:
-            if not _PRINCIPAL.fullmatch(p):
+            if not PRINCIPAL.fullmatch(p):
                 raise ValueError(
                     f"invalid principal {p!r}: letters, digits, . _ @ - only, no globs"
                 )

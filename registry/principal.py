@@ -49,5 +49,15 @@ class Principal:
             return Decision(True, SINGLE_USER)
         return check_grants(self.grants, self.name, action, project=project, model=model)
 
+    def may_anywhere(self, action: str) -> bool:
+        """Could any project or model allow `action`? (A cheap first check before reading a
+        large request; the real check names the target.)"""
+        from policies.access import ACTIONS, gives, is_scoped_admin
+
+        if self.single_user:
+            return True
+        needed = ACTIONS[action]
+        return any(gives(g.role, needed) and not is_scoped_admin(g) for g in self.grants)
+
     def can_read(self, *, project: str | None = None, model: str | None = None) -> bool:
         return self.authorize("read", project=project, model=model).allowed

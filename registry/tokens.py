@@ -69,8 +69,9 @@ def split(token: str) -> tuple[str, str]:
 
 
 def verify(catalog: Catalog, token: str) -> Verified:
-    """The principal a presented token stands for, or Unauthenticated (unknown, wrong secret,
-    revoked or expired: said apart only in the server's log, never to the caller)."""
+    """The principal a presented token stands for, or Unauthenticated. An unknown id and a
+    wrong secret read the same; only the holder of the right secret learns that it was
+    revoked or has expired."""
     token_id, secret = split(token)
     with catalog.session() as s:
         row = s.get(ApiToken, token_id)

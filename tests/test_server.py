@@ -645,3 +645,267 @@ def test_sigterm_lets_an_inflight_push_finish(cli, big_ckpt, reg_server):
     listed = reg_server.call("admin", "GET", "/v1/checkpoints")
     assert [c["ref"] for c in listed] == ["team-a/big@step1"]
     assert reg_server.call("admin", "POST", "/v1/verify", json={"ref": "team-a/big@step1"})["ok"]
+
+
+# -- what a hostile review found (each fixed; each a test) ---------------------------------------
+
+
+def test_a_policy_without_grants_never_makes_token_holders_admins(
+    cli, reg_server, catalog_url, tmp_path
+):
+    bare = tmp_path / "bare.toml"
+    bare.write_text("[retention]\nkeep_last = 5\n")
+    reg_server.token("vera")  # minted while the team policy holds
+    res = cli("policy", "apply", bare)
+    assert res.returncode == 2 and "every token holder an admin" in _one_line(res)
+    # One in the catalog anyway (an older reg applied it): no grant, no access, for anyone.
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import PolicyDocument
+
+    catalog = Catalog(catalog_url)
+    with catalog.session(write=True) as s:
+        s.add(
+            PolicyDocument(
+                version=50,
+                text=bare.read_text(),
+                sha256="0" * 64,
+                applied_at=0.0,
+                applied_by="old-reg",
+            )
+        )
+    catalog.dispose()
+    for who, args in (
+        ("vera", ["token", "create", "admin"]),
+        ("admin", ["gc", "--dry-run"]),
+        ("vera", ["audit"]),
+    ):
+        res = cli(*args, env=_as(reg_server, who))
+        assert res.returncode == 4, (who, args, res.stderr)
+
+
+def test_nothing_is_read_or_parsed_for_a_caller_without_a_token(reg_server):
+    deep = b"[" * 200_000
+    for headers in ({}, {"authorization": f"Bearer {reg_server.token('vera')}"}):
+        r = httpx.post(f"{reg_server.url}/v1/gc", content=deep, headers=headers)
+        assert r.status_code in (400, 401), r.text
+        assert r.json()["exit_code"] in (2, 4)
+    r = httpx.post(
+        f"{reg_server.url}/v1/promote",
+        content=b"x" * (8 << 20),
+        headers={"authorization": f"Bearer {reg_server.token('vera')}"},
+    )
+    assert r.status_code == 403 and "vera may not promote" in r.json()["message"]
+
+
+def test_a_stalled_body_is_abandoned(ckpts, tmp_path, catalog_url):
+    import socket
+
+    from tests.serverproc import RegServer, server_env
+
+    env = {**server_env(tmp_path / "h", catalog_url), "REG_SERVER_IDLE_TIMEOUT": "1"}
+    server = RegServer(env, tmp_path / "h").init().start()
+    try:
+        server.apply_policy(team_policy())
+        header = json.dumps(
+            {"project": "team-a", "run": "r", "step": 1, "files": [{"path": "a", "size": 100}]}
+        ).encode()
+        body = b"REGPUSH1" + struct.pack(">Q", len(header)) + header + b"x" * 10
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/checkpoints/push HTTP/1.1\r\nhost: x\r\n"
+                + f"authorization: Bearer {server.token('alice')}\r\n".encode()
+                + f"content-length: {len(body) + 1000}\r\n\r\n".encode()
+                + body
+            )
+            answer = ""
+            while "sent nothing" not in answer and (piece := sock.recv(65536)):
+                answer += piece.decode(errors="replace")
+        assert " 422 " in answer.splitlines()[0] and "sent nothing for 1s" in answer
+        assert not any((server.home / "uploads").glob("push-*"))
+    finally:
+        server.stop()
+
+
+def test_deep_paths_and_huge_declarations_are_refused_before_a_byte_is_written(reg_server):
+    deep = "/".join(["d"] * 33) + "/f"
+    header = {"project": "team-a", "run": "r", "step": 1, "files": [{"path": deep, "size": 1}]}
+    r = _raw_push(reg_server, "alice", header, b"")
+    assert r.status_code == 400 and "plain relative file path" in r.json()["message"]
+    header["files"] = [{"path": "huge", "size": 1 << 49}]
+    r = _raw_push(reg_server, "alice", header, b"")
+    assert r.status_code == 422 and "free for uploads" in r.json()["message"]
+    assert not list((reg_server.home / "uploads").glob("push-*"))
+
+
+def test_what_a_killed_server_left_in_uploads_is_swept_at_start(big_ckpt, reg_server):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, **_as(reg_server, "alice")}
+    push = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "push-ckpt",
+            str(big_ckpt.step_dir(1)),
+            "--run",
+            "big",
+            "--step",
+            "1",
+            "--project",
+            "team-a",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    uploads = reg_server.home / "uploads"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(uploads.glob("push-*/*")):
+        time.sleep(0.01)
+    reg_server.stop(signal.SIGKILL)
+    _, err = push.communicate(timeout=60)
+    assert push.returncode == 1 and "cannot talk to" in err
+    assert [p for p in uploads.glob("push-*") if p.is_dir()], "nothing was left to sweep"
+    reg_server.start()
+    assert not list(uploads.glob("push-*"))
+    assert reg_server.call("admin", "GET", "/v1/checkpoints") == []
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "push-ckpt",
+            str(big_ckpt.step_dir(1)),
+            "--run",
+            "big",
+            "--step",
+            "1",
+            "--project",
+            "team-a",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert res.returncode == 0, res.stderr  # the rerun takes over the dead push's claim
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        {"seconds": 10**400},
+        {"phases": {"x": 10**400}},
+        {"checks": [{"name": "restore", "passed": True, "detail": [[["deep"]]]}]},
+    ],
+)
+def test_a_validators_report_with_impossible_values_is_refused(reg_server, attempt):
+    doc = {
+        "passed": True,
+        "device": "cuda",
+        "device_name": "x",
+        "torch_version": "2",
+        "world_size": 1,
+        "seconds": 1,
+        "phases": {},
+        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+        **attempt,
+    }
+    r = httpx.post(
+        f"{reg_server.url}/v1/validations",
+        json={"ref": "r@step1", "attempt": doc},
+        headers={"authorization": f"Bearer {reg_server.token('val')}"},
+    )
+    assert r.status_code == 400 and r.json()["exit_code"] == 2, r.text
+
+
+def test_numbers_out_of_range_are_usage_errors_not_server_errors(reg_server):
+    for path, body in (("/v1/alias", {"model": "m", "alias": "a", "version": 10**19}),):
+        r = httpx.post(
+            reg_server.url + path,
+            json=body,
+            headers={"authorization": f"Bearer {reg_server.token('admin')}"},
+        )
+        assert r.status_code == 400, r.text
+    r = httpx.get(
+        f"{reg_server.url}/v1/recovery",
+        params={"run": "r", "mtbf_s": -1},
+        headers={"authorization": f"Bearer {reg_server.token('admin')}"},
+    )
+    assert r.status_code == 400 and r.json()["exit_code"] == 2
+    header = {
+        "project": "team-a",
+        "run": "r",
+        "step": 1,
+        "metrics": {"x": 10**400},
+        "files": [{"path": "a", "size": 0}],
+    }
+    import hashlib
+
+    r = _raw_push(reg_server, "alice", header, hashlib.sha256(b"").digest())
+    assert r.status_code == 400 and r.json()["exit_code"] == 2, r.text
+    assert "/uploads/" not in r.text
+
+
+def test_a_model_the_caller_cannot_read_looks_like_no_model(cli, reg_server):
+    res = cli("releases", "secret-model", env=_as(reg_server, "rel"))
+    assert res.returncode == 3 and "model secret-model not found" in _one_line(res)
+
+
+@pytest.mark.parametrize("name", ["\u0430dmin", "reg-server", "a b", "x" * 200])
+def test_tokens_only_for_names_a_grant_can_hold(cli, reg_server, name):
+    res = cli("token", "create", name)
+    assert res.returncode == 2, res.stderr
+
+
+def test_a_lying_server_cannot_fill_the_destination(tmp_path, monkeypatch):
+    """A server (or a proxy) that sends more than the file it listed: cut off at the listed
+    size, nothing left behind."""
+    import hashlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Liar(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/v1/files"):
+                body = json.dumps(
+                    {
+                        "ref": "m:v1",
+                        "view": {},
+                        "files": [
+                            {
+                                "path": "model.safetensors",
+                                "size": 10,
+                                "sha256": hashlib.sha256(b"0123456789").hexdigest(),
+                            }
+                        ],
+                    }
+                ).encode()
+            else:
+                body = b"x" * (50 << 20)
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("REG_URL", f"http://127.0.0.1:{httpd.server_port}")
+        monkeypatch.setenv("REG_TOKEN", "reg_x_y")
+        from registry import IntegrityError, Registry
+
+        with Registry() as reg, pytest.raises(IntegrityError, match="more than the 10 bytes"):
+            reg.pull_release("m:v1", tmp_path / "dest")
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        httpd.shutdown()

@@ -35,8 +35,8 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
 
 def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
     """`apply` of a document already read (`name` says where it came from, for errors)."""
-    parsed = parse_policy(text, name)  # refused before anything is stored
     ctx.authorize("policy", target=f"policy {name}")
+    parsed = parse_policy(text, name)  # refused before anything is stored
     _keeps_an_admin(ctx, parsed, name)
     digest = hashlib.sha256(text.encode()).hexdigest()
     with ctx.catalog.session(write=True) as s:
@@ -62,6 +62,12 @@ def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:
     from policies.access import check_grants, scoped_admin_grants
 
     grants = policy.access.grants
+    if not grants and ctx.server:
+        raise PolicyError(
+            f"{path}: access.grants: none; refused: behind reg server that would make every "
+            "token holder an admin",
+            "keep the admin grants (reg policy show prints the policy in force)",
+        )
     if not grants:
         return  # single-user mode: everyone is admin
     scoped = scoped_admin_grants(grants)

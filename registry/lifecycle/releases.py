@@ -100,6 +100,8 @@ def stored_files(view: ReleaseView) -> list[FileRecord]:
 def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]]:
     if model is not None:
         check_name(model, "model name")
+        if not ctx.principal.can_read(model=model):  # as if it did not exist: names leak
+            raise NotFound(f"model {model} not found", "reg releases lists the models you may read")
     with ctx.catalog.session() as s:
         stmt = (
             select(Model, Release)
@@ -295,6 +297,6 @@ def set_status(
 
 def _version_number(version: str | int) -> int:
     text = str(version).removeprefix("v")
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdigit() or len(text) > 9 or int(text) < 1:
         raise UsageError(f"bad version {version!r}", "write vK, e.g. v3")
     return int(text)

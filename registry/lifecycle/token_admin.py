@@ -5,19 +5,24 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from policies.loader import PRINCIPAL
 from registry import tokens
-from registry.config import checked_user
 from registry.errors import UsageError
 
 if TYPE_CHECKING:
     from registry.context import Context
 
 MAX_EXPIRY_S = 10 * 365 * 86400.0
+SERVER_PRINCIPAL = "reg-server"  # who the server's own scheduled work acts as
 
 
 def create(ctx: Context, principal: str, *, expires_s: float | None) -> dict[str, Any]:
     """A new token for `principal`, returned in full once (only its hash is kept)."""
-    checked_user(principal, "principal")
+    if not PRINCIPAL.fullmatch(principal) or principal == SERVER_PRINCIPAL:
+        raise UsageError(
+            f"{principal[:64]!r} cannot hold a token",
+            "a principal as grants name them: letters, digits, . _ @ -, not reg-server",
+        )
     if expires_s is not None and not (math.isfinite(expires_s) and 0 < expires_s <= MAX_EXPIRY_S):
         raise UsageError(f"--expires must be positive and at most {MAX_EXPIRY_S / 86400:.0f} days")
     ctx.authorize("token", target=f"token for {principal}")

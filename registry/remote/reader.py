@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from registry.errors import NotFound, UsageError
+from registry.errors import IntegrityError, NotFound, UsageError
 from registry.storage.base import BaseStore, ObjectInfo, Producer
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class RemoteReader(BaseStore):
         self.url = f"{client.url} {ref}"
 
     def _path(self, key: str) -> str:
-        if key not in self.sizes:
+        if key not in self.sizes:  # only the files the listing named
             raise NotFound(f"{self.ref} has no file {key.removeprefix(self.prefix)}")
         return key.removeprefix(self.prefix)
 
@@ -47,7 +47,18 @@ class RemoteReader(BaseStore):
         return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
 
     def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
-        return self.client.stream(self.ref, self._path(key))
+        """The file's bytes, cut off as soon as more arrive than the catalog records (a server
+        gone wrong cannot fill the destination's disk)."""
+        path, size = self._path(key), self.sizes[key]
+        got = 0
+        for piece in self.client.stream(self.ref, path):
+            got += len(piece)
+            if got > size:
+                raise IntegrityError(
+                    f"{self.ref}: the server sent more than the {size} bytes of {path}",
+                    "check REG_URL; the file is refused",
+                )
+            yield piece
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         return iter(

@@ -110,13 +110,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         rid = getattr(request.state, "request_id", "")
-        log.exception("internal error", extra={"request_id": rid})
+        log.exception("internal error in request %s", rid)
         request.state.outcome = "internal"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        body = {
+        body = {  # nothing of the exception: its text may name the server's paths
             "exit_code": 1,
-            "message": f"server error: {type(exc).__name__}: {first}"[:500],
-            "hint": f"the server log has the traceback (request {rid})",
+            "message": f"server error ({type(exc).__name__})",
+            "hint": f"the server log has the traceback of request {rid}",
             "type": "InternalError",
         }
         return JSONResponse(body, status_code=500)
@@ -136,6 +135,9 @@ def create_app(settings: Settings) -> FastAPI:
             status = response.status_code
             response.headers["x-request-id"] = rid
             return response
+        except Exception:
+            request.state.outcome = "internal"  # answered 500 by the handler outside this one
+            raise
         finally:
             seconds = time.perf_counter() - started
             path = _route_label(request)

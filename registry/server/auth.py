@@ -33,14 +33,20 @@ def context_for(request: Request) -> Context:
     from registry.events import Outbox
     from registry.policy_source import EffectivePolicy
     from registry.principal import Principal
-    from registry.tokens import verify
+    from registry.tokens import split, verify
 
     state: ServerState = request.app.state.reg
-    verified = verify(state.catalog, bearer(request))
+    token = bearer(request)
+    request.state.token_id = split(token)[0]  # logged even when the token is refused
+    verified = verify(state.catalog, token)
     policy = EffectivePolicy.load(
         state.catalog, policy_path=state.settings.policy_path, home=state.settings.home
     )
     principal = Principal.under(verified.principal, "token", policy, credential=verified.token_id)
+    if principal.single_user:
+        # A policy without grants is single-user mode embedded; behind the server it would make
+        # every token holder an admin. No grant, no access: `reg server init` adds one.
+        principal = Principal(verified.principal, "token", (), credential=verified.token_id)
     request.state.principal = verified.principal
     request.state.token_id = verified.token_id
     ctx = Context(

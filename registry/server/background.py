@@ -1,4 +1,5 @@
-"""Work the server does on its own: the MLflow drain and, when asked, the GC schedule.
+"""Work the server does on its own: the MLflow drain, sweeping what dead requests left in its
+upload directory, and, when asked, the GC schedule.
 
 Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
 for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
@@ -12,13 +13,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from registry.lifecycle.token_admin import SERVER_PRINCIPAL
+
 if TYPE_CHECKING:
     from registry.server.app import ServerState
 
 log = logging.getLogger("reg.server")
 SCHEDULE_LEASE = "gc-schedule"
 DRAIN_EVERY_S = 30.0
-SERVER_PRINCIPAL = "reg-server"
 
 
 class Background:
@@ -28,10 +30,8 @@ class Background:
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        from registry.mirror_spawn import enabled
-
-        if enabled():
-            self._spawn(self._drain_loop, "reg-drain")
+        self.sweep_uploads()
+        self._spawn(self._housekeeping_loop, "reg-housekeeping")
         if self.gc_every_s:
             self._spawn(self._gc_loop, "reg-gc-schedule")
 
@@ -45,17 +45,28 @@ class Background:
         for t in self.threads:
             t.join(timeout=5)
 
-    def _drain_loop(self) -> None:
-        """Events a request's own drain left behind (MLflow down, a crash) are retried."""
-        from registry.mirror_spawn import spawn_drain
+    def sweep_uploads(self) -> None:
+        """Upload and promotion directories whose request died with its process (SIGKILL, a
+        crash): nobody holds their lock any more."""
+        from registry.server.upload import sweep
+
+        removed = sweep(self.state.settings.home / "uploads")
+        if removed:
+            log.info(json.dumps({"swept_uploads": removed}))
+
+    def _housekeeping_loop(self) -> None:
+        """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
+        requests' upload directories are removed."""
+        from registry.mirror_spawn import enabled, spawn_drain
         from registry.mlflow_mirror import pending_count
 
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
-                if pending_count(self.state.catalog):
+                self.sweep_uploads()
+                if enabled() and pending_count(self.state.catalog):
                     spawn_drain(self.state.settings)
             except Exception:
-                log.exception("mlflow drain check failed")
+                log.exception("housekeeping failed")
 
     def _gc_loop(self) -> None:
         assert self.gc_every_s is not None

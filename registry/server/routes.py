@@ -7,14 +7,14 @@ bounded (`MAX_JSON_BYTES`); a push streams (`upload.py`) and is capped at its de
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
-import shutil
+import os
 import struct
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,36 +23,78 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from registry.context import Context
-from registry.errors import NotFound, UsageError
+from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.server.app import MAX_JSON_BYTES, MAX_PROMOTE_BYTES
 from registry.server.auth import context_for
-from registry.server.upload import MAGIC, MAX_HEADER, Receiver, Writer, parse_header
+from registry.server.upload import (
+    MAGIC,
+    MAX_HEADER,
+    Receiver,
+    Writer,
+    parse_header,
+    private_dir,
+    release_dir,
+)
 
 router = APIRouter()
 CTX = Depends(context_for)
+# A request body that stops arriving for this long is abandoned (REG_SERVER_IDLE_TIMEOUT).
+IDLE_S = float(os.environ.get("REG_SERVER_IDLE_TIMEOUT", "60"))
 MAX_RANGE = 64 << 20  # one ranged read; a client asks for larger reads in pieces
 WRITE_BATCH = 4 << 20
 
 
+async def _authed_body(
+    request: Request, limit: int = MAX_JSON_BYTES
+) -> tuple[Context, dict[str, Any]]:
+    """The request's Context (its token checked first: an anonymous caller gets nothing
+    read), then its JSON body."""
+    ctx = await run_in_threadpool(context_for, request)
+    return ctx, await _body(request, limit)
+
+
 async def _body(request: Request, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
-    """The request's JSON object, refused past `limit` bytes before it is all read."""
+    """The request's JSON object, refused past `limit` bytes before it is all read, or when
+    the client stops sending for IDLE_S; parsed off the event loop."""
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > limit):
         raise UsageError(f"request body over {limit} bytes", "send less")
     data = bytearray()
-    async for chunk in request.stream():
+    async for chunk in idle_limited(request.stream()):
         data += chunk
         if len(data) > limit:
             raise UsageError(f"request body over {limit} bytes", "send less")
+    return await run_in_threadpool(_parse_json, bytes(data))
+
+
+def _parse_json(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError("request body is nested too deeply") from None
     if not isinstance(doc, dict):
         raise UsageError("request body is not a JSON object")
     return doc
+
+
+async def idle_limited(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`stream`, cut off (exit 1) when no byte arrives for IDLE_S: a client that stops sending
+    holds no connection, memory or upload for long."""
+    iterator = stream.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(iterator.__anext__(), IDLE_S)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise RegistryError(
+                f"the client sent nothing for {IDLE_S:.0f}s; request abandoned", "send again"
+            ) from None
+        yield chunk
 
 
 def _str(doc: dict[str, Any], key: str, default: str | None = None) -> str:
@@ -100,7 +142,7 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
     from registry.server import metrics
 
     ctx = await run_in_threadpool(context_for, request)
-    stream = request.stream().__aiter__()
+    stream = idle_limited(request.stream()).__aiter__()
     buffer = bytearray()
 
     async def fill(n: int) -> None:
@@ -120,7 +162,7 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
         raise UsageError(f"push header over {MAX_HEADER} bytes")
     if len(buffer) < start + length:
         await fill(start + length)
-    req = parse_header(bytes(buffer[start : start + length]))
+    req = await run_in_threadpool(parse_header, bytes(buffer[start : start + length]))
     rest = bytes(buffer[start + length :])
     # Refused before a byte is stored: who may push here, and a well-formed name.
     await run_in_threadpool(
@@ -150,19 +192,23 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
         metrics.BYTES_IN.inc(received)
         request.state.phases = {"receive_seconds": round(time.perf_counter() - started, 3)}
         notes: list[str] = []
-        result = await run_in_threadpool(
-            lambda: push(
-                ctx,
-                receiver.root,
-                run=req.run,
-                step=req.step,
-                project=req.project,
-                world_size=req.world_size,
-                metrics=req.metrics,
-                notes=notes,
-                received=receiver.received,
-            ).to_json()
-        )
+        try:
+            result = await run_in_threadpool(
+                lambda: push(
+                    ctx,
+                    receiver.root,
+                    run=req.run,
+                    step=req.step,
+                    project=req.project,
+                    world_size=req.world_size,
+                    metrics=req.metrics,
+                    notes=notes,
+                    received=receiver.received,
+                ).to_json()
+            )
+        except RegistryError as exc:  # name the client's files, not the server's directory
+            exc.message = exc.message.replace(str(receiver.root), "(the pushed directory)")
+            raise
         result["notes"] = notes
         request.state.phases["push_seconds"] = round(
             time.perf_counter() - started - request.state.phases["receive_seconds"], 3
@@ -296,8 +342,7 @@ async def pulled(request: Request) -> dict[str, Any]:
     from registry.lifecycle.checkpoints.read import record_resume, resolve
     from registry.lifecycle.views import CheckpointView
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     ref = parse_checkpoint_ref(_str(doc, "ref"))
 
     def work() -> dict[str, Any]:
@@ -313,8 +358,7 @@ async def pulled(request: Request) -> dict[str, Any]:
 
 @router.post("/verify")
 async def verify(request: Request) -> dict[str, Any]:
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     parsed = parse_ref(_str(doc, "ref"))
     repair = _bool(doc, "repair")
 
@@ -334,8 +378,7 @@ async def verify(request: Request) -> dict[str, Any]:
 async def pin(request: Request) -> dict[str, Any]:
     from registry.lifecycle.checkpoints.read import set_pin
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     ref = parse_checkpoint_ref(_str(doc, "ref"))
     on = doc.get("pinned", True)
     if not isinstance(on, bool):
@@ -352,8 +395,7 @@ async def validation_begin(request: Request) -> dict[str, Any]:
     unless it may attest; answers what it needs (the checkpoint's files and the policy)."""
     from registry.lifecycle.checkpoints.read import resolve
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     ref = parse_checkpoint_ref(_str(doc, "ref"))
 
     def work() -> dict[str, Any]:
@@ -375,8 +417,7 @@ async def validation_record(request: Request) -> dict[str, Any]:
     from registry.lifecycle.checkpoints.read import resolve
     from registry.lifecycle.validation import Attempt, record
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     ref = parse_checkpoint_ref(_str(doc, "ref"))
     attempt = Attempt.from_json(doc.get("attempt"))
 
@@ -398,8 +439,10 @@ async def promote(request: Request) -> dict[str, Any]:
     choosing. Extras (config.json, ...) come in the body, base64, within MAX_PROMOTE_BYTES."""
     from registry.lifecycle.promotion import promote as run_promotion
 
-    doc = await _body(request, MAX_PROMOTE_BYTES)
     ctx = await run_in_threadpool(context_for, request)
+    if not ctx.principal.may_anywhere("promote"):  # refused before 64 MiB are read
+        await run_in_threadpool(lambda: ctx.authorize("promote", target="a promotion"))
+    doc = await _body(request, MAX_PROMOTE_BYTES)
     ref = parse_checkpoint_ref(_str(doc, "ref"))
     extras = doc.get("extras") or []
     if not isinstance(extras, list):
@@ -410,14 +453,18 @@ async def promote(request: Request) -> dict[str, Any]:
             "reg validate REF --model-factory MOD:FN with a validator token, then promote",
         )
     state = request.app.state.reg
-    workdir = Path(tempfile.mkdtemp(prefix="promote-", dir=_uploads(state)))
+    model = _str(doc, "model")
+    await run_in_threadpool(
+        lambda: ctx.authorize("promote", project=ref.project, model=model, target=str(ref))
+    )
+    workdir, lock = private_dir(state.settings.home / "uploads", "promote")
     try:
         paths = [_write_extra(workdir, e) for e in extras]
         return await run_in_threadpool(
             lambda: run_promotion(
                 ctx,
                 ref,
-                model=_str(doc, "model"),
+                model=model,
                 alias=_opt_str(doc, "alias"),
                 dtype=_opt_str(doc, "dtype"),
                 max_shard_size=_str(doc, "max_shard_size", "5GB"),
@@ -425,13 +472,7 @@ async def promote(request: Request) -> dict[str, Any]:
             )
         )
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _uploads(state: Any) -> Path:
-    where: Path = state.settings.home / "uploads"
-    where.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return where
+        release_dir(workdir, lock)
 
 
 def _write_extra(workdir: Path, entry: object) -> Path:
@@ -462,8 +503,7 @@ def releases(model: str | None = None, ctx: Context = CTX) -> list[dict[str, Any
 async def alias(request: Request) -> dict[str, Any]:
     from registry.lifecycle.releases import set_alias
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     version = doc.get("version")
     if not isinstance(version, str | int) or isinstance(version, bool):
         raise UsageError("version must be vK or a number")
@@ -477,8 +517,7 @@ async def release_status(request: Request) -> dict[str, Any]:
     from registry.lifecycle.releases import set_status
     from registry.refs import parse_release_ref
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     ref = parse_release_ref(_str(doc, "ref"))
     status = _str(doc, "status")
     if status not in (DEPRECATED, YANKED):
@@ -493,8 +532,7 @@ async def release_status(request: Request) -> dict[str, Any]:
 async def gc(request: Request) -> dict[str, Any]:
     from registry.lifecycle.gc import run_gc
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     return await run_in_threadpool(lambda: run_gc(ctx, dry_run=_bool(doc, "dry_run")))
 
 
@@ -502,8 +540,7 @@ async def gc(request: Request) -> dict[str, Any]:
 async def rebuild(request: Request) -> dict[str, Any]:
     from registry.lifecycle.rebuild import rebuild as run_rebuild
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     return await run_in_threadpool(lambda: run_rebuild(ctx, dry_run=_bool(doc, "dry_run")))
 
 
@@ -537,8 +574,7 @@ def policy_show(ctx: Context = CTX) -> dict[str, Any]:
 async def policy_apply(request: Request) -> dict[str, Any]:
     from registry.lifecycle.policy_admin import apply_text
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     return await run_in_threadpool(
         apply_text, ctx, _str(doc, "text"), _str(doc, "name", "policy")[:200]
     )
@@ -555,17 +591,15 @@ def policy_export(bucket: str | None = None, ctx: Context = CTX) -> dict[str, An
 @router.post("/mlflow/sync")
 async def mlflow_sync(request: Request) -> dict[str, Any]:
     from registry.mlflow_mirror import drain
-    from registry.text import redact_url
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     budget = doc.get("budget_s", 300.0)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 3600:
         raise UsageError("budget_s must be a number of seconds in (0, 3600]")
     settings = request.app.state.reg.settings
 
     def work() -> dict[str, Any]:
-        ctx.authorize("mlflow-sync", target=redact_url(settings.mlflow_tracking_uri))
+        ctx.authorize("mlflow-sync", target="the MLflow mirror")
         return drain(ctx.catalog, settings, float(budget), wait=True, holder=ctx.actor)
 
     return await run_in_threadpool(work)
@@ -577,6 +611,8 @@ def recovery(
 ) -> dict[str, Any]:
     from registry.lifecycle.recovery import economics
 
+    if not 0 < mtbf_s < float("inf"):
+        raise UsageError(f"--mtbf must be a positive, finite duration, got {mtbf_s}s")
     return economics(ctx, run, project=project, mtbf_s=mtbf_s)
 
 
@@ -587,8 +623,7 @@ def recovery(
 async def token_create(request: Request) -> dict[str, Any]:
     from registry.lifecycle import token_admin
 
-    doc = await _body(request)
-    ctx = await run_in_threadpool(context_for, request)
+    ctx, doc = await _authed_body(request)
     expires = doc.get("expires_s")
     if expires is not None and (isinstance(expires, bool) or not isinstance(expires, int | float)):
         raise UsageError("expires_s must be a number of seconds")

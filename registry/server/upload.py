@@ -15,6 +15,7 @@ changed while being sent: refused, named.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,13 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import IntegrityError, UsageError
+from registry.errors import IntegrityError, RegistryError, UsageError
 
 MAGIC = b"REGPUSH1"
 MAX_HEADER = 16 << 20
 MAX_FILES = 100_000
 MAX_FILE_SIZE = 1 << 50
 MAX_PATH = 1024
+MAX_DEPTH = 32  # path segments; a DCP checkpoint is flat, HF-style ones a level or two
+MAX_DIRECTORIES = 10_000
 DIGEST = 32
 
 
@@ -112,8 +115,9 @@ def _checked_path(path: str) -> str:
     bad = (
         not path
         or len(path) > MAX_PATH
+        or len(parts) > MAX_DEPTH
         or not path.isprintable()
-        or any(p in ("", ".", "..") or len(p) > 255 for p in parts)
+        or any(p in ("", ".", "..") or len(p.encode()) > 255 for p in parts)
     )
     if bad:
         raise UsageError(f"push header: {path[:80]!r} is not a plain relative file path")
@@ -121,14 +125,22 @@ def _checked_path(path: str) -> str:
 
 
 def _check_tree(paths: list[str]) -> None:
-    seen = set(paths)
-    if len(seen) != len(paths):
+    """No path twice, none inside another file, a bounded number of directories; in time
+    proportional to the paths' total length."""
+    files = set(paths)
+    if len(files) != len(paths):
         raise UsageError("push header: a file path appears twice")
+    directories: set[str] = set()
     for p in paths:
-        parts = p.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in seen:
-                raise UsageError(f"push header: {p!r} is inside the file {'/'.join(parts[:i])!r}")
+        end = p.find("/")
+        while end != -1:
+            parent = p[:end]
+            if parent in files:
+                raise UsageError(f"push header: {p!r} is inside the file {parent!r}")
+            directories.add(parent)
+            end = p.find("/", end + 1)
+        if len(directories) > MAX_DIRECTORIES:
+            raise UsageError(f"push header: more than {MAX_DIRECTORIES} directories")
 
 
 @dataclass
@@ -144,12 +156,14 @@ class Receiver:
     hasher: Any = field(default_factory=hashlib.sha256)
     received: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> size, sha256
 
+    lock: int | None = None
+
     @classmethod
     def create(cls, parent: Path, files: list[Declared]) -> Receiver:
-        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        root = parent / f"push-{uuid.uuid4().hex}"
-        root.mkdir(mode=0o700)
-        return cls(root, files)
+        needed = sum(f.size for f in files)
+        check_space(parent, needed)
+        root, lock = private_dir(parent, "push")
+        return cls(root, files, lock=lock)
 
     def _open(self) -> int:
         if self.index >= len(self.files):
@@ -213,7 +227,69 @@ class Receiver:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        shutil.rmtree(self.root, ignore_errors=True)
+        release_dir(self.root, self.lock)
+        self.lock = None
+
+
+SPACE_MARGIN = 1 << 30  # left free on the server's disk after an upload
+
+
+def check_space(parent: Path, needed: int) -> None:
+    """Refuse an upload the server's disk cannot hold, before a byte is written."""
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.statvfs(parent)
+    free = st.f_bavail * st.f_frsize
+    if needed + SPACE_MARGIN > free:
+        raise RegistryError(
+            f"the server has {free >> 20} MiB free for uploads and this push needs "
+            f"{needed >> 20} MiB (plus {SPACE_MARGIN >> 20} MiB kept free)",
+            "ask the operator to free space on the server, or push later",
+        )
+
+
+def private_dir(parent: Path, kind: str) -> tuple[Path, int]:
+    """A new directory only this process uses (0700), and the lock that says it is in use:
+    `sweep` removes the directories whose lock nobody holds (a crashed or killed server)."""
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    name = f"{kind}-{uuid.uuid4().hex}"
+    lock = os.open(parent / f"{name}.lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    root = parent / name
+    root.mkdir(mode=0o700)
+    return root, lock
+
+
+def release_dir(root: Path, lock: int | None) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{root}.lock")
+    if lock is not None:
+        os.close(lock)
+
+
+def sweep(parent: Path) -> list[str]:
+    """Remove what dead requests left under `parent`: directories whose lock no live process
+    holds. Returns their names."""
+    removed: list[str] = []
+    if not parent.is_dir():
+        return removed
+    for lock_path in parent.glob("*.lock"):
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live request
+        root = lock_path.with_suffix("")
+        shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+        removed.append(root.name)
+    return removed
 
 
 class Writer:

@@ -117,6 +117,10 @@ def check_metrics(metrics: dict[str, float]) -> dict[str, float]:
         check_name(name, "metric name")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise UsageError(f"metric {name} is {value!r}, not a number")
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
         if not math.isfinite(value):
             raise UsageError(
                 f"metric {name} is {value}", "metrics are finite numbers; leave it out"

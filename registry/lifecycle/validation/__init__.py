@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.resume import classify
 from registry import events
@@ -157,6 +157,36 @@ def run_checks(
     return out
 
 
+MAX_DETAIL = 4000  # characters of one check's detail in a validator's report
+
+
+def _finite(value: object) -> TypeGuard[int | float]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _clean_detail(detail: object) -> Any:
+    """A check's detail as a report may carry it: text, nothing, or groups of names (tied
+    weights); bounded and inert. False for anything else."""
+    from registry.text import inert
+
+    if detail is None:
+        return None
+    if isinstance(detail, str):
+        return inert(detail)[:MAX_DETAIL]
+    groups = detail if isinstance(detail, list) and len(detail) <= 1000 else None
+    if groups is None or not all(
+        isinstance(g, list) and len(g) <= 1000 and all(isinstance(n, str) for n in g)
+        for g in groups
+    ):
+        return False
+    return [[inert(n)[:256] for n in g] for g in groups]
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """What one validation found, as recorded: made here from an Outcome, or sent to reg
@@ -218,17 +248,12 @@ class Attempt:
             raise bad("device is neither cuda nor cpu")
         if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world < 2**31:
             raise bad("world_size is not a whole number >= 1")
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise bad("seconds is not a number")
-        if not math.isfinite(seconds) or seconds < 0:
+        if not _finite(seconds) or seconds < 0:
             raise bad("seconds is not a finite number >= 0")
         if (
             not isinstance(phases, dict)
             or len(phases) > 64
-            or not all(
-                isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
-                for k, v in phases.items()
-            )
+            or not all(isinstance(k, str) and _finite(v) for k, v in phases.items())
         ):
             raise bad("phases is not an object of finite numbers")
         if not isinstance(checks, list) or not checks or len(checks) > 64:
@@ -237,9 +262,12 @@ class Attempt:
         for c in checks:
             if not isinstance(c, dict) or not isinstance(c.get("passed"), bool):
                 raise bad("a check has no passed")
-            name, detail = c.get("name"), c.get("detail")
-            if not isinstance(name, str) or not isinstance(detail, str | list | dict | None):
+            name = c.get("name")
+            if not isinstance(name, str):
                 raise bad("a check has no name")
+            detail = _clean_detail(c.get("detail"))
+            if detail is False:
+                raise bad(f"check {inert(name)[:64]}: detail is neither text nor name groups")
             clean.append({"name": inert(name)[:64], "passed": c["passed"], "detail": detail})
         if passed != all(c["passed"] for c in clean):
             raise bad("passed disagrees with the checks")
@@ -253,7 +281,7 @@ class Attempt:
             torch_version=inert(str(text["torch_version"]))[:64],
             world_size=world,
             seconds=float(seconds),
-            phases={k[:64]: float(v) for k, v in phases.items()},
+            phases={inert(k)[:64]: float(v) for k, v in phases.items()},
             checks=clean,
         )
 
