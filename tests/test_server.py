@@ -909,3 +909,42 @@ def test_a_lying_server_cannot_fill_the_destination(tmp_path, monkeypatch):
         assert list(tmp_path.iterdir()) == []
     finally:
         httpd.shutdown()
+
+
+def test_the_gc_schedule_runs_in_the_server_with_one_leader(cli, ckpts, tmp_path, catalog_url):
+    """`reg server --gc-every 1s`: retention runs without anyone asking, as the server's own
+    principal; a second replica in the same interval does not run it again."""
+    import time
+
+    from tests.serverproc import RegServer, server_env
+
+    server = RegServer(server_env(tmp_path / "h", catalog_url), tmp_path / "h").init()
+    server.start("--gc-every", "1s")
+    try:
+        server.apply_policy(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
+        env = {"REG_URL": server.url, "REG_TOKEN": server.token("alice")}
+        for step in (2, 4):
+            res = cli(
+                "push-ckpt",
+                ckpts.ws2.step_dir(step),
+                "--run",
+                "r",
+                "--step",
+                str(step),
+                "--project",
+                "team-a",
+                env=env,
+            )
+            assert res.returncode == 0, res.stderr
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            listed = server.call("admin", "GET", "/v1/checkpoints", params={"project": "team-a"})
+            if [c["ref"] for c in listed] == ["team-a/r@step4"]:
+                break
+            time.sleep(0.5)
+        assert [c["ref"] for c in listed] == ["team-a/r@step4"]
+        gc_events = [e for e in server.call("admin", "GET", "/v1/audit") if e["action"] == "gc"]
+        assert gc_events and {e["actor"] for e in gc_events} == {"reg-server"}
+        assert '"gc": "scheduled"' in server.log_text()
+    finally:
+        server.stop()

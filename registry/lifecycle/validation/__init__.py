@@ -200,14 +200,13 @@ class Attempt:
     seconds: float
     phases: dict[str, float]
     checks: list[dict[str, Any]]
+    tied: list[list[str]]  # groups of names sharing storage (recorded with the checks)
 
     @classmethod
     def of(cls, out: Outcome, device: str, world_size: int) -> Attempt:
         import torch
 
         checks = [c.as_dict() for c in out.checks]
-        if out.tied:
-            checks.append({"name": "tied_weights", "passed": True, "detail": out.tied})
         return cls(
             passed=out.passed,
             device=device,
@@ -217,6 +216,7 @@ class Attempt:
             seconds=out.phases.get("restore_seconds", 0.0),
             phases=dict(out.phases),
             checks=checks,
+            tied=[list(g) for g in out.tied],
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -229,6 +229,7 @@ class Attempt:
             "seconds": self.seconds,
             "phases": self.phases,
             "checks": self.checks,
+            "tied": self.tied,
         }
 
     @classmethod
@@ -271,6 +272,9 @@ class Attempt:
             clean.append({"name": inert(name)[:64], "passed": c["passed"], "detail": detail})
         if passed != all(c["passed"] for c in clean):
             raise bad("passed disagrees with the checks")
+        tied = _clean_detail(doc.get("tied") or [])
+        if not isinstance(tied, list):
+            raise bad("tied is not a list of name groups")
         text = {k: doc.get(k) for k in ("device_name", "torch_version")}
         if not all(isinstance(v, str) for v in text.values()):
             raise bad("device_name and torch_version are strings")
@@ -283,6 +287,7 @@ class Attempt:
             seconds=float(seconds),
             phases={inert(k)[:64]: float(v) for k, v in phases.items()},
             checks=clean,
+            tied=tied,
         )
 
 
@@ -300,7 +305,12 @@ def record(
             world_size=attempt.world_size,
             seconds=attempt.seconds,
             phases=attempt.phases,
-            checks=attempt.checks,
+            checks=attempt.checks
+            + (
+                [{"name": "tied_weights", "passed": True, "detail": attempt.tied}]
+                if attempt.tied
+                else []
+            ),
             created_at=now(),
             created_by=ctx.actor,
             attested=attested,
