@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from registry.errors import (
     Conflict,
@@ -28,7 +28,7 @@ from registry.errors import (
 from registry.server import metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from registry.catalog.engine import Catalog
     from registry.config import Settings
@@ -68,6 +68,67 @@ def error_body(exc: RegistryError) -> dict[str, Any]:
         "hint": exc.hint,
         "type": type(exc).__name__,
     }
+
+
+class Observe:
+    """Request ids, the JSON log line, metrics and the post-request MLflow drain, as plain ASGI
+    middleware: Starlette's `BaseHTTPMiddleware` would pass every request body through a
+    memory stream (measured: a push's bytes arrived at a third of the speed)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        rid = request.headers.get("x-request-id", "")
+        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum()):
+            rid = uuid.uuid4().hex
+        request.state.request_id = rid
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            request.state.outcome = "internal"  # answered 500 by the handler outside this one
+            raise
+        finally:
+            self._done(request, rid, status, time.perf_counter() - started)
+
+    @staticmethod
+    def _done(request: Request, rid: str, status: int, seconds: float) -> None:
+        path = _route_label(request)
+        metrics.observe(request.method, path, status, seconds, request)
+        events = getattr(request.state, "events", None)
+        if events is not None:
+            events.flush()  # a detached MLflow drain, as after an embedded command
+        log.info(
+            json.dumps(
+                {
+                    "ts": time.time(),
+                    "request_id": rid,
+                    "method": request.method,
+                    "path": path,
+                    "status": status,
+                    "seconds": round(seconds, 4),
+                    "principal": getattr(request.state, "principal", None),
+                    "token": getattr(request.state, "token_id", None),
+                    "outcome": getattr(request.state, "outcome", "ok"),
+                    **getattr(request.state, "phases", {}),
+                }
+            )
+        )
 
 
 def _route_label(request: Request) -> str:
@@ -120,47 +181,7 @@ def create_app(settings: Settings) -> FastAPI:
         }
         return JSONResponse(body, status_code=500)
 
-    @app.middleware("http")
-    async def observe(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        rid = request.headers.get("x-request-id", "")
-        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum()):
-            rid = uuid.uuid4().hex
-        request.state.request_id = rid
-        started = time.perf_counter()
-        status = 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            response.headers["x-request-id"] = rid
-            return response
-        except Exception:
-            request.state.outcome = "internal"  # answered 500 by the handler outside this one
-            raise
-        finally:
-            seconds = time.perf_counter() - started
-            path = _route_label(request)
-            metrics.observe(request.method, path, status, seconds, request)
-            events = getattr(request.state, "events", None)
-            if events is not None:
-                events.flush()  # a detached MLflow drain, as after an embedded command
-            log.info(
-                json.dumps(
-                    {
-                        "ts": time.time(),
-                        "request_id": rid,
-                        "method": request.method,
-                        "path": path,
-                        "status": status,
-                        "seconds": round(seconds, 4),
-                        "principal": getattr(request.state, "principal", None),
-                        "token": getattr(request.state, "token_id", None),
-                        "outcome": getattr(request.state, "outcome", "ok"),
-                        **getattr(request.state, "phases", {}),
-                    }
-                )
-            )
+    app.add_middleware(Observe)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:
