@@ -63,7 +63,9 @@ def push(
     scanned = scan_directory(Path(src))
     world = _world_size(scanned, world_size, notes)
     with _Uploader(ctx, ref, scanned, progress, received) as uploader:
-        if _looks_free(ctx, ref):
+        # A server's received files are taken, not copied: nothing to overlap, and a file
+        # taken before the claim would be gone for comparing with a step committed meanwhile.
+        if received is None and _looks_free(ctx, ref):
             uploader.start()
         # Imported here, not at the top: the catalog layer (SQLAlchemy) and the policy models
         # load while the copy runs.
