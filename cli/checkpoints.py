@@ -29,15 +29,9 @@ def recovery(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Checkpoint economics of a run: save cost C, restore time RTO, interval advice."""
-    from policies.loader import parse_duration
-    from registry.errors import UsageError
+    from registry.timeutil import positive_duration
 
-    try:
-        mtbf_s = parse_duration(mtbf)
-    except ValueError as exc:
-        raise UsageError(f"bad --mtbf: {exc}") from None
-    if not 0 < mtbf_s < float("inf"):
-        raise UsageError(f"--mtbf {mtbf} must be a positive, finite duration", "e.g. 24h")
+    mtbf_s = positive_duration(mtbf, "--mtbf", "24h")
     with open_registry() as reg:
         out = reg.recovery(run, project=project, mtbf_s=mtbf_s)
     if json_output:

@@ -13,16 +13,10 @@ from cli.render import to_json
 
 
 def repeat(interval: str, cycle: Callable[[], dict[str, Any]]) -> None:
-    from policies.loader import parse_duration
-    from registry.errors import RegistryError, UsageError
-    from registry.timeutil import iso, now
+    from registry.errors import RegistryError
+    from registry.timeutil import iso, now, positive_duration
 
-    try:
-        seconds = parse_duration(interval)
-    except ValueError as exc:
-        raise UsageError(f"bad --every: {exc}") from None
-    if not 0 < seconds < float("inf"):
-        raise UsageError(f"--every {interval} must be a positive duration", "e.g. 1h")
+    seconds = positive_duration(interval, "--every")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -91,15 +91,9 @@ def token_create(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Mint a token for PRINCIPAL (admin); it is printed once, only its hash is kept."""
-    expires_s = None
-    if expires is not None:
-        from policies.loader import parse_duration
-        from registry.errors import UsageError
+    from registry.timeutil import positive_duration
 
-        try:
-            expires_s = parse_duration(expires)
-        except ValueError as exc:
-            raise UsageError(f"bad --expires: {exc}", "e.g. 90d") from None
+    expires_s = None if expires is None else positive_duration(expires, "--expires", "90d")
     with open_registry() as reg:
         out = reg.create_token(principal, expires_s=expires_s)
     if json_output:

@@ -22,3 +22,18 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} PiB"
+
+
+def positive_duration(text: str, flag: str, example: str = "1h") -> float:
+    """A command-line duration ("90d", "1h", "30s") that must be positive and finite: seconds,
+    or a UsageError naming the flag."""
+    from policies.loader import parse_duration  # pydantic: paid only by commands that parse
+    from registry.errors import UsageError
+
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise UsageError(f"bad {flag}: {exc}", f"e.g. {example}") from None
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"{flag} {text} must be a positive, finite duration", f"e.g. {example}")
+    return seconds

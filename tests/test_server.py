@@ -606,12 +606,13 @@ def test_health_readiness_metrics_and_request_ids(cli, reg_server):
     assert httpx.get(f"{reg_server.url}/openapi.json").json()["info"]["title"] == "reg server"
 
 
-def test_sigterm_lets_an_inflight_push_finish(cli, big_ckpt, reg_server):
+def _big_push_started(server, big_ckpt, files: str = "push-*/*"):
+    """`reg push-ckpt` of the ~200 MB checkpoint as alice, in the background, returned once
+    the server has begun writing it (a file under its uploads)."""
     import subprocess
     import sys
     import time
 
-    env = {**os.environ, **_as(reg_server, "alice")}
     push = subprocess.Popen(
         [
             sys.executable,
@@ -626,17 +627,22 @@ def test_sigterm_lets_an_inflight_push_finish(cli, big_ckpt, reg_server):
             "--project",
             "team-a",
         ],
-        env=env,
+        env={**os.environ, **_as(server, "alice")},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parent.parent,
     )
+    uploads = server.home / "uploads"
     deadline = time.monotonic() + 30
-    uploads = reg_server.home / "uploads"
-    while time.monotonic() < deadline and not any(uploads.glob("push-*")):
-        time.sleep(0.02)
-    assert any(uploads.glob("push-*")), "the push never started"
+    while time.monotonic() < deadline and not any(uploads.glob(files)):
+        time.sleep(0.01)
+    assert any(uploads.glob(files)), "the push never started"
+    return push
+
+
+def test_sigterm_lets_an_inflight_push_finish(cli, big_ckpt, reg_server):
+    push = _big_push_started(reg_server, big_ckpt, "push-*")
     # uvicorn finishes in-flight requests, then exits by the signal it got (-15).
     assert reg_server.stop() in (0, -15)
     _out, err = push.communicate(timeout=120)
@@ -737,37 +743,11 @@ def test_deep_paths_and_huge_declarations_are_refused_before_a_byte_is_written(r
     assert not list((reg_server.home / "uploads").glob("push-*"))
 
 
-def test_what_a_killed_server_left_in_uploads_is_swept_at_start(big_ckpt, reg_server):
+def test_what_a_killed_server_left_in_uploads_is_swept_at_start(cli, big_ckpt, reg_server):
     import signal
-    import subprocess
-    import sys
-    import time
 
-    env = {**os.environ, **_as(reg_server, "alice")}
-    push = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "push-ckpt",
-            str(big_ckpt.step_dir(1)),
-            "--run",
-            "big",
-            "--step",
-            "1",
-            "--project",
-            "team-a",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-    )
+    push = _big_push_started(reg_server, big_ckpt)
     uploads = reg_server.home / "uploads"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(uploads.glob("push-*/*")):
-        time.sleep(0.01)
     reg_server.stop(signal.SIGKILL)
     _, err = push.communicate(timeout=60)
     assert push.returncode == 1 and "cannot talk to" in err
@@ -775,24 +755,16 @@ def test_what_a_killed_server_left_in_uploads_is_swept_at_start(big_ckpt, reg_se
     reg_server.start()
     assert not list(uploads.glob("push-*"))
     assert reg_server.call("admin", "GET", "/v1/checkpoints") == []
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "push-ckpt",
-            str(big_ckpt.step_dir(1)),
-            "--run",
-            "big",
-            "--step",
-            "1",
-            "--project",
-            "team-a",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
+    res = cli(
+        "push-ckpt",
+        big_ckpt.step_dir(1),
+        "--run",
+        "big",
+        "--step",
+        "1",
+        "--project",
+        "team-a",
+        env=_as(reg_server, "alice"),
     )
     assert res.returncode == 0, res.stderr  # the rerun takes over the dead push's claim
 

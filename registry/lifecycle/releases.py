@@ -169,10 +169,9 @@ def verify(
     }
 
 
-def pull(
-    ctx: Context, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
-) -> dict[str, Any]:
-    """Copy a release to `dest` (new or empty), every byte verified; all or nothing."""
+def pullable(ctx: Context, ref: ReleaseRef) -> ReleaseView:
+    """The release `ref` names, if the caller may read it and it was not yanked (a pull's,
+    and reg server's file reads', one rule)."""
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
@@ -182,9 +181,17 @@ def pull(
             f"{view.name} was yanked: {release.status_reason}",
             f"pull another version of {model.name} (reg releases {model.name})",
         )
+    return view
+
+
+def pull(
+    ctx: Context, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Copy a release to `dest` (new or empty), every byte verified; all or nothing."""
+    view = pullable(ctx, ref)
     where = download(
         ctx.store,
-        release_prefix(model.name, release.version),
+        release_prefix(view.model.name, view.row.version),
         stored_files(view),
         dest,
         label=view.name,

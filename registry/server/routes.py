@@ -276,21 +276,10 @@ def _pullable(
     from registry.layout import checkpoint_prefix, release_prefix
 
     if isinstance(ref, ReleaseRef):
-        from registry.catalog.models import YANKED
-        from registry.errors import Conflict
-        from registry.lifecycle.releases import resolve_release, stored_files
-        from registry.lifecycle.views import ReleaseView
+        from registry.lifecycle.releases import pullable, stored_files
 
-        ctx.authorize_read(model=ref.model)
-        with ctx.catalog.session() as s:
-            model, release = resolve_release(s, ref)
-            view = ReleaseView.load(s, model, release)
-        if release.status == YANKED:
-            raise Conflict(
-                f"{view.name} was yanked: {release.status_reason}",
-                f"pull another version of {model.name} (reg releases {model.name})",
-            )
-        prefix = release_prefix(model.name, release.version)
+        view = pullable(ctx, ref)
+        prefix = release_prefix(view.model.name, view.row.version)
         return view.name, prefix, stored_files(view), view.to_json()
     from registry.lifecycle.checkpoints.read import resolve
     from registry.lifecycle.views import CheckpointView

@@ -60,21 +60,14 @@ def serve(
 
     import uvicorn
 
-    from policies.loader import parse_duration
     from registry.config import Settings
     from registry.errors import UsageError
+    from registry.timeutil import positive_duration
 
     if Settings.from_env().remote:
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
-    gc_every_s = None
     if gc_every is not None:
-        try:
-            gc_every_s = parse_duration(gc_every)
-        except ValueError as exc:
-            raise UsageError(f"bad --gc-every: {exc}", "e.g. 1h") from None
-        if not 0 < gc_every_s < float("inf"):
-            raise UsageError(f"--gc-every {gc_every} must be a positive duration", "e.g. 1h")
-        os.environ["REG_SERVER_GC_EVERY_S"] = str(gc_every_s)
+        os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     uvicorn.run(
         "registry.server.run:factory",
