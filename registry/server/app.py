@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reg.server")
 API_VERSION = "v1"
-MAX_JSON_BYTES = 1 << 20  # JSON request bodies; a push streams, a promotion's extras get more
-MAX_PROMOTE_BYTES = 64 << 20
 
 
 @dataclass
@@ -145,7 +143,7 @@ def _route_label(request: Request) -> str:
 def create_app(settings: Settings) -> FastAPI:
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
-    from registry.server import routes
+    from registry.server import data, routes
     from registry.storage import open_store
 
     catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
@@ -162,6 +160,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.reg = ServerState(settings, catalog, store)
     app.include_router(routes.router, prefix=f"/{API_VERSION}")
+    app.include_router(data.router, prefix=f"/{API_VERSION}")
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:

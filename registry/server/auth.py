@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from registry.errors import Unauthenticated
 
@@ -60,3 +60,6 @@ def context_for(request: Request) -> Context:
     )
     request.state.events = ctx.events
     return ctx
+
+
+CTX = Depends(context_for)  # an endpoint's `ctx: Context = CTX`
