@@ -920,3 +920,47 @@ def test_the_gc_schedule_runs_in_the_server_with_one_leader(cli, ckpts, tmp_path
         assert '"gc": "scheduled"' in server.log_text()
     finally:
         server.stop()
+
+
+def test_retention_keeps_what_a_validator_is_validating(cli, ckpts, reg_server):
+    """Between a validator's begin and its report the checkpoint is held (GC keeps it); the
+    report gives the hold back."""
+    reg_server.apply_policy(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
+    alice = _as(reg_server, "alice")
+    for step in (2, 4):
+        assert (
+            cli(
+                "push-ckpt",
+                ckpts.ws2.step_dir(step),
+                "--run",
+                "r",
+                "--step",
+                str(step),
+                "--project",
+                "team-a",
+                env=alice,
+            ).returncode
+            == 0
+        )
+    begun = reg_server.call("val", "POST", "/v1/validations/begin", json={"ref": "team-a/r@step2"})
+    plan = reg_server.call("admin", "POST", "/v1/gc", json={"dry_run": True})
+    kept = {d["ref"]: d for d in plan["decisions"]}["team-a/r@step2"]
+    assert kept["action"] == "keep", kept
+    attempt = {
+        "passed": True,
+        "device": "cpu",
+        "device_name": "x",
+        "torch_version": "2",
+        "world_size": 1,
+        "seconds": 1,
+        "phases": {},
+        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+    }
+    reg_server.call(
+        "val",
+        "POST",
+        "/v1/validations",
+        json={"ref": "team-a/r@step2", "attempt": attempt, "hold": begun["hold"]},
+    )
+    plan = reg_server.call("admin", "POST", "/v1/gc", json={"dry_run": True})
+    assert {d["ref"]: d for d in plan["decisions"]}["team-a/r@step2"]["action"] == "delete"

@@ -163,11 +163,20 @@ def renewed(catalog: Catalog, name: str, token: str, seconds: float) -> Iterator
 def hold(catalog: Catalog, holder: str, checkpoint_id: int, purpose: str) -> Iterator[None]:
     """Protect a checkpoint from retention while the block runs (a validation, a promotion).
     A crashed holder's hold simply runs out."""
-    name = f"{HOLD_PREFIX}{checkpoint_id}:{uuid.uuid4().hex[:12]}"
-    token, _ = try_acquire(catalog, name, f"{holder} ({purpose})", HOLD_SECONDS)
-    assert token is not None  # the name is new
+    name, token = take_hold(catalog, holder, checkpoint_id, purpose, HOLD_SECONDS)
     with renewed(catalog, name, token, HOLD_SECONDS):
         yield
+
+
+def take_hold(
+    catalog: Catalog, holder: str, checkpoint_id: int, purpose: str, seconds: float
+) -> tuple[str, str]:
+    """A hold for `seconds` that nobody renews (a remote validator's run): (name, token) to
+    give it back with `release`."""
+    name = f"{HOLD_PREFIX}{checkpoint_id}:{uuid.uuid4().hex[:12]}"
+    token, _ = try_acquire(catalog, name, f"{holder} ({purpose})", seconds)
+    assert token is not None  # the name is new
+    return name, token
 
 
 def held_checkpoint_ids(session: Session) -> set[int]:

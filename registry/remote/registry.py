@@ -232,7 +232,7 @@ class RemoteRegistry(Registry):
             progress,
         )
         attempt = Attempt.of(outcome, dev, world_size)
-        body = {"ref": str(full), "attempt": attempt.to_json()}
+        body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
         return dict(self.client.call("POST", "/validations", body=body))
 
     def promote(

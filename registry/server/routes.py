@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from registry.catalog.leases import HOLD_PREFIX, release, take_hold
 from registry.context import Context
 from registry.errors import UsageError
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
@@ -22,6 +23,7 @@ from registry.server.requests import MAX_PROMOTE_BYTES, authed_body, flag, json_
 from registry.server.upload import private_dir, release_dir
 
 router = APIRouter()
+VALIDATOR_HOLD_S = 6 * 3600.0
 
 
 # -- who am I --------------------------------------------------------------------------------------
@@ -109,8 +111,15 @@ async def validation_begin(request: Request) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         ctx.authorize("attest", project=ref.project, target=str(ref))
         _, ckpt, files = resolve(ctx, ref)
+        full = CheckpointRef(ref.project, ref.run, ckpt.step)
+        # Retention keeps it while the validator works (given back with the report, or it
+        # runs out after VALIDATOR_HOLD_S if the validator dies).
+        name, token = take_hold(
+            ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}", VALIDATOR_HOLD_S
+        )
         return {
-            "ref": str(CheckpointRef(ref.project, ref.run, ckpt.step)),
+            "ref": str(full),
+            "hold": {"name": name, "token": token},
             "metrics": dict(ckpt.metrics),
             "files": [f.to_json() | {"rank": f.rank} for f in files],
             "policy": ctx.policy.text,
@@ -128,12 +137,18 @@ async def validation_record(request: Request) -> dict[str, Any]:
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
     attempt = Attempt.from_json(doc.get("attempt"))
+    hold = doc.get("hold")
 
     def work() -> dict[str, Any]:
         ctx.authorize("attest", project=ref.project, target=str(ref))
         _, ckpt, _ = resolve(ctx, ref)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
-        return record(ctx, full, ckpt, attempt, attested=True)
+        out = record(ctx, full, ckpt, attempt, attested=True)
+        if isinstance(hold, dict) and str(hold.get("name", "")).startswith(
+            f"{HOLD_PREFIX}{ckpt.id}:"
+        ):
+            release(ctx.catalog, str(hold["name"]), str(hold.get("token", "")))
+        return out
 
     return await run_in_threadpool(work)
 
