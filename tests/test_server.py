@@ -964,3 +964,14 @@ def test_retention_keeps_what_a_validator_is_validating(cli, ckpts, reg_server):
     )
     plan = reg_server.call("admin", "POST", "/v1/gc", json={"dry_run": True})
     assert {d["ref"]: d for d in plan["decisions"]}["team-a/r@step2"]["action"] == "delete"
+
+
+def test_a_deeply_nested_push_header_is_a_usage_error(reg_server):
+    data = b"[" * 100_000
+    body = b"REGPUSH1" + struct.pack(">Q", len(data)) + data
+    r = httpx.post(
+        f"{reg_server.url}/v1/checkpoints/push",
+        content=body,
+        headers={"authorization": f"Bearer {reg_server.token('alice')}"},
+    )
+    assert r.status_code == 400 and "nested too deeply" in r.json()["message"]

@@ -72,6 +72,8 @@ def parse_header(data: bytes) -> PushRequest:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"push header is not JSON: {exc}", "use reg push-ckpt") from None
+    except RecursionError:
+        raise UsageError("push header is nested too deeply", "use reg push-ckpt") from None
     if not isinstance(doc, dict):
         raise UsageError("push header is not a JSON object", "use reg push-ckpt")
     files = doc.get("files")
