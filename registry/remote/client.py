@@ -60,7 +60,13 @@ class Client:
             raise self._unreachable(exc) from exc
         if response.status_code >= 400:
             raise error_from(response)
-        return response.json()
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RegistryError(
+                f"{redact_url(self.url)} answered {path} with something that is not JSON",
+                "check REG_URL: is it reg server (not a proxy's page)?",
+            ) from None
 
     def read(self, ref: str, path: str, *, offset: int | None = None, length: int = 0) -> bytes:
         """One file of `ref`, whole or `length` bytes from `offset`."""
