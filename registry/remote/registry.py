@@ -167,9 +167,19 @@ class RemoteRegistry(Registry):
         full = listing["ref"]
         prefix = "remote/"  # any key prefix: the reader asks for each file of `full`
         reader = RemoteReader(self.client, full, prefix, files)
-        workers = self.settings.workers
+
+        def still_there() -> None:  # collected or yanked meanwhile: nothing is published
+            self.client.call("GET", "/files", params={"ref": full})
+
         where = download(
-            reader, prefix, files, dest, label=full, workers=workers, progress=progress
+            reader,
+            prefix,
+            files,
+            dest,
+            label=full,
+            workers=self.settings.workers,
+            progress=progress,
+            before_publish=still_there,
         )
         return full, where, listing["view"]
 
