@@ -975,3 +975,51 @@ def test_a_deeply_nested_push_header_is_a_usage_error(reg_server):
         headers={"authorization": f"Bearer {reg_server.token('alice')}"},
     )
     assert r.status_code == 400 and "nested too deeply" in r.json()["message"]
+
+
+@pytest.mark.parametrize("catalog_url", ["sqlite"], indirect=True)
+def test_the_server_runs_the_mlflow_drain(cli, ckpts, tmp_path, catalog_url):
+    """A push through the server is mirrored into MLflow by the server's drain: the client has
+    neither MLflow's credentials nor the catalog."""
+    import time
+
+    from mlflow import MlflowClient
+
+    from tests.serverproc import RegServer, server_env
+
+    tracking = f"sqlite:///{tmp_path / 'server-mlflow.db'}"
+    env = {
+        **server_env(tmp_path / "h", catalog_url),
+        "REG_MLFLOW": "on",
+        "MLFLOW_TRACKING_URI": tracking,
+    }
+    server = RegServer(env, tmp_path / "h").init().start()
+    try:
+        server.apply_policy(team_policy())
+        res = cli(
+            "push-ckpt",
+            ckpts.ws2.step_dir(2),
+            "--run",
+            "r",
+            "--step",
+            "2",
+            "--project",
+            "team-a",
+            env={"REG_URL": server.url, "REG_TOKEN": server.token("alice")},
+        )
+        assert res.returncode == 0, res.stderr
+        deadline = time.monotonic() + 120
+        while True:
+            exp = MlflowClient(tracking_uri=tracking).get_experiment_by_name("team-a")
+            models = (
+                MlflowClient(tracking_uri=tracking).search_logged_models([exp.experiment_id])
+                if exp
+                else []
+            )
+            if models:
+                break
+            assert time.monotonic() < deadline, (server.home / "mlflow-drain.log").read_text()
+            time.sleep(1)
+        assert [m.name for m in models] == ["r-step2"]
+    finally:
+        server.stop()
