@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -12,6 +13,21 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from fastapi import FastAPI
+
+
+class JsonLines(logging.Formatter):
+    """Every log line one JSON object: the request lines already are; uvicorn's and others'
+    messages are wrapped with their time, level and logger."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if message.startswith("{"):
+            return message
+        out = {"ts": record.created, "level": record.levelname, "logger": record.name}
+        out["message"] = message
+        if record.exc_info:
+            out["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(out)
 
 
 def build_app(gc_every_s: float | None = None) -> FastAPI:
@@ -68,7 +84,10 @@ def serve(
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
     if gc_every is not None:
         os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations say what they did
     uvicorn.run(
         "registry.server.run:factory",
         factory=True,
