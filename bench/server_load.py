@@ -64,8 +64,7 @@ def push_body(src: Path, project: str, run: str, step: int) -> bytes:
     return b"".join(parts)
 
 
-def client_loop(url: str, token: str, me: int, src: Path, stop: float, tally: Tally) -> None:
-    run = f"load{me}"
+def client_loop(url: str, token: str, run: str, src: Path, stop: float, tally: Tally) -> None:
     with httpx.Client(
         base_url=url + "/v1", headers={"authorization": f"Bearer {token}"}, timeout=120
     ) as http:
@@ -103,12 +102,15 @@ def client_loop(url: str, token: str, me: int, src: Path, stop: float, tally: Ta
                         tally.pushed.append(f"load/{run}@step{step}")
 
 
-def load(url: str, tokens: list[str], src: Path, seconds: float) -> dict[str, Any]:
-    """Run len(tokens) clients for `seconds`; then check every acknowledged push is listed."""
+def load(
+    url: str, tokens: list[str], src: Path, seconds: float, name: str = "load"
+) -> dict[str, Any]:
+    """Run len(tokens) clients for `seconds`, each pushing run `<name><i>` (and all of them
+    the run `shared`); then check every acknowledged push is listed."""
     tally = Tally()
     stop = time.monotonic() + seconds
     threads = [
-        threading.Thread(target=client_loop, args=(url, t, i, src, stop, tally))
+        threading.Thread(target=client_loop, args=(url, t, f"{name}{i}", src, stop, tally))
         for i, t in enumerate(tokens)
     ]
     for t in threads:

@@ -21,6 +21,21 @@ def _as(server, who: str, **extra: str) -> dict[str, str]:
     return {**server.client_env(who), **extra}
 
 
+def _push(cli, ckpts, step: int, *, run: str = "r", project: str = "team-a", env=None):
+    """`reg push-ckpt` of the session's ws=2 checkpoint at `step`."""
+    return cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(step),
+        "--run",
+        run,
+        "--step",
+        str(step),
+        "--project",
+        project,
+        env=env,
+    )
+
+
 def _audit(server) -> list[dict]:
     return server.call("admin", "GET", "/v1/audit")
 
@@ -35,17 +50,7 @@ def _one_line(res) -> str:
 def test_identity_comes_from_the_token_not_reg_user(cli, ckpts, reg_server):
     """A viewer sets REG_USER=alice and pushes: refused as vera, audited as vera."""
     env = _as(reg_server, "vera", REG_USER="alice")
-    res = cli(
-        "push-ckpt",
-        ckpts.ws2.step_dir(2),
-        "--run",
-        "r",
-        "--step",
-        "2",
-        "--project",
-        "team-a",
-        env=env,
-    )
+    res = _push(cli, ckpts, 2, run="r", project="team-a", env=env)
     assert res.returncode == 4, res.stderr
     assert "vera may not push" in _one_line(res)
     denied = [e for e in _audit(reg_server) if e["outcome"] == "denied"]
@@ -114,17 +119,7 @@ def test_a_trainers_validation_is_refused_and_never_recorded(cli, ckpts, reg_ser
     """A trainer runs `reg validate` through the server: exit 4 before any work; nothing a
     client sends can add a validation row except a validator's report."""
     env = _as(reg_server, "alice")
-    pushed = cli(
-        "push-ckpt",
-        ckpts.ws2.step_dir(2),
-        "--run",
-        "r",
-        "--step",
-        "2",
-        "--project",
-        "team-a",
-        env=env,
-    )
+    pushed = _push(cli, ckpts, 2, run="r", project="team-a", env=env)
     assert pushed.returncode == 0, pushed.stderr
     res = cli("validate", "team-a/r@step2", "--device", "cpu", env=env)
     assert res.returncode == 4 and "alice may not attest" in _one_line(res)
@@ -164,20 +159,7 @@ def test_the_gpu_gate_takes_only_a_validators_attestation(cli, ckpts, reg_server
     assert 'require_device = "cuda"' in cuda_policy
     reg_server.apply_policy(cuda_policy)
     env = _as(reg_server, "alice")
-    assert (
-        cli(
-            "push-ckpt",
-            ckpts.ws2.step_dir(2),
-            "--run",
-            "r",
-            "--step",
-            "2",
-            "--project",
-            "team-a",
-            env=env,
-        ).returncode
-        == 0
-    )
+    assert _push(cli, ckpts, 2, run="r", project="team-a", env=env).returncode == 0
     _insert_validation(catalog_url, device="cuda", device_name="NVIDIA H100 80GB HBM3")
     res = cli("promote", "team-a/r@step2", "--model", "tiny-a", env=_as(reg_server, "rel"))
     assert res.returncode == 1 and "require_device" in _one_line(res)
@@ -311,35 +293,9 @@ def test_a_private_catalog_cannot_drive_gc_of_the_shared_store(cli, ckpts, reg_s
     """A trainer points REG_CATALOG_URL at an empty private SQLite file and REG_STORE_URL at
     the shared store, then runs rebuild and GC: with REG_URL they are not used at all."""
     alice = _as(reg_server, "alice")
-    assert (
-        cli(
-            "push-ckpt",
-            ckpts.ws2.step_dir(2),
-            "--run",
-            "r",
-            "--step",
-            "2",
-            "--project",
-            "team-a",
-            env=alice,
-        ).returncode
-        == 0
-    )
+    assert _push(cli, ckpts, 2, run="r", project="team-a", env=alice).returncode == 0
     bob = _as(reg_server, "bob")
-    assert (
-        cli(
-            "push-ckpt",
-            ckpts.ws2.step_dir(4),
-            "--run",
-            "other",
-            "--step",
-            "4",
-            "--project",
-            "team-b",
-            env=bob,
-        ).returncode
-        == 0
-    )
+    assert _push(cli, ckpts, 4, run="other", project="team-b", env=bob).returncode == 0
     private = tmp_path / "private.db"
     attack = {
         **alice,
@@ -361,17 +317,7 @@ def test_a_private_catalog_cannot_drive_gc_of_the_shared_store(cli, ckpts, reg_s
 
 def test_listing_shows_only_what_the_caller_may_read(cli, ckpts, reg_server):
     assert (
-        cli(
-            "push-ckpt",
-            ckpts.ws2.step_dir(2),
-            "--run",
-            "r",
-            "--step",
-            "2",
-            "--project",
-            "team-a",
-            env=_as(reg_server, "alice"),
-        ).returncode
+        _push(cli, ckpts, 2, run="r", project="team-a", env=_as(reg_server, "alice")).returncode
         == 0
     )
     assert json.loads(cli("ls", "--json", env=_as(reg_server, "bob")).stdout) == []
@@ -896,17 +842,7 @@ def test_the_gc_schedule_runs_in_the_server_with_one_leader(cli, ckpts, tmp_path
         server.apply_policy(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
         env = {"REG_URL": server.url, "REG_TOKEN": server.token("alice")}
         for step in (2, 4):
-            res = cli(
-                "push-ckpt",
-                ckpts.ws2.step_dir(step),
-                "--run",
-                "r",
-                "--step",
-                str(step),
-                "--project",
-                "team-a",
-                env=env,
-            )
+            res = _push(cli, ckpts, step, run="r", project="team-a", env=env)
             assert res.returncode == 0, res.stderr
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -928,20 +864,7 @@ def test_retention_keeps_what_a_validator_is_validating(cli, ckpts, reg_server):
     reg_server.apply_policy(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
     alice = _as(reg_server, "alice")
     for step in (2, 4):
-        assert (
-            cli(
-                "push-ckpt",
-                ckpts.ws2.step_dir(step),
-                "--run",
-                "r",
-                "--step",
-                str(step),
-                "--project",
-                "team-a",
-                env=alice,
-            ).returncode
-            == 0
-        )
+        assert _push(cli, ckpts, step, run="r", project="team-a", env=alice).returncode == 0
     begun = reg_server.call("val", "POST", "/v1/validations/begin", json={"ref": "team-a/r@step2"})
     plan = reg_server.call("admin", "POST", "/v1/gc", json={"dry_run": True})
     kept = {d["ref"]: d for d in plan["decisions"]}["team-a/r@step2"]

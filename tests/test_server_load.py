@@ -64,10 +64,13 @@ def test_two_replicas_on_one_catalog_hold_the_invariants(catalog_url, tmp_path, 
 def _both(a: RegServer, b: RegServer, ckpts) -> dict:
     results: list[dict] = []
 
-    def run(server: RegServer) -> None:
-        results.append(load(server.url, [server.admin_token] * 4, ckpts.ws2.step_dir(2), 3))
+    def run(server: RegServer, name: str) -> None:
+        # Each replica's clients push runs of their own; all of them contend for `shared`.
+        results.append(
+            load(server.url, [server.admin_token] * 4, ckpts.ws2.step_dir(2), 3, name=name)
+        )
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in (a, b)]
+    threads = [threading.Thread(target=run, args=(s, n)) for s, n in ((a, "a"), (b, "b"))]
     for t in threads:
         t.start()
     for t in threads:
