@@ -165,18 +165,36 @@ def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
     from sqlalchemy import text
     from sqlalchemy.exc import DBAPIError
 
+    reg.apply_policy(cpu_policy)  # a policy document to attack
     for statement in (
         "UPDATE release SET sha256 = 'x'",
         "UPDATE release SET document_version = 'attacker-chosen'",
         "DELETE FROM release",
         "UPDATE release_file SET sha256 = 'x'",
         "DELETE FROM release_file",
+        # As the database owner (issue 14): back to pending to forge it and commit it again,
+        # any content column, and the policy history.
+        "UPDATE release SET status = 'pending'",
+        "UPDATE release SET source_ref = 'r@step2'",
+        "UPDATE release SET validation_id = NULL",
+        "UPDATE release SET created_by = 'someone-else'",
+        "UPDATE release SET dtype = 'fp16'",
+        "UPDATE policy_document SET text = ''",
+        "DELETE FROM policy_document",
     ):
         with (
-            pytest.raises(DBAPIError, match="immutable|append-only|never deleted"),
+            pytest.raises(
+                DBAPIError, match="immutable|append-only|never deleted|never returns to pending"
+            ),
             reg.catalog.engine.begin() as conn,
         ):
             conn.execute(text(statement))
+    reg.yank("tiny:v1", "bad data")
+    with (
+        pytest.raises(DBAPIError, match="never un-yanked"),
+        reg.catalog.engine.begin() as conn,
+    ):
+        conn.execute(text("UPDATE release SET status = 'active'"))
     assert reg.verify("tiny:v1")["ok"]
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
     from sqlmodel import Session
 
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 MIGRATIONS = Path(__file__).with_name("migrations")
 _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
 
