@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import struct
 import tempfile
 import threading
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from registry.remote.push_stream import frame_header
 
 
 @dataclass
@@ -56,8 +57,7 @@ def push_body(src: Path, project: str, run: str, step: int) -> bytes:
         "metrics": {},
         "files": [{"path": str(p.relative_to(src)), "size": p.stat().st_size} for p in files],
     }
-    data = json.dumps(header).encode()
-    parts = [b"REGPUSH1", struct.pack(">Q", len(data)), data]
+    parts = [frame_header(header)]
     for p in files:
         content = p.read_bytes()
         parts += [content, hashlib.sha256(content).digest()]

@@ -33,15 +33,21 @@ if TYPE_CHECKING:
 
 
 class Registry:
+    settings: Settings
+
     def __new__(cls, settings: Settings | None = None, *, user: str | None = None) -> Registry:
-        if cls is Registry and (settings or Settings.from_env()).remote:
+        settings = settings or Settings.from_env()
+        kind = cls
+        if cls is Registry and settings.remote:
             from registry.remote.registry import RemoteRegistry
 
-            return super().__new__(RemoteRegistry)
-        return super().__new__(cls)
+            kind = RemoteRegistry
+        registry = super().__new__(kind)
+        registry.settings = settings  # read once: __init__ keeps it
+        return registry
 
     def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or self.settings
         if user is not None:
             self._identity = (user, "caller")
         else:

@@ -8,18 +8,12 @@ server, pulls and validations read through it, and promotion, GC and policy chan
 from __future__ import annotations
 
 import base64
-import contextlib
-import hashlib
-import os
-import queue
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.api import Registry
 from registry.config import Settings
-from registry.errors import IntegrityError, UsageError
+from registry.errors import UsageError
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.remote.client import Client
@@ -32,13 +26,10 @@ if TYPE_CHECKING:
     from registry.progress import Progress
     from registry.storage.base import BaseStore
 
-PIECE = 1 << 20
-DEPTH = 16  # pieces read ahead of the network
-
 
 class RemoteRegistry(Registry):
     def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or self.settings  # read by Registry.__new__
         if user is not None:
             raise UsageError(
                 "a remote registry takes no user name: the token says who you are",
@@ -110,7 +101,7 @@ class RemoteRegistry(Registry):
     ) -> dict[str, Any]:
         from registry.formats.dcp_scan import scan_directory
         from registry.lifecycle.checkpoints.push import check_metrics, check_request
-        from registry.server.upload import frame_header
+        from registry.remote.push_stream import body
 
         check_request(project, run, step)  # refused here as embedded, before a byte moves
         metrics = check_metrics(metrics or {})
@@ -127,12 +118,9 @@ class RemoteRegistry(Registry):
         if progress:
             progress.start(f"push {project}/{run}@step{step}", sum(scanned.files.values()))
 
-        def body() -> Iterator[bytes]:
-            yield frame_header(header)
-            yield from _prefetched(scanned, order, progress)
-
+        stream = body(header, scanned, order, progress)
         try:
-            out = dict(self.client.call("POST", "/checkpoints/push", content=body()))
+            out = dict(self.client.call("POST", "/checkpoints/push", content=stream))
         finally:
             if progress:
                 progress.finish()
@@ -362,61 +350,3 @@ def _record(doc: dict[str, Any]) -> FileRecord:
     return FileRecord(
         doc["path"], int(doc["size"]), doc["sha256"], doc.get("rank"), doc.get("version")
     )
-
-
-def _prefetched(scanned: Any, order: list[str], progress: Progress | None) -> Iterator[bytes]:
-    """The body after the header, read and hashed by a thread ahead of the sender, so disk
-    reads overlap the network (at most DEPTH pieces in memory)."""
-    pieces: queue.Queue[tuple[bytes, bool] | BaseException | None] = queue.Queue(DEPTH)
-    stop = threading.Event()
-
-    def read_all() -> None:
-        try:
-            for path in order:
-                for item in _file_pieces(scanned, path):
-                    if stop.is_set():
-                        return
-                    pieces.put(item)
-            pieces.put(None)
-        except BaseException as exc:  # handed to the sender, which raises it
-            pieces.put(exc)
-
-    reader = threading.Thread(target=read_all, name="reg-push-read", daemon=True)
-    reader.start()
-    try:
-        while (item := pieces.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            piece, content = item
-            if progress and content:
-                progress.advance(len(piece))
-            yield piece
-    finally:
-        stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                pieces.get_nowait()
-        reader.join(timeout=10)
-
-
-def _file_pieces(scanned: Any, path: str) -> Iterator[tuple[bytes, bool]]:
-    """The bytes of one scanned file (True: content), then its sha256 (False): opened as the
-    scan checked it, read once; a file that changed size since the scan is refused here."""
-    fd = scanned.open(path)
-    digest, sent = hashlib.sha256(), 0
-    try:
-        while piece := os.read(fd, PIECE):
-            digest.update(piece)
-            sent += len(piece)
-            if sent > scanned.files[path]:
-                break
-            yield piece, True
-    finally:
-        os.close(fd)
-    if sent != scanned.files[path]:
-        raise IntegrityError(
-            f"{scanned.root / path} changed while being pushed ({sent} bytes, the scan saw "
-            f"{scanned.files[path]})",
-            "push a checkpoint that is no longer being written",
-        )
-    yield digest.digest(), False

@@ -16,9 +16,10 @@ from registry.context import Context
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
+from registry.remote.push_stream import MAGIC
 from registry.server.auth import CTX, context_for
 from registry.server.requests import authed_body, idle_limited, text
-from registry.server.upload import MAGIC, MAX_HEADER, Receiver, Writer, parse_header
+from registry.server.upload import MAX_HEADER, Receiver, Writer, parse_header
 
 router = APIRouter()
 MAX_RANGE = 64 << 20  # one ranged read; a client asks for larger reads in pieces

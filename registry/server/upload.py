@@ -1,10 +1,4 @@
-"""A push's bytes, received: one request carries a header and then every file, back to back.
-
-    b"REGPUSH1" | u64 big-endian header length | header JSON |
-        file 1 bytes | sha256 of file 1 (32 bytes) | file 2 bytes | sha256 of file 2 | ...
-
-The header names the checkpoint (project, run, step, world size, metrics) and each file's path
-and size. Each file's digest follows its bytes, so the client reads every file once. The server
+"""A push's bytes, received: the stream of `registry.remote.push_stream`. The server
 writes the files into a private directory, hashing each as it lands and stopping at its declared
 size, then pushes that directory with the same code as the embedded mode: it scans and
 inventories `.metadata` itself, so nothing the client says about the checkpoint's content is
@@ -21,7 +15,6 @@ import json
 import os
 import queue
 import shutil
-import struct
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -29,21 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import IntegrityError, RegistryError, UsageError
+from registry.remote.push_stream import DIGEST
 
-MAGIC = b"REGPUSH1"
 MAX_HEADER = 16 << 20
 MAX_FILES = 100_000
 MAX_FILE_SIZE = 1 << 50
 MAX_PATH = 1024
 MAX_DEPTH = 32  # path segments; a DCP checkpoint is flat, HF-style ones a level or two
 MAX_DIRECTORIES = 10_000
-DIGEST = 32
 WRITEBACK_EVERY = 64 << 20
-
-
-def frame_header(header: dict[str, Any]) -> bytes:
-    data = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + struct.pack(">Q", len(data)) + data
 
 
 @dataclass(frozen=True, slots=True)
