@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 MAX_METADATA_BYTES = 512 * 1024 * 1024
 MAX_PATH = 1024  # the catalog's column for a file path
+UPLOAD_PLAN = ".reg-upload.json"  # a presigned push's plan, beside its files (reg server)
+RESERVED_NAMES = (MANIFEST, RELEASE_DOCUMENT, UPLOAD_PLAN)
+ReadHead = Callable[[str, int], bytes]  # (path, offset) -> the 9 bytes there
 
 
 @dataclass(slots=True)
@@ -112,26 +116,63 @@ def scan_directory(root: Path) -> ScannedDir:
     files, identity = _walk(root)
     if METADATA not in files:
         raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
-    reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in (MANIFEST, RELEASE_DOCUMENT))
-    if reserved:
-        raise InvalidCheckpoint(
-            f"{root} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
-        )
-    if files[METADATA] > MAX_METADATA_BYTES:
-        raise InvalidCheckpoint(
-            f"{root}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
-        )
+    check_file_set(str(root), files)
     # Parsed from the descriptor the identity check gave, hashed: the push later refuses a
     # stored .metadata with another digest, so what was checked is what gets committed.
     with os.fdopen(open_checked(root, METADATA, identity[METADATA], files[METADATA]), "rb") as f:
         metadata_bytes = f.read()
+
+    def read_head(path: str, offset: int) -> bytes:
+        with open(root / path, "rb") as f:
+            f.seek(offset)
+            return f.read(9)
+
+    scanned = scan_contents(root, files, metadata_bytes, read_head)
+    scanned.identity = identity
+    return scanned
+
+
+def check_file_set(label: str, files: dict[str, int]) -> None:
+    """The file list of a checkpoint: .metadata there and of a sane size, no name the registry
+    reserves. (The walk checked each name; a list from elsewhere goes through `check_path`.)"""
+    if METADATA not in files:
+        raise InvalidCheckpoint(f"{label} has no .metadata: not a complete DCP checkpoint")
+    reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in RESERVED_NAMES)
+    if reserved:
+        raise InvalidCheckpoint(
+            f"{label} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
+        )
+    if files[METADATA] > MAX_METADATA_BYTES:
+        raise InvalidCheckpoint(
+            f"{label}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
+        )
+
+
+def check_path(label: str, rel: str) -> None:
+    """A relative file path of a checkpoint as the walk accepts it: plain name segments."""
+    parts = rel.split("/")
+    if len(rel) > MAX_PATH or any(
+        not _NAME_SEGMENT.fullmatch(p) or p in {".", ".."} for p in parts
+    ):
+        raise InvalidCheckpoint(
+            f"{label}: unsafe file path {rel[:80]!r}",
+            f"names are letters, digits and . _ = + -, paths at most {MAX_PATH} characters",
+        )
+
+
+def scan_contents(
+    root: Path, files: dict[str, int], metadata_bytes: bytes, read_head: ReadHead
+) -> ScannedDir:
+    """Inventory a checkpoint from its `.metadata` bytes and file sizes, reading only the first
+    bytes of each chunk through `read_head(path, offset)`: the same checks wherever the files
+    are (a local directory, or objects a client uploaded to the store)."""
     metadata = load_metadata(metadata_bytes, light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
-    _check_serialization(root, inv)
+    _check_serialization(root, inv, read_head)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
     return ScannedDir(
-        root, files, metadata, inv, ranks, identity, hashlib.sha256(metadata_bytes).hexdigest()
+        root, files, metadata, inv, ranks, {}, hashlib.sha256(metadata_bytes).hexdigest()
     )
 
 
@@ -154,7 +195,7 @@ def _refuse_safetensors_directory(root: Path) -> None:
         )
 
 
-def _check_serialization(root: Path, inv: Inventory) -> None:
+def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead) -> None:
     """Refuse what torch writes but reg cannot read back: storage transforms (compression via
     `_extensions`), and shards saved with `serialization_format=SAFETENSORS`, which torch 2.13
     cannot load either. Each chunk reg reads is a `torch.save` archive (a zip file)."""
@@ -169,9 +210,7 @@ def _check_serialization(root: Path, inv: Inventory) -> None:
         for chunk in info.chunks:
             firsts[chunk.file] = min(firsts.get(chunk.file, chunk.offset), chunk.offset)
     for path, offset in sorted(firsts.items()):
-        with open(root / path, "rb") as f:
-            f.seek(offset)
-            head = f.read(9)
+        head = read_head(path, offset)
         if head[:4] == b"PK\x03\x04":
             continue
         if len(head) == 9 and head[8:9] == b"{":

@@ -69,6 +69,7 @@ class CheckpointView:
             pushed_by=row.pushed_by,
             pin_reason=row.pin_reason,
             manifest_sha256=row.manifest_sha256,
+            digests_reported_by=row.digests_reported_by,
             uri=uri,
         )
         if row.state in (DELETING, DELETED):

@@ -8,6 +8,7 @@ server, pulls and validations read through it, and promotion, GC and policy chan
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ class RemoteRegistry(Registry):
         assert self.settings.url is not None
         self.client = Client(self.settings.url, self.settings.token)
         self._whoami: dict[str, Any] | None = None
+        self._data: dict[str, Any] | None = None
 
     # -- parts: none of them live here -------------------------------------------------------
     def _server_only(self, what: str) -> UsageError:
@@ -77,6 +79,29 @@ class RemoteRegistry(Registry):
     def whoami(self) -> dict[str, Any]:
         return dict(self.client.call("GET", "/whoami"))
 
+    def _read_urls(
+        self, ref: str, listed: list[dict[str, Any]]
+    ) -> Callable[[], dict[str, str]] | None:
+        """Presigned GETs of `ref`'s files (S3 behind the server): the listing's first, then a
+        fresh listing whenever the reader finds them expired."""
+        if not any("url" in f for f in listed):
+            return None
+        first = [{f["path"]: f["url"] for f in listed}]
+
+        def fresh() -> dict[str, str]:
+            if first:
+                return first.pop()
+            again = self.client.call("GET", "/files", params={"ref": ref})
+            return {f["path"]: f["url"] for f in again["files"] if "url" in f}
+
+        return fresh
+
+    def _data_path(self) -> dict[str, Any]:
+        """How bytes move: streamed through the server, or presigned straight to S3."""
+        if self._data is None:
+            self._data = dict(self.client.call("GET", "/data-path"))
+        return self._data
+
     # -- access: decided by the server on every request ----------------------------------------
     def authorize(
         self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
@@ -101,26 +126,30 @@ class RemoteRegistry(Registry):
     ) -> dict[str, Any]:
         from registry.formats.dcp_scan import scan_directory
         from registry.lifecycle.checkpoints.push import check_metrics, check_request
+        from registry.remote.presigned_push import PresignedPush
         from registry.remote.push_stream import body
 
         check_request(project, run, step)  # refused here as embedded, before a byte moves
         metrics = check_metrics(metrics or {})
         scanned = scan_directory(Path(src))
         order = sorted(scanned.files)
-        header = {
+        header: dict[str, Any] = {
             "project": project,
             "run": run,
             "step": step,
             "world_size": world_size,
             "metrics": metrics or {},
-            "files": [{"path": p, "size": scanned.files[p]} for p in order],
         }
         if progress:
             progress.start(f"push {project}/{run}@step{step}", sum(scanned.files.values()))
-
-        stream = body(header, scanned, order, progress)
         try:
-            out = dict(self.client.call("POST", "/checkpoints/push", content=stream))
+            if self._data_path()["push"] == "presigned":  # S3: the bytes go straight there
+                workers = self.settings.workers * 2
+                out = PresignedPush(self.client, scanned, header, workers, progress).run()
+            else:
+                header["files"] = [{"path": p, "size": scanned.files[p]} for p in order]
+                stream = body(header, scanned, order, progress)
+                out = dict(self.client.call("POST", "/checkpoints/push", content=stream))
         finally:
             if progress:
                 progress.finish()
@@ -154,7 +183,9 @@ class RemoteRegistry(Registry):
         files = [_record(f) for f in listing["files"]]
         full = listing["ref"]
         prefix = "remote/"  # any key prefix: the reader asks for each file of `full`
-        reader = RemoteReader(self.client, full, prefix, files)
+        reader = RemoteReader(
+            self.client, full, prefix, files, self._read_urls(full, listing["files"])
+        )
 
         def still_there() -> None:  # collected or yanked meanwhile: nothing is published
             self.client.call("GET", "/files", params={"ref": full})
@@ -216,7 +247,9 @@ class RemoteRegistry(Registry):
         from registry.layout import checkpoint_prefix
 
         prefix = checkpoint_prefix(full.project, full.run, full.step or 0)
-        reader = RemoteReader(self.client, str(full), prefix, files)
+        reader = RemoteReader(
+            self.client, str(full), prefix, files, self._read_urls(str(full), begun["files"])
+        )
         outcome = run_checks(
             reader,
             self.settings.workers,
@@ -308,6 +341,12 @@ class RemoteRegistry(Registry):
     ) -> list[dict[str, Any]]:
         params = {"since": since, "actor": actor, "action": action}
         return list(self.client.call("GET", "/audit", params=params))
+
+    def audit_verify(self) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/audit/verify"))
+
+    def audit_seal(self) -> dict[str, Any]:
+        return dict(self.client.call("POST", "/audit/seal"))
 
     def policy_show(self) -> dict[str, Any]:
         return dict(self.client.call("GET", "/policy"))

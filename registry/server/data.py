@@ -162,9 +162,16 @@ def _pullable(
 @router.get("/files")
 def files(ref: str, ctx: Context = CTX) -> dict[str, Any]:
     """What a pull of `ref` downloads: the resolved ref and every file (path, size, sha256,
-    version), the release's release.json included."""
-    full, _, listed, view = _pullable(ctx, parse_ref(ref))
-    return {"ref": full, "files": [f.document_json() for f in listed], "view": view}
+    version), the release's release.json included; on an S3 store, a presigned GET each."""
+    from registry.server.presigned import read_urls
+
+    full, prefix, listed, view = _pullable(ctx, parse_ref(ref))
+    urls = read_urls(ctx, prefix, listed)
+    return {
+        "ref": full,
+        "files": [f.document_json() | ({"url": urls[f.path]} if urls else {}) for f in listed],
+        "view": view,
+    }
 
 
 def _readable(

@@ -92,6 +92,10 @@ class S3Store(BaseStore):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def full_key(self, key: str) -> str:
+        """The bucket key of a store key (checked)."""
+        return self._key(check_key(key))
+
     def _describe(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
@@ -222,6 +226,9 @@ class S3Store(BaseStore):
                 time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
+    def abort_multipart(self, full_key: str, upload_id: str) -> None:
+        self._abort(full_key, upload_id)
+
     def _abort(self, full_key: str, upload_id: str) -> None:
         # On failure the lifecycle rule of `reg storage init` cleans up what is left.
         with contextlib.suppress(ClientError, BotoCoreError):
@@ -332,6 +339,30 @@ class S3Store(BaseStore):
             return {}
         until = dt.datetime.now(dt.UTC) + dt.timedelta(days=days)
         return {"ObjectLockMode": mode, "ObjectLockRetainUntilDate": until}
+
+    def lock_compliance(self, key: str, version: str | None) -> str | None:
+        """A COMPLIANCE retention on `version` of `key` (the audit log's anchors: nobody, the
+        bucket's owner included, deletes or replaces that version until it runs out), for the
+        policy's `[release] lock_days`; None where the bucket has no Object Lock or the policy
+        turned locks off."""
+        if self._release_lock is None or not self.bucket_has_lock():
+            return None
+        mode, days = self._release_lock()
+        if mode == "off":
+            return None
+        until = dt.datetime.now(dt.UTC) + dt.timedelta(days=days)
+        full = self._key(check_key(key))
+        extra = {"VersionId": version} if version else {}
+        self._call(
+            key,
+            lambda: self.client.put_object_retention(
+                Bucket=self.bucket,
+                Key=full,
+                Retention={"Mode": "COMPLIANCE", "RetainUntilDate": until},
+                **extra,
+            ),
+        )
+        return f"COMPLIANCE until {until.date().isoformat()}"
 
     # -- reads ---------------------------------------------------------------------------------
     def _head(self, key: str, version: str | None) -> ObjectInfo | None:

@@ -34,6 +34,9 @@ def new_client() -> Any:
         },
         max_pool_connections=32,
         s3={"addressing_style": "path"},
+        # Requests are SigV4 anyway; presigned URLs would be SigV2 without this, and SigV2
+        # signs no headers (If-None-Match and checksums would not bind).
+        signature_version="s3v4",
         connect_timeout=10,
         read_timeout=60,
     )

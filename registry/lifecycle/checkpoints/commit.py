@@ -124,6 +124,8 @@ def commit(
     manifest_version: str | None,
     upload_seconds: float,
     reused: int,
+    *,
+    digests_reported_by: str | None = None,
 ) -> PushResult:
     """Make the step visible: committed in one transaction with its files, the audit record and
     the MLflow event, only while the claim is still ours."""
@@ -136,6 +138,7 @@ def commit(
             **Checkpoint.facts_of(manifest, manifest_sha256, manifest_version),
             committed_at=now(),
             upload_seconds=round(upload_seconds, 3),
+            digests_reported_by=digests_reported_by,
             claim_token=None,
             lease_until=None,
         )
@@ -157,6 +160,7 @@ def commit(
             bytes=manifest.bytes,
             files=len(manifest.files),
             reused=reused,
+            digests_reported_by=digests_reported_by,
         )
         _emit_committed(ctx, s, manifest, manifest_sha256)
         s.flush()

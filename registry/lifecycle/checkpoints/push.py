@@ -61,7 +61,7 @@ def push(
     checked_metrics = check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
     scanned = scan_directory(Path(src))
-    world = _world_size(scanned, world_size, notes)
+    world = world_size_of(scanned, world_size, notes)
     with _Uploader(ctx, ref, scanned, progress, received) as uploader:
         # A server's received files are taken, not copied: nothing to overlap, and a file
         # taken before the claim would be gone for comparing with a step committed meanwhile.
@@ -87,7 +87,9 @@ def push(
 
             uploaded = uploader.finish(still_ours)
             faults.point("push-published")
-            manifest = _manifest(ctx, ref, scanned, uploaded, world, resume_record, checked_metrics)
+            manifest = build_manifest(
+                ctx, ref, scanned, uploaded, world, resume_record, checked_metrics
+            )
             data = manifest.to_bytes()
             stored = put_reconciled(
                 ctx.store,
@@ -131,7 +133,7 @@ def check_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _world_size(
+def world_size_of(
     scanned: ScannedDir, given: int | None, notes: list[str] | None
 ) -> tuple[int, bool]:
     inferred = scanned.inferred_world_size
@@ -274,7 +276,7 @@ class _Uploader:
             self.progress.finish()
 
 
-def _manifest(
+def build_manifest(
     ctx: Context,
     ref: CheckpointRef,
     scanned: ScannedDir,

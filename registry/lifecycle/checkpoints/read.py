@@ -100,19 +100,34 @@ def verify(
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
-    return {
-        "ref": str(full),
-        **verify_files(
-            ctx,
-            checkpoint_prefix(ref.project, ref.run, ckpt.step),
-            files,
-            name=str(full),
-            scope={"project": ref.project},
-            repair=repair,
-            immutable=False,
-            progress=progress,
-        ),
-    }
+    report = verify_files(
+        ctx,
+        checkpoint_prefix(ref.project, ref.run, ckpt.step),
+        files,
+        name=str(full),
+        scope={"project": ref.project},
+        repair=repair,
+        immutable=False,
+        progress=progress,
+    )
+    if report["ok"] and ckpt.digests_reported_by is not None:
+        _rehashed(ctx, ckpt.id or 0, str(full))
+    return {"ref": str(full), **report}
+
+
+def _rehashed(ctx: Context, checkpoint_id: int, ref: str) -> None:
+    """Every byte matched the client-reported digests: they are the registry's own now."""
+    from sqlalchemy import update
+
+    from registry.catalog.models import Checkpoint
+
+    with ctx.catalog.session(write=True) as s:
+        s.exec(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id)  # type: ignore[arg-type]
+            .values(digests_reported_by=None)
+        )
+        ctx.audit(s, "rehash", ref, note="the client-reported digests matched every byte")
 
 
 def set_pin(

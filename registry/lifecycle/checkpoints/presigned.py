@@ -1,0 +1,366 @@
+"""A push through `reg server` on an S3 store: the client uploads straight to S3 with presigned
+URLs, the server decides everything else (DESIGN §3, §9).
+
+    begin     authorize, check the declared files, claim the step, write the upload's plan
+              beside the files, create the multipart uploads; URLs for the first items
+    urls      more URLs (each lives TTL_S); renews the claim
+    complete  assemble each multipart upload from exactly the declared parts (If-None-Match: *),
+              check every object's size and S3's checksum, inventory `.metadata` from the store,
+              write MANIFEST.json and commit under the claim
+    abort     the client gave up: multipart uploads aborted, the claim released
+
+The server keeps no state between the requests: the claim is a catalog row, the plan an object
+only the server writes (`<step prefix>/.reg-upload.json`, a reserved name), so any replica
+answers any request. URLs exist only for the plan's keys, and only while the claim is held.
+
+Whose word is each digest: S3 verifies each signed sha256 as the bytes arrive, and the server
+hashes `.metadata` itself; the digest of a multipart file as a whole is what the client
+declared. The checkpoint is recorded with `digests: client` until the server re-hashes it
+(`reg verify`, or the read of a promotion's restore check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry import faults
+from registry.catalog import claims
+from registry.errors import (
+    Conflict,
+    IntegrityError,
+    InvalidCheckpoint,
+    NotFound,
+    ObjectExists,
+    PermissionDenied,
+    UsageError,
+)
+from registry.formats.dcp import METADATA
+from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
+from registry.layout import checkpoint_prefix, manifest_key
+from registry.lifecycle.checkpoints.push import check_metrics, check_request
+from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
+from registry.refs import CheckpointRef
+from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
+from registry.timeutil import now
+from registry.transfer import OnMismatch, Stored, put_reconciled
+
+if TYPE_CHECKING:
+    from registry.catalog.claims import Claim
+    from registry.catalog.models import Checkpoint
+    from registry.context import Context
+    from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.storage.s3 import S3Store
+
+MAX_URLS = 1000  # per answer
+
+
+def _s3(ctx: Context) -> S3Store:
+    from registry.storage.s3 import S3Store
+
+    if not isinstance(ctx.store, S3Store):
+        raise UsageError(
+            "this server's store is not S3: pushes stream through the server",
+            "update reg on this client",
+        )
+    return ctx.store
+
+
+def begin(
+    ctx: Context,
+    project: str,
+    run: str,
+    step: int,
+    *,
+    world_size: int | None,
+    metrics: dict[str, float],
+    files: list[DeclaredFile],
+) -> dict[str, Any]:
+    from registry.lifecycle.checkpoints import commit
+
+    ref = check_request(project, run, step)
+    checked_metrics = check_metrics(metrics)
+    ctx.authorize("push", project=project, target=str(ref))
+    store = _s3(ctx)
+    claim, existing = commit.claim_step(ctx, ref)
+    if existing is not None:
+        return {"unchanged": _compare_existing(ctx, ref, files, existing).to_json()}
+    with claims.held(ctx.catalog, claim):  # expired at once if this request fails
+        _hold(ctx, claim)
+        presigner = Presigner(store)
+        prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+        reused = _clear_leftovers(store, presigner, prefix, files)
+        store.sweep_incomplete(prefix, 0.0)  # an earlier attempt's multipart uploads
+        started = [
+            DeclaredFile(
+                f.path, f.size, f.sha256, f.parts, presigner.create_multipart(prefix + f.path)
+            )
+            if f.parts and f.path not in reused
+            else f
+            for f in files
+        ]
+        plan = Plan(
+            claim.token, ref, ctx.actor, world_size, checked_metrics, started, reused, now()
+        )
+        store.put_bytes(prefix + UPLOAD_PLAN, plan.to_bytes())
+        _hold(ctx, claim)  # the heartbeat's renewals would shorten the lease to a minute
+    return {
+        "upload": claim.token,
+        "ref": str(ref),
+        "items": len(plan.items),
+        "reused": reused,
+        "ttl_s": presigner.ttl_s,
+        "urls": _urls(presigner, plan, 0, MAX_URLS),
+    }
+
+
+def urls(ctx: Context, ref: CheckpointRef, token: str, start: int, count: int) -> dict[str, Any]:
+    """URLs for items [start, start+count) of the plan; renews the claim."""
+    claim, plan = _resume(ctx, ref, token)
+    _hold(ctx, claim)
+    presigner = Presigner(_s3(ctx))
+    return {"urls": _urls(presigner, plan, start, count), "ttl_s": presigner.ttl_s}
+
+
+def _urls(presigner: Presigner, plan: Plan, start: int, count: int) -> list[dict[str, Any]]:
+    items = plan.items
+    if isinstance(start, bool) or not 0 <= start <= len(items):
+        raise UsageError(f"start {start} is outside the plan's {len(items)} items")
+    prefix = checkpoint_prefix(plan.ref.project, plan.ref.run, plan.ref.step or 0)
+    out = []
+    for i, number in items[start : start + max(0, min(count, MAX_URLS))]:
+        f = plan.files[i]
+        if number == 0:
+            signed = presigner.put_url(prefix + f.path, f.size, f.sha256)
+            size, offset = f.size, 0
+        else:
+            sizes = part_sizes(f.size) or []
+            size, offset = sizes[number - 1], sum(sizes[: number - 1])
+            assert f.upload_id is not None and f.parts is not None
+            signed = presigner.part_url(
+                prefix + f.path, f.upload_id, number, size, f.parts[number - 1]
+            )
+        out.append(
+            {"path": f.path, "part": number, "offset": offset, "size": size, **signed.to_json()}
+        )
+    return out
+
+
+def complete(
+    ctx: Context, ref: CheckpointRef, token: str, notes: list[str] | None = None
+) -> PushResult:
+    from policies.resume import classify
+    from registry.formats.documents import ResumeRecord
+    from registry.lifecycle.checkpoints import commit
+    from registry.lifecycle.checkpoints.push import build_manifest, world_size_of
+
+    claim, plan = _resume(ctx, ref, token)
+    store = _s3(ctx)
+    presigner = Presigner(store)
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    with claims.held(ctx.catalog, claim):
+        _hold(ctx, claim)
+        stored = _assemble(ctx, presigner, prefix, plan)
+        faults.point("presigned-assembled")
+        scanned = _scan_stored(ctx, prefix, plan)
+        world = world_size_of(scanned, plan.world_size, notes)
+        resume = classify(scanned.inventory.top_level_keys(), ctx.policy.resume)
+        manifest = build_manifest(
+            ctx,
+            ref,
+            scanned,
+            stored,
+            world,
+            ResumeRecord(resume.classes, resume.missing, resume.resumable, resume.unclassified),
+            plan.metrics,
+        )
+        data = manifest.to_bytes()
+        put = put_reconciled(
+            store,
+            manifest_key(ref.project, ref.run, ref.step or 0),
+            data=data,
+            on_mismatch=OnMismatch.REPLACE,
+            before_replace=lambda: commit.ensure_held(ctx, claim, ref),
+        )
+        result = commit.commit(
+            ctx,
+            claim,
+            manifest,
+            data,
+            put.version,
+            time.time() - plan.started,
+            sum(s.reused for s in stored),
+            digests_reported_by=ctx.actor,
+        )
+    store.delete(prefix + UPLOAD_PLAN)
+    return result
+
+
+def abort(ctx: Context, ref: CheckpointRef, token: str) -> dict[str, Any]:
+    """The client gave up: its multipart uploads are aborted and the claim expires now (what
+    was uploaded is reused by the next push of the step, or swept by GC)."""
+    claim, plan = _resume(ctx, ref, token)
+    presigner = Presigner(_s3(ctx))
+    prefix = checkpoint_prefix(plan.ref.project, plan.ref.run, plan.ref.step or 0)
+    for f in plan.files:
+        if f.upload_id:
+            presigner.abort(prefix + f.path, f.upload_id)
+    claims.expire(ctx.catalog, claim)
+    with ctx.catalog.session(write=True) as s:
+        ctx.audit(s, "push", str(ref), "failed", reason="the client abandoned the upload")
+    return {"ref": str(plan.ref), "aborted": True}
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+def _hold(ctx: Context, claim: Claim) -> None:
+    """Lease the claim for LEASE_S, held by no process (the client's requests renew it)."""
+    with ctx.catalog.session(write=True) as s:
+        if not claims.guarded_update(
+            s,
+            claim,
+            lease_until=now() + LEASE_S,
+            claim_host=f"{socket.gethostname()} (presigned)"[:255],
+            claim_pid=0,
+        ):
+            raise Conflict(
+                "lost the claim on this upload (another push took it over)", "push again"
+            )
+
+
+def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
+    """The claim and plan of upload `token` of `ref`, if the caller started it and it is still
+    pending under that claim."""
+    from sqlmodel import select
+
+    from registry.catalog import queries
+    from registry.catalog.models import PENDING, Checkpoint
+
+    ctx.authorize("push", project=ref.project, target=str(ref))
+    if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise UsageError("not an upload id", "start the push again")
+    with ctx.catalog.session() as s:
+        run = queries.find_run(s, ref.project, ref.run)
+        row = None
+        if run is not None:
+            row = s.exec(
+                select(Checkpoint).where(
+                    Checkpoint.run_id == run.id,
+                    Checkpoint.step == ref.step,
+                    Checkpoint.claim_token == token,
+                    Checkpoint.state == PENDING,
+                )
+            ).first()
+    if row is None:
+        raise NotFound(
+            f"no upload of {ref} in progress with this id (committed, abandoned or taken over)",
+            "push again",
+        )
+    if row.pushed_by != ctx.actor:
+        raise PermissionDenied(f"the upload of {ref} is {row.pushed_by}'s, not {ctx.actor}'s")
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    try:
+        plan = Plan.from_bytes(bytes(ctx.store.get_bytes(prefix + UPLOAD_PLAN)))
+    except NotFound:
+        raise NotFound(f"the upload plan of {ref} is gone", "push again") from None
+    if plan.token != token or plan.ref != ref:
+        raise Conflict(f"the upload of {ref} was started again by another push", "push again")
+    return claims.Claim(Checkpoint, row.id or 0, token), plan
+
+
+def _clear_leftovers(
+    store: S3Store, presigner: Presigner, prefix: str, files: list[DeclaredFile]
+) -> list[str]:
+    """Objects an earlier attempt at this step left (we hold the claim now): a single-PUT file
+    whose size and S3 checksum match what is declared is kept; everything else goes."""
+    declared = {f.path: f for f in files}
+    reused = []
+    for info in list(store.list(prefix)):
+        path = info.key.removeprefix(prefix)
+        f = declared.get(path)
+        if f is not None and f.parts is None and info.size == f.size:
+            found = presigner.head(info.key)
+            if found is not None and found[2] == b64_sha256(f.sha256):
+                reused.append(path)
+                continue
+        store.delete(info.key)
+    return sorted(reused)
+
+
+def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> list[Stored]:
+    """Every file as S3 holds it: multipart uploads completed from exactly their declared
+    parts, then each object's size and checksum compared with the plan."""
+
+    def one(f: DeclaredFile) -> Stored:
+        key = prefix + f.path
+        if f.upload_id and f.path not in plan.reused:
+            try:
+                sizes = part_sizes(f.size) or []
+                assert f.parts is not None
+                presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
+            except ObjectExists:
+                pass  # completed by an earlier try of this request: checked below like the rest
+            except NotFound:
+                pass  # the same, once S3 forgot the upload id
+        found = presigner.head(key)
+        if found is None:
+            raise IntegrityError(f"{f.path} was not uploaded", "push again")
+        size, version, checksum = found
+        expected = b64_sha256(f.sha256) if f.parts is None else composite_sha256(f.parts)
+        if size != f.size or (checksum is not None and checksum.split("-")[0] != expected):
+            raise IntegrityError(
+                f"{f.path} holds other bytes than the push declared ({size} bytes)",
+                "the file changed while being pushed; push again",
+            )
+        return Stored(key, size, f.sha256, f.path in plan.reused, version)
+
+    with ThreadPoolExecutor(max_workers=max(1, ctx.workers * 2)) as pool:
+        return sorted(pool.map(one, plan.files), key=lambda s: s.key)
+
+
+def _scan_stored(ctx: Context, prefix: str, plan: Plan) -> ScannedDir:
+    """The inventory of the uploaded checkpoint, from `.metadata` as S3 holds it (hashed here:
+    its digest is the server's) and the first bytes of each shard's chunks."""
+    sizes = {f.path: f.size for f in plan.files}
+    label = f"{plan.ref}"
+    declared = next(f for f in plan.files if f.path == METADATA)
+    metadata = bytes(ctx.store.get_bytes(prefix + METADATA))
+    if hashlib.sha256(metadata).hexdigest() != declared.sha256:
+        raise IntegrityError(f"{label}: .metadata holds other bytes than declared", "push again")
+
+    def read_head(path: str, offset: int) -> bytes:
+        if offset >= sizes[path]:
+            return b""
+        return bytes(ctx.store.read_range(prefix + path, offset, min(9, sizes[path] - offset)))
+
+    try:
+        return scan_contents(Path(label), sizes, metadata, read_head)
+    except InvalidCheckpoint as exc:
+        exc.message = exc.message.replace(label + "/", "")
+        raise
+
+
+def _compare_existing(
+    ctx: Context, ref: CheckpointRef, files: list[DeclaredFile], existing: Checkpoint
+) -> PushResult:
+    """The step is committed: the same files and digests are a no-op, anything else a conflict."""
+    from registry.catalog import queries
+    from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.lifecycle.views import CheckpointView
+    from registry.timeutil import iso
+
+    with ctx.catalog.session() as s:
+        stored = queries.files_of(s, existing.id or 0)
+    if {(f.path, f.size, f.sha256) for f in stored} != {(f.path, f.size, f.sha256) for f in files}:
+        raise Conflict(
+            f"{ref} is already committed with different content",
+            f"pushed by {existing.pushed_by} at {iso(existing.committed_at)}; "
+            "push under a new step",
+        )
+    return PushResult(CheckpointView.of(ref.project, ref.run, existing, stored), unchanged=True)
