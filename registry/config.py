@@ -13,7 +13,16 @@ from pathlib import Path
 
 from registry.errors import UsageError
 
-_FILE_KEYS = {"catalog_url", "store_url", "mlflow_tracking_uri", "policy", "user", "url"}
+_OIDC_KEYS = ("oidc_issuer", "oidc_audience", "oidc_jwks", "oidc_claim", "oidc_algorithms")
+_FILE_KEYS = {
+    "catalog_url",
+    "store_url",
+    "mlflow_tracking_uri",
+    "policy",
+    "user",
+    "url",
+    *_OIDC_KEYS,
+}
 LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
 
 
@@ -30,6 +39,12 @@ class Settings:
     workers: int = 4
     url: str | None = None  # REG_URL: remote mode, through reg server (DESIGN §9)
     token: str | None = None  # REG_TOKEN, else the one `reg login` stored for `url`
+    # OIDC bearer JWTs accepted by reg server (checked by registry/server/oidc.py): REG_OIDC_*
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    oidc_jwks: str | None = None  # a JWKS file or an http(s) URL
+    oidc_claim: str | None = None  # the claim naming the principal (None: sub)
+    oidc_algorithms: str | None = None  # comma-separated (None: the asymmetric defaults)
 
     @property
     def remote(self) -> bool:
@@ -55,6 +70,7 @@ class Settings:
         user, source = _identity(env, file_values)
         url = (env.get("REG_URL") or file_values.get("url") or "").rstrip("/") or None
         token = env.get("REG_TOKEN") or (_logged_in(home, url) if url else None)
+        oidc = {k: pick(f"REG_{k.upper()}", k, "") or None for k in _OIDC_KEYS}
         return cls(
             url=url,
             token=token,
@@ -69,6 +85,11 @@ class Settings:
             user_source=source,
             busy_timeout_s=busy,
             workers=max(1, workers),
+            oidc_issuer=oidc["oidc_issuer"],
+            oidc_audience=oidc["oidc_audience"],
+            oidc_jwks=oidc["oidc_jwks"],
+            oidc_claim=oidc["oidc_claim"],
+            oidc_algorithms=oidc["oidc_algorithms"],
         )
 
 
@@ -128,4 +149,5 @@ def _read_config_file(path: Path) -> dict[str, str]:
             f"{path}: unknown key(s) {', '.join(sorted(unknown))}",
             f"allowed keys: {', '.join(sorted(_FILE_KEYS))}",
         )
-    return {k: str(v) for k, v in data.items()}
+    # A TOML list (oidc_algorithms = ["RS256", "ES256"]) reads as the comma-separated form.
+    return {k: ",".join(map(str, v)) if isinstance(v, list) else str(v) for k, v in data.items()}

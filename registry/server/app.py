@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from registry.catalog.engine import Catalog
     from registry.config import Settings
+    from registry.server.oidc import OidcVerifier
     from registry.storage.base import BaseStore
 
 log = logging.getLogger("reg.server")
@@ -43,6 +44,7 @@ class ServerState:
     settings: Settings
     catalog: Catalog
     store: BaseStore
+    oidc: OidcVerifier | None = None  # bearer JWTs accepted beside reg tokens (REG_OIDC_*)
 
 
 def _status(exc: RegistryError) -> int:
@@ -123,10 +125,17 @@ class Observe:
                     "principal": getattr(request.state, "principal", None),
                     "token": getattr(request.state, "token_id", None),
                     "outcome": getattr(request.state, "outcome", "ok"),
+                    **_refusal(request),
                     **getattr(request.state, "phases", {}),
                 }
             )
         )
+
+
+def _refusal(request: Request) -> dict[str, str]:
+    """Why a credential was refused (401): the client's line, kept in the server's log too."""
+    why = getattr(request.state, "refused", None)
+    return {"reason": why} if why else {}
 
 
 def _route_label(request: Request) -> str:
@@ -144,6 +153,7 @@ def create_app(settings: Settings) -> FastAPI:
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
     from registry.server import data, routes
+    from registry.server.oidc import verifier_from
     from registry.storage import open_store
 
     catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
@@ -158,13 +168,15 @@ def create_app(settings: Settings) -> FastAPI:
         summary="Checkpoint and release-model registry: the trusted process of a shared registry",
         version=API_VERSION,
     )
-    app.state.reg = ServerState(settings, catalog, store)
+    app.state.reg = ServerState(settings, catalog, store, verifier_from(settings))
     app.include_router(routes.router, prefix=f"/{API_VERSION}")
     app.include_router(data.router, prefix=f"/{API_VERSION}")
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:
         request.state.outcome = type(exc).__name__
+        if isinstance(exc, Unauthenticated):
+            request.state.refused = exc.message
         return JSONResponse(error_body(exc), status_code=_status(exc))
 
     @app.exception_handler(Exception)

@@ -1,4 +1,6 @@
-"""Who is asking: a bearer token, verified against the catalog, becomes the request's Principal.
+"""Who is asking: a bearer credential becomes the request's Principal. A reg token
+(`reg_<id>_<secret>`) is verified against the catalog; a JWT (three dotted parts) against the
+configured OIDC issuer (registry/server/oidc.py). Either way the policy's grants apply.
 
 Identity comes only from the token: `REG_USER`, headers and bodies name nobody. A request
 without a valid token is refused before any work (401, exit 4) and the refusal is logged by the
@@ -33,22 +35,20 @@ def context_for(request: Request) -> Context:
     from registry.events import Outbox
     from registry.policy_source import EffectivePolicy
     from registry.principal import Principal
-    from registry.tokens import split, verify
 
     state: ServerState = request.app.state.reg
     token = bearer(request)
-    request.state.token_id = split(token)[0]  # logged even when the token is refused
-    verified = verify(state.catalog, token)
+    name, how, credential = _identify(state, request, token)
     policy = EffectivePolicy.load(
         state.catalog, policy_path=state.settings.policy_path, home=state.settings.home
     )
-    principal = Principal.under(verified.principal, "token", policy, credential=verified.token_id)
+    principal = Principal.under(name, how, policy, credential=credential)
     if principal.single_user:
         # A policy without grants is single-user mode embedded; behind the server it would make
         # every token holder an admin. No grant, no access: `reg server init` adds one.
-        principal = Principal(verified.principal, "token", (), credential=verified.token_id)
-    request.state.principal = verified.principal
-    request.state.token_id = verified.token_id
+        principal = Principal(name, how, (), credential=credential)
+    request.state.principal = name
+    request.state.token_id = credential
     ctx = Context(
         catalog=state.catalog,
         store=state.store,
@@ -60,6 +60,30 @@ def context_for(request: Request) -> Context:
     )
     request.state.events = ctx.events
     return ctx
+
+
+def _identify(state: ServerState, request: Request, token: str) -> tuple[str, str, str]:
+    """(principal, how it was proven, credential id) of a reg token or an OIDC JWT."""
+    from registry.server.oidc import looks_like_jwt
+    from registry.tokens import PREFIX, split, verify
+
+    if not token.startswith(PREFIX) and looks_like_jwt(token):
+        request.state.token_id = "oidc"  # logged even when the JWT is refused
+        if state.oidc is None:
+            raise Unauthenticated(
+                "this server accepts no JWTs (OIDC is not configured)",
+                "use a reg token (reg token create), or have REG_OIDC_* set on the server",
+            )
+        identity = state.oidc.verify(token)
+        return identity.principal, "oidc", identity.credential
+    if not token.startswith(PREFIX):
+        raise Unauthenticated(
+            "the token is malformed: neither a reg token (reg_...) nor a JWT",
+            "log in again with a valid token (reg login, or REG_TOKEN)",
+        )
+    request.state.token_id = split(token)[0]  # logged even when the token is refused
+    verified = verify(state.catalog, token)
+    return verified.principal, "token", verified.token_id
 
 
 CTX = Depends(context_for)  # an endpoint's `ctx: Context = CTX`

@@ -33,6 +33,7 @@ VALIDATOR_HOLD_S = 6 * 3600.0
 def whoami(ctx: Context = CTX) -> dict[str, Any]:
     return {
         "principal": ctx.actor,
+        "authenticated_by": ctx.principal.authenticated_by,  # token or oidc
         "token": ctx.principal.credential,
         "grants": [g.model_dump(mode="json") for g in ctx.principal.grants],
         "single_user": ctx.principal.single_user,

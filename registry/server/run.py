@@ -78,10 +78,13 @@ def serve(
 
     from registry.config import Settings
     from registry.errors import UsageError
+    from registry.server.oidc import config_from
     from registry.timeutil import positive_duration
 
-    if Settings.from_env().remote:
+    settings = Settings.from_env()
+    if settings.remote:
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
+    config_from(settings)  # a partial or unsafe OIDC setting stops the start here, in one line
     if gc_every is not None:
         os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
     handler = logging.StreamHandler(sys.stderr)

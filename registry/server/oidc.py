@@ -1,0 +1,527 @@
+"""OIDC bearer JWTs for `reg server` (DESIGN §9): the identity provider vouches for the name.
+
+A JWT is accepted only when it is signed by a key of the configured JWKS, with an asymmetric
+algorithm of the configured list, for the configured issuer and audience, and not expired; the
+principal is one claim (`sub` by default) and must be a name grants can hold. Reg tokens keep
+working beside it: `auth.py` tells the two apart by shape (`reg_...` or three dotted parts).
+
+Settings (env, or the same keys lowercased in `$REG_HOME/config.toml`): REG_OIDC_ISSUER,
+REG_OIDC_AUDIENCE, REG_OIDC_JWKS (a file or an http(s) URL), REG_OIDC_CLAIM, REG_OIDC_ALGORITHMS.
+All three of issuer, audience and JWKS, or none: a partial setting would look like OIDC is on
+while every JWT is refused, so `reg server` refuses to start instead.
+
+Symmetric algorithms (HS*) and `none` can never be configured: the JWKS is public, so an HMAC
+"signed" with its bytes proves nothing (the classic key-confusion forgery), and `none` proves
+nothing at all. Only public members of a JWK are used; `oct` keys in a JWKS are ignored.
+
+A JWKS from a URL is fetched with a timeout and a size cap and cached. An unknown `kid` refetches
+it at most once per REFRESH_FLOOR_S, so a flood of made-up kids costs the identity provider one
+request a minute; the cache is also renewed after MAX_AGE_S so a key the provider withdrew stops
+working. A JWKS file is reread when it changes (mtime, size or inode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from registry.errors import Unauthenticated, UsageError
+from registry.text import redact_url
+
+if TYPE_CHECKING:
+    from registry.config import Settings
+
+log = logging.getLogger("reg.server.oidc")
+
+ASYMMETRIC = (
+    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+    "ES256", "ES256K", "ES384", "ES512", "ES521", "EdDSA",
+)  # fmt: skip
+DEFAULT_ALGORITHMS = (
+    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA",
+)  # fmt: skip
+_EC_CURVES = {
+    "ES256": "P-256",
+    "ES256K": "secp256k1",
+    "ES384": "P-384",
+    "ES512": "P-521",
+    "ES521": "P-521",
+}
+# Members of a JWK that hold private or symmetric key material: never used to build a key.
+_PRIVATE = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
+
+LEEWAY_S = 30.0  # clock skew allowed on exp, nbf and iat
+MAX_JWT = 8192  # characters; real ID/access tokens are 1-2 KB
+MAX_JWKS_BYTES = 256 << 10
+FETCH_TIMEOUT_S = 5.0
+REFRESH_FLOOR_S = 60.0  # an unknown kid refetches a URL's JWKS at most this often
+RETRY_EMPTY_S = 5.0  # with no keys at all (the provider was down), retry this often
+MAX_AGE_S = 600.0  # a URL's keys are renewed after this, so withdrawn keys stop working
+_JTI = re.compile(r"[A-Za-z0-9._-]{1,48}")
+_CLAIM = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+
+_HINT = "get a fresh token from your identity provider (REG_TOKEN, or reg login)"
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OidcConfig:
+    issuer: str
+    audience: str
+    jwks: str  # a file path or an http(s) URL
+    claim: str = "sub"
+    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
+
+    @property
+    def jwks_is_url(self) -> bool:
+        return self.jwks.startswith(("https://", "http://"))
+
+
+def config_from(settings: Settings) -> OidcConfig | None:
+    """The OIDC configuration of `settings`; None when it is off. A partial or unsafe one is a
+    UsageError naming the setting, so the server refuses to start rather than refuse JWTs."""
+    named = {
+        "REG_OIDC_ISSUER": settings.oidc_issuer,
+        "REG_OIDC_AUDIENCE": settings.oidc_audience,
+        "REG_OIDC_JWKS": settings.oidc_jwks,
+    }
+    present = [k for k, v in named.items() if v]
+    extras = [
+        k
+        for k, v in {
+            "REG_OIDC_CLAIM": settings.oidc_claim,
+            "REG_OIDC_ALGORITHMS": settings.oidc_algorithms,
+        }.items()
+        if v
+    ]
+    if not present:
+        if extras:
+            raise UsageError(
+                f"{', '.join(extras)} set but OIDC is off",
+                "set REG_OIDC_ISSUER, REG_OIDC_AUDIENCE and REG_OIDC_JWKS too, or unset it",
+            )
+        return None
+    if len(present) < len(named):
+        missing = [k for k in named if k not in present]
+        raise UsageError(
+            f"OIDC is half configured: {', '.join(missing)} missing",
+            "set REG_OIDC_ISSUER, REG_OIDC_AUDIENCE and REG_OIDC_JWKS together, or none of them",
+        )
+    issuer, audience, jwks = (str(v).strip() for v in named.values())
+    claim = (settings.oidc_claim or "sub").strip()
+    if not _CLAIM.fullmatch(claim):
+        raise UsageError(f"REG_OIDC_CLAIM={claim[:64]!r} is not a claim name", "e.g. sub, email")
+    config = OidcConfig(issuer, audience, jwks, claim, _algorithms(settings.oidc_algorithms))
+    if not config.jwks_is_url:
+        if "://" in jwks:
+            raise UsageError(
+                f"REG_OIDC_JWKS={redact_url(jwks)}: only https://, http:// or a file path",
+                "point it at the provider's jwks_uri, or a JWKS file",
+            )
+        if not Path(jwks).expanduser().is_file():
+            raise UsageError(f"REG_OIDC_JWKS={jwks}: no such file", "a JWKS JSON file, or a URL")
+    return config
+
+
+def _algorithms(text: str | None) -> tuple[str, ...]:
+    if not text or not text.strip():
+        return DEFAULT_ALGORITHMS
+    names = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    for name in names:
+        if name.lower() == "none" or name.upper().startswith("HS"):
+            raise UsageError(
+                f"REG_OIDC_ALGORITHMS: {name} is refused",
+                "only asymmetric algorithms: the JWKS is public, so a symmetric or absent "
+                f"signature proves nothing (allowed: {', '.join(ASYMMETRIC)})",
+            )
+        if name not in ASYMMETRIC:
+            raise UsageError(
+                f"REG_OIDC_ALGORITHMS: unknown algorithm {name[:32]!r}",
+                f"allowed: {', '.join(ASYMMETRIC)}",
+            )
+    if not names:
+        raise UsageError("REG_OIDC_ALGORITHMS names no algorithm", "e.g. RS256,ES256")
+    return names
+
+
+# -- the keys ------------------------------------------------------------------------------------
+
+
+class JwksUnavailable(Exception):
+    """The JWKS cannot be read or is not a JWKS (the message names the source, never a secret)."""
+
+
+@dataclass
+class KeySet:
+    """The usable public keys of one JWKS document, as read at `read_at` (monotonic)."""
+
+    keys: tuple[dict[str, Any], ...]
+    read_at: float
+    _built: dict[tuple[int, str], Any] = field(default_factory=dict, repr=False)
+
+    def matching(self, kid: str | None) -> list[tuple[int, dict[str, Any]]]:
+        """The keys a JWT with header `kid` may be signed by: those with that kid; with no
+        kid, the only key of a single-key JWKS."""
+        if kid is None:
+            return [(0, self.keys[0])] if len(self.keys) == 1 else []
+        return [(i, k) for i, k in enumerate(self.keys) if k.get("kid") == kid]
+
+    def built(self, index: int, alg: str) -> Any:
+        """The PyJWK of key `index` bound to `alg` (built once per key set)."""
+        from jwt import PyJWK
+
+        cached = self._built.get((index, alg))
+        if cached is None:
+            cached = self._built[(index, alg)] = PyJWK(self.keys[index], algorithm=alg)
+        return cached
+
+
+def parse_jwks(data: bytes, source: str, read_at: float) -> KeySet:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise JwksUnavailable(f"{source} is not JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
+        raise JwksUnavailable(f"{source} is not a JWKS (a JSON object with a keys list)")
+    keys = []
+    for k in doc["keys"]:
+        if not isinstance(k, dict) or k.get("kty") not in ("RSA", "EC", "OKP"):
+            continue  # an `oct` key is a shared secret: no place in a public key set
+        if k.get("use", "sig") != "sig" or not isinstance(k.get("kid", ""), str):
+            continue
+        keys.append({m: v for m, v in k.items() if m not in _PRIVATE})
+    if not keys:
+        raise JwksUnavailable(f"{source} holds no public signing key (RSA, EC or OKP)")
+    return KeySet(tuple(keys), read_at)
+
+
+class JwksSource(Protocol):
+    def keys(self) -> KeySet:
+        """The keys to check a JWT against now (JwksUnavailable when there are none)."""
+        ...
+
+    def refreshed(self) -> KeySet | None:
+        """Newer keys for a kid `keys()` lacks, or None when none may be fetched now."""
+        ...
+
+
+class FileJwks:
+    """A JWKS file, reread when it changes; a bad rewrite keeps the last good keys."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._keys: KeySet | None = None
+        self._lock = threading.Lock()
+
+    def keys(self) -> KeySet:
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            if self._keys is not None:
+                return self._keys
+            raise JwksUnavailable(f"JWKS file {self.path}: {exc.strerror}") from None
+        seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if seen != self._seen:
+            with self._lock:
+                if seen != self._seen:
+                    self._reread(seen)
+        if self._keys is None:
+            raise JwksUnavailable(f"JWKS file {self.path} holds no usable key")
+        return self._keys
+
+    def _reread(self, seen: tuple[int, int, int]) -> None:
+        self._seen = seen  # a bad file is not reread until it changes again
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(MAX_JWKS_BYTES + 1)
+            if len(data) > MAX_JWKS_BYTES:
+                raise JwksUnavailable(f"JWKS file {self.path} is over {MAX_JWKS_BYTES} bytes")
+            self._keys = parse_jwks(data, f"JWKS file {self.path}", time.monotonic())
+        except (OSError, JwksUnavailable) as exc:
+            if self._keys is None:
+                raise JwksUnavailable(str(exc)) from None
+            log.warning("keeping the previous JWKS: %s", exc)
+
+    def refreshed(self) -> KeySet | None:
+        return None  # keys() already saw any change
+
+
+def fetch_url(url: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
+    """The body of `url`: 200 only, no redirects, at most MAX_JWKS_BYTES, within `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    shown = redact_url(url)
+    try:
+        with (
+            httpx.Client(timeout=timeout_s, follow_redirects=False) as client,
+            client.stream("GET", url, headers={"accept": "application/json"}) as response,
+        ):
+            if response.status_code != 200:
+                raise JwksUnavailable(f"JWKS {shown} answered HTTP {response.status_code}")
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > MAX_JWKS_BYTES:
+                    raise JwksUnavailable(f"JWKS {shown} is over {MAX_JWKS_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise JwksUnavailable(f"JWKS {shown} took over {timeout_s:.0f}s")
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise JwksUnavailable(f"cannot fetch JWKS {shown} ({type(exc).__name__})") from None
+
+
+class UrlJwks:
+    """A provider's JWKS over HTTP(S): cached, renewed after MAX_AGE_S, refetched for an
+    unknown kid at most once per REFRESH_FLOOR_S. One fetch at a time; requests whose kid is
+    known never wait for it."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        fetch: Callable[[str], bytes] = fetch_url,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url
+        self._fetch = fetch
+        self._clock = clock
+        self._keys: KeySet | None = None
+        self._last_attempt = -math.inf
+        self._last_error = ""
+        self._lock = threading.Lock()
+        self.fetches = 0  # attempts, for tests and the log
+
+    def keys(self) -> KeySet:
+        current = self._keys
+        if current is None:
+            with self._lock:
+                if self._keys is None:
+                    if self._clock() - self._last_attempt < RETRY_EMPTY_S and self._last_error:
+                        raise JwksUnavailable(self._last_error)
+                    self._attempt()
+                if self._keys is None:
+                    raise JwksUnavailable(self._last_error)
+                return self._keys
+        if self._clock() - current.read_at > MAX_AGE_S and self._lock.acquire(blocking=False):
+            try:  # renew; on failure keep serving the cached keys and retry after the floor
+                if self._clock() - self._last_attempt >= REFRESH_FLOOR_S:
+                    self._attempt()
+            finally:
+                self._lock.release()
+        return self._keys or current
+
+    def refreshed(self) -> KeySet | None:
+        with self._lock:
+            if self._clock() - self._last_attempt < REFRESH_FLOOR_S:
+                return None
+            return self._keys if self._attempt() else None
+
+    def _attempt(self) -> bool:
+        self._last_attempt = self._clock()
+        self.fetches += 1
+        try:
+            data = self._fetch(self.url)
+            self._keys = parse_jwks(data, f"JWKS {redact_url(self.url)}", self._clock())
+            self._last_error = ""
+            return True
+        except JwksUnavailable as exc:
+            self._last_error = str(exc)
+            log.warning("%s", exc)
+            return False
+
+
+# -- verification --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OidcIdentity:
+    principal: str
+    credential: str  # what the audit log and the request log name: oidc:<jti> or oidc:sha256:..
+
+
+class OidcVerifier:
+    def __init__(self, config: OidcConfig, source: JwksSource | None = None) -> None:
+        self.config = config
+        if source is None:
+            source = (
+                UrlJwks(config.jwks)
+                if config.jwks_is_url
+                else FileJwks(Path(config.jwks).expanduser())
+            )
+        self.source = source
+
+    def verify(self, token: str) -> OidcIdentity:
+        """The principal a JWT proves, or Unauthenticated with one line saying what is wrong."""
+        import jwt
+
+        if len(token) > MAX_JWT:
+            raise _refused(f"the JWT is over {MAX_JWT} characters")
+        try:
+            header = jwt.get_unverified_header(token)
+        except Exception as exc:  # PyJWTError, or anything a crafted header provokes
+            raise _refused(f"the JWT is malformed ({_said(exc)})") from None
+        alg, kid = header.get("alg"), header.get("kid")
+        if not isinstance(alg, str) or alg not in self.config.algorithms:
+            raise _refused(
+                f"the JWT's algorithm {str(alg)[:16]!r} is not accepted here "
+                f"(accepted: {', '.join(self.config.algorithms)})"
+            )
+        key = self._key(kid, alg)
+        try:
+            payload = jwt.decode(
+                token,
+                key=key,
+                algorithms=[alg],
+                audience=self.config.audience,
+                issuer=self.config.issuer,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "iss", "aud"], "enforce_minimum_key_length": True},
+            )
+        except jwt.PyJWTError as exc:
+            raise _refused(self._why(exc, token)) from None
+        except Exception:  # a JWT is attacker input: a library surprise is a refusal, not a 500
+            log.exception("unexpected error while checking a JWT")
+            raise _refused("the JWT could not be checked") from None
+        return OidcIdentity(self._principal(payload), _credential(payload, token))
+
+    def _key(self, kid: Any, alg: str) -> Any:
+        try:
+            keys = self.source.keys()
+            found = keys.matching(kid)
+            if not found and kid is not None:
+                fresh = self.source.refreshed()
+                if fresh is not None:
+                    keys, found = fresh, fresh.matching(kid)
+        except JwksUnavailable as exc:
+            raise Unauthenticated(
+                f"cannot check the JWT now: {exc}",
+                "the server cannot read its identity provider's keys; retry, or use a reg token",
+            ) from None
+        if not found:
+            if kid is None:
+                raise _refused(f"the JWT names no key (no kid) and the JWKS has {len(keys.keys)}")
+            raise _refused(f"the JWT's key {str(kid)[:64]!r} is not in the JWKS")
+        fitting = [(i, k) for i, k in found if _fits(k, alg)]
+        if not fitting:
+            k = found[0][1]
+            raise _refused(
+                f"the JWT's algorithm {alg} does not fit key {str(kid)[:64]!r} "
+                f"({k.get('kty')} {k.get('crv') or k.get('alg') or ''})".rstrip()
+            )
+        try:
+            return keys.built(fitting[0][0], alg)
+        except Exception as exc:  # a malformed JWK in the provider's set
+            log.warning("JWKS key %r is unusable: %s", kid, exc)
+            raise _refused(f"the JWKS key {str(kid)[:64]!r} is unusable") from None
+
+    def _why(self, exc: Exception, token: str) -> str:
+        import jwt
+        from jwt.exceptions import InvalidJTIError, InvalidSubjectError
+
+        if isinstance(exc, jwt.ExpiredSignatureError):
+            return f"the JWT has expired{_at(token, 'exp')}"
+        if isinstance(exc, jwt.ImmatureSignatureError):
+            return f"the JWT is not valid yet{_at(token, 'nbf', 'iat')}"
+        if isinstance(exc, jwt.MissingRequiredClaimError):
+            return f"the JWT has no {exc.claim!r} claim"
+        if isinstance(exc, jwt.InvalidIssuerError):
+            return f"the JWT's issuer is not {self.config.issuer}"
+        if isinstance(exc, jwt.InvalidAudienceError):
+            return f"the JWT's audience is not {self.config.audience}"
+        if isinstance(exc, jwt.InvalidSignatureError):
+            return "the JWT's signature does not verify"
+        if isinstance(exc, InvalidSubjectError | InvalidJTIError):
+            claim = "sub" if isinstance(exc, InvalidSubjectError) else "jti"
+            return f"the JWT's {claim} must be a string"
+        if isinstance(exc, jwt.InvalidKeyError):
+            return f"the JWKS key is refused ({_said(exc)})"
+        return f"the JWT is not valid ({_said(exc)})"
+
+    def _principal(self, payload: dict[str, Any]) -> str:
+        from policies.loader import PRINCIPAL
+        from registry.lifecycle.token_admin import SERVER_PRINCIPAL
+
+        claim = self.config.claim
+        if claim not in payload:
+            raise _refused(
+                f"the JWT has no {claim!r} claim (REG_OIDC_CLAIM names the principal's claim)"
+            )
+        name = payload[claim]
+        if not isinstance(name, str) or not PRINCIPAL.fullmatch(name) or name == SERVER_PRINCIPAL:
+            shown = repr(name)[:40] + ("..." if len(repr(name)) > 40 else "")
+            raise _refused(
+                f"the JWT's {claim} {shown} is not a principal name "
+                f"(letters, digits, . _ @ -, at most 128, not {SERVER_PRINCIPAL})"
+            )
+        return name
+
+
+def verifier_from(settings: Settings) -> OidcVerifier | None:
+    config = config_from(settings)
+    return None if config is None else OidcVerifier(config)
+
+
+def looks_like_jwt(token: str) -> bool:
+    """A compact JWS has three dot-separated parts; a reg token has no dot at all."""
+    return token.count(".") == 2
+
+
+def _fits(jwk: dict[str, Any], alg: str) -> bool:
+    """May key `jwk` verify a signature made with `alg`? (A JWK's own alg, when given, binds.)"""
+    if jwk.get("alg") not in (None, alg):
+        return False
+    kty, crv = jwk.get("kty"), jwk.get("crv")
+    if alg.startswith(("RS", "PS")):
+        return kty == "RSA"
+    if alg in _EC_CURVES:
+        return kty == "EC" and crv == _EC_CURVES[alg]
+    return alg == "EdDSA" and kty == "OKP" and crv in ("Ed25519", "Ed448")
+
+
+def _credential(payload: dict[str, Any], token: str) -> str:
+    jti = payload.get("jti")
+    if isinstance(jti, str) and _JTI.fullmatch(jti):
+        return f"oidc:{jti}"
+    return f"oidc:sha256:{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+
+
+def _at(token: str, *claims: str) -> str:
+    """` (exp 2026-01-01T00:00:00Z)` from the (already signature-checked) payload, if any."""
+    import jwt
+
+    from registry.timeutil import iso
+
+    try:
+        payload = jwt.decode(token, options={"verify_signature": False})
+    except jwt.PyJWTError:
+        return ""
+    for claim in claims:
+        value = payload.get(claim)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            try:
+                return f" ({claim} {iso(float(value))})"
+            except (OverflowError, ValueError, OSError):
+                return ""
+    return ""
+
+
+def _said(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+
+
+def _refused(why: str) -> Unauthenticated:
+    return Unauthenticated(why, _HINT)
