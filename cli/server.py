@@ -181,3 +181,5 @@ def whoami(json_output: bool = JSON_OPTION) -> None:
         emit_json(out)
         return
     print(out["principal"])
+    if out.get("authenticated_by") == "oidc":  # stdout stays the bare name, for scripts
+        note(f"authenticated by OIDC ({out.get('token')})")

@@ -256,6 +256,8 @@ def test_a_jwt_gets_its_principals_grants_beside_tokens(
         res = cli(*push, "--project", "team-b", env=alice)
         assert res.returncode == 4 and "alice may not push" in _one_line(res)
 
+        res = cli("whoami", env=alice)
+        assert (res.stdout, res.stderr) == ("alice\n", f"reg: authenticated by OIDC (oidc:{jti})\n")
         who = json.loads(cli("whoami", "--json", env=alice).stdout)
         assert who["principal"] == "alice"
         assert (who["authenticated_by"], who["token"]) == ("oidc", f"oidc:{jti}")
@@ -442,14 +444,14 @@ def test_a_jwks_url_that_is_down_is_a_401_and_tokens_still_work(cli, idp, tmp_pa
 
 
 def test_the_url_cache_refetches_for_an_unknown_kid_at_most_once_a_minute(idp, jwks_http):
-    from registry.server import oidc
+    from registry.server import jwks
 
     now = [1000.0]
-    source = oidc.UrlJwks(jwks_http.url, clock=lambda: now[0])
+    source = jwks.UrlJwks(jwks_http.url, clock=lambda: now[0])
     assert {k["kid"] for k in source.keys().keys} == {"rsa-1", "ec-1"}
     assert source.fetches == 1
     assert source.refreshed() is None  # within the floor: no fetch
-    now[0] += oidc.REFRESH_FLOOR_S + 1
+    now[0] += jwks.REFRESH_FLOOR_S + 1
     jwks_http.doc = idp.jwks("rsa-1", "ec-1", "rogue")  # the provider rotates a key in
     try:
         fresh = source.refreshed()
@@ -457,36 +459,36 @@ def test_the_url_cache_refetches_for_an_unknown_kid_at_most_once_a_minute(idp, j
         assert source.refreshed() is None and source.fetches == 2
         # Renewed after MAX_AGE_S even with no unknown kid: withdrawn keys stop working.
         jwks_http.doc = idp.jwks("rsa-1")
-        now[0] += oidc.MAX_AGE_S + 1
+        now[0] += jwks.MAX_AGE_S + 1
         assert not source.keys().matching("rogue") and source.fetches == 3
     finally:
         jwks_http.doc = idp.jwks("rsa-1", "ec-1")
 
 
 def test_a_provider_outage_keeps_the_cached_keys(idp, jwks_http):
-    from registry.server import oidc
+    from registry.server import jwks
 
     now = [0.0]
-    source = oidc.UrlJwks(jwks_http.url, clock=lambda: now[0])
+    source = jwks.UrlJwks(jwks_http.url, clock=lambda: now[0])
     assert source.keys().matching("rsa-1")
     source.url = f"http://127.0.0.1:{free_port()}/jwks.json"  # the provider goes away
-    now[0] += oidc.MAX_AGE_S + 1
+    now[0] += jwks.MAX_AGE_S + 1
     assert source.keys().matching("rsa-1") and source.fetches == 2
 
 
 def test_a_jwks_over_the_size_cap_or_not_a_jwks_is_refused(jwks_http):
-    from registry.server import oidc
+    from registry.server import jwks
 
-    with pytest.raises(oidc.JwksUnavailable, match="answered HTTP 404"):
-        oidc.fetch_url(jwks_http.url.replace("jwks.json", "other"))
-    jwks_http.doc = {"keys": [{"kty": "RSA", "n": "x" * oidc.MAX_JWKS_BYTES}]}
+    with pytest.raises(jwks.JwksUnavailable, match="answered HTTP 404"):
+        jwks.fetch_url(jwks_http.url.replace("jwks.json", "other"))
+    jwks_http.doc = {"keys": [{"kty": "RSA", "n": "x" * jwks.MAX_JWKS_BYTES}]}
     try:
-        with pytest.raises(oidc.JwksUnavailable, match="over 262144 bytes"):
-            oidc.fetch_url(jwks_http.url)
+        with pytest.raises(jwks.JwksUnavailable, match="over 262144 bytes"):
+            jwks.fetch_url(jwks_http.url)
     finally:
         jwks_http.doc = {"keys": []}
-    with pytest.raises(oidc.JwksUnavailable, match="holds no public signing key"):
-        oidc.parse_jwks(oidc.fetch_url(jwks_http.url), "test", 0.0)
+    with pytest.raises(jwks.JwksUnavailable, match="holds no public signing key"):
+        jwks.parse_jwks(jwks.fetch_url(jwks_http.url), "test", 0.0)
 
 
 def test_a_single_key_jwks_matches_a_jwt_without_kid(idp, tmp_path):
@@ -561,3 +563,33 @@ def test_a_server_without_oidc_refuses_jwts_with_a_clear_line(cli, idp, reg_serv
     )
     res = cli("ls", env={"REG_TOKEN": idp.token()})
     assert res.returncode == 4 and "accepts no JWTs" in _one_line(res)
+
+
+def test_private_members_of_a_published_key_are_never_used(idp, tmp_path):
+    """A provider that leaks its private JWK: only the public half is used (no crash, no 500)."""
+    from registry.server import oidc
+
+    leaked = RSAAlgorithm.to_jwk(idp.keys["rsa-1"], as_dict=True)
+    assert "d" in leaked
+    path = tmp_path / "leaky.json"
+    path.write_text(json.dumps({"keys": [{**leaked, "kid": "rsa-1"}]}))
+    verifier = oidc.OidcVerifier(oidc.OidcConfig(ISSUER, AUDIENCE, str(path)))
+    assert verifier.verify(idp.token()).principal == "alice"
+    (key,) = verifier.source.keys().keys
+    assert not {"d", "p", "q", "dp", "dq", "qi"} & set(key)
+
+
+def test_a_broken_rewrite_of_the_jwks_file_keeps_the_last_good_keys(idp, tmp_path):
+    from registry.server import jwks
+
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps(idp.jwks("rsa-1")))
+    source = jwks.FileJwks(path)
+    assert source.keys().matching("rsa-1")
+    path.write_text('{"keys": [')  # a writer that is not atomic, caught halfway
+    assert source.keys().matching("rsa-1")
+    path.write_text(json.dumps(idp.jwks("ec-1")))
+    assert source.keys().matching("ec-1") and not source.keys().matching("rsa-1")
+    path.write_text("{")
+    with pytest.raises(jwks.JwksUnavailable, match="is not JSON"):
+        jwks.FileJwks(path).keys()  # no good keys to fall back on
