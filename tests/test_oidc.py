@@ -357,8 +357,8 @@ def _tampered(idp: Idp) -> str:
 
 ATTACKS = [
     ("expired", lambda i: i.token(exp=int(time.time()) - 120), "the JWT has expired ("),
-    ("not-yet-valid", lambda i: i.token(nbf=int(time.time()) + 600), "the JWT is not valid yet"),
-    ("issued-in-future", lambda i: i.token(iat=int(time.time()) + 600), "not valid yet"),
+    ("not-yet-valid", lambda i: i.token(nbf=int(time.time()) + 600), "not valid yet (nbf "),
+    ("issued-in-future", lambda i: i.token(iat=int(time.time()) + 600), "not valid yet (iat "),
     ("wrong-issuer", lambda i: i.token(iss="https://evil.test"), "issuer is not " + ISSUER),
     ("wrong-audience", lambda i: i.token(aud="other-app"), "audience is not " + AUDIENCE),
     ("no-audience", lambda i: i.token(omit=("aud",)), "has no 'aud' claim"),

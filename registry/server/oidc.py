@@ -233,7 +233,7 @@ class OidcVerifier:
         if isinstance(exc, jwt.ExpiredSignatureError):
             return f"the JWT has expired{_at(token, 'exp')}"
         if isinstance(exc, jwt.ImmatureSignatureError):
-            return f"the JWT is not valid yet{_at(token, 'nbf', 'iat')}"
+            return f"the JWT is not valid yet{_at(token, 'iat' if '(iat)' in str(exc) else 'nbf')}"
         if isinstance(exc, jwt.MissingRequiredClaimError):
             return f"the JWT has no {exc.claim!r} claim"
         if isinstance(exc, jwt.InvalidIssuerError):
@@ -297,7 +297,7 @@ def _credential(payload: dict[str, Any], token: str) -> str:
     return f"oidc:sha256:{hashlib.sha256(token.encode()).hexdigest()[:16]}"
 
 
-def _at(token: str, *claims: str) -> str:
+def _at(token: str, claim: str) -> str:
     """` (exp 2026-01-01T00:00:00Z)` from the (already signature-checked) payload, if any."""
     import jwt
 
@@ -307,13 +307,12 @@ def _at(token: str, *claims: str) -> str:
         payload = jwt.decode(token, options={"verify_signature": False})
     except jwt.PyJWTError:
         return ""
-    for claim in claims:
-        value = payload.get(claim)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            try:
-                return f" ({claim} {iso(float(value))})"
-            except (OverflowError, ValueError, OSError):
-                return ""
+    value = payload.get(claim)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return f" ({claim} {iso(float(value))})"
+        except (OverflowError, ValueError, OSError):
+            return ""
     return ""
 
 
