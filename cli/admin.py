@@ -13,11 +13,15 @@ from registry.text import inert
 
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
 catalog_app = typer.Typer(help="Catalog administration.", no_args_is_help=True)
+audit_app = typer.Typer(invoke_without_command=True)
 
 
 def register(app: typer.Typer) -> None:
     app.command("gc")(gc)
-    app.command("audit")(audit)
+    app.add_typer(audit_app, name="audit")
+    audit_app.callback()(audit)
+    audit_app.command("verify")(audit_verify)
+    audit_app.command("seal")(audit_seal)
     app.add_typer(storage_app, name="storage")
     storage_app.command("init")(storage_init)
     app.add_typer(catalog_app, name="catalog")
@@ -102,12 +106,15 @@ def _gc_cycle() -> dict[str, object]:
 
 
 def audit(
+    ctx: typer.Context,
     since: str | None = typer.Option(None, "--since", help="A duration back (24h) or ISO date."),
     actor: str | None = typer.Option(None, "--actor", help="Only this principal."),
     action: str | None = typer.Option(None, "--action", help="Only this action."),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Show the audit log (admin): who did what, when, with what outcome."""
+    if ctx.invoked_subcommand is not None:
+        return
     with open_registry() as reg:
         events = reg.audit_log(since=_since(since), actor=actor, action=action)
     if json_output:
@@ -127,6 +134,52 @@ def audit(
             for e in events
         ],
     )
+
+
+def audit_verify(json_output: bool = JSON_OPTION) -> None:
+    """Check every audit event, seal and anchor against the server's key (admin); exit 1
+    naming each edit, reordering, deletion, forged event or truncated tail."""
+    with open_registry() as reg:
+        out = reg.audit_verify()
+    if json_output:
+        emit_json(out)
+    else:
+        for p in out["problems"]:
+            print(f"{p['kind']}: {inert(p['message'])}")
+        if out["ok"]:
+            print(
+                f"audit log ok: {out['events']} events, {out['sealed']} sealed in "
+                f"{out['seals']} seals, {out['unsealed']} not sealed yet; "
+                f"{out['anchors']} anchor(s) in the store"
+            )
+    if not out["ok"]:
+        from registry.errors import IntegrityError
+
+        failed = IntegrityError(
+            f"the audit log fails verification: {len(out['problems'])} problem(s)",
+            "each is named in the output; the catalog was changed outside reg",
+        )
+        if not json_output:
+            raise failed
+        print(f"reg: error: {failed}", file=sys.stderr)  # stdout keeps its one document
+        raise typer.Exit(failed.exit_code)
+
+
+def audit_seal(json_output: bool = JSON_OPTION) -> None:
+    """Seal the audit events not sealed yet and anchor the chain head in the store (admin)."""
+    with open_registry() as reg:
+        out = reg.audit_seal()
+    if json_output:
+        emit_json(out)
+        return
+    for r in out["refused"]:
+        print(f"not sealed: event {r['event']}: {r['reason']}", file=sys.stderr)
+    head, anchor = out["head"], out["anchor"]
+    print(f"sealed {out['sealed']} event(s) in {len(out['seals'])} seal(s)")
+    if head is not None and anchor is not None:
+        where = "already anchored" if anchor["existing"] else f"anchored at {anchor['key']}"
+        lock = f" ({anchor['locked']})" if anchor.get("locked") else ""
+        print(f"chain head: seal {head['seq']}, {head['events']} events; {where}{lock}")
 
 
 def _since(text: str | None) -> float | None:

@@ -87,6 +87,7 @@ class Registry:
     @property
     def context(self) -> Context:
         if self._context is None:
+            from registry.audit_chain import keys
             from registry.context import Context
             from registry.events import Outbox
             from registry.policy_source import EffectivePolicy
@@ -104,6 +105,8 @@ class Registry:
                 principal=Principal.under(*self._identity, policy),
                 events=self._events,
                 workers=self.settings.workers,
+                # Signed where this process can read the server's key (its host's operator).
+                audit_key=keys.optional(self.settings.audit_key_path),
             )
         return self._context
 
@@ -319,6 +322,18 @@ class Registry:
         from registry.lifecycle.admin import audit_log
 
         return audit_log(self.context, since=since, actor=actor, action=action)
+
+    def audit_verify(self) -> dict[str, Any]:
+        """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
+        from registry.audit_chain.service import verify
+
+        return verify(self.context)
+
+    def audit_seal(self) -> dict[str, Any]:
+        """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
+        from registry.audit_chain.service import seal
+
+        return seal(self.context)
 
     def policy_show(self) -> dict[str, Any]:
         from registry.lifecycle.policy_admin import show

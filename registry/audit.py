@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -19,18 +20,26 @@ def record(
     target: str,
     outcome: str = ALLOWED,
     /,
+    *,
+    audit_key: bytes | None = None,
     **details: Any,
 ) -> None:
-    session.add(
-        AuditEvent(
-            ts=now(),
-            actor=actor,
-            action=action,
-            target=target,
-            outcome=outcome,
-            details={k: v for k, v in details.items() if v is not None},
-        )
-    )
+    """Add the event to the caller's transaction. With the audit key it is signed here (a MAC
+    of its own content and a random uid: no shared row, so concurrent writers never wait on
+    each other); the sealer chains it later (`registry.audit_chain`)."""
+    from registry.audit_chain.macs import event_mac, normalized
+
+    content: dict[str, Any] = {
+        "uid": uuid.uuid4().hex if audit_key else None,
+        "ts": now(),
+        "actor": actor,
+        "action": action,
+        "target": target,
+        "outcome": outcome,
+        "details": normalized({k: v for k, v in details.items() if v is not None}),
+    }
+    mac = event_mac(audit_key, content) if audit_key else None
+    session.add(AuditEvent(**content, mac=mac))
 
 
 def query(

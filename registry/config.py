@@ -21,6 +21,7 @@ _FILE_KEYS = {
     "policy",
     "user",
     "url",
+    "audit_key_file",
     *_OIDC_KEYS,
 }
 LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
@@ -39,6 +40,9 @@ class Settings:
     workers: int = 4
     url: str | None = None  # REG_URL: remote mode, through reg server (DESIGN §9)
     token: str | None = None  # REG_TOKEN, else the one `reg login` stored for `url`
+    # REG_AUDIT_KEY_FILE: the audit log's HMAC key (`registry.audit_chain`); None: audit.key
+    # under REG_HOME. Only reg server (and an operator on its host) can read it.
+    audit_key_file: Path | None = None
     # OIDC bearer JWTs accepted by reg server (checked by registry/server/oidc.py): REG_OIDC_*
     oidc_issuer: str | None = None
     oidc_audience: str | None = None
@@ -49,6 +53,10 @@ class Settings:
     @property
     def remote(self) -> bool:
         return bool(self.url)
+
+    @property
+    def audit_key_path(self) -> Path:
+        return self.audit_key_file or self.home / "audit.key"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -71,6 +79,7 @@ class Settings:
         url = (env.get("REG_URL") or file_values.get("url") or "").rstrip("/") or None
         token = env.get("REG_TOKEN") or (_logged_in(home, url) if url else None)
         oidc = {k: pick(f"REG_{k.upper()}", k, "") or None for k in _OIDC_KEYS}
+        audit_key = pick("REG_AUDIT_KEY_FILE", "audit_key_file", "")
         return cls(
             url=url,
             token=token,
@@ -85,6 +94,7 @@ class Settings:
             user_source=source,
             busy_timeout_s=busy,
             workers=max(1, workers),
+            audit_key_file=Path(audit_key).expanduser().absolute() if audit_key else None,
             oidc_issuer=oidc["oidc_issuer"],
             oidc_audience=oidc["oidc_audience"],
             oidc_jwks=oidc["oidc_jwks"],

@@ -8,6 +8,8 @@
     workers    parallel transfers per operation
     server     True inside `reg server`: identities are verified, so the GPU gate accepts only
                validations a validator attested
+    audit_key  the audit log's HMAC key where this process holds it (the server, an operator
+               on its host): events are then signed at insert (`registry.audit_chain`)
 
 Lifecycle functions take a Context; `Registry` builds one from local settings (embedded mode),
 and `reg server` builds one per request around the authenticated Principal, sharing catalog and
@@ -16,7 +18,7 @@ store. A Context is frozen: a changed policy or principal is a new Context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import PermissionDenied
@@ -40,6 +42,7 @@ class Context:
     events: EventSink
     workers: int = 4
     server: bool = False
+    audit_key: bytes | None = field(default=None, repr=False)
 
     @property
     def actor(self) -> str:
@@ -59,7 +62,14 @@ class Context:
         from registry import audit
 
         audit.record(
-            session, self.actor, action, target, outcome, token=self.principal.credential, **details
+            session,
+            self.actor,
+            action,
+            target,
+            outcome,
+            audit_key=self.audit_key,
+            token=self.principal.credential,
+            **details,
         )
 
     def authorize(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, Index, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel, col
 
 from registry.formats.documents import FileRecord
@@ -247,6 +247,29 @@ class AuditEvent(SQLModel, table=True):
     target: str
     outcome: str = Field(max_length=16)  # allowed | denied | failed
     details: dict[str, Any] = _json()
+    # A random id and the HMAC of the event under the server's key (`registry.audit_chain`);
+    # both NULL for events recorded where no key was at hand.
+    uid: str | None = Field(default=None, max_length=32, unique=True)
+    mac: str | None = Field(default=None, max_length=64)
+
+
+class AuditSeal(SQLModel, table=True):
+    """One block of the audit chain: the events a sealer took (compact id ranges, in id order),
+    a short tag of each, and an HMAC over seq, the previous seal's MAC and every id:event MAC.
+    Append-only (triggers, migration 0006); see `registry.audit_chain`."""
+
+    __tablename__ = "audit_seal"
+    seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    key_id: str = Field(max_length=16)
+    prev_mac: str = Field(max_length=64)
+    mac: str = Field(max_length=64)
+    event_ids: str = Field(sa_type=Text)
+    tags: str = Field(sa_type=Text)
+    count: int
+    total: int = Field(sa_type=BigInteger)  # events sealed by the chain up to this seal
+    low: int = Field(sa_type=BigInteger, index=True)
+    high: int = Field(sa_type=BigInteger, index=True)
+    sealed_at: float
 
 
 class PolicyDocument(SQLModel, table=True):

@@ -31,6 +31,7 @@ def bearer(request: Request) -> str:
 
 def context_for(request: Request) -> Context:
     """The Context of this request: the verified principal under the policy in force now."""
+    from registry.audit_chain import keys as audit_keys
     from registry.context import Context
     from registry.events import Outbox
     from registry.policy_source import EffectivePolicy
@@ -57,6 +58,7 @@ def context_for(request: Request) -> Context:
         events=Outbox(state.settings),
         workers=state.settings.workers,
         server=True,
+        audit_key=audit_keys.for_server(state.settings.audit_key_path),  # signs its events
     )
     request.state.events = ctx.events
     return ctx

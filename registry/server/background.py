@@ -1,9 +1,10 @@
 """Work the server does on its own: the MLflow drain, sweeping what dead requests left in its
-upload directory, and, when asked, the GC schedule.
+upload directory, sealing the audit log, and, when asked, the GC schedule.
 
 Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
 for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
-GCs apart), and the drain holds the drain lease while it runs (`registry.mlflow_mirror`).
+GCs apart), the drain holds the drain lease while it runs (`registry.mlflow_mirror`), and one
+replica at a time seals the audit log (`audit-seal`, `registry.audit_chain.schedule`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Background:
     def start(self) -> None:
         self.sweep_uploads()
         self._spawn(self._housekeeping_loop, "reg-housekeeping")
+        self._spawn(self._audit_loop, "reg-audit-seal")
         if self.gc_every_s:
             self._spawn(self._gc_loop, "reg-gc-schedule")
 
@@ -68,6 +70,32 @@ class Background:
             except Exception:
                 log.exception("housekeeping failed")
 
+    def _audit_loop(self) -> None:
+        """Seal the audit events every few seconds and anchor the chain head now and then;
+        only the replica holding the lease does (requests only sign their own events)."""
+        from registry.audit_chain import keys
+        from registry.audit_chain.schedule import SealSchedule, intervals
+
+        every, anchor_every = intervals()
+        schedule = SealSchedule(
+            self.state.catalog,
+            self.state.store,
+            keys.for_server(self.state.settings.audit_key_path),
+            every_s=every,
+            anchor_every_s=anchor_every,
+            holder=SERVER_PRINCIPAL,
+        )
+        try:
+            while not self.stop.wait(every):
+                try:
+                    out = schedule.cycle()
+                    if out and (out["seals"] or "anchor" in out or "refused" in out):
+                        log.info(json.dumps({"audit": "sealed", **out}))
+                except Exception:
+                    log.exception("audit sealing failed")
+        finally:
+            schedule.close()
+
     def _gc_loop(self) -> None:
         assert self.gc_every_s is not None
         while not self.stop.wait(self.gc_every_s):
@@ -80,6 +108,7 @@ class Background:
 
     def run_gc_cycle(self) -> dict[str, object] | None:
         """One scheduled GC, if this replica leads this interval; None if another does."""
+        from registry.audit_chain import keys
         from registry.catalog import leases
         from registry.context import Context
         from registry.events import Outbox
@@ -107,6 +136,7 @@ class Background:
             events=events,
             workers=state.settings.workers,
             server=True,
+            audit_key=keys.for_server(state.settings.audit_key_path),
         )
         try:
             result = run_gc(ctx)

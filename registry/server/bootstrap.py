@@ -4,6 +4,10 @@ Run on the server's host with the server's settings (whoever can read the catalo
 is already trusted with everything). With no grants in force it applies the policy in force
 plus an admin grant for NAME, so the registry leaves single-user mode; when grants exist, NAME
 must already be an admin under them. Either way it mints a token for NAME, shown once.
+
+It also creates the audit key (`REG_AUDIT_KEY_FILE`, default `REG_HOME/audit.key`: 32 random
+bytes, mode 0600, never over an existing one) that `reg server` signs the audit log with; its
+own events are the first it signs. Replicas share that one file.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
 
 def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
     from policies.access import check_grants
+    from registry.audit_chain import keys
     from registry.catalog.engine import Catalog
     from registry.context import Context
     from registry.events import Outbox
@@ -30,6 +35,8 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
     from registry.tokens import mint
 
     checked_user(admin, "--admin")
+    created = keys.create(settings.audit_key_path)
+    key = keys.read(settings.audit_key_path)
     catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
     try:
         policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
@@ -46,6 +53,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 policy=policy,
                 principal=Principal.under(admin, f"reg server init by {operator}", policy),
                 events=Outbox(settings),
+                audit_key=key,
             )
             applied = apply_text(ctx, text, "reg server init")
         elif not check_grants(policy.access.grants, admin, "policy").allowed:
@@ -58,8 +66,18 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
             from registry import audit
 
             audit.record(
-                s, operator, "token-create", f"token {token.split('_')[1]}", principal=admin
+                s,
+                operator,
+                "token-create",
+                f"token {token.split('_')[1]}",
+                audit_key=key,
+                principal=admin,
             )
-        return {"principal": admin, "token": token, "policy": applied}
+        return {
+            "principal": admin,
+            "token": token,
+            "policy": applied,
+            "audit_key": {"path": str(settings.audit_key_path), "created": created},
+        }
     finally:
         catalog.dispose()

@@ -287,6 +287,20 @@ def audit_log(
     return query(ctx, since=since, actor=actor, action=action)
 
 
+@router.post("/audit/verify")
+def audit_verify(ctx: Context = CTX) -> dict[str, Any]:
+    from registry.audit_chain.service import verify
+
+    return verify(ctx)
+
+
+@router.post("/audit/seal")
+def audit_seal(ctx: Context = CTX) -> dict[str, Any]:
+    from registry.audit_chain.service import seal
+
+    return seal(ctx)
+
+
 @router.get("/policy")
 def policy_show(ctx: Context = CTX) -> dict[str, Any]:
     from registry.lifecycle.policy_admin import show as run_show

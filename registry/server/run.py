@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
     from fastapi import FastAPI
 
+    from registry.config import Settings
+
 
 class JsonLines(logging.Formatter):
     """Every log line one JSON object: the request lines already are; uvicorn's and others'
@@ -37,6 +39,7 @@ def build_app(gc_every_s: float | None = None) -> FastAPI:
     from registry.server.background import Background
 
     settings = Settings.from_env()
+    audit_ready(settings)
     app = create_app(settings)
 
     @asynccontextmanager
@@ -52,6 +55,16 @@ def build_app(gc_every_s: float | None = None) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def audit_ready(settings: Settings) -> None:
+    """No audit key (or a bad sealing interval): no server. Every replica signs with the one
+    key file (`reg server init` creates it)."""
+    from registry.audit_chain import keys
+    from registry.audit_chain.schedule import intervals
+
+    keys.for_server(settings.audit_key_path)
+    intervals()
 
 
 def factory() -> FastAPI:
@@ -85,6 +98,7 @@ def serve(
     if settings.remote:
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
     config_from(settings)  # a partial or unsafe OIDC setting stops the start here, in one line
+    audit_ready(settings)
     if gc_every is not None:
         os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
     handler = logging.StreamHandler(sys.stderr)

@@ -142,6 +142,8 @@ def check_deletable(key: str) -> None:
         raise Conflict(
             f"refusing to delete {key}", "release objects are immutable and never deleted"
         )
+    if key.startswith("audit/"):
+        raise Conflict(f"refusing to delete {key}", "audit anchors are never deleted")
 
 
 class BaseStore(ABC):
@@ -255,6 +257,11 @@ class BaseStore(ABC):
     def init(self) -> dict[str, Any]:
         """Check the store and set what it needs (`reg storage init`)."""
         return {"store": self.url, "note": "nothing to configure"}
+
+    def lock_compliance(self, key: str, version: str | None) -> str | None:
+        """Put a COMPLIANCE retention on `key` (that `version` of it, on a versioned bucket)
+        where the backend has Object Lock: what the lock is, or None where it has none."""
+        return None
 
     def sweep_incomplete(
         self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None

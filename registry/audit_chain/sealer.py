@@ -1,0 +1,204 @@
+"""The sealer: chains signed events into append-only seals, block by block.
+
+Writers never wait on each other: each signs its own event at insert (`registry.audit`). One
+sealer at a time (the server's `audit-seal` lease; an explicit `reg audit seal` needs none) takes
+the events no seal holds yet, in id order, checks each one's MAC and appends one seal over them.
+The seal's sequence number is its primary key, so two sealers that race append one seal, never
+two with the same predecessor; the loser's events go into the next block.
+
+PostgreSQL may commit a transaction with a lower id after a higher one was sealed: that event is
+simply taken by a later seal, so seals hold id *sets* (compact ranges), not one running range.
+A routine cycle looks at events above the chain's highest id plus the last 15 minutes'; the
+server's first cycle and an explicit seal scan the whole log for stragglers.
+
+An event whose MAC does not verify, or an unsigned one once the chain exists, is never sealed:
+it stays outside, and `reg audit verify` names it. Unsigned events of the history before the key
+go into the genesis seal (seq 1) only, and only below its first signed event.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError as DBIntegrityError
+from sqlmodel import Session, col, select
+
+from registry.audit_chain import anchors, macs
+from registry.audit_chain.keys import key_id
+from registry.catalog.models import AuditEvent, AuditSeal
+from registry.errors import UsageError
+from registry.timeutil import now
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+
+log = logging.getLogger("reg.audit")
+BATCH = 5000  # events per seal (the genesis seal takes the whole history before the key)
+LOOKBACK_S = 900.0  # a routine cycle also rechecks the last 15 minutes for late commits
+_IN = 500  # ids per IN (...) query
+
+
+@dataclass
+class SealRun:
+    seals: list[int] = field(default_factory=list)
+    sealed: int = 0
+    refused: dict[int, str] = field(default_factory=dict)  # event id -> why
+    raced: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seals": self.seals,
+            "sealed": self.sealed,
+            "refused": [{"event": i, "reason": why} for i, why in sorted(self.refused.items())],
+        }
+
+
+class WrongKey(UsageError):
+    pass
+
+
+def head(session: Session) -> AuditSeal | None:
+    return session.exec(select(AuditSeal).order_by(col(AuditSeal.seq).desc()).limit(1)).first()
+
+
+def anchor_head(session: Session) -> anchors.Head | None:
+    last = head(session)
+    if last is None:
+        return None
+    high = session.exec(select(func.max(AuditSeal.high)).where(AuditSeal.seq <= last.seq)).one()
+    return anchors.Head(last.seq, last.mac, int(high or 0), last.total, last.key_id)
+
+
+def check_key(seal: AuditSeal | None, key: bytes) -> None:
+    if seal is not None and seal.key_id != key_id(key):
+        raise WrongKey(
+            f"the audit chain is sealed with key {seal.key_id}; this key is {key_id(key)}",
+            "use the server's key file (REG_AUDIT_KEY_FILE): keys are not rotated",
+        )
+
+
+def seal_pending(catalog: Catalog, key: bytes, *, full: bool = False) -> SealRun:
+    """Seal every event that is signed and not sealed yet, in blocks of BATCH."""
+    run = SealRun()
+    while True:
+        with catalog.session() as s:
+            last = head(s)
+            check_key(last, key)
+            ids = _candidates(s, full=full)
+            ids = [i for i in ids if i not in run.refused]
+            if not ids:
+                return run
+            taken = _take(s, key, ids, genesis=last is None, refused=run.refused)
+        if not taken:
+            return run
+        seq = (last.seq if last else 0) + 1
+        if not _append(catalog, key, seq, last, taken):
+            run.raced = True  # another sealer appended this seq: its events are sealed
+            return run
+        run.seals.append(seq)
+        run.sealed += len(taken)
+        full = False  # what the full scan found is now either sealed or refused
+
+
+def _candidates(s: Session, *, full: bool) -> list[int]:
+    """Ids of events no seal holds (in id order)."""
+    high = s.exec(select(func.max(AuditSeal.high))).one() or 0
+    newer = list(
+        s.exec(select(AuditEvent.id).where(col(AuditEvent.id) > high).order_by(col(AuditEvent.id)))
+    )
+    if full:
+        older_q = select(AuditEvent.id).where(col(AuditEvent.id) <= high)
+    else:
+        older_q = select(AuditEvent.id).where(
+            col(AuditEvent.id) <= high, col(AuditEvent.ts) >= now() - LOOKBACK_S
+        )
+    older = [i for i in s.exec(older_q.order_by(col(AuditEvent.id))) if i is not None]
+    if older:
+        rows = s.exec(
+            select(AuditSeal.event_ids).where(
+                col(AuditSeal.low) <= older[-1], col(AuditSeal.high) >= older[0]
+            )
+        )
+        covered = macs.Covered(r for text in rows for r in macs.decode_ranges(text))
+        older = [i for i in older if i not in covered]
+    return [i for i in older + newer if i is not None]
+
+
+def _take(
+    s: Session, key: bytes, ids: list[int], *, genesis: bool, refused: dict[int, str]
+) -> list[tuple[int, str]]:
+    """The (id, entry) pairs of the next seal, in id order; refused events are noted."""
+    taken: list[tuple[int, str]] = []
+    history_open = genesis  # unsigned history goes into the genesis seal, before any signed
+    for start in range(0, len(ids), _IN):
+        chunk = ids[start : start + _IN]
+        rows = s.exec(
+            select(AuditEvent).where(col(AuditEvent.id).in_(chunk)).order_by(col(AuditEvent.id))
+        )
+        for row in rows:
+            assert row.id is not None
+            content = macs.event_content(row)
+            if row.mac is None:
+                if history_open:
+                    taken.append((row.id, macs.unsigned_entry(content)))
+                else:
+                    _refuse(refused, row.id, "unsigned (written without the audit key)")
+                continue
+            if not macs.same(row.mac, macs.event_mac(key, content)):
+                _refuse(refused, row.id, "its MAC does not verify")
+                continue
+            history_open = False
+            taken.append((row.id, row.mac))
+        if len(taken) >= BATCH and not genesis:
+            break
+    return taken if genesis else taken[:BATCH]
+
+
+def _refuse(refused: dict[int, str], event_id: int, why: str) -> None:
+    refused[event_id] = why
+    log.warning("audit event %s not sealed: %s", event_id, why)
+
+
+def _append(
+    catalog: Catalog, key: bytes, seq: int, last: AuditSeal | None, taken: list[tuple[int, str]]
+) -> bool:
+    """Append seal `seq` after `last`; False if another sealer got there first."""
+    kid = key_id(key)
+    prev = last.mac if last else macs.GENESIS_PREV
+    total = (last.total if last else 0) + len(taken)
+    ids = [i for i, _ in taken]
+    try:
+        with catalog.session(write=True) as s:
+            current = head(s)
+            if (current.seq if current else 0) != seq - 1:
+                return False
+            sealed_at = now()
+            s.add(
+                AuditSeal(
+                    seq=seq,
+                    key_id=kid,
+                    prev_mac=prev,
+                    mac=macs.seal_mac(
+                        key,
+                        seq=seq,
+                        prev_mac=prev,
+                        key_id=kid,
+                        sealed_at=sealed_at,
+                        total=total,
+                        entries=taken,
+                    ),
+                    event_ids=macs.encode_ranges(ids),
+                    tags=macs.tags_of(taken),
+                    count=len(taken),
+                    total=total,
+                    low=ids[0],
+                    high=ids[-1],
+                    sealed_at=sealed_at,
+                )
+            )
+    except DBIntegrityError:
+        return False
+    return True

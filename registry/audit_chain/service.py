@@ -1,0 +1,51 @@
+"""`reg audit seal` and `reg audit verify` as library calls on a Context (admin, like `reg audit`).
+
+Both need the audit key: the server has it, and so does an operator on its host (the key file is
+readable there). A client without it is told to go through the server.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from registry.audit_chain import anchors
+from registry.audit_chain.keys import AuditKeyMissing
+from registry.audit_chain.sealer import anchor_head, seal_pending
+from registry.audit_chain.verify import verify_chain
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+
+def _key(ctx: Context, what: str) -> bytes:
+    if ctx.audit_key is None:
+        raise AuditKeyMissing(
+            f"{what} the audit log needs the server's audit key, which this process cannot read",
+            "run it through the server (REG_URL) or on the server's host (REG_AUDIT_KEY_FILE)",
+        )
+    return ctx.audit_key
+
+
+def seal(ctx: Context) -> dict[str, Any]:
+    """Seal every signed event not sealed yet (the whole log is scanned) and anchor the head
+    in the store now: {seals, sealed, refused, head, anchor}."""
+    ctx.authorize("audit", target="audit log")
+    key = _key(ctx, "sealing")
+    with ctx.catalog.session(write=True) as s:
+        ctx.audit(s, "audit-seal", "audit log")
+    run = seal_pending(ctx.catalog, key, full=True)
+    with ctx.catalog.session() as s:
+        head = anchor_head(s)
+    anchor = anchors.write(ctx.store, key, head) if head is not None else None
+    return {
+        **run.to_json(),
+        "head": None if head is None else {"seq": head.seq, "mac": head.mac, "events": head.events},
+        "anchor": anchor,
+    }
+
+
+def verify(ctx: Context) -> dict[str, Any]:
+    """Check the whole log against the key and the anchors: {ok, events, sealed, unsealed,
+    seals, anchors, problems: [{kind, message, event?, seal?, anchor?}]}."""
+    ctx.authorize("audit", target="audit log")
+    return verify_chain(ctx.catalog, ctx.store, _key(ctx, "verifying"))

@@ -1,0 +1,425 @@
+"""`reg audit verify`: walk the whole log against the key and the anchors, and name each problem.
+
+One pass over the events in id order (memory bounded by the seals still open at that point):
+every event's own MAC; every seal recomputed over its events as they are now, its link to the
+one before and its place in the sequence; the events no seal holds; every anchor's MAC and that
+the chain still holds the seal it anchored.
+
+Problem kinds (each with the event id or seal seq it concerns):
+    edited         an event's content no longer matches its MAC (or, unsigned, its seal's tag)
+    reordered      an event holds the content sealed for another id
+    replaced       a validly signed event sits where a seal recorded a different one
+    deleted        ids a seal holds are gone from the log
+    forged         an unsealed event whose MAC does not verify (written without the key)
+    unsigned       an event without a MAC where only the history before the key may be
+    duplicate      one event uid on several rows (a signed event copied)
+    double-sealed  ids held by two seals
+    seal-missing   a gap in the seal sequence
+    chain-broken   a seal whose previous-MAC is not its predecessor's MAC
+    seal-forged    a seal that does not verify over its own events (the seal row was altered)
+    truncated      the chain is shorter than an anchor in the store: its tail was removed
+    anchor-mismatch  the chain holds a different seal at an anchored seq (rewritten)
+    anchor-forged  an anchor object that does not verify (or does not read)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func
+from sqlalchemy import select as sa_select
+from sqlmodel import Session, col, select
+
+from registry.audit_chain import anchors, macs
+from registry.audit_chain.keys import key_id
+from registry.audit_chain.sealer import WrongKey
+from registry.catalog.models import AuditEvent, AuditSeal
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+    from registry.storage.base import BaseStore
+
+_STREAM = 2000
+
+
+@dataclass
+class _Report:
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    events: int = 0
+    sealed: int = 0
+    unsealed: int = 0
+    history: int = 0  # unsigned events before the key, waiting for the genesis seal
+
+    def add(self, kind: str, message: str, **where: Any) -> None:
+        self.problems.append({"kind": kind, "message": message, **where})
+
+
+def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any]:
+    report = _Report()
+    with catalog.session() as s:
+        seals = list(s.exec(select(AuditSeal).order_by(col(AuditSeal.seq))))
+        kid = key_id(key)
+        if seals and all(x.key_id != kid for x in seals):
+            raise WrongKey(
+                f"the audit chain is sealed with key {seals[0].key_id}; this key is {kid}",
+                "verify with the server's key: run it through the server (REG_URL) or on its "
+                "host (REG_AUDIT_KEY_FILE)",
+            )
+        _links(seals, kid, report)
+        ranges = _ranges(seals, report)
+        walk = _Walk(key, seals, ranges, report)
+        walk.run(_events(s))
+        _duplicates(s, report)
+    anchor_list = anchors.read_all(store)
+    _anchors(anchor_list, seals, key, report)
+    head = seals[-1] if seals else None
+    return {
+        "ok": not report.problems,
+        "events": report.events,
+        "sealed": report.sealed,
+        "unsealed": report.unsealed,
+        "unsigned_history": report.history,
+        "seals": len(seals),
+        "anchors": len(anchor_list),
+        "key_id": kid,
+        "head": None if head is None else {"seq": head.seq, "mac": head.mac, "events": head.total},
+        "problems": report.problems,
+    }
+
+
+def _events(s: Session) -> Iterator[Any]:
+    """Rows of (id, the signed fields, mac) in id order, streamed (a server-side cursor on
+    PostgreSQL): plain SQLAlchemy rows, as ORM objects would cost several times more."""
+    table = AuditEvent.__table__  # type: ignore[attr-defined]
+    names = ("id", *macs.EVENT_FIELDS, "mac")
+    stmt = (
+        sa_select(*(table.c[n] for n in names))
+        .order_by(table.c.id)
+        .execution_options(yield_per=_STREAM)
+    )
+    yield from s.connection().execute(stmt)
+
+
+def _links(seals: list[AuditSeal], kid: str, report: _Report) -> None:
+    """Seals contiguous from 1, each linked to its predecessor, all under this key."""
+    prev: AuditSeal | None = None
+    for seal in seals:
+        expected = prev.seq + 1 if prev else 1
+        if seal.seq != expected:
+            lost = seal.total - seal.count - (prev.total if prev else 0)
+            span = f"{expected}" if seal.seq == expected + 1 else f"{expected}-{seal.seq - 1}"
+            report.add(
+                "seal-missing",
+                f"seal(s) {span} are missing from the chain ({lost} sealed events with them)",
+                seal=expected,
+            )
+        else:
+            want = prev.mac if prev else macs.GENESIS_PREV
+            if not macs.same(seal.prev_mac, want):
+                report.add(
+                    "chain-broken",
+                    f"seal {seal.seq} does not follow seal {seal.seq - 1} (previous MAC differs)",
+                    seal=seal.seq,
+                )
+        if seal.key_id != kid:
+            report.add(
+                "seal-forged", f"seal {seal.seq} names another key ({seal.key_id})", seal=seal.seq
+            )
+        prev = seal
+
+
+def _ranges(seals: list[AuditSeal], report: _Report) -> dict[int, list[tuple[int, int]]]:
+    """Each seal's id ranges; a seal whose ranges do not read or disagree with its own counts
+    is reported and left out of the walk."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for seal in seals:
+        try:
+            ranges = macs.decode_ranges(seal.event_ids)
+        except ValueError:
+            ranges = []
+        count = sum(high - low + 1 for low, high in ranges)
+        if (
+            not ranges
+            or count != seal.count
+            or len(seal.tags) != count * macs.TAG_HEX
+            or (ranges[0][0], ranges[-1][1]) != (seal.low, seal.high)
+        ):
+            report.add("seal-forged", f"seal {seal.seq}'s event list does not read", seal=seal.seq)
+            continue
+        out[seal.seq] = ranges
+    pieces = sorted((low, high, seq) for seq, rs in out.items() for low, high in rs)
+    reach, reach_seq = 0, 0
+    for low, high, seq in pieces:
+        if low <= reach:
+            report.add(
+                "double-sealed",
+                f"events {low}-{min(high, reach)} are held by seals {reach_seq} and {seq}",
+                event=low,
+                seal=seq,
+            )
+        if high > reach:
+            reach, reach_seq = high, seq
+    return out
+
+
+class _Walk:
+    """The pass over the events: own MACs, seal by seal recomputation, the unsealed rest."""
+
+    def __init__(
+        self,
+        key: bytes,
+        seals: list[AuditSeal],
+        ranges: dict[int, list[tuple[int, int]]],
+        report: _Report,
+    ) -> None:
+        self.key, self.report = key, report
+        self.any_seal = bool(seals)
+        self.by_seq = {x.seq: x for x in seals}
+        self.ranges = ranges
+        pieces: list[tuple[int, int, int]] = []
+        for low, high, seq in sorted((lo, hi, q) for q, rs in ranges.items() for lo, hi in rs):
+            if pieces and low <= pieces[-1][1]:
+                low = pieces[-1][1] + 1
+            if low <= high:
+                pieces.append((low, high, seq))
+        self.lows = [p[0] for p in pieces]
+        self.pieces = pieces
+        # Seals are closed once the walk passes their highest id; entries below every open
+        # seal's lowest id are dropped, so memory follows the open seals, not the log.
+        self.closing = sorted((self.by_seq[q] for q in ranges), key=lambda x: x.high)
+        self.floor = [0] * (len(self.closing) + 1)
+        self.floor[-1] = 1 << 62
+        for i in range(len(self.closing) - 1, -1, -1):
+            self.floor[i] = min(self.closing[i].low, self.floor[i + 1])
+        self.next = 0
+        self.entries: dict[int, str] = {}
+        self.flagged: set[int] = set()
+        self.unsigned_sealed: list[tuple[int, int]] = []
+        self.unsigned_ids: set[int] = set()
+        self.genesis_first_signed: int | None = None
+        self.first_signed: int | None = None
+        self.mismatched: list[tuple[int, int, str, str, bool]] = []
+
+    def owner(self, event_id: int) -> int | None:
+        i = bisect.bisect_right(self.lows, event_id) - 1
+        if i >= 0 and event_id <= self.pieces[i][1]:
+            return self.pieces[i][2]
+        return None
+
+    def run(self, rows: Iterator[Any]) -> None:
+        for row in rows:
+            self._close_below(row.id)
+            self._event(row)
+        self._close_below(1 << 62)
+        self._after()
+
+    def _event(self, row: Any) -> None:
+        report = self.report
+        report.events += 1
+        content = macs.event_content(row)
+        valid = row.mac is not None and macs.same(row.mac, macs.event_mac(self.key, content))
+        entry = row.mac if row.mac is not None else macs.unsigned_entry(content)
+        seq = self.owner(row.id)
+        if valid and self.first_signed is None:
+            self.first_signed = row.id
+        if seq is not None:
+            report.sealed += 1
+            self.entries[row.id] = entry
+            if row.mac is None:
+                self.unsigned_sealed.append((row.id, seq))
+                self.unsigned_ids.add(row.id)
+            elif not valid:
+                self.flagged.add(row.id)
+                report.add(
+                    "edited",
+                    f"event {row.id} (sealed in seal {seq}) no longer matches its MAC",
+                    event=row.id,
+                    seal=seq,
+                )
+            elif seq == 1 and self.genesis_first_signed is None:
+                self.genesis_first_signed = row.id
+            return
+        if row.mac is None:
+            if not self.any_seal and self.first_signed is None:
+                report.history += 1
+                return
+            report.add(
+                "unsigned",
+                f"event {row.id} has no MAC but was written after the chain began",
+                event=row.id,
+            )
+        elif not valid:
+            report.add("forged", f"event {row.id} does not verify with the key", event=row.id)
+        else:
+            report.unsealed += 1
+
+    def _close_below(self, event_id: int) -> None:
+        while self.next < len(self.closing) and self.closing[self.next].high < event_id:
+            self._close(self.closing[self.next])
+            self.next += 1
+            floor = self.floor[self.next]
+            while self.entries:
+                first = next(iter(self.entries))
+                if first >= floor:
+                    break
+                del self.entries[first]
+
+    def _close(self, seal: AuditSeal) -> None:
+        ids = macs.expand(self.ranges[seal.seq])
+        tags = macs.split_tags(seal.tags)
+        missing = [i for i in ids if i not in self.entries]
+        if missing:
+            self.report.add(
+                "deleted",
+                f"events {macs.encode_ranges(missing)} sealed in seal {seal.seq} are gone",
+                event=missing[0],
+                seal=seal.seq,
+                events=macs.encode_ranges(missing),
+            )
+        mismatched = 0
+        for event_id, tag in zip(ids, tags, strict=True):
+            entry = self.entries.get(event_id)
+            if entry is None or entry.startswith(tag):
+                continue
+            mismatched += 1
+            if event_id not in self.flagged:
+                signed = event_id not in self.unsigned_ids
+                self.mismatched.append((event_id, seal.seq, entry[: macs.TAG_HEX], tag, signed))
+        if missing:
+            return
+        entries = [(i, self.entries[i]) for i in ids]
+        mac = macs.seal_mac(
+            self.key,
+            seq=seal.seq,
+            prev_mac=seal.prev_mac,
+            key_id=seal.key_id,
+            sealed_at=seal.sealed_at,
+            total=seal.total,
+            entries=entries,
+        )
+        if macs.same(mac, seal.mac) and mismatched:
+            self.report.add("seal-forged", f"seal {seal.seq}'s tags were altered", seal=seal.seq)
+        elif not macs.same(mac, seal.mac) and not mismatched:
+            self.report.add(
+                "seal-forged",
+                f"seal {seal.seq} does not verify over its events (the seal row was altered)",
+                seal=seal.seq,
+            )
+
+    def _after(self) -> None:
+        report = self.report
+        for event_id, seq in self.unsigned_sealed:
+            first = self.genesis_first_signed
+            if seq != 1 or (first is not None and event_id > first):
+                report.add(
+                    "unsigned",
+                    f"event {event_id} has no MAC, yet seal {seq} holds it after signed events",
+                    event=event_id,
+                    seal=seq,
+                )
+        sealed_as = {tag: (event_id, seq) for event_id, seq, _, tag, _ in self.mismatched}
+        for event_id, seq, found, _, signed in self.mismatched:
+            other = sealed_as.get(found)
+            if other is not None and other[0] != event_id:
+                report.add(
+                    "reordered",
+                    f"event {event_id} holds what seal {other[1]} sealed as event {other[0]}",
+                    event=event_id,
+                    seal=seq,
+                )
+            elif signed:
+                report.add(
+                    "replaced",
+                    f"event {event_id} is not the event seal {seq} holds there",
+                    event=event_id,
+                    seal=seq,
+                )
+            else:
+                report.add(
+                    "edited",
+                    f"event {event_id} (unsigned, sealed in seal {seq}) changed since",
+                    event=event_id,
+                    seal=seq,
+                )
+
+
+def _duplicates(s: Session, report: _Report) -> None:
+    uids = s.exec(
+        select(AuditEvent.uid)
+        .where(col(AuditEvent.uid).is_not(None))
+        .group_by(col(AuditEvent.uid))
+        .having(func.count() > 1)
+    ).all()
+    for uid in uids:
+        ids = s.exec(
+            select(AuditEvent.id).where(AuditEvent.uid == uid).order_by(col(AuditEvent.id))
+        ).all()
+        report.add(
+            "duplicate",
+            f"events {', '.join(map(str, ids))} are copies of one event (uid {uid})",
+            event=ids[-1],
+        )
+
+
+def _anchors(
+    found: list[tuple[str, dict[str, Any] | str]],
+    seals: list[AuditSeal],
+    key: bytes,
+    report: _Report,
+) -> None:
+    by_seq = {x.seq: x for x in seals}
+    high_through: dict[int, int] = {}
+    high = 0
+    for seal in seals:
+        high = max(high, seal.high)
+        high_through[seal.seq] = high
+    chain_len = seals[-1].seq if seals else 0
+    chain_total = seals[-1].total if seals else 0
+    for name, doc in found:
+        if isinstance(doc, str) or not _well_formed(doc):
+            why = doc if isinstance(doc, str) else "is not an anchor"
+            report.add("anchor-forged", f"anchor {name} {why}", anchor=name)
+            continue
+        if not macs.same(doc["anchor_mac"], macs.anchor_mac(key, doc)) or name != (
+            anchors.key_for(doc["seq"])
+        ):
+            report.add("anchor-forged", f"anchor {name} does not verify", anchor=name)
+            continue
+        seq = doc["seq"]
+        if seq > chain_len:
+            report.add(
+                "truncated",
+                f"the chain ends at seal {chain_len} ({chain_total} events); the anchor of "
+                f"{doc['ts']} records seal {seq} ({doc['events']} events, up to event "
+                f"{doc['last_event_id']}): the tail was removed",
+                seal=seq,
+                anchor=name,
+            )
+            continue
+        anchored = by_seq.get(seq)
+        if anchored is None:
+            continue  # reported as seal-missing
+        if (
+            not macs.same(anchored.mac, doc["mac"])
+            or anchored.total != doc["events"]
+            or high_through[seq] != doc["last_event_id"]
+        ):
+            report.add(
+                "anchor-mismatch",
+                f"seal {seq} is not the one anchored at {doc['ts']}: the chain was rewritten",
+                seal=seq,
+                anchor=name,
+            )
+
+
+def _well_formed(doc: dict[str, Any]) -> bool:
+    ints = ("seq", "last_event_id", "events")
+    strs = ("mac", "key_id", "ts", "anchor_mac", "format")
+    return (
+        all(isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) for k in ints)
+        and all(isinstance(doc.get(k), str) for k in strs)
+        and doc["format"] == anchors.FORMAT
+    )

@@ -1,0 +1,470 @@
+"""The provable audit log: every attack the database owner can make on it is detected.
+
+Each attack is done with raw SQL as the owner, who can drop (SQLite) or disable (PostgreSQL) the
+append-only triggers, or TRUNCATE; `reg audit verify` must exit 1 naming it. Real keys, real
+catalogs (SQLite and PostgreSQL), a real `reg server` and a real S3 server with Object Lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from registry import Registry
+from registry.audit_chain import keys
+from registry.catalog.engine import Catalog
+from registry.config import Settings
+
+GUARDS_SQLITE = ("audit_event_no_update", "audit_event_no_delete")
+GUARDS_SQLITE += ("audit_seal_no_update", "audit_seal_no_delete")
+
+
+def _key_path() -> Path:
+    return Settings.from_env().audit_key_path
+
+
+def _activity(reg: Registry, n: int = 3) -> None:
+    """Real mutating actions, each audited: tokens minted for a few principals."""
+    for i in range(n):
+        reg.create_token(f"user{i}")
+
+
+@pytest.fixture
+def sealed(catalog_url: str):  # type: ignore[no-untyped-def]
+    """An embedded registry on the server's host (it reads the key): three rounds of activity,
+    each sealed and anchored by `reg audit seal` (4 events per seal)."""
+    assert keys.create(_key_path())
+    with Registry() as reg:
+        for _ in range(3):
+            _activity(reg)
+            out = reg.audit_seal()
+            assert out["anchor"]["existing"] is False
+        yield reg
+
+
+def as_owner(catalog_url: str, *statements: str) -> None:
+    """Run SQL as the database owner, the guards out of the way first."""
+    cat = Catalog(catalog_url)
+    try:
+        with cat.engine.begin() as conn:
+            if cat.is_sqlite:
+                for trigger in GUARDS_SQLITE:
+                    conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {trigger}")
+            else:
+                for table in ("audit_event", "audit_seal"):
+                    conn.exec_driver_sql(f"ALTER TABLE {table} DISABLE TRIGGER {table}_append_only")
+            for statement in statements:
+                conn.exec_driver_sql(statement)
+    finally:
+        cat.dispose()
+
+
+def _seals(reg: Registry) -> list[tuple[int, int, int]]:
+    with reg.catalog.engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT seq, low, high FROM audit_seal ORDER BY seq")
+        return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def verify(cli: Any, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    res = cli("audit", "verify", "--json", env=env)
+    return res.returncode, json.loads(res.stdout) if res.stdout else {}, res.stderr
+
+
+def _kinds(out: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for p in out["problems"]:
+        found.setdefault(p["kind"], []).append(p)
+    return found
+
+
+# -- a clean log ------------------------------------------------------------------------------
+
+
+def test_a_clean_log_verifies_embedded_with_the_key(sealed, cli):
+    res = cli("audit", "verify")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "audit log ok: 12 events, 12 sealed in 3 seals, 0 not sealed yet; 3 anchor" in res.stdout
+    code, out, _ = verify(cli)
+    assert code == 0 and out["ok"] and out["problems"] == []
+    assert (out["events"], out["sealed"], out["seals"], out["anchors"]) == (12, 12, 3, 3)
+    assert oct(_key_path().stat().st_mode & 0o777) == "0o600"
+
+
+def test_unsealed_signed_events_are_fine_and_counted(sealed, cli):
+    _activity(sealed, 2)
+    code, out, _ = verify(cli)
+    assert code == 0 and out["unsealed"] == 2 and out["sealed"] == 12
+
+
+# -- the owner's attacks --------------------------------------------------------------------------
+
+
+def test_an_edited_actor_is_detected(sealed, cli, catalog_url):
+    _, low, _ = _seals(sealed)[1]
+    victim = low + 1
+    as_owner(catalog_url, f"UPDATE audit_event SET actor = 'mallory' WHERE id = {victim}")
+    code, out, err = verify(cli)
+    assert code == 1 and "fails verification" in err
+    assert [(p["event"], p["seal"]) for p in _kinds(out)["edited"]] == [(victim, 2)]
+    assert set(_kinds(out)) == {"edited"}
+
+
+def test_two_events_swapped_are_named_as_reordered(sealed, cli, catalog_url):
+    """Whole rows swapped (content, uid and MAC together): each event's own MAC still
+    verifies; the seal binds ids to MACs, so the swap is named, both ways."""
+    _, low, _ = _seals(sealed)[1]
+    a, b = low, low + 2
+    cols = ("ts", "actor", "action", "target", "outcome", "details", "uid", "mac")
+    copy = ", ".join(f"{c} = (SELECT {c} FROM keep WHERE keep.id = {{other}})" for c in cols)
+    as_owner(
+        catalog_url,
+        f"CREATE TEMP TABLE keep AS SELECT * FROM audit_event WHERE id IN ({a}, {b})",
+        f"UPDATE audit_event SET uid = NULL WHERE id IN ({a}, {b})",
+        f"UPDATE audit_event SET {copy.format(other=b)} WHERE id = {a}",
+        f"UPDATE audit_event SET {copy.format(other=a)} WHERE id = {b}",
+    )
+    code, out, _ = verify(cli)
+    assert code == 1
+    reordered = _kinds(out)["reordered"]
+    assert sorted(p["event"] for p in reordered) == [a, b]
+    assert f"holds what seal 2 sealed as event {b}" in reordered[0]["message"]
+
+
+def test_an_event_deleted_in_the_middle_is_detected(sealed, cli, catalog_url):
+    _, low, _ = _seals(sealed)[1]
+    as_owner(catalog_url, f"DELETE FROM audit_event WHERE id = {low + 1}")
+    code, out, _ = verify(cli)
+    assert code == 1
+    assert [(p["event"], p["seal"]) for p in _kinds(out)["deleted"]] == [(low + 1, 2)]
+
+
+def test_the_tail_removed_back_past_the_newest_anchor_is_truncation(sealed, cli, catalog_url):
+    """The owner deletes the last two seals and their events: what is left is a valid chain,
+    one seal long; the anchors in the store say it was three."""
+    _, _, high1 = _seals(sealed)[0]
+    as_owner(
+        catalog_url,
+        "DELETE FROM audit_seal WHERE seq >= 2",
+        f"DELETE FROM audit_event WHERE id > {high1}",
+    )
+    code, out, _ = verify(cli)
+    assert code == 1
+    truncated = _kinds(out)["truncated"]
+    assert {p["seal"] for p in truncated} == {2, 3}
+    assert "the chain ends at seal 1 (4 events)" in truncated[0]["message"]
+    assert "the tail was removed" in truncated[0]["message"]
+
+
+def test_a_rewritten_tail_does_not_match_its_anchor(sealed, cli, catalog_url):
+    """Tail removed, then new activity sealed in its place: the seqs are there again, but not
+    the seals the store anchored."""
+    _, _, high1 = _seals(sealed)[0]
+    as_owner(
+        catalog_url,
+        "DELETE FROM audit_seal WHERE seq >= 2",
+        f"DELETE FROM audit_event WHERE id > {high1}",
+    )
+    for _ in range(2):
+        _activity(sealed, 2)
+        from registry.audit_chain.sealer import seal_pending
+
+        seal_pending(sealed.catalog, keys.read(_key_path()))
+    code, out, _ = verify(cli)
+    assert code == 1
+    assert {p["seal"] for p in _kinds(out)["anchor-mismatch"]} == {2, 3}
+
+
+def test_the_whole_log_wiped_is_detected(sealed, cli, catalog_url):
+    """PostgreSQL's TRUNCATE fires no row trigger at all (the hole of the issue); on SQLite the
+    owner drops the trigger and deletes every row."""
+    if catalog_url.startswith("sqlite"):
+        as_owner(catalog_url, "DELETE FROM audit_event")
+    else:
+        cat = Catalog(catalog_url)
+        with cat.engine.begin() as conn:
+            conn.exec_driver_sql("TRUNCATE audit_event")  # the guard triggers still enabled
+        cat.dispose()
+    code, out, _ = verify(cli)
+    assert code == 1 and out["events"] == 0
+    assert [p["seal"] for p in _kinds(out)["deleted"]] == [1, 2, 3]
+    assert "events 1-4 sealed in seal 1 are gone" in _kinds(out)["deleted"][0]["message"]
+
+
+def test_forged_inserts_are_detected(sealed, cli, catalog_url):
+    """Without the key the owner can add a row with a made-up MAC, or none at all."""
+    insert = (
+        "INSERT INTO audit_event (ts, actor, action, target, outcome, details, uid, mac) "
+        "VALUES ({ts}, 'admin', 'yank', 'llama:v1', 'allowed', '{{}}', '{uid}', {mac})"
+    )
+    as_owner(
+        catalog_url,
+        insert.format(ts=time.time(), uid="f" * 32, mac="'" + "ab" * 32 + "'"),
+        insert.format(ts=time.time(), uid="e" * 32, mac="NULL"),
+    )
+    code, out, _ = verify(cli)
+    assert code == 1
+    kinds = _kinds(out)
+    assert [p["event"] for p in kinds["forged"]] == [13]
+    assert [p["event"] for p in kinds["unsigned"]] == [14]
+    # The sealer refuses both: they never become part of the chain.
+    out = sealed.audit_seal()
+    assert [r["event"] for r in out["refused"]] == [13, 14]
+    assert set(_kinds(verify(cli)[1])) == {"forged", "unsigned"}
+
+
+def test_a_copied_event_is_a_duplicate(sealed, cli, catalog_url):
+    """A signed event replayed as a new row (the uid's unique index dropped first)."""
+    cols = "ts, actor, action, target, outcome, details, uid, mac"
+    as_owner(
+        catalog_url,
+        "DROP INDEX ix_audit_event_uid",
+        f"INSERT INTO audit_event ({cols}) SELECT {cols} FROM audit_event WHERE id = 2",
+    )
+    code, out, _ = verify(cli)
+    assert code == 1
+    assert [p["event"] for p in _kinds(out)["duplicate"]] == [13]
+
+
+def test_a_deleted_seal_row_is_a_gap_in_the_chain(sealed, cli, catalog_url):
+    as_owner(catalog_url, "DELETE FROM audit_seal WHERE seq = 2")
+    code, out, _ = verify(cli)
+    assert code == 1
+    missing = _kinds(out)["seal-missing"]
+    assert [p["seal"] for p in missing] == [2]
+    assert "(4 sealed events with them)" in missing[0]["message"]
+
+
+def test_an_edited_seal_row_is_detected(sealed, cli, catalog_url):
+    as_owner(catalog_url, "UPDATE audit_seal SET sealed_at = sealed_at + 1 WHERE seq = 2")
+    code, out, _ = verify(cli)
+    assert code == 1
+    assert [p["seal"] for p in _kinds(out)["seal-forged"]] == [2]
+
+
+def test_forged_and_edited_anchors_are_detected(sealed, cli, catalog_url):
+    """Someone with the store but not the key: an anchor edited, one made up."""
+    root = Path(Settings.from_env().store_url.removeprefix("file://"))
+    newest = root / "audit" / "anchors" / f"{3:012d}.json"
+    doc = json.loads(newest.read_text())
+    doc["events"] = 99
+    newest.chmod(0o640)
+    newest.write_text(json.dumps(doc))
+    made_up = dict(doc, seq=7, anchor_mac="00" * 32)
+    (newest.parent / f"{7:012d}.json").write_text(json.dumps(made_up))
+    code, out, _ = verify(cli)
+    assert code == 1
+    forged = _kinds(out)["anchor-forged"]
+    assert sorted(p["anchor"] for p in forged) == [
+        "audit/anchors/000000000003.json",
+        "audit/anchors/000000000007.json",
+    ]
+    assert "truncated" not in _kinds(out)  # a made-up anchor proves nothing
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+def test_verifying_without_the_key_says_where_to_run_it(sealed, cli, tmp_path):
+    res = cli("audit", "verify", env={"REG_AUDIT_KEY_FILE": str(tmp_path / "absent.key")})
+    assert res.returncode == 2
+    assert "needs the server's audit key" in res.stderr
+    assert "through the server (REG_URL) or on the server's host" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_wrong_key_is_one_clear_line(sealed, cli, tmp_path):
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32).hex().encode() + b"\n")  # the hex form reads too
+    res = cli("audit", "verify", env={"REG_AUDIT_KEY_FILE": str(other)})
+    assert res.returncode == 2, res.stderr
+    assert "the audit chain is sealed with key" in res.stderr
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"short")
+    res = cli("audit", "verify", env={"REG_AUDIT_KEY_FILE": str(bad)})
+    assert res.returncode == 2 and "is not an audit key" in res.stderr
+
+
+def test_the_key_file_is_created_once(tmp_path):
+    path = tmp_path / "k" / "audit.key"
+    assert keys.create(path) is True
+    first = path.read_bytes()
+    assert keys.create(path) is False and path.read_bytes() == first
+    assert len(first) == 32 and path.stat().st_mode & 0o777 == 0o600
+
+
+# -- history, concurrency -----------------------------------------------------------------------
+
+
+def test_history_before_the_key_goes_into_the_genesis_seal_only(catalog_url, cli):
+    with Registry() as reg:  # no key yet: events are recorded unsigned
+        _activity(reg, 3)
+    code, _, err = verify(cli)
+    assert code == 2 and "needs the server's audit key" in err
+    keys.create(_key_path())
+    with Registry() as reg:
+        _activity(reg, 2)
+        code, out, _ = verify(cli)
+        assert code == 0 and (out["unsigned_history"], out["unsealed"]) == (3, 2)
+        out = reg.audit_seal()
+        assert out["seals"] == [1] and out["sealed"] == 6 and out["refused"] == []
+    with Registry(Settings.from_env({**os.environ, "REG_AUDIT_KEY_FILE": "/nonexistent"})) as r:
+        _activity(r, 1)  # a client without the key, after the chain began
+    code, out, _ = verify(cli)
+    assert code == 1 and [p["event"] for p in _kinds(out)["unsigned"]] == [7]
+    assert (out["sealed"], out["unsigned_history"]) == (6, 0)
+
+
+def test_concurrent_writers_end_in_a_fully_sealed_verifying_chain(catalog_url, cli):
+    """Writers sign their own events while a sealer runs: nobody waits on a shared row. On
+    PostgreSQL each writer holds its transaction open after its id was assigned, so commits
+    land out of id order; the sealer still takes every event exactly once."""
+    from registry.audit_chain.sealer import seal_pending
+
+    keys.create(_key_path())
+    key = keys.read(_key_path())
+    writers, per_writer = 4, 15
+    done = threading.Event()
+    errors: list[BaseException] = []
+    seals: list[int] = []
+
+    def write(n: int) -> None:
+        rng = random.Random(n)
+        try:
+            with Registry() as reg:
+                for i in range(per_writer):
+                    with reg.catalog.session(write=True) as s:
+                        reg.context.audit(s, "push", f"w{n}@step{i}")
+                        s.flush()  # the id is taken now; the commit comes later
+                        time.sleep(rng.uniform(0, 0.02))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def seal() -> None:
+        catalog = Catalog(catalog_url)
+        try:
+            while not done.is_set():
+                seals.extend(seal_pending(catalog, key).seals)
+                time.sleep(0.01)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            catalog.dispose()
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    sealer = threading.Thread(target=seal)
+    sealer.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    sealer.join()
+    assert errors == []
+    catalog = Catalog(catalog_url)
+    seals.extend(seal_pending(catalog, key).seals)  # a routine cycle, not a full scan
+    catalog.dispose()
+    assert len(seals) > 1, "the sealer ran alongside the writers"
+    code, out, _ = verify(cli)
+    assert code == 0, out["problems"]
+    assert out["events"] == out["sealed"] == writers * per_writer and out["unsealed"] == 0
+
+
+# -- through reg server ---------------------------------------------------------------------------
+
+
+def test_through_a_real_server(catalog_url, tmp_path, cli):
+    """The server signs every request's events, seals them on its own (one leader, the
+    lease) and anchors the head; `reg audit verify` runs through REG_URL; an edit by the owner
+    is named through the server too; a client on the host without the key is told where to
+    go."""
+    from tests.serverproc import RegServer, server_env, team_policy
+
+    env = server_env(tmp_path / "srv", catalog_url)
+    env.update(REG_AUDIT_SEAL_EVERY="1s", REG_AUDIT_ANCHOR_EVERY="1s")
+    server = RegServer(env, tmp_path / "srv").init().start()
+    try:
+        assert (tmp_path / "srv" / "audit.key").stat().st_mode & 0o777 == 0o600
+        server.apply_policy(team_policy())
+        client = server.client_env("admin")
+        for who in ("alice", "bob"):
+            assert cli("token", "create", who, env=client).returncode == 0
+        deadline = time.monotonic() + 30
+        while True:
+            code, out, err = verify(cli, env=client)
+            assert code == 0, (out, err)
+            head = out["head"] or {}
+            if out["unsealed"] == 0 and out["anchors"] and head.get("events") == out["events"]:
+                break
+            assert time.monotonic() < deadline, out
+            time.sleep(0.5)
+        assert out["events"] >= 5  # init's policy and token, the policy, two tokens
+        assert '"audit": "sealed"' in server.log_text()
+        res = cli("audit", "seal", env=client)
+        assert res.returncode == 0 and "chain head: seal" in res.stdout, res.stderr
+
+        with Catalog(catalog_url).engine.connect() as conn:
+            victim = conn.exec_driver_sql("SELECT min(id) FROM audit_event").scalar()
+        as_owner(catalog_url, f"UPDATE audit_event SET target = 'nothing' WHERE id = {victim}")
+        code, out, _ = verify(cli, env=client)
+        assert code == 1 and [p["event"] for p in _kinds(out)["edited"]] == [victim]
+
+        keyless = {"REG_HOME": str(tmp_path / "operator-without-key"), "REG_USER": "admin"}
+        res = cli("audit", "verify", env=keyless)
+        assert res.returncode == 2 and "needs the server's audit key" in res.stderr
+    finally:
+        server.stop()
+
+
+def test_the_server_refuses_to_start_without_a_key(tmp_path, cli):
+    from tests.serverproc import RegServer, server_env
+
+    home = tmp_path / "no-key"
+    server = RegServer(server_env(home, f"sqlite:///{home / 'catalog.db'}"), home)
+    res = cli("server", "--port", str(server.port), env=server.env, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"no audit key at {home / 'audit.key'}" in res.stderr
+    assert "reg server init" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- anchors on S3 --------------------------------------------------------------------------------
+
+
+def test_anchors_on_s3_are_write_once_and_compliance_locked(moto_server, monkeypatch):
+    import boto3
+
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto_server.url,
+    }.items():
+        monkeypatch.setenv(k, v)
+    s3 = boto3.client("s3", endpoint_url=moto_server.url)
+    bucket = f"reg-lock-{os.urandom(4).hex()}"
+    s3.create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
+    monkeypatch.setenv("REG_STORE_URL", f"s3://{bucket}/reg")
+    keys.create(_key_path())
+    with Registry() as reg:
+        _activity(reg, 2)
+        out = reg.audit_seal()
+        anchor = out["anchor"]
+        assert anchor["locked"].startswith("COMPLIANCE until ")
+        key = f"reg/{anchor['key']}"
+        head = s3.head_object(Bucket=bucket, Key=key)
+        assert head["ObjectLockMode"] == "COMPLIANCE"
+        with pytest.raises(Exception, match="AccessDenied"):
+            s3.delete_object(Bucket=bucket, Key=key, VersionId=head["VersionId"])
+        from registry.errors import Conflict
+
+        with pytest.raises(Conflict, match="audit anchors are never deleted"):
+            reg.store.delete(anchor["key"])
+        again = reg.audit_seal()  # nothing new but its own event: a new seal, a new anchor
+        assert again["anchor"]["seq"] == 2
+        assert reg.audit_verify()["ok"]
