@@ -593,3 +593,16 @@ def test_a_broken_rewrite_of_the_jwks_file_keeps_the_last_good_keys(idp, tmp_pat
     path.write_text("{")
     with pytest.raises(jwks.JwksUnavailable, match="is not JSON"):
         jwks.FileJwks(path).keys()  # no good keys to fall back on
+
+
+def test_a_weak_rsa_key_in_the_jwks_is_refused(tmp_path):
+    from registry.server import oidc
+
+    idp = Idp({"weak": rsa.generate_private_key(public_exponent=65537, key_size=1024)})
+    path = tmp_path / "weak.json"
+    path.write_text(json.dumps(idp.jwks("weak")))
+    verifier = oidc.OidcVerifier(oidc.OidcConfig(ISSUER, AUDIENCE, str(path)))
+    with pytest.warns(UserWarning, match="1024 bits"):  # PyJWT signs with it, and says so
+        token = idp.token(kid="weak")
+    with pytest.raises(oidc.Unauthenticated, match="the JWKS key is refused .*1024"):
+        verifier.verify(token)
