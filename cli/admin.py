@@ -1,4 +1,4 @@
-"""Admin commands: gc, audit."""
+"""Admin commands: gc, audit, storage init, catalog rebuild|migrate|grants."""
 
 from __future__ import annotations
 
@@ -26,6 +26,57 @@ def register(app: typer.Typer) -> None:
     storage_app.command("init")(storage_init)
     app.add_typer(catalog_app, name="catalog")
     catalog_app.command("rebuild")(catalog_rebuild)
+    catalog_app.command("migrate")(catalog_migrate)
+    catalog_app.command("grants")(catalog_grants)
+
+
+def catalog_migrate(
+    grant: list[str] = typer.Option(
+        [], "--grant", help="Re-apply a runtime role's grants afterwards (repeatable)."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Migrate the catalog's schema as its owner (REG_CATALOG_URL); print the revision before
+    and after."""
+    from registry.catalog import grants
+    from registry.config import Settings
+
+    out = grants.migrate(Settings.from_env(), grant)
+    if json_output:
+        emit_json(out)
+        return
+    if out["before"] == out["after"]:
+        print(f"{out['catalog']}: schema at revision {out['after']}, nothing to migrate")
+    else:
+        print(f"{out['catalog']}: migrated from revision {out['before']} to {out['after']}")
+    for done in out["grants"]:
+        print(f"granted {done['role']} least privilege on {len(done['tables'])} table(s)")
+
+
+def catalog_grants(
+    role: str = typer.Argument(..., help="The runtime role reg server connects as."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the SQL; change nothing."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Give ROLE least privilege on the catalog (PostgreSQL; run as the owner): read and append
+    history, update only what the server updates, no DDL."""
+    from registry.catalog import grants
+    from registry.config import Settings
+
+    out = grants.grant(Settings.from_env(), role, dry_run=dry_run)
+    if json_output:
+        emit_json(out)
+        return
+    if dry_run:
+        for statement in out["sql"]:
+            print(f"{statement};")
+        return
+    table(["TABLE", "PRIVILEGES"], [[t, ", ".join(p)] for t, p in out["tables"].items()])
+    print(
+        f"granted {out['role']} least privilege on schema {out['schema']} "
+        f"(revision {out['revision']}): {len(out['tables'])} table(s), "
+        f"{len(out['sequences'])} sequence(s)"
+    )
 
 
 def catalog_rebuild(

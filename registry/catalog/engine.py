@@ -1,5 +1,9 @@
 """Open the catalog: SQLite (embedded default, WAL) or PostgreSQL; migrate on open when needed.
 
+On PostgreSQL only the schema's owner migrates (`reg catalog migrate`); the least-privilege role
+`reg server` runs as (`reg catalog grants`) finds a schema behind and says so in one line, before
+any DDL it could only half-run.
+
 Start-up matters (`reg ls` is run by scripts): on SQLite, opening a current catalog costs one
 `SELECT` through the standard `sqlite3` module; SQLAlchemy is imported only when a command needs
 a session, and alembic only when the schema is behind.
@@ -32,7 +36,9 @@ _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
 
 
 class Catalog:
-    def __init__(self, url: str, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, busy_timeout_s: float = 30.0, ensure_schema: bool = True
+    ) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         self.busy_timeout_s = busy_timeout_s
@@ -43,8 +49,9 @@ class Catalog:
             # Not world-readable (SQLite gives its -wal and -shm files the same mode).
             with contextlib.suppress(FileExistsError):
                 os.close(os.open(self.sqlite_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640))
-        with self._translate_errors():
-            self._ensure_schema()
+        if ensure_schema:
+            with self._translate_errors():
+                self._ensure_schema()
 
     def describe(self) -> str:
         if self.is_sqlite:
@@ -174,24 +181,75 @@ class Catalog:
             try:
                 return pg.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
             except DBAPIError as exc:
-                if "alembic_version" in str(exc.orig):
+                state = getattr(exc.orig, "sqlstate", None)
+                if state == "42P01":  # undefined_table: nothing migrated yet
                     return None
+                if state == "42501":  # insufficient_privilege
+                    pg.rollback()
+                    user = pg.exec_driver_sql("SELECT current_user").scalar()
+                    raise RegistryError(
+                        f"role {user} may not read the catalog {self.describe()}",
+                        f"the catalog's owner should run `reg catalog grants {user}`",
+                    ) from exc
                 raise
 
+    def migrate(self, to: str = "head") -> dict[str, Any]:
+        """Bring the schema up to `to` (`reg catalog migrate`); the revision before and after.
+        On PostgreSQL only a role that owns the schema's tables and may create in it migrates:
+        any other stops here, before its first DDL could fail half-way."""
+        with self._translate_errors():
+            before = self.current_revision()
+            target = HEAD_REVISION if to == "head" else to
+            if before != target:
+                _check_known(before)
+                if not self.is_sqlite:
+                    self._check_can_migrate(before)
+                with self._migration_lock():
+                    if self.is_sqlite:
+                        # WAL is a property of the file: set once, under the lock, never while
+                        # another connection may hold the file (switching modes then fails at
+                        # once with BUSY).
+                        conn = self._sqlite_connect()
+                        try:
+                            conn.execute("PRAGMA journal_mode = WAL")
+                        finally:
+                            conn.close()
+                    if self.current_revision() != target:
+                        self._upgrade(to)
+            after = self.current_revision()
+        return {"catalog": self.describe(), "before": before, "after": after, "head": HEAD_REVISION}
+
     def _ensure_schema(self) -> None:
-        if self.current_revision() == HEAD_REVISION:
+        if self.current_revision() != HEAD_REVISION:
+            self.migrate()
+
+    def _check_can_migrate(self, current: str | None) -> None:
+        """Ask PostgreSQL whether this role may run the DDL (CREATE in the schema, ownership of
+        every relation in it) instead of trying and parsing the failure."""
+        with self.engine.connect() as pg:
+            user, schema, can_create, foreign = pg.exec_driver_sql(
+                "SELECT current_user, current_schema(),"
+                " coalesce(has_schema_privilege(current_schema(), 'CREATE'), false),"
+                " (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                "  WHERE n.nspname = current_schema() AND c.relkind IN ('r','p','v','m','S','f')"
+                "  AND NOT pg_has_role(c.relowner, 'USAGE'))"
+            ).one()
+        if can_create and not foreign:
             return
-        with self._migration_lock():
-            if self.is_sqlite:
-                # WAL is a property of the file: set once, under the lock, never while another
-                # connection may hold the file (switching modes then fails at once with BUSY).
-                conn = self._sqlite_connect()
-                try:
-                    conn.execute("PRAGMA journal_mode = WAL")
-                finally:
-                    conn.close()
-            if self.current_revision() != HEAD_REVISION:
-                self._upgrade()
+        why = (
+            "no schema in its search_path exists"
+            if schema is None
+            else f"it does not own schema {schema}'s tables"
+            if foreign
+            else f"it may not create in schema {schema}"
+        )
+        state = "has no schema yet" if current is None else f"is at schema revision {current}"
+        raise RegistryError(
+            f"the catalog {self.describe()} {state}; this reg needs {HEAD_REVISION}, and role "
+            f"{user} cannot migrate it ({why})",
+            f"the catalog's owner should run `reg catalog migrate`, then "
+            f"`reg catalog grants {user}`",
+        )
 
     @contextlib.contextmanager
     def _migration_lock(self) -> Iterator[None]:
@@ -215,7 +273,7 @@ class Catalog:
                     conn.exec_driver_sql("SELECT pg_advisory_unlock(7311)")
                     conn.commit()
 
-    def _upgrade(self) -> None:
+    def _upgrade(self, to: str = "head") -> None:
         from alembic import command
         from alembic.config import Config
 
@@ -225,7 +283,20 @@ class Catalog:
         try:
             with self.engine.connect() as conn:
                 cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+                command.upgrade(cfg, to)
                 conn.commit()
         finally:
             _WRITE.reset(token)
+
+
+def _check_known(revision: str | None) -> None:
+    """A schema migrated by a newer reg: say so, instead of alembic's "Can't locate revision"."""
+    if revision is None:
+        return
+    known = {p.name.split("_", 1)[0] for p in (MIGRATIONS / "versions").glob("[0-9]*_*.py")}
+    if revision not in known:
+        raise RegistryError(
+            f"the catalog's schema is at revision {revision}, newer than this reg knows "
+            f"(its newest is {HEAD_REVISION})",
+            "upgrade reg to the version that migrated it",
+        )
