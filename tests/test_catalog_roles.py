@@ -527,3 +527,10 @@ def test_catalog_migrate_on_sqlite_and_no_grants_there(cli, tmp_path):
     assert res.returncode == 2 and "SQLite has no roles" in _one_line(res)
     res = cli("catalog", "migrate", env={"REG_URL": "http://127.0.0.1:9"})
     assert res.returncode == 2 and "not through reg server" in _one_line(res)
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "c.db") as conn:  # what a newer reg would leave
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    for args in (["catalog", "migrate"], ["ls"]):
+        res = cli(*args, env={"REG_CATALOG_URL": url})
+        assert res.returncode == 1 and "at revision 9999, newer than this reg" in _one_line(res)
