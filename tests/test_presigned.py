@@ -63,12 +63,13 @@ def _as(server: RegServer, who: str) -> dict[str, str]:
     return server.client_env(who)
 
 
-def _received(server: RegServer) -> float:
-    """Checkpoint bytes that went through the server (its /metrics counter)."""
+def _through_server(server: RegServer) -> float:
+    """Checkpoint bytes that went through the server, in or out (its /metrics counters)."""
+    total = 0.0
     for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("reg_bytes_received_total "):
-            return float(line.split()[1])
-    return 0.0
+        if line.startswith(("reg_bytes_received_total ", "reg_bytes_sent_total ")):
+            total += float(line.split()[1])
+    return total
 
 
 def _files(path: Path) -> dict[str, str]:
@@ -131,9 +132,9 @@ def test_push_and_pull_go_straight_to_s3(s3_server, ckpts, cli, tmp_path: Path) 
     res = cli("pull", "team-a/r@step2", tmp_path / "back", "--json", env=alice)
     assert res.returncode == 0, res.stderr
     assert _files(tmp_path / "back") == local
-    # Not one checkpoint byte went through the server: the client had no AWS credentials,
-    # and the server received nothing.
-    assert _received(s3_server) == 0
+    # Not one checkpoint byte went through the server, either way: the client had no AWS
+    # credentials, and the server received and sent nothing.
+    assert _through_server(s3_server) == 0
     assert not any(k.startswith("AWS_") for k in alice)
     # The plan object is gone; the files and MANIFEST.json are where the layout says.
     keys = {
@@ -149,6 +150,11 @@ def test_push_and_pull_go_straight_to_s3(s3_server, ckpts, cli, tmp_path: Path) 
     assert res.returncode == 0, res.stderr
     shown = json.loads(cli("show", "team-a/r@step2", "--json", env=alice).stdout)
     assert shown["digests_reported_by"] is None
+    # A validator reads it straight from S3 too (presigned ranged GETs).
+    res = cli("validate", "team-a/r@step2", "--device", "cpu", "--json", env=_as(s3_server, "val"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["passed"] is True
+    assert _through_server(s3_server) == 0
     # The same push again is a no-op; other content at the same step is a conflict.
     again = cli(
         "push-ckpt", src, "--run", "r", "--step", "2", "--project", "team-a", "--json", env=alice
@@ -372,8 +378,8 @@ def test_a_lying_client_is_recorded_as_such_and_verify_catches_it(s3_server, ckp
     victim = next(u["path"] for u in doc["urls"] if u["path"].endswith(".distcp"))
     for item in doc["urls"]:
         data = (src / item["path"]).read_bytes()
-        if item["path"] == victim:
-            data = bytes(len(data))
+        if item["path"] == victim:  # the last byte: the chunk headers still look right
+            data = data[:-1] + bytes([data[-1] ^ 1])
         _upload(item, data)
     r = _post(
         s3_server,

@@ -74,6 +74,12 @@ class RemoteReader(BaseStore):
         if self._s3 is not None:
             self._s3.close()
 
+    def __enter__(self) -> RemoteReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _path(self, key: str) -> str:
         if key not in self.sizes:  # only the files the listing named
             raise NotFound(f"{self.ref} has no file {key.removeprefix(self.prefix)}")

@@ -190,16 +190,17 @@ class RemoteRegistry(Registry):
         def still_there() -> None:  # collected or yanked meanwhile: nothing is published
             self.client.call("GET", "/files", params={"ref": full})
 
-        where = download(
-            reader,
-            prefix,
-            files,
-            dest,
-            label=full,
-            workers=self.settings.workers,
-            progress=progress,
-            before_publish=still_there,
-        )
+        with reader:
+            where = download(
+                reader,
+                prefix,
+                files,
+                dest,
+                label=full,
+                workers=self.settings.workers,
+                progress=progress,
+                before_publish=still_there,
+            )
         return full, where, listing["view"]
 
     def verify(
@@ -250,18 +251,19 @@ class RemoteRegistry(Registry):
         reader = RemoteReader(
             self.client, str(full), prefix, files, self._read_urls(str(full), begun["files"])
         )
-        outcome = run_checks(
-            reader,
-            self.settings.workers,
-            parse_policy(begun["policy"], "the server's policy"),
-            full,
-            dict(begun["metrics"]),
-            files,
-            dev,
-            world_size,
-            model_factory,
-            progress,
-        )
+        with reader:
+            outcome = run_checks(
+                reader,
+                self.settings.workers,
+                parse_policy(begun["policy"], "the server's policy"),
+                full,
+                dict(begun["metrics"]),
+                files,
+                dev,
+                world_size,
+                model_factory,
+                progress,
+            )
         attempt = Attempt.of(outcome, dev, world_size)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
         return dict(self.client.call("POST", "/validations", body=body))
