@@ -198,9 +198,10 @@ def audit_verify(json_output: bool = JSON_OPTION) -> None:
         for p in out["problems"]:
             print(f"{p['kind']}: {inert(p['message'])}")
         if out["ok"]:
+            oldest = f" (oldest {out['oldest_unsealed']})" if out["oldest_unsealed"] else ""
             print(
                 f"audit log ok: {out['events']} events, {out['sealed']} sealed in "
-                f"{out['seals']} seals, {out['unsealed']} not sealed yet; "
+                f"{out['seals']} seals, {out['unsealed']} not sealed yet{oldest}; "
                 f"{out['anchors']} anchor(s) in the store"
             )
     if not out["ok"]:

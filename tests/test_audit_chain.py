@@ -101,6 +101,7 @@ def test_unsealed_signed_events_are_fine_and_counted(sealed, cli):
     _activity(sealed, 2)
     code, out, _ = verify(cli)
     assert code == 0 and out["unsealed"] == 2 and out["sealed"] == 12
+    assert out["oldest_unsealed"].endswith("Z")  # on a server, minutes old = sealing stalled
 
 
 # -- the owner's attacks --------------------------------------------------------------------------
@@ -302,7 +303,10 @@ def test_the_key_file_is_created_once(tmp_path):
 # -- history, concurrency -----------------------------------------------------------------------
 
 
-def test_history_before_the_key_goes_into_the_genesis_seal_only(catalog_url, cli):
+def test_history_before_the_key_goes_into_the_genesis_seal_only(catalog_url, cli, monkeypatch):
+    from registry.audit_chain import sealer
+
+    monkeypatch.setattr(sealer, "BATCH", 2)  # signed events per seal, after the history
     with Registry() as reg:  # no key yet: events are recorded unsigned
         _activity(reg, 3)
     code, _, err = verify(cli)
@@ -313,7 +317,8 @@ def test_history_before_the_key_goes_into_the_genesis_seal_only(catalog_url, cli
         code, out, _ = verify(cli)
         assert code == 0 and (out["unsigned_history"], out["unsealed"]) == (3, 2)
         out = reg.audit_seal()
-        assert out["seals"] == [1] and out["sealed"] == 6 and out["refused"] == []
+        assert out["seals"] == [1, 2] and out["sealed"] == 6 and out["refused"] == []
+        assert [(seq, high - low + 1) for seq, low, high in _seals(reg)] == [(1, 5), (2, 1)]
     with Registry(Settings.from_env({**os.environ, "REG_AUDIT_KEY_FILE": "/nonexistent"})) as r:
         _activity(r, 1)  # a client without the key, after the chain began
     code, out, _ = verify(cli)

@@ -130,8 +130,10 @@ def _candidates(s: Session, *, full: bool) -> list[int]:
 def _take(
     s: Session, key: bytes, ids: list[int], *, genesis: bool, refused: dict[int, str]
 ) -> list[tuple[int, str]]:
-    """The (id, entry) pairs of the next seal, in id order; refused events are noted."""
+    """The (id, entry) pairs of the next seal, in id order (at most BATCH signed events after
+    any history); refused events are noted."""
     taken: list[tuple[int, str]] = []
+    history = 0
     history_open = genesis  # unsigned history goes into the genesis seal, before any signed
     for start in range(0, len(ids), _IN):
         chunk = ids[start : start + _IN]
@@ -144,6 +146,7 @@ def _take(
             if row.mac is None:
                 if history_open:
                     taken.append((row.id, macs.unsigned_entry(content)))
+                    history += 1
                 else:
                     _refuse(refused, row.id, "unsigned (written without the audit key)")
                 continue
@@ -152,9 +155,9 @@ def _take(
                 continue
             history_open = False
             taken.append((row.id, row.mac))
-        if len(taken) >= BATCH and not genesis:
-            break
-    return taken if genesis else taken[:BATCH]
+            if len(taken) - history >= BATCH:
+                return taken
+    return taken
 
 
 def _refuse(refused: dict[int, str], event_id: int, why: str) -> None:

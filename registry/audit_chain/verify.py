@@ -37,6 +37,7 @@ from registry.audit_chain import anchors, macs
 from registry.audit_chain.keys import key_id
 from registry.audit_chain.sealer import WrongKey
 from registry.catalog.models import AuditEvent, AuditSeal
+from registry.timeutil import iso
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -52,6 +53,7 @@ class _Report:
     sealed: int = 0
     unsealed: int = 0
     history: int = 0  # unsigned events before the key, waiting for the genesis seal
+    oldest_unsealed: float | None = None  # on a server, minutes old means sealing stalled
 
     def add(self, kind: str, message: str, **where: Any) -> None:
         self.problems.append({"kind": kind, "message": message, **where})
@@ -59,6 +61,10 @@ class _Report:
 
 def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any]:
     report = _Report()
+    # Anchors first: the chain only grows, so every anchor read now must be held by the seals
+    # read next (read the other way round, a seal and its anchor made in between would look
+    # like a truncated tail).
+    anchor_list = anchors.read_all(store)
     with catalog.session() as s:
         seals = list(s.exec(select(AuditSeal).order_by(col(AuditSeal.seq))))
         kid = key_id(key)
@@ -73,7 +79,6 @@ def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, An
         walk = _Walk(key, seals, ranges, report)
         walk.run(_events(s))
         _duplicates(s, report)
-    anchor_list = anchors.read_all(store)
     _anchors(anchor_list, seals, key, report)
     head = seals[-1] if seals else None
     return {
@@ -81,6 +86,7 @@ def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, An
         "events": report.events,
         "sealed": report.sealed,
         "unsealed": report.unsealed,
+        "oldest_unsealed": iso(report.oldest_unsealed),
         "unsigned_history": report.history,
         "seals": len(seals),
         "anchors": len(anchor_list),
@@ -255,6 +261,8 @@ class _Walk:
             report.add("forged", f"event {row.id} does not verify with the key", event=row.id)
         else:
             report.unsealed += 1
+            if report.oldest_unsealed is None or row.ts < report.oldest_unsealed:
+                report.oldest_unsealed = row.ts
 
     def _close_below(self, event_id: int) -> None:
         while self.next < len(self.closing) and self.closing[self.next].high < event_id:
