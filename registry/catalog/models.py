@@ -84,6 +84,9 @@ class Checkpoint(ClaimColumns, table=True):
     deleted_at: float | None = None
     deleted_by: str | None = None
     delete_reason: str | None = None
+    # The client whose word the file digests are (a presigned push); None: the registry hashed
+    # every byte itself (a push it copied, or its re-hash since).
+    digests_reported_by: str | None = Field(default=None, max_length=128)
 
     @classmethod
     def pending_clause(cls) -> Any:

@@ -104,7 +104,9 @@ async def pin(request: Request) -> dict[str, Any]:
 async def validation_begin(request: Request) -> dict[str, Any]:
     """A validator is about to validate `ref` on its own device: refused now (and audited)
     unless it may attest; answers what it needs (the checkpoint's files and the policy)."""
+    from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.read import resolve
+    from registry.server.presigned import read_urls
 
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
@@ -118,11 +120,16 @@ async def validation_begin(request: Request) -> dict[str, Any]:
         name, token = take_hold(
             ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}", VALIDATOR_HOLD_S
         )
+        prefix = checkpoint_prefix(full.project, full.run, full.step or 0)
+        urls = read_urls(ctx, prefix, files)  # on S3 the validator reads the bucket directly
         return {
             "ref": str(full),
             "hold": {"name": name, "token": token},
             "metrics": dict(ckpt.metrics),
-            "files": [f.to_json() | {"rank": f.rank} for f in files],
+            "files": [
+                f.to_json() | {"rank": f.rank} | ({"url": urls[f.path]} if urls else {})
+                for f in files
+            ],
             "policy": ctx.policy.text,
         }
 
