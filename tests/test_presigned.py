@@ -294,10 +294,9 @@ def test_uploads_are_the_pushers_alone(s3_server, ckpts) -> None:
     ident = {"ref": doc["ref"], "upload": doc["upload"]}
     # bob may not push to team-a at all; the admin may, but this upload is alice's.
     for who, code in (("bob", 403), ("admin", 403), ("vera", 403)):
-        for path in ("urls", "complete", "abort"):
-            r = _post(
-                s3_server, who, f"/v1/checkpoints/push/{path}", {**ident, "start": 0, "count": 1}
-            )
+        for path in ("urls", "assemble", "complete", "abort"):
+            body = {**ident, "start": 0, "count": 1, "path": "__0_0.distcp"}
+            r = _post(s3_server, who, f"/v1/checkpoints/push/{path}", body)
             assert r.status_code == code, (who, path, r.text)
     assert _begin(s3_server, "bob", ckpts.ws2.step_dir(2), 9).status_code == 403
     # A guessed id or another step's finds nothing.
@@ -308,6 +307,11 @@ def test_uploads_are_the_pushers_alone(s3_server, ckpts) -> None:
     ):
         r = _post(s3_server, "alice", "/v1/checkpoints/push/urls", {**bad, "start": 0, "count": 1})
         assert r.status_code in (400, 404), r.text
+    # Only a multipart file of the plan is assembled.
+    for path in (".metadata", "../x", "nope"):
+        body = {**ident, "path": path}
+        r = _post(s3_server, "alice", "/v1/checkpoints/push/assemble", body)
+        assert r.status_code == 400 and "not a multipart file" in r.json()["message"], r.text
     # URLs only for the plan's items.
     r = _post(
         s3_server,

@@ -5,7 +5,8 @@ straight to S3, complete.
    sha256, so the digests come first.
 2. `begin`: the server checks the list, claims the step and answers with URLs.
 3. Upload every item (a whole file, or one part) in parallel from the descriptors the scan
-   checked; a URL that expired is asked for again, transient failures are retried.
+   checked; a URL that expired is asked for again, transient failures are retried. A multipart
+   file is assembled by the server (`assemble`) as soon as its last part is up.
 4. `complete`: the server assembles, checks, inventories and commits. On any failure the
    upload is abandoned (`abort`), so a rerun takes over at once.
 
@@ -21,7 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -92,7 +93,7 @@ class PresignedPush:
         self.lock = threading.Lock()
 
     def run(self) -> dict[str, Any]:
-        files = hash_files(self.scanned, self.workers)
+        self.files = files = hash_files(self.scanned, self.workers)
         body = {**self.header, "files": files}
         begun = self.client.call("POST", "/checkpoints/push/begin", body=body)
         if "unchanged" in begun:
@@ -113,8 +114,19 @@ class PresignedPush:
         return {"ref": self.ref, "upload": self.upload}
 
     def _upload_all(self, begun: dict[str, Any]) -> None:
+        """Every item, in parallel; a multipart file is assembled (on another thread) as soon
+        as its last part is up, so the store assembles it while the rest uploads."""
         total, start, batch = int(begun["items"]), 0, list(begun["urls"])
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reg-s3put") as pool:
+        reused = set(begun["reused"])
+        self.parts_left = {
+            f["path"]: len(f["parts"]) for f in self.files if f["parts"] and f["path"] not in reused
+        }
+        with (
+            ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reg-s3put") as pool,
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="reg-assemble") as assembler,
+        ):
+            self.assembling: list[Future[Any]] = []
+            self.assembler = assembler
             while start < total:
                 if not batch:
                     batch = self._urls(start, BATCH)
@@ -123,6 +135,21 @@ class PresignedPush:
                     pass
                 start += len(batch)
                 batch = []
+            for done in self.assembling:
+                done.result()
+
+    def _uploaded(self, item: dict[str, Any]) -> None:
+        if not item["part"]:
+            return
+        with self.lock:
+            self.parts_left[item["path"]] -= 1
+            last = self.parts_left[item["path"]] == 0
+        if last:
+            body = {**self._id(), "path": item["path"]}
+            call = self.client.call
+            self.assembling.append(
+                self.assembler.submit(call, "POST", "/checkpoints/push/assemble", body=body)
+            )
 
     @contextlib.contextmanager
     def _renewing(self) -> Iterator[None]:
@@ -165,6 +192,7 @@ class PresignedPush:
                 self._backoff(attempt)
                 continue
             if response.status_code < 300:
+                self._uploaded(item)
                 return
             if response.status_code == 403 and attempt < RETRIES:  # expired: a fresh URL
                 item = self._urls(index, 1)[0]

@@ -4,6 +4,7 @@ signs; the client's bytes go straight to S3 (`registry.lifecycle.checkpoints.pre
     GET  /v1/data-path                  which path this server's store takes (stream | presigned)
     POST /v1/checkpoints/push/begin     {project, run, step, world_size, metrics, files}
     POST /v1/checkpoints/push/urls      {ref, upload, start, count}
+    POST /v1/checkpoints/push/assemble  {ref, upload, path}  (one file, once its parts are up)
     POST /v1/checkpoints/push/complete  {ref, upload}
     POST /v1/checkpoints/push/abort     {ref, upload}
 """
@@ -95,6 +96,15 @@ async def complete(request: Request) -> dict[str, Any]:
         return out
 
     return await run_in_threadpool(work)
+
+
+@router.post("/checkpoints/push/assemble")
+async def assemble(request: Request) -> dict[str, Any]:
+    from registry.lifecycle.checkpoints.presigned import assemble as assemble_file
+
+    ctx, doc = await authed_body(request)
+    ref, upload = _upload(doc)
+    return await run_in_threadpool(assemble_file, ctx, ref, upload, text(doc, "path"))
 
 
 @router.post("/checkpoints/push/abort")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from registry.errors import IntegrityError, ObjectExists
+from registry.errors import IntegrityError, NotFound, ObjectExists
 from registry.storage.s3_client import error_code, translate
 
 if TYPE_CHECKING:
@@ -148,7 +148,11 @@ class Presigner:
         )
         try:
             return {int(p["PartNumber"]): p for page in pages for p in page.get("Parts", [])}
-        except (ClientError, BotoCoreError) as exc:
+        except ClientError as exc:
+            if error_code(exc) == "NoSuchUpload":  # completed (or aborted) already
+                raise NotFound(f"no multipart upload {upload_id} of {key}") from None
+            raise translate(exc, key) from exc
+        except BotoCoreError as exc:
             raise translate(exc, key) from exc
 
     def abort(self, key: str, upload_id: str) -> None:
@@ -179,6 +183,8 @@ class Presigner:
         except ClientError as exc:
             if error_code(exc) in ("PreconditionFailed", "412"):
                 raise ObjectExists(key) from None
+            if error_code(exc) == "NoSuchUpload":
+                raise NotFound(f"no such multipart upload of {key}") from None
             raise translate(exc, key) from exc
         except BotoCoreError as exc:
             raise translate(exc, key) from exc

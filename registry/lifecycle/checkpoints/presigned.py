@@ -4,9 +4,10 @@ URLs, the server decides everything else (DESIGN §3, §9).
     begin     authorize, check the declared files, claim the step, write the upload's plan
               beside the files, create the multipart uploads; URLs for the first items
     urls      more URLs (each lives TTL_S); renews the claim
-    complete  assemble each multipart upload from exactly the declared parts (If-None-Match: *),
-              check every object's size and S3's checksum, inventory `.metadata` from the store,
-              write MANIFEST.json and commit under the claim
+    assemble  one multipart file, once its parts are up (while the others upload)
+    complete  assemble each multipart upload not assembled yet, from exactly the declared parts
+              (If-None-Match: *), check every object's size and S3's checksum, inventory
+              `.metadata` from the store, write MANIFEST.json and commit under the claim
     abort     the client gave up: multipart uploads aborted, the claim released
 
 The server keeps no state between the requests: the claim is a catalog row, the plan an object
@@ -21,6 +22,7 @@ declared. The checkpoint is recorded with `digests: client` until the server re-
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import socket
@@ -201,6 +203,19 @@ def complete(
     return result
 
 
+def assemble(ctx: Context, ref: CheckpointRef, token: str, path: str) -> dict[str, Any]:
+    """Assemble one multipart file as soon as its parts are up (the client asks while the rest
+    upload, so the store's assembly overlaps them); `complete` checks it like every file."""
+    claim, plan = _resume(ctx, ref, token)
+    _hold(ctx, claim)
+    f = next((f for f in plan.files if f.path == path and f.upload_id), None)
+    if f is None or f.path in plan.reused:
+        raise UsageError(f"{str(path)[:80]!r} is not a multipart file of this upload")
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    _complete_multipart(Presigner(_s3(ctx)), prefix + f.path, f)
+    return {"path": f.path, "assembled": True}
+
+
 def abort(ctx: Context, ref: CheckpointRef, token: str) -> dict[str, Any]:
     """The client gave up: its multipart uploads are aborted and the claim expires now (what
     was uploaded is reused by the next push of the step, or swept by GC)."""
@@ -300,14 +315,7 @@ def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> li
     def one(f: DeclaredFile) -> Stored:
         key = prefix + f.path
         if f.upload_id and f.path not in plan.reused:
-            try:
-                sizes = part_sizes(f.size) or []
-                assert f.parts is not None
-                presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
-            except ObjectExists:
-                pass  # completed by an earlier try of this request: checked below like the rest
-            except NotFound:
-                pass  # the same, once S3 forgot the upload id
+            _complete_multipart(presigner, key, f)
         found = presigner.head(key)
         if found is None:
             raise IntegrityError(f"{f.path} was not uploaded", "push again")
@@ -322,6 +330,15 @@ def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> li
 
     with ThreadPoolExecutor(max_workers=max(1, ctx.workers * 2)) as pool:
         return sorted(pool.map(one, plan.files), key=lambda s: s.key)
+
+
+def _complete_multipart(presigner: Presigner, key: str, f: DeclaredFile) -> None:
+    """Assemble `f` from exactly its declared parts; done already is fine (the caller checks
+    the object S3 then holds)."""
+    assert f.upload_id is not None and f.parts is not None
+    sizes = part_sizes(f.size) or []
+    with contextlib.suppress(ObjectExists, NotFound):  # completed by an earlier request
+        presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
 
 
 def _scan_stored(ctx: Context, prefix: str, plan: Plan) -> ScannedDir:
