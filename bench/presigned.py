@@ -12,11 +12,7 @@ runs all three, and moto is CPU-bound, so wall time is mostly moto's. Client CPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -24,7 +20,7 @@ from pathlib import Path
 
 from bench.checkpoints import make_checkpoint
 from bench.common import PY, REG, ROOT, dir_bytes, env, rm, settle
-from bench.s3 import BOTO_DOWNLOAD, BOTO_UPLOAD, timed
+from bench.s3 import BOTO_DOWNLOAD, BOTO_UPLOAD, moto_process, report_vs_boto3, timed
 
 
 def main() -> None:
@@ -36,13 +32,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
     src = make_checkpoint(work / "src", args.gib)
     size = dir_bytes(src)
-    port = 5500 + os.getpid() % 400
-    moto = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    moto, port = moto_process()
     server = None
     try:
         time.sleep(2)
@@ -85,33 +75,12 @@ def main() -> None:
             )
             for d in (work / f"bd{i}", work / f"rd{i}"):
                 rm(d)
-        med = {
-            k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
-            for k, v in rows.items()
-        }
-        gb = size / 1e9
         print(
             f"checkpoint {size / 2**30:.2f} GiB; moto and reg server in their own processes; "
             f"median of {args.repeat}"
         )
-        for ours, theirs, label in (
-            ("reg_up", "boto_up", "presigned push vs upload_file"),
-            ("reg_down", "boto_down", "presigned pull vs download_file"),
-        ):
-            (w, c), (bw, bc) = med[ours], med[theirs]
-            print(
-                json.dumps(
-                    {
-                        "what": label,
-                        "reg_s": round(w, 2),
-                        "boto3_s": round(bw, 2),
-                        "ratio": round(bw / w, 2),
-                        "reg_client_cpu_s_per_gb": round(c / gb, 2),
-                        "boto3_client_cpu_s_per_gb": round(bc / gb, 2),
-                    }
-                ),
-                flush=True,
-            )
+        labels = ("presigned push vs upload_file", "presigned pull vs download_file")
+        report_vs_boto3(rows, size, labels)
     finally:
         if server is not None:
             server.stop()

@@ -49,6 +49,41 @@ def timed(cmd: list[str], environ: dict[str, str]) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+def moto_process() -> tuple[subprocess.Popen[bytes], int]:
+    """moto in its own process (session) on 127.0.0.1, so its CPU is not the client's."""
+    port = 5500 + os.getpid() % 400
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc, port
+
+
+def report_vs_boto3(
+    rows: dict[str, list[tuple[float, float]]], size: int, labels: tuple[str, str]
+) -> None:
+    """One JSON line per direction: medians of wall time and client CPU s/GB, reg vs boto3."""
+    med = {
+        k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+        for k, v in rows.items()
+    }
+    gb = size / 1e9
+    pairs = (("reg_up", "boto_up"), ("reg_down", "boto_down"))
+    for (ours, theirs), label in zip(pairs, labels, strict=True):
+        (w, c), (bw, bc) = med[ours], med[theirs]
+        row = {
+            "what": label,
+            "reg_s": round(w, 2),
+            "boto3_s": round(bw, 2),
+            "ratio": round(bw / w, 2),
+            "reg_client_cpu_s_per_gb": round(c / gb, 2),
+            "boto3_client_cpu_s_per_gb": round(bc / gb, 2),
+        }
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.2)
@@ -58,13 +93,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
     src = make_checkpoint(work / "src", args.gib)
     size = dir_bytes(src)
-    port = 5500 + os.getpid() % 400
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    server, port = moto_process()
     try:
         time.sleep(2)
         import boto3
@@ -104,33 +133,8 @@ def main() -> None:
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
                 for obj in page.get("Contents", []):
                     s3.delete_object(Bucket=bucket, Key=obj["Key"])
-        med = {
-            k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
-            for k, v in rows.items()
-        }
-        gb = size / 1e9
-        print(
-            f"checkpoint {size / 2**30:.2f} GiB, moto server in its own process; median of "
-            f"{args.repeat}"
-        )
-        for ours, theirs, label in (
-            ("reg_up", "boto_up", "push vs upload_file"),
-            ("reg_down", "boto_down", "pull vs download_file"),
-        ):
-            (w, c), (bw, bc) = med[ours], med[theirs]
-            print(
-                json.dumps(
-                    {
-                        "what": label,
-                        "reg_s": round(w, 2),
-                        "boto3_s": round(bw, 2),
-                        "ratio": round(bw / w, 2),
-                        "reg_client_cpu_s_per_gb": round(c / gb, 2),
-                        "boto3_client_cpu_s_per_gb": round(bc / gb, 2),
-                    }
-                ),
-                flush=True,
-            )
+        print(f"checkpoint {size / 2**30:.2f} GiB, moto in its own process, {args.repeat} runs")
+        report_vs_boto3(rows, size, ("push vs upload_file", "pull vs download_file"))
     finally:
         os.killpg(server.pid, 9)
         server.wait()

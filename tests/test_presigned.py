@@ -190,12 +190,7 @@ def test_urls_sign_exactly_the_claimed_keys(s3_server, ckpts) -> None:
         assert {"host", "content-length", "if-none-match", "x-amz-checksum-sha256"} <= set(signed)
         assert item["headers"]["if-none-match"] == "*"
         assert "X-Amz-Credential" in q and "test/" in q["X-Amz-Credential"]
-    aborted = _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/abort",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
+    aborted = _finish(s3_server, doc, "abort")
     assert aborted.status_code == 200, aborted.text
 
 
@@ -212,12 +207,7 @@ def test_multipart_parts_carry_their_checksums(s3_server, big_ckpt, cli, tmp_pat
         assert {"content-length", "x-amz-checksum-sha256"} <= set(
             q["X-Amz-SignedHeaders"].split(";")
         )
-    _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/abort",
-        {"ref": begun["ref"], "upload": begun["upload"]},
-    )
+    _finish(s3_server, begun, "abort")
     alice = _as(s3_server, "alice")
     res = cli("push-ckpt", src, "--run", "big", "--step", "1", "--project", "team-a", env=alice)
     assert res.returncode == 0, res.stderr
@@ -322,6 +312,18 @@ def test_uploads_are_the_pushers_alone(s3_server, ckpts) -> None:
     assert r.status_code == 400
 
 
+def _finish(server: RegServer, doc: dict[str, object], what: str = "complete") -> httpx.Response:
+    """`push/complete` (or `abort`) of the upload `begin` answered with, as alice."""
+    ident = {"ref": doc["ref"], "upload": doc["upload"]}
+    return _post(server, "alice", f"/v1/checkpoints/push/{what}", ident)
+
+
+def _push(cli, server: RegServer, src: Path, step: int):  # type: ignore[no-untyped-def]
+    """`reg push-ckpt` of `src` as alice into team-a/r@step."""
+    args = ("--run", "r", "--step", str(step), "--project", "team-a")
+    return cli("push-ckpt", src, *args, env=_as(server, "alice"))
+
+
 def _upload(item: dict[str, object], data: bytes) -> httpx.Response:
     headers = {**item["headers"], "content-length": str(len(data))}  # type: ignore[dict-item]
     return httpx.put(str(item["url"]), content=data, headers=headers, timeout=60)
@@ -341,12 +343,7 @@ def test_complete_checks_what_s3_holds(s3_server, ckpts, cli) -> None:
         if path == ".metadata":
             data = data[:-1] + bytes([data[-1] ^ 1])  # same size, other bytes
         assert _upload(item, data).status_code == 200
-    r = _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/complete",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
+    r = _finish(s3_server, doc, "complete")
     assert (
         r.status_code == 422 and ".metadata holds other bytes than declared" in r.json()["message"]
     )
@@ -363,12 +360,7 @@ def test_a_short_upload_is_refused(s3_server, ckpts) -> None:
         if item["path"] != ".metadata":
             data = data[: len(data) // 2]  # moto takes it (real S3 checks the signed length)
         _upload(item, data)
-    r = _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/complete",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
+    r = _finish(s3_server, doc, "complete")
     assert (
         r.status_code == 422 and "holds other bytes than the push declared" in r.json()["message"]
     )
@@ -385,12 +377,7 @@ def test_a_lying_client_is_recorded_as_such_and_verify_catches_it(s3_server, ckp
         if item["path"] == victim:  # the last byte: the chunk headers still look right
             data = data[:-1] + bytes([data[-1] ^ 1])
         _upload(item, data)
-    r = _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/complete",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
+    r = _finish(s3_server, doc, "complete")
     assert r.status_code == 200, r.text
     alice = _as(s3_server, "alice")
     shown = json.loads(cli("show", "team-a/r@step13", "--json", env=alice).stdout)
@@ -404,12 +391,7 @@ def test_a_used_url_cannot_overwrite(s3_server, ckpts) -> None:
     doc = _begin(s3_server, "alice", src, 14).json()
     for item in doc["urls"]:
         assert _upload(item, (src / item["path"]).read_bytes()).status_code == 200
-    r = _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/complete",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
+    r = _finish(s3_server, doc, "complete")
     assert r.status_code == 200, r.text
     item = doc["urls"][0]
     size = (src / item["path"]).stat().st_size
@@ -425,33 +407,8 @@ def test_a_killed_client_frees_the_step(s3_server, ckpts, cli) -> None:
     src = ckpts.ws2.step_dir(2)
     doc = _begin(s3_server, "alice", src, 15).json()
     _upload(doc["urls"][0], (src / doc["urls"][0]["path"]).read_bytes())
-    res = cli(
-        "push-ckpt",
-        src,
-        "--run",
-        "r",
-        "--step",
-        "15",
-        "--project",
-        "team-a",
-        env=_as(s3_server, "alice"),
-    )
+    res = _push(cli, s3_server, src, 15)
     assert res.returncode != 0 and "is being pushed by alice" in res.stderr
-    _post(
-        s3_server,
-        "alice",
-        "/v1/checkpoints/push/abort",
-        {"ref": doc["ref"], "upload": doc["upload"]},
-    )
-    res = cli(
-        "push-ckpt",
-        src,
-        "--run",
-        "r",
-        "--step",
-        "15",
-        "--project",
-        "team-a",
-        env=_as(s3_server, "alice"),
-    )
+    _finish(s3_server, doc, "abort")
+    res = _push(cli, s3_server, src, 15)
     assert res.returncode == 0, res.stderr
