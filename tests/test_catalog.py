@@ -71,7 +71,7 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     with cat.session(write=True) as s:
         audit.record(s, "alice", "push", "r@step1")
     _migrate(cat, "0002", down=True)
-    assert _triggers(cat) == guards - ADDED_BY_0005 - ADDED_BY_0006
+    assert _triggers(cat) == guards - ADDED_BY_0005 - ADDED_BY_0006 - ADDED_BY_0008
     _migrate(cat, "head")
     assert cat.current_revision() == HEAD_REVISION and _triggers(cat) == guards
     with pytest.raises(DBAPIError, match="append-only"), cat.engine.begin() as conn:
@@ -89,6 +89,14 @@ ADDED_BY_0005 = {
     "policy_document_append_only",
 }
 ADDED_BY_0006 = {"audit_seal_no_update", "audit_seal_no_delete", "audit_seal_append_only"}
+ADDED_BY_0008 = {
+    "checkpoint_never_pending_again",
+    "checkpoint_stays_collected",
+    "checkpoint_immutable",
+    "checkpoint_digests_only_rehashed",
+    "checkpoint_no_delete",
+    "checkpoint_guard",
+}
 
 
 def _triggers(cat: Catalog) -> set[str]:
@@ -102,3 +110,33 @@ def _triggers(cat: Catalog) -> set[str]:
                 "WHERE NOT t.tgisinternal AND n.nspname = current_schema()"
             )
         return set(conn.execute(text(sql)).scalars().all())
+
+
+def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
+    """What the server's runtime role could otherwise do to a checkpoint row (issue 14 review):
+    set it back to pending (the next push would take it over and delete its objects as
+    leftovers), rewrite its content, claim its digests were re-hashed by someone, delete it."""
+    reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+    for statement, said in (
+        ("UPDATE checkpoint SET state = 'pending'", "never returns to pending"),
+        ("UPDATE checkpoint SET state = 'pending', lease_until = 0", "never returns to pending"),
+        ("UPDATE checkpoint SET manifest_sha256 = 'x'", "immutable"),
+        ("UPDATE checkpoint SET bytes = 1", "immutable"),
+        ("UPDATE checkpoint SET pushed_by = 'mallory'", "immutable"),
+        ("UPDATE checkpoint SET step = 3", "immutable"),
+        ("UPDATE checkpoint SET digests_reported_by = 'mallory'", "only becomes NULL"),
+        ("DELETE FROM checkpoint", "never deleted"),
+    ):
+        with pytest.raises(DBAPIError, match=said), reg.catalog.engine.begin() as conn:
+            conn.execute(text(statement))
+    # What the registry itself changes still changes: a pin, and GC's way to a tombstone.
+    reg.pin("r@step2", reason="baseline")
+    with reg.catalog.engine.begin() as conn:
+        conn.execute(text("UPDATE checkpoint SET state = 'deleting'"))
+        conn.execute(text("UPDATE checkpoint SET state = 'deleted'"))
+    for back in ("committed", "deleting", "pending"):
+        with (
+            pytest.raises(DBAPIError, match="stays collected|pending"),
+            reg.catalog.engine.begin() as conn,
+        ):
+            conn.execute(text(f"UPDATE checkpoint SET state = '{back}'"))
