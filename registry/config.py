@@ -13,7 +13,15 @@ from pathlib import Path
 
 from registry.errors import UsageError
 
-_OIDC_KEYS = ("oidc_issuer", "oidc_audience", "oidc_jwks", "oidc_claim", "oidc_algorithms")
+_OIDC_KEYS = (
+    "oidc_issuer",
+    "oidc_audience",
+    "oidc_jwks",
+    "oidc_claim",
+    "oidc_algorithms",
+    "oidc_principal_prefix",
+    "oidc_require",
+)
 _FILE_KEYS = {
     "catalog_url",
     "store_url",
@@ -49,6 +57,8 @@ class Settings:
     oidc_jwks: str | None = None  # a JWKS file or an http(s) URL
     oidc_claim: str | None = None  # the claim naming the principal (None: sub)
     oidc_algorithms: str | None = None  # comma-separated (None: the asymmetric defaults)
+    oidc_principal_prefix: str | None = None  # prepended to the claim (e.g. oidc-)
+    oidc_require: str | None = None  # comma-separated claim=value pairs that must all match
 
     @property
     def remote(self) -> bool:
@@ -100,6 +110,8 @@ class Settings:
             oidc_jwks=oidc["oidc_jwks"],
             oidc_claim=oidc["oidc_claim"],
             oidc_algorithms=oidc["oidc_algorithms"],
+            oidc_principal_prefix=oidc["oidc_principal_prefix"],
+            oidc_require=oidc["oidc_require"],
         )
 
 

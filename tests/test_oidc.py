@@ -518,13 +518,19 @@ def test_a_single_key_jwks_matches_a_jwt_without_kid(idp, tmp_path):
         ({"REG_OIDC_ALGORITHMS": "RS257"}, "unknown algorithm 'RS257'"),
         ({"REG_OIDC_JWKS": "/nonexistent/jwks.json"}, "no such file"),
         ({"REG_OIDC_JWKS": "file:///etc/passwd"}, "only https://, http:// or a file path"),
+        ({"REG_OIDC_JWKS": "http://idp.example.test/certs"}, "plain http lets anyone on the path"),
+        ({"REG_OIDC_JWKS": "http://localhost.evil.test/j"}, "plain http lets anyone on the path"),
+        ({"REG_OIDC_PRINCIPAL_PREFIX": "oidc:"}, "'oidc:' cannot start a principal name"),
+        ({"REG_OIDC_REQUIRE": "repository_owner"}, "'repository_owner' is not claim=value"),
+        ({"REG_OIDC_REQUIRE": "a=1,a=2"}, "names a twice with different values"),
+        ({"REG_OIDC_PRINCIPAL_PREFIX": "oidc-"}, "REG_OIDC_PRINCIPAL_PREFIX set but OIDC is off"),
     ],
 )
 def test_a_partial_or_unsafe_oidc_setting_stops_the_server_in_one_line(
     tmp_path, jwks_file, settings, expected
 ):
     env = server_env(tmp_path / "srv", f"sqlite:///{tmp_path / 'catalog.db'}")
-    if "REG_OIDC_ISSUER" not in settings and "REG_OIDC_CLAIM" not in settings:
+    if not {"REG_OIDC_ISSUER", "REG_OIDC_CLAIM"} & set(settings) and "off" not in expected:
         env.update(REG_OIDC_ISSUER=ISSUER, REG_OIDC_AUDIENCE=AUDIENCE, REG_OIDC_JWKS=str(jwks_file))
     env.update(settings)
     res = subprocess.run(
@@ -546,11 +552,14 @@ def test_config_toml_holds_the_same_keys(tmp_path, jwks_file):
     (tmp_path / "config.toml").write_text(
         f'oidc_issuer = "{ISSUER}"\noidc_audience = "{AUDIENCE}"\n'
         f'oidc_jwks = "{jwks_file}"\noidc_claim = "email"\n'
-        'oidc_algorithms = ["ES256", "EdDSA"]\n'
+        'oidc_algorithms = ["ES256", "EdDSA"]\noidc_principal_prefix = "corp-"\n'
+        'oidc_require = ["repository_owner=my-org", "ref=refs/heads/main"]\n'
     )
     config = config_from(Settings.from_env({"REG_HOME": str(tmp_path)}))
     assert config is not None
     assert (config.issuer, config.claim, config.algorithms) == (ISSUER, "email", ("ES256", "EdDSA"))
+    assert config.prefix == "corp-"
+    assert config.require == (("repository_owner", "my-org"), ("ref", "refs/heads/main"))
     env = {"REG_HOME": str(tmp_path), "REG_OIDC_AUDIENCE": "other"}
     assert config_from(Settings.from_env(env)).audience == "other"  # type: ignore[union-attr]
     assert config_from(Settings.from_env({"REG_HOME": str(tmp_path / "none")})) is None
@@ -606,3 +615,115 @@ def test_a_weak_rsa_key_in_the_jwks_is_refused(tmp_path):
         token = idp.token(kid="weak")
     with pytest.raises(oidc.Unauthenticated, match="the JWKS key is refused .*1024"):
         verifier.verify(token)
+
+
+def test_a_plain_http_jwks_url_is_accepted_only_on_loopback(tmp_path):
+    """A man in the middle of an http:// JWKS fetch picks the keys, so only loopback may use it."""
+    from registry.config import Settings
+    from registry.errors import UsageError
+    from registry.server.oidc import config_from
+
+    def config(url: str) -> object:
+        env = {"REG_HOME": str(tmp_path), "REG_OIDC_ISSUER": ISSUER, "REG_OIDC_AUDIENCE": "a"}
+        return config_from(Settings.from_env({**env, "REG_OIDC_JWKS": url}))
+
+    for ok in (
+        "http://127.0.0.1:8080/jwks.json",
+        "http://127.9.9.9/jwks.json",
+        "http://[::1]:8080/jwks.json",
+        "http://localhost/jwks.json",
+        "http://LOCALHOST:1/x",
+        "https://idp.example.test/certs",
+    ):
+        assert config(ok) is not None, ok
+    for bad in (
+        "http://idp.example.test/certs",
+        "http://localhost.evil.test/jwks.json",
+        "http://127.0.0.1.evil.test/jwks.json",
+        "http://localhost@evil.test/jwks.json",
+        "http://10.0.0.1/jwks.json",
+        "http://[::1/jwks.json",
+    ):
+        with pytest.raises(UsageError, match="plain http lets anyone on the path swap the keys"):
+            config(bad)
+
+
+# -- which claim names the principal: unverified email, prefix, required claims ------------------
+
+
+@pytest.mark.parametrize("catalog_url", ["sqlite"], indirect=True)
+def test_an_unverified_email_names_no_one(idp, jwks_file, catalog_url, tmp_path):
+    """REG_OIDC_CLAIM=email: an address the user typed in (email_verified false or absent) is a
+    401, however much it looks like a principal; a verified one is the principal."""
+    server = _oidc_server(tmp_path / "srv", catalog_url, str(jwks_file), REG_OIDC_CLAIM="email")
+    try:
+        for verified, shown in [
+            (False, "False"),
+            ("false", "'false'"),
+            (1, "1"),  # 1 == True in Python: must not pass
+            ("True ", "'True '"),
+            (None, "None"),
+        ]:
+            message = _refused(server, idp.token(email="admin", email_verified=verified))
+            assert message == (
+                f"the JWT's email is not verified (email_verified is {shown}); "
+                "an unverified address names no one"
+            )
+        message = _refused(server, idp.token(email="admin"))
+        assert "(email_verified is absent)" in message
+        for verified in (True, "true"):
+            r = _whoami(server, idp.token(email="alice@example.com", email_verified=verified))
+            assert r.status_code == 200, r.text
+            assert r.json()["principal"] == "alice@example.com"
+        r = _whoami(server, idp.token(email="admin", email_verified=True))
+        assert r.json()["principal"] == "admin"  # verified: the provider vouches for it
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "catalog_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_principal_prefix_and_required_claims(cli, idp, jwks_file, catalog_url, tmp_path):
+    """A CI issuer's audience is anyone's to choose: REG_OIDC_REQUIRE pins the org and branch;
+    REG_OIDC_PRINCIPAL_PREFIX keeps an OIDC `sub` of `admin` from being the token principal
+    admin: it is oidc-admin, with only what the policy grants that name."""
+    server = _oidc_server(
+        tmp_path / "srv",
+        catalog_url,
+        str(jwks_file),
+        REG_OIDC_PRINCIPAL_PREFIX="oidc-",
+        REG_OIDC_REQUIRE="repository_owner=my-org, ref=refs/heads/main",
+    )
+    server.apply_policy(
+        team_policy('\n[[access.grants]]\nprincipals = ["oidc-alice"]\nrole = "viewer"\n')
+    )
+    ours = {"repository_owner": "my-org", "ref": "refs/heads/main"}
+    try:
+        admin = idp.token("admin", **ours)
+        r = _whoami(server, admin)
+        assert r.status_code == 200 and r.json()["principal"] == "oidc-admin", r.text
+        audit = httpx.get(
+            f"{server.url}/v1/audit", headers={"authorization": f"Bearer {admin}"}, timeout=30
+        )
+        assert audit.status_code == 403, audit.text  # not admin's grants
+        alice = {"REG_URL": server.url, "REG_TOKEN": idp.token("alice", **ours)}
+        res = cli("ls", "--project", "team-a", "--json", env=alice)
+        assert res.returncode == 0, res.stderr  # oidc-alice's own grant
+        assert cli("ls", env=server.client_env("alice")).returncode == 0  # tokens unchanged
+
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({**ours, "repository_owner": "evil-org"}, "repository_owner 'evil-org'"),
+            ({**ours, "repository_owner": "My-Org"}, "repository_owner 'My-Org'"),
+            ({**ours, "repository_owner": ["my-org"]}, "repository_owner ['my-org']"),
+            ({"repository_owner": "my-org"}, "ref absent"),
+            ({**ours, "ref": "refs/heads/main-evil"}, "ref 'refs/heads/main-evil'"),
+        ]
+        for claims, shown in cases:
+            message = _refused(server, idp.token("alice", **claims))
+            assert message == f"the JWT's {shown} is not the value REG_OIDC_REQUIRE needs"
+        # The prefixed name must still be a principal name (at most 128 characters).
+        message = _refused(server, idp.token("a" * 125, **ours))
+        assert "is not a principal name with prefix 'oidc-'" in message
+    finally:
+        server.stop()

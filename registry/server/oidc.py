@@ -2,17 +2,25 @@
 
 A JWT is accepted only when it is signed by a key of the configured JWKS, with an asymmetric
 algorithm of the configured list, for the configured issuer and audience, and not expired; the
-principal is one claim (`sub` by default) and must be a name grants can hold. Reg tokens keep
-working beside it: `auth.py` tells the two apart by shape (`reg_...` or three dotted parts).
+principal is REG_OIDC_PRINCIPAL_PREFIX plus one claim (`sub` by default) and must be a name
+grants can hold. Reg tokens keep working beside it: `auth.py` tells the two apart by shape
+(`reg_...` or three dotted parts).
 
 Settings (env, or the same keys lowercased in `$REG_HOME/config.toml`): REG_OIDC_ISSUER,
-REG_OIDC_AUDIENCE, REG_OIDC_JWKS (a file or an http(s) URL), REG_OIDC_CLAIM, REG_OIDC_ALGORITHMS.
+REG_OIDC_AUDIENCE, REG_OIDC_JWKS (a file or an https URL), REG_OIDC_CLAIM, REG_OIDC_ALGORITHMS,
+REG_OIDC_PRINCIPAL_PREFIX, REG_OIDC_REQUIRE (claim=value pairs that must all match: a CI issuer
+lets anyone pick the audience, so `repository_owner=my-org` is what keeps other orgs out).
 All three of issuer, audience and JWKS, or none: a partial setting would look like OIDC is on
 while every JWT is refused, so `reg server` refuses to start instead.
 
 Symmetric algorithms (HS*) and `none` can never be configured: the JWKS is public, so an HMAC
 "signed" with its bytes proves nothing (the classic key-confusion forgery), and `none` proves
-nothing at all. Only public members of a JWK are used; `oct` keys in a JWKS are ignored.
+nothing at all. Only public members of a JWK are used; `oct` keys in a JWKS are ignored. A JWKS
+URL must be https (else whoever is on the path picks the keys), except on a loopback host.
+
+The claim must be one the user cannot edit: `sub` is stable and issuer-unique; `email` counts
+only with `email_verified` true (otherwise anyone may type `admin` into their profile);
+`preferred_username` is user-editable in some providers (Keycloak with self-service, Entra).
 
 The JWKS itself (a file or a URL, cached, refetched for an unknown kid at most once a minute)
 is read by registry/server/jwks.py.
@@ -55,6 +63,9 @@ LEEWAY_S = 30.0  # clock skew allowed on exp, nbf and iat
 MAX_JWT = 8192  # characters; real ID/access tokens are 1-2 KB
 _JTI = re.compile(r"[A-Za-z0-9._-]{1,48}")
 _CLAIM = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")  # the start of a principal name
+_LOOPBACK_NAMES = ("localhost",)
+_ABSENT = object()  # a claim the JWT lacks (distinct from JSON null)
 
 _HINT = "get a fresh token from your identity provider (REG_TOKEN, or reg login)"
 
@@ -69,6 +80,8 @@ class OidcConfig:
     jwks: str  # a file path or an http(s) URL
     claim: str = "sub"
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
+    prefix: str = ""  # prepended to the claim's value: OIDC names apart from token names
+    require: tuple[tuple[str, str], ...] = ()  # (claim, value): each must match exactly
 
     @property
     def jwks_is_url(self) -> bool:
@@ -89,6 +102,8 @@ def config_from(settings: Settings) -> OidcConfig | None:
         for k, v in {
             "REG_OIDC_CLAIM": settings.oidc_claim,
             "REG_OIDC_ALGORITHMS": settings.oidc_algorithms,
+            "REG_OIDC_PRINCIPAL_PREFIX": settings.oidc_principal_prefix,
+            "REG_OIDC_REQUIRE": settings.oidc_require,
         }.items()
         if v
     ]
@@ -109,7 +124,20 @@ def config_from(settings: Settings) -> OidcConfig | None:
     claim = (settings.oidc_claim or "sub").strip()
     if not _CLAIM.fullmatch(claim):
         raise UsageError(f"REG_OIDC_CLAIM={claim[:64]!r} is not a claim name", "e.g. sub, email")
-    config = OidcConfig(issuer, audience, jwks, claim, _algorithms(settings.oidc_algorithms))
+    config = OidcConfig(
+        issuer,
+        audience,
+        jwks,
+        claim,
+        _algorithms(settings.oidc_algorithms),
+        _prefix(settings.oidc_principal_prefix),
+        _require(settings.oidc_require),
+    )
+    if jwks.startswith("http://") and not _loopback(jwks):
+        raise UsageError(
+            f"REG_OIDC_JWKS={redact_url(jwks)}: plain http lets anyone on the path swap the keys",
+            "use the provider's https:// jwks_uri (http:// only for 127.0.0.1, ::1, localhost)",
+        )
     if not config.jwks_is_url:
         if "://" in jwks:
             raise UsageError(
@@ -119,6 +147,52 @@ def config_from(settings: Settings) -> OidcConfig | None:
         if not Path(jwks).expanduser().is_file():
             raise UsageError(f"REG_OIDC_JWKS={jwks}: no such file", "a JWKS JSON file, or a URL")
     return config
+
+
+def _loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return False
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _prefix(text: str | None) -> str:
+    prefix = (text or "").strip()
+    if prefix and not _PREFIX.fullmatch(prefix):
+        raise UsageError(
+            f"REG_OIDC_PRINCIPAL_PREFIX={prefix[:64]!r} cannot start a principal name",
+            "letters, digits, . _ @ -, starting with a letter or digit, at most 64 (e.g. oidc-)",
+        )
+    return prefix
+
+
+def _require(text: str | None) -> tuple[tuple[str, str], ...]:
+    pairs: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        claim, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not _CLAIM.fullmatch(claim) or not value:
+            raise UsageError(
+                f"REG_OIDC_REQUIRE: {item.strip()[:64]!r} is not claim=value",
+                "comma-separated claim=value pairs, e.g. repository_owner=my-org",
+            )
+        if pairs.get(claim, value) != value:
+            raise UsageError(
+                f"REG_OIDC_REQUIRE names {claim} twice with different values",
+                "no JWT could match both; keep one",
+            )
+        pairs[claim] = value
+    return tuple(pairs.items())
 
 
 def _algorithms(text: str | None) -> tuple[str, ...]:
@@ -253,16 +327,29 @@ class OidcVerifier:
         from policies.loader import PRINCIPAL
         from registry.lifecycle.token_admin import SERVER_PRINCIPAL
 
+        for required, value in self.config.require:
+            got = payload.get(required, _ABSENT)
+            if not isinstance(got, str) or got != value:
+                raise _refused(
+                    f"the JWT's {required} {_shown(got)} is not the value REG_OIDC_REQUIRE needs"
+                )
         claim = self.config.claim
         if claim not in payload:
             raise _refused(
                 f"the JWT has no {claim!r} claim (REG_OIDC_CLAIM names the principal's claim)"
             )
-        name = payload[claim]
-        if not isinstance(name, str) or not PRINCIPAL.fullmatch(name) or name == SERVER_PRINCIPAL:
-            shown = repr(name)[:40] + ("..." if len(repr(name)) > 40 else "")
+        value = payload[claim]
+        verified = payload.get("email_verified", _ABSENT)
+        if claim == "email" and verified is not True and verified != "true":  # 1 == True: `is`
             raise _refused(
-                f"the JWT's {claim} {shown} is not a principal name "
+                f"the JWT's email is not verified (email_verified is {_shown(verified)}); "
+                "an unverified address names no one"
+            )
+        name = self.config.prefix + value if isinstance(value, str) else value
+        if not isinstance(name, str) or not PRINCIPAL.fullmatch(name) or name == SERVER_PRINCIPAL:
+            raise _refused(
+                f"the JWT's {claim} {_shown(value)} is not a principal name "
+                f"{'with prefix ' + repr(self.config.prefix) + ' ' if self.config.prefix else ''}"
                 f"(letters, digits, . _ @ -, at most 128, not {SERVER_PRINCIPAL})"
             )
         return name
@@ -314,6 +401,12 @@ def _at(token: str, claim: str) -> str:
         except (OverflowError, ValueError, OSError):
             return ""
     return ""
+
+
+def _shown(value: Any) -> str:
+    """A claim's value for a one-line message: repr, cut at 40 characters."""
+    text = "absent" if value is _ABSENT else repr(value)
+    return text[:40] + ("..." if len(text) > 40 else "")
 
 
 def _said(exc: Exception) -> str:
