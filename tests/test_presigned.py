@@ -17,6 +17,8 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 import pytest
 
+from registry.lifecycle.checkpoints.presigned import URL_TTL_S
+from registry.lifecycle.checkpoints.upload_plan import LEASE_S
 from tests.serverproc import RegServer, server_env, team_policy
 
 AWS = {
@@ -179,13 +181,14 @@ def test_urls_sign_exactly_the_claimed_keys(s3_server, ckpts) -> None:
     begun = _begin(s3_server, "alice", src, 7)
     assert begun.status_code == 200, begun.text
     doc = begun.json()
-    assert doc["items"] == len(_files(src)) == len(doc["urls"])
+    assert doc["items"] == len(_files(src)) == len(doc["urls"])  # fewer than BEGIN_URLS
     for item in doc["urls"]:
         url = urlparse(item["url"])
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
         assert url.path == f"/{s3_server.bucket}/reg/ckpt/team-a/r/step-7/{item['path']}"
         assert q["X-Amz-Algorithm"] == "AWS4-HMAC-SHA256"  # SigV4, not SigV2
-        assert q["X-Amz-Expires"] == "900"
+        # Dead before the claim they were signed under can run out (see URL_TTL_S).
+        assert q["X-Amz-Expires"] == str(URL_TTL_S) and URL_TTL_S < LEASE_S
         signed = q["X-Amz-SignedHeaders"].split(";")
         assert {"host", "content-length", "if-none-match", "x-amz-checksum-sha256"} <= set(signed)
         assert item["headers"]["if-none-match"] == "*"
@@ -410,5 +413,8 @@ def test_a_killed_client_frees_the_step(s3_server, ckpts, cli) -> None:
     res = _push(cli, s3_server, src, 15)
     assert res.returncode != 0 and "is being pushed by alice" in res.stderr
     _finish(s3_server, doc, "abort")
+    # Abandoned, but its URLs live on: nobody else takes the step over before they are dead
+    # (they could write into that attempt's keys); alice, whose URLs they are, at once.
+    assert _begin(s3_server, "admin", src, 15).status_code == 409
     res = _push(cli, s3_server, src, 15)
     assert res.returncode == 0, res.stderr

@@ -27,6 +27,7 @@ import hashlib
 import re
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from registry.errors import (
     NotFound,
     ObjectExists,
     PermissionDenied,
+    RegistryError,
     UsageError,
 )
 from registry.formats.dcp import METADATA
@@ -60,6 +62,13 @@ if TYPE_CHECKING:
     from registry.storage.s3 import S3Store
 
 MAX_URLS = 1000  # per answer
+BEGIN_URLS = 64  # with `begin`; the client asks for the rest as it goes
+# Upload URLs die before the claim they were signed under can run out (every request that
+# signs renews the lease first), so a URL of an attempt whose claim was taken over is dead: it
+# cannot write into the next attempt's keys.
+URL_TTL_S = int(LEASE_S) - 10
+MAX_MULTIPART_FILES = 16_384  # one CreateMultipartUpload each at `begin`
+ABANDONED = " (abandoned)"
 
 
 def _s3(ctx: Context) -> S3Store:
@@ -89,35 +98,39 @@ def begin(
     checked_metrics = check_metrics(metrics)
     ctx.authorize("push", project=project, target=str(ref))
     store = _s3(ctx)
+    if sum(1 for f in files if f.parts) > MAX_MULTIPART_FILES:
+        raise UsageError(f"at most {MAX_MULTIPART_FILES} files over 8 MiB in one push")
+    _reclaim_own_abandoned(ctx, ref)
     claim, existing = commit.claim_step(ctx, ref)
     if existing is not None:
         return {"unchanged": _compare_existing(ctx, ref, files, existing).to_json()}
-    with claims.held(ctx.catalog, claim):  # expired at once if this request fails
-        _hold(ctx, claim)
-        presigner = Presigner(store)
+    with _held(ctx, claim):
+        presigner = Presigner(store, URL_TTL_S)
         prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
         reused = _clear_leftovers(store, presigner, prefix, files)
         store.sweep_incomplete(prefix, 0.0)  # an earlier attempt's multipart uploads
-        started = [
-            DeclaredFile(
-                f.path, f.size, f.sha256, f.parts, presigner.create_multipart(prefix + f.path)
-            )
-            if f.parts and f.path not in reused
-            else f
-            for f in files
-        ]
+
+        def started(f: DeclaredFile) -> DeclaredFile:
+            if not f.parts or f.path in reused:
+                return f
+            upload_id = presigner.create_multipart(prefix + f.path)
+            return DeclaredFile(f.path, f.size, f.sha256, f.parts, upload_id)
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            declared = list(pool.map(started, files))
         plan = Plan(
-            claim.token, ref, ctx.actor, world_size, checked_metrics, started, reused, now()
+            claim.token, ref, ctx.actor, world_size, checked_metrics, declared, reused, now()
         )
         store.put_bytes(prefix + UPLOAD_PLAN, plan.to_bytes())
-        _hold(ctx, claim)  # the heartbeat's renewals would shorten the lease to a minute
+        _hold(ctx, claim)  # renewed before URLs are signed: the lease outlives them
+        first = _urls(presigner, plan, 0, BEGIN_URLS)
     return {
         "upload": claim.token,
         "ref": str(ref),
         "items": len(plan.items),
         "reused": reused,
         "ttl_s": presigner.ttl_s,
-        "urls": _urls(presigner, plan, 0, MAX_URLS),
+        "urls": first,
     }
 
 
@@ -125,7 +138,7 @@ def urls(ctx: Context, ref: CheckpointRef, token: str, start: int, count: int) -
     """URLs for items [start, start+count) of the plan; renews the claim."""
     claim, plan = _resume(ctx, ref, token)
     _hold(ctx, claim)
-    presigner = Presigner(_s3(ctx))
+    presigner = Presigner(_s3(ctx), URL_TTL_S)
     return {"urls": _urls(presigner, plan, start, count), "ttl_s": presigner.ttl_s}
 
 
@@ -165,8 +178,7 @@ def complete(
     store = _s3(ctx)
     presigner = Presigner(store)
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
-    with claims.held(ctx.catalog, claim):
-        _hold(ctx, claim)
+    with _held(ctx, claim):
         stored = _assemble(ctx, presigner, prefix, plan)
         faults.point("presigned-assembled")
         scanned = _scan_stored(ctx, prefix, plan)
@@ -225,7 +237,9 @@ def abort(ctx: Context, ref: CheckpointRef, token: str) -> dict[str, Any]:
     for f in plan.files:
         if f.upload_id:
             presigner.abort(prefix + f.path, f.upload_id)
-    claims.expire(ctx.catalog, claim)
+    # Not expired at once: the claim lives until every URL signed under it is dead, so nobody
+    # else's next attempt can receive this one's bytes. The same pusher takes it back at once.
+    _hold(ctx, claim, abandoned=True)
     with ctx.catalog.session(write=True) as s:
         ctx.audit(s, "push", str(ref), "failed", reason="the client abandoned the upload")
     return {"ref": str(plan.ref), "aborted": True}
@@ -234,19 +248,61 @@ def abort(ctx: Context, ref: CheckpointRef, token: str) -> dict[str, Any]:
 # -- steps ---------------------------------------------------------------------------------------
 
 
-def _hold(ctx: Context, claim: Claim) -> None:
+def _hold(ctx: Context, claim: Claim, *, abandoned: bool = False) -> None:
     """Lease the claim for LEASE_S, held by no process (the client's requests renew it)."""
+    host = f"{socket.gethostname()} (presigned)" + (ABANDONED if abandoned else "")
     with ctx.catalog.session(write=True) as s:
         if not claims.guarded_update(
-            s,
-            claim,
-            lease_until=now() + LEASE_S,
-            claim_host=f"{socket.gethostname()} (presigned)"[:255],
-            claim_pid=0,
+            s, claim, lease_until=now() + LEASE_S, claim_host=host[:255], claim_pid=0
         ):
             raise Conflict(
                 "lost the claim on this upload (another push took it over)", "push again"
             )
+
+
+@contextlib.contextmanager
+def _held(ctx: Context, claim: Claim) -> Iterator[None]:
+    """The claim renewed while a request works; if the request fails, marked abandoned rather
+    than expired: URLs signed under it may still be alive, so only their owner may take the
+    step back before the lease runs out."""
+    from registry.catalog.leases import Heartbeat
+
+    _hold(ctx, claim)
+    try:
+        with Heartbeat(lambda: _hold(ctx, claim), LEASE_S / 4):
+            yield
+    except BaseException:
+        with contextlib.suppress(RegistryError):
+            _hold(ctx, claim, abandoned=True)
+        raise
+
+
+def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> None:
+    """A presigned push of `ref` this principal abandoned is let go at once for its retry (its
+    live URLs are this principal's own); anyone else waits for the claim to run out."""
+    from sqlmodel import select
+
+    from registry.catalog import queries
+    from registry.catalog.models import PENDING, Checkpoint
+
+    with ctx.catalog.session() as s:
+        run = queries.find_run(s, ref.project, ref.run)
+        row = None
+        if run is not None:
+            row = s.exec(
+                select(Checkpoint).where(
+                    Checkpoint.run_id == run.id,
+                    Checkpoint.step == ref.step,
+                    Checkpoint.state == PENDING,
+                )
+            ).first()
+    if (
+        row is not None
+        and row.claim_token
+        and row.pushed_by == ctx.actor
+        and (row.claim_host or "").endswith(ABANDONED)
+    ):
+        claims.expire(ctx.catalog, claims.Claim(Checkpoint, row.id or 0, row.claim_token))
 
 
 def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
