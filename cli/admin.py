@@ -187,11 +187,32 @@ def audit(
     )
 
 
-def audit_verify(json_output: bool = JSON_OPTION) -> None:
+def audit_verify(
+    max_unsealed_age: str | None = typer.Option(
+        None,
+        "--max-unsealed-age",
+        help="Fail when a signed event waited unsealed longer (default: max(15m, 10 x "
+        "REG_AUDIT_SEAL_EVERY) of the server).",
+    ),
+    max_anchor_age: str | None = typer.Option(
+        None,
+        "--max-anchor-age",
+        help="Fail when a signed event waited unanchored longer while the newest anchor is "
+        "older too (default: max(15m, 3 x REG_AUDIT_ANCHOR_EVERY)).",
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
     """Check every audit event, seal and anchor against the server's key (admin); exit 1
-    naming each edit, reordering, deletion, forged event or truncated tail."""
+    naming each edit, reordering, deletion, forged event, truncated tail or stalled sealer."""
+    from registry.timeutil import positive_duration
+
+    def seconds(text: str | None, flag: str) -> float | None:
+        return None if text is None else positive_duration(text, flag, "15m")
+
+    unsealed = seconds(max_unsealed_age, "--max-unsealed-age")
+    anchor = seconds(max_anchor_age, "--max-anchor-age")
     with open_registry() as reg:
-        out = reg.audit_verify()
+        out = reg.audit_verify(max_unsealed_age_s=unsealed, max_anchor_age_s=anchor)
     if json_output:
         emit_json(out)
     else:

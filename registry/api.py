@@ -323,11 +323,15 @@ class Registry:
 
         return audit_log(self.context, since=since, actor=actor, action=action)
 
-    def audit_verify(self) -> dict[str, Any]:
+    def audit_verify(
+        self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
+    ) -> dict[str, Any]:
         """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
         from registry.audit_chain.service import verify
 
-        return verify(self.context)
+        return verify(
+            self.context, max_unsealed_age_s=max_unsealed_age_s, max_anchor_age_s=max_anchor_age_s
+        )
 
     def audit_seal(self) -> dict[str, Any]:
         """Seal the audit events not sealed yet and anchor the head in the store (admin)."""

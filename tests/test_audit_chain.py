@@ -8,6 +8,7 @@ catalogs (SQLite and PostgreSQL), a real `reg server` and a real S3 server with 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -72,8 +73,10 @@ def _seals(reg: Registry) -> list[tuple[int, int, int]]:
         return [tuple(r) for r in rows]  # type: ignore[misc]
 
 
-def verify(cli: Any, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
-    res = cli("audit", "verify", "--json", env=env)
+def verify(
+    cli: Any, *flags: str, env: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], str]:
+    res = cli("audit", "verify", "--json", *flags, env=env)
     return res.returncode, json.loads(res.stdout) if res.stdout else {}, res.stderr
 
 
@@ -283,13 +286,29 @@ def test_verifying_without_the_key_says_where_to_run_it(sealed, cli, tmp_path):
 def test_a_wrong_key_is_one_clear_line(sealed, cli, tmp_path):
     other = tmp_path / "other.key"
     other.write_bytes(os.urandom(32).hex().encode() + b"\n")  # the hex form reads too
+    other.chmod(0o600)
     res = cli("audit", "verify", env={"REG_AUDIT_KEY_FILE": str(other)})
     assert res.returncode == 2, res.stderr
     assert "the audit chain is sealed with key" in res.stderr
     bad = tmp_path / "bad.key"
     bad.write_bytes(b"short")
+    bad.chmod(0o400)
     res = cli("audit", "verify", env={"REG_AUDIT_KEY_FILE": str(bad)})
     assert res.returncode == 2 and "is not an audit key" in res.stderr
+
+
+def test_a_key_file_others_can_read_is_refused(sealed, cli):
+    """Like ssh with a private key: whoever reads the key can sign, so a key open to group or
+    others is one clear line, not a chain that proves nothing."""
+    path = _key_path()
+    for mode in (0o644, 0o640, 0o602):
+        path.chmod(mode)
+        res = cli("audit", "verify")
+        assert res.returncode == 2, res.stderr
+        assert f"the audit key {path} is open to group or others (mode {mode:04o})" in res.stderr
+        assert f"chmod 600 {path}" in res.stderr and "Traceback" not in res.stderr
+    path.chmod(0o400)
+    assert cli("audit", "verify").returncode == 0
 
 
 def test_the_key_file_is_created_once(tmp_path):
@@ -410,6 +429,9 @@ def test_through_a_real_server(catalog_url, tmp_path, cli):
             assert time.monotonic() < deadline, out
             time.sleep(0.5)
         assert out["events"] >= 5  # init's policy and token, the policy, two tokens
+        assert (out["max_unsealed_age_s"], out["max_anchor_age_s"]) == (900, 900)
+        code, out, _ = verify(cli, "--max-unsealed-age", "30s", env=client)  # to the server
+        assert code == 0 and out["max_unsealed_age_s"] == 30, out
         assert '"audit": "sealed"' in server.log_text()
         res = cli("audit", "seal", env=client)
         assert res.returncode == 0 and "chain head: seal" in res.stdout, res.stderr
@@ -473,3 +495,175 @@ def test_anchors_on_s3_are_write_once_and_compliance_locked(moto_server, monkeyp
         again = reg.audit_seal()  # nothing new but its own event: a new seal, a new anchor
         assert again["anchor"]["seq"] == 2
         assert reg.audit_verify()["ok"]
+
+
+# -- a stalled sealer -----------------------------------------------------------------------------
+
+
+def _plant_lease(catalog_url: str) -> None:
+    """What a stolen runtime role (or the owner) can do: hold the sealer's lease for a holder
+    on another host, far into the future."""
+    from registry.audit_chain.schedule import LEASE
+
+    as_owner(
+        catalog_url,
+        "INSERT INTO lease (name, holder, host, pid, token, acquired_at, expires_at) VALUES "
+        f"('{LEASE}', 'x', 'elsewhere', 1, 'deadbeef', {time.time()}, 1e12)",
+    )
+
+
+def _schedule(reg: Registry, **kw: Any) -> Any:
+    from registry.audit_chain.schedule import SealSchedule
+
+    kw.setdefault("anchor_every_s", 0)
+    return SealSchedule(
+        reg.catalog, reg.store, keys.read(_key_path()), every_s=10, holder="reg-server", **kw
+    )
+
+
+def test_a_held_lease_stalls_sealing_and_verify_fails_past_the_bound(sealed, cli, catalog_url):
+    """The lease planted, the server's sealer never leads again; events written since stay
+    unsealed and the owner deletes two. Within the bound that is fine and counted (the known
+    limit); past it, verify fails naming `stalled`."""
+    _plant_lease(catalog_url)
+    sched = _schedule(sealed)
+    assert sched.cycle() is None
+    _activity(sealed, 5)
+    assert sched.cycle() is None
+    with sealed.catalog.engine.connect() as c:
+        ids = [r[0] for r in c.exec_driver_sql("SELECT id FROM audit_event ORDER BY id DESC")]
+    as_owner(catalog_url, f"DELETE FROM audit_event WHERE id IN ({ids[0]}, {ids[2]})")
+    code, out, _ = verify(cli)  # default bound: max(15 min, 10 x REG_AUDIT_SEAL_EVERY)
+    assert code == 0 and out["unsealed"] == 3 and out["problems"] == []
+    assert (out["max_unsealed_age_s"], out["max_anchor_age_s"]) == (900, 900)
+    time.sleep(1.2)
+    code, out, err = verify(cli, "--max-unsealed-age", "1s")
+    assert code == 1 and "fails verification" in err
+    assert set(_kinds(out)) == {"stalled"}
+    (stalled,) = _kinds(out)["stalled"]
+    assert stalled["event"] == ids[4]  # the oldest waiting
+    assert stalled["message"].startswith("3 signed event(s) have waited unsealed longer than 1s")
+    assert "audit-seal lease" in stalled["message"]
+    res = cli("audit", "verify", "--max-unsealed-age", "1s")
+    assert res.returncode == 1 and "stalled: 3 signed event(s)" in res.stdout
+    res = cli("audit", "verify", "--max-unsealed-age", "soon")
+    assert res.returncode == 2 and "bad --max-unsealed-age" in res.stderr
+
+
+def test_events_older_than_the_default_bound_fail_without_a_flag(sealed, cli, catalog_url):
+    """An event signed 20 minutes ago (the key holder's own clock) and never sealed: the
+    default bound (15 min for a 10s sealer) fails it; a larger bound given accepts it."""
+    from registry.audit_chain.macs import event_mac
+    from registry.catalog.models import AuditEvent
+
+    content: dict[str, Any] = {
+        "uid": os.urandom(16).hex(),
+        "ts": time.time() - 1200,
+        "actor": "admin",
+        "action": "token-create",
+        "target": "late",
+        "outcome": "allowed",
+        "details": {},
+    }
+    with sealed.catalog.session(write=True) as s:
+        s.add(AuditEvent(**content, mac=event_mac(keys.read(_key_path()), content)))
+    code, out, _ = verify(cli)
+    assert code == 1 and set(_kinds(out)) == {"stalled"}  # the newest anchor is fresh
+    assert verify(cli, "--max-unsealed-age", "1h")[0] == 0
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+def test_reg_audit_seal_recovers_from_a_held_lease(sealed, cli, catalog_url):
+    """The planted lease does not stop an explicit seal (it takes no lease); the server's
+    sealer, shut out, says so in one JSON warning line (not every cycle)."""
+    _plant_lease(catalog_url)
+    sched = _schedule(sealed)
+    sched.patience_s = 0.5
+    _activity(sealed, 3)
+    time.sleep(0.7)
+    handler = _Lines()
+    logging.getLogger("reg.server").addHandler(handler)
+    try:
+        assert sched.cycle() is None and sched.cycle() is None
+        lines = list(handler.lines)
+        assert len(lines) == 1, lines
+        assert _kinds(verify(cli, "--max-unsealed-age", "0.5s")[1]).keys() == {"stalled"}
+        handler.lines.clear()
+        sched.warned_at = float("-inf")
+        assert cli("audit", "seal").returncode == 0
+        assert sched.cycle() is None  # still shut out, but nothing waits: no warning
+        assert handler.lines == []
+    finally:
+        logging.getLogger("reg.server").removeHandler(handler)
+    assert lines[0]["audit"] == "stalled" and lines[0]["waiting_s"] >= 0.5
+    assert (lines[0]["lease_holder"], lines[0]["lease_host"]) == ("x", "elsewhere")
+    assert lines[0]["lease_expires"] == "1000000000000.0 (not a time)"
+    code, out, _ = verify(cli, "--max-unsealed-age", "0.5s", "--max-anchor-age", "0.5s")
+    assert code == 0 and out["unsealed"] == 0 and out["unanchored"] == 0, out
+
+
+def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
+    """Seals made, none anchored (anchoring stopped): the store holds nothing of them, so the
+    owner could cut them unseen; past the bound that is `anchor-stale`."""
+    from registry.audit_chain.sealer import seal_pending
+
+    time.sleep(1.2)  # the anchors of the fixture are older than the bound now
+    assert verify(cli, "--max-anchor-age", "1s")[0] == 0  # everything anchored
+    _activity(sealed, 2)
+    assert seal_pending(sealed.catalog, keys.read(_key_path())).sealed == 2
+    code, out, _ = verify(cli, "--max-anchor-age", "1s")
+    assert code == 0 and out["unanchored"] == 2 and out["newest_anchor"]["seq"] == 3
+    time.sleep(1.2)
+    code, out, _ = verify(cli, "--max-anchor-age", "1s")
+    assert code == 1 and set(_kinds(out)) == {"anchor-stale"}, out["problems"]
+    (stale,) = _kinds(out)["anchor-stale"]
+    assert "2 signed event(s) are in no anchored seal" in stale["message"]
+    assert "the newest anchor (seal 3)" in stale["message"]
+    assert verify(cli)[0] == 0  # the default bound (15 min) is not reached
+    assert cli("audit", "seal").returncode == 0
+    code, out, _ = verify(cli, "--max-anchor-age", "1s")
+    assert code == 0 and out["unanchored"] == 0 and out["newest_anchor"]["seq"] == 5
+
+
+def test_a_late_event_with_an_old_ts_is_sealed_by_the_periodic_full_scan(sealed, cli):
+    """A routine cycle re-looks below the head only at the last 15 minutes; an event with a
+    low id and a ts older than that (a replica's clock behind, a transaction held open) is
+    sealed by the next full scan, every `full_every` cycles."""
+    from registry.audit_chain.macs import event_mac
+    from registry.catalog.models import AuditEvent
+
+    key = keys.read(_key_path())
+    high = _seals(sealed)[-1][2]
+
+    def insert(event_id: int, ts: float) -> None:
+        content: dict[str, Any] = {
+            "uid": os.urandom(16).hex(),
+            "ts": ts,
+            "actor": "admin",
+            "action": "push",
+            "target": f"late{event_id}",
+            "outcome": "allowed",
+            "details": {},
+        }
+        with sealed.catalog.session(write=True) as s:
+            s.add(AuditEvent(id=event_id, **content, mac=event_mac(key, content)))
+
+    sched = _schedule(sealed, full_every=3, anchor_every_s=3600)
+    assert sched.cycle()["seals"] == []  # cycle 0: full
+    insert(high + 1000, time.time())
+    assert sched.cycle()["sealed"] == 1  # cycle 1: routine, above the head
+    insert(high + 500, time.time() - 3600)
+    assert sched.cycle()["seals"] == []  # cycle 2: routine, misses it
+    out = verify(cli)[1]
+    assert out["unsealed"] == 1 and [p["event"] for p in _kinds(out)["stalled"]] == [high + 500]
+    assert sched.cycle()["sealed"] == 1  # cycle 3: the periodic full scan takes it
+    code, out, _ = verify(cli, "--max-anchor-age", "2h")
+    assert code == 0 and out["unsealed"] == 0, out["problems"]

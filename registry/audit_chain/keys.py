@@ -68,7 +68,21 @@ def read(path: Path) -> bytes:
             f"cannot read the audit key {path}: {exc.strerror}",
             "run as the server's user, or fix the file's permissions",
         ) from None
+    _private(path)
     return parse(data, path)
+
+
+def _private(path: Path) -> None:
+    """Refuse a key others may read (as ssh does a private key): whoever reads it can sign
+    events and seals, and the chain proves nothing against them."""
+    if os.name != "posix":
+        return
+    mode = path.stat().st_mode  # the target of a link (a mounted secret)
+    if mode & 0o077:
+        raise UsageError(
+            f"the audit key {path} is open to group or others (mode {mode & 0o777:04o})",
+            f"chmod 600 {path} (a mounted secret: defaultMode 0400 or 0600)",
+        )
 
 
 def parse(data: bytes, path: Path) -> bytes:

@@ -9,7 +9,9 @@ two with the same predecessor; the loser's events go into the next block.
 PostgreSQL may commit a transaction with a lower id after a higher one was sealed: that event is
 simply taken by a later seal, so seals hold id *sets* (compact ranges), not one running range.
 A routine cycle looks at events above the chain's highest id plus the last 15 minutes'; the
-server's first cycle and an explicit seal scan the whole log for stragglers.
+server's first cycle, one every 10 minutes after (`schedule.FULL_SCAN_S`: an event whose ts is
+older, from a clock behind or a transaction held open, is not lost) and an explicit seal scan
+the whole log for stragglers.
 
 An event whose MAC does not verify, or an unsigned one once the chain exists, is never sealed:
 it stays outside, and `reg audit verify` names it. Unsigned events of the history before the key

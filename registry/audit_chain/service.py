@@ -12,6 +12,7 @@ from registry.audit_chain import anchors
 from registry.audit_chain.keys import AuditKeyMissing
 from registry.audit_chain.sealer import anchor_head, seal_pending
 from registry.audit_chain.verify import verify_chain
+from registry.errors import UsageError
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -44,8 +45,26 @@ def seal(ctx: Context) -> dict[str, Any]:
     }
 
 
-def verify(ctx: Context) -> dict[str, Any]:
+def verify(
+    ctx: Context,
+    *,
+    max_unsealed_age_s: float | None = None,
+    max_anchor_age_s: float | None = None,
+) -> dict[str, Any]:
     """Check the whole log against the key and the anchors: {ok, events, sealed, unsealed,
-    seals, anchors, problems: [{kind, message, event?, seal?, anchor?}]}."""
+    seals, anchors, problems: [{kind, message, event?, seal?, anchor?}], ...}. The bounds
+    (seconds) default to this process's sealing intervals (`schedule.bounds`)."""
     ctx.authorize("audit", target="audit log")
-    return verify_chain(ctx.catalog, ctx.store, _key(ctx, "verifying"))
+    for flag, value in (
+        ("--max-unsealed-age", max_unsealed_age_s),
+        ("--max-anchor-age", max_anchor_age_s),
+    ):
+        if value is not None and not 0 < value < float("inf"):
+            raise UsageError(f"{flag} must be a positive, finite duration", "e.g. 15m")
+    return verify_chain(
+        ctx.catalog,
+        ctx.store,
+        _key(ctx, "verifying"),
+        max_unsealed_age_s=max_unsealed_age_s,
+        max_anchor_age_s=max_anchor_age_s,
+    )

@@ -20,6 +20,16 @@ Problem kinds (each with the event id or seal seq it concerns):
     truncated      the chain is shorter than an anchor in the store: its tail was removed
     anchor-mismatch  the chain holds a different seal at an anchored seq (rewritten)
     anchor-forged  an anchor object that does not verify (or does not read)
+    stalled        a signed event has waited unsealed longer than the bound (max(15 min, 10 x
+                   REG_AUDIT_SEAL_EVERY), `--max-unsealed-age`): the sealer is not sealing
+                   (the `audit-seal` lease held by one that does not seal?), and unsealed
+                   events could have been deleted without a trace
+    anchor-stale   a signed event is in no anchored seal while it, and the newest anchor, are
+                   older than the bound (max(15 min, 3 x REG_AUDIT_ANCHOR_EVERY),
+                   `--max-anchor-age`): a tail the store does not hold could be cut unseen
+
+Unsealed events younger than the bound are fine and counted: whoever can delete rows can
+delete those without a trace, which is why the bound is checked.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func
@@ -37,7 +48,7 @@ from registry.audit_chain import anchors, macs
 from registry.audit_chain.keys import key_id
 from registry.audit_chain.sealer import WrongKey
 from registry.catalog.models import AuditEvent, AuditSeal
-from registry.timeutil import iso
+from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -54,13 +65,33 @@ class _Report:
     unsealed: int = 0
     history: int = 0  # unsigned events before the key, waiting for the genesis seal
     oldest_unsealed: float | None = None  # on a server, minutes old means sealing stalled
+    oldest_unsealed_id: int | None = None
+    stale_unsealed: int = 0  # of them, older than the bound
+    unanchored: int = 0  # signed events in no anchored seal
+    oldest_unanchored: float | None = None
+    oldest_unanchored_id: int | None = None
 
     def add(self, kind: str, message: str, **where: Any) -> None:
         self.problems.append({"kind": kind, "message": message, **where})
 
 
-def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any]:
+def verify_chain(
+    catalog: Catalog,
+    store: BaseStore,
+    key: bytes,
+    *,
+    max_unsealed_age_s: float | None = None,
+    max_anchor_age_s: float | None = None,
+) -> dict[str, Any]:
+    """The report of `reg audit verify`; the bounds default to `schedule.bounds()` (this
+    process's REG_AUDIT_SEAL_EVERY / REG_AUDIT_ANCHOR_EVERY)."""
+    from registry.audit_chain.schedule import bounds
+
+    default_unsealed, default_anchor = bounds()
+    unsealed_bound = max_unsealed_age_s or default_unsealed
+    anchor_bound = max_anchor_age_s or default_anchor
     report = _Report()
+    at = now()
     # Anchors first: the chain only grows, so every anchor read now must be held by the seals
     # read next (read the other way round, a seal and its anchor made in between would look
     # like a truncated tail).
@@ -76,10 +107,14 @@ def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, An
             )
         _links(seals, kid, report)
         ranges = _ranges(seals, report)
+        newest = _newest_anchor(anchor_list, key, seals[-1].seq if seals else 0)
         walk = _Walk(key, seals, ranges, report)
+        walk.anchored_seq = newest[0] if newest else 0
+        walk.stale_before = at - unsealed_bound
         walk.run(_events(s))
         _duplicates(s, report)
     _anchors(anchor_list, seals, key, report)
+    _stalls(report, at, unsealed_bound, anchor_bound, newest)
     head = seals[-1] if seals else None
     return {
         "ok": not report.problems,
@@ -93,7 +128,76 @@ def verify_chain(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, An
         "key_id": kid,
         "head": None if head is None else {"seq": head.seq, "mac": head.mac, "events": head.total},
         "problems": report.problems,
+        "unanchored": report.unanchored,
+        "oldest_unanchored": iso(report.oldest_unanchored),
+        "newest_anchor": None if newest is None else {"seq": newest[0], "ts": iso(newest[1])},
+        "max_unsealed_age_s": unsealed_bound,
+        "max_anchor_age_s": anchor_bound,
     }
+
+
+def _newest_anchor(
+    found: list[tuple[str, dict[str, Any] | str]], key: bytes, chain_len: int
+) -> tuple[int, float] | None:
+    """(seq, ts) of the newest anchor that verifies and that the chain reaches (the others
+    are named by `_anchors`)."""
+    best: tuple[int, float] | None = None
+    for name, doc in found:
+        if isinstance(doc, str) or not _well_formed(doc) or doc["seq"] > chain_len:
+            continue
+        if name != anchors.key_for(doc["seq"]) or not macs.same(
+            doc["anchor_mac"], macs.anchor_mac(key, doc)
+        ):
+            continue
+        try:
+            ts = datetime.fromisoformat(doc["ts"].replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        if best is None or doc["seq"] > best[0]:
+            best = (doc["seq"], ts)
+    return best
+
+
+def _stalls(
+    report: _Report,
+    at: float,
+    unsealed_bound: float,
+    anchor_bound: float,
+    newest: tuple[int, float] | None,
+) -> None:
+    """Sealing or anchoring that stopped: what is unsealed (unanchored) can be deleted
+    (cut) without a trace, so waiting longer than the bound is a failure, not a count."""
+    if report.stale_unsealed:
+        assert report.oldest_unsealed is not None
+        report.add(
+            "stalled",
+            f"{report.stale_unsealed} signed event(s) have waited unsealed longer than "
+            f"{_span(unsealed_bound)} (the oldest, event {report.oldest_unsealed_id}, since "
+            f"{iso(report.oldest_unsealed)}): the sealer is not sealing (is the audit-seal "
+            "lease held by a holder that does not seal?), and unsealed events may have been "
+            "deleted without a trace",
+            event=report.oldest_unsealed_id,
+        )
+    oldest = report.oldest_unanchored
+    if (
+        oldest is not None
+        and at - oldest > anchor_bound
+        and (newest is None or at - newest[1] > anchor_bound)
+    ):
+        since = "no anchor" if newest is None else f"the newest anchor (seal {newest[0]}) is of"
+        when = "" if newest is None else f" {iso(newest[1])}"
+        report.add(
+            "anchor-stale",
+            f"{report.unanchored} signed event(s) are in no anchored seal, the oldest (event "
+            f"{report.oldest_unanchored_id}) since {iso(oldest)}, longer than "
+            f"{_span(anchor_bound)}; {since}{when}: anchoring stopped, and a tail the store "
+            "does not hold could be cut unseen",
+            event=report.oldest_unanchored_id,
+        )
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g}s"
 
 
 def _events(s: Session) -> Iterator[Any]:
@@ -208,6 +312,8 @@ class _Walk:
         self.genesis_first_signed: int | None = None
         self.first_signed: int | None = None
         self.mismatched: list[tuple[int, int, str, str, bool]] = []
+        self.anchored_seq = 0  # seals up to this seq are held by an anchor
+        self.stale_before = float("-inf")  # an unsealed event older than this: stalled
 
     def owner(self, event_id: int) -> int | None:
         i = bisect.bisect_right(self.lows, event_id) - 1
@@ -231,6 +337,10 @@ class _Walk:
         seq = self.owner(row.id)
         if valid and self.first_signed is None:
             self.first_signed = row.id
+        if valid and (seq is None or seq > self.anchored_seq):
+            report.unanchored += 1
+            if report.oldest_unanchored is None or row.ts < report.oldest_unanchored:
+                report.oldest_unanchored, report.oldest_unanchored_id = row.ts, row.id
         if seq is not None:
             report.sealed += 1
             self.entries[row.id] = entry
@@ -262,7 +372,9 @@ class _Walk:
         else:
             report.unsealed += 1
             if report.oldest_unsealed is None or row.ts < report.oldest_unsealed:
-                report.oldest_unsealed = row.ts
+                report.oldest_unsealed, report.oldest_unsealed_id = row.ts, row.id
+            if row.ts < self.stale_before:
+                report.stale_unsealed += 1
 
     def _close_below(self, event_id: int) -> None:
         while self.next < len(self.closing) and self.closing[self.next].high < event_id:

@@ -344,8 +344,11 @@ class RemoteRegistry(Registry):
         params = {"since": since, "actor": actor, "action": action}
         return list(self.client.call("GET", "/audit", params=params))
 
-    def audit_verify(self) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/audit/verify"))
+    def audit_verify(
+        self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
+    ) -> dict[str, Any]:
+        params = {"max_unsealed_age": max_unsealed_age_s, "max_anchor_age": max_anchor_age_s}
+        return dict(self.client.call("POST", "/audit/verify", params=params))
 
     def audit_seal(self) -> dict[str, Any]:
         return dict(self.client.call("POST", "/audit/seal"))

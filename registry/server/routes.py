@@ -295,10 +295,15 @@ def audit_log(
 
 
 @router.post("/audit/verify")
-def audit_verify(ctx: Context = CTX) -> dict[str, Any]:
+def audit_verify(
+    max_unsealed_age: float | None = None,
+    max_anchor_age: float | None = None,
+    ctx: Context = CTX,
+) -> dict[str, Any]:
+    """The bounds are seconds; by default the server's own (its sealing intervals)."""
     from registry.audit_chain.service import verify
 
-    return verify(ctx)
+    return verify(ctx, max_unsealed_age_s=max_unsealed_age, max_anchor_age_s=max_anchor_age)
 
 
 @router.post("/audit/seal")
