@@ -4,6 +4,10 @@ checked in constant time.
 A token reads `reg_<id>_<secret>`: the id is public (listings and audit events name it), the
 secret is 32 random bytes shown once. The catalog keeps sha256(secret): a stolen catalog
 yields no usable token, and a 256-bit secret needs no slow hash.
+
+Each row also carries an HMAC under the server's audit key over everything it says (id,
+principal, secret digest, creation, expiry): whoever can write the catalog without the key
+(the runtime role's credentials, the owner's) cannot mint a token the server accepts.
 """
 
 from __future__ import annotations
@@ -39,22 +43,38 @@ def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def mint(catalog: Catalog, principal: str, *, created_by: str, expires_s: float | None) -> str:
-    """A new token for `principal`; returns it in full (the only time it exists in clear)."""
+def token_mac(key: bytes, row: ApiToken) -> str:
+    fields = [row.id, row.principal, row.secret_sha256, repr(row.created_at), row.created_by]
+    fields.append("" if row.expires_at is None else repr(row.expires_at))
+    message = "reg.token/1\n" + "\n".join(fields)
+    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
+
+
+def mint(
+    catalog: Catalog,
+    principal: str,
+    *,
+    created_by: str,
+    expires_s: float | None,
+    key: bytes | None,
+) -> str:
+    """A new token for `principal`, signed with `key` (the server's audit key); returns it in
+    full (the only time it exists in clear)."""
     token_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     at = now()
+    row = ApiToken(
+        id=token_id,
+        principal=principal,
+        secret_sha256=_digest(secret),
+        created_at=at,
+        created_by=created_by,
+        expires_at=None if expires_s is None else at + expires_s,
+    )
+    if key is not None:
+        row.mac = token_mac(key, row)
     with catalog.session(write=True) as s:
-        s.add(
-            ApiToken(
-                id=token_id,
-                principal=principal,
-                secret_sha256=_digest(secret),
-                created_at=at,
-                created_by=created_by,
-                expires_at=None if expires_s is None else at + expires_s,
-            )
-        )
+        s.add(row)
     return f"{PREFIX}{token_id}_{secret}"
 
 
@@ -68,10 +88,11 @@ def split(token: str) -> tuple[str, str]:
     return token_id, secret
 
 
-def verify(catalog: Catalog, token: str) -> Verified:
+def verify(catalog: Catalog, token: str, key: bytes) -> Verified:
     """The principal a presented token stands for, or Unauthenticated. An unknown id and a
     wrong secret read the same; only the holder of the right secret learns that it was
-    revoked or has expired."""
+    revoked or has expired, or that its row was not signed with `key` (minted around the
+    server, or before tokens were signed)."""
     token_id, secret = split(token)
     with catalog.session() as s:
         row = s.get(ApiToken, token_id)
@@ -84,6 +105,12 @@ def verify(catalog: Catalog, token: str) -> Verified:
         raise _refused("the token was revoked")
     if row.expires_at is not None and row.expires_at <= at:
         raise _refused("the token has expired")
+    if row.mac is None or not hmac.compare_digest(row.mac, token_mac(key, row)):
+        raise Unauthenticated(
+            "the token was not minted by this server (its record is unsigned or altered)",
+            "an admin mints a new one (reg token create; on the server host: "
+            "reg server init --admin NAME)",
+        )
     if row.last_used_at is None or at - row.last_used_at > TOUCH_EVERY_S:
         with catalog.session(write=True) as s:
             s.exec(update(ApiToken).where(col(ApiToken.id) == token_id).values(last_used_at=at))

@@ -71,7 +71,7 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     with cat.session(write=True) as s:
         audit.record(s, "alice", "push", "r@step1")
     _migrate(cat, "0002", down=True)
-    assert _triggers(cat) == guards - ADDED_BY_0005 - ADDED_BY_0006 - ADDED_BY_0008
+    assert _triggers(cat) == guards - ADDED_BY_0005 - ADDED_BY_0006 - ADDED_BY_0008 - ADDED_BY_0009
     _migrate(cat, "head")
     assert cat.current_revision() == HEAD_REVISION and _triggers(cat) == guards
     with pytest.raises(DBAPIError, match="append-only"), cat.engine.begin() as conn:
@@ -89,6 +89,7 @@ ADDED_BY_0005 = {
     "policy_document_append_only",
 }
 ADDED_BY_0006 = {"audit_seal_no_update", "audit_seal_no_delete", "audit_seal_append_only"}
+ADDED_BY_0009 = {"api_token_immutable", "api_token_stays_revoked", "api_token_guard"}
 ADDED_BY_0008 = {
     "checkpoint_never_pending_again",
     "checkpoint_stays_collected",

@@ -326,3 +326,6 @@ class ApiToken(SQLModel, table=True):
     revoked_at: float | None = None
     revoked_by: str | None = None
     last_used_at: float | None = None
+    # HMAC under the server's audit key over the content (`registry.tokens.token_mac`): a row
+    # written around the server opens nothing (migration 0009).
+    mac: str | None = Field(default=None, max_length=64)

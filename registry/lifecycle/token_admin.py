@@ -26,7 +26,9 @@ def create(ctx: Context, principal: str, *, expires_s: float | None) -> dict[str
     if expires_s is not None and not (math.isfinite(expires_s) and 0 < expires_s <= MAX_EXPIRY_S):
         raise UsageError(f"--expires must be positive and at most {MAX_EXPIRY_S / 86400:.0f} days")
     ctx.authorize("token", target=f"token for {principal}")
-    token = tokens.mint(ctx.catalog, principal, created_by=ctx.actor, expires_s=expires_s)
+    token = tokens.mint(
+        ctx.catalog, principal, created_by=ctx.actor, expires_s=expires_s, key=ctx.audit_key
+    )
     token_id, _ = tokens.split(token)
     with ctx.catalog.session(write=True) as s:
         ctx.audit(s, "token-create", f"token {token_id}", principal=principal, expires_s=expires_s)

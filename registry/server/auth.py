@@ -84,7 +84,9 @@ def _identify(state: ServerState, request: Request, token: str) -> tuple[str, st
             "log in again with a valid token (reg login, or REG_TOKEN)",
         )
     request.state.token_id = split(token)[0]  # logged even when the token is refused
-    verified = verify(state.catalog, token)
+    from registry.audit_chain import keys as audit_keys
+
+    verified = verify(state.catalog, token, audit_keys.for_server(state.settings.audit_key_path))
     return verified.principal, "token", verified.token_id
 
 

@@ -61,7 +61,8 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 f"{admin} is not an admin under the policy in force ({policy.source})",
                 "name an admin of that policy, or have an admin add one",
             )
-        token = mint(catalog, admin, created_by=f"reg server init ({operator})", expires_s=None)
+        created_by = f"reg server init ({operator})"
+        token = mint(catalog, admin, created_by=created_by, expires_s=None, key=key)
         with catalog.session(write=True) as s:
             from registry import audit
 
