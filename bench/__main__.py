@@ -1,8 +1,8 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
-Runs bench.checkpoints, bench.promotion, bench.s3, bench.server and bench.gc in turn on one
-shared 1.2 GiB checkpoint (made once by 2 torchrun ranks); each prints ratios against baselines
-measured in the same run.
+Runs bench.checkpoints, bench.promotion, bench.s3, bench.presigned, bench.server and bench.gc
+in turn on one shared 1.2 GiB checkpoint (made once by 2 torchrun ranks); each prints ratios
+against baselines measured in the same run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> None:
             ("bench.checkpoints", common),
             ("bench.promotion", common),
             ("bench.s3", common),
+            ("bench.presigned", common),
             ("bench.server", common),
             ("bench.gc", []),
         ):
