@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,14 +63,17 @@ def mint(
     full (the only time it exists in clear)."""
     token_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
+    # Whole seconds (expiry rounded up): the MAC covers the times as text, and a whole number of
+    # seconds reads back the same from any database (PostgreSQL with extra_float_digits = 0
+    # rounds fractions).
     at = now()
     row = ApiToken(
         id=token_id,
         principal=principal,
         secret_sha256=_digest(secret),
-        created_at=at,
+        created_at=float(math.floor(at)),
         created_by=created_by,
-        expires_at=None if expires_s is None else at + expires_s,
+        expires_at=None if expires_s is None else float(math.ceil(at + expires_s)),
     )
     if key is not None:
         row.mac = token_mac(key, row)

@@ -89,10 +89,15 @@ ADDED_BY_0005 = {
     "policy_document_append_only",
 }
 ADDED_BY_0006 = {"audit_seal_no_update", "audit_seal_no_delete", "audit_seal_append_only"}
-ADDED_BY_0009 = {"api_token_immutable", "api_token_stays_revoked", "api_token_guard"}
+ADDED_BY_0009 = {
+    "api_token_immutable",
+    "api_token_stays_revoked",
+    "api_token_no_delete",
+    "api_token_guard",
+}
 ADDED_BY_0008 = {
-    "checkpoint_never_pending_again",
-    "checkpoint_stays_collected",
+    "checkpoint_state_moves",
+    "checkpoint_pinned_kept",
     "checkpoint_immutable",
     "checkpoint_digests_only_rehashed",
     "checkpoint_no_delete",
@@ -114,30 +119,38 @@ def _triggers(cat: Catalog) -> set[str]:
 
 
 def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
-    """What the server's runtime role could otherwise do to a checkpoint row (issue 14 review):
-    set it back to pending (the next push would take it over and delete its objects as
-    leftovers), rewrite its content, claim its digests were re-hashed by someone, delete it."""
+    """What the server's runtime role could otherwise do to a checkpoint row (issue 14 reviews):
+    set it back to pending or to sweeping (its objects would be deleted as leftovers, with no
+    tombstone), collect a pinned one, rewrite its content (resume state and metrics feed the
+    promotion gate and retention), claim its digests were re-hashed by someone, delete it."""
     reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+    reg.pin("r@step2", reason="baseline")
+    moves = "moves only"
     for statement, said in (
-        ("UPDATE checkpoint SET state = 'pending'", "never returns to pending"),
-        ("UPDATE checkpoint SET state = 'pending', lease_until = 0", "never returns to pending"),
+        ("UPDATE checkpoint SET state = 'pending'", moves),
+        ("UPDATE checkpoint SET state = 'pending', lease_until = 0", moves),
+        ("UPDATE checkpoint SET state = 'sweeping'", moves),
+        ("UPDATE checkpoint SET state = 'deleted'", moves),
+        ("UPDATE checkpoint SET state = 'anything'", moves),
+        ("UPDATE checkpoint SET state = 'deleting'", "pinned checkpoint is never collected"),
         ("UPDATE checkpoint SET manifest_sha256 = 'x'", "immutable"),
         ("UPDATE checkpoint SET bytes = 1", "immutable"),
         ("UPDATE checkpoint SET pushed_by = 'mallory'", "immutable"),
         ("UPDATE checkpoint SET step = 3", "immutable"),
+        ("UPDATE checkpoint SET resumable = NOT resumable", "immutable"),
+        ("UPDATE checkpoint SET missing_state = '[\"rng\"]'", "immutable"),
+        ("UPDATE checkpoint SET metrics = '{\"probe_loss\": 0.0}'", "immutable"),
+        ("UPDATE checkpoint SET created_at = 0", "immutable"),
         ("UPDATE checkpoint SET digests_reported_by = 'mallory'", "only becomes NULL"),
         ("DELETE FROM checkpoint", "never deleted"),
     ):
         with pytest.raises(DBAPIError, match=said), reg.catalog.engine.begin() as conn:
             conn.execute(text(statement))
     # What the registry itself changes still changes: a pin, and GC's way to a tombstone.
-    reg.pin("r@step2", reason="baseline")
+    reg.unpin("r@step2")
     with reg.catalog.engine.begin() as conn:
         conn.execute(text("UPDATE checkpoint SET state = 'deleting'"))
         conn.execute(text("UPDATE checkpoint SET state = 'deleted'"))
     for back in ("committed", "deleting", "pending"):
-        with (
-            pytest.raises(DBAPIError, match="stays collected|pending"),
-            reg.catalog.engine.begin() as conn,
-        ):
+        with pytest.raises(DBAPIError, match=moves), reg.catalog.engine.begin() as conn:
             conn.execute(text(f"UPDATE checkpoint SET state = '{back}'"))

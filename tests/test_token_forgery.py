@@ -46,11 +46,14 @@ def test_a_token_row_written_around_the_server_opens_nothing(reg_server) -> None
     ):
         with pytest.raises(DBAPIError, match="never changes"), catalog.engine.begin() as conn:
             conn.execute(text(statement), {"id": alice_id})
-    # Revocation is one-way, even for the database owner with the triggers in place.
+    # Revocation is one-way with the triggers in place: not undone by an update, nor by deleting
+    # the row to insert it again unrevoked (with its valid MAC).
     reg_server.call("admin", "DELETE", f"/v1/tokens/{alice_id}")
     assert _status(reg_server, alice).status_code == 401
-    with pytest.raises(DBAPIError, match="stays revoked"), catalog.engine.begin() as conn:
-        conn.execute(
-            text("UPDATE api_token SET revoked_at = NULL WHERE id = :id"), {"id": alice_id}
-        )
+    for statement, said in (
+        ("UPDATE api_token SET revoked_at = NULL WHERE id = :id", "stays revoked"),
+        ("DELETE FROM api_token WHERE id = :id", "never deleted"),
+    ):
+        with pytest.raises(DBAPIError, match=said), catalog.engine.begin() as conn:
+            conn.execute(text(statement), {"id": alice_id})
     catalog.dispose()

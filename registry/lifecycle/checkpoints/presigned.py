@@ -66,7 +66,9 @@ BEGIN_URLS = 64  # with `begin`; the client asks for the rest as it goes
 # Upload URLs die before the claim they were signed under can run out (every request that
 # signs renews the lease first), so a URL of an attempt whose claim was taken over is dead: it
 # cannot write into the next attempt's keys.
-URL_TTL_S = int(LEASE_S) - 10
+# Half the lease: takers-over judge the lease by their own clocks, S3 the URLs by its own, so
+# clocks may disagree by up to a minute before a dead attempt's URL could outlive its claim.
+URL_TTL_S = int(LEASE_S) // 2
 MAX_MULTIPART_FILES = 16_384  # one CreateMultipartUpload each at `begin`
 ABANDONED = " (abandoned)"
 
@@ -100,8 +102,9 @@ def begin(
     store = _s3(ctx)
     if sum(1 for f in files if f.parts) > MAX_MULTIPART_FILES:
         raise UsageError(f"at most {MAX_MULTIPART_FILES} files over 8 MiB in one push")
-    _reclaim_own_abandoned(ctx, ref)
-    claim, existing = commit.claim_step(ctx, ref)
+    claim, existing = _reclaim_own_abandoned(ctx, ref), None
+    if claim is None:
+        claim, existing = commit.claim_step(ctx, ref)
     if existing is not None:
         return {"unchanged": _compare_existing(ctx, ref, files, existing).to_json()}
     with _held(ctx, claim):
@@ -277,32 +280,34 @@ def _held(ctx: Context, claim: Claim) -> Iterator[None]:
         raise
 
 
-def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> None:
-    """A presigned push of `ref` this principal abandoned is let go at once for its retry (its
-    live URLs are this principal's own); anyone else waits for the claim to run out."""
+def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> Claim | None:
+    """A presigned push of `ref` this principal abandoned is taken back at once for its retry,
+    in one guarded write (its live URLs are this principal's own); anyone else waits for the
+    claim to run out."""
     from sqlmodel import select
 
     from registry.catalog import queries
     from registry.catalog.models import PENDING, Checkpoint
 
-    with ctx.catalog.session() as s:
+    with ctx.catalog.session(write=True) as s:
         run = queries.find_run(s, ref.project, ref.run)
-        row = None
-        if run is not None:
-            row = s.exec(
-                select(Checkpoint).where(
-                    Checkpoint.run_id == run.id,
-                    Checkpoint.step == ref.step,
-                    Checkpoint.state == PENDING,
-                )
-            ).first()
-    if (
-        row is not None
-        and row.claim_token
-        and row.pushed_by == ctx.actor
-        and (row.claim_host or "").endswith(ABANDONED)
-    ):
-        claims.expire(ctx.catalog, claims.Claim(Checkpoint, row.id or 0, row.claim_token))
+        if run is None:
+            return None
+        row = s.exec(
+            select(Checkpoint).where(
+                Checkpoint.run_id == run.id,
+                Checkpoint.step == ref.step,
+                Checkpoint.state == PENDING,
+            )
+        ).first()
+        if (
+            row is None
+            or not row.claim_token
+            or row.pushed_by != ctx.actor
+            or not (row.claim_host or "").endswith(ABANDONED)
+        ):
+            return None
+        return claims.take_over(s, row, pushed_by=ctx.actor, created_at=now())
 
 
 def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:

@@ -1,11 +1,12 @@
 """Guard committed checkpoints in the database, as 0005 guards releases: what the server's runtime
 role (or anyone holding its credentials) can no longer do to a checkpoint row.
 
-- a checkpoint leaves `pending` once and never returns (a committed row set back to pending
-  would let the next push take it over and delete its committed objects as leftovers);
-- a collected checkpoint stays collected: `deleting` only becomes `deleted`, `deleted` is final;
+- a checkpoint moves only along its life: pending -> committed or sweeping (an abandoned
+  upload), committed -> deleting -> deleted; nothing else (a committed row set back to pending,
+  or to sweeping, would have its objects deleted as leftovers without a tombstone);
+- a pinned checkpoint is never collected (GC keeps pins; only an unpin lets it go);
 - the content columns of a committed checkpoint never change (digest of its manifest, sizes,
-  world size, who pushed it and when, its step and run);
+  world size, resume state, metrics, who pushed it and when, its step and run);
 - `digests_reported_by` of a committed checkpoint only ever becomes NULL (the server's re-hash),
   never names someone else;
 - only pending and sweeping rows are deleted (an upload that never committed); a committed
@@ -28,20 +29,29 @@ _CONTENT = (
     " OR NEW.bytes <> OLD.bytes OR NEW.file_count <> OLD.file_count"
     " OR NEW.tensor_count <> OLD.tensor_count OR NEW.tensor_bytes <> OLD.tensor_bytes"
     " OR NEW.world_size <> OLD.world_size OR NEW.run_id <> OLD.run_id OR NEW.step <> OLD.step"
-    " OR NEW.pushed_by <> OLD.pushed_by"
+    " OR NEW.world_size_inferred <> OLD.world_size_inferred OR NEW.resumable <> OLD.resumable"
+    " OR NEW.missing_state{cast} IS DISTINCT FROM OLD.missing_state{cast}"
+    " OR NEW.resume_classes{cast} IS DISTINCT FROM OLD.resume_classes{cast}"
+    " OR NEW.metrics{cast} IS DISTINCT FROM OLD.metrics{cast}"
+    " OR NEW.pushed_by <> OLD.pushed_by OR NEW.created_at <> OLD.created_at"
     " OR NEW.committed_at IS DISTINCT FROM OLD.committed_at)"
+)
+_MOVES = (
+    "NOT ((OLD.state = 'pending' AND NEW.state IN ('pending', 'committed', 'sweeping'))"
+    " OR (OLD.state = 'committed' AND NEW.state IN ('committed', 'deleting'))"
+    " OR (OLD.state = 'deleting' AND NEW.state IN ('deleting', 'deleted'))"
+    " OR (OLD.state IN ('sweeping', 'deleted') AND NEW.state = OLD.state))"
 )
 _GUARDS = (
     (
-        "checkpoint_never_pending_again",
-        "OLD.state <> 'pending' AND NEW.state = 'pending'",
-        "a committed checkpoint never returns to pending",
+        "checkpoint_state_moves",
+        _MOVES,
+        "a checkpoint moves only pending -> committed|sweeping, committed -> deleting -> deleted",
     ),
     (
-        "checkpoint_stays_collected",
-        "(OLD.state = 'deleting' AND NEW.state NOT IN ('deleting', 'deleted'))"
-        " OR (OLD.state = 'deleted' AND NEW.state <> 'deleted')",
-        "a collected checkpoint stays collected",
+        "checkpoint_pinned_kept",
+        "OLD.state = 'committed' AND NEW.state = 'deleting' AND OLD.pinned AND NEW.pinned",
+        "a pinned checkpoint is never collected (unpin it first)",
     ),
     ("checkpoint_immutable", _CONTENT, "checkpoint content is immutable"),
     (
@@ -58,7 +68,7 @@ _NO_DELETE_MESSAGE = "committed checkpoints are never deleted (GC leaves a tombs
 def upgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         for name, when, message in _GUARDS:
-            sql_when = when.replace("IS DISTINCT FROM", "IS NOT")
+            sql_when = when.format(cast="").replace("IS DISTINCT FROM", "IS NOT")
             op.execute(
                 f"CREATE TRIGGER {name} BEFORE UPDATE ON checkpoint WHEN {sql_when} "
                 f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
@@ -69,7 +79,8 @@ def upgrade() -> None:
         )
         return
     checks = "".join(
-        f"IF {when} THEN RAISE EXCEPTION '{message}'; END IF; " for _, when, message in _GUARDS
+        f"IF {when.format(cast='::text')} THEN RAISE EXCEPTION '{message}'; END IF; "
+        for _, when, message in _GUARDS
     )
     op.execute(
         "CREATE OR REPLACE FUNCTION reg_checkpoint_guard() RETURNS trigger LANGUAGE plpgsql "
