@@ -607,7 +607,13 @@ def test_reg_audit_seal_recovers_from_a_held_lease(sealed, cli, catalog_url):
     assert (lines[0]["lease_holder"], lines[0]["lease_host"]) == ("x", "elsewhere")
     assert lines[0]["lease_expires"] == "1000000000000.0 (not a time)"
     code, out, _ = verify(cli, "--max-unsealed-age", "0.5s", "--max-anchor-age", "0.5s")
-    assert code == 0 and out["unsealed"] == 0 and out["unanchored"] == 0, out
+    assert out["unsealed"] == 0 and out["unanchored"] == 0, out
+    # sealed now, but the stall is not forgotten: the seal took them past the bound
+    # (the head itself may be older than 0.5s by now, which a heartbeat would have prevented)
+    assert code == 1 and set(_kinds(out)) - {"stalled", "anchor-stale"} == {"sealed-late"}
+    (late,) = _kinds(out)["sealed-late"]
+    assert late["seal"] == out["head"]["seq"] and late["delay_s"] > 0.5, late
+    assert verify(cli, "--max-unsealed-age", "1h", "--max-anchor-age", "1h")[0] == 0
 
 
 def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
@@ -616,10 +622,15 @@ def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
     from registry.audit_chain.sealer import seal_pending
 
     time.sleep(1.2)  # the anchors of the fixture are older than the bound now
-    assert verify(cli, "--max-anchor-age", "1s")[0] == 0  # everything anchored
+    code, out, _ = verify(cli, "--max-anchor-age", "1s")  # everything anchored, but long ago
+    assert code == 1 and set(_kinds(out)) == {"anchor-stale"}, out["problems"]
+    (stale,) = _kinds(out)["anchor-stale"]
+    assert stale["message"].startswith("the newest anchor (seal 3), of ")
+    assert stale["seal"] == 3 and "anchoring stopped" in stale["message"]
+    assert verify(cli, "--max-anchor-age", "1h")[0] == 0
     _activity(sealed, 2)
     assert seal_pending(sealed.catalog, keys.read(_key_path())).sealed == 2
-    code, out, _ = verify(cli, "--max-anchor-age", "1s")
+    code, out, _ = verify(cli, "--max-anchor-age", "1h")
     assert code == 0 and out["unanchored"] == 2 and out["newest_anchor"]["seq"] == 3
     time.sleep(1.2)
     code, out, _ = verify(cli, "--max-anchor-age", "1s")
@@ -628,9 +639,9 @@ def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
     assert "2 signed event(s) are in no anchored seal" in stale["message"]
     assert "the newest anchor (seal 3)" in stale["message"]
     assert verify(cli)[0] == 0  # the default bound (15 min) is not reached
-    assert cli("audit", "seal").returncode == 0
-    code, out, _ = verify(cli, "--max-anchor-age", "1s")
-    assert code == 0 and out["unanchored"] == 0 and out["newest_anchor"]["seq"] == 5
+    sealed.audit_seal()  # in process: a CLI's start-up alone can take a second here
+    out = sealed.audit_verify(max_anchor_age_s=1)
+    assert out["ok"] and out["unanchored"] == 0 and out["newest_anchor"]["seq"] == 5, out
 
 
 def test_a_late_event_with_an_old_ts_is_sealed_by_the_periodic_full_scan(sealed, cli):
@@ -666,4 +677,162 @@ def test_a_late_event_with_an_old_ts_is_sealed_by_the_periodic_full_scan(sealed,
     assert out["unsealed"] == 1 and [p["event"] for p in _kinds(out)["stalled"]] == [high + 500]
     assert sched.cycle()["sealed"] == 1  # cycle 3: the periodic full scan takes it
     code, out, _ = verify(cli, "--max-anchor-age", "2h")
+    # its ts is older than the chain (the fixture's genesis): not `sealed-late`, which
+    # test_an_event_sealed_past_the_bound_is_sealed_late covers
     assert code == 0 and out["unsealed"] == 0, out["problems"]
+
+
+# -- stalls that ended, stalls kept up, heartbeats -----------------------------------------------
+
+
+def _ids(reg: Registry) -> list[int]:
+    with reg.catalog.engine.connect() as c:
+        return [r[0] for r in c.exec_driver_sql("SELECT id FROM audit_event ORDER BY id")]
+
+
+def _empty_seals(reg: Registry) -> int:
+    with reg.catalog.engine.connect() as c:
+        found = c.exec_driver_sql("SELECT count(*) FROM audit_seal WHERE count = 0").scalar()
+        return int(found or 0)
+
+
+def test_a_stall_released_after_deletions_is_sealed_late(sealed, cli, catalog_url):
+    """Exploit A: the lease planted, events written, the bound passes, the owner deletes two
+    still unsealed and lets the lease go; the real sealer seals the rest. The deleted ones
+    leave no row, but the seal that took the survivors took them late: `sealed-late`."""
+    _plant_lease(catalog_url)
+    sched = _schedule(sealed)
+    before = set(_ids(sealed))
+    _activity(sealed, 5)
+    assert sched.cycle() is None
+    new = sorted(set(_ids(sealed)) - before)
+    time.sleep(1.5)
+    as_owner(
+        catalog_url,
+        f"DELETE FROM audit_event WHERE id IN ({new[1]}, {new[3]})",
+        "DELETE FROM lease WHERE name = 'audit-seal'",
+    )
+    assert sched.cycle()["sealed"] == 3  # the real sealer leads again
+    out = sealed.audit_verify(max_unsealed_age_s=1, max_anchor_age_s=1)
+    assert out["unsealed"] == 0 and set(_kinds(out)) == {"sealed-late"}, out["problems"]
+    (late,) = _kinds(out)["sealed-late"]
+    assert (late["seal"], late["event"]) == (out["head"]["seq"], new[0]) and late["delay_s"] > 1.5
+    assert late["message"].startswith(f"seal {late['seal']} (of ")
+    assert f"took event {new[0]} " in late["message"] and "longer than 1s" in late["message"]
+    res = cli("audit", "verify", "--max-unsealed-age", "1s", "--max-anchor-age", "1h")
+    assert res.returncode == 1 and f"sealed-late: seal {late['seal']} (of " in res.stdout
+    assert verify(cli)[0] == 0  # within the default bound (15 min) that was no stall
+
+
+def test_a_stall_kept_up_while_aged_events_are_deleted_is_stalled(sealed, catalog_url):
+    """Exploit B: the lease kept planted, every unsealed event deleted before it ages; the
+    survivors are young, but no heartbeat seal or anchor came for longer than the bound."""
+    _plant_lease(catalog_url)
+    sched = _schedule(sealed)
+    before = set(_ids(sealed))
+    _activity(sealed, 3)
+    old = sorted(set(_ids(sealed)) - before)
+    time.sleep(1.5)
+    _activity(sealed, 2)  # fresh activity, the stall still on
+    assert sched.cycle() is None
+    as_owner(catalog_url, f"DELETE FROM audit_event WHERE id IN ({','.join(map(str, old))})")
+    out = sealed.audit_verify(max_unsealed_age_s=1, max_anchor_age_s=1)
+    assert out["unsealed"] == 2 and set(_kinds(out)) == {"stalled", "anchor-stale"}, out
+    (stalled,) = _kinds(out)["stalled"]
+    assert stalled["seal"] == 3 and stalled["message"].startswith("the newest seal (seal 3, of ")
+    assert "2 left unsealed" in stalled["message"]
+    assert _kinds(out)["anchor-stale"][0]["seal"] == 3
+
+
+def test_empty_seals_verify_link_and_anchor(catalog_url, cli):
+    """Heartbeats on an empty log (an empty genesis), between sealed events and after them:
+    each links to the one before, its MAC covers zero entries, the anchors hold them; an
+    empty seal edited by the owner is named."""
+    from registry.audit_chain.sealer import heartbeat, seal_pending
+
+    assert keys.create(_key_path())
+    key = keys.read(_key_path())
+    with Registry() as reg:
+        assert _ids(reg) == []  # a log with nothing in it yet
+        assert heartbeat(reg.catalog, key, every_s=0) == 1
+        assert heartbeat(reg.catalog, key, every_s=3600) is None  # the head is fresh
+        _activity(reg, 2)
+        assert seal_pending(reg.catalog, key).seals == [2]
+        assert heartbeat(reg.catalog, key, every_s=0) == 3
+        assert reg.audit_seal()["head"]["seq"] == 4  # its own event, anchored
+        assert heartbeat(reg.catalog, key, every_s=0) == 5
+        out = reg.audit_verify()
+        assert out["ok"] and out["seals"] == 5 and out["unsealed"] == 0, out["problems"]
+        assert _empty_seals(reg) == 3 and out["head"]["events"] == out["events"] == 3
+        rows = _seals(reg)
+        assert [r for r in rows if r[0] in (1, 3, 5)] == [(1, 0, 0), (3, 0, 0), (5, 0, 0)]
+        sched = _schedule(reg)
+        assert sched.cycle()["heartbeat"] == 6 and sched.cycle()["anchor"]["seq"] == 7
+        assert reg.audit_verify()["ok"]
+        as_owner(catalog_url, "UPDATE audit_seal SET sealed_at = sealed_at + 1 WHERE seq = 3")
+        assert [(p["kind"], p["seal"]) for p in reg.audit_verify()["problems"]] == [
+            ("seal-forged", 3)
+        ]
+        as_owner(catalog_url, "UPDATE audit_seal SET event_ids = ',' WHERE seq = 5")
+        assert ("seal-forged", 5) in [
+            (p["kind"], p.get("seal")) for p in reg.audit_verify()["problems"]
+        ]
+
+
+def test_a_quiet_registry_with_a_running_sealer_stays_clean(sealed):
+    """A leader cycling with short intervals: some activity, then nothing; at any time the
+    newest seal and anchor are younger than the bound (2s here), and verify is clean."""
+    sched = _schedule(sealed, anchor_every_s=0.3)
+    assert sched.heartbeat_s == 0.3
+    beats_before = _empty_seals(sealed)
+    start = time.monotonic()
+    checks = 0
+    while time.monotonic() - start < 4:
+        if time.monotonic() - start < 1:
+            _activity(sealed, 1)
+        sched.cycle()
+        if time.monotonic() - start > 2.5 and not checks:
+            out = sealed.audit_verify(max_unsealed_age_s=2, max_anchor_age_s=2)
+            assert out["ok"], out["problems"]
+            checks += 1
+        time.sleep(0.1)
+    out = sealed.audit_verify(max_unsealed_age_s=2, max_anchor_age_s=2)
+    assert out["ok"] and out["unsealed"] == 0 and out["unanchored"] == 0, out["problems"]
+    assert _empty_seals(sealed) - beats_before >= 5  # ~3s quiet / 0.3s
+    assert out["newest_anchor"]["seq"] >= out["head"]["seq"] - 1
+
+
+def test_a_real_server_heartbeats_and_a_stopped_one_is_named(catalog_url, tmp_path, cli):
+    """`reg server` with REG_AUDIT_SEAL_EVERY=0.2s, REG_AUDIT_ANCHOR_EVERY=0.5s: after the
+    activity stops it keeps writing empty seals and anchors, and verify with a 2s bound stays
+    clean. Stopped, its head ages: verify (on the host, with the key) names `stalled` until a
+    server runs again; the stop itself, with nothing written meanwhile, leaves no trace."""
+    from tests.serverproc import RegServer, server_env, team_policy
+
+    env = server_env(tmp_path / "srv", catalog_url)
+    env.update(REG_AUDIT_SEAL_EVERY="0.2s", REG_AUDIT_ANCHOR_EVERY="0.5s")
+    server = RegServer(env, tmp_path / "srv").init().start()
+    bounds = ("--max-unsealed-age", "2s", "--max-anchor-age", "2s")
+    host = {k: v for k, v in env.items() if k != "REG_USER"} | {"REG_USER": "admin"}
+    try:
+        server.apply_policy(team_policy())
+        client = server.client_env("admin")
+        for who in ("alice", "bob"):
+            assert cli("token", "create", who, env=client).returncode == 0
+        time.sleep(3)  # quiet
+        code, out, _ = verify(cli, *bounds, env=client)
+        assert code == 0 and out["unsealed"] == 0, out["problems"]
+        with Catalog(catalog_url).engine.connect() as c:
+            beats = c.exec_driver_sql("SELECT count(*) FROM audit_seal WHERE count = 0").scalar()
+        assert (beats or 0) >= 3 and out["newest_anchor"]["seq"] >= out["head"]["seq"] - 2, out
+        server.stop()
+        time.sleep(2.5)
+        code, out, _ = verify(cli, *bounds, env=host)
+        assert code == 1 and set(_kinds(out)) == {"stalled", "anchor-stale"}, out["problems"]
+        assert "no server running" in _kinds(out)["stalled"][0]["message"]
+        server.start()
+        time.sleep(1.5)
+        code, out, _ = verify(cli, *bounds, env=server.client_env("admin"))
+        assert code == 0, out["problems"]
+    finally:
+        server.stop()

@@ -7,6 +7,12 @@ holder that never seals: a replica that has not led for a few intervals while si
 wait unsealed logs an `{"audit": "stalled"}` warning, and `reg audit verify` fails (`stalled`,
 `anchor-stale`) once events wait longer than `bounds()`. `reg audit seal` takes no lease.
 
+The leader writes an empty seal (a heartbeat) when nothing was sealed for `REG_AUDIT_ANCHOR_EVERY`
+(at most a third of the bound), so the head and the newest anchor of a healthy chain are never
+older than the bound, even with nothing to seal: a head (an anchor) older than that is a stall
+whatever events are left (the owner deleting each one before it ages), and events sealed later
+than the bound after they were written are `sealed-late` (a stall that ended).
+
 A routine cycle looks at ids above the chain's head and the last 15 minutes (`sealer.py`);
 every `FULL_SCAN_S` the whole log is scanned, so an event with an old timestamp (a replica's
 clock behind, a transaction held open) and a low id is sealed all the same."""
@@ -24,7 +30,7 @@ from sqlalchemy import func
 from sqlmodel import col, select
 
 from registry.audit_chain import anchors
-from registry.audit_chain.sealer import anchor_head, seal_pending
+from registry.audit_chain.sealer import anchor_head, heartbeat, seal_pending
 from registry.catalog import leases
 from registry.catalog.models import AuditEvent, AuditSeal, Lease
 from registry.timeutil import iso, now
@@ -85,6 +91,9 @@ class SealSchedule:
         self.led_at = time.monotonic()  # when this replica last led (or started)
         self.warned_at = float("-inf")
         self.patience_s = max(3 * every_s, 30.0)  # not leading this long, events waiting: warn
+        # An empty seal when nothing new was sealed for this long: every anchor interval, and
+        # well within verify's bound, so a healthy head is never older than the bound.
+        self.heartbeat_s = min(anchor_every_s, max(MIN_BOUND_S, 10 * every_s) / 3)
 
     def cycle(self) -> dict[str, Any] | None:
         """One round if this replica leads: what it sealed and anchored; None otherwise."""
@@ -98,6 +107,10 @@ class SealSchedule:
         out: dict[str, Any] = {"seals": run.seals, "sealed": run.sealed}
         if run.refused:
             out["refused"] = sorted(run.refused)
+        if not run.seals and not run.raced:
+            beat = heartbeat(self.catalog, self.key, every_s=self.heartbeat_s)
+            if beat is not None:
+                out["heartbeat"] = beat
         if time.monotonic() - self.anchored_at >= self.anchor_every_s:
             with self.catalog.session() as s:
                 head = anchor_head(s)

@@ -105,6 +105,20 @@ def seal_pending(catalog: Catalog, key: bytes, *, full: bool = False) -> SealRun
         full = False  # what the full scan found is now either sealed or refused
 
 
+def heartbeat(catalog: Catalog, key: bytes, *, every_s: float) -> int | None:
+    """Append an empty seal (no events) when the chain's head is `every_s` old: the seq, or
+    None when the head is younger or another sealer appended first. A healthy sealer's head is
+    so never older than the interval, and `reg audit verify` can tell a shut-out sealer (an
+    old head) from a quiet registry (a fresh head, nothing new)."""
+    with catalog.session() as s:
+        last = head(s)
+        check_key(last, key)
+    if last is not None and now() - last.sealed_at < every_s:
+        return None
+    seq = (last.seq if last else 0) + 1
+    return seq if _append(catalog, key, seq, last, []) else None
+
+
 def _candidates(s: Session, *, full: bool) -> list[int]:
     """Ids of events no seal holds (in id order)."""
     high = s.exec(select(func.max(AuditSeal.high))).one() or 0
@@ -199,8 +213,8 @@ def _append(
                     tags=macs.tags_of(taken),
                     count=len(taken),
                     total=total,
-                    low=ids[0],
-                    high=ids[-1],
+                    low=ids[0] if ids else 0,  # an empty seal (a heartbeat): 0, 0
+                    high=ids[-1] if ids else 0,
                     sealed_at=sealed_at,
                 )
             )

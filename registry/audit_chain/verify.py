@@ -21,12 +21,17 @@ Problem kinds (each with the event id or seal seq it concerns):
     anchor-mismatch  the chain holds a different seal at an anchored seq (rewritten)
     anchor-forged  an anchor object that does not verify (or does not read)
     stalled        a signed event has waited unsealed longer than the bound (max(15 min, 10 x
-                   REG_AUDIT_SEAL_EVERY), `--max-unsealed-age`): the sealer is not sealing
-                   (the `audit-seal` lease held by one that does not seal?), and unsealed
-                   events could have been deleted without a trace
-    anchor-stale   a signed event is in no anchored seal while it, and the newest anchor, are
-                   older than the bound (max(15 min, 3 x REG_AUDIT_ANCHOR_EVERY),
-                   `--max-anchor-age`): a tail the store does not hold could be cut unseen
+                   REG_AUDIT_SEAL_EVERY), `--max-unsealed-age`), or the newest seal is older
+                   than it (a healthy sealer writes an empty seal at least every
+                   REG_AUDIT_ANCHOR_EVERY): the sealer is not sealing (the `audit-seal` lease
+                   held by one that does not seal? no server running?), and unsealed events
+                   could have been deleted without a trace, however young those left are
+    sealed-late    a seal took a signed event longer than that bound after it was written: a
+                   stall that ended, during which events could have been deleted unseen (the
+                   genesis seal, unsigned history and events older than the chain excepted)
+    anchor-stale   the newest anchor (or, with none, the chain) is older than the bound
+                   (max(15 min, 3 x REG_AUDIT_ANCHOR_EVERY), `--max-anchor-age`), or a signed
+                   event in no anchored seal is: a tail the store does not hold could be cut
 
 Unsealed events younger than the bound are fine and counted: whoever can delete rows can
 delete those without a trace, which is why the bound is checked.
@@ -111,10 +116,13 @@ def verify_chain(
         walk = _Walk(key, seals, ranges, report)
         walk.anchored_seq = newest[0] if newest else 0
         walk.stale_before = at - unsealed_bound
+        walk.late_after = unsealed_bound
+        walk.chain_start = seals[0].sealed_at if seals else float("inf")
         walk.run(_events(s))
         _duplicates(s, report)
     _anchors(anchor_list, seals, key, report)
-    _stalls(report, at, unsealed_bound, anchor_bound, newest)
+    _late(walk, unsealed_bound, report)
+    _stalls(report, at, unsealed_bound, anchor_bound, newest, seals)
     head = seals[-1] if seals else None
     return {
         "ok": not report.problems,
@@ -164,9 +172,14 @@ def _stalls(
     unsealed_bound: float,
     anchor_bound: float,
     newest: tuple[int, float] | None,
+    seals: list[AuditSeal],
 ) -> None:
     """Sealing or anchoring that stopped: what is unsealed (unanchored) can be deleted
-    (cut) without a trace, so waiting longer than the bound is a failure, not a count."""
+    (cut) without a trace, so waiting longer than the bound is a failure, not a count. The
+    head's age is checked too: the owner may delete each unsealed event before it ages, but
+    cannot write the heartbeat seals a running sealer would have."""
+    head = seals[-1] if seals else None
+    head_old = head is not None and at - head.sealed_at > unsealed_bound
     if report.stale_unsealed:
         assert report.oldest_unsealed is not None
         report.add(
@@ -178,8 +191,33 @@ def _stalls(
             "deleted without a trace",
             event=report.oldest_unsealed_id,
         )
+    elif head_old:
+        assert head is not None
+        report.add(
+            "stalled",
+            f"the newest seal (seal {head.seq}, of {iso(head.sealed_at)}) is older than "
+            f"{_span(unsealed_bound)}, and a running sealer writes one at least every "
+            "REG_AUDIT_ANCHOR_EVERY: no sealer has sealed since (no server running, or the "
+            "audit-seal lease held by a holder that does not seal), and events written since "
+            f"may have been deleted without a trace ({report.unsealed} left unsealed)",
+            seal=head.seq,
+        )
     oldest = report.oldest_unanchored
-    if (
+    if newest is None:
+        anchor_old = head is not None and at - seals[0].sealed_at > anchor_bound
+    else:
+        anchor_old = at - newest[1] > anchor_bound
+    if anchor_old and not (oldest is not None and at - oldest > anchor_bound):
+        what = "no anchor" if newest is None else f"the newest anchor (seal {newest[0]})"
+        when = "" if newest is None else f", of {iso(newest[1])},"
+        report.add(
+            "anchor-stale",
+            f"{what}{when} is older than {_span(anchor_bound)}, and a running sealer anchors "
+            "at least every REG_AUDIT_ANCHOR_EVERY: anchoring stopped, and seals the store "
+            f"does not hold could be cut unseen ({report.unanchored} signed event(s) unanchored)",
+            **({} if newest is None else {"seal": newest[0]}),
+        )
+    elif (
         oldest is not None
         and at - oldest > anchor_bound
         and (newest is None or at - newest[1] > anchor_bound)
@@ -193,6 +231,23 @@ def _stalls(
             f"{_span(anchor_bound)}; {since}{when}: anchoring stopped, and a tail the store "
             "does not hold could be cut unseen",
             event=report.oldest_unanchored_id,
+        )
+
+
+def _late(walk: _Walk, bound: float, report: _Report) -> None:
+    """Seals that took a signed event more than the bound after it was written: sealing had
+    stalled, and what was written meanwhile could have been deleted before it was sealed."""
+    for seq in sorted(walk.late):
+        delay, event_id, ts = walk.late[seq]
+        seal = walk.by_seq[seq]
+        report.add(
+            "sealed-late",
+            f"seal {seq} (of {iso(seal.sealed_at)}) took event {event_id} {_span(delay)} after "
+            f"it was written ({iso(ts)}), longer than {_span(bound)}: sealing had stalled, and "
+            "events written meanwhile may have been deleted before it resumed",
+            seal=seq,
+            event=event_id,
+            delay_s=round(delay, 3),
         )
 
 
@@ -251,6 +306,9 @@ def _ranges(seals: list[AuditSeal], report: _Report) -> dict[int, list[tuple[int
         except ValueError:
             ranges = []
         count = sum(high - low + 1 for low, high in ranges)
+        if seal.event_ids == "" and (seal.count, seal.tags, seal.low, seal.high) == (0, "", 0, 0):
+            out[seal.seq] = []  # an empty seal (a heartbeat): its MAC covers zero entries
+            continue
         if (
             not ranges
             or count != seal.count
@@ -314,6 +372,9 @@ class _Walk:
         self.mismatched: list[tuple[int, int, str, str, bool]] = []
         self.anchored_seq = 0  # seals up to this seq are held by an anchor
         self.stale_before = float("-inf")  # an unsealed event older than this: stalled
+        self.late_after = float("inf")  # a seal taking an event this much later: sealed-late
+        self.chain_start = float("inf")  # the genesis seal's time (older events: history)
+        self.late: dict[int, tuple[float, int, float]] = {}  # seq -> (delay, event, its ts)
 
     def owner(self, event_id: int) -> int | None:
         i = bisect.bisect_right(self.lows, event_id) - 1
@@ -357,6 +418,10 @@ class _Walk:
                 )
             elif seq == 1 and self.genesis_first_signed is None:
                 self.genesis_first_signed = row.id
+            elif seq != 1 and row.ts >= self.chain_start:
+                delay = self.by_seq[seq].sealed_at - row.ts
+                if delay > self.late_after and delay > self.late.get(seq, (0.0,))[0]:
+                    self.late[seq] = (delay, row.id, row.ts)
             return
         if row.mac is None:
             if not self.any_seal and self.first_signed is None:
