@@ -64,10 +64,9 @@ if TYPE_CHECKING:
 MAX_URLS = 1000  # per answer
 BEGIN_URLS = 64  # with `begin`; the client asks for the rest as it goes
 # Upload URLs die before the claim they were signed under can run out (every request that
-# signs renews the lease first), so a URL of an attempt whose claim was taken over is dead: it
-# cannot write into the next attempt's keys.
-# Half the lease: takers-over judge the lease by their own clocks, S3 the URLs by its own, so
-# clocks may disagree by up to a minute before a dead attempt's URL could outlive its claim.
+# signs renews the lease first), so a URL of an attempt whose claim was taken over is dead and
+# cannot write into the next attempt's keys. Half the lease: whoever takes over judges the
+# lease by its own clock and S3 the URL by its own, and they may disagree by up to a minute.
 URL_TTL_S = int(LEASE_S) // 2
 MAX_MULTIPART_FILES = 16_384  # one CreateMultipartUpload each at `begin`
 ABANDONED = " (abandoned)"
