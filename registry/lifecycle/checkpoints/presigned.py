@@ -8,7 +8,7 @@ URLs, the server decides everything else (DESIGN §3, §9).
     complete  assemble each multipart upload not assembled yet, from exactly the declared parts
               (If-None-Match: *), check every object's size and S3's checksum, inventory
               `.metadata` from the store, write MANIFEST.json and commit under the claim
-    abort     the client gave up: multipart uploads aborted, the claim released
+    abort     the client gave up: multipart uploads aborted, the claim marked abandoned
 
 The server keeps no state between the requests: the claim is a catalog row, the plan an object
 only the server writes (`<step prefix>/.reg-upload.json`, a reserved name), so any replica
@@ -231,8 +231,9 @@ def assemble(ctx: Context, ref: CheckpointRef, token: str, path: str) -> dict[st
 
 
 def abort(ctx: Context, ref: CheckpointRef, token: str) -> dict[str, Any]:
-    """The client gave up: its multipart uploads are aborted and the claim expires now (what
-    was uploaded is reused by the next push of the step, or swept by GC)."""
+    """The client gave up: its multipart uploads are aborted and the claim is marked abandoned
+    (its pusher may take the step back at once; anyone else once its URLs are dead). What was
+    uploaded is reused by the next push of the step, or swept by GC."""
     claim, plan = _resume(ctx, ref, token)
     presigner = Presigner(_s3(ctx))
     prefix = checkpoint_prefix(plan.ref.project, plan.ref.run, plan.ref.step or 0)
