@@ -3,7 +3,9 @@
 The registry's own checks stop mistakes and unauthorized use through the tool; someone holding
 the bucket credentials bypasses them. The exported policy closes that at the storage layer:
 writes only under `ckpt/<project>/` for trainers of that project, reads as granted, no delete or
-unconditional overwrite under `release/` for anyone but admins.
+unconditional overwrite under `release/` for anyone but admins, and the audit chain's anchors
+under `audit/` write-once for everyone (admins included: an anchor is evidence against whoever
+holds the database, and the server writes each with If-None-Match).
 """
 
 from __future__ import annotations
@@ -109,6 +111,30 @@ def bucket_policy(
             "Principal": "*",
             "Action": "s3:PutObject",
             "Resource": f"{base}release/*",
+            "Condition": {"Null": {"s3:if-none-match": "true"}},
+        }
+    )
+    statements.append(
+        {
+            "Sid": "AuditAnchorsAreNeverDeleted",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": [
+                "s3:DeleteObject",
+                "s3:DeleteObjectVersion",
+                "s3:BypassGovernanceRetention",
+                "s3:PutObjectRetention",
+            ],
+            "Resource": f"{base}audit/*",
+        }
+    )
+    statements.append(
+        {
+            "Sid": "AuditAnchorsAreWriteOnce",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": f"{base}audit/*",
             "Condition": {"Null": {"s3:if-none-match": "true"}},
         }
     )

@@ -243,6 +243,11 @@ def test_policy_show_and_export(applied, cli):
     assert sids["ReleaseWritesMustNotOverwrite"]["Condition"] == {
         "Null": {"s3:if-none-match": "true"}
     }
+    # The audit chain's anchors: nobody deletes them, nobody overwrites them (admins included).
+    anchors = sids["AuditAnchorsAreNeverDeleted"]
+    assert anchors["Principal"] == "*" and anchors["Resource"] == "arn:aws:s3:::ml/reg/audit/*"
+    assert {"s3:DeleteObject", "s3:DeleteObjectVersion"} <= set(anchors["Action"])
+    assert sids["AuditAnchorsAreWriteOnce"]["Condition"] == {"Null": {"s3:if-none-match": "true"}}
     assert cli("policy", "export", "--bucket", "ml", env={"REG_USER": "bob"}).returncode == 4
 
 
