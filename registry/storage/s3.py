@@ -345,12 +345,10 @@ class S3Store(BaseStore):
         bucket's owner included, deletes or replaces that version until it runs out), for the
         policy's `[release] lock_days`; None where the bucket has no Object Lock or the policy
         turned locks off."""
-        if self._release_lock is None or not self.bucket_has_lock():
+        args = self._lock_args(immutable=True)
+        if not args:
             return None
-        mode, days = self._release_lock()
-        if mode == "off":
-            return None
-        until = dt.datetime.now(dt.UTC) + dt.timedelta(days=days)
+        until = args["ObjectLockRetainUntilDate"]
         full = self._key(check_key(key))
         extra = {"VersionId": version} if version else {}
         self._call(
@@ -366,9 +364,24 @@ class S3Store(BaseStore):
 
     # -- reads ---------------------------------------------------------------------------------
     def _head(self, key: str, version: str | None) -> ObjectInfo | None:
+        out = self.head_response(key, version=version)
+        if out is None:
+            return None
+        return ObjectInfo(key, int(out["ContentLength"]), out.get("VersionId"))
+
+    def head_response(
+        self, key: str, *, version: str | None = None, checksum: bool = False
+    ) -> dict[str, Any] | None:
+        """S3's HeadObject answer for `key` (with its stored checksums if `checksum`), or None
+        when there is no such object."""
         try:
-            out = self.client.head_object(
-                Bucket=self.bucket, Key=self._key(key), **_version_arg(version)
+            return dict(
+                self.client.head_object(
+                    Bucket=self.bucket,
+                    Key=self._key(key),
+                    **_version_arg(version),
+                    **({"ChecksumMode": "ENABLED"} if checksum else {}),
+                )
             )
         except ClientError as exc:
             if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
@@ -376,7 +389,6 @@ class S3Store(BaseStore):
             raise translate(exc, key) from exc
         except BotoCoreError as exc:
             raise translate(exc, key) from exc
-        return ObjectInfo(key, int(out["ContentLength"]), out.get("VersionId"))
 
     def _get(self, key: str, **kwargs: Any) -> Any:
         return self._call(
@@ -615,6 +627,10 @@ class S3Store(BaseStore):
         return list(out.get("Rules", []))
 
     # -- errors --------------------------------------------------------------------------------
+    def call(self, key: str, fn: Callable[[], Any]) -> Any:
+        """One boto3 request about `key`, its errors translated (412: ObjectExists)."""
+        return self._call(key, fn)
+
     def _call(self, key: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()

@@ -68,6 +68,8 @@ def translate(exc: BaseException, key: str) -> RegistryError:
         code = error_code(exc)
         if code in ("NoSuchKey", "404", "NotFound"):
             return NotFound(f"object {key} is missing from the store")
+        if code == "NoSuchUpload":  # completed or aborted already
+            return NotFound(f"no multipart upload of {key} is in progress")
         if code in ("NoSuchVersion", "405", "MethodNotAllowed"):  # 405: a delete marker
             return NotFound(
                 f"the recorded version of {key} is gone from the bucket",

@@ -24,15 +24,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import BotoCoreError, ClientError
-
-from registry.errors import IntegrityError, NotFound, ObjectExists
-from registry.storage.s3_client import error_code, translate
+from registry.errors import IntegrityError
 
 if TYPE_CHECKING:
     from registry.storage.s3 import S3Store
 
-TTL_S = 900  # a URL lives 15 minutes; a client asks for more as it goes
+TTL_S = 900  # read URLs; upload URLs live shorter (presigned.URL_TTL_S) and are asked for as used
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +88,7 @@ class Presigner:
 
     # -- multipart, done by the server -------------------------------------------------------
     def create_multipart(self, key: str) -> str:
-        out = self._call(
+        out = self.store.call(
             key,
             lambda: self.store.client.create_multipart_upload(
                 Bucket=self.store.bucket,
@@ -102,13 +99,11 @@ class Presigner:
         )
         return str(out["UploadId"])
 
-    def complete(
-        self, key: str, upload_id: str, parts: list[tuple[int, str]]
-    ) -> tuple[str | None, str | None]:
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
         """Complete the upload of `key` from exactly the expected parts (size, sha256 each), as
-        S3 lists them, with If-None-Match: *. Returns (version id, S3's checksum). A part that is
-        missing, of another size, or with another checksum is refused (IntegrityError) and
-        nothing is assembled."""
+        S3 lists them, with If-None-Match: *. A part that is missing, of another size, or with
+        another checksum is refused (IntegrityError) and nothing is assembled; an upload that is
+        gone (completed already) is NotFound, an object already there ObjectExists."""
         listed = self._parts(key, upload_id)
         if len(listed) != len(parts):
             raise IntegrityError(
@@ -129,7 +124,7 @@ class Presigner:
                     f"{key}: part {number} holds other bytes than declared", "push again"
                 )
             done.append({"PartNumber": number, "ETag": got["ETag"], "ChecksumSHA256": checksum})
-        out = self._call(
+        self.store.call(
             key,
             lambda: self.store.client.complete_multipart_upload(
                 Bucket=self.store.bucket,
@@ -139,52 +134,29 @@ class Presigner:
                 IfNoneMatch="*",
             ),
         )
-        version = out.get("VersionId")
-        return (version if version != "null" else None), out.get("ChecksumSHA256")
 
     def _parts(self, key: str, upload_id: str) -> dict[int, dict[str, Any]]:
         pages = self.store.client.get_paginator("list_parts").paginate(
             Bucket=self.store.bucket, Key=self.store.full_key(key), UploadId=upload_id
         )
-        try:
-            return {int(p["PartNumber"]): p for page in pages for p in page.get("Parts", [])}
-        except ClientError as exc:
-            if error_code(exc) == "NoSuchUpload":  # completed (or aborted) already
-                raise NotFound(f"no multipart upload {upload_id} of {key}") from None
-            raise translate(exc, key) from exc
-        except BotoCoreError as exc:
-            raise translate(exc, key) from exc
+        return dict(
+            self.store.call(
+                key,
+                lambda: {int(p["PartNumber"]): p for page in pages for p in page.get("Parts", [])},
+            )
+        )
 
     def abort(self, key: str, upload_id: str) -> None:
         self.store.abort_multipart(self.store.full_key(key), upload_id)
 
     def head(self, key: str) -> tuple[int, str | None, str | None] | None:
         """(size, version id, S3's sha256 checksum if it keeps one) of `key`, or None."""
-        try:
-            out = self.store.client.head_object(
-                Bucket=self.store.bucket, Key=self.store.full_key(key), ChecksumMode="ENABLED"
-            )
-        except ClientError as exc:
-            if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise translate(exc, key) from exc
-        except BotoCoreError as exc:
-            raise translate(exc, key) from exc
+        out = self.store.head_response(key, checksum=True)
+        if out is None:
+            return None
         version = out.get("VersionId")
         return (
             int(out["ContentLength"]),
             version if version != "null" else None,
             out.get("ChecksumSHA256"),
         )
-
-    def _call(self, key: str, fn: Any) -> Any:
-        try:
-            return fn()
-        except ClientError as exc:
-            if error_code(exc) in ("PreconditionFailed", "412"):
-                raise ObjectExists(key) from None
-            if error_code(exc) == "NoSuchUpload":
-                raise NotFound(f"no such multipart upload of {key}") from None
-            raise translate(exc, key) from exc
-        except BotoCoreError as exc:
-            raise translate(exc, key) from exc

@@ -55,6 +55,8 @@ from registry.timeutil import now
 from registry.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
+    from sqlmodel import Session
+
     from registry.catalog.claims import Claim
     from registry.catalog.models import Checkpoint
     from registry.context import Context
@@ -284,22 +286,8 @@ def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> Claim | None:
     """A presigned push of `ref` this principal abandoned is taken back at once for its retry,
     in one guarded write (its live URLs are this principal's own); anyone else waits for the
     claim to run out."""
-    from sqlmodel import select
-
-    from registry.catalog import queries
-    from registry.catalog.models import PENDING, Checkpoint
-
     with ctx.catalog.session(write=True) as s:
-        run = queries.find_run(s, ref.project, ref.run)
-        if run is None:
-            return None
-        row = s.exec(
-            select(Checkpoint).where(
-                Checkpoint.run_id == run.id,
-                Checkpoint.step == ref.step,
-                Checkpoint.state == PENDING,
-            )
-        ).first()
+        row = _pending_row(s, ref)
         if (
             row is None
             or not row.claim_token
@@ -310,30 +298,34 @@ def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> Claim | None:
         return claims.take_over(s, row, pushed_by=ctx.actor, created_at=now())
 
 
-def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
-    """The claim and plan of upload `token` of `ref`, if the caller started it and it is still
-    pending under that claim."""
+def _pending_row(session: Session, ref: CheckpointRef) -> Checkpoint | None:
+    """The pending row of step `ref`, if there is one."""
     from sqlmodel import select
 
     from registry.catalog import queries
     from registry.catalog.models import PENDING, Checkpoint
 
+    run = queries.find_run(session, ref.project, ref.run)
+    if run is None:
+        return None
+    return session.exec(
+        select(Checkpoint).where(
+            Checkpoint.run_id == run.id, Checkpoint.step == ref.step, Checkpoint.state == PENDING
+        )
+    ).first()
+
+
+def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
+    """The claim and plan of upload `token` of `ref`, if the caller started it and it is still
+    pending under that claim."""
+    from registry.catalog.models import Checkpoint
+
     ctx.authorize("push", project=ref.project, target=str(ref))
     if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
         raise UsageError("not an upload id", "start the push again")
     with ctx.catalog.session() as s:
-        run = queries.find_run(s, ref.project, ref.run)
-        row = None
-        if run is not None:
-            row = s.exec(
-                select(Checkpoint).where(
-                    Checkpoint.run_id == run.id,
-                    Checkpoint.step == ref.step,
-                    Checkpoint.claim_token == token,
-                    Checkpoint.state == PENDING,
-                )
-            ).first()
-    if row is None:
+        row = _pending_row(s, ref)
+    if row is None or row.claim_token != token:
         raise NotFound(
             f"no upload of {ref} in progress with this id (committed, abandoned or taken over)",
             "push again",
