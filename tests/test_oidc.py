@@ -547,7 +547,7 @@ def test_a_partial_or_unsafe_oidc_setting_stops_the_server_in_one_line(
 
 def test_config_toml_holds_the_same_keys(tmp_path, jwks_file):
     from registry.config import Settings
-    from registry.server.oidc import config_from
+    from registry.server.oidc_config import config_from
 
     (tmp_path / "config.toml").write_text(
         f'oidc_issuer = "{ISSUER}"\noidc_audience = "{AUDIENCE}"\n'
@@ -621,7 +621,7 @@ def test_a_plain_http_jwks_url_is_accepted_only_on_loopback(tmp_path):
     """A man in the middle of an http:// JWKS fetch picks the keys, so only loopback may use it."""
     from registry.config import Settings
     from registry.errors import UsageError
-    from registry.server.oidc import config_from
+    from registry.server.oidc_config import config_from
 
     def config(url: str) -> object:
         env = {"REG_HOME": str(tmp_path), "REG_OIDC_ISSUER": ISSUER, "REG_OIDC_AUDIENCE": "a"}

@@ -22,8 +22,8 @@ The claim must be one the user cannot edit: `sub` is stable and issuer-unique; `
 only with `email_verified` true (otherwise anyone may type `admin` into their profile);
 `preferred_username` is user-editable in some providers (Keycloak with self-service, Entra).
 
-The JWKS itself (a file or a URL, cached, refetched for an unknown kid at most once a minute)
-is read by registry/server/jwks.py.
+The settings are read and checked by registry/server/oidc_config.py; the JWKS itself (a file
+or a URL, cached, refetched for an unknown kid at most once a minute) by registry/server/jwks.py.
 """
 
 from __future__ import annotations
@@ -35,22 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import Unauthenticated, UsageError
+from registry.errors import Unauthenticated
 from registry.server.jwks import FileJwks, JwksSource, JwksUnavailable, UrlJwks
-from registry.text import redact_url
+from registry.server.oidc_config import OidcConfig, config_from
 
 if TYPE_CHECKING:
     from registry.config import Settings
 
 log = logging.getLogger("reg.server.oidc")
 
-ASYMMETRIC = (
-    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
-    "ES256", "ES256K", "ES384", "ES512", "ES521", "EdDSA",
-)  # fmt: skip
-DEFAULT_ALGORITHMS = (
-    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA",
-)  # fmt: skip
 _EC_CURVES = {
     "ES256": "P-256",
     "ES256K": "secp256k1",
@@ -62,161 +55,9 @@ _EC_CURVES = {
 LEEWAY_S = 30.0  # clock skew allowed on exp, nbf and iat
 MAX_JWT = 8192  # characters; real ID/access tokens are 1-2 KB
 _JTI = re.compile(r"[A-Za-z0-9._-]{1,48}")
-_CLAIM = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
-_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")  # the start of a principal name
-_LOOPBACK_NAMES = ("localhost",)
 _ABSENT = object()  # a claim the JWT lacks (distinct from JSON null)
 
 _HINT = "get a fresh token from your identity provider (REG_TOKEN, or reg login)"
-
-
-# -- configuration -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class OidcConfig:
-    issuer: str
-    audience: str
-    jwks: str  # a file path or an http(s) URL
-    claim: str = "sub"
-    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
-    prefix: str = ""  # prepended to the claim's value: OIDC names apart from token names
-    require: tuple[tuple[str, str], ...] = ()  # (claim, value): each must match exactly
-
-    @property
-    def jwks_is_url(self) -> bool:
-        return self.jwks.startswith(("https://", "http://"))
-
-
-def config_from(settings: Settings) -> OidcConfig | None:
-    """The OIDC configuration of `settings`; None when it is off. A partial or unsafe one is a
-    UsageError naming the setting, so the server refuses to start rather than refuse JWTs."""
-    named = {
-        "REG_OIDC_ISSUER": settings.oidc_issuer,
-        "REG_OIDC_AUDIENCE": settings.oidc_audience,
-        "REG_OIDC_JWKS": settings.oidc_jwks,
-    }
-    present = [k for k, v in named.items() if v]
-    extras = [
-        k
-        for k, v in {
-            "REG_OIDC_CLAIM": settings.oidc_claim,
-            "REG_OIDC_ALGORITHMS": settings.oidc_algorithms,
-            "REG_OIDC_PRINCIPAL_PREFIX": settings.oidc_principal_prefix,
-            "REG_OIDC_REQUIRE": settings.oidc_require,
-        }.items()
-        if v
-    ]
-    if not present:
-        if extras:
-            raise UsageError(
-                f"{', '.join(extras)} set but OIDC is off",
-                "set REG_OIDC_ISSUER, REG_OIDC_AUDIENCE and REG_OIDC_JWKS too, or unset it",
-            )
-        return None
-    if len(present) < len(named):
-        missing = [k for k in named if k not in present]
-        raise UsageError(
-            f"OIDC is half configured: {', '.join(missing)} missing",
-            "set REG_OIDC_ISSUER, REG_OIDC_AUDIENCE and REG_OIDC_JWKS together, or none of them",
-        )
-    issuer, audience, jwks = (str(v).strip() for v in named.values())
-    claim = (settings.oidc_claim or "sub").strip()
-    if not _CLAIM.fullmatch(claim):
-        raise UsageError(f"REG_OIDC_CLAIM={claim[:64]!r} is not a claim name", "e.g. sub, email")
-    config = OidcConfig(
-        issuer,
-        audience,
-        jwks,
-        claim,
-        _algorithms(settings.oidc_algorithms),
-        _prefix(settings.oidc_principal_prefix),
-        _require(settings.oidc_require),
-    )
-    if jwks.startswith("http://") and not _loopback(jwks):
-        raise UsageError(
-            f"REG_OIDC_JWKS={redact_url(jwks)}: plain http lets anyone on the path swap the keys",
-            "use the provider's https:// jwks_uri (http:// only for 127.0.0.1, ::1, localhost)",
-        )
-    if not config.jwks_is_url:
-        if "://" in jwks:
-            raise UsageError(
-                f"REG_OIDC_JWKS={redact_url(jwks)}: only https://, http:// or a file path",
-                "point it at the provider's jwks_uri, or a JWKS file",
-            )
-        if not Path(jwks).expanduser().is_file():
-            raise UsageError(f"REG_OIDC_JWKS={jwks}: no such file", "a JWKS JSON file, or a URL")
-    return config
-
-
-def _loopback(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    try:
-        host = (urlsplit(url).hostname or "").lower()
-    except ValueError:
-        return False
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _prefix(text: str | None) -> str:
-    prefix = (text or "").strip()
-    if prefix and not _PREFIX.fullmatch(prefix):
-        raise UsageError(
-            f"REG_OIDC_PRINCIPAL_PREFIX={prefix[:64]!r} cannot start a principal name",
-            "letters, digits, . _ @ -, starting with a letter or digit, at most 64 (e.g. oidc-)",
-        )
-    return prefix
-
-
-def _require(text: str | None) -> tuple[tuple[str, str], ...]:
-    pairs: dict[str, str] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        claim, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or not _CLAIM.fullmatch(claim) or not value:
-            raise UsageError(
-                f"REG_OIDC_REQUIRE: {item.strip()[:64]!r} is not claim=value",
-                "comma-separated claim=value pairs, e.g. repository_owner=my-org",
-            )
-        if pairs.get(claim, value) != value:
-            raise UsageError(
-                f"REG_OIDC_REQUIRE names {claim} twice with different values",
-                "no JWT could match both; keep one",
-            )
-        pairs[claim] = value
-    return tuple(pairs.items())
-
-
-def _algorithms(text: str | None) -> tuple[str, ...]:
-    if not text or not text.strip():
-        return DEFAULT_ALGORITHMS
-    names = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
-    for name in names:
-        if name.lower() == "none" or name.upper().startswith("HS"):
-            raise UsageError(
-                f"REG_OIDC_ALGORITHMS: {name} is refused",
-                "only asymmetric algorithms: the JWKS is public, so a symmetric or absent "
-                f"signature proves nothing (allowed: {', '.join(ASYMMETRIC)})",
-            )
-        if name not in ASYMMETRIC:
-            raise UsageError(
-                f"REG_OIDC_ALGORITHMS: unknown algorithm {name[:32]!r}",
-                f"allowed: {', '.join(ASYMMETRIC)}",
-            )
-    if not names:
-        raise UsageError("REG_OIDC_ALGORITHMS names no algorithm", "e.g. RS256,ES256")
-    return names
-
-
-# -- verification --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,7 @@ def serve(
 
     from registry.config import Settings
     from registry.errors import UsageError
-    from registry.server.oidc import config_from
+    from registry.server.oidc_config import config_from
     from registry.timeutil import positive_duration
 
     settings = Settings.from_env()
