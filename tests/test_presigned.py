@@ -121,9 +121,7 @@ def _post(server: RegServer, who: str, path: str, body: dict[str, object]) -> ht
 def test_push_and_pull_go_straight_to_s3(s3_server, ckpts, cli, tmp_path: Path) -> None:
     alice = _as(s3_server, "alice")
     src = ckpts.ws2.step_dir(2)
-    out = cli(
-        "push-ckpt", src, "--run", "r", "--step", "2", "--project", "team-a", "--json", env=alice
-    )
+    out = _push(cli, s3_server, src, 2, "--json")
     assert out.returncode == 0, out.stderr
     pushed = json.loads(out.stdout)
     assert pushed["ref"] == "team-a/r@step2"
@@ -158,21 +156,9 @@ def test_push_and_pull_go_straight_to_s3(s3_server, ckpts, cli, tmp_path: Path) 
     assert json.loads(res.stdout)["passed"] is True
     assert _through_server(s3_server) == 0
     # The same push again is a no-op; other content at the same step is a conflict.
-    again = cli(
-        "push-ckpt", src, "--run", "r", "--step", "2", "--project", "team-a", "--json", env=alice
-    )
+    again = _push(cli, s3_server, src, 2, "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["unchanged"] is True
-    other = cli(
-        "push-ckpt",
-        ckpts.ws2.step_dir(4),
-        "--run",
-        "r",
-        "--step",
-        "2",
-        "--project",
-        "team-a",
-        env=alice,
-    )
+    other = _push(cli, s3_server, ckpts.ws2.step_dir(4), 2)
     assert other.returncode != 0 and "already committed with different content" in other.stderr
 
 
@@ -321,9 +307,9 @@ def _finish(server: RegServer, doc: dict[str, object], what: str = "complete") -
     return _post(server, "alice", f"/v1/checkpoints/push/{what}", ident)
 
 
-def _push(cli, server: RegServer, src: Path, step: int):  # type: ignore[no-untyped-def]
+def _push(cli, server: RegServer, src: Path, step: int, *extra: str):  # type: ignore[no-untyped-def]
     """`reg push-ckpt` of `src` as alice into team-a/r@step."""
-    args = ("--run", "r", "--step", str(step), "--project", "team-a")
+    args = ("--run", "r", "--step", str(step), "--project", "team-a", *extra)
     return cli("push-ckpt", src, *args, env=_as(server, "alice"))
 
 
