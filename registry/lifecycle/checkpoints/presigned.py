@@ -139,7 +139,11 @@ def begin(
 
 
 def urls(ctx: Context, ref: CheckpointRef, token: str, start: int, count: int) -> dict[str, Any]:
-    """URLs for items [start, start+count) of the plan; renews the claim."""
+    """URLs for items [start, start+count) of the plan; renews the claim (from 0, count 0:
+    the client's heartbeat, and all it does; the plan is not read)."""
+    if start == 0 and count == 0:
+        _hold(ctx, _claim_of(ctx, ref, token))
+        return {"urls": [], "ttl_s": URL_TTL_S}
     claim, plan = _resume(ctx, ref, token)
     _hold(ctx, claim)
     presigner = Presigner(_s3(ctx), URL_TTL_S)
@@ -318,6 +322,20 @@ def _pending_row(session: Session, ref: CheckpointRef) -> Checkpoint | None:
 def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
     """The claim and plan of upload `token` of `ref`, if the caller started it and it is still
     pending under that claim."""
+    claim = _claim_of(ctx, ref, token)
+    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    try:
+        plan = Plan.from_bytes(bytes(ctx.store.get_bytes(prefix + UPLOAD_PLAN)))
+    except NotFound:
+        raise NotFound(f"the upload plan of {ref} is gone", "push again") from None
+    if plan.token != token or plan.ref != ref:
+        raise Conflict(f"the upload of {ref} was started again by another push", "push again")
+    return claim, plan
+
+
+def _claim_of(ctx: Context, ref: CheckpointRef, token: str) -> Claim:
+    """The claim of upload `token` of `ref`, if the caller started it and it is still pending
+    under that claim (a renewal needs no more; the others read the plan too)."""
     from registry.catalog.models import Checkpoint
 
     ctx.authorize("push", project=ref.project, target=str(ref))
@@ -332,14 +350,7 @@ def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
         )
     if row.pushed_by != ctx.actor:
         raise PermissionDenied(f"the upload of {ref} is {row.pushed_by}'s, not {ctx.actor}'s")
-    prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
-    try:
-        plan = Plan.from_bytes(bytes(ctx.store.get_bytes(prefix + UPLOAD_PLAN)))
-    except NotFound:
-        raise NotFound(f"the upload plan of {ref} is gone", "push again") from None
-    if plan.token != token or plan.ref != ref:
-        raise Conflict(f"the upload of {ref} was started again by another push", "push again")
-    return claims.Claim(Checkpoint, row.id or 0, token), plan
+    return claims.Claim(Checkpoint, row.id or 0, token)
 
 
 def _clear_leftovers(
