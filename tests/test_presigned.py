@@ -286,6 +286,13 @@ def test_uploads_are_the_pushers_alone(s3_server, ckpts) -> None:
     ):
         r = _post(s3_server, "alice", "/v1/checkpoints/push/urls", {**bad, "start": 0, "count": 1})
         assert r.status_code in (400, 404), r.text
+    # The client's heartbeat (no URLs) renews alice's claim, and only hers.
+    beat = {**ident, "start": 0, "count": 0}
+    r = _post(s3_server, "alice", "/v1/checkpoints/push/urls", beat)
+    assert r.status_code == 200 and r.json()["urls"] == [], r.text
+    assert _post(s3_server, "admin", "/v1/checkpoints/push/urls", beat).status_code == 403
+    r = _post(s3_server, "alice", "/v1/checkpoints/push/urls", {**beat, "upload": "0" * 32})
+    assert r.status_code == 404
     # Only a multipart file of the plan is assembled.
     for path in (".metadata", "../x", "nope"):
         body = {**ident, "path": path}
