@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from policies import DEFAULT_POLICY_PATH
+from policies.layouts import RESUME_CLASSES
 from registry.errors import PolicyError
 
 NEVER = math.inf
@@ -113,31 +114,47 @@ class PromotionPolicy(_Model):
     probe_rtol: float = Field(default=1e-3, ge=0, le=1e6, allow_inf_nan=False)
 
 
-RESUME_CLASSES = (
-    "model",
-    "optimizer",
-    "lr_scheduler",
-    "train_state",
-    "rng",
-    "dataloader",
-    "grad_scaler",
-)
-
-
 class ResumePolicy(_Model):
-    model_key: str = "model"
-    required: list[str] = Field(default_factory=list)
-    classes: dict[str, list[str]] = Field(default_factory=dict)
+    """Overrides of the checkpoint layouts (policies/layouts.py). Left out, each layout's own
+    rules apply: `model_key` and `required` are None unless the document writes them."""
+
+    model_key: str | None = None  # where the model is; "" = keys no other class claims
+    required: list[str] | None = None  # replaces every layout's required classes
+    classes: dict[str, list[str]] = Field(default_factory=dict)  # key paths added to a class
 
     @field_validator("required")
     @classmethod
-    def _known(cls, v: list[str]) -> list[str]:
-        unknown = [c for c in v if c not in RESUME_CLASSES]
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        unknown = [c for c in v or [] if c not in RESUME_CLASSES]
         if unknown:
             raise ValueError(
                 f"unknown resume class {unknown[0]!r}; known: {', '.join(RESUME_CLASSES)}"
             )
         return v
+
+    @field_validator("classes")
+    @classmethod
+    def _paths(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, paths in v.items():
+            if name not in RESUME_CLASSES or name == "model":
+                raise ValueError(
+                    f"unknown resume class {name!r} (model is placed by model_key); known: "
+                    f"{', '.join(RESUME_CLASSES[1:])}"
+                )
+            for path in paths:
+                _key_path(path)
+        return v
+
+    @field_validator("model_key")
+    @classmethod
+    def _model_path(cls, v: str | None) -> str | None:
+        return v if not v else _key_path(v)
+
+
+def _key_path(path: str) -> str:
+    if not path or len(path) > 1024 or any(not s for s in path.split(".")):
+        raise ValueError(f"{path!r} is not a dotted key path such as 'app.model'")
+    return path
 
 
 class ReleasePolicy(_Model):

@@ -1,47 +1,239 @@
-"""Resume-state inventory: which top-level keys of a checkpoint are which kind of resume state.
+"""Resume state: which key paths of a checkpoint are which class, under a layout and a policy.
 
-Pure: top-level key names in, classes out. A key belongs to the class whose prefix it starts with
-(the longest prefix wins); the model is the `model_key` prefix, or with `model_key = ""` every
-top-level key that belongs to no other class (torchtitan's layout).
+Pure: sorted key paths (DCP's dotted FQNs) and sidecar file names in, a verdict out. The rules:
+  - A class entry is a whole dotted path: it matches a key equal to it or starting with it plus
+    "." ("optim" matches "optim.state.w.exp_avg", never "optim_0..." or "optimizer..."). The
+    longest matching entry wins; the model's path is an entry of class "model".
+  - Optimizer state is also known by its structure: a path whose children include "state" (with
+    parameter names below) and "param_groups". Keys under those no entry claims are optimizer
+    state (Lightning's "optimizer_0", any name). Keys under the model's path that have this
+    structure stay in the model set and are reported: a release never takes them silently.
+  - With the model at "" (torchtitan), every key no other class claims is the model.
+  - A sidecar file the layout names (Lightning's meta.pt) provides its classes.
+  - Required classes (the layout's, or the policy's `required` when written) decide
+    `resumable`; missing recommended ones are warnings naming what a resume loses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from policies.layouts import CONSEQUENCES, LAYOUTS, RESUME_CLASSES, detect, has_path, place
 from policies.loader import ResumePolicy
+
+EXAMPLES = 3  # keys named in a one-line message
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeInventory:
-    classes: dict[str, list[str]]  # class -> top-level keys
-    unclassified: list[str]
+class ResumeVerdict:
+    layout: str
+    model_path: str  # where the model is; "" = the keys no other class claims
+    classes: dict[str, list[str]]  # class -> the paths (or sidecar files) that hold it
+    model_keys: list[str]
     missing: list[str]  # required classes with no key
-    model_keys: list[str] = field(default_factory=list)
+    unclassified: list[str]  # the largest wholly unclassified subtrees, as key paths
+    optimizer_in_model: list[str]  # model keys with an optimizer's structure
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def resumable(self) -> bool:
         return not self.missing
 
+    @property
+    def strip(self) -> str:
+        return f"{self.model_path}." if self.model_path else ""
 
-def classify(top_level_keys: Iterable[str], policy: ResumePolicy) -> ResumeInventory:
-    prefixes: list[tuple[str, str]] = [
-        (prefix, cls) for cls, names in policy.classes.items() for prefix in names
-    ]
-    if policy.model_key:
-        prefixes.append((policy.model_key, "model"))
-    prefixes.sort(key=lambda p: len(p[0]), reverse=True)
+    def model_names(self, fqns: Iterable[str]) -> dict[str, str]:
+        """The model's own state_dict name -> checkpoint FQN, for those of `fqns` (tensors)
+        that are model keys: the model's path and its dot stripped."""
+        keys = set(self.model_keys)
+        strip = self.strip
+        return {
+            (fqn[len(strip) :] if strip and fqn.startswith(strip) else fqn): fqn
+            for fqn in fqns
+            if fqn in keys
+        }
 
-    classes: dict[str, list[str]] = {}
+    def summary(self) -> str:
+        """One line: the layout and what is there or missing."""
+        have = ", ".join(c for c in RESUME_CLASSES if c in self.classes) or "nothing"
+        if self.missing:
+            return f"{self.layout} layout: missing {', '.join(self.missing)} (has {have})"
+        return f"{self.layout} layout: complete ({have})"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "layout": self.layout,
+            "model_path": self.model_path,
+            "resumable": self.resumable,
+            "missing_state": self.missing,
+            "resume_state": self.classes,
+            "unclassified": self.unclassified,
+            "warnings": self.warnings,
+        }
+
+
+def classify(
+    keys: Sequence[str],
+    sidecars: Iterable[str],
+    policy: ResumePolicy,
+    layout: str | None = None,
+) -> ResumeVerdict:
+    """`keys` sorted; `layout` None: the one the keys show (policies/layouts.py)."""
+    sidecars = sorted(sidecars)
+    chosen = LAYOUTS[layout] if layout else detect(keys, sidecars)
+    placed = place(chosen, keys)
+    model_path = placed.model if policy.model_key is None else policy.model_key
+    entries = {p: cls for cls, paths in placed.classes.items() for p in paths}
+    entries |= {p: cls for cls, paths in policy.classes.items() for p in paths}
+    if model_path:
+        entries[model_path] = "model"
+    roots = optimizer_roots(keys)
+
+    found: dict[str, set[str]] = {}
+    model_keys: list[str] = []
     unclassified: list[str] = []
-    for key in sorted(set(top_level_keys)):
-        cls = next((c for prefix, c in prefixes if key.startswith(prefix)), None)
-        if cls is None and policy.model_key == "":
-            cls = "model"
-        if cls is None:
-            unclassified.append(key)
+    in_model: list[str] = []
+    for key in keys:
+        match = _longest_entry(entries, key)
+        root = _optimizer_root(roots, key)
+        if match is not None:
+            path, cls = match
+        elif root is not None:
+            path, cls = root or "(top level)", "optimizer"
+        elif model_path == "":
+            path, cls = key.split(".", 1)[0], "model"
         else:
-            classes.setdefault(cls, []).append(key)
-    missing = [c for c in policy.required if c not in classes]
-    return ResumeInventory(classes, unclassified, missing, classes.get("model", []))
+            unclassified.append(key)
+            continue
+        if cls == "model":
+            model_keys.append(key)
+            if root is not None:
+                in_model.append(key)
+        found.setdefault(cls, set()).add(path)
+    for name in sidecars:
+        for cls in chosen.sidecars.get(name, ()):
+            found.setdefault(cls, set()).add(name)
+
+    required = list(chosen.required if policy.required is None else policy.required)
+    missing = [c for c in required if c not in found]
+    warnings = [placed.note] if placed.note else []
+    warnings += [
+        f"no {c} state: {CONSEQUENCES[c]}"
+        for c in chosen.recommended
+        if c not in required and c not in found
+    ]
+    if in_model:
+        warnings.append(
+            f"the model set holds optimizer state ({len(in_model)} keys, e.g. "
+            f"{', '.join(in_model[:EXAMPLES])}): a release would carry it"
+        )
+    return ResumeVerdict(
+        layout=chosen.name,
+        model_path=model_path,
+        classes={c: sorted(found[c]) for c in RESUME_CLASSES if c in found},
+        model_keys=model_keys,
+        missing=missing,
+        unclassified=_subtrees(keys, unclassified),
+        optimizer_in_model=in_model,
+        warnings=warnings,
+    )
+
+
+def suggest(
+    keys: Sequence[str], sidecars: Iterable[str], policy: ResumePolicy, verdict: ResumeVerdict
+) -> list[str]:
+    """What would place keys the verdict leaves unclassified, or a model it did not find:
+    another layout that does better, else a model_key for the largest unplaced subtree."""
+    if not verdict.unclassified and verdict.model_keys:
+        return []
+    sidecars = list(sidecars)
+
+    def cost(v: ResumeVerdict) -> tuple[int, int, int]:
+        return (0 if v.model_keys else 1, len(v.missing), len(v.unclassified))
+
+    tried = [
+        (cost(v), name)
+        for name in LAYOUTS
+        if name != verdict.layout and (v := classify(keys, sidecars, policy, name)).model_keys
+    ]
+    better = sorted(t for t in tried if t[0] < cost(verdict))
+    if better:
+        return [f"--layout {better[0][1]}"]
+    if not verdict.model_keys and verdict.unclassified:
+        largest = max(verdict.unclassified, key=lambda p: sum(1 for _ in _below(keys, p)))
+        return [f'[resume] model_key = "{largest}"']
+    if verdict.unclassified:
+        first = verdict.unclassified[0]
+        return [f'name their class in [resume.classes], e.g. train_state = ["{first}"]']
+    return []
+
+
+def optimizer_roots(keys: Sequence[str]) -> list[str]:
+    """Paths whose children are "state" (with names below) and "param_groups": the shape of a
+    torch optimizer's state_dict, flattened or not. Outermost first; "" is the top level."""
+    candidates = set()
+    for key in keys:
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part == "state":
+                candidates.add(".".join(parts[:i]))
+    roots = sorted(r for r in candidates if has_path(keys, _join(r, "param_groups")))
+    outer: list[str] = []
+    for r in roots:  # sorted: a root's descendants follow it
+        if not any(r == o or r.startswith(o + ".") or not o for o in outer):
+            outer.append(r)
+    return outer
+
+
+def _optimizer_root(roots: list[str], key: str) -> str | None:
+    for root in roots:
+        state, groups = _join(root, "state") + ".", _join(root, "param_groups")
+        if key.startswith(state) or key == groups or key.startswith(groups + "."):
+            return root
+    return None
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _longest_entry(entries: dict[str, str], key: str) -> tuple[str, str] | None:
+    path = key
+    while True:
+        cls = entries.get(path)
+        if cls is not None:
+            return path, cls
+        cut = path.rfind(".")
+        if cut < 0:
+            return None
+        path = path[:cut]
+
+
+def _subtrees(keys: Sequence[str], unclassified: list[str]) -> list[str]:
+    """The unclassified keys as the shortest paths under which every key is unclassified."""
+    if not unclassified:
+        return []
+    placed = sorted(set(keys) - set(unclassified))
+    out: set[str] = set()
+    for key in unclassified:
+        parts = key.split(".")
+        for i in range(1, len(parts) + 1):
+            path = ".".join(parts[:i])
+            if i == len(parts) or not has_path(placed, path):
+                out.add(path)
+                break
+    return sorted(out)
+
+
+def _below(keys: Sequence[str], path: str) -> Iterable[str]:
+    """`path` itself and the keys under it (contiguous in sorted order from `path.`)."""
+    i = bisect.bisect_left(keys, path)
+    if i < len(keys) and keys[i] == path:
+        yield path
+    for key in keys[bisect.bisect_left(keys, path + ".") :]:
+        if not key.startswith(path + "."):
+            return
+        yield key

@@ -42,6 +42,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "checkpoint_file": READ_APPEND,
     "release_file": READ_APPEND,
     "validation": READ_APPEND,
+    "key_set": READ_APPEND,  # a checkpoint's key paths (migration 0010; triggers: never changed)
+    "checkpoint_keys": READ_APPEND,
     # Updated in place: a run's resume point, an alias's target, the outbox's progress, a
     # token's revocation and last use.
     "run": READ_WRITE,

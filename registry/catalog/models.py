@@ -141,6 +141,25 @@ class CheckpointFile(SQLModel, table=True):
         return FileRecord(self.path, self.size, self.sha256, self.rank, self.version)
 
 
+class KeySet(SQLModel, table=True):
+    """A checkpoint's DCP key paths and sidecar files, shared by every checkpoint with the same
+    ones (migration 0010; never changed)."""
+
+    __tablename__ = "key_set"
+    id: int | None = Field(default=None, primary_key=True)
+    sha256: str = Field(max_length=64, unique=True)
+    key_count: int
+    keys: list[str] = _json(list)
+    sidecars: list[str] = _json(list)
+
+
+class CheckpointKeys(SQLModel, table=True):
+    __tablename__ = "checkpoint_keys"
+    checkpoint_id: int = Field(foreign_key="checkpoint.id", primary_key=True)
+    key_set_id: int = Field(foreign_key="key_set.id", index=True)
+    layout: str = Field(max_length=32)
+
+
 class Validation(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)

@@ -9,6 +9,9 @@ here and keeps reading the older ones:
   reg.manifest/1, reg.release/1   files: path, size, sha256 (+ rank in a manifest)
   reg.manifest/2, reg.release/2   each file also has `version`: the object's version on a
                                   versioned bucket, null elsewhere (written from 2026-11)
+  reg.manifest/3                  `resume` also has the checkpoint's `layout`, its `keys` (every
+                                  DCP key path, sorted) and `sidecars` (files beside the shards),
+                                  from which resume state is decided when used (from 2026-12)
 """
 
 from __future__ import annotations
@@ -61,18 +64,34 @@ class TensorSummary:
 
 @dataclass(frozen=True, slots=True)
 class ResumeRecord:
-    """The resume-state inventory as classified at push (kept for the record)."""
+    """The resume-state inventory as classified at push (kept for the record), and from format
+    /3 what any later classification reads: the layout, the key paths and the sidecar files."""
 
     classes: dict[str, list[str]]
     missing: list[str]
     resumable: bool
     unclassified: list[str]
+    layout: str | None = None  # None: a manifest before format /3
+    keys: tuple[str, ...] | None = None
+    sidecars: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "classes": self.classes,
+            "missing": self.missing,
+            "resumable": self.resumable,
+            "unclassified": self.unclassified,
+        }
+        if self.layout is not None:
+            out.update(layout=self.layout, keys=list(self.keys or ()))
+            out["sidecars"] = list(self.sidecars or ())
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    FORMAT: ClassVar[str] = "reg.manifest/2"
-    READS: ClassVar[tuple[str, ...]] = ("reg.manifest/1", "reg.manifest/2")
+    FORMAT: ClassVar[str] = "reg.manifest/3"
+    READS: ClassVar[tuple[str, ...]] = ("reg.manifest/1", "reg.manifest/2", "reg.manifest/3")
 
     project: str
     run: str
@@ -109,12 +128,7 @@ class Manifest:
                 "tensor_bytes": self.tensors.tensor_bytes,
                 "objects": self.tensors.objects,
             },
-            "resume": {
-                "classes": self.resume.classes,
-                "missing": self.resume.missing,
-                "resumable": self.resume.resumable,
-                "unclassified": self.resume.unclassified,
-            },
+            "resume": self.resume.to_json(),
             "metrics": self.metrics,
             "pushed_by": self.pushed_by,
             "created_at": self.created_at,
@@ -140,7 +154,7 @@ class Manifest:
             world_size_inferred=r.boolean(doc["world_size_inferred"], "world_size_inferred"),
             files=files,
             tensors=_tensor_summary(r, doc["tensors"]),
-            resume=_resume(r, doc["resume"]),
+            resume=_resume(r, doc["resume"], with_keys=doc["format"] == "reg.manifest/3"),
             metrics=_metrics(r, doc["metrics"]),
             pushed_by=r.text(doc["pushed_by"], "pushed_by"),
             created_at=r.timestamp(doc["created_at"], "created_at"),
@@ -320,11 +334,25 @@ def _tensor_summary(r: StrictReader, value: Any) -> TensorSummary:
     )
 
 
-def _resume(r: StrictReader, value: Any) -> ResumeRecord:
-    doc = r.mapping(value, "resume", "classes missing resumable unclassified")
+def _resume(r: StrictReader, value: Any, *, with_keys: bool) -> ResumeRecord:
+    from policies.layouts import LAYOUTS
+
+    names = "classes missing resumable unclassified" + (
+        " layout keys sidecars" if with_keys else ""
+    )
+    doc = r.mapping(value, "resume", names)
     classes = doc["classes"]
     if not isinstance(classes, dict):
         raise r.error("resume.classes", "is not an object")
+    layout = keys = sidecars = None
+    if with_keys:
+        layout = r.text(doc["layout"], "resume.layout")
+        if layout not in LAYOUTS:
+            raise r.error("resume.layout", f"is {layout!r}, not one of {', '.join(LAYOUTS)}")
+        keys = tuple(r.string_list(doc["keys"], "resume.keys"))
+        if list(keys) != sorted(set(keys)):
+            raise r.error("resume.keys", "is not sorted without repeats")
+        sidecars = tuple(r.string_list(doc["sidecars"], "resume.sidecars"))
     return ResumeRecord(
         classes={
             r.unicode(k, "resume.classes"): r.string_list(v, f"resume.classes.{k}")
@@ -333,6 +361,9 @@ def _resume(r: StrictReader, value: Any) -> ResumeRecord:
         missing=r.string_list(doc["missing"], "resume.missing"),
         resumable=r.boolean(doc["resumable"], "resume.resumable"),
         unclassified=r.string_list(doc["unclassified"], "resume.unclassified"),
+        layout=layout,
+        keys=keys,
+        sidecars=sidecars,
     )
 
 

@@ -1,0 +1,193 @@
+"""Checkpoint layouts: where each kind of trainer keeps the model and the rest of its resume state.
+
+A layout is a fact about how a checkpoint was written, not a policy: it says under which dotted
+key path the model lives (and so which prefix a release strips from its names), which key paths
+hold which resume-state class, which files beside the DCP shards carry state, and which classes a
+resume of that trainer needs (required) or should have (recommended: missing ones are warnings).
+
+  dcp         {"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}
+  torchtitan  the model's own names at the top level beside "optimizer", "lr_scheduler", ...
+  lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
+  stateful    one wrapper key holding "model" and "optim" (the DCP tutorial's AppState)
+
+`detect` picks one from the key paths and files; `--layout NAME` forces one. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from registry.errors import UsageError
+
+# The classes the registry knows, in the order they are reported.
+RESUME_CLASSES = (
+    "model",
+    "optimizer",
+    "lr_scheduler",
+    "train_state",
+    "rng",
+    "dataloader",
+    "grad_scaler",
+)
+
+# What a resume loses without each class: the warning a missing recommended class carries.
+CONSEQUENCES = {
+    "optimizer": "a resume restarts the optimizer's moments from zero",
+    "lr_scheduler": "a resume restarts the learning-rate schedule",
+    "train_state": "a resume does not know its step or token count",
+    "rng": "a resume does not reproduce the random streams (dropout, sampling)",
+    "dataloader": "a resume does not know its data position and may repeat or skip data",
+    "grad_scaler": "an fp16 resume restarts the loss scale",
+}
+
+# The names most trainers use for each class under the place their state lives.
+_COMMON: dict[str, tuple[str, ...]] = {
+    "optimizer": ("optimizer", "optim"),
+    "lr_scheduler": ("lr_scheduler", "scheduler"),
+    "train_state": ("train_state", "step"),
+    "rng": ("rng",),
+    "dataloader": ("dataloader", "data_loader"),
+    "grad_scaler": ("grad_scaler", "scaler"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    name: str
+    summary: str
+    model: str  # the model's key path; "" = every key no other class claims (torchtitan)
+    classes: Mapping[str, tuple[str, ...]]  # class -> key paths from the top
+    required: tuple[str, ...]
+    recommended: tuple[str, ...]
+    sidecars: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # file -> classes
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A layout resolved against one checkpoint's keys (the stateful wrapper found)."""
+
+    layout: Layout
+    model: str
+    classes: Mapping[str, tuple[str, ...]]
+    wrapper: str | None = None
+    note: str | None = None  # how the layout was chosen, when that is worth saying
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+
+DCP = Layout(
+    "dcp",
+    'top-level "model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader" keys',
+    model="model",
+    classes=_COMMON,
+    required=("model", "optimizer", "train_state"),
+    recommended=("lr_scheduler", "rng", "dataloader"),
+)
+TORCHTITAN = Layout(
+    "torchtitan",
+    'the model\'s own names at the top level beside "optimizer", "lr_scheduler", '
+    '"train_state", "dataloader"',
+    model="",
+    classes={
+        "optimizer": ("optimizer",),
+        "lr_scheduler": ("lr_scheduler",),
+        "train_state": ("train_state",),
+        "rng": ("rng",),
+        "dataloader": ("dataloader",),
+    },
+    required=("model", "optimizer", "lr_scheduler", "train_state"),
+    recommended=("dataloader", "rng"),
+)
+LIGHTNING = Layout(
+    "lightning",
+    '"state_dict" and "optimizer_N" keys, and the meta.pt sidecar (epoch, global step, loops, '
+    "schedulers)",
+    model="state_dict",
+    classes={"optimizer": ()},  # optimizer_0, optimizer_1...: found by their structure
+    required=("model", "optimizer", "train_state"),
+    recommended=("lr_scheduler", "dataloader", "rng"),
+    sidecars={"meta.pt": ("train_state", "lr_scheduler", "dataloader")},
+)
+STATEFUL = Layout(
+    "stateful",
+    'one wrapper key (e.g. "app") holding "model" and "optim", as in the DCP tutorial',
+    model="{wrapper}.model",
+    classes=_COMMON,  # under the wrapper, and at the top level beside it
+    required=("model", "optimizer"),
+    recommended=("train_state", "lr_scheduler", "rng", "dataloader"),
+)
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (DCP, TORCHTITAN, LIGHTNING, STATEFUL)}
+
+
+def check_layout(name: str | None) -> str | None:
+    """A `--layout` value: None (detect) or a known layout's name."""
+    if name is None or name in LAYOUTS:
+        return name
+    raise UsageError(f"unknown layout {name!r}", f"choose one of {', '.join(LAYOUTS)}")
+
+
+def children(keys: Sequence[str], path: str) -> set[str]:
+    """The next key segment under `path` ("" = the top level) over sorted `keys`."""
+    out = set()
+    prefix = f"{path}." if path else ""
+    for key in keys if not prefix else _under(keys, prefix):
+        out.add(key[len(prefix) :].split(".", 1)[0])
+    return out
+
+
+def has_path(keys: Sequence[str], path: str) -> bool:
+    """Whether a key equals `path` or starts with `path.` (sorted `keys`: a binary search)."""
+    from bisect import bisect_left
+
+    i = bisect_left(keys, path)
+    if i < len(keys) and keys[i] == path:
+        return True
+    j = bisect_left(keys, path + ".")
+    return j < len(keys) and keys[j].startswith(path + ".")
+
+
+def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
+    from bisect import bisect_left
+
+    for key in keys[bisect_left(keys, prefix) :]:
+        if not key.startswith(prefix):
+            return
+        yield key
+
+
+def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
+    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt; a
+    top-level "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
+    top = children(keys, "")
+    if "state_dict" in top or any(s in LIGHTNING.sidecars for s in sidecars):
+        return LIGHTNING
+    if "model" in top:
+        return DCP
+    if _wrappers(keys, top):
+        return STATEFUL
+    return TORCHTITAN
+
+
+def _wrappers(keys: Sequence[str], top: set[str]) -> list[str]:
+    return sorted(w for w in top if has_path(keys, f"{w}.model"))
+
+
+def place(layout: Layout, keys: Sequence[str]) -> Placement:
+    """`layout` against these keys: the stateful wrapper is the top-level key holding "model"
+    (the first by name if several do, which the note says)."""
+    if layout is not STATEFUL:
+        return Placement(layout, layout.model, layout.classes)
+    found = _wrappers(keys, children(keys, ""))
+    wrapper = found[0] if found else "app"
+    note = None
+    if not found:
+        note = 'no top-level key holds "model": the stateful layout looked for "app.model"'
+    elif len(found) > 1:
+        note = f"several keys hold a model ({', '.join(found)}); the stateful layout took {wrapper}"
+    classes = {
+        cls: tuple(f"{wrapper}.{name}" for name in names) + names for cls, names in _COMMON.items()
+    }
+    return Placement(layout, f"{wrapper}.model", classes, wrapper, note)

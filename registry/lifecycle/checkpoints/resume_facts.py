@@ -1,0 +1,164 @@
+"""A checkpoint's key paths, kept in the catalog, and the resume verdict decided from them.
+
+Push records what the checkpoint is (every DCP key path, the files beside the shards, its layout:
+`KeyFacts`); whether it is resumable is decided each time it matters (show, ls, validate,
+promote) under the policy in force (`verdict`), so fixing the policy after a push fixes every
+answer at once. Verdicts are cached per key set, layout and resume policy: the steps of a run
+share one key set, so `reg ls` classifies each distinct set once.
+
+A checkpoint committed before the catalog kept key paths gets them once, from its stored
+`.metadata` proven against the catalog's digest (`facts_of_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from policies.layouts import check_layout, detect
+from policies.resume import ResumeVerdict, classify
+
+if TYPE_CHECKING:
+    from policies.loader import ResumePolicy
+    from registry.catalog.models import Checkpoint
+    from registry.context import Context
+    from registry.formats.dcp import Inventory
+    from registry.formats.documents import FileRecord, ResumeRecord
+    from registry.refs import CheckpointRef
+
+_CACHE: dict[tuple[str, str, str], ResumeVerdict] = {}
+_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class KeyFacts:
+    keys: tuple[str, ...]  # every DCP key path, sorted
+    sidecars: tuple[str, ...]  # files beside the shards and .metadata (Lightning's meta.pt)
+    layout: str  # as pushed: detected, or forced with --layout
+
+    @cached_property
+    def sha256(self) -> str:
+        body = json.dumps({"keys": self.keys, "sidecars": self.sidecars}, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    def record(self, policy: ResumePolicy) -> ResumeRecord:
+        """For MANIFEST.json: these facts, and the verdict at push for the record."""
+        from registry.formats.documents import ResumeRecord
+
+        v = verdict(self, policy)
+        return ResumeRecord(
+            v.classes, v.missing, v.resumable, v.unclassified, self.layout, self.keys, self.sidecars
+        )
+
+
+def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) -> KeyFacts:
+    """The key paths of a checkpoint's inventory; its sidecars are the files that are neither
+    `.metadata` nor a shard the metadata names."""
+    from registry.formats.dcp import METADATA
+
+    keys = tuple(sorted({*inv.tensors, *inv.byte_items}))
+    sidecars = tuple(sorted(p for p in files if p != METADATA and p not in inv.files))
+    chosen = check_layout(layout) or detect(keys, sidecars).name
+    return KeyFacts(keys, sidecars, chosen)
+
+
+def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
+    """The resume verdict under `policy`, with the pushed layout unless `layout` forces one."""
+    chosen = check_layout(layout) or facts.layout
+    key = (facts.sha256, chosen, policy.model_dump_json())
+    found = _CACHE.get(key)
+    if found is None:
+        found = classify(facts.keys, facts.sidecars, policy, chosen)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = found
+    return found
+
+
+def verdicts(
+    rows: Sequence[tuple[str, str, list[str], list[str]]], policy: ResumePolicy
+) -> dict[tuple[str, str], ResumeVerdict]:
+    """(sha256, layout, keys, sidecars) rows of distinct key sets -> their verdicts."""
+    return {
+        (sha, layout): verdict(KeyFacts(tuple(keys), tuple(sidecars), layout), policy)
+        for sha, layout, keys, sidecars in rows
+    }
+
+
+def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
+    """Record `facts` for a checkpoint being committed (in the caller's transaction): the key
+    set is shared with every checkpoint that has the same one."""
+    from sqlalchemy.exc import IntegrityError
+    from sqlmodel import Session, select
+
+    from registry.catalog.models import CheckpointKeys, KeySet
+
+    assert isinstance(session, Session)
+    found = session.exec(select(KeySet.id).where(KeySet.sha256 == facts.sha256)).first()
+    if found is None:
+        try:
+            with session.begin_nested():
+                row = KeySet(
+                    sha256=facts.sha256,
+                    key_count=len(facts.keys),
+                    keys=list(facts.keys),
+                    sidecars=list(facts.sidecars),
+                )
+                session.add(row)
+            found = row.id
+        except IntegrityError:  # another commit added the same set meanwhile
+            found = session.exec(select(KeySet.id).where(KeySet.sha256 == facts.sha256)).one()
+    assert found is not None
+    session.add(CheckpointKeys(checkpoint_id=checkpoint_id, key_set_id=found, layout=facts.layout))
+
+
+def facts_of_checkpoint(
+    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
+) -> KeyFacts:
+    """The recorded facts of a committed checkpoint; for one committed before the catalog kept
+    them, read once from its `.metadata` (proven against the catalog's sha256) and recorded."""
+    from sqlmodel import select
+
+    from registry.catalog.models import CheckpointKeys, KeySet
+
+    with ctx.catalog.session() as s:
+        row = s.exec(
+            select(KeySet.keys, KeySet.sidecars, CheckpointKeys.layout)
+            .join(CheckpointKeys, CheckpointKeys.key_set_id == KeySet.id)  # type: ignore[arg-type]
+            .where(CheckpointKeys.checkpoint_id == ckpt.id)
+        ).first()
+    if row is not None:
+        return KeyFacts(tuple(row[0]), tuple(row[1]), row[2])
+    facts = _from_stored_metadata(ctx, ref, ckpt, files)
+    from sqlalchemy.exc import IntegrityError
+
+    try:
+        with ctx.catalog.session(write=True) as s:
+            save(s, ckpt.id or 0, facts)
+    except IntegrityError:
+        pass  # recorded by a concurrent reader: the same facts
+    return facts
+
+
+def _from_stored_metadata(
+    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
+) -> KeyFacts:
+    from registry.errors import IntegrityError
+    from registry.formats.dcp import METADATA, inventory
+    from registry.formats.dcp_metadata import load_metadata
+    from registry.layout import checkpoint_prefix
+
+    record = next((f for f in files if f.path == METADATA), None)
+    prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
+    data = ctx.store.get_bytes(prefix + METADATA, version=record.version if record else None)
+    if record is None or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise IntegrityError(
+            f"{prefix}{METADATA} does not match the catalog's sha256",
+            "run `reg verify` on the checkpoint",
+        )
+    inv = inventory(load_metadata(data, light=True))
+    return facts_of(inv, [f.path for f in files])
