@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from cli.common import JSON_OPTION, open_registry, parse_metrics
+from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
 
 
@@ -53,6 +53,7 @@ def push_ckpt(
         None, "--world-size", help="World size it was saved at (else inferred)."
     ),
     metric: list[str] = typer.Option([], "--metric", help="NAME=VALUE recorded with it."),
+    layout: str | None = LAYOUT_OPTION,
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
@@ -67,9 +68,15 @@ def push_ckpt(
             metrics=parse_metrics(metric),
             progress=progress_for(json_output),
             notes=notes,
+            layout=layout,
         )
     for n in notes:
         note(n)
+    for w in out.get("warnings", []):
+        note(f"{out['ref']}: {w}")
+    if out.get("unclassified"):
+        hint = "; try " + " or ".join(out["suggestions"]) if out.get("suggestions") else ""
+        note(f"{out['ref']}: keys in no resume class: {', '.join(out['unclassified'])}{hint}")
     if json_output:
         emit_json(out)
         return
@@ -82,7 +89,8 @@ def push_ckpt(
         print(
             f"pushed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])} "
             f"in {out['upload_seconds']:.1f}s ({speed:.0f} MB/s), world size "
-            f"{out['world_size']}, resumable: {_yes(out['resumable'], out['missing_state'])}"
+            f"{out['world_size']}, {out.get('layout')} layout, resumable: "
+            f"{_yes(out['resumable'], out['missing_state'])}"
         )
 
 

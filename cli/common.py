@@ -10,6 +10,12 @@ if TYPE_CHECKING:
     from registry.api import Registry
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+LAYOUT_OPTION = typer.Option(
+    None,
+    "--layout",
+    help="The checkpoint's layout: dcp, torchtitan, lightning or stateful (default: the one "
+    "its keys show).",
+)
 
 
 def open_registry() -> Registry:

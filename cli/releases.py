@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import JSON_OPTION, open_registry
+from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry
 from cli.render import emit_json, progress_for, table
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
@@ -30,9 +30,12 @@ def validate(
     model_factory: str | None = typer.Option(
         None, "--model-factory", help="module:function building the model (strict load + probe)."
     ),
+    layout: str | None = LAYOUT_OPTION,
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Prove a checkpoint restores: integrity, load, reshard, finite, resume state, probe."""
+    from registry.lifecycle.validation.checks import ADVISORY
+
     with open_registry() as reg:
         out = reg.validate(
             ref,
@@ -40,12 +43,16 @@ def validate(
             world_size=world_size,
             model_factory=model_factory,
             progress=progress_for(json_output),
+            layout=layout,
         )
     if json_output:
         emit_json(out)
     else:
         for c in out["checks"]:
-            print(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']:<13} {c['detail']}")
+            mark = "ok  " if c["passed"] else "note" if c["name"] in ADVISORY else "FAIL"
+            print(f"  {mark} {c['name']:<13} {c['detail']}")
+        for s in out.get("suggestions", []):
+            print(f"  hint {'':<13} {s}")
         verdict = "passed" if out["passed"] else "FAILED"
         print(
             f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
@@ -55,7 +62,7 @@ def validate(
     if not out["passed"]:
         from registry.errors import ValidationFailed
 
-        failed = next(c for c in out["checks"] if not c["passed"])
+        failed = next(c for c in out["checks"] if not c["passed"] and c["name"] not in ADVISORY)
         raise ValidationFailed(
             f"{out['ref']} failed validation: {failed['name']}: {failed['detail']}"
         )
@@ -73,6 +80,7 @@ def promote(
     model_factory: str | None = typer.Option(
         None, "--model-factory", help="module:function for validation (tied weights, probe)."
     ),
+    layout: str | None = LAYOUT_OPTION,
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Turn a validated checkpoint into an immutable safetensors release."""
@@ -86,6 +94,7 @@ def promote(
             extras=list(extra),
             model_factory=model_factory,
             progress=progress_for(json_output),
+            layout=layout,
         )
     if json_output:
         emit_json(out)

@@ -148,7 +148,10 @@ class Registry:
         metrics: dict[str, float] | None = None,
         progress: Progress | None = None,
         notes: list[str] | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
+        instead of detecting it from its keys."""
         from registry.lifecycle.checkpoints.push import push
 
         return push(
@@ -161,6 +164,7 @@ class Registry:
             metrics=metrics,
             progress=progress,
             notes=notes,
+            layout=layout,
         ).to_json()
 
     def list_checkpoints(
@@ -222,6 +226,7 @@ class Registry:
         world_size: int = 1,
         model_factory: str | None = None,
         progress: Progress | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
         from registry.lifecycle.validation import validate
 
@@ -232,6 +237,7 @@ class Registry:
             world_size=world_size,
             model_factory=model_factory,
             progress=progress,
+            layout=layout,
         )
 
     def promote(
@@ -245,6 +251,7 @@ class Registry:
         extras: list[str | Path] | None = None,
         model_factory: str | None = None,
         progress: Progress | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
         from registry.lifecycle.promotion import promote
 
@@ -258,6 +265,7 @@ class Registry:
             extras=[Path(p) for p in extras or []],
             model_factory=model_factory,
             progress=progress,
+            layout=layout,
         )
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:

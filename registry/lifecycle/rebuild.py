@@ -42,6 +42,7 @@ from registry.layout import (
     parse_checkpoint_key,
     parse_release_key,
 )
+from registry.lifecycle.checkpoints.commit import save_key_facts
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -190,6 +191,7 @@ def _checkpoint(
         s.add(ckpt)
         s.flush()
         s.add_all(CheckpointFile.of(ckpt.id or 0, f) for f in manifest.files)
+        save_key_facts(s, ckpt.id or 0, manifest)
 
 
 def _release(

@@ -29,6 +29,7 @@ class CheckpointView:
     ref: CheckpointRef
     row: Checkpoint
     files: tuple[FileRecord, ...]
+    layout: str | None = None  # None: not yet known here (shown by `reg show`, `reg ls`)
 
     @classmethod
     def of(
@@ -47,6 +48,7 @@ class CheckpointView:
             "state": row.state,
             "bytes": row.bytes,
             "files": [f.to_json() for f in self.files],
+            "layout": self.layout,
             "resumable": row.resumable,
             "missing_state": list(row.missing_state),
             "pinned": row.pinned,
@@ -64,7 +66,6 @@ class CheckpointView:
             world_size_inferred=row.world_size_inferred,
             tensor_count=row.tensor_count,
             tensor_bytes=row.tensor_bytes,
-            resume_state=row.resume_classes,
             metrics=row.metrics,
             pushed_by=row.pushed_by,
             pin_reason=row.pin_reason,

@@ -123,13 +123,16 @@ class RemoteRegistry(Registry):
         metrics: dict[str, float] | None = None,
         progress: Progress | None = None,
         notes: list[str] | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
+        from policies.layouts import check_layout
         from registry.formats.dcp_scan import scan_directory
         from registry.lifecycle.checkpoints.push import check_metrics, check_request
         from registry.remote.presigned_push import PresignedPush
         from registry.remote.push_stream import body
 
         check_request(project, run, step)  # refused here as embedded, before a byte moves
+        check_layout(layout)
         metrics = check_metrics(metrics or {})
         scanned = scan_directory(Path(src))
         order = sorted(scanned.files)
@@ -139,6 +142,7 @@ class RemoteRegistry(Registry):
             "step": step,
             "world_size": world_size,
             "metrics": metrics or {},
+            "layout": layout,
         }
         if progress:
             progress.start(f"push {project}/{run}@step{step}", sum(scanned.files.values()))
@@ -229,9 +233,11 @@ class RemoteRegistry(Registry):
         world_size: int = 1,
         model_factory: str | None = None,
         progress: Progress | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
+        from policies.layouts import check_layout
         from policies.loader import parse_policy
         from registry.lifecycle.validation import Attempt, check_world_size, run_checks
         from registry.lifecycle.validation.checks import load_factory
@@ -239,6 +245,7 @@ class RemoteRegistry(Registry):
 
         parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
         check_world_size(world_size)
+        check_layout(layout)
         dev = resolve_device(device)
         if model_factory is not None:
             load_factory(model_factory)
@@ -263,10 +270,11 @@ class RemoteRegistry(Registry):
                 world_size,
                 model_factory,
                 progress,
+                check_layout(layout or begun.get("layout")) or "dcp",
             )
         attempt = Attempt.of(outcome, dev, world_size)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
-        return dict(self.client.call("POST", "/validations", body=body))
+        return {**self.client.call("POST", "/validations", body=body), **outcome.resume}
 
     def promote(
         self,
@@ -279,6 +287,7 @@ class RemoteRegistry(Registry):
         extras: list[str | Path] | None = None,
         model_factory: str | None = None,
         progress: Progress | None = None,
+        layout: str | None = None,
     ) -> dict[str, Any]:
         sent = []
         for given in extras or []:
@@ -296,6 +305,7 @@ class RemoteRegistry(Registry):
             "max_shard_size": max_shard_size,
             "extras": sent,
             "model_factory": model_factory,
+            "layout": layout,
         }
         return dict(self.client.call("POST", "/promote", body=body))
 

@@ -96,6 +96,7 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
                     metrics=req.metrics,
                     notes=notes,
                     received=receiver.received,
+                    layout=req.layout,
                 ).to_json()
             )
         except RegistryError as exc:  # name the client's files, not the server's directory

@@ -21,7 +21,7 @@ from registry.errors import UsageError
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, parse_checkpoint_ref
 from registry.server.auth import CTX
-from registry.server.requests import authed_body, text
+from registry.server.requests import authed_body, opt_text, text
 from registry.server.upload import MAX_HEADER
 
 router = APIRouter()
@@ -58,6 +58,7 @@ async def begin(request: Request) -> dict[str, Any]:
             world_size=world if world is None or isinstance(world, int) else -1,
             metrics=metrics,
             files=files,
+            layout=opt_text(doc, "layout"),
         )
 
     return await run_in_threadpool(work)

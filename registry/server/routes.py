@@ -106,6 +106,7 @@ async def validation_begin(request: Request) -> dict[str, Any]:
     unless it may attest; answers what it needs (the checkpoint's files and the policy)."""
     from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.read import resolve
+    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
     from registry.server.presigned import read_urls
 
     ctx, doc = await authed_body(request)
@@ -124,6 +125,7 @@ async def validation_begin(request: Request) -> dict[str, Any]:
         urls = read_urls(ctx, prefix, files)  # on S3 the validator reads the bucket directly
         return {
             "ref": str(full),
+            "layout": facts_of_checkpoint(ctx, full, ckpt, files).layout,
             "hold": {"name": name, "token": token},
             "metrics": dict(ckpt.metrics),
             "files": [
@@ -200,6 +202,7 @@ async def promote(request: Request) -> dict[str, Any]:
                 dtype=opt_text(doc, "dtype"),
                 max_shard_size=text(doc, "max_shard_size", "5GB"),
                 extras=paths,
+                layout=opt_text(doc, "layout"),
             )
         )
     finally:

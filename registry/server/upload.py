@@ -47,6 +47,7 @@ class PushRequest:
     world_size: int | None
     metrics: dict[str, float]
     files: list[Declared]
+    layout: str | None = None
 
     @property
     def total(self) -> int:
@@ -79,7 +80,17 @@ def parse_header(data: bytes) -> PushRequest:
         world_size=world if world is None or isinstance(world, int) else -1,
         metrics=metrics,
         files=declared,
+        layout=_layout(doc.get("layout")),
     )
+
+
+def _layout(value: object) -> str | None:
+    """Refused before a byte is stored, like the names."""
+    from policies.layouts import check_layout
+
+    if value is not None and not isinstance(value, str):
+        raise UsageError("push header: layout must be a string")
+    return check_layout(value)
 
 
 def _text(value: object, what: str) -> str:

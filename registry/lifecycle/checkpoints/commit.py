@@ -45,9 +45,10 @@ class PushResult:
     view: CheckpointView
     unchanged: bool  # identical content was already committed; nothing copied
     reused_files: int = 0  # files a killed earlier attempt had uploaded
+    resume: dict[str, Any] | None = None  # the resume verdict (resume_facts.fields)
 
     def to_json(self) -> dict[str, Any]:
-        out = self.view.to_json()
+        out = self.view.to_json() | (self.resume or {})
         out["unchanged"] = self.unchanged
         if not self.unchanged:
             out["reused_files"] = self.reused_files
@@ -148,6 +149,7 @@ def commit(
                 "check `reg show` and push again if needed",
             )
         s.add_all(CheckpointFile.of(claim.row_id, f) for f in manifest.files)
+        save_key_facts(s, claim.row_id, manifest)
         run = queries.find_run(s, ref.project, ref.run)
         resumed = run.resumed_from_step if run is not None else None
         if run is not None and resumed is not None and manifest.step > resumed:
@@ -168,6 +170,16 @@ def commit(
         assert row is not None
         view = CheckpointView.of(ref.project, ref.run, row, queries.files_of(s, claim.row_id))
     return PushResult(view, unchanged=False, reused_files=reused)
+
+
+def save_key_facts(session: Any, checkpoint_id: int, manifest: Manifest) -> None:
+    """The manifest's key paths into the catalog (format /3 on; older ones get them on first
+    use, from their `.metadata`)."""
+    from registry.lifecycle.checkpoints.resume_facts import KeyFacts, save
+
+    r = manifest.resume
+    if r.layout is not None and r.keys is not None:
+        save(session, checkpoint_id, KeyFacts(r.keys, r.sidecars or (), r.layout))
 
 
 def _emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha256: str) -> None:

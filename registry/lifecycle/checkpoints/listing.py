@@ -2,7 +2,9 @@
 
 Scripts run `reg ls --json` often, over catalogs with tens of thousands of checkpoints; this
 module avoids the ORM and sqlmodel altogether, so the listing costs about as much as importing
-the libraries (bench/checkpoints.py measures it).
+the libraries (bench/checkpoints.py measures it). Resume state is decided under the policy in
+force from each distinct key set (the steps of a run share one), so a listing classifies a few
+sets, not every row; a checkpoint whose key paths were never recorded shows its push-time verdict.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ if TYPE_CHECKING:
 
 _CHECKPOINTS = """
 SELECT c.id, c.step, c.world_size, c.state, c.bytes, c.resumable, c.missing_state, c.pinned,
-       c.created_at, c.committed_at, c.upload_seconds, r.name, p.name
+       c.created_at, c.committed_at, c.upload_seconds, r.name, p.name,
+       ck.key_set_id, ck.layout, ks.sha256
 FROM checkpoint c JOIN run r ON r.id = c.run_id JOIN project p ON p.id = r.project_id
+LEFT JOIN checkpoint_keys ck ON ck.checkpoint_id = c.id
+LEFT JOIN key_set ks ON ks.id = ck.key_set_id
 WHERE c.state IN ({states}) {where}
 ORDER BY p.name, r.name, c.step
 """
 # Rows are inserted in path order at commit, so id order is path order.
 _FILES = "SELECT checkpoint_id, path, size, sha256 FROM checkpoint_file {where} ORDER BY id"
+_KEY_SETS = "SELECT id, keys, sidecars FROM key_set WHERE id IN ({ids})"
 
 
 def list_checkpoints(
@@ -64,12 +70,43 @@ def list_checkpoints(
                 cursor.execute(_FILES.format(where=""))
             for cid, path, size, sha in cursor.fetchall():
                 files.setdefault(cid, []).append({"path": path, "size": size, "sha256": sha})
+        resume = _verdicts(ctx, cursor, mark, rows)
         cursor.close()
-    return [_view(row, files.get(row[0], [])) for row in rows]
+    return [_view(row, files.get(row[0], []), resume.get(row[13])) for row in rows]
 
 
-def _view(row: tuple[Any, ...], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row as DESIGN §7's checkpoint shape (the same as `CheckpointView.to_json`)."""
+def _verdicts(ctx: Context, cursor: Any, mark: str, rows: list[Any]) -> dict[Any, Any]:
+    """key_set_id -> its verdict under the policy in force; each distinct set's key paths are
+    read only if this process has not classified it under this policy yet."""
+    from registry.lifecycle.checkpoints.resume_facts import KeyFacts, cached, verdict
+
+    policy = ctx.policy.resume
+    sets = {(r[13], r[14], r[15]) for r in rows if r[13] is not None}
+    out = {}
+    wanted: dict[int, tuple[str, str]] = {}
+    for set_id, layout, sha in sets:
+        found = cached(sha, layout, policy)
+        if found is None:
+            wanted[set_id] = (layout, sha)
+        else:
+            out[set_id] = found
+    ids = list(wanted)
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        cursor.execute(_KEY_SETS.format(ids=", ".join([mark] * len(chunk))), chunk)
+        for set_id, keys, sidecars in cursor.fetchall():
+            keys, sidecars = _json_list(keys), _json_list(sidecars)
+            out[set_id] = verdict(KeyFacts(tuple(keys), tuple(sidecars), wanted[set_id][0]), policy)
+    return out
+
+
+def _json_list(value: Any) -> list[str]:
+    return list(json.loads(value) if isinstance(value, str) else value)
+
+
+def _view(row: tuple[Any, ...], files: list[dict[str, Any]], resume: Any) -> dict[str, Any]:
+    """One row as DESIGN §7's checkpoint shape (the same as `CheckpointView.to_json`), with
+    the resume verdict decided now where the key paths are recorded."""
     (
         _,
         step,
@@ -84,8 +121,13 @@ def _view(row: tuple[Any, ...], files: list[dict[str, Any]]) -> dict[str, Any]:
         upload,
         run_name,
         project_name,
+        _,
+        layout,
+        _,
     ) = row
-    if isinstance(missing, str):
+    if resume is not None:
+        resumable, missing = resume.resumable, resume.missing
+    elif isinstance(missing, str):
         missing = json.loads(missing) if missing != "[]" else []
     return {
         "ref": str(CheckpointRef(project_name, run_name, step)),
@@ -96,6 +138,7 @@ def _view(row: tuple[Any, ...], files: list[dict[str, Any]]) -> dict[str, Any]:
         "state": state,
         "bytes": nbytes,
         "files": files,
+        "layout": layout,
         "resumable": bool(resumable),
         "missing_state": list(missing or []),
         "pinned": bool(pinned),

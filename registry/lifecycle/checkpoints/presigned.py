@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,10 +95,13 @@ def begin(
     world_size: int | None,
     metrics: dict[str, float],
     files: list[DeclaredFile],
+    layout: str | None = None,
 ) -> dict[str, Any]:
+    from policies.layouts import check_layout
     from registry.lifecycle.checkpoints import commit
 
     ref = check_request(project, run, step)
+    check_layout(layout)
     checked_metrics = check_metrics(metrics)
     ctx.authorize("push", project=project, target=str(ref))
     store = _s3(ctx)
@@ -123,7 +127,15 @@ def begin(
         with ThreadPoolExecutor(max_workers=16) as pool:
             declared = list(pool.map(started, files))
         plan = Plan(
-            claim.token, ref, ctx.actor, world_size, checked_metrics, declared, reused, now()
+            claim.token,
+            ref,
+            ctx.actor,
+            world_size,
+            checked_metrics,
+            declared,
+            reused,
+            now(),
+            layout,
         )
         store.put_bytes(prefix + UPLOAD_PLAN, plan.to_bytes())
         _hold(ctx, claim)  # renewed before URLs are signed: the lease outlives them
@@ -177,10 +189,9 @@ def _urls(presigner: Presigner, plan: Plan, start: int, count: int) -> list[dict
 def complete(
     ctx: Context, ref: CheckpointRef, token: str, notes: list[str] | None = None
 ) -> PushResult:
-    from policies.resume import classify
-    from registry.formats.documents import ResumeRecord
     from registry.lifecycle.checkpoints import commit
     from registry.lifecycle.checkpoints.push import build_manifest, world_size_of
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
     claim, plan = _resume(ctx, ref, token)
     store = _s3(ctx)
@@ -191,15 +202,9 @@ def complete(
         faults.point("presigned-assembled")
         scanned = _scan_stored(ctx, prefix, plan)
         world = world_size_of(scanned, plan.world_size, notes)
-        resume = classify(scanned.inventory.top_level_keys(), ctx.policy.resume)
+        facts = facts_of(scanned.inventory, scanned.files, plan.layout)
         manifest = build_manifest(
-            ctx,
-            ref,
-            scanned,
-            stored,
-            world,
-            ResumeRecord(resume.classes, resume.missing, resume.resumable, resume.unclassified),
-            plan.metrics,
+            ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), plan.metrics
         )
         data = manifest.to_bytes()
         put = put_reconciled(
@@ -220,7 +225,7 @@ def complete(
             digests_reported_by=ctx.actor,
         )
     store.delete(prefix + UPLOAD_PLAN)
-    return result
+    return replace(result, resume=fields(facts, ctx.policy.resume))
 
 
 def assemble(ctx: Context, ref: CheckpointRef, token: str, path: str) -> dict[str, Any]:

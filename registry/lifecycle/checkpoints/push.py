@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,11 +54,16 @@ def push(
     progress: Progress | None = None,
     notes: list[str] | None = None,
     received: dict[str, tuple[int, str]] | None = None,
+    layout: str | None = None,
 ) -> PushResult:
     """Register the DCP checkpoint in `src` as project/run@step. `received` (reg server) says
     `src` is the server's own private copy of an upload, with each file's size and sha256 as
-    it landed: the store may then take the files as they are instead of copying them."""
+    it landed: the store may then take the files as they are instead of copying them.
+    `layout` forces the checkpoint's layout (policies/layouts.py) instead of detecting it."""
+    from policies.layouts import check_layout
+
     ref = check_request(project, run, step)
+    check_layout(layout)
     checked_metrics = check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
     scanned = scan_directory(Path(src))
@@ -69,17 +75,16 @@ def push(
             uploader.start()
         # Imported here, not at the top: the catalog layer (SQLAlchemy) and the policy models
         # load while the copy runs.
-        from policies.resume import classify
         from registry.lifecycle.checkpoints import commit
+        from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
-        resume = classify(scanned.inventory.top_level_keys(), ctx.policy.resume)
-        resume_record = ResumeRecord(
-            resume.classes, resume.missing, resume.resumable, resume.unclassified
-        )
+        facts = facts_of(scanned.inventory, scanned.files, layout)
+        resume_record = facts.record(ctx.policy.resume)
         claim, existing = commit.claim_step(ctx, ref)
+        resume = fields(facts, ctx.policy.resume)
         if existing is not None:
             uploader.cancel()
-            return commit.compare_existing(ctx, ref, scanned, existing)
+            return replace(commit.compare_existing(ctx, ref, scanned, existing), resume=resume)
         with commit.held(ctx.catalog, claim):
 
             def still_ours() -> None:
@@ -100,9 +105,10 @@ def push(
             )
             faults.point("push-manifest")
             reused = sum(u.reused for u in uploaded)
-            return commit.commit(
+            result = commit.commit(
                 ctx, claim, manifest, data, stored.version, uploader.seconds, reused
             )
+            return replace(result, resume=resume)
 
 
 def check_request(project: str, run: str, step: int) -> CheckpointRef:

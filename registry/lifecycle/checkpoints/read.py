@@ -33,12 +33,15 @@ def resolve(
 
 
 def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.gc import explain
 
     ctx.authorize_read(project=ref.project)
     run, ckpt, files = resolve(ctx, ref, tombstones=True)
+    full = CheckpointRef(ref.project, run.name, ckpt.step)
     view = CheckpointView.of(ref.project, run.name, ckpt, files)
     out = view.detail_json(ctx.store.describe(checkpoint_prefix(ref.project, run.name, ckpt.step)))
+    out.update(resume_json(ctx, full, ckpt, files))  # decided now, under the policy in force
     out["protection"] = explain(ctx, ref.project, run, ckpt)
     return out
 
@@ -74,7 +77,10 @@ def pull(
         raise
     if ctx.principal.authorize("push", project=ref.project).allowed:
         record_resume(ctx, full)
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
+
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
+    out.update(resume_json(ctx, full, latest[0], files))
     out["dest"] = str(where)
     return out
 

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout, detect
 from policies.resume import ResumeVerdict, classify
@@ -69,24 +69,55 @@ def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) ->
 def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
     """The resume verdict under `policy`, with the pushed layout unless `layout` forces one."""
     chosen = check_layout(layout) or facts.layout
-    key = (facts.sha256, chosen, policy.model_dump_json())
-    found = _CACHE.get(key)
+    found = cached(facts.sha256, chosen, policy)
     if found is None:
         found = classify(facts.keys, facts.sidecars, policy, chosen)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = found
+        _CACHE[(facts.sha256, chosen, _policy_key(policy))] = found
     return found
 
 
-def verdicts(
-    rows: Sequence[tuple[str, str, list[str], list[str]]], policy: ResumePolicy
-) -> dict[tuple[str, str], ResumeVerdict]:
-    """(sha256, layout, keys, sidecars) rows of distinct key sets -> their verdicts."""
-    return {
-        (sha, layout): verdict(KeyFacts(tuple(keys), tuple(sidecars), layout), policy)
-        for sha, layout, keys, sidecars in rows
-    }
+def cached(sha256: str, layout: str, policy: ResumePolicy) -> ResumeVerdict | None:
+    """The verdict on a key set already classified in this process, if any."""
+    return _CACHE.get((sha256, layout, _policy_key(policy)))
+
+
+def _policy_key(policy: ResumePolicy) -> str:
+    return policy.model_dump_json()
+
+
+def resume_json(
+    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
+) -> dict[str, Any]:
+    """`reg show`'s resume fields, decided now; a collected checkpoint committed before the
+    catalog kept key paths answers with what was decided at its push."""
+    from registry.catalog.models import COMMITTED
+    from registry.errors import RegistryError
+
+    try:
+        facts = facts_of_checkpoint(ctx, ref, ckpt, files)
+    except RegistryError:
+        if ckpt.state == COMMITTED:
+            raise
+        return {
+            "layout": None,
+            "resumable": ckpt.resumable,
+            "missing_state": list(ckpt.missing_state),
+            "resume_state": ckpt.resume_classes,
+            "unclassified": [],
+            "warnings": ["decided at push: its key paths were not recorded"],
+        }
+    return fields(facts, ctx.policy.resume)
+
+
+def fields(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> dict[str, Any]:
+    """The verdict as commands show it (--json): layout, resumable, missing_state,
+    resume_state, unclassified, warnings, and suggestions for what was not placed."""
+    from policies.resume import suggest
+
+    v = verdict(facts, policy, layout)
+    return {**v.to_json(), "suggestions": suggest(facts.keys, facts.sidecars, policy, v)}
 
 
 def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:

@@ -100,6 +100,7 @@ class Plan:
     files: list[DeclaredFile]
     reused: list[str]
     started: float
+    layout: str | None = None  # forced with --layout; None: detected at complete
 
     @property
     def items(self) -> list[tuple[int, int]]:
@@ -125,6 +126,7 @@ class Plan:
             "files": [f.to_json() for f in self.files],
             "reused": self.reused,
             "started": self.started,
+            "layout": self.layout,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -140,4 +142,5 @@ class Plan:
             files=[DeclaredFile(**f) for f in doc["files"]],
             reused=list(doc["reused"]),
             started=float(doc["started"]),
+            layout=doc.get("layout"),
         )

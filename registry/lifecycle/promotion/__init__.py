@@ -53,6 +53,7 @@ def promote(
     extras: list[Path] | None = None,
     model_factory: str | None = None,
     progress: Progress | None = None,
+    layout: str | None = None,
 ) -> dict[str, Any]:
     plan = plan_promotion(
         ctx,
@@ -63,6 +64,7 @@ def promote(
         max_shard_size=max_shard_size,
         extras=list(extras or []),
         model_factory=model_factory,
+        layout=layout,
     )
     existing = _existing(ctx, plan)
     if existing is not None:

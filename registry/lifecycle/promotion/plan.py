@@ -19,6 +19,7 @@ from policies.gates import (
     satisfies_device,
     usable_validation,
 )
+from policies.layouts import check_layout
 from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
@@ -29,7 +30,9 @@ from registry.lifecycle.promotion.consolidate import INDEX
 from registry.refs import CheckpointRef, check_alias, check_name
 
 if TYPE_CHECKING:
+    from policies.resume import ResumeVerdict
     from registry.context import Context
+    from registry.lifecycle.checkpoints.resume_facts import KeyFacts
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -55,6 +58,8 @@ class PromotionPlan:
     max_shard_bytes: int
     extras: tuple[Extra, ...]
     model_factory: str | None
+    facts: KeyFacts  # the checkpoint's key paths as the catalog recorded them
+    resume: ResumeVerdict  # decided now, under the policy in force (and --layout)
     options: dict[str, Any] = field(init=False)
     options_key: str = field(init=False)
 
@@ -64,6 +69,8 @@ class PromotionPlan:
             "max_shard_bytes": self.max_shard_bytes,
             "extras": {e.name: e.sha256 for e in self.extras},
         }
+        if self.resume.model_path != "model":  # where the model was taken from, when not the
+            options["model_path"] = self.resume.model_path  # "model" key every release had
         key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "options_key", key)
@@ -79,9 +86,14 @@ def plan_promotion(
     max_shard_size: str,
     extras: list[Path],
     model_factory: str | None,
+    layout: str | None = None,
 ) -> PromotionPlan:
-    """Check the request and resolve the source; nothing is written."""
+    """Check the request and resolve the source; nothing is written (but the key paths of a
+    checkpoint pushed before the catalog kept them, recorded once)."""
+    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
+
     check_name(model, "model name")
+    check_layout(layout)
     if alias is not None:
         check_alias(alias)
     if dtype is not None and dtype not in DTYPES:
@@ -90,8 +102,10 @@ def plan_promotion(
     max_bytes = _shard_bytes(max_shard_size)
     checked = _check_extras(extras)
     _, ckpt, files = resolve(ctx, ref)
+    source = CheckpointRef(ref.project, ref.run, ckpt.step)
+    facts = facts_of_checkpoint(ctx, source, ckpt, files)
     return PromotionPlan(
-        source=CheckpointRef(ref.project, ref.run, ckpt.step),
+        source=source,
         checkpoint=ckpt,
         files=tuple(files),
         model=model,
@@ -100,6 +114,8 @@ def plan_promotion(
         max_shard_bytes=max_bytes,
         extras=checked,
         model_factory=model_factory,
+        facts=facts,
+        resume=verdict(facts, ctx.policy.resume, layout),
     )
 
 
@@ -131,12 +147,14 @@ def _check_extras(extras: list[Path]) -> tuple[Extra, ...]:
 
 
 def check_resumable(ctx: Context, plan: PromotionPlan) -> None:
-    ckpt = plan.checkpoint
-    gate = resumable_gate(ctx.policy.promotion, ckpt.resumable, list(ckpt.missing_state))
+    """The resume state under the policy in force, decided from the recorded key paths."""
+    resume = plan.resume
+    gate = resumable_gate(ctx.policy.promotion, resume.resumable, resume.missing)
     if gate:
         raise GateNotMet(
-            f"refusing to promote {plan.source}: {gate}",
-            "promote a full training checkpoint, or set require_resumable = false",
+            f"refusing to promote {plan.source}: {gate} ({resume.layout} layout)",
+            "promote a full training checkpoint, force the right --layout, or set "
+            "require_resumable = false",
         )
 
 

@@ -22,7 +22,6 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import col, select
 
-from policies.resume import classify
 from registry import events, faults
 from registry.catalog import claims
 from registry.catalog.claims import Claim
@@ -34,7 +33,7 @@ from registry.catalog.models import (
     ReleaseFile,
     Validation,
 )
-from registry.errors import Conflict, GateNotMet
+from registry.errors import Conflict, GateNotMet, IntegrityError
 from registry.formats.dcp import Inventory, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.documents import (
@@ -187,16 +186,39 @@ def proved(ctx: Context, plan: PromotionPlan, progress: Progress | None) -> Iter
         ctx.store, src, plan.files, label=str(plan.source), workers=ctx.workers
     ) as proven:
         inv = inventory(load_metadata(proven.metadata, light=True))
-        resume = classify(inv.top_level_keys(), ctx.policy.resume)
-        names = inv.model_names(resume.model_keys, ctx.policy.resume.model_key)
-        if not names:
-            raise GateNotMet(
-                f"{plan.source} holds no model tensors under "
-                f"[resume] model_key = {ctx.policy.resume.model_key!r}",
-                "set model_key to where the checkpoint keeps the model",
-            )
+        names = model_names(plan, inv)
         proven.prove((c for fqn in names.values() for c in inv.tensors[fqn].chunks), progress)
         yield Source(proven, inv, names)
+
+
+def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
+    """Release name -> checkpoint FQN, from the proven `.metadata`: its key paths must be the
+    ones the catalog recorded (which decided the gates), and the model set must hold model
+    tensors and no optimizer state."""
+    from registry.lifecycle.checkpoints.resume_facts import facts_of
+
+    resume, where = plan.resume, f"{plan.source} ({plan.resume.layout} layout)"
+    if facts_of(inv, [f.path for f in plan.files], plan.facts.layout).sha256 != plan.facts.sha256:
+        raise IntegrityError(
+            f"{plan.source}: the key paths in its .metadata differ from the catalog's record",
+            "the catalog row was changed: run `reg verify` and `reg audit verify`",
+        )
+    if resume.optimizer_in_model:
+        raise GateNotMet(
+            f"refusing to promote {where}: the model set holds optimizer state "
+            f"({len(resume.optimizer_in_model)} keys, e.g. "
+            f"{', '.join(resume.optimizer_in_model[:3])})",
+            "set [resume] model_key to the model's own key path, or force the right --layout",
+        )
+    names = resume.model_names(inv.tensors)
+    if not names:
+        shown = f"under {resume.model_path!r}" if resume.model_path else "at the top level"
+        raise GateNotMet(
+            f"refusing to promote {where}: no model tensors {shown}",
+            "force the right --layout, or set [resume] model_key to where the model is "
+            f"(reg show {plan.source} suggests one)",
+        )
+    return names
 
 
 def build(

@@ -7,7 +7,8 @@ recorded with its detail:
                 validation world size (1 by default), with a reader that never unpickles unsafely
   shapes        loaded shapes and dtypes match the metadata; chunks cover each tensor exactly
   finite        every floating tensor is free of NaN and Inf (the first offender is named)
-  resume_state  the resume-state classes the policy requires are present
+  resume_state  the resume-state classes the layout or policy requires are present (reported,
+                not counted toward `passed`: the promotion gate decides it under its policy)
   model         with a model factory: strict load_state_dict of the model tensors
   probe         with a model factory that defines probe_loss(model): the loss matches the
                 `probe_loss` metric recorded at push within [promotion] probe_rtol
@@ -23,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from policies.resume import classify
 from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
@@ -32,7 +32,7 @@ from registry.formats.dcp import METADATA, check_ranges, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
-from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
+from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
 from registry.lifecycle.validation.restore import (
     device_name,
     resolve_device,
@@ -59,14 +59,20 @@ def validate(
     world_size: int = 1,
     model_factory: str | None = None,
     progress: Progress | None = None,
+    layout: str | None = None,
 ) -> dict[str, Any]:
+    from policies.layouts import check_layout
+    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
+
     ctx.authorize("validate", project=ref.project, target=str(ref))
     check_world_size(world_size)
+    check_layout(layout)
     dev = resolve_device(device)
     if model_factory is not None:
         load_factory(model_factory)  # a bad spec is a usage error before any work
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
+    recorded = facts_of_checkpoint(ctx, full, ckpt, files).layout
     with hold(ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}"):
         out = run_checks(
             ctx.store,
@@ -79,9 +85,11 @@ def validate(
             world_size,
             model_factory,
             progress,
+            layout or recorded,
         )
     # Inside reg server the server itself ran it: as trustworthy as a validator's.
-    return record(ctx, full, ckpt, Attempt.of(out, dev, world_size), attested=ctx.server)
+    result = record(ctx, full, ckpt, Attempt.of(out, dev, world_size), attested=ctx.server)
+    return {**result, **out.resume}
 
 
 def check_world_size(world_size: int) -> None:
@@ -100,10 +108,14 @@ def run_checks(
     world_size: int,
     model_factory: str | None,
     progress: Progress | None,
+    layout: str,
 ) -> Outcome:
     """Every check of the module docstring on the stored checkpoint `ref` (its `files` as the
-    catalog lists them); no catalog access, so a validator reading through `reg server` runs
-    the same code."""
+    catalog lists them) with its model where `layout` puts it; no catalog access, so a
+    validator reading through `reg server` runs the same code."""
+    from policies.resume import suggest
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
+
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     started = time.perf_counter()
@@ -133,13 +145,21 @@ def run_checks(
             out.add("integrity", False, str(exc))
     out.phases["integrity_seconds"] = round(time.perf_counter() - started, 3)
 
-    resume = classify(inv.top_level_keys() if inv else set(), rules.resume)
-    if out.passed and metadata is not None and inv is not None:
+    if inv is None:
+        out.add("resume_state", False, "not decided: the integrity check failed")
+        return out
+    facts = facts_of(inv, [f.path for f in files], layout)
+    resume = verdict(facts, rules.resume)
+    out.resume = {
+        **resume.to_json(),
+        "suggestions": suggest(facts.keys, facts.sidecars, rules.resume, resume),
+    }
+    if out.passed and metadata is not None:
         model = None
         if model_factory is not None:
             model = ModelCheck(
                 spec=model_factory,
-                names=inv.model_names(resume.model_keys, rules.resume.model_key),
+                names=resume.model_names(inv.tensors),
                 metrics=metrics,
                 probe_rtol=rules.promotion.probe_rtol,
             )
@@ -147,13 +167,7 @@ def run_checks(
             restore_here(store, prefix, versions, metadata, inv, device, model, out)
         else:
             restore_distributed(store, prefix, versions, inv, device, world_size, model, out)
-    out.add(
-        "resume_state",
-        resume.resumable,
-        "complete: " + ", ".join(sorted(resume.classes))
-        if resume.resumable
-        else f"missing {', '.join(resume.missing)}",
-    )
+    out.add("resume_state", resume.resumable, "; ".join([resume.summary(), *resume.warnings]))
     return out
 
 
@@ -270,7 +284,7 @@ class Attempt:
             if detail is False:
                 raise bad(f"check {inert(name)[:64]}: detail is neither text nor name groups")
             clean.append({"name": inert(name)[:64], "passed": c["passed"], "detail": detail})
-        if passed != all(c["passed"] for c in clean):
+        if passed != counted(clean):
             raise bad("passed disagrees with the checks")
         tied = _clean_detail(doc.get("tied") or [])
         if not isinstance(tied, list):

@@ -28,18 +28,29 @@ class Check:
         return {"name": self.name, "passed": self.passed, "detail": self.detail}
 
 
+# Checks reported but not counted toward `passed`: whether resume state is complete is the
+# promotion gate's to decide, under the policy in force when it promotes.
+ADVISORY = frozenset({"resume_state"})
+
+
+def counted(checks: list[dict[str, Any]]) -> bool:
+    """A validation's `passed`: every check that counts passed."""
+    return all(c["passed"] for c in checks if c["name"] not in ADVISORY)
+
+
 @dataclass
 class Outcome:
     checks: list[Check] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
+    resume: dict[str, Any] = field(default_factory=dict)  # the resume verdict, as JSON
 
     def add(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, passed, detail))
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return counted([c.as_dict() for c in self.checks])
 
 
 @dataclass(frozen=True, slots=True)
