@@ -6,6 +6,15 @@ Each checkpoint `ckpts/step-N/` holds model and optimizer (via `get_state_dict`)
 train state, per-rank RNG under per-rank keys, and the data-loader position. Beside it,
 `ckpts/step-N.json` records the probe loss, and with `--full-weights` `ckpts/step-N.full.pt`
 holds the unsharded model weights (for bit-exact tests).
+
+`--layout` saves the same state in the shape another trainer writes (README: Checkpoint layouts):
+  dcp         {"model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader"}
+  torchtitan  the model's names at the top level, the optimizer flattened (as torchtitan does),
+              no RNG state; with --weights-only the model alone (torchtitan's last step)
+  lightning   {"state_dict", "optimizer_0"} through DCP, and rank 0's meta.pt sidecar with the
+              epoch, global step, loops and schedulers (as ModelParallelStrategy writes)
+  stateful    {"app": AppState} as in the DCP tutorial: a Stateful holding model, optim and the
+              rest of the state
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ def main() -> None:
     parser.add_argument("--weights-only", action="store_true", help="save the model alone")
     parser.add_argument("--poison", choices=["nan", "inf"], help="corrupt one weight at the end")
     parser.add_argument("--thread-count", type=int, default=1)
+    parser.add_argument(
+        "--layout", choices=["dcp", "torchtitan", "lightning", "stateful"], default="dcp"
+    )
     parser.add_argument(
         "--writer",
         choices=["default", "safetensors", "zstd", "hf"],
@@ -77,25 +89,17 @@ def main() -> None:
 
 
 def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[no-untyped-def]
-    model_sd, optim_sd = get_state_dict(model, optim)
-    if args.writer in ("safetensors", "hf"):  # safetensors refuses tensors sharing memory (ties)
-        model_sd = {k: v.clone() for k, v in model_sd.items()}
-    state = {"model": model_sd}
-    if not args.weights_only:
-        state |= {
-            "optimizer": optim_sd,
-            "lr_scheduler": sched.state_dict(),
-            "train_state": {"step": step, "world_size": world},
-            "rng": {
-                f"rank{rank}": {
-                    "torch": torch.get_rng_state(),
-                    "python": pickle.dumps(random.getstate()),
-                }
-            },
-            "dataloader": {f"rank{rank}": {"epoch": 0, "position": step * 8}},
-        }
     path = args.out / f"step-{step}"
+    state = _state(args, model, optim, sched, step, rank, world)
     dcp.save(state, storage_writer=_writer(args, path))
+    if args.layout == "lightning" and rank == 0:  # Lightning's sidecar: a plain torch.save
+        meta = {
+            "epoch": 0,
+            "global_step": step,
+            "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}}},
+            "lr_schedulers": [sched.state_dict()],
+        }
+        torch.save(meta, path / "meta.pt")
     probe = probe_loss(model)
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -107,6 +111,47 @@ def save(args, model, optim, sched, step, rank, world) -> None:  # type: ignore[
             json.dumps({"step": step, "world_size": world, "probe_loss": probe})
         )
         print(f"step {step}: saved {path} (probe loss {probe:.4f})", flush=True)
+
+
+def _state(args, model, optim, sched, step, rank, world) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    titan = args.layout == "torchtitan"
+    options = StateDictOptions(flatten_optimizer_state_dict=titan)
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    if args.writer in ("safetensors", "hf"):  # safetensors refuses tensors sharing memory (ties)
+        model_sd = {k: v.clone() for k, v in model_sd.items()}
+    rest = {
+        "lr_scheduler": sched.state_dict(),
+        "train_state": {"step": step, "world_size": world},
+        "rng": {
+            f"rank{rank}": {
+                "torch": torch.get_rng_state(),
+                "python": pickle.dumps(random.getstate()),
+            }
+        },
+        "dataloader": {f"rank{rank}": {"epoch": 0, "position": step * 8}},
+    }
+    if titan:
+        rest.pop("rng")  # torchtitan keeps no RNG state in its checkpoints
+        return dict(model_sd) if args.weights_only else {**model_sd, "optimizer": optim_sd, **rest}
+    if args.layout == "lightning":
+        return {"state_dict": model_sd} | ({} if args.weights_only else {"optimizer_0": optim_sd})
+    if args.layout == "stateful":
+        app = {"model": model_sd} | ({} if args.weights_only else {"optim": optim_sd, **rest})
+        return {"app": _AppState(app)}
+    return {"model": model_sd} | ({} if args.weights_only else {"optimizer": optim_sd, **rest})
+
+
+class _AppState:
+    """The DCP tutorial's wrapper: a Stateful whose state_dict DCP calls at save."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
 
 
 def _writer(args: argparse.Namespace, path: Path) -> Any:

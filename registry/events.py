@@ -20,6 +20,7 @@ CHECKPOINT_COLLECTED = "checkpoint.collected"
 RELEASE_CREATED = "release.created"
 ALIAS_MOVED = "release.alias"
 RELEASE_STATUS = "release.status"
+CHECKPOINT_RESUME = "checkpoint.resume"  # a policy change changed a checkpoint's resume verdict
 
 
 class EventSink(Protocol):

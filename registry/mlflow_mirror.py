@@ -7,7 +7,8 @@ gives up, the events wait, and a later drain (the next command, `reg mlflow sync
 
 Mapping: project -> experiment; run -> MLflow run of the same name; checkpoint -> an external
 LoggedModel (nothing copied) named like `run42-step9000`, linked to the run at its step, with
-params and tags (step, world size, bytes, state, resumable, store URI, manifest digest, expiry),
+params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, and
+`reg.resumable` / `reg.missing_state`, which follow a policy change that changes them),
 and the push metrics logged on the run at that step; release -> registered model version whose
 source is the release URI (S3) or the release's external LoggedModel (`models:/m-...`, local
 stores), tagged with its digest, registry version, source and validation; aliases as set.
@@ -114,7 +115,6 @@ class Mirror:
                 "step": str(p["step"]),
                 "world_size": str(p["world_size"]),
                 "bytes": str(p["bytes"]),
-                "resumable": str(p["resumable"]).lower(),
                 "uri": p["uri"],
                 "manifest_sha256": p["manifest_sha256"],
             }
@@ -131,6 +131,7 @@ class Mirror:
                     "state": "committed",
                     "reg.expires_at": iso(p.get("expires_at")) or "never",
                     "reg.uri": p["uri"],
+                    **_resume_tags(p),
                 },
             )
             self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, p["step"])])
@@ -150,6 +151,11 @@ class Mirror:
                     "reg.restore_seconds": str(p["seconds"]),
                 },
             )
+
+    def on_checkpoint_resume(self, p: dict[str, Any]) -> None:
+        model = self.logged_model(p["project"], p["ref"])
+        if model is not None:
+            self.client.set_logged_model_tags(model.model_id, _resume_tags(p))
 
     def on_checkpoint_collected(self, p: dict[str, Any]) -> None:
         model = self.logged_model(p["project"], p["ref"])
@@ -223,6 +229,16 @@ class Mirror:
             self.client.set_model_version_tag(
                 safe_name(p["model"]), version.version, "reg.status_reason", p["reason"]
             )
+
+
+def _resume_tags(p: dict[str, Any]) -> dict[str, str]:
+    tags = {
+        "reg.resumable": str(bool(p["resumable"])).lower(),
+        "reg.missing_state": ",".join(p.get("missing_state") or []) or "none",
+    }
+    if p.get("layout"):
+        tags["reg.layout"] = p["layout"]
+    return tags
 
 
 def drain(

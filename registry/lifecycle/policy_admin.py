@@ -13,6 +13,7 @@ from sqlmodel import select
 from policies.loader import Policy, load_policy_file, parse_policy
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
+from registry.lifecycle.checkpoints.resume_facts import emit_changes
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -53,7 +54,13 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
             sha256=digest,
             grants=len(parsed.access.grants),
         )
-    return {"version": version, "sha256": digest, "grants": len(parsed.access.grants)}
+        changed = emit_changes(ctx, s, ctx.policy.resume, parsed.resume)
+    return {
+        "version": version,
+        "sha256": digest,
+        "grants": len(parsed.access.grants),
+        "resume_changed": changed,  # checkpoints whose resume verdict the new policy changes
+    }
 
 
 def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:

@@ -196,6 +196,7 @@ def _emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha
         bytes=manifest.bytes,
         resumable=manifest.resume.resumable,
         missing_state=manifest.resume.missing,
+        layout=manifest.resume.layout,
         metrics=manifest.metrics,
         uri=ctx.store.describe(checkpoint_prefix(ref.project, ref.run, manifest.step)),
         manifest_sha256=manifest_sha256,

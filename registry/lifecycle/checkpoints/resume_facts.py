@@ -34,7 +34,7 @@ _CACHE: dict[tuple[str, str, str], ResumeVerdict] = {}
 _CACHE_SIZE = 512
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class KeyFacts:
     keys: tuple[str, ...]  # every DCP key path, sorted
     sidecars: tuple[str, ...]  # files beside the shards and .metadata (Lightning's meta.pt)
@@ -147,19 +147,64 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
     session.add(CheckpointKeys(checkpoint_id=checkpoint_id, key_set_id=found, layout=facts.layout))
 
 
+def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePolicy) -> int:
+    """A policy change: a `checkpoint.resume` event for every committed checkpoint whose verdict
+    it changes (each distinct key set classified once under each policy). Returns how many."""
+    from sqlmodel import Session, col, select
+
+    from registry import events
+    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, KeySet, Project, Run
+    from registry.refs import CheckpointRef
+
+    assert isinstance(session, Session)
+    if old == new:
+        return 0
+    projects = {p.id: p.name for p in session.exec(select(Project)).all()}
+    rows = session.exec(
+        select(Run, Checkpoint.step, CheckpointKeys.layout, KeySet)
+        .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
+        .join(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
+        .join(KeySet, col(KeySet.id) == CheckpointKeys.key_set_id)
+        .where(Checkpoint.state == COMMITTED)
+    ).all()
+    count = 0
+    for run_row, step, layout, key_set in rows:
+        project, run = projects[run_row.project_id], run_row.name
+        facts = KeyFacts(tuple(key_set.keys), tuple(key_set.sidecars), layout)
+        before, after = verdict(facts, old), verdict(facts, new)
+        if (before.resumable, before.missing, before.layout) == (
+            after.resumable,
+            after.missing,
+            after.layout,
+        ):
+            continue
+        ref = CheckpointRef(project, run, step)
+        ctx.events.emit(
+            session,
+            events.CHECKPOINT_RESUME,
+            project=project,
+            ref=str(ref),
+            resumable=after.resumable,
+            missing_state=after.missing,
+            layout=after.layout,
+        )
+        count += 1
+    return count
+
+
 def facts_of_checkpoint(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
     """The recorded facts of a committed checkpoint; for one committed before the catalog kept
     them, read once from its `.metadata` (proven against the catalog's sha256) and recorded."""
-    from sqlmodel import select
+    from sqlmodel import col, select
 
     from registry.catalog.models import CheckpointKeys, KeySet
 
     with ctx.catalog.session() as s:
         row = s.exec(
             select(KeySet.keys, KeySet.sidecars, CheckpointKeys.layout)
-            .join(CheckpointKeys, CheckpointKeys.key_set_id == KeySet.id)  # type: ignore[arg-type]
+            .join(CheckpointKeys, col(CheckpointKeys.key_set_id) == KeySet.id)
             .where(CheckpointKeys.checkpoint_id == ckpt.id)
         ).first()
     if row is not None:
