@@ -117,16 +117,32 @@ def bench_push_pull(work: Path, src: Path, repeat: int) -> list[str]:
     return lines
 
 
+def key_paths(run: int) -> tuple[str, ...]:
+    """A 32-layer transformer's DCP key paths with AdamW state (about 1,200), distinct per run
+    (the worst case for `reg ls`: every run's key set classified)."""
+    params = ["tok_embeddings.weight", "norm.weight", "output.weight", f"extra{run}.weight"]
+    for i in range(32):
+        for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attention_norm", "ffn_norm"):
+            params.append(f"layers.{i}.{name}.weight")
+    keys = [f"model.{p}" for p in params]
+    keys += [f"optimizer.state.{p}.{s}" for p in params for s in ("exp_avg", "exp_avg_sq", "step")]
+    keys += ["optimizer.param_groups.0.lr", "optimizer.param_groups.0.params"]
+    keys += ["lr_scheduler.last_epoch", "train_state.step", "rng.rank0", "dataloader.rank0"]
+    return tuple(sorted(keys))
+
+
 def populate(home: Path, n: int) -> None:
-    """n committed checkpoints (3 files each) straight into the catalog."""
+    """n committed checkpoints (3 files each) straight into the catalog, with key paths."""
     from registry.catalog.engine import Catalog
     from registry.catalog.models import Checkpoint, CheckpointFile
     from registry.catalog.queries import get_or_create_run
+    from registry.lifecycle.checkpoints.resume_facts import KeyFacts, save
 
     cat = Catalog(f"sqlite:///{home / 'catalog.db'}")
     now = time.time()
     with cat.session(write=True) as s:
         for r in range(n // 100):
+            facts = KeyFacts(key_paths(r), (), "dcp")
             _, run_row = get_or_create_run(s, "default", f"run{r:03d}")
             for k in range(100):
                 ck = Checkpoint(
@@ -145,6 +161,7 @@ def populate(home: Path, n: int) -> None:
                 s.flush()
                 for f in (".metadata", "__0_0.distcp", "__1_0.distcp"):
                     s.add(CheckpointFile(checkpoint_id=ck.id, path=f, size=10**9, sha256="ab" * 32))
+                save(s, ck.id or 0, facts)
     cat.dispose()
 
 
@@ -157,7 +174,8 @@ def bench_startup(work: Path, repeat: int) -> list[str]:
     floor = median_of(repeat, lambda _: run([PY, "-c", "import sqlmodel, typer"], e))
     ls = median_of(repeat, lambda _: run([*REG, "ls", "--json"], e))
     out = subprocess.run([*REG, "ls", "--json"], env=e, capture_output=True, text=True, cwd=ROOT)
-    assert len(json.loads(out.stdout)) == 10_000
+    listed = json.loads(out.stdout)
+    assert len(listed) == 10_000 and all(c["layout"] == "dcp" for c in listed)
     bare = median_of(repeat, lambda _: run([PY, "-c", "pass"], e))
     help_t = median_of(repeat, lambda _: run([*REG, "--help"], e))
     lines = [

@@ -79,6 +79,28 @@ def bad_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
     }
 
 
+LAYOUTS = ("torchtitan", "lightning", "stateful")
+
+
+@pytest.fixture(scope="session")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
+    """Real ws=2 checkpoints in each trainer's shape (examples/train_tiny.py --layout), and a
+    torchtitan model-only one (its last step)."""
+    base = tmp_path_factory.mktemp("layouts")
+    out = {
+        name: train(base / name, nproc=2, steps=2, every=2, extra=("--layout", name))
+        for name in LAYOUTS
+    }
+    out["model-only"] = train(
+        base / "model-only",
+        nproc=2,
+        steps=2,
+        every=2,
+        extra=("--layout", "torchtitan", "--weights-only"),
+    )
+    return out
+
+
 @pytest.fixture
 def cpu_policy(monkeypatch: pytest.MonkeyPatch) -> Path:
     """Promotion after a CPU validation (laptops, CI); the shipped default requires CUDA."""

@@ -71,7 +71,8 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     with cat.session(write=True) as s:
         audit.record(s, "alice", "push", "r@step1")
     _migrate(cat, "0002", down=True)
-    assert _triggers(cat) == guards - ADDED_BY_0005 - ADDED_BY_0006 - ADDED_BY_0008 - ADDED_BY_0009
+    added = ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
+    assert _triggers(cat) == guards - added
     _migrate(cat, "head")
     assert cat.current_revision() == HEAD_REVISION and _triggers(cat) == guards
     with pytest.raises(DBAPIError, match="append-only"), cat.engine.begin() as conn:
@@ -94,6 +95,14 @@ ADDED_BY_0009 = {
     "api_token_stays_revoked",
     "api_token_no_delete",
     "api_token_guard",
+}
+ADDED_BY_0010 = {
+    "key_set_no_update",
+    "key_set_no_delete",
+    "checkpoint_keys_no_update",
+    "checkpoint_keys_no_delete",
+    "key_set_guard",
+    "checkpoint_keys_guard",
 }
 ADDED_BY_0008 = {
     "checkpoint_state_moves",
@@ -143,6 +152,11 @@ def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
         ("UPDATE checkpoint SET created_at = 0", "immutable"),
         ("UPDATE checkpoint SET digests_reported_by = 'mallory'", "only becomes NULL"),
         ("DELETE FROM checkpoint", "never deleted"),
+        # its key paths decide its resume state at every use (migration 0010)
+        ("UPDATE key_set SET keys = '[]'", "written once"),
+        ("UPDATE checkpoint_keys SET layout = 'torchtitan'", "written once"),
+        ("DELETE FROM checkpoint_keys", "written once"),
+        ("DELETE FROM key_set", "written once"),
     ):
         with pytest.raises(DBAPIError, match=said), reg.catalog.engine.begin() as conn:
             conn.execute(text(statement))

@@ -44,7 +44,7 @@ def test_push_records_every_fact_a_resume_needs(reg, ckpts):
     }
     assert {f["rank"] for f in shown["files"]} == {None, 0, 1}
     manifest = json.loads(Path(shown["uri"].removeprefix("file://"), "MANIFEST.json").read_text())
-    assert manifest["format"] == "reg.manifest/2"
+    assert manifest["format"] == "reg.manifest/3"
     assert {f["sha256"] for f in manifest["files"]} == {f["sha256"] for f in out["files"]}
 
 

@@ -9,8 +9,6 @@ import shutil
 
 import pytest
 
-from policies.loader import default_policy
-from policies.resume import classify
 from registry.errors import InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.dcp_scan import scan_directory
@@ -47,39 +45,6 @@ def test_light_parse_without_torch_matches_torch_classes(ckpts):
     light, real = inventory(load_metadata(data, light=True)), inventory(load_metadata(data))
     assert light.tensors == real.tensors
     assert light.byte_items == real.byte_items and light.top_level == real.top_level
-
-
-def test_resume_inventory_of_full_and_weights_only_checkpoints(ckpts):
-    policy = default_policy().resume
-    full = classify(scan_directory(ckpts.ws3.step_dir(3)).inventory.top_level_keys(), policy)
-    assert full.resumable and full.missing == []
-    weights_only = classify({"model"}, policy)
-    assert not weights_only.resumable
-    assert weights_only.missing == ["optimizer", "lr_scheduler", "train_state", "rng", "dataloader"]
-
-
-def test_resume_classes_follow_prefixes_and_torchtitan_layout():
-    policy = default_policy().resume
-    inv = classify(
-        {"model", "optim", "scheduler", "step", "rng_rank0", "data_loader", "grad_scaler", "extra"},
-        policy,
-    )
-    assert inv.classes["optimizer"] == ["optim"]
-    assert inv.classes["grad_scaler"] == ["grad_scaler"]
-    assert inv.unclassified == ["extra"]
-    titan = classify(
-        {
-            "tok_embeddings",
-            "layers",
-            "optimizer",
-            "lr_scheduler",
-            "train_state",
-            "rng",
-            "dataloader",
-        },
-        policy.model_copy(update={"model_key": ""}),
-    )
-    assert titan.classes["model"] == ["layers", "tok_embeddings"] and titan.resumable
 
 
 class _RunsCode:

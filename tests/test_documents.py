@@ -28,6 +28,8 @@ from registry.layout import (
 from registry.refs import CheckpointRef
 
 SHA = "ab" * 32
+RESUME = ResumeRecord({"model": ["model"]}, ["rng"], False, [], "dcp", ("model.w",), ("meta.pt",))
+PRE_3 = ResumeRecord({"model": ["model"]}, ["rng"], False, [])  # formats 1 and 2: no key paths
 
 
 def _manifest(**changes: object) -> Manifest:
@@ -39,7 +41,7 @@ def _manifest(**changes: object) -> Manifest:
         world_size_inferred=False,
         files=(FileRecord(".metadata", 10, SHA), FileRecord("__0_0.distcp", 20, SHA, 0)),
         tensors=TensorSummary(3, 120, 1),
-        resume=ResumeRecord({"model": ["model"]}, ["rng"], False, []),
+        resume=RESUME,
         metrics={"val_loss": 2.5},
         pushed_by="alice",
         created_at="2026-11-30T10:00:00Z",
@@ -59,7 +61,8 @@ def test_manifest_round_trip_and_shape():
     data = m.to_bytes()
     assert Manifest.from_bytes(data, "m") == m
     doc = json.loads(data)
-    assert doc["format"] == "reg.manifest/2" and doc["bytes"] == 30
+    assert doc["format"] == "reg.manifest/3" and doc["bytes"] == 30
+    assert doc["resume"]["layout"] == "dcp" and doc["resume"]["keys"] == ["model.w"]
     assert doc["files"][1] == {
         "path": "__0_0.distcp",
         "size": 20,
@@ -75,11 +78,18 @@ def test_versions_round_trip_and_format_1_still_reads():
     )
     assert Manifest.from_bytes(versioned.to_bytes(), "m") == versioned
     # A manifest written before versions were recorded: format 1, no `version` keys.
-    old = json.loads(_manifest().to_bytes())
+    old = json.loads(_manifest(resume=PRE_3).to_bytes())
     old["format"] = "reg.manifest/1"
     for f in old["files"]:
         del f["version"]
-    assert Manifest.from_bytes(json.dumps(old).encode(), "m") == _manifest()
+    assert Manifest.from_bytes(json.dumps(old).encode(), "m") == _manifest(resume=PRE_3)
+    # Format 2: versions, no key paths; and key paths in format 2 are refused.
+    two = json.loads(_manifest(resume=PRE_3).to_bytes())
+    two["format"] = "reg.manifest/2"
+    assert Manifest.from_bytes(json.dumps(two).encode(), "m") == _manifest(resume=PRE_3)
+    two["resume"]["layout"] = "dcp"
+    with pytest.raises(InvalidDocument, match=r"resume\.layout is not a known key"):
+        Manifest.from_bytes(json.dumps(two).encode(), "m")
     # ... and format 1 with a `version` key, or format 2 without one, is refused.
     old["files"][0]["version"] = "v"
     with pytest.raises(InvalidDocument, match=r"files\[0\]\.version is not a known key"):
@@ -114,6 +124,11 @@ def test_versions_round_trip_and_format_1_still_reads():
         (lambda d: d.update(bytes=31), "bytes is not the sum of the file sizes"),
         (lambda d: d["metrics"].update(val_loss="NaN"), "metrics.val_loss is 'NaN', not a number"),
         (lambda d: d["resume"].update(resumable="yes"), "resume.resumable is 'yes'"),
+        (lambda d: d["resume"].update(layout="megatron"), "resume.layout is 'megatron', not one"),
+        (lambda d: d["resume"].update(keys=["b", "a"]), "resume.keys is not sorted"),
+        (lambda d: d["resume"].update(keys=["a", "a"]), "resume.keys is not sorted"),
+        (lambda d: d["resume"].update(keys=[1]), "resume.keys is not a list of strings"),
+        (lambda d: d["resume"].pop("sidecars"), "resume.sidecars is missing"),
         (lambda d: d.update(created_at="yesterday"), "created_at is 'yesterday', not an ISO"),
     ],
 )

@@ -69,7 +69,7 @@ def _manifest_bytes() -> bytes:
             FileRecord("__0_0.distcp", 20, "cd" * 32, 0),
         ),
         tensors=TensorSummary(3, 120, 1),
-        resume=ResumeRecord({"model": ["model"]}, [], True, []),
+        resume=ResumeRecord({"model": ["model"]}, [], True, [], "dcp", ("model.w",), ()),
         metrics={"loss": 1.5},
         pushed_by="alice",
         created_at="2026-11-30T10:00:00Z",

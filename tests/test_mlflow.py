@@ -64,7 +64,8 @@ def test_every_mapping(policy, ckpts):
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
     assert set(models) == {"run42-step2", "run42-step4", "tiny-lm-v1"}
     step4 = models["run42-step4"]
-    assert step4.params["world_size"] == "2" and step4.params["resumable"] == "true"
+    assert step4.params["world_size"] == "2" and "resumable" not in step4.params
+    assert step4.tags["reg.resumable"] == "true" and step4.tags["reg.layout"] == "dcp"
     assert step4.params["uri"].endswith("/ckpt/default/run42/step-4/")
     assert step4.tags["state"] == "committed" and step4.tags["reg.validation"] == "passed"
     assert models["run42-step2"].tags["state"] == "deleted"
@@ -78,6 +79,25 @@ def test_every_mapping(policy, ckpts):
     rm = client.get_registered_model("tiny-lm")
     assert rm.aliases == {"prod": version.version, "canary": version.version}
     assert not list(Path.cwd().glob("mlruns"))  # nothing written where the command ran
+
+
+def test_resumable_tag_follows_a_policy_change(policy, ckpts, tmp_path):
+    _history(ckpts)
+    _drain()
+    stricter = tmp_path / "stricter.toml"
+    stricter.write_text(POLICY + '[resume]\nrequired = ["model", "optimizer", "grad_scaler"]\n')
+    with Registry() as reg:
+        applied = reg.apply_policy(stricter)
+    assert applied["resume_changed"] == 1  # step 4; step 2 was collected
+    assert _drain()["applied"] == 1
+    client = _client()
+    exp = client.get_experiment_by_name("default")
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
+    assert models["run42-step4"].tags["reg.resumable"] == "false"
+    assert models["run42-step4"].tags["reg.missing_state"] == "grad_scaler"
+    with Registry() as reg:  # the catalog's answer is the same
+        assert reg.show("run42@step4")["missing_state"] == ["grad_scaler"]
+        assert reg.apply_policy(stricter)["resume_changed"] == 0  # nothing changes twice
 
 
 def test_replays_are_idempotent(policy, ckpts):

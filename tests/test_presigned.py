@@ -411,3 +411,14 @@ def test_a_killed_client_frees_the_step(s3_server, ckpts, cli) -> None:
     assert _begin(s3_server, "admin", src, 15).status_code == 409
     res = _push(cli, s3_server, src, 15)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_forced_layout_travels_in_the_upload_plan(s3_server, layouts, cli) -> None:
+    res = _push(cli, s3_server, layouts["lightning"].step_dir(2), 5, "--layout", "torchtitan")
+    assert res.returncode == 0, res.stderr
+    shown = cli("show", "team-a/r@step5", "--json", env=_as(s3_server, "alice"))
+    out = json.loads(shown.stdout)
+    # forced: Lightning's state_dict keys are taken for model keys at the top level, and the
+    # sidecar counts for nothing
+    assert out["layout"] == "torchtitan" and out["suggestions"] == ["--layout lightning"]
+    assert "meta.pt" not in json.dumps(out["resume_state"])

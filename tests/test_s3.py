@@ -259,7 +259,7 @@ def test_every_object_version_is_recorded_in_documents_and_catalog(
             "Body"
         ].read()
     )
-    assert manifest["format"] == "reg.manifest/2"
+    assert manifest["format"] == "reg.manifest/3"
     for f in manifest["files"]:
         assert _versions(client, locked_bucket, "ckpt/default/r/step-4/" + f["path"]) == [
             f["version"]

@@ -946,3 +946,28 @@ def test_the_server_runs_the_mlflow_drain(cli, ckpts, tmp_path, catalog_url):
         assert [m.name for m in models] == ["r-step2"]
     finally:
         server.stop()
+
+
+def test_layouts_through_the_server(cli, layouts, reg_server):
+    """--layout travels with a streamed push, a validator's validation (run on the client, with
+    the layout the server recorded unless forced) and a promotion run in the server."""
+    src = layouts["stateful"].step_dir(2)
+    args = ("--run", "s", "--step", "2", "--project", "team-a", "--json")
+    pushed = cli("push-ckpt", src, *args, "--layout", "dcp", env=_as(reg_server, "alice"))
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["suggestions"] == ["--layout stateful"]
+    shown = json.loads(cli("show", "team-a/s@step2", "--json", env=_as(reg_server, "vera")).stdout)
+    assert shown["layout"] == "dcp" and shown["missing_state"] == ["model", "train_state"]
+    val = cli("validate", "team-a/s@step2", "--device", "cpu", "--json", env=_as(reg_server, "val"))
+    assert val.returncode == 0, val.stderr
+    assert json.loads(val.stdout)["layout"] == "dcp"  # the recorded one
+    promote = ("promote", "team-a/s@step2", "--model", "tiny-a", "--json")
+    refused = cli(*promote, env=_as(reg_server, "rel"))
+    assert (
+        refused.returncode == 1 and "not resumable (missing model, train_state)" in refused.stderr
+    )
+    res = cli(*promote, "--layout", "stateful", env=_as(reg_server, "rel"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tensor_count"] == len(layouts["stateful"].full_weights(2))
+    bad = cli("push-ckpt", src, *args[:-1], "--layout", "x", env=_as(reg_server, "alice"))
+    assert bad.returncode == 2 and "unknown layout 'x'" in _one_line(bad)

@@ -75,8 +75,12 @@ def test_weights_only_checkpoint_is_not_resumable(reg, bad_ckpts):
     pushed = _push(reg, bad_ckpts["weights_only"], 2)
     assert pushed["resumable"] is False
     out = reg.validate("r@step2", device="cpu")
-    assert not out["passed"]
-    assert _checks(out)["resume_state"]["detail"].startswith("missing optimizer")
+    # reported, but not counted: whether it may be promoted is the promotion gate's call
+    assert out["passed"] and not _checks(out)["resume_state"]["passed"]
+    assert _checks(out)["resume_state"]["detail"].startswith(
+        "dcp layout: missing optimizer, train_state"
+    )
+    assert out["resumable"] is False and out["missing_state"] == ["optimizer", "train_state"]
 
 
 def test_corrupt_shard_fails_integrity_and_loads_nothing(reg, ckpts):
