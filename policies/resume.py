@@ -145,9 +145,10 @@ def classify(
 def suggest(
     keys: Sequence[str], sidecars: Iterable[str], policy: ResumePolicy, verdict: ResumeVerdict
 ) -> list[str]:
-    """What would place keys the verdict leaves unclassified, or a model it did not find:
-    another layout that does better, else a model_key for the largest unplaced subtree."""
-    if not verdict.unclassified and verdict.model_keys:
+    """What would place keys the verdict leaves unclassified, a model it did not find or state
+    it misses: another layout that does better, else a model_key for the largest unplaced
+    subtree."""
+    if not verdict.unclassified and verdict.model_keys and not verdict.missing:
         return []
     sidecars = list(sidecars)
 
