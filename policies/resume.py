@@ -17,10 +17,19 @@ Pure: sorted key paths (DCP's dotted FQNs) and sidecar file names in, a verdict 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from policies.layouts import CONSEQUENCES, LAYOUTS, RESUME_CLASSES, detect, has_path, place
+from policies.layouts import (
+    CONSEQUENCES,
+    LAYOUTS,
+    RESUME_CLASSES,
+    Layout,
+    Placement,
+    detect,
+    has_path,
+    place,
+)
 from policies.loader import ResumePolicy
 
 EXAMPLES = 3  # keys named in a one-line message
@@ -80,28 +89,29 @@ def classify(
     sidecars: Iterable[str],
     policy: ResumePolicy,
     layout: str | None = None,
+    *,
+    roots: list[str] | None = None,
 ) -> ResumeVerdict:
-    """`keys` sorted; `layout` None: the one the keys show (policies/layouts.py)."""
+    """`keys` sorted; `layout` None: the one the keys show (policies/layouts.py); `roots`: the
+    keys' optimizer roots when already known."""
     sidecars = sorted(sidecars)
     chosen = LAYOUTS[layout] if layout else detect(keys, sidecars)
-    placed = place(chosen, keys)
-    model_path = placed.model if policy.model_key is None else policy.model_key
-    entries = {p: cls for cls, paths in placed.classes.items() for p in paths}
-    entries |= {p: cls for cls, paths in policy.classes.items() for p in paths}
-    if model_path:
-        entries[model_path] = "model"
-    roots = optimizer_roots(keys)
+    placed, model_path, entries = _entries(chosen, keys, policy)
+    roots = optimizer_roots(keys) if roots is None else roots
+    longest = _matcher(entries)
 
     found: dict[str, set[str]] = {}
     model_keys: list[str] = []
     unclassified: list[str] = []
     in_model: list[str] = []
     for key in keys:
-        match = _longest_entry(entries, key)
-        root = _optimizer_root(roots, key)
+        match = longest(key)
+        root = None
         if match is not None:
             path, cls = match
-        elif root is not None:
+            if cls == "model" and roots:
+                root = _optimizer_root(roots, key)
+        elif roots and (root := _optimizer_root(roots, key)) is not None:
             path, cls = root or "(top level)", "optimizer"
         elif model_path == "":
             path, cls = key.split(".", 1)[0], "model"
@@ -142,6 +152,50 @@ def classify(
     )
 
 
+def _entries(
+    chosen: Layout, keys: Sequence[str], policy: ResumePolicy
+) -> tuple[Placement, str, dict[str, str]]:
+    """The layout placed, the model's path and every class entry (path -> class) under this
+    policy."""
+    placed = place(chosen, keys)
+    model_path = placed.model if policy.model_key is None else policy.model_key
+    entries = {p: cls for cls, paths in placed.classes.items() for p in paths}
+    entries |= {p: cls for cls, paths in policy.classes.items() for p in paths}
+    if model_path:
+        entries[model_path] = "model"
+    return placed, model_path, entries
+
+
+# A key set's heads: its distinct key paths cut to this many segments. Whether each class is
+# present depends only on them while every entry and every optimizer root's `state` lie within
+# that depth, which holds for every shipped layout: `reg ls` then classifies a few hundred
+# heads instead of thousands of keys.
+HEAD_DEPTH = 4
+
+
+def heads(keys: Iterable[str]) -> list[str]:
+    return sorted({".".join(k.split(".", HEAD_DEPTH)[:HEAD_DEPTH]) for k in keys})
+
+
+def missing_from_heads(
+    key_heads: Sequence[str],
+    roots: list[str],
+    sidecars: Iterable[str],
+    policy: ResumePolicy,
+    layout: str,
+) -> list[str] | None:
+    """The required classes a key set lacks, from its heads and optimizer roots; None when the
+    policy's entries or the roots lie too deep for heads to decide it (classify the keys)."""
+    chosen = LAYOUTS[layout]
+    _, _, entries = _entries(chosen, key_heads, policy)
+    too_deep = any(p.count(".") + 1 > HEAD_DEPTH for p in entries) or any(
+        (r.count(".") + 1 if r else 0) + 2 > HEAD_DEPTH for r in roots
+    )
+    if too_deep:
+        return None
+    return classify(key_heads, sidecars, policy, layout, roots=roots).missing
+
+
 def suggest(
     keys: Sequence[str], sidecars: Iterable[str], policy: ResumePolicy, verdict: ResumeVerdict
 ) -> list[str]:
@@ -177,10 +231,12 @@ def optimizer_roots(keys: Sequence[str]) -> list[str]:
     torch optimizer's state_dict, flattened or not. Outermost first; "" is the top level."""
     candidates = set()
     for key in keys:
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if part == "state":
-                candidates.add(".".join(parts[:i]))
+        if key.startswith("state."):
+            candidates.add("")
+        i = key.find(".state.")
+        while i >= 0:
+            candidates.add(key[:i])
+            i = key.find(".state.", i + 1)
     roots = sorted(r for r in candidates if has_path(keys, _join(r, "param_groups")))
     outer: list[str] = []
     for r in roots:  # sorted: a root's descendants follow it
@@ -201,16 +257,29 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _longest_entry(entries: dict[str, str], key: str) -> tuple[str, str] | None:
-    path = key
-    while True:
-        cls = entries.get(path)
-        if cls is not None:
-            return path, cls
-        cut = path.rfind(".")
-        if cut < 0:
-            return None
-        path = path[:cut]
+def _matcher(entries: dict[str, str]) -> Callable[[str], tuple[str, str] | None]:
+    """key -> (the longest entry it equals or lies under, its class). Only a key's first
+    `depth` segments can match, so each distinct such prefix is looked up once."""
+    depth = max((p.count(".") + 1 for p in entries), default=0)
+    memo: dict[str, tuple[str, str] | None] = {}
+
+    def longest(key: str) -> tuple[str, str] | None:
+        parts = key.split(".", depth)
+        top = min(len(parts), depth)
+        head = ".".join(parts[:top])
+        if head in memo:
+            return memo[head]
+        found = None
+        for d in range(top, 0, -1):
+            path = ".".join(parts[:d])
+            cls = entries.get(path)
+            if cls is not None:
+                found = (path, cls)
+                break
+        memo[head] = found
+        return found
+
+    return longest
 
 
 def _subtrees(keys: Sequence[str], unclassified: list[str]) -> list[str]:

@@ -190,3 +190,35 @@ def test_unclassified_keys_come_with_a_suggestion():
 def test_unknown_layout_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown layout 'megatron'"):
         check_layout("megatron")
+
+
+@pytest.mark.parametrize("keys", [TUTORIAL, TITAN, LIGHTNING, DCP_FULL, ["layers.0.w"]])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        '[resume]\nrequired = ["model", "optimizer", "rng", "grad_scaler"]',
+        '[resume]\nmodel_key = "app"',
+        '[resume.classes]\ngrad_scaler = ["app.model.net1"]',
+    ],
+)
+@pytest.mark.parametrize("layout", ["dcp", "torchtitan", "lightning", "stateful"])
+def test_reg_ls_decides_from_heads_what_the_keys_decide(keys, text, layout):
+    from policies.resume import heads, missing_from_heads
+
+    keys, policy = sorted(keys), _policy(text)
+    for sidecars in ([], ["meta.pt"]):
+        expected = classify(keys, sidecars, policy, layout).missing
+        found = missing_from_heads(heads(keys), optimizer_roots(keys), sidecars, policy, layout)
+        assert found == expected
+
+
+def test_heads_give_way_to_keys_when_entries_lie_deeper():
+    from policies.resume import heads, missing_from_heads
+
+    deep = _policy('[resume.classes]\ngrad_scaler = ["a.b.c.d.e"]')
+    keys = ["a.b.c.d.e.f", "model.w"]
+    assert missing_from_heads(heads(keys), [], [], deep, "dcp") is None
+    nested = sorted(["x.y.z.state.w.exp_avg", "x.y.z.param_groups.0.lr", "model.w"])
+    assert optimizer_roots(nested) == ["x.y.z"]
+    assert missing_from_heads(heads(nested), ["x.y.z"], [], POLICY, "dcp") is None

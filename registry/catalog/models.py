@@ -151,6 +151,8 @@ class KeySet(SQLModel, table=True):
     key_count: int
     keys: list[str] = _json(list)
     sidecars: list[str] = _json(list)
+    heads: list[str] = _json(list)  # derived from keys: policies.resume.heads
+    optimizer_roots: list[str] = _json(list)  # derived from keys: policies.resume.optimizer_roots
 
 
 class CheckpointKeys(SQLModel, table=True):

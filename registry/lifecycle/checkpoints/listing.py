@@ -10,6 +10,7 @@ sets, not every row; a checkpoint whose key paths were never recorded shows its 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from registry.refs import CheckpointRef, check_name
@@ -30,7 +31,8 @@ ORDER BY p.name, r.name, c.step
 """
 # Rows are inserted in path order at commit, so id order is path order.
 _FILES = "SELECT checkpoint_id, path, size, sha256 FROM checkpoint_file {where} ORDER BY id"
-_KEY_SETS = "SELECT id, keys, sidecars FROM key_set WHERE id IN ({ids})"
+_SUMMARIES = "SELECT id, heads, optimizer_roots, sidecars FROM key_set WHERE id IN ({ids})"
+_KEYS = "SELECT keys FROM key_set WHERE id = {p}"
 
 
 def list_checkpoints(
@@ -72,39 +74,46 @@ def list_checkpoints(
                 files.setdefault(cid, []).append({"path": path, "size": size, "sha256": sha})
         resume = _verdicts(ctx, cursor, mark, rows)
         cursor.close()
-    return [_view(row, files.get(row[0], []), resume.get(row[13])) for row in rows]
+    return [_view(row, files.get(row[0], []), resume.get((row[13], row[14]))) for row in rows]
 
 
-def _verdicts(ctx: Context, cursor: Any, mark: str, rows: list[Any]) -> dict[Any, Any]:
-    """key_set_id -> its verdict under the policy in force; each distinct set's key paths are
-    read only if this process has not classified it under this policy yet."""
-    from registry.lifecycle.checkpoints.resume_facts import KeyFacts, cached, verdict
+def _verdicts(
+    ctx: Context, cursor: Any, mark: str, rows: list[Any]
+) -> dict[tuple[Any, Any], list[str]]:
+    """(key_set_id, layout) -> the required classes it lacks under the policy in force, each
+    distinct pair decided once, from the set's heads (resume_facts.missing_of)."""
+    from registry.lifecycle.checkpoints.resume_facts import missing_of
 
     policy = ctx.policy.resume
     sets = {(r[13], r[14], r[15]) for r in rows if r[13] is not None}
-    out = {}
-    wanted: dict[int, tuple[str, str]] = {}
-    for set_id, layout, sha in sets:
-        found = cached(sha, layout, policy)
-        if found is None:
-            wanted[set_id] = (layout, sha)
-        else:
-            out[set_id] = found
-    ids = list(wanted)
+    summaries: dict[int, tuple[list[str], list[str], list[str]]] = {}
+    ids = sorted({s[0] for s in sets})
     for start in range(0, len(ids), 500):
         chunk = ids[start : start + 500]
-        cursor.execute(_KEY_SETS.format(ids=", ".join([mark] * len(chunk))), chunk)
-        for set_id, keys, sidecars in cursor.fetchall():
-            keys, sidecars = _json_list(keys), _json_list(sidecars)
-            out[set_id] = verdict(KeyFacts(tuple(keys), tuple(sidecars), wanted[set_id][0]), policy)
-    return out
+        cursor.execute(_SUMMARIES.format(ids=", ".join([mark] * len(chunk))), chunk)
+        for set_id, key_heads, roots, sidecars in cursor.fetchall():
+            summaries[set_id] = (_json_list(key_heads), _json_list(roots), _json_list(sidecars))
+
+    def keys_of(set_id: int) -> Callable[[], list[str]]:
+        def read() -> list[str]:
+            cursor.execute(_KEYS.format(p=mark), [set_id])
+            return _json_list(cursor.fetchone()[0])
+
+        return read
+
+    return {
+        (set_id, layout): missing_of(sha, layout, policy, summaries[set_id], keys_of(set_id))
+        for set_id, layout, sha in sets
+    }
 
 
 def _json_list(value: Any) -> list[str]:
     return list(json.loads(value) if isinstance(value, str) else value)
 
 
-def _view(row: tuple[Any, ...], files: list[dict[str, Any]], resume: Any) -> dict[str, Any]:
+def _view(
+    row: tuple[Any, ...], files: list[dict[str, Any]], missing_now: list[str] | None
+) -> dict[str, Any]:
     """One row as DESIGN §7's checkpoint shape (the same as `CheckpointView.to_json`), with
     the resume verdict decided now where the key paths are recorded."""
     (
@@ -125,8 +134,8 @@ def _view(row: tuple[Any, ...], files: list[dict[str, Any]], resume: Any) -> dic
         layout,
         _,
     ) = row
-    if resume is not None:
-        resumable, missing = resume.resumable, resume.missing
+    if missing_now is not None:
+        resumable, missing = not missing_now, missing_now
     elif isinstance(missing, str):
         missing = json.loads(missing) if missing != "[]" else []
     return {

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout, detect
-from policies.resume import ResumeVerdict, classify
+from policies.resume import ResumeVerdict, classify, missing_from_heads
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from registry.refs import CheckpointRef
 
 _CACHE: dict[tuple[str, str, str], ResumeVerdict] = {}
+_MISSING: dict[tuple[str, str, str], list[str]] = {}  # `reg ls`: the missing classes alone
 _CACHE_SIZE = 512
 
 
@@ -69,7 +70,7 @@ def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) ->
 def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
     """The resume verdict under `policy`, with the pushed layout unless `layout` forces one."""
     chosen = check_layout(layout) or facts.layout
-    found = cached(facts.sha256, chosen, policy)
+    found = _CACHE.get((facts.sha256, chosen, _policy_key(policy)))
     if found is None:
         found = classify(facts.keys, facts.sidecars, policy, chosen)
         if len(_CACHE) >= _CACHE_SIZE:
@@ -78,9 +79,30 @@ def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) ->
     return found
 
 
-def cached(sha256: str, layout: str, policy: ResumePolicy) -> ResumeVerdict | None:
-    """The verdict on a key set already classified in this process, if any."""
-    return _CACHE.get((sha256, layout, _policy_key(policy)))
+def missing_of(
+    sha256: str,
+    layout: str,
+    policy: ResumePolicy,
+    summary: tuple[list[str], list[str], list[str]],
+    keys: Callable[[], Sequence[str]],
+) -> list[str]:
+    """The required classes a key set lacks under `policy` (for `reg ls`): from the verdict
+    this process already made, else from the set's (heads, optimizer roots, sidecars), else
+    from its keys (`keys()` reads them)."""
+    key = (sha256, layout, _policy_key(policy))
+    found = _CACHE.get(key)
+    if found is not None:
+        return found.missing
+    missing = _MISSING.get(key)
+    if missing is None:
+        key_heads, roots, sidecars = summary
+        missing = missing_from_heads(key_heads, roots, sidecars, policy, layout)
+        if missing is None:
+            missing = verdict(KeyFacts(tuple(keys()), tuple(sidecars), layout), policy).missing
+        if len(_MISSING) >= _CACHE_SIZE * 8:
+            _MISSING.pop(next(iter(_MISSING)))
+        _MISSING[key] = missing
+    return missing
 
 
 def _policy_key(policy: ResumePolicy) -> str:
@@ -126,6 +148,7 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
     from sqlalchemy.exc import IntegrityError
     from sqlmodel import Session, select
 
+    from policies.resume import heads, optimizer_roots
     from registry.catalog.models import CheckpointKeys, KeySet
 
     assert isinstance(session, Session)
@@ -138,6 +161,8 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
                     key_count=len(facts.keys),
                     keys=list(facts.keys),
                     sidecars=list(facts.sidecars),
+                    heads=heads(facts.keys),
+                    optimizer_roots=optimizer_roots(facts.keys),
                 )
                 session.add(row)
             found = row.id

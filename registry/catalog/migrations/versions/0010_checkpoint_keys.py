@@ -3,9 +3,11 @@ promote) under the policy in force, not frozen at push.
 
 `key_set` holds a set of DCP key paths (sorted FQNs) and the sidecar files beside the shards,
 content-addressed by sha256: every step of a run shares one row, so `reg ls` classifies each
-distinct set once. `checkpoint_keys` ties a committed checkpoint to its set and the layout it
-was pushed with (detected, or forced with --layout). Both are written once, at commit (or once,
-from the stored `.metadata`, for a checkpoint committed before this revision) and never change.
+distinct set once, from its heads (the paths cut to 4 segments) and optimizer roots, both
+derived from the keys when the row is written. `checkpoint_keys` ties a committed checkpoint to
+its set and the layout it was pushed with (detected, or forced with --layout). Both are written
+once, at commit (or once, from the stored `.metadata`, for a checkpoint committed before this
+revision) and never change.
 
 Revision ID: 0010
 Revises: 0009
@@ -31,6 +33,8 @@ def upgrade() -> None:
         sa.Column("key_count", sa.Integer(), nullable=False),
         sa.Column("keys", sa.JSON(), nullable=False),
         sa.Column("sidecars", sa.JSON(), nullable=False),
+        sa.Column("heads", sa.JSON(), nullable=False),
+        sa.Column("optimizer_roots", sa.JSON(), nullable=False),
     )
     op.create_table(
         "checkpoint_keys",
