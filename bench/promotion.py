@@ -69,7 +69,7 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
             # What promotion does: prove every shard holding model chunks, then consolidate.
             source = ProvenCheckpoint(reg.store, prefix, files, label="bench", workers=2)
             inv = inventory(load_metadata(source.metadata, light=True))
-            names = inv.model_names(["model"], "model")
+            names = {f.removeprefix("model."): f for f in inv.tensors if f.startswith("model.")}
             source.prove(c for fqn in names.values() for c in inv.tensors[fqn].chunks)
             dest = f"release/bench/v{time.time_ns()}/"
             consolidate(

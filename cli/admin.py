@@ -8,7 +8,7 @@ import sys
 import typer
 
 from cli.common import JSON_OPTION, open_registry
-from cli.render import emit_json, table
+from cli.render import emit_json, note, table
 from registry.text import inert
 
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
@@ -37,11 +37,17 @@ def catalog_migrate(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Migrate the catalog's schema as its owner (REG_CATALOG_URL); print the revision before
-    and after."""
+    and after. Then record the key paths of checkpoints committed before the catalog kept them,
+    from each one's .metadata in the store (REG_STORE_URL)."""
+    from registry import Registry
     from registry.catalog import grants
     from registry.config import Settings
+    from registry.lifecycle.checkpoints.resume_facts import record_all
 
-    out = grants.migrate(Settings.from_env(), grant)
+    settings = Settings.from_env()
+    out = grants.migrate(settings, grant)
+    with Registry(settings) as reg:
+        out["key_paths"] = record_all(reg.context)
     if json_output:
         emit_json(out)
         return
@@ -51,6 +57,11 @@ def catalog_migrate(
         print(f"{out['catalog']}: migrated from revision {out['before']} to {out['after']}")
     for done in out["grants"]:
         print(f"granted {done['role']} least privilege on {len(done['tables'])} table(s)")
+    keys = out["key_paths"]
+    if keys["recorded"]:
+        print(f"recorded the key paths of {keys['recorded']} older checkpoint(s)")
+    for failed in keys["failed"]:
+        note(f"{failed['ref']}: key paths not recorded: {failed['error']}")
 
 
 def catalog_grants(

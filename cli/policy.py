@@ -42,6 +42,7 @@ def check(
     error); warns about grants that count for nothing (scoped admin grants)."""
     from policies.access import scoped_admin_grants
     from policies.loader import load_policy_file, parse_policy
+    from policies.resume import resume_overrides
 
     if path is None:
         with open_registry() as reg:
@@ -51,7 +52,7 @@ def check(
     else:
         name = str(path)
         policy = load_policy_file(path)
-    for problem in scoped_admin_grants(policy.access.grants):
+    for problem in scoped_admin_grants(policy.access.grants) + resume_overrides(policy.resume):
         note(f"warning: {name}: {problem}")
     print(f"{name}: ok ({len(policy.access.grants)} grant(s))")
 
@@ -62,9 +63,21 @@ def apply(
     """Store the policy in the catalog (admin): every host and client uses it from now on."""
     with open_registry() as reg:
         out = reg.apply_policy(path)
-    emit_json(out) if json_output else print(
+    if json_output:
+        emit_json(out)
+        return
+    for warning in out.get("warnings", []):
+        note(f"warning: {path}: {warning}")
+    print(
         f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})"
     )
+    if out.get("resume_changed"):
+        print(f"  the resume verdict of {out['resume_changed']} checkpoint(s) changed")
+    if out.get("resume_undecided"):
+        print(
+            f"  {out['resume_undecided']} older checkpoint(s) keep their push-time verdict until "
+            "`reg catalog migrate` records their key paths"
+        )
 
 
 def export(

@@ -81,6 +81,11 @@ def promote(
         None, "--model-factory", help="module:function for validation (tied weights, probe)."
     ),
     layout: str | None = LAYOUT_OPTION,
+    allow_unclassified: bool = typer.Option(
+        False,
+        "--allow-unclassified",
+        help="Leave tensors no resume class claims out of the release (else refused).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Turn a validated checkpoint into an immutable safetensors release."""
@@ -95,6 +100,7 @@ def promote(
             model_factory=model_factory,
             progress=progress_for(json_output),
             layout=layout,
+            allow_unclassified=allow_unclassified,
         )
     if json_output:
         emit_json(out)

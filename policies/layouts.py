@@ -103,10 +103,10 @@ TORCHTITAN = Layout(
 )
 LIGHTNING = Layout(
     "lightning",
-    '"state_dict" and "optimizer_N" keys, and the meta.pt sidecar (epoch, global step, loops, '
-    "schedulers)",
-    model="state_dict",
-    classes={"optimizer": ()},  # optimizer_0, optimizer_1...: found by their structure
+    '"state_dict" (ModelParallelStrategy) or "model" (FSDPStrategy, Fabric) and "optimizer_N" '
+    "keys, and the meta.pt sidecar (epoch, global step, loops, schedulers)",
+    model="state_dict",  # or "model" where there is no "state_dict" (place)
+    classes=_COMMON,  # and optimizer_0, optimizer_1...: found by their structure
     required=("model", "optimizer", "train_state"),
     recommended=("lr_scheduler", "dataloader", "rng"),
     sidecars={"meta.pt": ("train_state", "lr_scheduler", "dataloader")},
@@ -149,6 +149,16 @@ def has_path(keys: Sequence[str], path: str) -> bool:
     return j < len(keys) and keys[j].startswith(path + ".")
 
 
+def count_under(keys: Sequence[str], path: str) -> int:
+    """How many of sorted `keys` equal `path` or lie under it (two binary searches)."""
+    from bisect import bisect_left
+
+    i = bisect_left(keys, path)
+    exact = 1 if i < len(keys) and keys[i] == path else 0
+    start = bisect_left(keys, path + ".")
+    return exact + bisect_left(keys, path + "/", lo=start) - start  # "/" sorts right after "."
+
+
 def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
     from bisect import bisect_left
 
@@ -171,13 +181,26 @@ def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     return TORCHTITAN
 
 
+# Top-level names that are a class, never a stateful wrapper.
+_CLASS_NAMES = frozenset({"model", "state_dict", *(n for names in _COMMON.values() for n in names)})
+
+
 def _wrappers(keys: Sequence[str], top: set[str]) -> list[str]:
-    return sorted(w for w in top if has_path(keys, f"{w}.model"))
+    """Top-level keys holding "model" that are not themselves a class name; those that also
+    hold an optimizer ("optim" or "optimizer") first, then by name."""
+    found = [w for w in top if w not in _CLASS_NAMES and has_path(keys, f"{w}.model")]
+    return sorted(
+        found,
+        key=lambda w: (not (has_path(keys, f"{w}.optim") or has_path(keys, f"{w}.optimizer")), w),
+    )
 
 
 def place(layout: Layout, keys: Sequence[str]) -> Placement:
-    """`layout` against these keys: the stateful wrapper is the top-level key holding "model"
-    (the first by name if several do, which the note says)."""
+    """`layout` against these keys: Lightning's model is "state_dict", or "model" where there
+    is none (FSDPStrategy, Fabric); the stateful wrapper is the top-level key holding "model"
+    (one that holds an optimizer too first; the note names the others)."""
+    if layout is LIGHTNING and not has_path(keys, "state_dict") and has_path(keys, "model"):
+        return Placement(layout, "model", layout.classes)
     if layout is not STATEFUL:
         return Placement(layout, layout.model, layout.classes)
     found = _wrappers(keys, children(keys, ""))
@@ -186,7 +209,10 @@ def place(layout: Layout, keys: Sequence[str]) -> Placement:
     if not found:
         note = 'no top-level key holds "model": the stateful layout looked for "app.model"'
     elif len(found) > 1:
-        note = f"several keys hold a model ({', '.join(found)}); the stateful layout took {wrapper}"
+        note = (
+            f"several keys hold a model ({', '.join(sorted(found))}); the stateful layout "
+            f"took {wrapper}"
+        )
     classes = {
         cls: tuple(f"{wrapper}.{name}" for name in names) + names for cls, names in _COMMON.items()
     }

@@ -16,7 +16,6 @@ Pure: sorted key paths (DCP's dotted FQNs) and sidecar file names in, a verdict 
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ class ResumeVerdict:
     unclassified: list[str]  # the largest wholly unclassified subtrees, as key paths
     optimizer_in_model: list[str]  # model keys with an optimizer's structure
     warnings: list[str] = field(default_factory=list)
+    unclassified_sizes: dict[str, int] = field(default_factory=dict)  # subtree -> keys
 
     @property
     def resumable(self) -> bool:
@@ -99,6 +99,7 @@ def classify(
     placed, model_path, entries = _entries(chosen, keys, policy)
     roots = optimizer_roots(keys) if roots is None else roots
     longest = _matcher(entries)
+    root_of = _root_finder(roots)
 
     found: dict[str, set[str]] = {}
     model_keys: list[str] = []
@@ -110,8 +111,8 @@ def classify(
         if match is not None:
             path, cls = match
             if cls == "model" and roots:
-                root = _optimizer_root(roots, key)
-        elif roots and (root := _optimizer_root(roots, key)) is not None:
+                root = root_of(key)
+        elif roots and (root := root_of(key)) is not None:
             path, cls = root or "(top level)", "optimizer"
         elif model_path == "":
             path, cls = key.split(".", 1)[0], "model"
@@ -127,6 +128,7 @@ def classify(
         for cls in chosen.sidecars.get(name, ()):
             found.setdefault(cls, set()).add(name)
 
+    subtrees = _subtrees(keys, unclassified)
     required = list(chosen.required if policy.required is None else policy.required)
     missing = [c for c in required if c not in found]
     warnings = [placed.note] if placed.note else []
@@ -146,7 +148,8 @@ def classify(
         classes={c: sorted(found[c]) for c in RESUME_CLASSES if c in found},
         model_keys=model_keys,
         missing=missing,
-        unclassified=_subtrees(keys, unclassified),
+        unclassified=sorted(subtrees),
+        unclassified_sizes=subtrees,
         optimizer_in_model=in_model,
         warnings=warnings,
     )
@@ -196,6 +199,24 @@ def missing_from_heads(
     return classify(key_heads, sidecars, policy, layout, roots=roots).missing
 
 
+def resume_overrides(policy: ResumePolicy) -> list[str]:
+    """What a policy's [resume] section overrides in every layout, said before it applies: the
+    shipped policy before layouts wrote `required` and `model_key`, and a copy of it now makes
+    every torchtitan checkpoint miss "rng" and every stateful one miss its model."""
+    out = []
+    if policy.required is not None:
+        out.append(
+            f"[resume] required = {policy.required} replaces every layout's required classes "
+            "(leave it out to use each layout's)"
+        )
+    if policy.model_key is not None:
+        out.append(
+            f"[resume] model_key = {policy.model_key!r} replaces every layout's model path "
+            "(leave it out to use each layout's, or force one with --layout)"
+        )
+    return out
+
+
 def suggest(
     keys: Sequence[str], sidecars: Iterable[str], policy: ResumePolicy, verdict: ResumeVerdict
 ) -> list[str]:
@@ -217,40 +238,65 @@ def suggest(
     better = sorted(t for t in tried if t[0] < cost(verdict))
     if better:
         return [f"--layout {better[0][1]}"]
-    if not verdict.model_keys and verdict.unclassified:
-        largest = max(verdict.unclassified, key=lambda p: sum(1 for _ in _below(keys, p)))
+    placeable = {p: n for p, n in verdict.unclassified_sizes.items() if _is_key_path(p)}
+    if not verdict.model_keys and placeable:
+        largest = max(sorted(placeable), key=lambda p: placeable[p])
         return [f'[resume] model_key = "{largest}"']
-    if verdict.unclassified:
-        first = verdict.unclassified[0]
+    if placeable:
+        first = min(placeable)
         return [f'name their class in [resume.classes], e.g. train_state = ["{first}"]']
     return []
 
 
+def _is_key_path(path: str) -> bool:
+    """What a policy may name (see policies.loader): dotted, no empty segment."""
+    return bool(path) and len(path) <= 1024 and all(path.split("."))
+
+
+# A "state" segment marks an optimizer root; only the first two in a key are looked at, so a
+# crafted key of thousands of "state" segments costs what any key of its length costs.
+STATE_SEGMENTS_LOOKED_AT = 2
+
+
 def optimizer_roots(keys: Sequence[str]) -> list[str]:
     """Paths whose children are "state" (with names below) and "param_groups": the shape of a
-    torch optimizer's state_dict, flattened or not. Outermost first; "" is the top level."""
+    torch optimizer's state_dict, flattened or not, whatever it is called; "" is the top level.
+    Every such path is a root (one optimizer's state can sit beside another's)."""
     candidates = set()
     for key in keys:
-        if key.startswith("state."):
-            candidates.add("")
-        i = key.find(".state.")
-        while i >= 0:
-            candidates.add(key[:i])
-            i = key.find(".state.", i + 1)
-    roots = sorted(r for r in candidates if has_path(keys, _join(r, "param_groups")))
-    outer: list[str] = []
-    for r in roots:  # sorted: a root's descendants follow it
-        if not any(r == o or r.startswith(o + ".") or not o for o in outer):
-            outer.append(r)
-    return outer
+        candidates.update(_cuts(key, "state", require_child=True))
+    return sorted(r for r in candidates if has_path(keys, _join(r, "param_groups")))
 
 
-def _optimizer_root(roots: list[str], key: str) -> str | None:
-    for root in roots:
-        state, groups = _join(root, "state") + ".", _join(root, "param_groups")
-        if key.startswith(state) or key == groups or key.startswith(groups + "."):
-            return root
-    return None
+def _cuts(key: str, segment: str, *, require_child: bool) -> list[str]:
+    """The paths before the first occurrences of `segment` as a whole segment of `key` (with
+    something after it when `require_child`)."""
+    out = []
+    if key.startswith(segment + ".") or (not require_child and key == segment):
+        out.append("")
+    i = key.find("." + segment)
+    while i >= 0 and len(out) < STATE_SEGMENTS_LOOKED_AT:
+        end = i + 1 + len(segment)
+        if key.startswith(".", end) or (not require_child and end == len(key)):
+            out.append(key[:i])
+        i = key.find("." + segment, i + 1)
+    return out
+
+
+def _root_finder(roots: list[str]) -> Callable[[str], str | None]:
+    """key -> the optimizer root whose "state" or "param_groups" subtree holds it, if any."""
+    known = set(roots)
+
+    def find(key: str) -> str | None:
+        for cut in _cuts(key, "state", require_child=True):
+            if cut in known:
+                return cut
+        for cut in _cuts(key, "param_groups", require_child=False):
+            if cut in known:
+                return cut
+        return None
+
+    return find
 
 
 def _join(path: str, name: str) -> str:
@@ -282,28 +328,24 @@ def _matcher(entries: dict[str, str]) -> Callable[[str], tuple[str, str] | None]
     return longest
 
 
-def _subtrees(keys: Sequence[str], unclassified: list[str]) -> list[str]:
-    """The unclassified keys as the shortest paths under which every key is unclassified."""
+SUBTREE_DEPTH = 8  # an unclassified subtree is named by at most this many segments
+
+
+def _subtrees(keys: Sequence[str], unclassified: list[str]) -> dict[str, int]:
+    """The unclassified keys as the shortest paths under which every key is unclassified
+    (at most SUBTREE_DEPTH segments, else the key itself), each with how many keys it holds."""
     if not unclassified:
-        return []
+        return {}
     placed = sorted(set(keys) - set(unclassified))
-    out: set[str] = set()
+    out: dict[str, int] = {}
     for key in unclassified:
-        parts = key.split(".")
-        for i in range(1, len(parts) + 1):
-            path = ".".join(parts[:i])
-            if i == len(parts) or not has_path(placed, path):
-                out.add(path)
+        found, cut = key, -1
+        for _ in range(SUBTREE_DEPTH):
+            cut = key.find(".", cut + 1)
+            if cut < 0:
                 break
-    return sorted(out)
-
-
-def _below(keys: Sequence[str], path: str) -> Iterable[str]:
-    """`path` itself and the keys under it (contiguous in sorted order from `path.`)."""
-    i = bisect.bisect_left(keys, path)
-    if i < len(keys) and keys[i] == path:
-        yield path
-    for key in keys[bisect.bisect_left(keys, path + ".") :]:
-        if not key.startswith(path + "."):
-            return
-        yield key
+            if not has_path(placed, key[:cut]):
+                found = key[:cut]
+                break
+        out[found] = out.get(found, 0) + 1
+    return out

@@ -252,7 +252,10 @@ class Registry:
         model_factory: str | None = None,
         progress: Progress | None = None,
         layout: str | None = None,
+        allow_unclassified: bool = False,
     ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout for this promotion; `allow_unclassified`
+        leaves tensors no resume class claims out of the release (else it is refused)."""
         from registry.lifecycle.promotion import promote
 
         return promote(
@@ -266,6 +269,7 @@ class Registry:
             model_factory=model_factory,
             progress=progress,
             layout=layout,
+            allow_unclassified=allow_unclassified,
         )
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:

@@ -15,12 +15,18 @@ from registry.errors import GateNotMet, IntegrityError
 from tests.conftest import LAYOUTS
 from tests.helpers import Trained
 
+FACTORY = "examples.tiny_model:build_model"
+
 
 def _policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str = "") -> None:
     """A policy file with CPU validation allowed; `text` adds to it."""
+    monkeypatch.setenv("REG_POLICY", str(_policy_file(tmp_path, text)))
+
+
+def _policy_file(tmp_path: Path, text: str = "") -> Path:
     path = tmp_path / f"policy-{abs(hash(text))}.toml"
     path.write_text('[promotion]\nrequire_device = "any"\n' + text)
-    monkeypatch.setenv("REG_POLICY", str(path))
+    return path
 
 
 def _assert_release_is_the_model(out: dict, trained: Trained) -> None:  # type: ignore[type-arg]
@@ -143,7 +149,7 @@ def test_optimizer_state_in_the_model_set_is_refused_by_name(
 
 
 def test_a_checkpoint_without_recorded_keys_gets_them_from_its_proven_metadata(
-    layouts, tmp_path, monkeypatch
+    cli, layouts, tmp_path, monkeypatch
 ):
     """Pushed before the catalog kept key paths: the first use reads `.metadata` (proven
     against the catalog's digest) and records them; a tampered `.metadata` is refused."""
@@ -166,8 +172,73 @@ def test_a_checkpoint_without_recorded_keys_gets_them_from_its_proven_metadata(
             "meta.pt"
         ]
         assert [r["layout"] for r in reg.list_checkpoints()] == ["lightning", None, None]
-        metadata = Path(reg.show("b@step2")["uri"][7:]).parent.parent / "c" / "step-2" / ".metadata"
+        metadata = Path(shown["uri"][7:]).parent.parent / "c" / "step-2" / ".metadata"
+    applied = cli("policy", "apply", _policy_file(tmp_path), "--json")
+    assert json.loads(applied.stdout)["resume_undecided"] == 2  # b and c
     metadata.chmod(0o644)
     metadata.write_bytes(metadata.read_bytes() + b"x")
     with Registry() as reg, pytest.raises(IntegrityError, match="does not match the catalog"):
         reg.show("c@step2")
+    with Registry() as reg:  # a pull records them too
+        assert reg.pull("b@step2", tmp_path / "b")["layout"] == "lightning"
+    migrated = cli("catalog", "migrate", "--json")
+    assert migrated.returncode == 0, migrated.stderr
+    keys = json.loads(migrated.stdout)["key_paths"]
+    assert keys["recorded"] == 0 and [f["ref"] for f in keys["failed"]] == ["c@step2"]
+    assert "does not match the catalog" in keys["failed"][0]["error"]
+
+
+def test_tensors_in_no_class_are_refused_unless_left_out(
+    catalog_url, layouts, tmp_path, monkeypatch
+):
+    """The stateful checkpoint read as dcp with the model at app.model: its per-rank RNG state
+    (tensors under app.rng) is in no dcp class."""
+    _policy(tmp_path, monkeypatch, 'require_resumable = false\n[resume]\nmodel_key = "app.model"\n')
+    trained = layouts["stateful"]
+    with Registry() as reg:
+        reg.push_checkpoint(trained.step_dir(2), run="u", step=2, layout="dcp")
+        assert "app.rng" in reg.show("u@step2")["unclassified"]
+        with pytest.raises(GateNotMet, match=r"tensors are in no resume class, under .*app\.rng"):
+            reg.promote("u@step2", model="u")
+        out = reg.promote("u@step2", model="u", allow_unclassified=True)
+        _assert_release_is_the_model(out, trained)
+
+
+def test_a_validation_names_count_only_for_the_same_model_path(
+    catalog_url, layouts, tmp_path, monkeypatch
+):
+    _policy(tmp_path, monkeypatch, "require_resumable = false\n")
+    with Registry() as reg:
+        trained = layouts["stateful"]
+        reg.push_checkpoint(trained.step_dir(2), run="v", step=2, metrics=trained.probe_metrics(2))
+        first = reg.validate("v@step2", device="cpu", model_factory=FACTORY)
+        assert first["passed"] and first["model_path"] == "app.model"
+        same = reg.promote("v@step2", model="v1")
+        assert same["validation"]["id"] == first["validation_id"]
+        # another model path: the model check's names were another path's, so it runs again
+        other = reg.promote("v@step2", model="v2", layout="torchtitan")
+        assert other["validation"]["id"] != first["validation_id"]
+
+
+def test_a_key_set_row_that_lies_about_its_keys_is_never_linked(catalog_url, layouts):
+    from registry.catalog.models import KeySet
+    from registry.formats.dcp_scan import scan_directory
+    from registry.lifecycle.checkpoints.resume_facts import facts_of
+
+    scanned = scan_directory(layouts["torchtitan"].step_dir(2))
+    facts = facts_of(scanned.inventory, scanned.files)
+    with Registry() as reg:
+        with reg.catalog.session(write=True) as s:  # as whoever holds the catalog's credentials
+            s.add(
+                KeySet(
+                    sha256=facts.sha256,
+                    key_count=1,
+                    keys=["w"],
+                    sidecars=[],
+                    heads=["w"],
+                    optimizer_roots=[],
+                )
+            )
+        with pytest.raises(IntegrityError, match="does not hold the key paths its sha256 names"):
+            reg.push_checkpoint(layouts["torchtitan"].step_dir(2), run="p", step=2)
+        assert reg.list_checkpoints() == []  # nothing committed

@@ -222,3 +222,73 @@ def test_heads_give_way_to_keys_when_entries_lie_deeper():
     nested = sorted(["x.y.z.state.w.exp_avg", "x.y.z.param_groups.0.lr", "model.w"])
     assert optimizer_roots(nested) == ["x.y.z"]
     assert missing_from_heads(heads(nested), ["x.y.z"], [], POLICY, "dcp") is None
+
+
+def test_lightning_fsdp_and_fabric_keep_the_model_under_model():
+    """FSDPStrategy writes {"model", "optimizer_0"} beside meta.pt (ModelParallel: state_dict)."""
+    keys = sorted(["model.layer.weight", "optimizer_0.param_groups.0.lr", "optimizer_0.state.x.m"])
+    v = classify(keys, ["meta.pt"], POLICY)
+    assert v.layout == "lightning" and v.model_path == "model" and v.resumable
+    assert v.model_names(keys) == {"layer.weight": "model.layer.weight"}
+
+
+def test_a_stateful_wrapper_holding_an_optimizer_wins_and_the_other_is_unplaced():
+    keys = sorted(
+        [
+            "ema.model.w",
+            "trainer.model.w",
+            "trainer.optim.param_groups.0.lr",
+            "trainer.optim.state.w.exp_avg",
+        ]
+    )
+    v = classify(keys, [], POLICY)
+    assert v.layout == "stateful" and v.model_path == "trainer.model"
+    assert v.unclassified == ["ema"]
+    assert any("several keys hold a model (ema, trainer)" in w for w in v.warnings)
+
+
+def test_a_class_name_is_never_a_stateful_wrapper():
+    # a Hugging Face model under "model" ("model.model.*"): dcp, not a wrapper called "model"
+    keys = sorted(["model.model.embed.weight", "model.lm_head.weight", "optimizer.state.a.b"])
+    assert classify(keys, [], POLICY, "stateful").model_path == "app.model"
+    assert classify(keys, [], POLICY).layout == "dcp"
+
+
+def test_a_top_level_optimizer_shape_does_not_hide_one_in_the_model():
+    keys = sorted(
+        [
+            "model.w",
+            "model.opt.state.w.exp_avg",
+            "model.opt.param_groups.0.lr",
+            "state.dummy",
+            "param_groups",
+        ]
+    )
+    assert optimizer_roots(keys) == ["", "model.opt"]
+    v = classify(keys, [], POLICY)
+    assert v.optimizer_in_model == ["model.opt.param_groups.0.lr", "model.opt.state.w.exp_avg"]
+
+
+def test_crafted_keys_cost_what_their_length_costs():
+    """Thousands of roots, keys of thousands of "state" segments, deep unclassified paths: each
+    key is looked at a bounded number of times (these ran for minutes before)."""
+    many = sorted(
+        [f"o{i}.state.x" for i in range(4000)] + [f"o{i}.param_groups" for i in range(4000)]
+    )
+    assert len(optimizer_roots(many)) == 4000
+    v = classify(many, [], POLICY, "dcp")
+    assert v.classes["optimizer"][:2] == ["o0", "o1"] and v.missing == ["model", "train_state"]
+    deep = sorted(f"k{i}." + ".".join(["state"] * 2000) for i in range(50))
+    assert optimizer_roots(deep) == []
+    nested = sorted(["a." * 3000 + f"leaf{i}" for i in range(50)] + ["model.w"])
+    v = classify(nested, [], POLICY)
+    assert v.unclassified == ["a"] and v.unclassified_sizes == {"a": 50}
+
+
+def test_suggestions_never_name_what_a_policy_refuses():
+    keys = sorted(["", ".", "..", "model.w", "extra.x"])
+    v = classify(keys, [], POLICY)
+    assert v.unclassified == ["", "extra"]
+    assert suggest(keys, [], POLICY, v) == [
+        'name their class in [resume.classes], e.g. train_state = ["extra"]'
+    ]

@@ -178,6 +178,9 @@ class Validation(SQLModel, table=True):
     # Recorded through `reg server` by a validator (or run by the server itself): only these
     # pass the server's GPU gate. Embedded, every validation counts (identity is advisory).
     attested: bool = Field(default=False)
+    # Where the model was loaded from (its layout's path, or [resume] model_key): the model and
+    # probe checks and the tied weights name tensors as that path left them. None: unknown.
+    model_path: str | None = Field(default=None, max_length=1024)
 
 
 class Model(SQLModel, table=True):

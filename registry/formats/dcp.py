@@ -2,9 +2,9 @@
 
 The metadata is parsed by `registry.formats.dcp_metadata` (an allowlisting unpickler). From it
 the registry learns, without loading tensors: every tensor's FQN, dtype, global shape and chunks,
-the byte range of each chunk in each `__R_I.distcp` file, and the top-level key each item came
-from (for the resume-state inventory). Every number is bounded and every tensor's chunks must
-tile it exactly. Reading a directory of files is `dcp_scan.py`.
+and the byte range of each chunk in each `__R_I.distcp` file; its key paths (the FQNs) are what
+resume state is decided from (policies/resume.py). Every number is bounded and every tensor's
+chunks must tile it exactly. Reading a directory of files is `dcp_scan.py`.
 """
 
 from __future__ import annotations
@@ -44,27 +44,12 @@ class TensorInfo:
 class Inventory:
     tensors: dict[str, TensorInfo]
     byte_items: dict[str, list[ChunkRange]]
-    top_level: dict[str, str]  # fqn -> top-level key
     files: set[str]
     transforms: set[str] = field(default_factory=set)  # DCP storage transforms, e.g. ZStandard/1
 
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
-
-    def top_level_keys(self) -> set[str]:
-        return set(self.top_level.values())
-
-    def model_names(self, model_keys: list[str], model_key: str) -> dict[str, str]:
-        """Model state_dict name -> checkpoint FQN for the tensors under the top-level keys the
-        resume classification calls the model (`model_key.` stripped; with `model_key = ""`
-        the names are kept as they are)."""
-        prefix = f"{model_key}." if model_key else ""
-        out = {}
-        for fqn in self.tensors:
-            if self.top_level[fqn] in model_keys:
-                out[fqn.removeprefix(prefix) if prefix and fqn.startswith(prefix) else fqn] = fqn
-        return out
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -142,8 +127,6 @@ def inventory(metadata: Any) -> Inventory:
 
 
 def _inventory(metadata: Any) -> Inventory:
-    planner_data = getattr(metadata, "planner_data", None)
-    planner = planner_data if isinstance(planner_data, dict) else {}
     ranges: dict[str, dict[int, ChunkRange]] = {}
     files: set[str] = set()
     transforms: set[str] = set()
@@ -166,12 +149,8 @@ def _inventory(metadata: Any) -> Inventory:
 
     tensors: dict[str, TensorInfo] = {}
     byte_items: dict[str, list[ChunkRange]] = {}
-    top_level: dict[str, str] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         checked_text(fqn, "an fqn")
-        key_path = planner.get(fqn)
-        first = key_path[0] if isinstance(key_path, list | tuple) and key_path else None
-        top_level[fqn] = str(first) if isinstance(first, str | int) else fqn.split(".", 1)[0]
         stored = ranges.get(fqn, {})
         by_offsets = {r.offsets: r for r in stored.values()}  # one lookup per chunk: linear
         if hasattr(meta, "chunks"):
@@ -203,7 +182,7 @@ def _inventory(metadata: Any) -> Inventory:
             tensors[fqn] = TensorInfo(fqn, dtype, shape, math.prod(shape) * itemsize, chunks)
         else:
             byte_items[fqn] = list(stored.values())
-    return Inventory(tensors, byte_items, top_level, files, transforms)
+    return Inventory(tensors, byte_items, files, transforms)
 
 
 def cover_problem(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRange]) -> str | None:

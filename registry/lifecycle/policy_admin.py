@@ -11,9 +11,10 @@ from sqlalchemy import func
 from sqlmodel import select
 
 from policies.loader import Policy, load_policy_file, parse_policy
+from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
-from registry.lifecycle.checkpoints.resume_facts import emit_changes
+from registry.lifecycle.checkpoints.resume_facts import emit_changes, undecided
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         "sha256": digest,
         "grants": len(parsed.access.grants),
         "resume_changed": changed,  # checkpoints whose resume verdict the new policy changes
+        # committed before the catalog kept key paths: not decided until `reg catalog migrate`
+        # (or their first show, pull, validate or promote) records them
+        "resume_undecided": len(undecided(ctx)),
+        "warnings": resume_overrides(parsed.resume),
     }
 
 

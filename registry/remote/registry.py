@@ -288,6 +288,7 @@ class RemoteRegistry(Registry):
         model_factory: str | None = None,
         progress: Progress | None = None,
         layout: str | None = None,
+        allow_unclassified: bool = False,
     ) -> dict[str, Any]:
         sent = []
         for given in extras or []:
@@ -306,6 +307,7 @@ class RemoteRegistry(Registry):
             "extras": sent,
             "model_factory": model_factory,
             "layout": layout,
+            "allow_unclassified": allow_unclassified,
         }
         return dict(self.client.call("POST", "/promote", body=body))
 

@@ -151,13 +151,15 @@ def _pullable(
         prefix = release_prefix(view.model.name, view.row.version)
         return view.name, prefix, stored_files(view), view.to_json()
     from registry.lifecycle.checkpoints.read import resolve
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.views import CheckpointView
 
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
-    return str(full), prefix, files, CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
+    shown = CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
+    return str(full), prefix, files, shown | resume_json(ctx, full, ckpt, files, strict=False)
 
 
 @router.get("/files")
@@ -205,6 +207,7 @@ async def pulled(request: Request) -> dict[str, Any]:
     """After a client downloaded and verified a checkpoint: a trainer's pull records the run
     as resuming from it (retention keeps it), as in the embedded mode."""
     from registry.lifecycle.checkpoints.read import record_resume, resolve
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.views import CheckpointView
 
     ctx, doc = await authed_body(request)
@@ -216,6 +219,7 @@ async def pulled(request: Request) -> dict[str, Any]:
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         if ctx.principal.authorize("push", project=ref.project).allowed:
             record_resume(ctx, full)
-        return CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
+        view = CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
+        return view | resume_json(ctx, full, ckpt, files, strict=False)
 
     return await run_in_threadpool(work)

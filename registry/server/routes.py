@@ -203,6 +203,7 @@ async def promote(request: Request) -> dict[str, Any]:
                 max_shard_size=text(doc, "max_shard_size", "5GB"),
                 extras=paths,
                 layout=opt_text(doc, "layout"),
+                allow_unclassified=doc.get("allow_unclassified") is True,
             )
         )
     finally:

@@ -228,4 +228,8 @@ def compare_existing(
         digests = dict(zip(scanned.files, pool.map(digest, scanned.files), strict=True))
     if any(stored[p][1] != d for p, d in digests.items()):
         raise Conflict(differs, hint)
-    return PushResult(CheckpointView.of(ref.project, ref.run, existing, files), unchanged=True)
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
+
+    view = CheckpointView.of(ref.project, ref.run, existing, files)
+    resume = resume_json(ctx, view.ref, existing, files, strict=False)  # as recorded, not asked
+    return PushResult(view, unchanged=True, resume=resume)

@@ -438,6 +438,7 @@ def _compare_existing(
     """The step is committed: the same files and digests are a no-op, anything else a conflict."""
     from registry.catalog import queries
     from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.views import CheckpointView
     from registry.timeutil import iso
 
@@ -449,4 +450,6 @@ def _compare_existing(
             f"pushed by {existing.pushed_by} at {iso(existing.committed_at)}; "
             "push under a new step",
         )
-    return PushResult(CheckpointView.of(ref.project, ref.run, existing, stored), unchanged=True)
+    view = CheckpointView.of(ref.project, ref.run, existing, stored)
+    resume = resume_json(ctx, view.ref, existing, stored, strict=False)  # as recorded
+    return PushResult(view, unchanged=True, resume=resume)

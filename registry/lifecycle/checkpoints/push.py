@@ -84,7 +84,7 @@ def push(
         resume = fields(facts, ctx.policy.resume)
         if existing is not None:
             uploader.cancel()
-            return replace(commit.compare_existing(ctx, ref, scanned, existing), resume=resume)
+            return commit.compare_existing(ctx, ref, scanned, existing)
         with commit.held(ctx.catalog, claim):
 
             def still_ours() -> None:

@@ -13,6 +13,7 @@ from registry.catalog.models import Checkpoint, Run
 from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
+from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.views import CheckpointView
 from registry.refs import CheckpointRef
 from registry.timeutil import now
@@ -80,7 +81,7 @@ def pull(
     from registry.lifecycle.checkpoints.resume_facts import resume_json
 
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
-    out.update(resume_json(ctx, full, latest[0], files))
+    out.update(resume_json(ctx, full, latest[0], files, strict=False))  # its bytes are verified
     out["dest"] = str(where)
     return out
 
@@ -152,6 +153,6 @@ def set_pin(
         s.add(ckpt)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         ctx.audit(s, action, str(full), reason=reason)
-        return CheckpointView.of(
-            ref.project, run.name, ckpt, queries.files_of(s, ckpt.id or 0)
-        ).to_json()
+        files = queries.files_of(s, ckpt.id or 0)
+        out = CheckpointView.of(ref.project, run.name, ckpt, files).to_json()
+    return out | resume_json(ctx, full, ckpt, files, strict=False)

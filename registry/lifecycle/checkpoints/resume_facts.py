@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from policies.layouts import check_layout, detect
+from policies.layouts import LAYOUTS, check_layout, detect
 from policies.resume import ResumeVerdict, classify, missing_from_heads
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from registry.formats.documents import FileRecord, ResumeRecord
     from registry.refs import CheckpointRef
 
+_LOCK = threading.Lock()
 _CACHE: dict[tuple[str, str, str], ResumeVerdict] = {}
 _MISSING: dict[tuple[str, str, str], list[str]] = {}  # `reg ls`: the missing classes alone
 _CACHE_SIZE = 512
@@ -68,15 +70,27 @@ def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) ->
 
 
 def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
-    """The resume verdict under `policy`, with the pushed layout unless `layout` forces one."""
-    chosen = check_layout(layout) or facts.layout
-    found = _CACHE.get((facts.sha256, chosen, _policy_key(policy)))
+    """The resume verdict under `policy`, with the pushed layout unless `layout` forces one (a
+    recorded layout this reg does not know, from a newer one, is detected again)."""
+    chosen = check_layout(layout) or _known(facts.layout)
+    key = (facts.sha256, chosen or "", _policy_key(policy))
+    found = _CACHE.get(key)
     if found is None:
         found = classify(facts.keys, facts.sidecars, policy, chosen)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[(facts.sha256, chosen, _policy_key(policy))] = found
+        _remember(_CACHE, key, found, _CACHE_SIZE)
     return found
+
+
+def _known(layout: str) -> str | None:
+    return layout if layout in LAYOUTS else None
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any, size: int) -> None:
+    """Bounded, and safe when server threads evict at once."""
+    with _LOCK:
+        while len(cache) >= size:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = value
 
 
 def missing_of(
@@ -96,12 +110,11 @@ def missing_of(
     missing = _MISSING.get(key)
     if missing is None:
         key_heads, roots, sidecars = summary
-        missing = missing_from_heads(key_heads, roots, sidecars, policy, layout)
+        if _known(layout):
+            missing = missing_from_heads(key_heads, roots, sidecars, policy, layout)
         if missing is None:
             missing = verdict(KeyFacts(tuple(keys()), tuple(sidecars), layout), policy).missing
-        if len(_MISSING) >= _CACHE_SIZE * 8:
-            _MISSING.pop(next(iter(_MISSING)))
-        _MISSING[key] = missing
+        _remember(_MISSING, key, missing, _CACHE_SIZE * 8)
     return missing
 
 
@@ -110,17 +123,24 @@ def _policy_key(policy: ResumePolicy) -> str:
 
 
 def resume_json(
-    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
+    ctx: Context,
+    ref: CheckpointRef,
+    ckpt: Checkpoint,
+    files: Sequence[FileRecord],
+    *,
+    strict: bool = True,
 ) -> dict[str, Any]:
-    """`reg show`'s resume fields, decided now; a collected checkpoint committed before the
-    catalog kept key paths answers with what was decided at its push."""
+    """The resume fields commands show, decided now under the policy in force. When the key
+    paths cannot be had (a checkpoint committed before the catalog kept them whose `.metadata`
+    is gone or does not match), a collected checkpoint, or any with `strict=False` (a pull that
+    already verified its bytes, a pin), answers with what was decided at its push and says so."""
     from registry.catalog.models import COMMITTED
     from registry.errors import RegistryError
 
     try:
         facts = facts_of_checkpoint(ctx, ref, ckpt, files)
-    except RegistryError:
-        if ckpt.state == COMMITTED:
+    except RegistryError as exc:
+        if strict and ckpt.state == COMMITTED:
             raise
         return {
             "layout": None,
@@ -128,7 +148,7 @@ def resume_json(
             "missing_state": list(ckpt.missing_state),
             "resume_state": ckpt.resume_classes,
             "unclassified": [],
-            "warnings": ["decided at push: its key paths were not recorded"],
+            "warnings": [f"decided at push: its key paths are not recorded ({exc.message})"],
         }
     return fields(facts, ctx.policy.resume)
 
@@ -146,13 +166,13 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
     """Record `facts` for a checkpoint being committed (in the caller's transaction): the key
     set is shared with every checkpoint that has the same one."""
     from sqlalchemy.exc import IntegrityError
-    from sqlmodel import Session, select
+    from sqlmodel import Session
 
     from policies.resume import heads, optimizer_roots
     from registry.catalog.models import CheckpointKeys, KeySet
 
     assert isinstance(session, Session)
-    found = session.exec(select(KeySet.id).where(KeySet.sha256 == facts.sha256)).first()
+    found = _existing_set(session, facts)
     if found is None:
         try:
             with session.begin_nested():
@@ -167,14 +187,16 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
                 session.add(row)
             found = row.id
         except IntegrityError:  # another commit added the same set meanwhile
-            found = session.exec(select(KeySet.id).where(KeySet.sha256 == facts.sha256)).one()
+            found = _existing_set(session, facts)
     assert found is not None
     session.add(CheckpointKeys(checkpoint_id=checkpoint_id, key_set_id=found, layout=facts.layout))
 
 
 def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePolicy) -> int:
     """A policy change: a `checkpoint.resume` event for every committed checkpoint whose verdict
-    it changes (each distinct key set classified once under each policy). Returns how many."""
+    it changes. Each distinct (key set, layout) is decided once under each policy; the key
+    paths themselves are read only for the sets that change. Returns how many checkpoints."""
+    from sqlalchemy import select as sa_select
     from sqlmodel import Session, col, select
 
     from registry import events
@@ -184,37 +206,125 @@ def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePo
     assert isinstance(session, Session)
     if old == new:
         return 0
+    layouts = session.exec(
+        select(CheckpointKeys.key_set_id, CheckpointKeys.layout)
+        .join(Checkpoint, col(Checkpoint.id) == CheckpointKeys.checkpoint_id)
+        .where(Checkpoint.state == COMMITTED)
+        .distinct()
+    ).all()
+    ids = sorted({set_id for set_id, _ in layouts})
+    summaries = {}
+    for start in range(0, len(ids), 500):  # no DISTINCT over JSON: PostgreSQL cannot compare it
+        found = session.execute(  # five columns: sqlmodel's select types at most four
+            sa_select(
+                col(KeySet.id),
+                col(KeySet.sha256),
+                col(KeySet.heads),
+                col(KeySet.optimizer_roots),
+                col(KeySet.sidecars),
+            ).where(col(KeySet.id).in_(ids[start : start + 500]))
+        ).all()
+        summaries.update({r[0]: tuple(r[1:]) for r in found})
+
+    def keys_of(set_id: int) -> Callable[[], list[str]]:
+        return lambda: list(session.exec(select(KeySet.keys).where(KeySet.id == set_id)).one())
+
+    changed: dict[tuple[int, str], list[str]] = {}
+    for set_id, layout in layouts:
+        sha, key_heads, roots, sidecars = summaries[set_id]
+        summary = (list(key_heads), list(roots), list(sidecars))
+        before = missing_of(sha, layout, old, summary, keys_of(set_id))
+        after = missing_of(sha, layout, new, summary, keys_of(set_id))
+        if before != after:
+            changed[(set_id, layout)] = after
+    if not changed:
+        return 0
     projects = {p.id: p.name for p in session.exec(select(Project)).all()}
     rows = session.exec(
-        select(Run, Checkpoint.step, CheckpointKeys.layout, KeySet)
+        select(Run, Checkpoint.step, CheckpointKeys.key_set_id, CheckpointKeys.layout)
         .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
         .join(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
-        .join(KeySet, col(KeySet.id) == CheckpointKeys.key_set_id)
         .where(Checkpoint.state == COMMITTED)
     ).all()
     count = 0
-    for run_row, step, layout, key_set in rows:
-        project, run = projects[run_row.project_id], run_row.name
-        facts = KeyFacts(tuple(key_set.keys), tuple(key_set.sidecars), layout)
-        before, after = verdict(facts, old), verdict(facts, new)
-        if (before.resumable, before.missing, before.layout) == (
-            after.resumable,
-            after.missing,
-            after.layout,
-        ):
+    for run_row, step, set_id, layout in rows:
+        missing = changed.get((set_id, layout))
+        if missing is None:
             continue
-        ref = CheckpointRef(project, run, step)
+        project = projects[run_row.project_id]
         ctx.events.emit(
             session,
             events.CHECKPOINT_RESUME,
             project=project,
-            ref=str(ref),
-            resumable=after.resumable,
-            missing_state=after.missing,
-            layout=after.layout,
+            ref=str(CheckpointRef(project, run_row.name, step)),
+            resumable=not missing,
+            missing_state=missing,
+            layout=layout,
         )
         count += 1
     return count
+
+
+def undecided(ctx: Context) -> list[tuple[CheckpointRef, Checkpoint]]:
+    """Committed checkpoints whose key paths the catalog does not hold (committed before it
+    kept them)."""
+    from sqlmodel import col, select
+
+    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, Project, Run
+    from registry.refs import CheckpointRef
+
+    with ctx.catalog.session() as s:
+        rows = s.exec(
+            select(Project.name, Run.name, Checkpoint)
+            .join(Run, col(Run.project_id) == Project.id)
+            .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
+            .outerjoin(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
+            .where(Checkpoint.state == COMMITTED, col(CheckpointKeys.checkpoint_id).is_(None))
+        ).all()
+    return [(CheckpointRef(p, r, c.step), c) for p, r, c in rows]
+
+
+def record_all(ctx: Context) -> dict[str, Any]:
+    """Record the key paths of every committed checkpoint the catalog has none for, each from
+    its `.metadata` proven against the catalog's sha256 (`reg catalog migrate` runs it): the
+    ones that cannot be read are named and keep their push-time verdict until first used."""
+    from registry.catalog import queries
+    from registry.errors import RegistryError
+
+    recorded, failed = 0, []
+    for ref, ckpt in undecided(ctx):
+        with ctx.catalog.session() as s:
+            files = queries.files_of(s, ckpt.id or 0)
+        try:
+            facts = _from_stored_metadata(ctx, ref, ckpt, files)
+        except RegistryError as exc:
+            failed.append({"ref": str(ref), "error": exc.message})
+            continue
+        if record_facts(ctx, ckpt.id or 0, facts):
+            recorded += 1
+        else:
+            failed.append({"ref": str(ref), "error": "the catalog refused the write"})
+    return {"recorded": recorded, "failed": failed}
+
+
+def _existing_set(session: Any, facts: KeyFacts) -> int | None:
+    """The id of the key set `facts` names, checked to hold exactly these keys: a row under
+    that sha256 with other keys was written by someone other than reg (the key paths are
+    content-addressed and never change), and nothing is linked to it."""
+    from sqlmodel import select
+
+    from registry.catalog.models import KeySet
+    from registry.errors import IntegrityError
+
+    row = session.exec(select(KeySet).where(KeySet.sha256 == facts.sha256)).first()
+    if row is None:
+        return None
+    if tuple(row.keys) != facts.keys or tuple(row.sidecars) != facts.sidecars:
+        raise IntegrityError(
+            f"catalog key_set {row.id} does not hold the key paths its sha256 names",
+            "the catalog was changed outside reg: run `reg audit verify` and tell an admin",
+        )
+    return int(row.id or 0)
 
 
 def facts_of_checkpoint(
@@ -225,24 +335,42 @@ def facts_of_checkpoint(
     from sqlmodel import col, select
 
     from registry.catalog.models import CheckpointKeys, KeySet
+    from registry.errors import IntegrityError
 
     with ctx.catalog.session() as s:
         row = s.exec(
-            select(KeySet.keys, KeySet.sidecars, CheckpointKeys.layout)
+            select(KeySet, CheckpointKeys.layout)
             .join(CheckpointKeys, col(CheckpointKeys.key_set_id) == KeySet.id)
             .where(CheckpointKeys.checkpoint_id == ckpt.id)
         ).first()
     if row is not None:
-        return KeyFacts(tuple(row[0]), tuple(row[1]), row[2])
+        key_set, layout = row
+        facts = KeyFacts(tuple(key_set.keys), tuple(key_set.sidecars), layout)
+        if facts.sha256 != key_set.sha256:
+            raise IntegrityError(
+                f"{ref}: the catalog's key paths (key_set {key_set.id}) do not match their sha256",
+                "the catalog was changed outside reg: run `reg audit verify` and tell an admin",
+            )
+        return facts
     facts = _from_stored_metadata(ctx, ref, ckpt, files)
-    from sqlalchemy.exc import IntegrityError
+    record_facts(ctx, ckpt.id or 0, facts)
+    return facts
+
+
+def record_facts(ctx: Context, checkpoint_id: int, facts: KeyFacts) -> bool:
+    """Record the key paths of a checkpoint committed before the catalog kept them; best
+    effort (a reader without write access, a locked catalog, a concurrent reader recording the
+    same): whether they are recorded now."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from registry.errors import RegistryError
 
     try:
         with ctx.catalog.session(write=True) as s:
-            save(s, ckpt.id or 0, facts)
-    except IntegrityError:
-        pass  # recorded by a concurrent reader: the same facts
-    return facts
+            save(s, checkpoint_id, facts)
+        return True
+    except (SQLAlchemyError, RegistryError):
+        return False
 
 
 def _from_stored_metadata(

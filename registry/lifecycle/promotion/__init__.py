@@ -54,6 +54,7 @@ def promote(
     model_factory: str | None = None,
     progress: Progress | None = None,
     layout: str | None = None,
+    allow_unclassified: bool = False,
 ) -> dict[str, Any]:
     plan = plan_promotion(
         ctx,
@@ -65,6 +66,7 @@ def promote(
         extras=list(extras or []),
         model_factory=model_factory,
         layout=layout,
+        allow_unclassified=allow_unclassified,
     )
     existing = _existing(ctx, plan)
     if existing is not None:

@@ -60,6 +60,8 @@ class PromotionPlan:
     model_factory: str | None
     facts: KeyFacts  # the checkpoint's key paths as the catalog recorded them
     resume: ResumeVerdict  # decided now, under the policy in force (and --layout)
+    layout: str | None = None  # forced with --layout
+    allow_unclassified: bool = False  # leave out tensors no class claims (else refused)
     options: dict[str, Any] = field(init=False)
     options_key: str = field(init=False)
 
@@ -87,6 +89,7 @@ def plan_promotion(
     extras: list[Path],
     model_factory: str | None,
     layout: str | None = None,
+    allow_unclassified: bool = False,
 ) -> PromotionPlan:
     """Check the request and resolve the source; nothing is written (but the key paths of a
     checkpoint pushed before the catalog kept them, recorded once)."""
@@ -116,6 +119,8 @@ def plan_promotion(
         model_factory=model_factory,
         facts=facts,
         resume=verdict(facts, ctx.policy.resume, layout),
+        layout=layout,
+        allow_unclassified=allow_unclassified,
     )
 
 
@@ -171,6 +176,7 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         )
     if ctx.server:  # identities are proven here: only what a validator attested counts
         rows = [v for v in rows if v.attested]
+    rows = [v for v in rows if _same_names(v, plan)]
     records = [ValidationRecord(v.id or 0, v.passed, v.device) for v in rows]
     usable = usable_validation(policy, records)
     if usable is not None and plan.model_factory is None:
@@ -181,7 +187,11 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
     device = policy.require_device if policy.require_device == "cuda" else "auto"
     result = validate(
-        ctx, plan.source, device=resolve_device(device), model_factory=plan.model_factory
+        ctx,
+        plan.source,
+        device=resolve_device(device),
+        model_factory=plan.model_factory,
+        layout=plan.layout,
     )
     if not result["passed"] or not satisfies_device(policy, result["device"]):
         failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
@@ -194,6 +204,13 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         found = s.get(Validation, result["validation_id"])
         assert found is not None
         return found
+
+
+def _same_names(v: Validation, plan: PromotionPlan) -> bool:
+    """A validation whose model or probe check or tied weights named tensors counts only for a
+    promotion taking the model from the same path (the names are that path's)."""
+    named = any(c.get("name") in ("model", "probe", "tied_weights") for c in v.checks)
+    return not named or v.model_path == plan.resume.model_path
 
 
 def _cuda_available() -> bool:

@@ -22,6 +22,7 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import col, select
 
+from policies.layouts import count_under
 from registry import events, faults
 from registry.catalog import claims
 from registry.catalog.claims import Claim
@@ -209,6 +210,17 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
             f"({len(resume.optimizer_in_model)} keys, e.g. "
             f"{', '.join(resume.optimizer_in_model[:3])})",
             "set [resume] model_key to the model's own key path, or force the right --layout",
+        )
+    tensors = sorted(inv.tensors)
+    unplaced = {p: count_under(tensors, p) for p in resume.unclassified}
+    unplaced = {p: n for p, n in unplaced.items() if n}
+    if unplaced and not plan.allow_unclassified:
+        count = sum(unplaced.values())
+        raise GateNotMet(
+            f"refusing to promote {where}: {count} tensors are in no resume class, under "
+            f"{', '.join(sorted(unplaced)[:5])}{' ...' if len(unplaced) > 5 else ''}",
+            "place them (reg show suggests a --layout or [resume] setting), or leave them out "
+            "of the release with --allow-unclassified",
         )
     names = resume.model_names(inv.tensors)
     if not names:

@@ -215,6 +215,7 @@ class Attempt:
     phases: dict[str, float]
     checks: list[dict[str, Any]]
     tied: list[list[str]]  # groups of names sharing storage (recorded with the checks)
+    model_path: str | None = None  # where the model was taken from (its names depend on it)
 
     @classmethod
     def of(cls, out: Outcome, device: str, world_size: int) -> Attempt:
@@ -231,6 +232,7 @@ class Attempt:
             phases=dict(out.phases),
             checks=checks,
             tied=[list(g) for g in out.tied],
+            model_path=out.resume.get("model_path"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -244,6 +246,7 @@ class Attempt:
             "phases": self.phases,
             "checks": self.checks,
             "tied": self.tied,
+            "model_path": self.model_path,
         }
 
     @classmethod
@@ -284,8 +287,14 @@ class Attempt:
             if detail is False:
                 raise bad(f"check {inert(name)[:64]}: detail is neither text nor name groups")
             clean.append({"name": inert(name)[:64], "passed": c["passed"], "detail": detail})
-        if passed != counted(clean):
+        # `passed` counts every check but resume_state; a validator from before that rule
+        # counted it too: either reading of its checks is taken, and the rule applied here.
+        if passed not in (counted(clean), all(c["passed"] for c in clean)):
             raise bad("passed disagrees with the checks")
+        passed = counted(clean)
+        model_path = doc.get("model_path")
+        if model_path is not None and (not isinstance(model_path, str) or len(model_path) > 1024):
+            raise bad("model_path is not a key path")
         tied = _clean_detail(doc.get("tied") or [])
         if not isinstance(tied, list):
             raise bad("tied is not a list of name groups")
@@ -302,6 +311,7 @@ class Attempt:
             phases={inert(k)[:64]: float(v) for k, v in phases.items()},
             checks=clean,
             tied=tied,
+            model_path=None if model_path is None else inert(model_path)[:1024],
         )
 
 
@@ -328,6 +338,7 @@ def record(
             created_at=now(),
             created_by=ctx.actor,
             attested=attested,
+            model_path=attempt.model_path,
         )
         s.add(row)
         s.flush()

@@ -43,6 +43,9 @@ def upgrade() -> None:
         sa.Column("layout", sa.String(length=32), nullable=False),
     )
     op.create_index("ix_checkpoint_keys_key_set_id", "checkpoint_keys", ["key_set_id"])
+    # The model path a validation loaded the model from (its model and probe checks, and its
+    # tied weights, name tensors as that path left them); NULL before this revision.
+    op.add_column("validation", sa.Column("model_path", sa.String(length=1024), nullable=True))
     if op.get_bind().dialect.name == "sqlite":
         for table in _TABLES:
             for event in ("UPDATE", "DELETE"):
@@ -71,5 +74,6 @@ def downgrade() -> None:
         for table in _TABLES:
             op.execute(f"DROP TRIGGER IF EXISTS {table}_guard ON {table}")
         op.execute("DROP FUNCTION IF EXISTS reg_key_paths_guard()")
+    op.drop_column("validation", "model_path")
     op.drop_table("checkpoint_keys")
     op.drop_table("key_set")
