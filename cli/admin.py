@@ -39,6 +39,7 @@ def catalog_migrate(
     """Migrate the catalog's schema as its owner (REG_CATALOG_URL); print the revision before
     and after. Then record the key paths of checkpoints committed before the catalog kept them,
     from each one's .metadata in the store (REG_STORE_URL)."""
+    from policies.resume import resume_overrides
     from registry import Registry
     from registry.catalog import grants
     from registry.config import Settings
@@ -48,9 +49,12 @@ def catalog_migrate(
     out = grants.migrate(settings, grant)
     with Registry(settings) as reg:
         out["key_paths"] = record_all(reg.context)
+        out["warnings"] = resume_overrides(reg.context.policy.resume)
     if json_output:
         emit_json(out)
         return
+    for warning in out["warnings"]:
+        note(f"warning: the policy in force: {warning}")
     if out["before"] == out["after"]:
         print(f"{out['catalog']}: schema at revision {out['after']}, nothing to migrate")
     else:

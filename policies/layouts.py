@@ -129,6 +129,11 @@ def check_layout(name: str | None) -> str | None:
     raise UsageError(f"unknown layout {name!r}", f"choose one of {', '.join(LAYOUTS)}")
 
 
+def known_layout(name: object) -> str | None:
+    """A recorded layout this reg knows, else None (one a newer reg wrote: detect again)."""
+    return name if isinstance(name, str) and name in LAYOUTS else None
+
+
 def children(keys: Sequence[str], path: str) -> set[str]:
     """The next key segment under `path` ("" = the top level) over sorted `keys`."""
     out = set()

@@ -253,19 +253,29 @@ def _is_key_path(path: str) -> bool:
     return bool(path) and len(path) <= 1024 and all(path.split("."))
 
 
-# A "state" segment marks an optimizer root; only the first two in a key are looked at, so a
-# crafted key of thousands of "state" segments costs what any key of its length costs.
-STATE_SEGMENTS_LOOKED_AT = 2
+# A "state" segment marks a candidate optimizer root; the first eight in a key are looked at
+# (a real key has one or two), so a crafted key of thousands costs a few passes over it.
+STATE_SEGMENTS_LOOKED_AT = 8
+_TRIED_MEMO = 65536  # candidates remembered as "not a root" (bounded: crafted keys are unique)
 
 
 def optimizer_roots(keys: Sequence[str]) -> list[str]:
     """Paths whose children are "state" (with names below) and "param_groups": the shape of a
     torch optimizer's state_dict, flattened or not, whatever it is called; "" is the top level.
     Every such path is a root (one optimizer's state can sit beside another's)."""
-    candidates = set()
+    roots: set[str] = set()
+    tried: set[str] = set()
     for key in keys:
-        candidates.update(_cuts(key, "state", require_child=True))
-    return sorted(r for r in candidates if has_path(keys, _join(r, "param_groups")))
+        for cut in _cuts(key, "state", require_child=True):
+            if cut in roots or cut in tried:
+                continue
+            if has_path(keys, _join(cut, "param_groups")):
+                roots.add(cut)
+            else:
+                if len(tried) >= _TRIED_MEMO:
+                    tried.clear()
+                tried.add(cut)
+    return sorted(roots)
 
 
 def _cuts(key: str, segment: str, *, require_child: bool) -> list[str]:

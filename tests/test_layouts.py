@@ -151,41 +151,51 @@ def test_optimizer_state_in_the_model_set_is_refused_by_name(
 def test_a_checkpoint_without_recorded_keys_gets_them_from_its_proven_metadata(
     cli, layouts, tmp_path, monkeypatch
 ):
-    """Pushed before the catalog kept key paths: the first use reads `.metadata` (proven
-    against the catalog's digest) and records them; a tampered `.metadata` is refused."""
+    """Pushed before the catalog kept key paths: `reg show` decides from its `.metadata`
+    (proven against the catalog's digest) without writing; validate, promote and `reg catalog
+    migrate` record them; a tampered `.metadata` is refused and named."""
     from sqlalchemy import text
 
     monkeypatch.setenv("REG_CATALOG_URL", f"sqlite:///{tmp_path / 'c.db'}")
     _policy(tmp_path, monkeypatch)
     with Registry() as reg:
-        for run in ("a", "b", "c"):
+        for run in ("a", "b", "c", "d"):
             reg.push_checkpoint(layouts["lightning"].step_dir(2), run=run, step=2)
         with reg.catalog.engine.begin() as conn:  # as a catalog from before migration 0010
             conn.execute(text("DROP TRIGGER checkpoint_keys_no_delete"))
             conn.execute(text("DELETE FROM checkpoint_keys"))
+
+    def layouts_listed() -> list[str | None]:
+        with Registry() as reg:
+            return [r["layout"] for r in reg.list_checkpoints()]
+
     with Registry() as reg:
         listed = reg.list_checkpoints()
-        assert [r["layout"] for r in listed] == [None, None, None]  # push-time verdicts
+        assert [r["layout"] for r in listed] == [None] * 4  # push-time verdicts
         assert all(r["resumable"] for r in listed)
         shown = reg.show("a@step2")
         assert shown["layout"] == "lightning" and shown["resume_state"]["train_state"] == [
             "meta.pt"
         ]
-        assert [r["layout"] for r in reg.list_checkpoints()] == ["lightning", None, None]
-        metadata = Path(shown["uri"][7:]).parent.parent / "c" / "step-2" / ".metadata"
+        pulled = reg.pull("b@step2", tmp_path / "b")  # no store read, no write: push-time
+        assert pulled["layout"] is None and "reg catalog migrate" in pulled["warnings"][0]
+    assert layouts_listed() == [None] * 4  # reads write nothing
+    with Registry() as reg:
+        reg.validate("d@step2", device="cpu")
+    assert layouts_listed() == [None, None, None, "lightning"]
     applied = cli("policy", "apply", _policy_file(tmp_path), "--json")
-    assert json.loads(applied.stdout)["resume_undecided"] == 2  # b and c
+    assert json.loads(applied.stdout)["resume_undecided"] == 3
+    metadata = Path(shown["uri"][7:]).parent.parent / "c" / "step-2" / ".metadata"
     metadata.chmod(0o644)
     metadata.write_bytes(metadata.read_bytes() + b"x")
     with Registry() as reg, pytest.raises(IntegrityError, match="does not match the catalog"):
         reg.show("c@step2")
-    with Registry() as reg:  # a pull records them too
-        assert reg.pull("b@step2", tmp_path / "b")["layout"] == "lightning"
     migrated = cli("catalog", "migrate", "--json")
     assert migrated.returncode == 0, migrated.stderr
     keys = json.loads(migrated.stdout)["key_paths"]
-    assert keys["recorded"] == 0 and [f["ref"] for f in keys["failed"]] == ["c@step2"]
+    assert keys["recorded"] == 2 and [f["ref"] for f in keys["failed"]] == ["c@step2"]
     assert "does not match the catalog" in keys["failed"][0]["error"]
+    assert layouts_listed() == ["lightning", "lightning", None, "lightning"]
 
 
 def test_tensors_in_no_class_are_refused_unless_left_out(
@@ -202,6 +212,16 @@ def test_tensors_in_no_class_are_refused_unless_left_out(
             reg.promote("u@step2", model="u")
         out = reg.promote("u@step2", model="u", allow_unclassified=True)
         _assert_release_is_the_model(out, trained)
+        # leaving tensors out is part of what makes two promotions the same: asked again
+        # without it, the refusal stands rather than returning that release
+        with pytest.raises(GateNotMet, match="in no resume class"):
+            reg.promote("u@step2", model="u")
+        again = reg.promote("u@step2", model="u", allow_unclassified=True)
+        assert again["existing"] and again["release"] == out["release"]
+        audited = [e for e in reg.audit_log() if e["action"] == "promote"][-1]
+        assert audited["details"]["allow_unclassified"] is True
+        assert audited["details"]["model_path"] == "app.model"
+        assert audited["details"]["layout"] == "dcp" and "forced_layout" not in audited["details"]
 
 
 def test_a_validation_names_count_only_for_the_same_model_path(

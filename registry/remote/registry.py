@@ -237,7 +237,7 @@ class RemoteRegistry(Registry):
     ) -> dict[str, Any]:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
-        from policies.layouts import check_layout
+        from policies.layouts import check_layout, known_layout
         from policies.loader import parse_policy
         from registry.lifecycle.validation import Attempt, check_world_size, run_checks
         from registry.lifecycle.validation.checks import load_factory
@@ -270,7 +270,7 @@ class RemoteRegistry(Registry):
                 world_size,
                 model_factory,
                 progress,
-                check_layout(layout or begun.get("layout")) or "dcp",
+                check_layout(layout) or known_layout(begun.get("layout")),
             )
         attempt = Attempt.of(outcome, dev, world_size)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}

@@ -138,10 +138,11 @@ def read_file(request: Request, ref: str, path: str, ctx: Context = CTX) -> Resp
 
 
 def _pullable(
-    ctx: Context, ref: CheckpointRef | ReleaseRef
+    ctx: Context, ref: CheckpointRef | ReleaseRef, *, with_view: bool = True
 ) -> tuple[str, str, list[FileRecord], dict[str, Any]]:
     """(full ref, store prefix, files, view JSON) of what a pull of `ref` downloads, if the
-    caller may read it: committed checkpoints, and releases that are not yanked."""
+    caller may read it: committed checkpoints, and releases that are not yanked. Without
+    `with_view` (each ranged read) the view is empty: nothing is decided or rendered."""
     from registry.layout import checkpoint_prefix, release_prefix
 
     if isinstance(ref, ReleaseRef):
@@ -158,8 +159,10 @@ def _pullable(
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
+    if not with_view:
+        return str(full), prefix, files, {}
     shown = CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
-    return str(full), prefix, files, shown | resume_json(ctx, full, ckpt, files, strict=False)
+    return str(full), prefix, files, shown | resume_json(ctx, full, ckpt, files, full=False)
 
 
 @router.get("/files")
@@ -181,7 +184,7 @@ def _readable(
     ctx: Context, ref: CheckpointRef | ReleaseRef, path: str
 ) -> tuple[str, str | None, int]:
     """(key, version, size) of `path` in `ref`: only files the catalog lists."""
-    _, prefix, listed, _ = _pullable(ctx, ref)
+    _, prefix, listed, _ = _pullable(ctx, ref, with_view=False)
     for f in listed:
         if f.path == path:
             return prefix + f.path, f.version, f.size
@@ -220,6 +223,6 @@ async def pulled(request: Request) -> dict[str, Any]:
         if ctx.principal.authorize("push", project=ref.project).allowed:
             record_resume(ctx, full)
         view = CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
-        return view | resume_json(ctx, full, ckpt, files, strict=False)
+        return view | resume_json(ctx, full, ckpt, files, full=False)
 
     return await run_in_threadpool(work)

@@ -125,7 +125,7 @@ async def validation_begin(request: Request) -> dict[str, Any]:
         urls = read_urls(ctx, prefix, files)  # on S3 the validator reads the bucket directly
         return {
             "ref": str(full),
-            "layout": facts_of_checkpoint(ctx, full, ckpt, files).layout,
+            "layout": facts_of_checkpoint(ctx, full, ckpt, files, record=True).layout,
             "hold": {"name": name, "token": token},
             "metrics": dict(ckpt.metrics),
             "files": [

@@ -231,5 +231,5 @@ def compare_existing(
     from registry.lifecycle.checkpoints.resume_facts import resume_json
 
     view = CheckpointView.of(ref.project, ref.run, existing, files)
-    resume = resume_json(ctx, view.ref, existing, files, strict=False)  # as recorded, not asked
+    resume = resume_json(ctx, view.ref, existing, files, full=False)  # as recorded, not asked
     return PushResult(view, unchanged=True, resume=resume)

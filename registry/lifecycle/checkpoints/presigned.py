@@ -451,5 +451,5 @@ def _compare_existing(
             "push under a new step",
         )
     view = CheckpointView.of(ref.project, ref.run, existing, stored)
-    resume = resume_json(ctx, view.ref, existing, stored, strict=False)  # as recorded
+    resume = resume_json(ctx, view.ref, existing, stored, full=False)  # as recorded
     return PushResult(view, unchanged=True, resume=resume)

@@ -81,7 +81,7 @@ def pull(
     from registry.lifecycle.checkpoints.resume_facts import resume_json
 
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
-    out.update(resume_json(ctx, full, latest[0], files, strict=False))  # its bytes are verified
+    out.update(resume_json(ctx, full, latest[0], files, full=False))  # its bytes are verified
     out["dest"] = str(where)
     return out
 
@@ -155,4 +155,4 @@ def set_pin(
         ctx.audit(s, action, str(full), reason=reason)
         files = queries.files_of(s, ckpt.id or 0)
         out = CheckpointView.of(ref.project, run.name, ckpt, files).to_json()
-    return out | resume_json(ctx, full, ckpt, files, strict=False)
+    return out | resume_json(ctx, full, ckpt, files, full=False)

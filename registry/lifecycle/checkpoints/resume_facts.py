@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from policies.layouts import LAYOUTS, check_layout, detect
+from policies.layouts import check_layout, detect, known_layout
 from policies.resume import ResumeVerdict, classify, missing_from_heads
 
 if TYPE_CHECKING:
@@ -72,17 +72,13 @@ def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) ->
 def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
     """The resume verdict under `policy`, with the pushed layout unless `layout` forces one (a
     recorded layout this reg does not know, from a newer one, is detected again)."""
-    chosen = check_layout(layout) or _known(facts.layout)
+    chosen = check_layout(layout) or known_layout(facts.layout)
     key = (facts.sha256, chosen or "", _policy_key(policy))
     found = _CACHE.get(key)
     if found is None:
         found = classify(facts.keys, facts.sidecars, policy, chosen)
         _remember(_CACHE, key, found, _CACHE_SIZE)
     return found
-
-
-def _known(layout: str) -> str | None:
-    return layout if layout in LAYOUTS else None
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any, size: int) -> None:
@@ -110,7 +106,7 @@ def missing_of(
     missing = _MISSING.get(key)
     if missing is None:
         key_heads, roots, sidecars = summary
-        if _known(layout):
+        if known_layout(layout):
             missing = missing_from_heads(key_heads, roots, sidecars, policy, layout)
         if missing is None:
             missing = verdict(KeyFacts(tuple(keys()), tuple(sidecars), layout), policy).missing
@@ -128,38 +124,55 @@ def resume_json(
     ckpt: Checkpoint,
     files: Sequence[FileRecord],
     *,
-    strict: bool = True,
+    full: bool = True,
 ) -> dict[str, Any]:
-    """The resume fields commands show, decided now under the policy in force. When the key
-    paths cannot be had (a checkpoint committed before the catalog kept them whose `.metadata`
-    is gone or does not match), a collected checkpoint, or any with `strict=False` (a pull that
-    already verified its bytes, a pin), answers with what was decided at its push and says so."""
+    """The resume fields commands show, decided now under the policy in force.
+
+    `full` (`reg show`): with suggestions; a checkpoint committed before the catalog kept key
+    paths is decided from its `.metadata` (proven; an error if that cannot be had, except for a
+    collected checkpoint). Otherwise (pull, pin, the server's listings of files): from recorded
+    key paths only, without suggestions, no store read; a checkpoint without them answers with
+    what was decided at its push, and says so."""
     from registry.catalog.models import COMMITTED
     from registry.errors import RegistryError
 
+    if not full:
+        facts = recorded_facts(ctx, ref, ckpt)
+        if facts is None:
+            return _push_time(ckpt, "`reg catalog migrate` records them")
+        return fields(facts, ctx.policy.resume, suggestions=False)
     try:
         facts = facts_of_checkpoint(ctx, ref, ckpt, files)
     except RegistryError as exc:
-        if strict and ckpt.state == COMMITTED:
+        if ckpt.state == COMMITTED:
             raise
-        return {
-            "layout": None,
-            "resumable": ckpt.resumable,
-            "missing_state": list(ckpt.missing_state),
-            "resume_state": ckpt.resume_classes,
-            "unclassified": [],
-            "warnings": [f"decided at push: its key paths are not recorded ({exc.message})"],
-        }
+        return _push_time(ckpt, exc.message)
     return fields(facts, ctx.policy.resume)
 
 
-def fields(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> dict[str, Any]:
+def _push_time(ckpt: Checkpoint, why: str) -> dict[str, Any]:
+    return {
+        "layout": None,
+        "resumable": ckpt.resumable,
+        "missing_state": list(ckpt.missing_state),
+        "resume_state": ckpt.resume_classes,
+        "unclassified": [],
+        "warnings": [f"decided at push: its key paths are not recorded ({why})"],
+    }
+
+
+def fields(
+    facts: KeyFacts, policy: ResumePolicy, layout: str | None = None, *, suggestions: bool = True
+) -> dict[str, Any]:
     """The verdict as commands show it (--json): layout, resumable, missing_state,
     resume_state, unclassified, warnings, and suggestions for what was not placed."""
     from policies.resume import suggest
 
     v = verdict(facts, policy, layout)
-    return {**v.to_json(), "suggestions": suggest(facts.keys, facts.sidecars, policy, v)}
+    out = v.to_json()
+    if suggestions:
+        out["suggestions"] = suggest(facts.keys, facts.sidecars, policy, v)
+    return out
 
 
 def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
@@ -244,7 +257,10 @@ def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePo
         select(Run, Checkpoint.step, CheckpointKeys.key_set_id, CheckpointKeys.layout)
         .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
         .join(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
-        .where(Checkpoint.state == COMMITTED)
+        .where(
+            Checkpoint.state == COMMITTED,
+            col(CheckpointKeys.key_set_id).in_(sorted({set_id for set_id, _ in changed})),
+        )
     ).all()
     count = 0
     for run_row, step, set_id, layout in rows:
@@ -328,10 +344,27 @@ def _existing_set(session: Any, facts: KeyFacts) -> int | None:
 
 
 def facts_of_checkpoint(
-    ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
+    ctx: Context,
+    ref: CheckpointRef,
+    ckpt: Checkpoint,
+    files: Sequence[FileRecord],
+    *,
+    record: bool = False,
 ) -> KeyFacts:
     """The recorded facts of a committed checkpoint; for one committed before the catalog kept
-    them, read once from its `.metadata` (proven against the catalog's sha256) and recorded."""
+    them, read from its `.metadata` (proven against the catalog's sha256), and recorded when
+    `record` (commands that write anyway: validate, promote; reads never take the write lock)."""
+    facts = recorded_facts(ctx, ref, ckpt)
+    if facts is not None:
+        return facts
+    facts = _from_stored_metadata(ctx, ref, ckpt, files)
+    if record:
+        record_facts(ctx, ckpt.id or 0, facts)
+    return facts
+
+
+def recorded_facts(ctx: Context, ref: CheckpointRef, ckpt: Checkpoint) -> KeyFacts | None:
+    """The key paths the catalog holds for `ckpt` (checked against their sha256), or None."""
     from sqlmodel import col, select
 
     from registry.catalog.models import CheckpointKeys, KeySet
@@ -343,17 +376,15 @@ def facts_of_checkpoint(
             .join(CheckpointKeys, col(CheckpointKeys.key_set_id) == KeySet.id)
             .where(CheckpointKeys.checkpoint_id == ckpt.id)
         ).first()
-    if row is not None:
-        key_set, layout = row
-        facts = KeyFacts(tuple(key_set.keys), tuple(key_set.sidecars), layout)
-        if facts.sha256 != key_set.sha256:
-            raise IntegrityError(
-                f"{ref}: the catalog's key paths (key_set {key_set.id}) do not match their sha256",
-                "the catalog was changed outside reg: run `reg audit verify` and tell an admin",
-            )
-        return facts
-    facts = _from_stored_metadata(ctx, ref, ckpt, files)
-    record_facts(ctx, ckpt.id or 0, facts)
+    if row is None:
+        return None
+    key_set, layout = row
+    facts = KeyFacts(tuple(key_set.keys), tuple(key_set.sidecars), layout)
+    if facts.sha256 != key_set.sha256:
+        raise IntegrityError(
+            f"{ref}: the catalog's key paths (key_set {key_set.id}) do not match their sha256",
+            "the catalog was changed outside reg: run `reg audit verify` and tell an admin",
+        )
     return facts
 
 
@@ -383,8 +414,10 @@ def _from_stored_metadata(
 
     record = next((f for f in files if f.path == METADATA), None)
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
-    data = ctx.store.get_bytes(prefix + METADATA, version=record.version if record else None)
-    if record is None or hashlib.sha256(data).hexdigest() != record.sha256:
+    if record is None:
+        raise IntegrityError(f"{ref}: the catalog lists no {METADATA}", "run `reg verify` on it")
+    data = ctx.store.get_bytes(prefix + METADATA, version=record.version)
+    if hashlib.sha256(data).hexdigest() != record.sha256:
         raise IntegrityError(
             f"{prefix}{METADATA} does not match the catalog's sha256",
             "run `reg verify` on the checkpoint",

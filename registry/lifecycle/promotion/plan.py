@@ -71,8 +71,14 @@ class PromotionPlan:
             "max_shard_bytes": self.max_shard_bytes,
             "extras": {e.name: e.sha256 for e in self.extras},
         }
-        if self.resume.model_path != "model":  # where the model was taken from, when not the
-            options["model_path"] = self.resume.model_path  # "model" key every release had
+        # What else decides the release's tensors, written only when not the default so the
+        # releases made before these options keep their key.
+        if self.resume.model_path != "model":
+            options["model_path"] = self.resume.model_path
+        if self.layout is not None:
+            options["layout"] = self.layout
+        if self.allow_unclassified:
+            options["allow_unclassified"] = True
         key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "options_key", key)
@@ -106,7 +112,7 @@ def plan_promotion(
     checked = _check_extras(extras)
     _, ckpt, files = resolve(ctx, ref)
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
-    facts = facts_of_checkpoint(ctx, source, ckpt, files)
+    facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
     return PromotionPlan(
         source=source,
         checkpoint=ckpt,

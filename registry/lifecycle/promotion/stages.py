@@ -337,6 +337,10 @@ def commit(
             source=str(plan.source),
             validation_id=validation.id,
             sha256=digest,
+            layout=plan.resume.layout,
+            model_path=plan.resume.model_path,
+            forced_layout=plan.layout,
+            allow_unclassified=plan.allow_unclassified or None,
         )
         s.flush()
         return ReleaseView.load(s, model, release).to_json(uri)

@@ -61,7 +61,7 @@ def validate(
     progress: Progress | None = None,
     layout: str | None = None,
 ) -> dict[str, Any]:
-    from policies.layouts import check_layout
+    from policies.layouts import check_layout, known_layout
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
 
     ctx.authorize("validate", project=ref.project, target=str(ref))
@@ -72,7 +72,7 @@ def validate(
         load_factory(model_factory)  # a bad spec is a usage error before any work
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
-    recorded = facts_of_checkpoint(ctx, full, ckpt, files).layout
+    recorded = known_layout(facts_of_checkpoint(ctx, full, ckpt, files, record=True).layout)
     with hold(ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}"):
         out = run_checks(
             ctx.store,
@@ -108,11 +108,11 @@ def run_checks(
     world_size: int,
     model_factory: str | None,
     progress: Progress | None,
-    layout: str,
+    layout: str | None,
 ) -> Outcome:
     """Every check of the module docstring on the stored checkpoint `ref` (its `files` as the
-    catalog lists them) with its model where `layout` puts it; no catalog access, so a
-    validator reading through `reg server` runs the same code."""
+    catalog lists them) with its model where `layout` puts it (None: where its keys show);
+    no catalog access, so a validator reading through `reg server` runs the same code."""
     from policies.resume import suggest
     from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
 
