@@ -43,7 +43,7 @@ def catalog_migrate(
     from registry import Registry
     from registry.catalog import grants
     from registry.config import Settings
-    from registry.lifecycle.checkpoints.resume_facts import record_all
+    from registry.lifecycle.checkpoints.resume_changes import record_all
 
     settings = Settings.from_env()
     out = grants.migrate(settings, grant)

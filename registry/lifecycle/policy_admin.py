@@ -14,7 +14,7 @@ from policies.loader import Policy, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
-from registry.lifecycle.checkpoints.resume_facts import emit_changes, undecided
+from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
 from registry.timeutil import now
 
 if TYPE_CHECKING:

@@ -34,7 +34,6 @@ def resolve(
 
 
 def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.gc import explain
 
     ctx.authorize_read(project=ref.project)
@@ -78,7 +77,6 @@ def pull(
         raise
     if ctx.principal.authorize("push", project=ref.project).allowed:
         record_resume(ctx, full)
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
 
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
     out.update(resume_json(ctx, full, latest[0], files, full=False))  # its bytes are verified

@@ -205,124 +205,6 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
     session.add(CheckpointKeys(checkpoint_id=checkpoint_id, key_set_id=found, layout=facts.layout))
 
 
-def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePolicy) -> int:
-    """A policy change: a `checkpoint.resume` event for every committed checkpoint whose verdict
-    it changes. Each distinct (key set, layout) is decided once under each policy; the key
-    paths themselves are read only for the sets that change. Returns how many checkpoints."""
-    from sqlalchemy import select as sa_select
-    from sqlmodel import Session, col, select
-
-    from registry import events
-    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, KeySet, Project, Run
-    from registry.refs import CheckpointRef
-
-    assert isinstance(session, Session)
-    if old == new:
-        return 0
-    layouts = session.exec(
-        select(CheckpointKeys.key_set_id, CheckpointKeys.layout)
-        .join(Checkpoint, col(Checkpoint.id) == CheckpointKeys.checkpoint_id)
-        .where(Checkpoint.state == COMMITTED)
-        .distinct()
-    ).all()
-    ids = sorted({set_id for set_id, _ in layouts})
-    summaries = {}
-    for start in range(0, len(ids), 500):  # no DISTINCT over JSON: PostgreSQL cannot compare it
-        found = session.execute(  # five columns: sqlmodel's select types at most four
-            sa_select(
-                col(KeySet.id),
-                col(KeySet.sha256),
-                col(KeySet.heads),
-                col(KeySet.optimizer_roots),
-                col(KeySet.sidecars),
-            ).where(col(KeySet.id).in_(ids[start : start + 500]))
-        ).all()
-        summaries.update({r[0]: tuple(r[1:]) for r in found})
-
-    def keys_of(set_id: int) -> Callable[[], list[str]]:
-        return lambda: list(session.exec(select(KeySet.keys).where(KeySet.id == set_id)).one())
-
-    changed: dict[tuple[int, str], list[str]] = {}
-    for set_id, layout in layouts:
-        sha, key_heads, roots, sidecars = summaries[set_id]
-        summary = (list(key_heads), list(roots), list(sidecars))
-        before = missing_of(sha, layout, old, summary, keys_of(set_id))
-        after = missing_of(sha, layout, new, summary, keys_of(set_id))
-        if before != after:
-            changed[(set_id, layout)] = after
-    if not changed:
-        return 0
-    projects = {p.id: p.name for p in session.exec(select(Project)).all()}
-    rows = session.exec(
-        select(Run, Checkpoint.step, CheckpointKeys.key_set_id, CheckpointKeys.layout)
-        .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
-        .join(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
-        .where(
-            Checkpoint.state == COMMITTED,
-            col(CheckpointKeys.key_set_id).in_(sorted({set_id for set_id, _ in changed})),
-        )
-    ).all()
-    count = 0
-    for run_row, step, set_id, layout in rows:
-        missing = changed.get((set_id, layout))
-        if missing is None:
-            continue
-        project = projects[run_row.project_id]
-        ctx.events.emit(
-            session,
-            events.CHECKPOINT_RESUME,
-            project=project,
-            ref=str(CheckpointRef(project, run_row.name, step)),
-            resumable=not missing,
-            missing_state=missing,
-            layout=layout,
-        )
-        count += 1
-    return count
-
-
-def undecided(ctx: Context) -> list[tuple[CheckpointRef, Checkpoint]]:
-    """Committed checkpoints whose key paths the catalog does not hold (committed before it
-    kept them)."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, Project, Run
-    from registry.refs import CheckpointRef
-
-    with ctx.catalog.session() as s:
-        rows = s.exec(
-            select(Project.name, Run.name, Checkpoint)
-            .join(Run, col(Run.project_id) == Project.id)
-            .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
-            .outerjoin(CheckpointKeys, col(CheckpointKeys.checkpoint_id) == Checkpoint.id)
-            .where(Checkpoint.state == COMMITTED, col(CheckpointKeys.checkpoint_id).is_(None))
-        ).all()
-    return [(CheckpointRef(p, r, c.step), c) for p, r, c in rows]
-
-
-def record_all(ctx: Context) -> dict[str, Any]:
-    """Record the key paths of every committed checkpoint the catalog has none for, each from
-    its `.metadata` proven against the catalog's sha256 (`reg catalog migrate` runs it): the
-    ones that cannot be read are named and keep their push-time verdict until first used."""
-    from registry.catalog import queries
-    from registry.errors import RegistryError
-
-    recorded, failed = 0, []
-    for ref, ckpt in undecided(ctx):
-        with ctx.catalog.session() as s:
-            files = queries.files_of(s, ckpt.id or 0)
-        try:
-            facts = _from_stored_metadata(ctx, ref, ckpt, files)
-        except RegistryError as exc:
-            failed.append({"ref": str(ref), "error": exc.message})
-            continue
-        if record_facts(ctx, ckpt.id or 0, facts):
-            recorded += 1
-        else:
-            failed.append({"ref": str(ref), "error": "the catalog refused the write"})
-    return {"recorded": recorded, "failed": failed}
-
-
 def _existing_set(session: Any, facts: KeyFacts) -> int | None:
     """The id of the key set `facts` names, checked to hold exactly these keys: a row under
     that sha256 with other keys was written by someone other than reg (the key paths are
@@ -357,7 +239,7 @@ def facts_of_checkpoint(
     facts = recorded_facts(ctx, ref, ckpt)
     if facts is not None:
         return facts
-    facts = _from_stored_metadata(ctx, ref, ckpt, files)
+    facts = from_stored_metadata(ctx, ref, ckpt, files)
     if record:
         record_facts(ctx, ckpt.id or 0, facts)
     return facts
@@ -404,7 +286,7 @@ def record_facts(ctx: Context, checkpoint_id: int, facts: KeyFacts) -> bool:
         return False
 
 
-def _from_stored_metadata(
+def from_stored_metadata(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
     from registry.errors import IntegrityError
