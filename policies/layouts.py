@@ -15,6 +15,7 @@ resume of that trainer needs (required) or should have (recommended: missing one
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -145,8 +146,6 @@ def children(keys: Sequence[str], path: str) -> set[str]:
 
 def has_path(keys: Sequence[str], path: str) -> bool:
     """Whether a key equals `path` or starts with `path.` (sorted `keys`: a binary search)."""
-    from bisect import bisect_left
-
     i = bisect_left(keys, path)
     if i < len(keys) and keys[i] == path:
         return True
@@ -156,8 +155,6 @@ def has_path(keys: Sequence[str], path: str) -> bool:
 
 def count_under(keys: Sequence[str], path: str) -> int:
     """How many of sorted `keys` equal `path` or lie under it (two binary searches)."""
-    from bisect import bisect_left
-
     i = bisect_left(keys, path)
     exact = 1 if i < len(keys) and keys[i] == path else 0
     start = bisect_left(keys, path + ".")
@@ -165,8 +162,6 @@ def count_under(keys: Sequence[str], path: str) -> int:
 
 
 def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
-    from bisect import bisect_left
-
     for key in keys[bisect_left(keys, prefix) :]:
         if not key.startswith(prefix):
             return

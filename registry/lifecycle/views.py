@@ -29,7 +29,6 @@ class CheckpointView:
     ref: CheckpointRef
     row: Checkpoint
     files: tuple[FileRecord, ...]
-    layout: str | None = None  # None: not yet known here (shown by `reg show`, `reg ls`)
 
     @classmethod
     def of(
@@ -48,7 +47,9 @@ class CheckpointView:
             "state": row.state,
             "bytes": row.bytes,
             "files": [f.to_json() for f in self.files],
-            "layout": self.layout,
+            # Resume state is decided from the key paths under the policy in force: callers
+            # add `resume_facts.resume_json` (these are the push-time values, its fallback).
+            "layout": None,
             "resumable": row.resumable,
             "missing_state": list(row.missing_state),
             "pinned": row.pinned,

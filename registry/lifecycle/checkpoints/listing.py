@@ -136,8 +136,8 @@ def _view(
     ) = row
     if missing_now is not None:
         resumable, missing = not missing_now, missing_now
-    elif isinstance(missing, str):
-        missing = json.loads(missing) if missing != "[]" else []
+    else:
+        missing = _json_list(missing or [])
     return {
         "ref": str(CheckpointRef(project_name, run_name, step)),
         "project": project_name,
