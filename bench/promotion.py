@@ -57,7 +57,7 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
         os.environ["REG_HOME"] = home
         from registry import Registry
         from registry.formats.dcp import inventory
-        from registry.formats.dcp_metadata import load_metadata
+        from registry.formats.dcp_roots import merged_metadata
         from registry.lifecycle.checkpoints.read import resolve
         from registry.lifecycle.promotion.consolidate import consolidate
         from registry.lifecycle.promotion.proven import ProvenCheckpoint
@@ -68,7 +68,7 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
             _, _, files = resolve(reg.context, CheckpointRef("default", "bench", 0))
             # What promotion does: prove every shard holding model chunks, then consolidate.
             source = ProvenCheckpoint(reg.store, prefix, files, label="bench", workers=2)
-            inv = inventory(load_metadata(source.metadata, light=True))
+            inv = inventory(merged_metadata(source.metadata, light=True))
             names = {f.removeprefix("model."): f for f in inv.tensors if f.startswith("model.")}
             source.prove(c for fqn in names.values() for c in inv.tensors[fqn].chunks)
             dest = f"release/bench/v{time.time_ns()}/"

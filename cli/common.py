@@ -13,8 +13,15 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on std
 LAYOUT_OPTION = typer.Option(
     None,
     "--layout",
-    help="The checkpoint's layout: dcp, torchtitan, lightning or stateful (default: the one "
-    "its keys show).",
+    help="The checkpoint's layout: lightning, accelerate, dcp, stateful or torchtitan (default: "
+    "the one its keys and files show).",
+)
+
+STRIP_PREFIX_OPTION = typer.Option(
+    None,
+    "--strip-prefix",
+    help="Strip this prefix too from the release's tensor names, after the layout's own (e.g. "
+    '"model." for a LightningModule whose network is self.model).',
 )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry
+from cli.common import JSON_OPTION, LAYOUT_OPTION, STRIP_PREFIX_OPTION, open_registry
 from cli.render import emit_json, progress_for, table
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
@@ -31,6 +31,7 @@ def validate(
         None, "--model-factory", help="module:function building the model (strict load + probe)."
     ),
     layout: str | None = LAYOUT_OPTION,
+    strip_prefix: str | None = STRIP_PREFIX_OPTION,
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Prove a checkpoint restores: integrity, load, reshard, finite, resume state, probe."""
@@ -44,6 +45,7 @@ def validate(
             model_factory=model_factory,
             progress=progress_for(json_output),
             layout=layout,
+            strip_prefix=strip_prefix,
         )
     if json_output:
         emit_json(out)
@@ -81,6 +83,7 @@ def promote(
         None, "--model-factory", help="module:function for validation (tied weights, probe)."
     ),
     layout: str | None = LAYOUT_OPTION,
+    strip_prefix: str | None = STRIP_PREFIX_OPTION,
     allow_unclassified: bool = typer.Option(
         False,
         "--allow-unclassified",
@@ -100,6 +103,7 @@ def promote(
             model_factory=model_factory,
             progress=progress_for(json_output),
             layout=layout,
+            strip_prefix=strip_prefix,
             allow_unclassified=allow_unclassified,
         )
     if json_output:

@@ -5,19 +5,26 @@ key path the model lives (and so which prefix a release strips from its names), 
 hold which resume-state class, which files beside the DCP shards carry state, and which classes a
 resume of that trainer needs (required) or should have (recommended: missing ones are warnings).
 
-  dcp         {"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}
-  torchtitan  the model's own names at the top level beside "optimizer", "lr_scheduler", ...
   lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
+  accelerate  DCP roots pytorch_model_fsdp_0/ and optimizer_0/ (their key paths prefixed with the
+              root's name) beside scheduler.bin, random_states_N.pkl
+  dcp         {"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}
   stateful    one wrapper key holding "model" and "optim" (the DCP tutorial's AppState)
+  torchtitan  the model's own names at the top level beside "optimizer", "lr_scheduler", ...
+
+Sidecar files count by what reg read in them (registry/formats/sidecars.py records entries
+`FILE:PATH` for their contents, `FILE!WHY` for a file it could not read): a layout's
+`SidecarRule`s say which content paths are which class.
 
 `detect` picks one from the key paths and files; `--layout NAME` forces one. Pure: no torch.
 """
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from registry.errors import UsageError
 
@@ -31,6 +38,10 @@ RESUME_CLASSES = (
     "dataloader",
     "grad_scaler",
 )
+
+# Sidecar entries (registry/formats/sidecars.py): FILE, FILE:PATH (read), FILE!WHY (unread).
+READ = ":"
+UNREAD = "!"
 
 # What a resume loses without each class: the warning a missing recommended class carries.
 CONSEQUENCES = {
@@ -54,6 +65,21 @@ _COMMON: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class SidecarRule:
+    """Files named `file` (a pattern) that hold `path` (a dotted content path; "" = the file
+    was read) provide `cls`."""
+
+    file: str
+    path: str
+    cls: str
+
+    def matches(self, file: str, path: str) -> bool:
+        if not re.fullmatch(self.file, file):
+            return False
+        return not self.path or path == self.path or path.startswith(self.path + ".")
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     name: str
     summary: str
@@ -61,7 +87,8 @@ class Layout:
     classes: Mapping[str, tuple[str, ...]]  # class -> key paths from the top
     required: tuple[str, ...]
     recommended: tuple[str, ...]
-    sidecars: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # file -> classes
+    sidecars: tuple[SidecarRule, ...] = ()
+    files: str = ""  # the sidecar files this layout reads (a pattern), for "present but unread"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +137,36 @@ LIGHTNING = Layout(
     classes=_COMMON,  # and optimizer_0, optimizer_1...: found by their structure
     required=("model", "optimizer", "train_state"),
     recommended=("lr_scheduler", "dataloader", "rng"),
-    sidecars={"meta.pt": ("train_state", "lr_scheduler", "dataloader")},
+    sidecars=(
+        SidecarRule(r"meta\.pt", "global_step", "train_state"),
+        SidecarRule(r"meta\.pt", "loops.fit_loop", "train_state"),
+        SidecarRule(r"meta\.pt", "lr_schedulers", "lr_scheduler"),
+        # a stateful dataloader's position (Lightning saves it only for one)
+        SidecarRule(r"meta\.pt", "loops.fit_loop.state_dict.combined_loader", "dataloader"),
+        SidecarRule(r"meta\.pt", "MixedPrecision", "grad_scaler"),
+    ),
+    files=r"meta\.pt",
+)
+ACCELERATE = Layout(
+    "accelerate",
+    "accelerate's sharded FSDP save_state: DCP roots pytorch_model_fsdp_0/ (model) and "
+    "optimizer_0/, beside scheduler.bin, random_states_N.pkl, sampler.bin, scaler.pt",
+    model="pytorch_model_fsdp_0.model",
+    classes={},  # optimizer_0.optimizer: found by its structure
+    required=("model", "optimizer"),
+    recommended=("train_state", "lr_scheduler", "rng", "dataloader"),
+    sidecars=(
+        SidecarRule(r"scheduler(_\d+)?\.bin", "", "lr_scheduler"),
+        # accelerate keeps no training step of its own (random_states' "step" counts gradient
+        # accumulation): the objects a trainer registers with register_for_checkpointing do
+        SidecarRule(r"custom_checkpoint_\d+\.pkl", "", "train_state"),
+        SidecarRule(r"random_states_\d+\.pkl", "random_state", "rng"),
+        SidecarRule(r"random_states_\d+\.pkl", "torch_manual_seed", "rng"),
+        SidecarRule(r"(sampler|dl_state_dict)(_\d+)?\.bin", "", "dataloader"),
+        SidecarRule(r"scaler\.pt", "", "grad_scaler"),
+    ),
+    files=r"scheduler(_\d+)?\.bin|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
+    r"|(sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt",
 )
 STATEFUL = Layout(
     "stateful",
@@ -120,7 +176,9 @@ STATEFUL = Layout(
     required=("model", "optimizer"),
     recommended=("train_state", "lr_scheduler", "rng", "dataloader"),
 )
-LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (DCP, TORCHTITAN, LIGHTNING, STATEFUL)}
+LAYOUTS: dict[str, Layout] = {
+    lay.name: lay for lay in (LIGHTNING, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
+}  # in detection order
 
 
 def check_layout(name: str | None) -> str | None:
@@ -169,11 +227,14 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
-    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt; a
-    top-level "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
+    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt;
+    accelerate's pytorch_model_fsdp_N root; a top-level "model"; a wrapper holding "model";
+    else the model at the top (torchtitan)."""
     top = children(keys, "")
-    if "state_dict" in top or any(s in LIGHTNING.sidecars for s in sidecars):
+    if "state_dict" in top or "meta.pt" in sidecars:
         return LIGHTNING
+    if any(re.fullmatch(r"pytorch_model_fsdp_\d+", name) for name in top):
+        return ACCELERATE
     if "model" in top:
         return DCP
     if _wrappers(keys, top):

@@ -9,20 +9,25 @@ Pure: sorted key paths (DCP's dotted FQNs) and sidecar file names in, a verdict 
     state (Lightning's "optimizer_0", any name). Keys under the model's path that have this
     structure stay in the model set and are reported: a release never takes them silently.
   - With the model at "" (torchtitan), every key no other class claims is the model.
-  - A sidecar file the layout names (Lightning's meta.pt) provides its classes.
+  - A sidecar file the layout names (Lightning's meta.pt, accelerate's scheduler.bin) provides
+    the classes of what reg read in it (its `FILE:PATH` entries); one present but unread
+    (`FILE!WHY`) provides nothing, and says so.
   - Required classes (the layout's, or the policy's `required` when written) decide
     `resumable`; missing recommended ones are warnings naming what a resume loses.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from policies.layouts import (
     CONSEQUENCES,
     LAYOUTS,
+    READ,
     RESUME_CLASSES,
+    UNREAD,
     Layout,
     Placement,
     detect,
@@ -30,6 +35,7 @@ from policies.layouts import (
     place,
 )
 from policies.loader import ResumePolicy
+from registry.errors import UsageError
 
 EXAMPLES = 3  # keys named in a one-line message
 
@@ -54,16 +60,27 @@ class ResumeVerdict:
     def strip(self) -> str:
         return f"{self.model_path}." if self.model_path else ""
 
-    def model_names(self, fqns: Iterable[str]) -> dict[str, str]:
+    def model_names(self, fqns: Iterable[str], strip_prefix: str = "") -> dict[str, str]:
         """The model's own state_dict name -> checkpoint FQN, for those of `fqns` (tensors)
-        that are model keys: the model's path and its dot stripped."""
+        that are model keys: the model's path and its dot stripped, then `strip_prefix`
+        (`--strip-prefix`, checked), which every model key must have."""
         keys = set(self.model_keys)
         strip = self.strip
-        return {
-            (fqn[len(strip) :] if strip and fqn.startswith(strip) else fqn): fqn
-            for fqn in fqns
-            if fqn in keys
-        }
+        out = {}
+        for fqn in fqns:
+            if fqn not in keys:
+                continue
+            name = fqn[len(strip) :] if strip and fqn.startswith(strip) else fqn
+            if strip_prefix:
+                if not name.startswith(strip_prefix):
+                    raise UsageError(
+                        f"--strip-prefix {strip_prefix}: the model tensor {fqn} does not start "
+                        f"with {strip + strip_prefix}",
+                        "strip a prefix every model tensor has, or none",
+                    )
+                name = name[len(strip_prefix) :]
+            out[name] = fqn
+        return out
 
     def summary(self) -> str:
         """One line: the layout and what is there or missing."""
@@ -124,14 +141,18 @@ def classify(
             if root is not None:
                 in_model.append(key)
         found.setdefault(cls, set()).add(path)
-    for name in sidecars:
-        for cls in chosen.sidecars.get(name, ()):
-            found.setdefault(cls, set()).add(name)
+    read, unread = sidecar_classes(chosen, sidecars)
+    for cls, labels in read.items():
+        found.setdefault(cls, set()).update(labels)
 
     subtrees = _subtrees(keys, unclassified)
     required = list(chosen.required if policy.required is None else policy.required)
     missing = [c for c in required if c not in found]
     warnings = [placed.note] if placed.note else []
+    warnings += [
+        f"{file} is present but unread ({why}): the state it may hold is not counted"
+        for file, why in unread
+    ]
     warnings += [
         f"no {c} state: {CONSEQUENCES[c]}"
         for c in chosen.recommended
@@ -153,6 +174,65 @@ def classify(
         optimizer_in_model=in_model,
         warnings=warnings,
     )
+
+
+def check_strip_prefix(value: str | None) -> str:
+    """A `--strip-prefix` value: "" for none, else a dotted key path, returned ending in "."."""
+    if not value:
+        return ""
+    path = value.removesuffix(".")
+    if not _is_key_path(path):
+        raise UsageError(
+            f"--strip-prefix {value[:80]!r} is not a key path", 'e.g. "model." or "model"'
+        )
+    return path + "."
+
+
+def names_path(model_path: str, strip_prefix: str) -> str:
+    """The key path a release's names are relative to: the model's path, and the prefix
+    stripped beyond it (two promotions with the same one have the same names)."""
+    extra = strip_prefix.removesuffix(".")
+    if not extra:
+        return model_path
+    return f"{model_path}.{extra}" if model_path else extra
+
+
+def sidecar_classes(
+    layout: Layout, sidecars: Iterable[str]
+) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """class -> the sidecar entries that provide it, and the files the layout reads that were
+    present but unread (with why). A file listed without any entry of what was read in it was
+    pushed before reg read sidecars."""
+    found: dict[str, set[str]] = {}
+    files: dict[str, str | None] = {}  # file -> why unread (None: read)
+    for entry in sidecars:
+        file, path, why = split_entry(entry)
+        if not layout.files or not re.fullmatch(layout.files, file):
+            continue
+        if path is None:
+            files.setdefault(file, why or "pushed before reg read these files")
+            if why:
+                files[file] = why
+            continue
+        files[file] = None
+        for rule in layout.sidecars:
+            if rule.matches(file, path):
+                label = f"{file}{READ}{rule.path}" if rule.path else file
+                found.setdefault(rule.cls, set()).add(label)
+    unread = [(f, why) for f, why in sorted(files.items()) if why is not None]
+    return found, unread
+
+
+def split_entry(entry: str) -> tuple[str, str | None, str | None]:
+    """A sidecar entry -> (file, content path or None, why unread or None); `FILE:` (the file
+    was read) gives path "". See registry/formats/sidecars.py."""
+    if UNREAD in entry:
+        file, why = entry.split(UNREAD, 1)
+        return file, None, why
+    if READ in entry:
+        file, path = entry.split(READ, 1)
+        return file, path, None
+    return entry, None, None
 
 
 def _entries(

@@ -227,7 +227,10 @@ class Registry:
         model_factory: str | None = None,
         progress: Progress | None = None,
         layout: str | None = None,
+        strip_prefix: str | None = None,
     ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
+        names too (after the layout's prefix) for the model factory's check."""
         from registry.lifecycle.validation import validate
 
         return validate(
@@ -238,6 +241,7 @@ class Registry:
             model_factory=model_factory,
             progress=progress,
             layout=layout,
+            strip_prefix=strip_prefix,
         )
 
     def promote(
@@ -253,8 +257,10 @@ class Registry:
         progress: Progress | None = None,
         layout: str | None = None,
         allow_unclassified: bool = False,
+        strip_prefix: str | None = None,
     ) -> dict[str, Any]:
-        """`layout` forces the checkpoint's layout for this promotion; `allow_unclassified`
+        """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
+        stripped from the release's names after the layout's own prefix; `allow_unclassified`
         leaves tensors no resume class claims out of the release (else it is refused)."""
         from registry.lifecycle.promotion import promote
 
@@ -270,6 +276,7 @@ class Registry:
             progress=progress,
             layout=layout,
             allow_unclassified=allow_unclassified,
+            strip_prefix=strip_prefix,
         )
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
 """Read a DCP checkpoint directory without trusting it: what push copies.
 
 `scan_directory` walks the directory (no symlinks, no hard links, no odd or overlong names, no
-document names of the registry's), parses `.metadata` from a descriptor it checked, takes the
-inventory and refuses what torch writes but reg cannot read back. `open_checked` gives the copy
-the very files the scan checked.
+document names of the registry's), parses each root's `.metadata` (one at the top, or several
+one level down: `dcp_roots.py`) from a descriptor it checked, takes the inventory and refuses
+what torch writes but reg cannot read back. `open_checked` gives the copy the very files the
+scan checked.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from registry.errors import InvalidCheckpoint
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
-from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp_roots import check_roots, merged_metadata, metadata_paths
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 HF_INDEX = "model.safetensors.index.json"
@@ -40,7 +41,7 @@ class ScannedDir:
     inventory: Inventory
     ranks: set[int]
     identity: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # dev, inode, ctime
-    metadata_sha256: str = ""  # of the .metadata bytes the scan parsed
+    metadata_digests: dict[str, str] = field(default_factory=dict)  # each .metadata parsed
 
     @property
     def inferred_world_size(self) -> int:
@@ -50,6 +51,11 @@ class ScannedDir:
     def open(self, path: str) -> int:
         """A descriptor of the file the scan checked (see `open_checked`)."""
         return open_checked(self.root, path, self.identity.get(path), self.files[path])
+
+    def read(self, path: str) -> bytes:
+        """The bytes of a file the scan checked (a sidecar reg reads)."""
+        with os.fdopen(self.open(path), "rb") as f:
+            return f.read(self.files[path] + 1)
 
     def rank_of(self, path: str) -> int | None:
         match = RANK_FILE.fullmatch(Path(path).name)
@@ -107,20 +113,21 @@ def scan_directory(root: Path) -> ScannedDir:
         raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
-    if not (root / METADATA).is_file():  # before walking: `reg push-ckpt ~` stays cheap
+    if not _has_metadata(root):  # before walking: `reg push-ckpt ~` stays cheap
+        _refuse_other_save_state(root)
         _refuse_safetensors_directory(root)
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
         )
     files, identity = _walk(root)
-    if METADATA not in files:
-        raise InvalidCheckpoint(f"{root}/.metadata is not a regular file", "not a DCP checkpoint")
     check_file_set(str(root), files)
-    # Parsed from the descriptor the identity check gave, hashed: the push later refuses a
+    # Parsed from the descriptors the identity check gave, hashed: the push later refuses a
     # stored .metadata with another digest, so what was checked is what gets committed.
-    with os.fdopen(open_checked(root, METADATA, identity[METADATA], files[METADATA]), "rb") as f:
-        metadata_bytes = f.read()
+    metadata_bytes = {}
+    for path in metadata_paths(files):
+        with os.fdopen(open_checked(root, path, identity[path], files[path]), "rb") as f:
+            metadata_bytes[path] = f.read()
 
     def read_head(path: str, offset: int) -> bytes:
         with open(root / path, "rb") as f:
@@ -133,19 +140,20 @@ def scan_directory(root: Path) -> ScannedDir:
 
 
 def check_file_set(label: str, files: dict[str, int]) -> None:
-    """The file list of a checkpoint: .metadata there and of a sane size, no name the registry
-    reserves. (The walk checked each name; a list from elsewhere goes through `check_path`.)"""
-    if METADATA not in files:
-        raise InvalidCheckpoint(f"{label} has no .metadata: not a complete DCP checkpoint")
+    """The file list of a checkpoint: its roots' .metadata there and of a sane size, no name
+    the registry reserves. (The walk checked each name; a list from elsewhere goes through
+    `check_path`.)"""
+    check_roots(label, files)
     reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in RESERVED_NAMES)
     if reserved:
         raise InvalidCheckpoint(
             f"{label} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
         )
-    if files[METADATA] > MAX_METADATA_BYTES:
-        raise InvalidCheckpoint(
-            f"{label}/.metadata is {files[METADATA]} bytes; refused", "not a DCP metadata file"
-        )
+    for path in metadata_paths(files):
+        if files[path] > MAX_METADATA_BYTES:
+            raise InvalidCheckpoint(
+                f"{label}/{path} is {files[path]} bytes; refused", "not a DCP metadata file"
+            )
 
 
 def check_path(label: str, rel: str) -> None:
@@ -161,19 +169,31 @@ def check_path(label: str, rel: str) -> None:
 
 
 def scan_contents(
-    root: Path, files: dict[str, int], metadata_bytes: bytes, read_head: ReadHead
+    root: Path, files: dict[str, int], metadata_bytes: dict[str, bytes], read_head: ReadHead
 ) -> ScannedDir:
-    """Inventory a checkpoint from its `.metadata` bytes and file sizes, reading only the first
-    bytes of each chunk through `read_head(path, offset)`: the same checks wherever the files
-    are (a local directory, or objects a client uploaded to the store)."""
-    metadata = load_metadata(metadata_bytes, light=True)
+    """Inventory a checkpoint from its roots' `.metadata` bytes (path -> bytes) and file sizes,
+    reading only the first bytes of each chunk through `read_head(path, offset)`: the same
+    checks wherever the files are (a local directory, or objects a client uploaded)."""
+    metadata = merged_metadata(metadata_bytes, light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv, read_head)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
-    return ScannedDir(
-        root, files, metadata, inv, ranks, {}, hashlib.sha256(metadata_bytes).hexdigest()
-    )
+    digests = {p: hashlib.sha256(data).hexdigest() for p, data in metadata_bytes.items()}
+    return ScannedDir(root, files, metadata, inv, ranks, {}, digests)
+
+
+def _has_metadata(root: Path) -> bool:
+    """A `.metadata` at the top or one level down (a few thousand entries looked at at most)."""
+    if (root / METADATA).is_file():
+        return True
+    with os.scandir(root) as entries:
+        for i, entry in enumerate(entries):
+            if i >= 4096:
+                return True  # let the walk decide
+            if entry.is_dir(follow_symlinks=False) and (Path(entry.path) / METADATA).is_file():
+                return True
+    return False
 
 
 def _refuse_safetensors_directory(root: Path) -> None:
@@ -193,6 +213,28 @@ def _refuse_safetensors_directory(root: Path) -> None:
             "push-ckpt takes DCP checkpoints (dcp.save with FileSystemWriter); inference "
             "weights become releases through `reg promote`",
         )
+
+
+def _refuse_other_save_state(root: Path) -> None:
+    """accelerate's `save_state` layouts that are no DCP (its optimizer or RNG files beside a
+    model file): name what they are."""
+
+    def has(name: str) -> bool:
+        return (root / name).is_file()
+
+    if not (has("optimizer.bin") or has("optimizer_0.bin") or has("random_states_0.pkl")):
+        return
+    if has("pytorch_model_fsdp.bin") or has("pytorch_model_fsdp_0.bin"):
+        what = "accelerate save_state with FSDP's FULL_STATE_DICT (pytorch_model_fsdp.bin)"
+    elif has("model.safetensors") or has("pytorch_model.bin"):
+        what = "accelerate save_state without FSDP (model.safetensors and a pickled optimizer.bin)"
+    else:
+        what = "accelerate save_state without a sharded model"
+    raise InvalidCheckpoint(
+        f"{root} is {what}: not a DCP checkpoint",
+        'push-ckpt takes DCP checkpoints: save with FSDP and state_dict_type="SHARDED_STATE_DICT"'
+        " (pytorch_model_fsdp_0/, optimizer_0/)",
+    )
 
 
 def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead) -> None:

@@ -32,7 +32,7 @@ from registry.catalog.models import (
     ReleaseFile,
 )
 from registry.errors import InvalidDocument
-from registry.formats.dcp import METADATA
+from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import (
     CHECKPOINTS,
@@ -110,8 +110,8 @@ def _read_manifest(
     if (manifest.project, manifest.run, manifest.step) != place[:3]:
         out["skipped"].append(f"{key}: the manifest names {manifest.ref}, not its own place")
         return None
-    if METADATA not in {f.path for f in manifest.files}:
-        out["skipped"].append(f"{key}: lists no {METADATA}, so it is no DCP checkpoint")
+    if not metadata_paths(f.path for f in manifest.files):
+        out["skipped"].append(f"{key}: lists no .metadata, so it is no DCP checkpoint")
         return None
     damaged = _missing_files(ctx, key.removesuffix(MANIFEST), manifest.files)
     if damaged:

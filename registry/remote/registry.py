@@ -234,11 +234,13 @@ class RemoteRegistry(Registry):
         model_factory: str | None = None,
         progress: Progress | None = None,
         layout: str | None = None,
+        strip_prefix: str | None = None,
     ) -> dict[str, Any]:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
         from policies.layouts import check_layout, known_layout
         from policies.loader import parse_policy
+        from policies.resume import check_strip_prefix
         from registry.lifecycle.validation import Attempt, check_world_size, run_checks
         from registry.lifecycle.validation.checks import load_factory
         from registry.lifecycle.validation.restore import resolve_device
@@ -246,6 +248,7 @@ class RemoteRegistry(Registry):
         parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
         check_world_size(world_size)
         check_layout(layout)
+        strip = check_strip_prefix(strip_prefix)
         dev = resolve_device(device)
         if model_factory is not None:
             load_factory(model_factory)
@@ -271,6 +274,7 @@ class RemoteRegistry(Registry):
                 model_factory,
                 progress,
                 check_layout(layout) or known_layout(begun.get("layout")),
+                strip,
             )
         attempt = Attempt.of(outcome, dev, world_size)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
@@ -289,6 +293,7 @@ class RemoteRegistry(Registry):
         progress: Progress | None = None,
         layout: str | None = None,
         allow_unclassified: bool = False,
+        strip_prefix: str | None = None,
     ) -> dict[str, Any]:
         sent = []
         for given in extras or []:
@@ -308,6 +313,7 @@ class RemoteRegistry(Registry):
             "model_factory": model_factory,
             "layout": layout,
             "allow_unclassified": allow_unclassified,
+            "strip_prefix": strip_prefix,
         }
         return dict(self.client.call("POST", "/promote", body=body))
 

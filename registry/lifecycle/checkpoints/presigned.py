@@ -27,7 +27,7 @@ import hashlib
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +45,7 @@ from registry.errors import (
     RegistryError,
     UsageError,
 )
-from registry.formats.dcp import METADATA
+from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import check_metrics, check_request
@@ -202,7 +202,9 @@ def complete(
         faults.point("presigned-assembled")
         scanned = _scan_stored(ctx, prefix, plan)
         world = world_size_of(scanned, plan.world_size, notes)
-        facts = facts_of(scanned.inventory, scanned.files, plan.layout)
+        facts = facts_of(
+            scanned.inventory, scanned.files, _proven_reader(ctx, prefix, plan), plan.layout
+        )
         manifest = build_manifest(
             ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), plan.metrics
         )
@@ -410,15 +412,32 @@ def _complete_multipart(presigner: Presigner, key: str, f: DeclaredFile) -> None
         presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
 
 
+def _proven_reader(ctx: Context, prefix: str, plan: Plan) -> Callable[[str], bytes]:
+    """Reads an uploaded file whole, refused unless it holds the bytes the push declared."""
+    declared = {f.path: f.sha256 for f in plan.files}
+
+    def read(path: str) -> bytes:
+        data = bytes(ctx.store.get_bytes(prefix + path))
+        if hashlib.sha256(data).hexdigest() != declared[path]:
+            raise IntegrityError(
+                f"{plan.ref}: {path} holds other bytes than declared", "push again"
+            )
+        return data
+
+    return read
+
+
 def _scan_stored(ctx: Context, prefix: str, plan: Plan) -> ScannedDir:
     """The inventory of the uploaded checkpoint, from `.metadata` as S3 holds it (hashed here:
     its digest is the server's) and the first bytes of each shard's chunks."""
     sizes = {f.path: f.size for f in plan.files}
     label = f"{plan.ref}"
-    declared = next(f for f in plan.files if f.path == METADATA)
-    metadata = bytes(ctx.store.get_bytes(prefix + METADATA))
-    if hashlib.sha256(metadata).hexdigest() != declared.sha256:
-        raise IntegrityError(f"{label}: .metadata holds other bytes than declared", "push again")
+    metadata = {}
+    for path in metadata_paths(sizes):
+        declared = next(f for f in plan.files if f.path == path)
+        metadata[path] = bytes(ctx.store.get_bytes(prefix + path))
+        if hashlib.sha256(metadata[path]).hexdigest() != declared.sha256:
+            raise IntegrityError(f"{label}: {path} holds other bytes than declared", "push again")
 
     def read_head(path: str, offset: int) -> bytes:
         if offset >= sizes[path]:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
-from registry.formats.dcp import METADATA
 from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
 from registry.layout import checkpoint_prefix, manifest_key
@@ -78,7 +77,7 @@ def push(
         from registry.lifecycle.checkpoints import commit
         from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
-        facts = facts_of(scanned.inventory, scanned.files, layout)
+        facts = facts_of(scanned.inventory, scanned.files, scanned.read, layout)
         resume_record = facts.record(ctx.policy.resume)
         claim, existing = commit.claim_step(ctx, ref)
         resume = fields(facts, ctx.policy.resume)
@@ -255,9 +254,8 @@ class _Uploader:
         self.seconds = time.monotonic() - (self.started or 0.0)
         for r in results:
             path = r.key.removeprefix(self.prefix)
-            if r.size != self.scanned.files[path] or (
-                path == METADATA and r.sha256 != self.scanned.metadata_sha256
-            ):
+            digest = self.scanned.metadata_digests.get(path)
+            if r.size != self.scanned.files[path] or (digest and r.sha256 != digest):
                 raise IntegrityError(
                     f"{self.scanned.root / path} changed while being pushed",
                     "push a checkpoint that is no longer being written",

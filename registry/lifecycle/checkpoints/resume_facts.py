@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -40,7 +40,9 @@ _CACHE_SIZE = 512
 @dataclass(frozen=True)
 class KeyFacts:
     keys: tuple[str, ...]  # every DCP key path, sorted
-    sidecars: tuple[str, ...]  # files beside the shards and .metadata (Lightning's meta.pt)
+    # the files beside the shards and .metadata, and what reg read in them (Lightning's meta.pt:
+    # "meta.pt", "meta.pt:", "meta.pt:global_step", ...; registry/formats/sidecars.py)
+    sidecars: tuple[str, ...]
     layout: str  # as pushed: detected, or forced with --layout
 
     @cached_property
@@ -58,15 +60,28 @@ class KeyFacts:
         )
 
 
-def facts_of(inv: Inventory, files: Iterable[str], layout: str | None = None) -> KeyFacts:
-    """The key paths of a checkpoint's inventory; its sidecars are the files that are neither
-    `.metadata` nor a shard the metadata names."""
-    from registry.formats.dcp import METADATA
+def facts_of(
+    inv: Inventory,
+    files: Mapping[str, int],
+    read: Callable[[str], bytes],
+    layout: str | None = None,
+) -> KeyFacts:
+    """The key paths of a checkpoint's inventory; its sidecars are the files (path -> size)
+    that are neither a `.metadata` nor a shard the metadata names, with what reg reads in them
+    through `read(path)` (bytes the caller vouches for)."""
+    from registry.formats import sidecars
+    from registry.formats.dcp_roots import metadata_paths
 
-    keys = tuple(sorted({*inv.tensors, *inv.byte_items}))
-    sidecars = tuple(sorted(p for p in files if p != METADATA and p not in inv.files))
-    chosen = check_layout(layout) or detect(keys, sidecars).name
-    return KeyFacts(keys, sidecars, chosen)
+    metadata = set(metadata_paths(files))
+    beside = [p for p in files if p not in metadata and p not in inv.files]
+    entries = tuple(sorted(sidecars.entries(beside, dict(files), read)))
+    keys = key_paths(inv)
+    chosen = check_layout(layout) or detect(keys, entries).name
+    return KeyFacts(keys, entries, chosen)
+
+
+def key_paths(inv: Inventory) -> tuple[str, ...]:
+    return tuple(sorted({*inv.tensors, *inv.byte_items}))
 
 
 def verdict(facts: KeyFacts, policy: ResumePolicy, layout: str | None = None) -> ResumeVerdict:
@@ -290,19 +305,23 @@ def from_stored_metadata(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
     from registry.errors import IntegrityError
-    from registry.formats.dcp import METADATA, inventory
-    from registry.formats.dcp_metadata import load_metadata
+    from registry.formats.dcp import inventory
+    from registry.formats.dcp_roots import metadata_paths, stored_metadata
     from registry.layout import checkpoint_prefix
 
-    record = next((f for f in files if f.path == METADATA), None)
+    records = {f.path: f for f in files}
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
-    if record is None:
-        raise IntegrityError(f"{ref}: the catalog lists no {METADATA}", "run `reg verify` on it")
-    data = ctx.store.get_bytes(prefix + METADATA, version=record.version)
-    if hashlib.sha256(data).hexdigest() != record.sha256:
-        raise IntegrityError(
-            f"{prefix}{METADATA} does not match the catalog's sha256",
-            "run `reg verify` on the checkpoint",
-        )
-    inv = inventory(load_metadata(data, light=True))
-    return facts_of(inv, [f.path for f in files])
+    if not metadata_paths(records):
+        raise IntegrityError(f"{ref}: the catalog lists no .metadata", "run `reg verify` on it")
+
+    def proven(path: str) -> bytes:
+        data = ctx.store.get_bytes(prefix + path, version=records[path].version)
+        if hashlib.sha256(data).hexdigest() != records[path].sha256:
+            raise IntegrityError(
+                f"{prefix}{path} does not match the catalog's sha256",
+                "run `reg verify` on the checkpoint",
+            )
+        return bytes(data)
+
+    inv = inventory(stored_metadata(proven, records, light=True))
+    return facts_of(inv, {p: r.size for p, r in records.items()}, proven)

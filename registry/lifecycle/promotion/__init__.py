@@ -55,6 +55,7 @@ def promote(
     progress: Progress | None = None,
     layout: str | None = None,
     allow_unclassified: bool = False,
+    strip_prefix: str | None = None,
 ) -> dict[str, Any]:
     plan = plan_promotion(
         ctx,
@@ -67,6 +68,7 @@ def promote(
         model_factory=model_factory,
         layout=layout,
         allow_unclassified=allow_unclassified,
+        strip_prefix=strip_prefix,
     )
     existing = _existing(ctx, plan)
     if existing is not None:

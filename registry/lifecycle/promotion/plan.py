@@ -62,6 +62,7 @@ class PromotionPlan:
     resume: ResumeVerdict  # decided now, under the policy in force (and --layout)
     layout: str | None = None  # forced with --layout
     allow_unclassified: bool = False  # leave out tensors no class claims (else refused)
+    strip_prefix: str = ""  # stripped from names after the layout's prefix (checked: "p.")
     options: dict[str, Any] = field(init=False)
     options_key: str = field(init=False)
 
@@ -79,6 +80,8 @@ class PromotionPlan:
             options["layout"] = self.layout
         if self.allow_unclassified:
             options["allow_unclassified"] = True
+        if self.strip_prefix:
+            options["strip_prefix"] = self.strip_prefix
         key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "options_key", key)
@@ -96,13 +99,16 @@ def plan_promotion(
     model_factory: str | None,
     layout: str | None = None,
     allow_unclassified: bool = False,
+    strip_prefix: str | None = None,
 ) -> PromotionPlan:
     """Check the request and resolve the source; nothing is written (but the key paths of a
     checkpoint pushed before the catalog kept them, recorded once)."""
+    from policies.resume import check_strip_prefix
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
 
     check_name(model, "model name")
     check_layout(layout)
+    strip = check_strip_prefix(strip_prefix)
     if alias is not None:
         check_alias(alias)
     if dtype is not None and dtype not in DTYPES:
@@ -113,6 +119,8 @@ def plan_promotion(
     _, ckpt, files = resolve(ctx, ref)
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
+    resume = verdict(facts, ctx.policy.resume, layout)
+    resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
     return PromotionPlan(
         source=source,
         checkpoint=ckpt,
@@ -124,9 +132,10 @@ def plan_promotion(
         extras=checked,
         model_factory=model_factory,
         facts=facts,
-        resume=verdict(facts, ctx.policy.resume, layout),
+        resume=resume,
         layout=layout,
         allow_unclassified=allow_unclassified,
+        strip_prefix=strip,
     )
 
 
@@ -198,6 +207,7 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         device=resolve_device(device),
         model_factory=plan.model_factory,
         layout=plan.layout,
+        strip_prefix=plan.strip_prefix,
     )
     if not result["passed"] or not satisfies_device(policy, result["device"]):
         failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
@@ -215,8 +225,10 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
 def _same_names(v: Validation, plan: PromotionPlan) -> bool:
     """A validation whose model or probe check or tied weights named tensors counts only for a
     promotion taking the model from the same path (the names are that path's)."""
+    from policies.resume import names_path
+
     named = any(c.get("name") in ("model", "probe", "tied_weights") for c in v.checks)
-    return not named or v.model_path == plan.resume.model_path
+    return not named or v.model_path == names_path(plan.resume.model_path, plan.strip_prefix)
 
 
 def _cuda_available() -> bool:

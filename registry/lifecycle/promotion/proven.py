@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, RegistryError
-from registry.formats.dcp import METADATA, ChunkRange
+from registry.formats.dcp import ChunkRange
+from registry.formats.dcp_roots import metadata_paths
 from registry.progress import Counter
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ProvenCheckpoint:
         self._starts: dict[str, list[int]] = {}
         self.bytes_hashed = 0
         self._stop = threading.Event()
-        self.metadata = self._whole(METADATA)
+        self.metadata = {p: self._whole(p) for p in metadata_paths(self.records)}
         self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
 
     def __enter__(self) -> ProvenCheckpoint:

@@ -36,7 +36,7 @@ from registry.catalog.models import (
 )
 from registry.errors import Conflict, GateNotMet, IntegrityError
 from registry.formats.dcp import Inventory, inventory
-from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp_roots import merged_metadata
 from registry.formats.documents import (
     FileRecord,
     ReleaseDocument,
@@ -186,7 +186,7 @@ def proved(ctx: Context, plan: PromotionPlan, progress: Progress | None) -> Iter
     with ProvenCheckpoint(
         ctx.store, src, plan.files, label=str(plan.source), workers=ctx.workers
     ) as proven:
-        inv = inventory(load_metadata(proven.metadata, light=True))
+        inv = inventory(merged_metadata(proven.metadata, light=True))
         names = model_names(plan, inv)
         proven.prove((c for fqn in names.values() for c in inv.tensors[fqn].chunks), progress)
         yield Source(proven, inv, names)
@@ -196,10 +196,10 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
     """Release name -> checkpoint FQN, from the proven `.metadata`: its key paths must be the
     ones the catalog recorded (which decided the gates), and the model set must hold model
     tensors and no optimizer state."""
-    from registry.lifecycle.checkpoints.resume_facts import facts_of
+    from registry.lifecycle.checkpoints.resume_facts import key_paths
 
     resume, where = plan.resume, f"{plan.source} ({plan.resume.layout} layout)"
-    if facts_of(inv, [f.path for f in plan.files], plan.facts.layout).sha256 != plan.facts.sha256:
+    if key_paths(inv) != plan.facts.keys:
         raise IntegrityError(
             f"{plan.source}: the key paths in its .metadata differ from the catalog's record",
             "the catalog row was changed: run `reg verify` and `reg audit verify`",
@@ -222,7 +222,7 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
             "place them (reg show suggests a --layout or [resume] setting), or leave them out "
             "of the release with --allow-unclassified",
         )
-    names = resume.model_names(inv.tensors)
+    names = resume.model_names(inv.tensors, plan.strip_prefix)
     if not names:
         shown = f"under {resume.model_path!r}" if resume.model_path else "at the top level"
         raise GateNotMet(
@@ -339,6 +339,7 @@ def commit(
             sha256=digest,
             layout=plan.resume.layout,
             model_path=plan.resume.model_path,
+            strip_prefix=plan.strip_prefix or None,
             forced_layout=plan.layout,
             allow_unclassified=plan.allow_unclassified or None,
         )

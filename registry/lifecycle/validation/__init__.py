@@ -28,8 +28,8 @@ from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import RegistryError, UsageError
-from registry.formats.dcp import METADATA, check_ranges, inventory
-from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp import check_ranges, inventory
+from registry.formats.dcp_roots import stored_metadata
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
@@ -60,19 +60,25 @@ def validate(
     model_factory: str | None = None,
     progress: Progress | None = None,
     layout: str | None = None,
+    strip_prefix: str | None = None,
 ) -> dict[str, Any]:
     from policies.layouts import check_layout, known_layout
-    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
+    from policies.resume import check_strip_prefix
+    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
 
     ctx.authorize("validate", project=ref.project, target=str(ref))
     check_world_size(world_size)
     check_layout(layout)
+    strip = check_strip_prefix(strip_prefix)
     dev = resolve_device(device)
     if model_factory is not None:
         load_factory(model_factory)  # a bad spec is a usage error before any work
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
-    recorded = known_layout(facts_of_checkpoint(ctx, full, ckpt, files, record=True).layout)
+    facts = facts_of_checkpoint(ctx, full, ckpt, files, record=True)
+    recorded = known_layout(facts.layout)
+    if strip:  # every model key has the prefix (else UsageError), before any work
+        verdict(facts, ctx.policy.resume, layout).model_names(facts.keys, strip)
     with hold(ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}"):
         out = run_checks(
             ctx.store,
@@ -86,6 +92,7 @@ def validate(
             model_factory,
             progress,
             layout or recorded,
+            strip,
         )
     # Inside reg server the server itself ran it: as trustworthy as a validator's.
     result = record(ctx, full, ckpt, Attempt.of(out, dev, world_size), attested=ctx.server)
@@ -109,11 +116,13 @@ def run_checks(
     model_factory: str | None,
     progress: Progress | None,
     layout: str | None,
+    strip_prefix: str = "",
 ) -> Outcome:
     """Every check of the module docstring on the stored checkpoint `ref` (its `files` as the
-    catalog lists them) with its model where `layout` puts it (None: where its keys show);
-    no catalog access, so a validator reading through `reg server` runs the same code."""
-    from policies.resume import suggest
+    catalog lists them) with its model where `layout` puts it (None: where its keys show),
+    its names stripped of `strip_prefix` too; no catalog access, so a validator reading
+    through `reg server` runs the same code."""
+    from policies.resume import names_path, suggest
     from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
 
     out = Outcome()
@@ -133,7 +142,9 @@ def run_checks(
     if problems:
         out.add("integrity", False, "; ".join(f"{p.path}: {p.problem}" for p in problems))
     else:
-        metadata = load_metadata(store.get_bytes(prefix + METADATA, version=versions.get(METADATA)))
+        metadata = stored_metadata(
+            lambda p: store.get_bytes(prefix + p, version=versions.get(p)), [f.path for f in files]
+        )
         inv = inventory(metadata)
         try:
             check_ranges(inv, {f.path: f.size for f in files}, str(ref))
@@ -148,8 +159,14 @@ def run_checks(
     if inv is None:
         out.add("resume_state", False, "not decided: the integrity check failed")
         return out
-    facts = facts_of(inv, [f.path for f in files], layout)
+    facts = facts_of(
+        inv,
+        {f.path: f.size for f in files},
+        lambda p: store.get_bytes(prefix + p, version=versions.get(p)),
+        layout,
+    )
     resume = verdict(facts, rules.resume)
+    out.names_path = names_path(resume.model_path, strip_prefix)
     out.resume = {
         **resume.to_json(),
         "suggestions": suggest(facts.keys, facts.sidecars, rules.resume, resume),
@@ -159,14 +176,15 @@ def run_checks(
         if model_factory is not None:
             model = ModelCheck(
                 spec=model_factory,
-                names=resume.model_names(inv.tensors),
+                names=resume.model_names(inv.tensors, strip_prefix),
                 metrics=metrics,
                 probe_rtol=rules.promotion.probe_rtol,
             )
         if world_size == 1:
             restore_here(store, prefix, versions, metadata, inv, device, model, out)
         else:
-            restore_distributed(store, prefix, versions, inv, device, world_size, model, out)
+            paths = [f.path for f in files]
+            restore_distributed(store, prefix, versions, paths, inv, device, world_size, model, out)
     out.add("resume_state", resume.resumable, "; ".join([resume.summary(), *resume.warnings]))
     return out
 
@@ -232,7 +250,7 @@ class Attempt:
             phases=dict(out.phases),
             checks=checks,
             tied=[list(g) for g in out.tied],
-            model_path=out.resume.get("model_path"),
+            model_path=out.names_path,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class Outcome:
     phases: dict[str, float] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
     resume: dict[str, Any] = field(default_factory=dict)  # the resume verdict, as JSON
+    names_path: str | None = None  # the key path the model's names are relative to
 
     def add(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, passed, detail))

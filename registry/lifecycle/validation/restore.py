@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import RegistryError, UsageError
-from registry.formats.dcp import METADATA, Inventory, inventory
-from registry.formats.dcp_metadata import load_metadata
+from registry.formats.dcp import Inventory, inventory
+from registry.formats.dcp_roots import stored_metadata
 from registry.lifecycle.validation.checks import (
     ModelCheck,
     Outcome,
@@ -125,6 +125,7 @@ def restore_distributed(
     store: BaseStore,
     prefix: str,
     versions: dict[str, str],
+    paths: list[str],
     inv: Inventory,
     device: str,
     world_size: int,
@@ -140,7 +141,7 @@ def restore_distributed(
         )
     results: list[dict[str, Any]] | str = "not run"
     for _ in range(START_ATTEMPTS):
-        results = _spawn_ranks(store.url, prefix, versions, device, world_size, model)
+        results = _spawn_ranks(store.url, prefix, versions, paths, device, world_size, model)
         if not (isinstance(results, str) or any(r.get("stage") == "start" for r in results)):
             break  # the ranks came up; whatever they found stands
     if isinstance(results, str):
@@ -171,6 +172,7 @@ def _spawn_ranks(
     store_url: str,
     prefix: str,
     versions: dict[str, str],
+    paths: list[str],
     device: str,
     world_size: int,
     model: ModelCheck | None,
@@ -182,7 +184,17 @@ def _spawn_ranks(
         try:
             mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn unannotated
                 _rank_main,
-                args=(world_size, _free_port(), device, store_url, prefix, versions, tmp, model),
+                args=(
+                    world_size,
+                    _free_port(),
+                    device,
+                    store_url,
+                    prefix,
+                    versions,
+                    paths,
+                    tmp,
+                    model,
+                ),
                 nprocs=world_size,
                 join=True,
             )
@@ -205,6 +217,7 @@ def _rank_main(
     store_url: str,
     prefix: str,
     versions: dict[str, str],
+    paths: list[str],
     tmp: str,
     model: ModelCheck | None,
 ) -> None:
@@ -226,7 +239,9 @@ def _rank_main(
         mesh = init_device_mesh(device, (world,))
         result["stage"] = "load"
         store = open_store(store_url)
-        metadata = load_metadata(store.get_bytes(prefix + METADATA, version=versions.get(METADATA)))
+        metadata = stored_metadata(
+            lambda p: store.get_bytes(prefix + p, version=versions.get(p)), paths
+        )
         inv = inventory(metadata)
         state: dict[str, Any] = {}
         for fqn, t in inv.tensors.items():

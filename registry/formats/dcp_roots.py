@@ -1,0 +1,159 @@
+"""Where a checkpoint's DCP roots are, and one metadata for all of them.
+
+Most checkpoints are one DCP root: `.metadata` at the top. accelerate's sharded FSDP
+`save_state` writes several, one level down (`pytorch_model_fsdp_0/.metadata`,
+`optimizer_0/.metadata`), beside its own files (`scheduler.bin`, `random_states_0.pkl`). The
+registry treats such a directory as one checkpoint: each root's key paths are prefixed with the
+root's name (`pytorch_model_fsdp_0.model.embed.weight`), and its chunks' files with the root's
+directory, so one merged metadata describes every tensor, and inventory, validation and
+consolidation read it as they read any checkpoint. Root names hold no dot, so the prefix is
+unambiguous; two roots can never claim the same key path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from registry.errors import InvalidCheckpoint, RegistryError
+from registry.formats.dcp import METADATA
+
+ROOT_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+MAX_ROOTS = 64
+
+
+def roots_of(paths: Iterable[str]) -> tuple[str, ...]:
+    """("",) when `.metadata` is at the top; else every directory one level down that holds
+    one, sorted (accelerate); () when there is none. Names are not checked here
+    (`check_roots`)."""
+    paths = list(paths)
+    if METADATA in paths:
+        return ("",)
+    return tuple(sorted(p[: -len(METADATA) - 1] for p in paths if _nested_metadata(p)))
+
+
+def _nested_metadata(path: str) -> bool:
+    return path.endswith("/" + METADATA) and path.count("/") == 1
+
+
+def metadata_path(root: str) -> str:
+    return f"{root}/{METADATA}" if root else METADATA
+
+
+def metadata_paths(paths: Iterable[str]) -> tuple[str, ...]:
+    """The `.metadata` files of a checkpoint's roots (see `roots_of`)."""
+    return tuple(metadata_path(r) for r in roots_of(paths))
+
+
+def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
+    """The roots of a checkpoint's file list, or InvalidCheckpoint saying why there are none
+    reg can take."""
+    roots = roots_of(paths)
+    if not roots:
+        raise InvalidCheckpoint(
+            f"{label} has no .metadata: not a complete DCP checkpoint",
+            "DCP writes .metadata last; the save may not have finished",
+        )
+    if len(roots) > MAX_ROOTS:
+        raise InvalidCheckpoint(
+            f"{label} has {len(roots)} DCP roots (directories with a .metadata); refused",
+            f"a checkpoint has at most {MAX_ROOTS}",
+        )
+    for root in roots:
+        if root and not ROOT_NAME.fullmatch(root):
+            raise InvalidCheckpoint(
+                f"{label}: the DCP root {root!r} has a name reg cannot prefix key paths with",
+                "name DCP root directories with letters, digits, _ and - only",
+            )
+    return roots
+
+
+def merged_metadata(parts: Mapping[str, bytes], *, light: bool = False) -> Any:
+    """One metadata for the roots whose `.metadata` bytes are `parts` (path -> bytes): the
+    root's own when there is one at the top, else the roots merged with prefixed key paths and
+    files. `light` as in `load_metadata` (stand-ins, no torch)."""
+    from registry.formats.dcp_metadata import load_metadata
+
+    loaded = {}
+    for path, data in sorted(parts.items()):
+        root = path[: -len(METADATA)].rstrip("/")
+        try:
+            loaded[root] = load_metadata(data, light=light)
+        except RegistryError as exc:
+            if root:
+                exc.message = f"{root}/{exc.message}"
+            raise
+    if list(loaded) == [""]:
+        return loaded[""]
+    if "" in loaded:
+        raise InvalidCheckpoint("a checkpoint's roots are either the top or one level down")
+    return _merge(loaded, light)
+
+
+def stored_metadata(
+    read: Callable[[str], bytes], paths: Iterable[str], *, light: bool = False
+) -> Any:
+    """The merged metadata of a stored checkpoint whose files are `paths`, each root's
+    `.metadata` read through `read(path)` (which proves or pins the bytes it returns)."""
+    return merged_metadata({p: read(p) for p in metadata_paths(paths)}, light=light)
+
+
+@dataclass(frozen=True, slots=True)
+class _Index:  # DCP's MetadataIndex, for light (stand-in) metadata
+    fqn: str
+    offset: Any = None
+    index: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Info:  # DCP's _StorageInfo
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Any = None
+
+
+@dataclass(slots=True)
+class _Metadata:  # DCP's Metadata
+    state_dict_metadata: dict[str, Any] = field(default_factory=dict)
+    storage_data: dict[Any, Any] = field(default_factory=dict)
+    planner_data: Any = None
+
+
+def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
+    from registry.formats.dcp import checked_path, checked_text
+
+    out = _Metadata()
+    index_type: Any = _Index
+    info_type: Any = _Info
+    if not light:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+        index_type, info_type = MetadataIndex, _StorageInfo
+    for root, metadata in loaded.items():
+        where = f"{root}/{METADATA}"
+        try:
+            for fqn, meta in metadata.state_dict_metadata.items():
+                out.state_dict_metadata[f"{root}.{checked_text(fqn, 'an fqn')}"] = meta
+            for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+                fqn = f"{root}.{checked_text(index.fqn, 'an fqn')}"
+                out.storage_data[index_type(fqn, index.offset, index.index)] = info_type(
+                    f"{root}/{checked_path(info.relative_path)}",
+                    info.offset,
+                    info.length,
+                    getattr(info, "transform_descriptors", None),
+                )
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise InvalidCheckpoint(
+                f"{where} does not have DCP's structure ({type(exc).__name__})",
+                "the file is corrupt or crafted",
+            ) from None
+        except RegistryError as exc:
+            exc.message = f"{root}/{exc.message}"
+            raise
+    if light:
+        return out
+    return Metadata(state_dict_metadata=out.state_dict_metadata, storage_data=out.storage_data)

@@ -1,0 +1,149 @@
+"""Read the files trainers write beside their DCP shards, safely, into key paths.
+
+Lightning writes `meta.pt` (global step, epoch, loop progress, LR schedulers); accelerate writes
+`scheduler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`, `sampler.bin`, `scaler.pt`.
+What they hold decides whether a checkpoint can resume, so the registry reads them, never
+trusting them:
+  - `torch.load(weights_only=True)`: torch's restricted unpickler, nothing imported or called
+    beyond tensors and plain containers;
+  - accelerate's RNG files need numpy arrays: exactly the numpy globals they reference are
+    allowed (`NUMPY_GLOBALS`), nothing else;
+  - a file over `MAX_BYTES` is not read.
+
+A read file becomes entries of the checkpoint's sidecar list (pure strings, recorded in the
+catalog with its key paths): `FILE` (present), `FILE:` (read), and `FILE:PATH` for each non-empty
+value down to `DEPTH` levels (`meta.pt:global_step`, `meta.pt:loops.fit_loop`). A file that is
+present but could not be read is `FILE` and `FILE!WHY`. policies/layouts.py says which entries
+are which resume class.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from policies.layouts import READ as READ_MARK
+from policies.layouts import UNREAD as UNREAD_MARK
+
+MAX_BYTES = 64 * 1024 * 1024
+DEPTH = 4
+MAX_ENTRIES = 512  # per file
+
+# The numpy globals accelerate's random_states_N.pkl references (numpy's legacy RNG state).
+NUMPY_GLOBALS = (
+    ("numpy", "ndarray"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),  # the name numpy < 2 pickles
+    ("numpy", "dtype"),
+    ("numpy.dtypes", "UInt32DType"),
+)
+
+# The sidecar files reg reads (file-name patterns) and whether numpy arrays are allowed.
+READ = (
+    (re.compile(r"meta\.pt"), False),  # Lightning
+    (re.compile(r"scheduler(_\d+)?\.bin"), False),  # accelerate
+    (re.compile(r"(sampler|dl_state_dict)(_\d+)?\.bin"), False),
+    (re.compile(r"scaler\.pt"), False),
+    (re.compile(r"custom_checkpoint_\d+\.pkl"), False),  # register_for_checkpointing
+    (re.compile(r"random_states_\d+\.pkl"), True),
+)
+
+
+def readable(path: str) -> bool | None:
+    """None when reg does not read `path`; else whether numpy arrays are allowed in it."""
+    for pattern, numpy in READ:
+        if pattern.fullmatch(path):
+            return numpy
+    return None
+
+
+def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], bytes]) -> list[str]:
+    """The sidecar entries of the files `paths` (beside the shards): each file, and for those
+    reg reads, what they hold (`read(path)` gives the bytes, proven by the caller)."""
+    out: list[str] = []
+    for path in sorted(paths):
+        out.append(path)
+        numpy = readable(path)
+        if numpy is None:
+            continue
+        if sizes.get(path, 0) > MAX_BYTES:
+            out.append(f"{path}{UNREAD_MARK}it is over {MAX_BYTES >> 20} MiB")
+            continue
+        try:
+            value = load(read(path), numpy=numpy)
+        except Unreadable as exc:
+            out.append(f"{path}{UNREAD_MARK}{exc}")
+            continue
+        out.append(f"{path}{READ_MARK}")
+        out.extend(f"{path}{READ_MARK}{p}" for p in content_paths(value))
+    return out
+
+
+class Unreadable(Exception):
+    """Why a sidecar could not be read (one short line)."""
+
+
+def load(data: bytes, *, numpy: bool = False) -> Any:
+    import torch
+
+    allowed: list[Any] = []
+    if numpy:
+        allowed = _numpy_globals()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        if found:
+            raise Unreadable(f"torch.load(weights_only=True) refuses {found.group(1)}") from None
+        raise Unreadable(f"it does not load ({type(exc).__name__})") from None
+
+
+def _numpy_globals() -> list[Any]:
+    """The allowed numpy globals that this numpy has, under the names pickles use."""
+    import importlib
+
+    out: list[Any] = []
+    for module, name in NUMPY_GLOBALS:
+        try:
+            target = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        out.append((target, f"{module}.{name}"))
+    return out
+
+
+def content_paths(value: Any) -> list[str]:
+    """Dotted paths of the non-empty values in `value`, down to DEPTH levels of dicts (keys
+    that are plain text; a list is one value), at most MAX_ENTRIES, sorted."""
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str, depth: int) -> None:
+        if len(out) >= MAX_ENTRIES or depth >= DEPTH or not isinstance(node, dict):
+            return
+        items = [(k, v) for k, v in node.items() if isinstance(k, str) and _plain(k)]
+        for key, child in items[:MAX_ENTRIES]:
+            if _empty(child) or len(out) >= MAX_ENTRIES:
+                continue
+            path = f"{prefix}{key}"
+            out.append(path)
+            walk(child, path + ".", depth + 1)
+
+    walk(value, "", 0)
+    return sorted(out)
+
+
+_KEY = re.compile(r"[A-Za-z0-9_\-+=/ ]{1,100}")
+
+
+def _plain(key: str) -> bool:
+    return bool(_KEY.fullmatch(key))
+
+
+def _empty(value: Any) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, dict | list | tuple | set | str) and not value

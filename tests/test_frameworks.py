@@ -1,0 +1,222 @@
+"""Checkpoints written by the frameworks' own save code (examples/frameworks/), end to end.
+
+Each framework trains a tiny model with FSDP2 on 2 CPU processes (gloo) and saves at step 3
+with its own code: Lightning's ModelParallelStrategy (`trainer.save_checkpoint`), accelerate's
+`save_state` (FSDP2, sharded state dict), torchtitan's CheckpointManager. Each checkpoint is
+pushed, validated and promoted under the shipped resume rules (CPU validation allowed); the
+release must equal the model's own full `state_dict()` (names and bytes, after the documented
+prefix rule), and a run resumed from a `reg pull` copy, the original deleted, must reproduce
+the uninterrupted run's next losses bit for bit.
+
+Needs the `frameworks` extra (`pip install -e '.[test,frameworks]'`, which scripts/setup does);
+each framework's tests are skipped, with the reason, when it is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ROOT
+
+STEPS, SAVE_AT = 6, 3
+
+
+@dataclass(frozen=True)
+class Run:
+    framework: str
+    checkpoint: Path  # the step-3 directory the framework wrote
+    losses: dict[str, str]  # step -> loss (float.hex), uninterrupted
+    model: Path  # the model's full state_dict at step 3 (torch.save)
+
+
+# framework -> (the module it needs, where its step-3 directory is under --out)
+FRAMEWORKS = {
+    "lightning": ("lightning", f"step-{SAVE_AT}"),
+    "accelerate": ("accelerate", f"step-{SAVE_AT}"),
+    "torchtitan": ("torchtitan", f"checkpoint/step-{SAVE_AT}"),
+}
+
+
+def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
+    """Run examples/frameworks/<framework>_train.py on 2 processes; its losses file. gloo on a
+    2-core machine now and then aborts a rank: the run is retried from scratch."""
+    losses = out.with_suffix(".losses.json")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        f"examples.frameworks.{framework}_train",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--losses",
+        str(losses),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    for _attempt in range(3):
+        shutil.rmtree(out, ignore_errors=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0:
+            return dict(json.loads(losses.read_text()))
+        sys.stderr.write(f"{framework} attempt failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{framework} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def trained(framework: str, factory: pytest.TempPathFactory) -> Run:
+    """The framework's uninterrupted run, trained once per session (skipped, with the reason,
+    when the framework is not installed)."""
+    module, where = FRAMEWORKS[framework]
+    pytest.importorskip(module, reason=f"{module} is not installed (the frameworks extra)")
+    if framework not in _RUNS:
+        base = factory.mktemp(framework)
+        model = base / "model.pt"
+        done = torchrun(
+            framework, base / "a", "--save-at", str(SAVE_AT), "--export-model", str(model)
+        )
+        _RUNS[framework] = Run(framework, base / "a" / where, done["losses"], model)
+    return _RUNS[framework]
+
+
+@pytest.fixture(params=sorted(FRAMEWORKS))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return trained(str(request.param), tmp_path_factory)
+
+
+@pytest.fixture
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return trained("lightning", tmp_path_factory)
+
+
+def read_release(directory: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def assert_same_tensors(got: dict[str, Any], want: dict[str, Any]) -> None:
+    import torch
+
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+# The release's names: the model's own state_dict() names under each framework's prefix rule.
+EXPECTED_LAYOUT = {
+    "lightning": ("lightning", "state_dict"),  # LightningModule names: model.embed.weight
+    "accelerate": ("accelerate", "pytorch_model_fsdp_0.model"),
+    "torchtitan": ("torchtitan", ""),
+}
+
+
+def test_push_validate_promote_equals_the_models_state_dict(
+    run: Run, cli: Any, cpu_policy: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    ref = f"fw/{run.framework}@step{SAVE_AT}"
+    pushed = cli(
+        "push-ckpt", run.checkpoint, "--project", "fw", "--run", run.framework,
+        "--step", str(SAVE_AT), "--world-size", "2", "--json",
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    layout, model_path = EXPECTED_LAYOUT[run.framework]
+    assert out["layout"] == layout and out["resumable"] is True, out
+
+    shown = json.loads(cli("show", ref, "--json").stdout)
+    assert shown["model_path"] == model_path
+    assert {"model", "optimizer", "lr_scheduler", "train_state"} <= set(shown["resume_state"])
+
+    validated = cli("validate", ref, "--json")
+    assert validated.returncode == 0, validated.stderr
+    assert json.loads(validated.stdout)["passed"] is True
+
+    promoted = cli("promote", ref, "--model", run.framework, "--json")
+    assert promoted.returncode == 0, promoted.stderr
+    pulled = cli("pull-release", f"{run.framework}:v1", tmp_path / "release")
+    assert pulled.returncode == 0, pulled.stderr
+    want = torch.load(run.model, weights_only=True)
+    assert_same_tensors(read_release(tmp_path / "release"), want)
+
+
+def test_resume_from_a_pulled_copy_reproduces_the_losses(
+    run: Run, cli: Any, tmp_path: Path
+) -> None:
+    original = shutil.copytree(run.checkpoint, tmp_path / "original")
+    pushed = cli(
+        "push-ckpt", original, "--project", "fw", "--run", run.framework,
+        "--step", str(SAVE_AT), "--world-size", "2",
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    shutil.rmtree(original)
+    pulled = tmp_path / "pulled"
+    got = cli("pull", f"fw/{run.framework}@step{SAVE_AT}", pulled)
+    assert got.returncode == 0, got.stderr
+    resumed = torchrun(run.framework, tmp_path / "b", "--resume", str(pulled))["losses"]
+    assert sorted(resumed, key=int) == [str(s) for s in range(SAVE_AT + 1, STEPS + 1)]
+    assert resumed == {s: run.losses[s] for s in resumed}  # bit for bit (float.hex)
+
+
+def test_lightning_strip_prefix_gives_the_networks_own_names(
+    lightning_run: Run, cli: Any, cpu_policy: Path, tmp_path: Path
+) -> None:
+    """`--strip-prefix model.` takes the LightningModule's attribute off; it is part of what
+    makes two promotions the same, and a prefix some model tensor lacks is refused."""
+    import torch
+
+    run = lightning_run
+    ref = f"fw/lightning@step{SAVE_AT}"
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "lightning",
+                 "--step", str(SAVE_AT), "--world-size", "2")  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    wrong = cli("promote", ref, "--model", "net", "--strip-prefix", "module.")
+    assert wrong.returncode == 2
+    assert "state_dict.model.embed.weight does not start with state_dict.module." in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+    first = json.loads(cli("promote", ref, "--model", "net", "--json").stdout)
+    stripped = cli("promote", ref, "--model", "net", "--strip-prefix", "model.", "--json")
+    again = cli("promote", ref, "--model", "net", "--strip-prefix", "model", "--json")
+    assert stripped.returncode == 0, stripped.stderr
+    second, third = json.loads(stripped.stdout), json.loads(again.stdout)
+    assert (first["version"], second["version"]) == (1, 2)
+    assert third["existing"] and third["version"] == 2  # "model" and "model." are one prefix
+
+    assert cli("pull-release", "net:v2", tmp_path / "release").returncode == 0
+    want = torch.load(run.model, weights_only=True)
+    assert_same_tensors(
+        read_release(tmp_path / "release"), {k.removeprefix("model."): v for k, v in want.items()}
+    )
+
+
+def test_accelerate_save_state_without_fsdp_is_refused_by_name(cli: Any, tmp_path: Path) -> None:
+    pytest.importorskip("accelerate", reason="accelerate is not installed (the frameworks extra)")
+    torchrun("accelerate", tmp_path / "ddp", "--save-at", str(SAVE_AT), "--no-fsdp")
+    saved = tmp_path / "ddp" / f"step-{SAVE_AT}"
+    assert (saved / "model.safetensors").is_file() and (saved / "optimizer.bin").is_file()
+    got = cli("push-ckpt", saved, "--project", "fw", "--run", "ddp", "--step", "3")
+    assert got.returncode == 2
+    assert "accelerate save_state without FSDP" in got.stderr
+    assert "SHARDED_STATE_DICT" in got.stderr and "Traceback" not in got.stderr
