@@ -175,7 +175,8 @@ def test_a_checkpoint_without_recorded_keys_gets_them_from_its_proven_metadata(
         assert all(r["resumable"] for r in listed)
         shown = reg.show("a@step2")
         assert shown["layout"] == "lightning" and shown["resume_state"]["train_state"] == [
-            "meta.pt"
+            "meta.pt:global_step",
+            "meta.pt:loops.fit_loop",
         ]
         pulled = reg.pull("b@step2", tmp_path / "b")  # no store read, no write: push-time
         assert pulled["layout"] is None and "reg catalog migrate" in pulled["warnings"][0]

@@ -50,7 +50,10 @@ def metadata_paths(paths: Iterable[str]) -> tuple[str, ...]:
 def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
     """The roots of a checkpoint's file list, or InvalidCheckpoint saying why there are none
     reg can take."""
+    paths = list(paths)
     roots = roots_of(paths)
+    if roots != ("",):
+        _refuse_unfinished_roots(label, paths, roots)
     if not roots:
         raise InvalidCheckpoint(
             f"{label} has no .metadata: not a complete DCP checkpoint",
@@ -68,6 +71,19 @@ def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
                 "name DCP root directories with letters, digits, _ and - only",
             )
     return roots
+
+
+def _refuse_unfinished_roots(label: str, paths: list[str], roots: tuple[str, ...]) -> None:
+    """A directory one level down with DCP shards and no `.metadata` is a root whose save did
+    not finish (accelerate writes the model's, then the optimizer's): not a smaller
+    checkpoint."""
+    for path in paths:
+        parent, _, name = path.rpartition("/")
+        if parent and "/" not in parent and parent not in roots and name.endswith(".distcp"):
+            raise InvalidCheckpoint(
+                f"{label}: {parent}/ holds DCP shards ({name}) but no .metadata",
+                "DCP writes .metadata last; the save may not have finished",
+            )
 
 
 def merged_metadata(parts: Mapping[str, bytes], *, light: bool = False) -> Any:

@@ -96,7 +96,7 @@ def load(data: bytes, *, numpy: bool = False) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         text = str(exc)
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
         if found:
             raise Unreadable(f"torch.load(weights_only=True) refuses {found.group(1)}") from None
         raise Unreadable(f"it does not load ({type(exc).__name__})") from None
