@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from registry.errors import UsageError
 
@@ -89,6 +89,8 @@ class Layout:
     recommended: tuple[str, ...]
     sidecars: tuple[SidecarRule, ...] = ()
     files: str = ""  # the sidecar files this layout reads (a pattern), for "present but unread"
+    # file -> the classes a file recorded before reg read sidecars is assumed to hold
+    legacy: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ LIGHTNING = Layout(
         SidecarRule(r"meta\.pt", "MixedPrecision", "grad_scaler"),
     ),
     files=r"meta\.pt",
+    legacy={"meta.pt": ("train_state", "lr_scheduler", "dataloader")},
 )
 ACCELERATE = Layout(
     "accelerate",

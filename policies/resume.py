@@ -35,7 +35,7 @@ from policies.layouts import (
     place,
 )
 from policies.loader import ResumePolicy
-from registry.errors import UsageError
+from registry.errors import InvalidCheckpoint, UsageError
 
 EXAMPLES = 3  # keys named in a one-line message
 
@@ -79,6 +79,12 @@ class ResumeVerdict:
                         "strip a prefix every model tensor has, or none",
                     )
                 name = name[len(strip_prefix) :]
+            if not name:
+                raise InvalidCheckpoint(
+                    f"the model tensor {fqn!r} has no name once {strip + strip_prefix!r} is "
+                    "stripped",
+                    "a release names every tensor; strip less, or fix the checkpoint's names",
+                )
             out[name] = fqn
         return out
 
@@ -141,7 +147,7 @@ def classify(
             if root is not None:
                 in_model.append(key)
         found.setdefault(cls, set()).add(path)
-    read, unread = sidecar_classes(chosen, sidecars)
+    read, sidecar_warnings = sidecar_classes(chosen, sidecars)
     for cls, labels in read.items():
         found.setdefault(cls, set()).update(labels)
 
@@ -149,10 +155,7 @@ def classify(
     required = list(chosen.required if policy.required is None else policy.required)
     missing = [c for c in required if c not in found]
     warnings = [placed.note] if placed.note else []
-    warnings += [
-        f"{file} is present but unread ({why}): the state it may hold is not counted"
-        for file, why in unread
-    ]
+    warnings += sidecar_warnings
     warnings += [
         f"no {c} state: {CONSEQUENCES[c]}"
         for c in chosen.recommended
@@ -199,28 +202,40 @@ def names_path(model_path: str, strip_prefix: str) -> str:
 
 def sidecar_classes(
     layout: Layout, sidecars: Iterable[str]
-) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
-    """class -> the sidecar entries that provide it, and the files the layout reads that were
-    present but unread (with why). A file listed without any entry of what was read in it was
-    pushed before reg read sidecars."""
+) -> tuple[dict[str, set[str]], list[str]]:
+    """class -> the sidecar entries that provide it, and warnings: files the layout reads that
+    were present but unread (and why), and files recorded before reg read them (listed with
+    no entry either way), which keep the classes the layout assumed for them then."""
     found: dict[str, set[str]] = {}
-    files: dict[str, str | None] = {}  # file -> why unread (None: read)
+    files: dict[str, str | None] = {}  # file -> why unread; "" = recorded unread; None = read
     for entry in sidecars:
         file, path, why = split_entry(entry)
         if not layout.files or not re.fullmatch(layout.files, file):
             continue
-        if path is None:
-            files.setdefault(file, why or "pushed before reg read these files")
-            if why:
-                files[file] = why
-            continue
-        files[file] = None
-        for rule in layout.sidecars:
-            if rule.matches(file, path):
-                label = f"{file}{READ}{rule.path}" if rule.path else file
-                found.setdefault(rule.cls, set()).add(label)
-    unread = [(f, why) for f, why in sorted(files.items()) if why is not None]
-    return found, unread
+        if path is not None:
+            files[file] = None
+            for rule in layout.sidecars:
+                if rule.matches(file, path):
+                    label = f"{file}{READ}{rule.path}" if rule.path else file
+                    found.setdefault(rule.cls, set()).add(label)
+        elif why is not None:
+            files[file] = why
+        else:
+            files.setdefault(file, "")
+    warnings = []
+    for file, why in sorted(files.items()):
+        if why:
+            warnings.append(
+                f"{file} is present but unread ({why}): the state it may hold is not counted"
+            )
+        elif why == "" and (assumed := layout.legacy.get(file)):
+            for cls in assumed:
+                found.setdefault(cls, set()).add(file)
+            warnings.append(
+                f"{file} was recorded before reg read it: it is assumed to hold "
+                f"{', '.join(assumed)}, as it was then"
+            )
+    return found, warnings
 
 
 def split_entry(entry: str) -> tuple[str, str | None, str | None]:

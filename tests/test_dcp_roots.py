@@ -136,3 +136,21 @@ def test_a_corrupt_nested_metadata_is_named(tmp_path: Path) -> None:
     (src / "optimizer_0" / ".metadata").write_bytes(b"\x80\x04garbage")
     with Registry() as reg, pytest.raises(InvalidCheckpoint, match=r"^optimizer_0/\.metadata"):
         reg.push_checkpoint(src, run="acc", step=3)
+
+
+def test_a_crafted_chunk_offset_is_refused_before_it_is_hashed(tmp_path: Path) -> None:
+    """An offset that is a tuple sharing itself 60 levels deep (a 2 KB file) would take for
+    ever to hash as a dict key: merging checks it first."""
+    src = accelerate_like(tmp_path / "src")
+    shared: object = (0,)
+    for _ in range(60):
+        shared = (shared, shared)
+
+    def bomb(metadata: object) -> None:
+        for index in metadata.storage_data:  # type: ignore[attr-defined]
+            object.__setattr__(index, "offset", shared)
+
+    _rewrite_metadata(src / "pytorch_model_fsdp_0" / ".metadata", bomb)
+    assert (src / "pytorch_model_fsdp_0" / ".metadata").stat().st_size < 10_000
+    with Registry() as reg, pytest.raises(InvalidCheckpoint, match="a chunk offset of"):
+        reg.push_checkpoint(src, run="acc", step=3)

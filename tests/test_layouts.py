@@ -247,7 +247,7 @@ def test_a_key_set_row_that_lies_about_its_keys_is_never_linked(catalog_url, lay
     from registry.lifecycle.checkpoints.resume_facts import facts_of
 
     scanned = scan_directory(layouts["torchtitan"].step_dir(2))
-    facts = facts_of(scanned.inventory, scanned.files)
+    facts = facts_of(scanned.inventory, scanned.files, scanned.read)
     with Registry() as reg:
         with reg.catalog.session(write=True) as s:  # as whoever holds the catalog's credentials
             s.add(

@@ -422,3 +422,19 @@ def test_a_forced_layout_travels_in_the_upload_plan(s3_server, layouts, cli) -> 
     # sidecar counts for nothing
     assert out["layout"] == "torchtitan" and out["suggestions"] == ["--layout lightning"]
     assert "meta.pt" not in json.dumps(out["resume_state"])
+
+
+def test_several_dcp_roots_push_through_presigned_urls(s3_server, cli, tmp_path) -> None:
+    """accelerate's layout (DCP roots one level down and its sidecars) uploads straight to S3:
+    the server reads each root's .metadata and the sidecars from what S3 holds."""
+    from tests.test_dcp_roots import accelerate_like
+
+    src = accelerate_like(tmp_path / "src")
+    res = _push(cli, s3_server, src, 6, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["layout"] == "accelerate" and out["resumable"] is True, out
+    assert out["resume_state"]["train_state"] == ["custom_checkpoint_0.pkl"]
+    (src / "optimizer_0" / ".metadata").unlink()
+    refused = _push(cli, s3_server, src, 7)
+    assert refused.returncode == 2 and "optimizer_0/ holds DCP shards" in refused.stderr

@@ -105,10 +105,13 @@ def test_torchtitan_model_only_checkpoint_is_not_resumable():
     assert len(v.model_names(model_only)) == 2
 
 
+META_PT = ["meta.pt", "meta.pt:", "meta.pt:global_step", "meta.pt:lr_schedulers"]  # as read
+
+
 def test_lightning_optimizer_is_found_by_structure_and_meta_pt_carries_the_rest():
-    v = classify(LIGHTNING, ["meta.pt"], POLICY)
+    v = classify(LIGHTNING, META_PT, POLICY)
     assert v.classes["optimizer"] == ["optimizer_0"]
-    assert v.classes["train_state"] == ["meta.pt"] and v.resumable
+    assert v.classes["train_state"] == ["meta.pt:global_step"] and v.resumable
     assert v.model_names(LIGHTNING) == {
         "layer.bias": "state_dict.layer.bias",
         "layer.weight": "state_dict.layer.weight",
@@ -227,7 +230,7 @@ def test_heads_give_way_to_keys_when_entries_lie_deeper():
 def test_lightning_fsdp_and_fabric_keep_the_model_under_model():
     """FSDPStrategy writes {"model", "optimizer_0"} beside meta.pt (ModelParallel: state_dict)."""
     keys = sorted(["model.layer.weight", "optimizer_0.param_groups.0.lr", "optimizer_0.state.x.m"])
-    v = classify(keys, ["meta.pt"], POLICY)
+    v = classify(keys, META_PT, POLICY)
     assert v.layout == "lightning" and v.model_path == "model" and v.resumable
     assert v.model_names(keys) == {"layer.weight": "model.layer.weight"}
 

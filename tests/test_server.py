@@ -971,3 +971,24 @@ def test_layouts_through_the_server(cli, layouts, reg_server):
     assert json.loads(res.stdout)["tensor_count"] == len(layouts["stateful"].full_weights(2))
     bad = cli("push-ckpt", src, *args[:-1], "--layout", "x", env=_as(reg_server, "alice"))
     assert bad.returncode == 2 and "unknown layout 'x'" in _one_line(bad)
+
+
+def test_several_dcp_roots_and_strip_prefix_through_the_server(cli, reg_server, tmp_path):
+    """A streamed push of accelerate's layout, a validator's validation with --strip-prefix
+    (run on the client) and a promotion with it in the server."""
+    from tests.test_dcp_roots import accelerate_like
+
+    src = accelerate_like(tmp_path / "src")
+    args = ("--run", "acc", "--step", "3", "--project", "team-a", "--json")
+    pushed = cli("push-ckpt", src, *args, env=_as(reg_server, "alice"))
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["layout"] == "accelerate"
+    val = cli("validate", "team-a/acc@step3", "--device", "cpu", "--json",
+              env=_as(reg_server, "val"))  # fmt: skip
+    assert val.returncode == 0, val.stderr
+    promote = ("promote", "team-a/acc@step3", "--model", "tiny-a", "--json")
+    bad = cli(*promote, "--strip-prefix", "w", env=_as(reg_server, "rel"))
+    assert bad.returncode == 2 and "does not start with" in _one_line(bad)
+    res = cli(*promote, env=_as(reg_server, "rel"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tensor_count"] == 2

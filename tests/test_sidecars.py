@@ -107,7 +107,7 @@ def test_a_crafted_sidecar_runs_nothing(tmp_path: Path) -> None:
     assert not marker.exists()
     assert any(e.startswith("meta.pt!torch.load(weights_only=True) refuses") for e in entries)
     assert "meta.pt!torch.load(weights_only=True) refuses posix.system" in entries
-    assert any(e.startswith("scheduler.bin!it does not load") for e in entries)
+    assert "scheduler.bin!it is not a torch.save archive" in entries
 
 
 def test_accelerate_rng_files_load_with_exactly_the_numpy_globals() -> None:
@@ -171,12 +171,16 @@ def test_content_paths_are_bounded() -> None:
     assert sidecars.content_paths(odd) == ["ok"]  # a key that would confuse a path is left out
 
 
-def test_a_key_set_recorded_before_sidecars_were_read_says_so() -> None:
+def test_a_key_set_recorded_before_sidecars_were_read_keeps_its_verdict() -> None:
+    """Key sets are never rewritten: a meta.pt recorded before reg read it keeps the classes
+    the layout assumed then, and says so."""
     v = classify(LIGHTNING_KEYS, ["meta.pt"], ResumePolicy())
-    assert v.missing == ["train_state"]
-    assert "meta.pt is present but unread (pushed before reg read these files)" in " ".join(
-        v.warnings
-    )
+    assert v.resumable and v.classes["train_state"] == ["meta.pt"]
+    assert v.classes["lr_scheduler"] == ["meta.pt"] and v.classes["dataloader"] == ["meta.pt"]
+    assert (
+        "meta.pt was recorded before reg read it: it is assumed to hold train_state, "
+        "lr_scheduler, dataloader, as it was then"
+    ) in v.warnings
 
 
 @pytest.mark.parametrize("prefix", ["", "model.", "model"])
@@ -196,3 +200,62 @@ def test_bad_strip_prefixes_are_usage_errors(bad: str) -> None:
 
     with pytest.raises(UsageError, match="--strip-prefix"):
         check_strip_prefix(bad)
+
+
+def test_a_release_name_cannot_be_empty() -> None:
+    from registry.errors import InvalidCheckpoint
+
+    keys = sorted(["model.", "model.w", "optimizer.state.w.m", "optimizer.param_groups.0.lr"])
+    v = classify(keys, [], ResumePolicy(), "dcp")
+    with pytest.raises(InvalidCheckpoint, match="has no name once 'model.' is stripped"):
+        v.model_names(keys)
+    with pytest.raises(InvalidCheckpoint, match="has no name once 'model.w.' is stripped"):
+        classify(["model.w.", "model.w.x"], [], ResumePolicy(), "dcp").model_names(
+            ["model.w.", "model.w.x"], "w."
+        )
+
+
+def test_sidecar_reading_refuses_what_would_be_slow_or_huge() -> None:
+    """torch.load never sees a compressed record (a deflated 3 MB file inflates to gigabytes)
+    or a global named with thousands of characters (torch's refusal message is searched by a
+    quadratic regex); the reason recorded is bounded."""
+    import zipfile
+
+    plain = saved({"global_step": 1, "t": torch.zeros(1024)})
+    packed = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(plain)) as src,
+        zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for record in src.infolist():
+            dst.writestr(record.filename, src.read(record))
+    got = entries_of({"meta.pt": packed.getvalue()})
+    assert got[1].startswith("meta.pt!its record") and got[1].endswith(
+        "is compressed (torch.save never is)"
+    )
+
+    long_name = "m" * 20_000
+    pickle_bytes = b"\x80\x02c" + long_name.encode() + b"\nC\n)\x81."
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle_bytes)
+    got = entries_of({"meta.pt": archive.getvalue()})
+    assert got[1] == "meta.pt!it names a global of 20002 characters"
+    assert all(len(e) < 300 for e in got)
+    assert entries_of({"meta.pt": b"not a zip"})[1] == "meta.pt!it is not a torch.save archive"
+
+
+def test_a_dict_shared_by_many_parents_is_not_walked_whole_each_time() -> None:
+    looked_at = 0
+
+    class Counting(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            nonlocal looked_at
+            for item in super().items():
+                looked_at += 1
+                yield item
+
+    shared = Counting({f"k{i}": None for i in range(200_000)})
+    value = {f"t{j}": shared for j in range(510)}
+    assert sidecars.content_paths(value) == sorted(f"t{j}" for j in range(510))
+    assert looked_at <= 510 * sidecars.MAX_ENTRIES  # 512 keys of it per parent, not 200,000

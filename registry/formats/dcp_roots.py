@@ -117,10 +117,10 @@ def stored_metadata(
 
 
 @dataclass(frozen=True, slots=True)
-class _Index:  # DCP's MetadataIndex, for light (stand-in) metadata
+class _Index:  # DCP's MetadataIndex, for light (stand-in) metadata; compared as DCP's is
     fqn: str
-    offset: Any = None
-    index: int | None = None
+    offset: tuple[int, ...] | None = None
+    index: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,10 @@ class _Metadata:  # DCP's Metadata
 
 
 def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
-    from registry.formats.dcp import checked_path, checked_text
+    """Every field is checked before it is used, and before anything from the file is hashed
+    as a dict key: a crafted offset (a deep or self-sharing tuple) hashes for ever."""
+    from registry.formats.dcp import checked_dims, checked_int, checked_path, checked_text
+    from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
     out = _Metadata()
     index_type: Any = _Index
@@ -156,13 +159,19 @@ def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
                 out.state_dict_metadata[f"{root}.{checked_text(fqn, 'an fqn')}"] = meta
             for index, info in (getattr(metadata, "storage_data", None) or {}).items():
                 fqn = f"{root}.{checked_text(index.fqn, 'an fqn')}"
-                out.storage_data[index_type(fqn, index.offset, index.index)] = info_type(
+                offset, position = index.offset, index.index
+                if light:  # torch's objects were built from checked fields (dcp_torch.py)
+                    if offset is not None:
+                        offset = checked_dims(offset, f"a chunk offset of {fqn}")
+                    if position is not None:
+                        position = checked_int(position, f"the chunk index of {fqn}")
+                out.storage_data[index_type(fqn, offset, position)] = info_type(
                     f"{root}/{checked_path(info.relative_path)}",
-                    info.offset,
-                    info.length,
+                    checked_int(info.offset, f"the storage offset of {fqn}"),
+                    checked_int(info.length, f"the storage length of {fqn}"),
                     getattr(info, "transform_descriptors", None),
                 )
-        except (AttributeError, TypeError, ValueError) as exc:
+        except STRUCTURE_ERRORS as exc:
             raise InvalidCheckpoint(
                 f"{where} does not have DCP's structure ({type(exc).__name__})",
                 "the file is corrupt or crafted",

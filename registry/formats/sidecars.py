@@ -8,6 +8,10 @@ trusting them:
     beyond tensors and plain containers;
   - accelerate's RNG files need numpy arrays: exactly the numpy globals they reference are
     allowed (`NUMPY_GLOBALS`), nothing else;
+  - before torch sees it, the file must be a torch.save archive whose records are stored, not
+    compressed (a 3 MB deflated record inflates to gigabytes), and its pickle no larger than
+    `MAX_PICKLE` and naming no global longer than `MAX_GLOBAL` characters (torch's refusal
+    message is searched by a regex that is quadratic in the name);
   - a file over `MAX_BYTES` is not read.
 
 A read file becomes entries of the checkpoint's sidecar list (pure strings, recorded in the
@@ -20,7 +24,10 @@ are which resume class.
 from __future__ import annotations
 
 import io
+import itertools
+import pickletools
 import re
+import zipfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +35,10 @@ from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
 
 MAX_BYTES = 64 * 1024 * 1024
+MAX_PICKLE = 8 * 1024 * 1024
+MAX_GLOBAL = 200
+MAX_RECORDS = 100_000
+MAX_WHY = 200
 DEPTH = 4
 MAX_ENTRIES = 512  # per file
 
@@ -74,7 +85,7 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
         try:
             value = load(read(path), numpy=numpy)
         except Unreadable as exc:
-            out.append(f"{path}{UNREAD_MARK}{exc}")
+            out.append(f"{path}{UNREAD_MARK}{str(exc)[:MAX_WHY]}")
             continue
         out.append(f"{path}{READ_MARK}")
         out.extend(f"{path}{READ_MARK}{p}" for p in content_paths(value))
@@ -88,6 +99,7 @@ class Unreadable(Exception):
 def load(data: bytes, *, numpy: bool = False) -> Any:
     import torch
 
+    precheck(data)
     allowed: list[Any] = []
     if numpy:
         allowed = _numpy_globals()
@@ -100,6 +112,45 @@ def load(data: bytes, *, numpy: bool = False) -> Any:
         if found:
             raise Unreadable(f"torch.load(weights_only=True) refuses {found.group(1)}") from None
         raise Unreadable(f"it does not load ({type(exc).__name__})") from None
+
+
+def precheck(data: bytes) -> None:
+    """What torch.load is given: a zip of stored records, pickles of a bounded size naming
+    globals of a bounded length (Unreadable otherwise)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise Unreadable("it is not a torch.save archive") from None
+    if len(records) > MAX_RECORDS:
+        raise Unreadable(f"it holds {len(records)} records")
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED:
+            raise Unreadable(
+                f"its record {record.filename[:80]} is compressed (torch.save never is)"
+            )
+        if record.filename.rsplit("/", 1)[-1] != "data.pkl":
+            continue
+        if record.file_size > MAX_PICKLE:
+            raise Unreadable(f"its pickle is over {MAX_PICKLE >> 20} MiB")
+        try:
+            _check_globals(archive.read(record))
+        except Unreadable:
+            raise
+        except Exception:
+            raise Unreadable("its pickle does not parse") from None
+
+
+def _check_globals(data: bytes) -> None:
+    """Every global the pickle names (GLOBAL's argument, STACK_GLOBAL's two strings) is short."""
+    recent: list[str] = []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL" and len(str(arg)) > MAX_GLOBAL:
+            raise Unreadable(f"it names a global of {len(str(arg))} characters")
+        if op.name == "STACK_GLOBAL" and any(len(s) > MAX_GLOBAL for s in recent[-2:]):
+            raise Unreadable(f"it names a global of over {MAX_GLOBAL} characters")
+        if isinstance(arg, str):
+            recent = [*recent[-1:], arg]
 
 
 def _numpy_globals() -> list[Any]:
@@ -118,16 +169,19 @@ def _numpy_globals() -> list[Any]:
 
 def content_paths(value: Any) -> list[str]:
     """Dotted paths of the non-empty values in `value`, down to DEPTH levels of dicts (keys
-    that are plain text; a list is one value), at most MAX_ENTRIES, sorted."""
+    that are plain text, among each dict's first MAX_ENTRIES; a list is one value), at most
+    MAX_ENTRIES, sorted."""
     out: list[str] = []
 
     def walk(node: Any, prefix: str, depth: int) -> None:
         if len(out) >= MAX_ENTRIES or depth >= DEPTH or not isinstance(node, dict):
             return
-        items = [(k, v) for k, v in node.items() if isinstance(k, str) and _plain(k)]
-        for key, child in items[:MAX_ENTRIES]:
-            if _empty(child) or len(out) >= MAX_ENTRIES:
+        # a bounded look at each dict: one shared by many parents is not scanned whole each time
+        for key, child in itertools.islice(node.items(), MAX_ENTRIES):
+            if not (isinstance(key, str) and _plain(key)) or _empty(child):
                 continue
+            if len(out) >= MAX_ENTRIES:
+                return
             path = f"{prefix}{key}"
             out.append(path)
             walk(child, path + ".", depth + 1)

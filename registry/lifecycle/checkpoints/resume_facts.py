@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from registry.formats.dcp import Inventory
     from registry.formats.documents import FileRecord, ResumeRecord
     from registry.refs import CheckpointRef
+    from registry.storage.base import BaseStore
 
 _LOCK = threading.Lock()
 _CACHE: dict[tuple[str, str, str], ResumeVerdict] = {}
@@ -301,6 +302,28 @@ def record_facts(ctx: Context, checkpoint_id: int, facts: KeyFacts) -> bool:
         return False
 
 
+def proven_reader(
+    store: BaseStore, prefix: str, files: Sequence[FileRecord]
+) -> Callable[[str], bytes]:
+    """Reads a stored file of a checkpoint whole (at its recorded version), refused unless it
+    holds the bytes the catalog recorded."""
+    from registry.errors import IntegrityError
+
+    records = {f.path: f for f in files}
+
+    def read(path: str) -> bytes:
+        record = records[path]
+        data = bytes(store.get_bytes(prefix + path, version=record.version))
+        if len(data) != record.size or hashlib.sha256(data).hexdigest() != record.sha256:
+            raise IntegrityError(
+                f"{prefix}{path} does not match the catalog's sha256",
+                "run `reg verify` on the checkpoint",
+            )
+        return data
+
+    return read
+
+
 def from_stored_metadata(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
@@ -313,15 +336,6 @@ def from_stored_metadata(
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
     if not metadata_paths(records):
         raise IntegrityError(f"{ref}: the catalog lists no .metadata", "run `reg verify` on it")
-
-    def proven(path: str) -> bytes:
-        data = ctx.store.get_bytes(prefix + path, version=records[path].version)
-        if hashlib.sha256(data).hexdigest() != records[path].sha256:
-            raise IntegrityError(
-                f"{prefix}{path} does not match the catalog's sha256",
-                "run `reg verify` on the checkpoint",
-            )
-        return bytes(data)
-
+    proven = proven_reader(ctx.store, prefix, files)
     inv = inventory(stored_metadata(proven, records, light=True))
     return facts_of(inv, {p: r.size for p, r in records.items()}, proven)

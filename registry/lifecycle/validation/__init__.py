@@ -123,7 +123,7 @@ def run_checks(
     its names stripped of `strip_prefix` too; no catalog access, so a validator reading
     through `reg server` runs the same code."""
     from policies.resume import names_path, suggest
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, proven_reader, verdict
 
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
@@ -138,13 +138,12 @@ def run_checks(
         recorded_versions=True,
     )
     versions = {f.path: f.version for f in files if f.version}
+    proven = proven_reader(store, prefix, files)  # .metadata and sidecars: read again, proven
     metadata = inv = None
     if problems:
         out.add("integrity", False, "; ".join(f"{p.path}: {p.problem}" for p in problems))
     else:
-        metadata = stored_metadata(
-            lambda p: store.get_bytes(prefix + p, version=versions.get(p)), [f.path for f in files]
-        )
+        metadata = stored_metadata(proven, [f.path for f in files])
         inv = inventory(metadata)
         try:
             check_ranges(inv, {f.path: f.size for f in files}, str(ref))
@@ -159,12 +158,7 @@ def run_checks(
     if inv is None:
         out.add("resume_state", False, "not decided: the integrity check failed")
         return out
-    facts = facts_of(
-        inv,
-        {f.path: f.size for f in files},
-        lambda p: store.get_bytes(prefix + p, version=versions.get(p)),
-        layout,
-    )
+    facts = facts_of(inv, {f.path: f.size for f in files}, proven, layout)
     resume = verdict(facts, rules.resume)
     out.names_path = names_path(resume.model_path, strip_prefix)
     out.resume = {
