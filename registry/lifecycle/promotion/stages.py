@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func
+from sqlalchemy import func, text
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import col, select
 
@@ -89,6 +89,12 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
                 except DBIntegrityError:
                     pass  # a concurrent promotion created it
                 continue
+            if not ctx.catalog.is_sqlite:
+                # Promotions of one model take turns from here to commit, so a twin's pending
+                # row is seen before a version is allocated (READ COMMITTED would let two both
+                # see none). SQLite's write transactions already take turns (BEGIN IMMEDIATE).
+                lock = text("SELECT pg_advisory_xact_lock(7312, :model)")
+                s.connection().execute(lock, {"model": model.id})
             same = s.exec(
                 select(Release).where(
                     Release.model_id == model.id,
