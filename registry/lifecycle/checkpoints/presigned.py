@@ -432,12 +432,8 @@ def _scan_stored(ctx: Context, prefix: str, plan: Plan) -> ScannedDir:
     its digest is the server's) and the first bytes of each shard's chunks."""
     sizes = {f.path: f.size for f in plan.files}
     label = f"{plan.ref}"
-    metadata = {}
-    for path in metadata_paths(sizes):
-        declared = next(f for f in plan.files if f.path == path)
-        metadata[path] = bytes(ctx.store.get_bytes(prefix + path))
-        if hashlib.sha256(metadata[path]).hexdigest() != declared.sha256:
-            raise IntegrityError(f"{label}: {path} holds other bytes than declared", "push again")
+    read = _proven_reader(ctx, prefix, plan)
+    metadata = {path: read(path) for path in metadata_paths(sizes)}
 
     def read_head(path: str, offset: int) -> bytes:
         if offset >= sizes[path]:
