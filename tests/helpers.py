@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +61,28 @@ def train(
     extra: tuple[str, ...] = (),
     env_extra: dict[str, str] | None = None,
 ) -> Trained:
+    args = ["--out", str(out), "--steps", str(steps), "--every", str(every), "--full-weights"]
+    torchrun("examples.train_tiny", nproc, [*args, *extra], clean=out, env_extra=env_extra)
+    saved = sorted({s for s in range(1, steps + 1) if s % every == 0 or s == steps})
+    return Trained(out, nproc, saved)
+
+
+def torchrun(
+    module: str,
+    nproc: int,
+    args: list[str],
+    *,
+    clean: Path | None = None,
+    env_extra: dict[str, str] | None = None,
+    attempts: int = 3,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m <module>` on nproc gloo processes under torchrun, retried from scratch.
+
+    gloo on a 2-core machine now and then aborts a rank during start-up, or (seen in CI) hangs
+    a collective forever: each attempt has its own time limit, after which the whole process
+    group (torchrun and its workers) is killed, and the next attempt starts on a clean `clean`
+    directory. A persistent failure raises with the last attempt's stderr."""
     cmd = [
         sys.executable,
         "-m",
@@ -67,29 +90,35 @@ def train(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "examples.train_tiny",
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--every",
-        str(every),
-        "--full-weights",
-        *extra,
+        module,
+        *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
-    # gloo on a 2-core machine now and then aborts a rank during start-up (SIGABRT before the
-    # first step); the run is retried from scratch, and a persistent failure fails the tests.
-    for _attempt in range(3):
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            break
-        sys.stderr.write(f"torchrun attempt failed ({proc.returncode}):\n{proc.stderr[-2000:]}\n")
-    else:
-        raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    saved = sorted({s for s in range(1, steps + 1) if s % every == 0 or s == steps})
-    return Trained(out, nproc, saved)
+    why = ""
+    for attempt in range(1, attempts + 1):
+        if clean is not None:
+            shutil.rmtree(clean, ignore_errors=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
+        else:
+            if proc.returncode == 0:
+                return subprocess.CompletedProcess(cmd, 0, out, err)
+            why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
+        sys.stderr.write(f"{module}: {why}\n")
+    raise RuntimeError(f"{module} on {nproc} ranks: {why}")
 
 
 def pg_available() -> bool:

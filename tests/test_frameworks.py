@@ -15,17 +15,14 @@ each framework's tests are skipped, with the reason, when it is not installed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT
+from tests import helpers
 
 STEPS, SAVE_AT = 6, 3
 
@@ -50,30 +47,15 @@ def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
     """Run examples/frameworks/<framework>_train.py on 2 processes; its losses file. gloo on a
     2-core machine now and then aborts a rank: the run is retried from scratch."""
     losses = out.with_suffix(".losses.json")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
+    args = ["--out", str(out), "--steps", str(STEPS), "--losses", str(losses), *args]
+    helpers.torchrun(
         f"examples.frameworks.{framework}_train",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--losses",
-        str(losses),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    for _attempt in range(3):
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return dict(json.loads(losses.read_text()))
-        sys.stderr.write(f"{framework} attempt failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    raise RuntimeError(f"{framework} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        2,
+        args,
+        clean=out,
+        env_extra={"PYTHONWARNINGS": "ignore"},
+    )
+    return dict(json.loads(losses.read_text()))
 
 
 _RUNS: dict[str, Run] = {}

@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 
 from registry import Registry
-from tests.conftest import ROOT
+from tests.helpers import torchrun
 
 
 def _torchrun(nproc: int, report, run: str = "mgr") -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "examples.train_with_manager",
-        "--run-name",
-        run,
-        "--steps",
-        "2",
-        "--report",
-        str(report),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--run-name", run, "--steps", "2", "--report", str(report)]
+    torchrun("examples.train_with_manager", nproc, args)
 
 
 def test_save_and_resume_across_world_sizes(tmp_path):
