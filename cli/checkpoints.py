@@ -54,9 +54,17 @@ def push_ckpt(
     ),
     metric: list[str] = typer.Option([], "--metric", help="NAME=VALUE recorded with it."),
     layout: str | None = LAYOUT_OPTION,
+    claim: str | None = typer.Option(
+        None,
+        "--claim",
+        help="Push this node's part of a step claimed by `reg claim-ckpt` (no commit).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
+    if claim is not None:
+        _push_part(directory, claim, run, step, project, json_output)
+        return
     notes: list[str] = []
     with open_registry() as reg:
         out = reg.push_checkpoint(
@@ -92,6 +100,30 @@ def push_ckpt(
             f"{out['world_size']}, {out.get('layout')} layout, resumable: "
             f"{_yes(out['resumable'], out['missing_state'])}"
         )
+
+
+def _push_part(
+    directory: Path, claim: str, run: str, step: int, project: str, json_output: bool
+) -> None:
+    with open_registry() as reg:
+        out = reg.push_checkpoint_part(
+            directory,
+            claim=claim,
+            run=run,
+            step=step,
+            project=project,
+            progress=progress_for(json_output),
+        )
+    if json_output:
+        emit_json(out)
+        return
+    from registry.timeutil import human_bytes
+
+    print(
+        f"pushed {len(out['files'])} files ({human_bytes(out['bytes'])}) of {out['ref']} "
+        f"in {out['upload_seconds']:.1f}s; commit with `reg commit-ckpt --claim` once every "
+        "node has pushed"
+    )
 
 
 def ls(

@@ -16,6 +16,7 @@ import typer
 
 from cli import admin as admin_commands
 from cli import checkpoints as checkpoint_commands
+from cli import claims as claim_commands
 from cli import mirror as mirror_commands
 from cli import policy as policy_commands
 from cli import releases as release_commands
@@ -30,6 +31,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 checkpoint_commands.register(app)
+claim_commands.register(app)
 release_commands.register(app)
 admin_commands.register(app)
 policy_commands.register(app)

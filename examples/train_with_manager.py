@@ -1,7 +1,13 @@
 """TinyLM under torchrun with the registry's CheckpointManager: resume if the run has a
-checkpoint, train, save through the registry.
+checkpoint, train, save through the registry from every rank.
 
     torchrun --standalone --nproc-per-node 2 -m examples.train_with_manager --run-name r --steps 3
+
+Each rank draws its batches from its own generator (seeded by rank), so an exact resume needs
+that generator's state and the rank's position in its data: both are saved per rank
+(`per_rank=`), and restored where the world size allows. `--kill-after K` SIGKILLs every rank
+once step K's save is committed (a crash with nothing left to flush); `--losses FILE` (rank 0)
+records each step's loss, averaged over ranks.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
+import signal
 from pathlib import Path
 
 import torch
@@ -29,49 +35,87 @@ from registry.training import CheckpointManager
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-name", required=True)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps to train in this job")
+    parser.add_argument("--until", type=int, help="train until this step (instead of --steps)")
+    parser.add_argument("--every", type=int, default=1, help="save every N steps")
+    parser.add_argument("--async", dest="async_", action="store_true", help="async saves")
+    parser.add_argument("--kill-after", type=int, help="SIGKILL every rank after this save")
+    parser.add_argument("--losses", type=Path, help="rank 0 appends each step's loss here")
     parser.add_argument("--report", type=Path, help="rank 0 writes what it did here (JSON)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_state = {"step": 0}
-    manager = CheckpointManager(args.run_name, staging=Path(tempfile.gettempdir()) / "reg-staging")
+    manager = CheckpointManager(args.run_name)
 
+    data = torch.Generator().manual_seed(1000 + rank)
+    per_rank = {"rng": data.get_state(), "dataloader": {"position": 0}}
     model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optimizer": optim_sd, "train_state": train_state}
-    resumed = manager.restore(state)
+    state = {"model": model_sd, "optimizer": optim_sd, "train_state": {"step": 0}}
+    resumed = manager.restore(state, per_rank=per_rank)
     if resumed is not None:
         set_state_dict(
             model, optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-    start = state["train_state"]["step"]
-    for step in range(start + 1, start + args.steps + 1):
-        inputs, targets = batch(seed=step)
-        loss_on(model.train(), inputs, targets).backward()
+        data.set_state(per_rank["rng"])
+    position = int(per_rank["dataloader"]["position"])
+    start = int(state["train_state"]["step"])
+    last = args.until if args.until is not None else start + args.steps
+    losses: dict[int, float] = {}
+    for step in range(start + 1, last + 1):
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=data))
+        position += 1
+        inputs, targets = batch(seed=seed)
+        loss = loss_on(model.train(), inputs, targets)
+        loss.backward()
         optim.step()
         optim.zero_grad()
-        model_sd, optim_sd = get_state_dict(model, optim)
-        manager.save(
-            {"model": model_sd, "optimizer": optim_sd, "train_state": {"step": step}},
-            step,
-            metrics={"step": float(step)},
-        )
+        if step == start + 1 and resumed is not None:
+            manager.first_step_done()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses[step] = float(mean) / dist.get_world_size()
+        if step % args.every == 0 or step == last:
+            model_sd, optim_sd = get_state_dict(model, optim)
+            manager.save(
+                {"model": model_sd, "optimizer": optim_sd, "train_state": {"step": step}},
+                step,
+                metrics={"loss": losses[step]},
+                async_=args.async_,
+                per_rank={"rng": data.get_state(), "dataloader": {"position": position}},
+            )
+        if step == args.kill_after:
+            manager.wait()
+            _record(args, rank, losses)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+    manager.close()
+    _record(args, rank, losses)
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if dist.get_rank() == 0 and args.report:
+    if rank == 0 and args.report:
         torch.save(full, args.report.with_suffix(".pt"))
         args.report.write_text(
-            json.dumps({"resumed": resumed, "start": start, "last": start + args.steps})
+            json.dumps(
+                {"resumed": resumed, "start": start, "last": last, "notes": manager.resume_notes}
+            )
         )
-    manager.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _record(args: argparse.Namespace, rank: int, losses: dict[int, float]) -> None:
+    if rank != 0 or args.losses is None:
+        return
+    before = json.loads(args.losses.read_text()) if args.losses.exists() else {}
+    before.update({str(k): v for k, v in losses.items()})
+    args.losses.write_text(json.dumps(before))
 
 
 if __name__ == "__main__":

@@ -167,6 +167,45 @@ class Registry:
             layout=layout,
         ).to_json()
 
+    def claim_checkpoint(
+        self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
+    ) -> dict[str, Any]:
+        """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
+        from registry.lifecycle.checkpoints import claimed
+
+        return claimed.claim(self.context, CheckpointRef(project, run, step), lease_s)
+
+    def push_checkpoint_part(
+        self,
+        src: str | Path,
+        *,
+        claim: str,
+        run: str,
+        step: int,
+        project: str = "default",
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Copy one node's files of a claimed step (`claim` is its token)."""
+        from registry.lifecycle.checkpoints import claimed
+
+        ref = CheckpointRef(project, run, step)
+        return claimed.push_part(self.context, Path(src), claim, ref, progress=progress)
+
+    def commit_claimed(
+        self,
+        claim: str,
+        *,
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        layout: str | None = None,
+    ) -> dict[str, Any]:
+        """Commit a claimed step once every file its .metadata names was pushed."""
+        from registry.lifecycle.checkpoints import claimed
+
+        return claimed.commit(
+            self.context, claim, world_size=world_size, metrics=metrics, layout=layout
+        )
+
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
     ) -> list[dict[str, Any]]:

@@ -7,7 +7,11 @@ dies by SIGKILL (no cleanup, no flush, like a power cut) when it reaches point N
     promote-consolidated safetensors written, release.json not yet
     promote-documented   release.json written, the row not yet active
 
-Unset (always, outside tests) a point costs one comparison.
+    save-written         a training-loop save: every rank's files and .metadata written,
+                         the row not yet committed (the coordinator, in DCP's finish)
+
+`REG_FAULT=NAME:fail` raises a RegistryError at point NAME instead (a failure the caller must
+surface, not a crash). Unset (always, outside tests) a point costs one comparison.
 """
 
 from __future__ import annotations
@@ -19,5 +23,12 @@ _ARMED = os.environ.get("REG_FAULT")
 
 
 def point(name: str) -> None:
-    if name == _ARMED:
+    armed = _ARMED
+    if armed is None or not armed.startswith(name):
+        return
+    if armed == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    if armed == f"{name}:fail":
+        from registry.errors import RegistryError
+
+        raise RegistryError(f"injected failure at {name} (REG_FAULT)")

@@ -87,6 +87,9 @@ class Checkpoint(ClaimColumns, table=True):
     # The client whose word the file digests are (a presigned push); None: the registry hashed
     # every byte itself (a push it copied, or its re-hash since).
     digests_reported_by: str | None = Field(default=None, max_length=128)
+    # How a save from the training loop went (registry.training): stall and persist seconds,
+    # bytes, each rank's writes. None for a checkpoint pushed from a directory (migration 0011).
+    save_costs: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
     @classmethod
     def pending_clause(cls) -> Any:
@@ -139,6 +142,19 @@ class CheckpointFile(SQLModel, table=True):
 
     def record(self) -> FileRecord:
         return FileRecord(self.path, self.size, self.sha256, self.rank, self.version)
+
+
+class CheckpointRestore(SQLModel, table=True):
+    """One restore of a checkpoint by the training loop, with its phases in seconds (added,
+    never changed; migration 0011)."""
+
+    __tablename__ = "checkpoint_restore"
+    id: int | None = Field(default=None, primary_key=True)
+    checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
+    created_at: float
+    actor: str = Field(max_length=256)
+    world_size: int
+    phases: dict[str, float] = _json()
 
 
 class KeySet(SQLModel, table=True):

@@ -29,7 +29,16 @@ _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 MAX_METADATA_BYTES = 512 * 1024 * 1024
 MAX_PATH = 1024  # the catalog's column for a file path
 UPLOAD_PLAN = ".reg-upload.json"  # a presigned push's plan, beside its files (reg server)
+# One writer's record of the files it put under a shared claim (`reg push-ckpt --claim`).
+CLAIM_RECORD_PREFIX = ".reg-claim-"
 RESERVED_NAMES = (MANIFEST, RELEASE_DOCUMENT, UPLOAD_PLAN)
+
+
+def is_reserved(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name in RESERVED_NAMES or name.startswith(CLAIM_RECORD_PREFIX)
+
+
 ReadHead = Callable[[str, int], bytes]  # (path, offset) -> the 9 bytes there
 
 
@@ -139,12 +148,38 @@ def scan_directory(root: Path) -> ScannedDir:
     return scanned
 
 
+def scan_part(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int, int]]]:
+    """The files of one writer's part of a checkpoint (`reg push-ckpt DIR --claim`): regular
+    files with plain names, none reserved; `.metadata` only where the coordinator ran."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{root} does not exist", "give the directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidCheckpoint(f"{root} is not a directory", "give the directory")
+    files, identity = _walk(root)
+    if not files:
+        raise InvalidCheckpoint(f"{root} holds no files", "give the directory this node wrote")
+    reserved = sorted(p for p in files if is_reserved(p))
+    if reserved:
+        raise InvalidCheckpoint(
+            f"{root} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
+        )
+    for path in metadata_paths(files):
+        if files[path] > MAX_METADATA_BYTES:
+            raise InvalidCheckpoint(
+                f"{root}/{path} is {files[path]} bytes; refused", "not a DCP metadata file"
+            )
+    return files, identity
+
+
 def check_file_set(label: str, files: dict[str, int]) -> None:
     """The file list of a checkpoint: its roots' .metadata there and of a sane size, no name
     the registry reserves. (The walk checked each name; a list from elsewhere goes through
     `check_path`.)"""
     check_roots(label, files)
-    reserved = sorted(p for p in files if p.rsplit("/", 1)[-1] in RESERVED_NAMES)
+    reserved = sorted(p for p in files if is_reserved(p))
     if reserved:
         raise InvalidCheckpoint(
             f"{label} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
@@ -169,11 +204,16 @@ def check_path(label: str, rel: str) -> None:
 
 
 def scan_contents(
-    root: Path, files: dict[str, int], metadata_bytes: dict[str, bytes], read_head: ReadHead
+    root: Path,
+    files: dict[str, int],
+    metadata_bytes: dict[str, bytes],
+    read_head: ReadHead | None,
 ) -> ScannedDir:
     """Inventory a checkpoint from its roots' `.metadata` bytes (path -> bytes) and file sizes,
-    reading only the first bytes of each chunk through `read_head(path, offset)`: the same
-    checks wherever the files are (a local directory, or objects a client uploaded)."""
+    reading only the first bytes of each file's first chunk through `read_head(path, offset)`:
+    the same checks wherever the files are (a local directory, or objects a client uploaded).
+    `read_head=None`: reg's own StoreWriter wrote the shards (torch.save, no transforms), so
+    their serialization is known and no shard is read."""
     metadata = merged_metadata(metadata_bytes, light=True)
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
@@ -237,7 +277,7 @@ def _refuse_other_save_state(root: Path) -> None:
     )
 
 
-def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead) -> None:
+def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead | None) -> None:
     """Refuse what torch writes but reg cannot read back: storage transforms (compression via
     `_extensions`), and shards saved with `serialization_format=SAFETENSORS`, which torch 2.13
     cannot load either. Each chunk reg reads is a `torch.save` archive (a zip file)."""
@@ -247,6 +287,8 @@ def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead) -> Non
             "), which reg does not read",
             "save without _extensions (compress the bucket or filesystem instead)",
         )
+    if read_head is None:
+        return
     firsts: dict[str, int] = {}
     for info in inv.tensors.values():
         for chunk in info.chunks:

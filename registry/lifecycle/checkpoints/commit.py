@@ -127,6 +127,7 @@ def commit(
     reused: int,
     *,
     digests_reported_by: str | None = None,
+    save_costs: dict[str, Any] | None = None,
 ) -> PushResult:
     """Make the step visible: committed in one transaction with its files, the audit record and
     the MLflow event, only while the claim is still ours."""
@@ -140,6 +141,7 @@ def commit(
             committed_at=now(),
             upload_seconds=round(upload_seconds, 3),
             digests_reported_by=digests_reported_by,
+            save_costs=save_costs,
             claim_token=None,
             lease_until=None,
         )

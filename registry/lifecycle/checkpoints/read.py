@@ -34,6 +34,7 @@ def resolve(
 
 
 def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
+    from registry.lifecycle.checkpoints.costs import costs_json
     from registry.lifecycle.gc import explain
 
     ctx.authorize_read(project=ref.project)
@@ -43,6 +44,8 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
     out = view.detail_json(ctx.store.describe(checkpoint_prefix(ref.project, run.name, ckpt.step)))
     out.update(resume_json(ctx, full, ckpt, files))  # decided now, under the policy in force
     out["protection"] = explain(ctx, ref.project, run, ckpt)
+    with ctx.catalog.session() as s:
+        out.update(costs_json(s, ckpt.id or 0, ckpt.save_costs))
     return out
 
 

@@ -1,0 +1,322 @@
+"""A checkpoint written by many writers under one claim (DESIGN §3, issue 15).
+
+A push copies one directory; a training job on many nodes has no directory that holds every
+rank's files. Here one process claims the step and hands the claim's token to every writer;
+each writer puts its own files straight into the step's prefix (put-if-absent, hashed as
+written); one commit then checks the files against `.metadata` and makes the step visible.
+
+    claim(ctx, ref)                    the pending row and its token; an earlier attempt's
+                                       leftovers are deleted (the claim makes them ours)
+    find(ctx, token)                   the claim a token names (push-ckpt --claim, commit-ckpt)
+    record_part(ctx, claim, files)     a writer outside Python says which files it put
+    commit_written(ctx, claim, files)  every file `.metadata` names is there: commit
+
+The training loop (`registry.training`) gets every rank's file records through DCP's write
+results and commits with one catalog transaction; `reg claim-ckpt` / `push-ckpt --claim` /
+`commit-ckpt` record each writer's files as a small object beside the files instead
+(`.reg-claim-<id>.json`, a reserved name), which the commit reads back and deletes.
+
+Whose word are the digests: each writer hashed the bytes as it wrote them, as a push does;
+embedded mode trusts its writers as it trusts a pusher (DESIGN §9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
+from registry.formats.dcp_roots import metadata_paths
+from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, scan_contents
+from registry.formats.documents import FileRecord
+from registry.layout import checkpoint_prefix, manifest_key
+from registry.lifecycle.checkpoints.push import check_metrics, check_request
+from registry.refs import CheckpointRef
+from registry.timeutil import now
+from registry.transfer import OnMismatch, Stored, put_reconciled
+
+if TYPE_CHECKING:
+    from registry.catalog.claims import Claim
+    from registry.context import Context
+    from registry.lifecycle.checkpoints.commit import PushResult
+
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+MAX_RECORDS = 1_000_000  # files of one checkpoint (4,096 ranks x 244 files each)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedClaim:
+    """The claim on one step that every writer of the checkpoint holds."""
+
+    ref: CheckpointRef
+    row_id: int
+    token: str
+
+    @property
+    def prefix(self) -> str:
+        return checkpoint_prefix(self.ref.project, self.ref.run, self.ref.step or 0)
+
+    def catalog_claim(self) -> Claim:
+        from registry.catalog.claims import Claim
+        from registry.catalog.models import Checkpoint
+
+        return Claim(Checkpoint, self.row_id, self.token)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ref": str(self.ref), "claim": self.token}
+
+
+def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> SharedClaim:
+    """Claim `ref` for writers that will share the token. `lease_s`: the claim outlives this
+    process (a launcher's `reg claim-ckpt`) and runs out after that many seconds unless a
+    writer renews it; None: held by this process, which renews it (`claims.held`)."""
+    from registry.catalog import claims
+    from registry.lifecycle.checkpoints import commit
+
+    check_request(ref.project, ref.run, ref.step or 0)
+    ctx.authorize("push", project=ref.project, target=str(ref))
+    taken, existing = commit.claim_step(ctx, ref)
+    if existing is not None:
+        raise Conflict(f"{ref} is already committed", "save under a new step")
+    shared = SharedClaim(ref, taken.row_id, taken.token)
+    if lease_s is not None:
+        if not 1 <= lease_s <= 7 * 86400:
+            raise UsageError(f"--lease {lease_s:g}s is out of range", "1 second to 7 days")
+        with ctx.catalog.session(write=True) as s:
+            # No process holds it: the lease alone says when it may be taken over.
+            claims.guarded_update(s, taken, claim_pid=None, lease_until=now() + float(lease_s))
+    # An earlier attempt's files are ours now (the claim was stale or the step new): gone, so
+    # that every writer's put-if-absent finds the keys free and a leftover is never committed.
+    for info in list(ctx.store.list(shared.prefix)):
+        ctx.store.delete(info.key)
+    return shared
+
+
+def find(ctx: Context, token: str) -> SharedClaim:
+    """The pending step `token` holds (authorized to push in its project)."""
+    from sqlmodel import col, select
+
+    from registry.catalog.models import PENDING, Checkpoint, Project, Run
+
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise UsageError("not a claim token", "use the token `reg claim-ckpt` printed")
+    with ctx.catalog.session() as s:
+        found = s.exec(
+            select(Checkpoint, Run, Project)
+            .where(col(Checkpoint.claim_token) == token, col(Checkpoint.state) == PENDING)
+            .where(col(Checkpoint.run_id) == col(Run.id), col(Run.project_id) == col(Project.id))
+        ).first()
+    if found is None:
+        raise NotFound(
+            "no checkpoint is being written under this claim (committed, abandoned or taken over)",
+            "claim the step again with `reg claim-ckpt`",
+        )
+    row, run, project = found
+    ref = CheckpointRef(project.name, run.name, row.step)
+    ctx.authorize("push", project=ref.project, target=str(ref))
+    return SharedClaim(ref, row.id or 0, token)
+
+
+def renew(ctx: Context, shared: SharedClaim, seconds: float) -> None:
+    """Keep a launcher's claim alive for `seconds` more (each `push-ckpt --claim` does)."""
+    from registry.catalog import claims
+
+    with ctx.catalog.session(write=True) as s:
+        lease = max(seconds, claims.LEASE_SECONDS)
+        if not claims.guarded_update(s, shared.catalog_claim(), lease_until=now() + lease):
+            raise _lost(shared.ref)
+
+
+def record_part(ctx: Context, shared: SharedClaim, files: list[Stored]) -> str:
+    """Write which files one writer put (its part of the checkpoint); returns the record key."""
+    doc = {
+        "format": "reg.claim-part/1",
+        "ref": str(shared.ref),
+        "actor": ctx.actor,
+        "files": [
+            {
+                "path": f.key.removeprefix(shared.prefix),
+                "size": f.size,
+                "sha256": f.sha256,
+                "version": f.version,
+            }
+            for f in files
+        ],
+    }
+    key = f"{shared.prefix}{CLAIM_RECORD_PREFIX}{uuid.uuid4().hex}.json"
+    ctx.store.put_bytes(key, json.dumps(doc, separators=(",", ":")).encode())
+    return key
+
+
+def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord], list[str]]:
+    """Every file the writers recorded, and the record objects; one file recorded twice with
+    different bytes is a conflict."""
+    records: dict[str, FileRecord] = {}
+    keys = []
+    for info in ctx.store.list(shared.prefix + CLAIM_RECORD_PREFIX):
+        keys.append(info.key)
+        if info.size > 256 * 1024 * 1024:
+            raise IntegrityError(f"{info.key} is {info.size} bytes: not a part record")
+        try:
+            doc = json.loads(ctx.store.get_bytes(info.key))
+            entries = doc["files"]
+            parsed = [
+                FileRecord(e["path"], int(e["size"]), str(e["sha256"]), None, e.get("version"))
+                for e in entries
+            ]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(
+                f"{info.key} is not a part record ({exc})", "push that part again"
+            ) from None
+        for r in parsed:
+            seen = records.get(r.path)
+            if seen is not None and (seen.size, seen.sha256) != (r.size, r.sha256):
+                raise Conflict(
+                    f"{shared.ref}: two writers put different bytes as {r.path}",
+                    "claim the step again and push each file from one node",
+                )
+            records[r.path] = r
+    return sorted(records.values(), key=lambda r: r.path), keys
+
+
+def commit_written(
+    ctx: Context,
+    shared: SharedClaim,
+    files: list[FileRecord],
+    *,
+    world_size: int | None,
+    metrics: dict[str, float] | None = None,
+    layout: str | None = None,
+    save_costs: dict[str, Any] | None = None,
+    upload_seconds: float = 0.0,
+    own_writer: bool = False,
+) -> PushResult:
+    """Commit the checkpoint the writers put under `shared`, from their file records (path,
+    size, sha256, version): each must be in the store at its size, `.metadata` must hash to
+    its record and name only recorded files (else IntegrityError naming the missing ranks'
+    files). `own_writer`: reg's StoreWriter wrote the shards (no shard is read)."""
+    from registry.catalog import claims
+    from registry.lifecycle.checkpoints import commit
+    from registry.lifecycle.checkpoints.push import build_manifest, world_size_of
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
+
+    ref, prefix = shared.ref, shared.prefix
+    checked_metrics = check_metrics(metrics or {})
+    if len(files) > MAX_RECORDS:
+        raise UsageError(f"{len(files)} files in one checkpoint; at most {MAX_RECORDS}")
+    by_path = {f.path: f for f in files}
+    if len(by_path) != len(files):
+        raise Conflict(f"{ref}: a file was written twice", "each file has one writer")
+    sizes = {f.path: f.size for f in files}
+    _check_listed(ctx, shared, sizes)
+    paths = metadata_paths(sizes)
+    if not paths:
+        raise IntegrityError(
+            f"{ref}: no .metadata was written", "DCP's coordinator writes it last: push it too"
+        )
+
+    def read(path: str) -> bytes:  # a file whole, refused unless it holds the recorded bytes
+        data = bytes(ctx.store.get_bytes(prefix + path, version=by_path[path].version))
+        if hashlib.sha256(data).hexdigest() != by_path[path].sha256:
+            raise IntegrityError(f"{ref}: {path} holds other bytes than its writer recorded")
+        return data
+
+    metadata = {path: read(path) for path in paths}
+    _check_named_files(ref, metadata, sizes)
+
+    def read_head(path: str, offset: int) -> bytes:
+        if offset >= sizes[path]:
+            return b""
+        return bytes(ctx.store.read_range(prefix + path, offset, min(9, sizes[path] - offset)))
+
+    label = str(ref)
+    scanned = scan_contents(Path(label), sizes, metadata, None if own_writer else read_head)
+    world = world_size_of(scanned, world_size, None)
+    facts = facts_of(scanned.inventory, sizes, read, layout)
+    stored = [Stored(prefix + f.path, f.size, f.sha256, False, f.version) for f in files]
+    with claims.held(ctx.catalog, shared.catalog_claim()):
+        manifest = build_manifest(
+            ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), checked_metrics
+        )
+        data = manifest.to_bytes()
+        try:
+            version = ctx.store.put_bytes(
+                manifest_key(ref.project, ref.run, ref.step or 0), data
+            ).version
+        except ObjectExists:
+            version = put_reconciled(  # an earlier commit of ours died after writing it
+                ctx.store,
+                manifest_key(ref.project, ref.run, ref.step or 0),
+                data=data,
+                on_mismatch=OnMismatch.REPLACE,
+                before_replace=lambda: commit.ensure_held(ctx, shared.catalog_claim(), ref),
+            ).version
+        result = commit.commit(
+            ctx,
+            shared.catalog_claim(),
+            manifest,
+            data,
+            version,
+            upload_seconds,
+            0,
+            save_costs=save_costs,
+        )
+    return replace(result, resume=fields(facts, ctx.policy.resume))
+
+
+def _check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> None:
+    """One listing of the prefix (not a request per file): each recorded file is there, at its
+    size."""
+    listed = {
+        info.key.removeprefix(shared.prefix): info.size for info in ctx.store.list(shared.prefix)
+    }
+    missing = sorted(p for p in sizes if p not in listed)
+    if missing:
+        raise IntegrityError(
+            f"{shared.ref}: {len(missing)} recorded file(s) are not in the store "
+            f"({', '.join(missing[:5])})",
+            "the writer's put did not land: save again",
+        )
+    wrong = sorted(p for p, size in sizes.items() if listed[p] != size)
+    if wrong:
+        raise IntegrityError(
+            f"{shared.ref}: {wrong[0]} is {listed[wrong[0]]} bytes in the store, "
+            f"{sizes[wrong[0]]} recorded",
+            "something else wrote under the claim; claim the step again",
+        )
+
+
+def _check_named_files(
+    ref: CheckpointRef, metadata: dict[str, bytes], sizes: dict[str, int]
+) -> None:
+    """Every shard `.metadata` names was recorded; else say which ranks' files are missing."""
+    from registry.formats.dcp_roots import merged_metadata
+    from registry.formats.dcp_scan import RANK_FILE
+
+    merged = merged_metadata(metadata, light=True)
+    named = {str(info.relative_path) for info in merged.storage_data.values()}
+    missing = sorted(named - set(sizes))
+    if not missing:
+        return
+    ranks = sorted(
+        {int(m.group(1)) for p in missing if (m := RANK_FILE.fullmatch(p.rsplit("/", 1)[-1]))}
+    )
+    which = f" of rank(s) {', '.join(map(str, ranks[:16]))}" if ranks else ""
+    raise IntegrityError(
+        f"{ref}: {len(missing)} file(s){which} that .metadata names were not pushed "
+        f"({', '.join(missing[:5])})",
+        "push them with `reg push-ckpt DIR --claim TOKEN` from the node that has them, "
+        "then commit again",
+    )
+
+
+def _lost(ref: CheckpointRef) -> Conflict:
+    return Conflict(
+        f"lost the claim on {ref} (it ran out or was taken over)",
+        "claim the step again and rewrite it",
+    )

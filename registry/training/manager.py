@@ -1,0 +1,436 @@
+"""`CheckpointManager`: the registry inside a training loop (torch.distributed, any world size).
+
+    manager = CheckpointManager("run42")
+    start = manager.restore(state) or 0          # every rank; None when the run has none yet
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % 1000 == 0:
+            manager.save(state, step, metrics={"val_loss": loss}, async_=True)
+    manager.close()                               # waits for the last save
+
+`save` claims the step once (rank 0) and shares the claim with every rank; each rank writes its
+own DCP files straight into the store (`StoreWriter`: no staging directory, no rank-0 funnel,
+no shared filesystem needed on S3); rank 0's `finish()` gets every rank's file records through
+DCP and commits the catalog row once. `async_=True` stages the state to CPU memory
+(`dcp.async_save`) and returns; training goes on while the ranks upload, and the next `save`,
+`wait()` or `close()` waits for it (one save in flight; its failure raises there). What each
+save cost the loop (`stall_seconds`) and until it was committed (`persist_seconds`), with each
+rank's writes, is recorded on the checkpoint; each restore records its phases.
+
+`restore` loads the newest committed checkpoint straight from the store on every rank (ranged
+reads, the safe metadata reader, resharding to the current world size) and records that the run
+resumed from it, so retention keeps it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from registry.api import Registry
+from registry.errors import NotFound, RegistryError, UsageError
+from registry.refs import CheckpointRef
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from registry.lifecycle.checkpoints.shared import SharedClaim
+    from registry.training.store_writer import Written
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        run: str,
+        *,
+        project: str = "default",
+        registry: Registry | None = None,
+        thread_count: int = 1,
+        staging: object = None,  # unused since saves write straight into the store
+    ) -> None:
+        from registry.refs import check_name
+
+        check_name(project, "project name")
+        check_name(run, "run name")
+        self.run, self.project = run, project
+        self.thread_count = thread_count
+        self._registry = registry
+        self._pending: _Save | None = None
+        self._async_group: Any = None
+        self._restore: _Restore | None = None
+        self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = Registry()
+            if getattr(self._registry.settings, "remote", False):
+                raise UsageError(
+                    "CheckpointManager writes into the store itself: it runs in embedded mode",
+                    "unset REG_URL in the training job, or save to a directory and `reg push-ckpt`",
+                )
+        return self._registry
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        state: dict[str, Any],
+        step: int,
+        *,
+        metrics: dict[str, float] | None = None,
+        async_: bool = False,
+        per_rank: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """Save `state` as run@step on every rank. Synchronous: returns the committed
+        checkpoint's view (every rank). `async_=True`: returns once the state is staged in CPU
+        memory (None); `wait()` returns the view. `per_rank`: state that differs by rank, by
+        class (`{"rng": ..., "dataloader": ...}`), saved as `<class>.rank_<r>` for each rank
+        (DCP keeps one copy of a key every rank saves alike)."""
+        import torch.distributed.checkpoint as dcp
+
+        from registry.training.store_writer import StoreWriter
+
+        self.wait()  # one save in flight: the previous one commits (or raises) first
+        self._record_restore()
+        started = time.monotonic()
+        state = _with_per_rank(state, per_rank)
+        ref = CheckpointRef(self.project, self.run, step)
+        shared = self._claim(ref)
+        save = _Save(self, shared, started, metrics, async_)
+        writer = StoreWriter(
+            self.registry.store,
+            shared.prefix,
+            save.commit if _rank() == 0 else None,
+            thread_count=self.thread_count,
+        )
+        save.hold()
+        try:
+            if not async_:
+                _checked(lambda: dcp.save(state, storage_writer=writer))
+                save.staged(time.monotonic() - started)
+                return save.result(sync=True)
+            group = self._group()
+            future = _checked(
+                lambda: dcp.async_save(state, storage_writer=writer, process_group=group)
+            )
+        except BaseException:
+            save.release(failed=True)
+            raise
+        save.staged(time.monotonic() - started)
+        save.future = future
+        self._pending = save
+        return None
+
+    def wait(self) -> dict[str, Any] | None:
+        """Wait for the save in flight (if any); its committed view, or its error."""
+        save, self._pending = self._pending, None
+        if save is None:
+            return None
+        assert save.future is not None
+        try:
+            _checked(save.future.result)
+        except BaseException:
+            save.release(failed=True)
+            raise
+        return save.result(sync=False)
+
+    def _claim(self, ref: CheckpointRef) -> SharedClaim:
+        """Rank 0 claims the step; every rank gets the claim or rank 0's error."""
+        from registry.lifecycle.checkpoints.shared import claim
+
+        got: list[Any] = [None]
+        if _rank() == 0:
+            try:
+                got[0] = claim(self.registry.context, ref)
+            except RegistryError as exc:
+                got[0] = exc
+        _broadcast(got)
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        return got[0]  # type: ignore[no-any-return]
+
+    def _group(self) -> Any:
+        """async_save's own gloo group: its collectives run on a background thread, which must
+        not share a communicator with the training loop's (as torchtitan does)."""
+        import torch.distributed as dist
+
+        if self._async_group is None and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    # -- restoring ------------------------------------------------------------------------------
+    def restore(
+        self, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None
+    ) -> int | None:
+        """Load the newest committed checkpoint into `state` (in place); returns its step.
+        `per_rank` (as `save` took it: class -> a template of this rank's value) is filled in
+        place with what this rank saved. At another world size a rank the checkpoint has no
+        state for keeps its template, and ranks beyond the new world size are not loaded:
+        `resume_notes` says which, class by class."""
+        import torch.distributed.checkpoint as dcp
+
+        from registry.formats.dcp_load import SafeLoadPlanner
+        from registry.layout import checkpoint_prefix
+        from registry.training.timed_reader import TimedReader
+
+        started = time.monotonic()
+        latest: list[Any] = [None, {}]  # the step, and its files' recorded versions
+        if _rank() == 0:
+            try:
+                shown = self.registry.show(CheckpointRef(self.project, self.run, None))
+                versions = {f["path"]: f["version"] for f in shown["files"] if f.get("version")}
+                latest[:] = [shown["step"], versions]
+            except NotFound:
+                latest[0] = None
+        _broadcast(latest)
+        step, versions = latest
+        if step is None:
+            return None
+        prefix = checkpoint_prefix(self.project, self.run, step)
+        reader = TimedReader(self.registry.store, prefix, versions=versions)
+        loaded, self.resume_notes = _per_rank_to_load(reader.read_metadata(), per_rank)
+        full = _with_per_rank(state, loaded)
+        _checked(lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()))
+        for cls in loaded:
+            assert per_rank is not None
+            per_rank[cls] = full[cls][f"rank_{_rank()}"]
+        total = time.monotonic() - started
+        phases = {
+            "catalog_seconds": reader.opened_at - started,
+            "metadata_seconds": reader.metadata_seconds,
+            "fetch_seconds": reader.fetch_seconds,
+            "load_reshard_seconds": max(
+                0.0,
+                total
+                - (reader.opened_at - started)
+                - reader.metadata_seconds
+                - reader.fetch_seconds,
+            ),
+            "total_seconds": total,
+            "bytes": float(reader.bytes_read),
+        }
+        self._restore = _Restore(CheckpointRef(self.project, self.run, step), _gather_max(phases))
+        if _rank() == 0:
+            from registry.lifecycle.checkpoints.read import record_resume
+
+            context = self.registry.context
+            if context.principal.authorize("push", project=self.project).allowed:
+                record_resume(context, CheckpointRef(self.project, self.run, step))
+        return int(step)
+
+    def first_step_done(self) -> None:
+        """Call after the first training step that follows `restore`: the restore's record
+        gets `first_step_seconds` (from the end of the load to now)."""
+        if self._restore is not None and "first_step_seconds" not in self._restore.phases:
+            self._restore.phases["first_step_seconds"] = round(
+                time.monotonic() - self._restore.ended, 4
+            )
+        self._record_restore()
+
+    def _record_restore(self) -> None:
+        restore, self._restore = self._restore, None
+        if restore is None or _rank() != 0:
+            return
+        from registry.lifecycle.checkpoints.costs import record_restore
+
+        record_restore(self.registry.context, restore.ref, _world(), restore.phases)
+
+    def close(self) -> None:
+        """Wait for the save in flight, record a pending restore, close the registry."""
+        try:
+            self.wait()
+            self._record_restore()
+        finally:
+            if self._registry is not None:
+                self._registry.close()
+
+
+class _Restore:
+    def __init__(self, ref: CheckpointRef, phases: dict[str, float]) -> None:
+        self.ref, self.phases = ref, {k: round(v, 4) for k, v in phases.items()}
+        self.ended = time.monotonic()
+
+
+class _Save:
+    """One save: its claim (renewed by rank 0 until the save ends), when it started, what it
+    staged, and the committed result (rank 0's, shared with every rank by `result`)."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        shared: SharedClaim,
+        started: float,
+        metrics: dict[str, float] | None,
+        async_: bool,
+    ) -> None:
+        self.manager, self.shared, self.started = manager, shared, started
+        self.metrics, self.async_ = metrics, async_
+        self.future: Future[Any] | None = None
+        self.stall: float | None = None
+        self._stall_known = threading.Event()
+        self._heartbeat: Any = None
+        self.committed: dict[str, Any] | None = None
+
+    def hold(self) -> None:
+        if _rank() != 0:
+            return
+        from registry.catalog import claims
+        from registry.catalog.leases import Heartbeat
+
+        context, claim = self.manager.registry.context, self.shared.catalog_claim()
+        self._heartbeat = Heartbeat(
+            lambda: claims.renew(context.catalog, claim), claims.LEASE_SECONDS / 4
+        )
+        self._heartbeat.__enter__()
+
+    def release(self, *, failed: bool) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.__exit__(None, None, None)
+            self._heartbeat = None
+        if failed and _rank() == 0:
+            from registry.catalog import claims
+
+            claims.expire(self.manager.registry.context.catalog, self.shared.catalog_claim())
+
+    def staged(self, seconds: float) -> None:
+        self.stall = seconds
+        self._stall_known.set()
+
+    def commit(self, written: Written) -> None:
+        """Rank 0, in DCP's finish (a background thread for an async save)."""
+        from registry import faults
+        from registry.lifecycle.checkpoints.shared import commit_written
+
+        faults.point("save-written")
+        persist = time.monotonic() - self.started
+        if self.async_:
+            self._stall_known.wait(timeout=600)
+        stall = self.stall if self.async_ and self.stall is not None else persist
+        costs = {
+            "async": self.async_,
+            "stall_seconds": round(stall, 4),
+            "persist_seconds": round(persist, 4),
+            "bytes": sum(f.size for f in written.files),
+            "world_size": _world(),
+            "ranks": written.rank_costs(),
+        }
+        result = commit_written(
+            self.manager.registry.context,
+            self.shared,
+            written.files,
+            world_size=_world(),
+            metrics=self.metrics,
+            save_costs=costs,
+            upload_seconds=persist,
+            own_writer=True,
+        )
+        self.committed = result.to_json()
+
+    def result(self, *, sync: bool) -> dict[str, Any]:
+        """Every rank: the committed view (rank 0's, broadcast for a synchronous save; an
+        async save's `wait()` returns rank 0's there and a short view elsewhere)."""
+        self.release(failed=False)
+        if sync:
+            got: list[Any] = [self.committed]
+            _broadcast(got)
+            return dict(got[0] or {})
+        if self.committed is not None:
+            return self.committed
+        return {"ref": str(self.shared.ref), "state": "committed"}
+
+
+def _with_per_rank(state: dict[str, Any], per_rank: dict[str, Any] | None) -> dict[str, Any]:
+    """`state` with this rank's per-rank values under `<class>.rank_<r>` (a new dict)."""
+    if not per_rank:
+        return state
+    clash = sorted(set(per_rank) & set(state))
+    if clash:
+        raise UsageError(
+            f"per_rank class {clash[0]!r} is also a key of the state",
+            "keep per-rank state out of the state dict (or rename the class)",
+        )
+    return {**state, **{cls: {f"rank_{_rank()}": value} for cls, value in per_rank.items()}}
+
+
+def _per_rank_to_load(
+    metadata: Any, per_rank: dict[str, Any] | None
+) -> tuple[dict[str, Any], list[str]]:
+    """Which per-rank classes this rank can load from the checkpoint, and notes on the rest
+    (rank 0 also names saved ranks beyond the current world size)."""
+    if not per_rank:
+        return {}, []
+    rank, world = _rank(), _world()
+    saved: dict[str, set[int]] = {cls: set() for cls in per_rank}
+    for fqn in metadata.state_dict_metadata:
+        cls, _, rest = fqn.partition(".rank_")
+        if cls in saved and rest.split(".", 1)[0].isdigit():
+            saved[cls].add(int(rest.split(".", 1)[0]))
+    load, notes = {}, []
+    for cls, template in per_rank.items():
+        ranks = saved[cls]
+        if rank in ranks:
+            load[cls] = template
+        elif not ranks:
+            notes.append(f"{cls}: the checkpoint has no per-rank {cls}; rank {rank} keeps its own")
+        else:
+            notes.append(
+                f"{cls}: saved for ranks 0-{max(ranks)}, not for rank {rank}; it keeps its own"
+            )
+        beyond = sorted(r for r in ranks if r >= world)
+        if rank == 0 and beyond:
+            notes.append(
+                f"{cls}: the state of rank(s) {', '.join(map(str, beyond))} is not loaded "
+                f"(world size {world} now)"
+            )
+    return load, notes
+
+
+def _checked(call: Any) -> Any:
+    """DCP's own errors are a BaseException (`CheckpointException`) carrying each rank's; the
+    registry's error of the first failing rank is raised as it is (one line for the user)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:
+        for _, failure in sorted(exc.failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, RegistryError):
+                raise error from None
+        first = next(iter(exc.failures.values()), None)
+        cause = first[0] if isinstance(first, tuple) else first
+        raise RegistryError(
+            f"the checkpoint save failed on rank(s) {sorted(exc.failures)}: {cause}",
+            "nothing was committed; the step can be saved again",
+        ) from exc
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(values: list[Any]) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.broadcast_object_list(values, src=0)
+
+
+def _gather_max(phases: dict[str, float]) -> dict[str, float]:
+    """Each phase's slowest rank (the job waits for it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return phases
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, phases)
+    return {k: max(float(p[k]) for p in every) for k in phases}

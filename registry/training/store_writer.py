@@ -1,0 +1,318 @@
+"""A DCP `StorageWriter` whose files go straight into the registry's store (issue 15).
+
+Every rank writes its own `__<rank>_<i>.distcp` files into the checkpoint's prefix: each file
+is streamed into the store as DCP serializes it (put-if-absent, hashed as written; no staging
+directory, no copy). The coordinator's `finish()` receives every rank's file records through
+DCP's write results, writes `.metadata` (its storage data stripped back to DCP's own
+`_StorageInfo`, so the safe reader accepts it) and hands everything to `on_commit`, which
+commits the catalog row: one transaction whatever the world size.
+
+DCP's file writer is reused for everything but the bytes' destination: `fs` is a
+`FileSystemBase` whose streams are store objects. Write results carry one extra entry per rank
+(`_RankWrites`, under a reserved FQN) with the rank's files, bytes and seconds; `finish` takes
+those out before DCP's metadata is built from the rest.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from registry.errors import Conflict, ObjectExists, RegistryError
+from registry.formats.documents import FileRecord
+from registry.storage.base import BaseStore
+
+RANK_WRITES_FQN = "__reg_rank_writes__"  # never a real key: DCP keys are the state dict's FQNs
+BUFFER = 8 * 1024 * 1024  # bytes gathered before they go to the store's writer thread
+
+
+@dataclass(slots=True)
+class _RankWrites:
+    """What one rank wrote: its files, bytes and seconds (a write result, pickled to rank 0)."""
+
+    rank: int
+    files: list[FileRecord] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Everything the coordinator's `finish()` knows: the checkpoint's files (`.metadata`
+    included) and each rank's share."""
+
+    files: list[FileRecord]
+    ranks: list[_RankWrites]
+
+    def rank_costs(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "rank": r.rank,
+                "files": len(r.files),
+                "bytes": r.bytes,
+                "seconds": round(r.seconds, 4),
+                "mb_per_s": round(r.bytes / r.seconds / 1e6, 1) if r.seconds > 0 else None,
+            }
+            for r in sorted(self.ranks, key=lambda r: r.rank)
+        ]
+
+
+class StoreWriter(FileSystemWriter):
+    """`dcp.save(state, storage_writer=StoreWriter(store, prefix, on_commit))` on every rank.
+    `on_commit(written, metadata_bytes)` runs on the coordinator once every rank's files and
+    `.metadata` are in the store; what it raises fails the save on every rank."""
+
+    def __init__(
+        self,
+        store: BaseStore,
+        prefix: str,
+        on_commit: Callable[[Written], None] | None,
+        *,
+        thread_count: int = 1,
+    ) -> None:
+        # sync_files=False: the store makes each object durable before it is visible (a local
+        # store fsyncs the file and its directory); DCP's fallback would `os.sync()` the host.
+        super().__init__(prefix, thread_count=thread_count, sync_files=False, overwrite=True)
+        self.store_fs = _StoreFileSystem(store, prefix)
+        self.fs = self.store_fs  # type: ignore[assignment]  # DCP's writer takes any FileSystemBase
+        self.path = prefix
+        self.store, self.prefix, self.on_commit = store, prefix, on_commit
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan  # no directory to make, and the prefix is fresh under the claim
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        started = time.monotonic()
+        self.store_fs.written.clear()
+        results = super().write_data(plan, planner).wait()
+        mine = _RankWrites(self.rank or 0, list(self.store_fs.written), time.monotonic() - started)
+        marker = WriteResult(
+            index=MetadataIndex(RANK_WRITES_FQN, None, self.rank or 0),
+            size_in_bytes=0,
+            storage_data=mine,
+        )
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([*results, marker])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        ranks = [r.storage_data for rs in results for r in rs if r.index.fqn == RANK_WRITES_FQN]
+        plain = [[r for r in rs if r.index.fqn != RANK_WRITES_FQN] for rs in results]
+        metadata.version = _dcp_version()
+        metadata.storage_data = {r.index: r.storage_data for rs in plain for r in rs}
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.prefix, save_id=self.save_id)
+        data = pickle.dumps(metadata)
+        # The stored file must pass the registry's own safe reader, as any pushed one does.
+        from registry.formats.dcp_metadata import load_metadata
+
+        load_metadata(data)
+        put = _put_new(self.store, self.prefix + ".metadata", data)
+        files = [f for r in ranks for f in r.files]
+        files.append(FileRecord(".metadata", put.size, put.sha256, None, put.version))
+        if self.on_commit is not None:
+            self.on_commit(Written(sorted(files, key=lambda f: f.path), ranks))
+
+
+def _dcp_version() -> str:
+    from torch.distributed.checkpoint import filesystem
+
+    return str(getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"))
+
+
+def _put_new(store: BaseStore, key: str, data: bytes) -> Any:
+    try:
+        return store.put_bytes(key, data)
+    except ObjectExists:
+        raise Conflict(
+            f"{key} already exists in the store: another writer is writing this step",
+            "a stale writer of an earlier attempt is still running; save under a new step",
+        ) from None
+
+
+class _StoreFileSystem(FileSystemBase):
+    """DCP's view of the checkpoint's prefix: streams that are store objects. Paths are the
+    file names DCP chooses (`__0_0.distcp`), joined to nothing."""
+
+    def __init__(self, store: BaseStore, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+        self.written: list[FileRecord] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            raise ValueError(f"the store writer only writes ({mode!r})")
+        name = str(path)
+        stream = _ObjectStream(self.store, self.prefix + name)
+        try:
+            yield stream
+        except BaseException:
+            stream.abort()
+            raise
+        record = stream.finish()
+        if record is not None:
+            with self._lock:
+                self.written.append(
+                    FileRecord(name, record.size, record.sha256, _rank_of(name), record.version)
+                )
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return suffix
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError("objects are written once under their final names")
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return str(path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.store.head(self.prefix + str(path)) is not None
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError("the store writer never deletes")
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return [i.key.removeprefix(self.prefix) for i in self.store.list(self.prefix)]
+
+
+def _rank_of(name: str) -> int | None:
+    from registry.formats.dcp_scan import RANK_FILE
+
+    match = RANK_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+_END, _ABORT = object(), object()
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _ObjectStream(io.RawIOBase):
+    """A write-only stream that is one store object. Bytes are gathered into BUFFER-sized
+    chunks and handed to a thread running the store's `put_stream` (two chunks queued at most:
+    memory stays bounded while DCP serializes the next tensor). Nothing is visible until
+    `finish()`: an aborted stream leaves no object. A stream nothing was written to makes no
+    object (a rank with no items of its own)."""
+
+    def __init__(self, store: BaseStore, key: str) -> None:
+        super().__init__()
+        self.store, self.key = store, key
+        self._buffer = bytearray()
+        self._position = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._thread: threading.Thread | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._error is not None:
+            raise self._error
+        self._buffer += view
+        self._position += len(view)
+        if len(self._buffer) >= BUFFER:
+            self._send(bytes(self._buffer))
+            self._buffer = bytearray()
+        return len(view)
+
+    def close(self) -> None:
+        pass  # DCP closes the stream before the context ends; `finish` publishes
+
+    def _send(self, item: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._put, name="reg-store-writer", daemon=True)
+            self._thread.start()
+        while True:
+            if self._error is not None and item is not _ABORT:
+                raise self._error
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return
+
+    def _put(self) -> None:
+        def produce(write: Callable[[Any], None]) -> None:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    return
+                if item is _ABORT:
+                    raise _Aborted
+                write(item)
+
+        try:
+            self._result = self.store.put_stream(self.key, produce)
+        except BaseException as exc:
+            self._error = exc
+            while True:  # let a writer blocked on a full queue go on to see the error
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+    def finish(self) -> Any:
+        """Publish the object; its PutResult (None when nothing was written)."""
+        if self._finished:
+            return self._result
+        self._finished = True
+        if self._thread is None and not self._buffer:
+            return None
+        if self._buffer:
+            self._send(bytes(self._buffer))
+            self._buffer = bytearray()
+        self._send(_END)
+        assert self._thread is not None
+        self._thread.join()
+        if isinstance(self._error, ObjectExists):
+            raise Conflict(
+                f"{self.key} already exists in the store: another writer is writing this step",
+                "a stale writer of an earlier attempt is still running; save under a new step",
+            ) from None
+        if isinstance(self._error, RegistryError):
+            raise self._error
+        if self._error is not None:
+            raise RegistryError(f"writing {self.key} failed: {self._error}") from self._error
+        return self._result
+
+    def abort(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._thread is not None:
+            self._send(_ABORT)
+            self._thread.join()
