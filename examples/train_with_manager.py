@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import torch
@@ -42,9 +43,20 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, help="SIGKILL every rank after this save")
     parser.add_argument("--losses", type=Path, help="rank 0 appends each step's loss here")
     parser.add_argument("--report", type=Path, help="rank 0 writes what it did here (JSON)")
+    parser.add_argument(
+        "--dump", type=Path, help="rank 0 saves the full model and optimizer state here at the end"
+    )
+    parser.add_argument(
+        "--private-tmp", type=Path, help="each rank's temp directory is DIR/rank<r> (no sharing)"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.private_tmp is not None:
+        private = args.private_tmp / f"rank{rank}"
+        private.mkdir(parents=True, exist_ok=True)
+        os.environ["TMPDIR"] = str(private)
+        tempfile.tempdir = str(private)
     torch.manual_seed(0)
     model = build_model()
     for block in model.blocks:
@@ -99,6 +111,12 @@ def main() -> None:
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    if args.dump is not None:
+        everything = get_state_dict(
+            model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if rank == 0:
+            torch.save({"model": everything[0], "optimizer": everything[1]}, args.dump)
     if rank == 0 and args.report:
         torch.save(full, args.report.with_suffix(".pt"))
         args.report.write_text(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -76,13 +77,16 @@ def torchrun(
     env_extra: dict[str, str] | None = None,
     attempts: int = 3,
     timeout: float = 240,
+    killed: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m <module>` on nproc gloo processes under torchrun, retried from scratch.
 
     gloo on a 2-core machine now and then aborts a rank during start-up, or (seen in CI) hangs
     a collective forever: each attempt has its own time limit, after which the whole process
     group (torchrun and its workers) is killed, and the next attempt starts on a clean `clean`
-    directory. A persistent failure raises with the last attempt's stderr."""
+    directory. A persistent failure raises with the last attempt's stderr. `killed`: the job
+    is meant to SIGKILL itself; that, and only that, ends it (every rank killed, none failed
+    otherwise)."""
     cmd = [
         sys.executable,
         "-m",
@@ -114,11 +118,19 @@ def torchrun(
             out, err = proc.communicate()
             why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
         else:
-            if proc.returncode == 0:
+            if killed and proc.returncode != 0 and _all_killed(err, nproc):
+                return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            if proc.returncode == 0 and not killed:
                 return subprocess.CompletedProcess(cmd, 0, out, err)
             why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
         sys.stderr.write(f"{module}: {why}\n")
     raise RuntimeError(f"{module} on {nproc} ranks: {why}")
+
+
+def _all_killed(stderr: str, nproc: int) -> bool:
+    """torchrun's failure report lists every rank, each with exit code -9 (SIGKILL)."""
+    codes = re.findall(r"exitcode\s+:\s*(-?\d+)", stderr)  # the per-rank table
+    return len(codes) == nproc and set(codes) == {"-9"}
 
 
 def pg_available() -> bool:
