@@ -36,6 +36,7 @@ from registry.training import CheckpointManager
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-name", required=True)
+    parser.add_argument("--project", default="default")
     parser.add_argument("--steps", type=int, default=3, help="steps to train in this job")
     parser.add_argument("--until", type=int, help="train until this step (instead of --steps)")
     parser.add_argument("--every", type=int, default=1, help="save every N steps")
@@ -63,7 +64,7 @@ def main() -> None:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(args.run_name)
+    manager = CheckpointManager(args.run_name, project=args.project)
 
     data = torch.Generator().manual_seed(1000 + rank)
     per_rank = {"rng": data.get_state(), "dataloader": {"position": 0}}

@@ -198,12 +198,18 @@ class Registry:
         world_size: int | None = None,
         metrics: dict[str, float] | None = None,
         layout: str | None = None,
+        save_costs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Commit a claimed step once every file its .metadata names was pushed."""
         from registry.lifecycle.checkpoints import claimed
 
         return claimed.commit(
-            self.context, claim, world_size=world_size, metrics=metrics, layout=layout
+            self.context,
+            claim,
+            world_size=world_size,
+            metrics=metrics,
+            layout=layout,
+            save_costs=save_costs,
         )
 
     def list_checkpoints(

@@ -8,7 +8,7 @@ server, pulls and validations read through it, and promotion, GC and policy chan
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,68 @@ class RemoteRegistry(Registry):
             if notes is not None:
                 notes.append(n)
         return out
+
+    # -- a checkpoint written by several writers under one claim (issue 15) --------------------
+    def claim_checkpoint(
+        self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
+    ) -> dict[str, Any]:
+        body = {"project": project, "run": run, "step": step, "lease_seconds": lease_s}
+        return dict(self.client.call("POST", "/claims", body=body))
+
+    def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]:
+        """Keep the claim alive `seconds` more (0: give it up); the claim's ref."""
+        from registry.remote.claims import check_token
+
+        body = {"claim": check_token(claim), "seconds": seconds}
+        return dict(self.client.call("POST", "/claims/renew", body=body))
+
+    def put_claimed(self, claim: str, path: str, chunks: Iterable[bytes]) -> dict[str, Any]:
+        """One file of the claimed step, streamed; the server's size and sha256 of it."""
+        from urllib.parse import quote
+
+        from registry.remote.claims import check_token
+
+        where = f"/claims/{check_token(claim)}/files/{quote(path, safe='/')}"
+        return dict(self.client.call("PUT", where, content=chunks))
+
+    def push_checkpoint_part(
+        self,
+        src: str | Path,
+        *,
+        claim: str,
+        run: str,
+        step: int,
+        project: str = "default",
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        from registry.remote.claims import push_part
+
+        ref = CheckpointRef(project, run, step)
+        return push_part(self, Path(src), claim, ref, progress)
+
+    def commit_claimed(
+        self,
+        claim: str,
+        *,
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        layout: str | None = None,
+        save_costs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        from registry.remote.claims import check_token
+
+        body = {
+            "world_size": world_size,
+            "metrics": metrics or {},
+            "layout": layout,
+            "save_costs": save_costs,
+        }
+        return dict(self.client.call("POST", f"/claims/{check_token(claim)}/commit", body=body))
+
+    def read_urls(
+        self, ref: str, listed: list[dict[str, Any]]
+    ) -> Callable[[], dict[str, str]] | None:
+        return self._read_urls(ref, listed)
 
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False

@@ -152,7 +152,7 @@ def _route_label(request: Request) -> str:
 def create_app(settings: Settings) -> FastAPI:
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
-    from registry.server import data, presigned, routes
+    from registry.server import claims, data, presigned, routes
     from registry.server.oidc import verifier_from
     from registry.storage import open_store
 
@@ -172,6 +172,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(routes.router, prefix=f"/{API_VERSION}")
     app.include_router(data.router, prefix=f"/{API_VERSION}")
     app.include_router(presigned.router, prefix=f"/{API_VERSION}")
+    app.include_router(claims.router, prefix=f"/{API_VERSION}")
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:

@@ -216,13 +216,45 @@ async def pulled(request: Request) -> dict[str, Any]:
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
 
+    restore = _restore_phases(doc.get("restore"))
+
     def work() -> dict[str, Any]:
+        from registry.lifecycle.checkpoints.costs import record_restore
+
         ctx.authorize_read(project=ref.project)
         _, ckpt, files = resolve(ctx, ref)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         if ctx.principal.authorize("push", project=ref.project).allowed:
-            record_resume(ctx, full)
+            if restore is None:
+                record_resume(ctx, full)
+            else:  # a training loop's restore (resumed already), with its phases
+                record_restore(ctx, full, *restore)
         view = CheckpointView.of(ref.project, ref.run, ckpt, files).to_json()
         return view | resume_json(ctx, full, ckpt, files, full=False)
 
     return await run_in_threadpool(work)
+
+
+def _restore_phases(doc: object) -> tuple[int, dict[str, float]] | None:
+    """{world_size, phases: {name: seconds}} of a training loop's restore, checked."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise UsageError("restore must be an object")
+    world, phases = doc.get("world_size"), doc.get("phases")
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world < 2**31:
+        raise UsageError("restore.world_size must be a whole number >= 1")
+    if not isinstance(phases, dict) or len(phases) > 32:
+        raise UsageError("restore.phases must be an object of at most 32 numbers")
+    out = {}
+    for name, value in phases.items():
+        if (
+            not isinstance(name, str)
+            or len(name) > 64
+            or isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value < 1e15
+        ):
+            raise UsageError(f"restore.phases: {str(name)[:64]!r} is not a phase in seconds")
+        out[name] = float(value)
+    return world, out

@@ -24,6 +24,7 @@ resumed from it, so retention keeps it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
+    from registry.training.backends import EmbeddedBackend, ServerBackend
     from registry.training.store_writer import Written
 
 
@@ -56,6 +58,7 @@ class CheckpointManager:
         self.run, self.project = run, project
         self.thread_count = thread_count
         self._registry = registry
+        self._backend: EmbeddedBackend | ServerBackend | None = None
         self._pending: _Save | None = None
         self._async_group: Any = None
         self._restore: _Restore | None = None
@@ -65,12 +68,19 @@ class CheckpointManager:
     def registry(self) -> Registry:
         if self._registry is None:
             self._registry = Registry()
-            if getattr(self._registry.settings, "remote", False):
-                raise UsageError(
-                    "CheckpointManager writes into the store itself: it runs in embedded mode",
-                    "unset REG_URL in the training job, or save to a directory and `reg push-ckpt`",
-                )
         return self._registry
+
+    @property
+    def backend(self) -> EmbeddedBackend | ServerBackend:
+        """The store itself, or `reg server` when REG_URL is set (every rank alike)."""
+        if self._backend is None:
+            from registry.training.backends import EmbeddedBackend, ServerBackend
+
+            remote = self.registry.settings.remote
+            self._backend = (
+                ServerBackend(self.registry) if remote else EmbeddedBackend(self.registry)
+            )
+        return self._backend
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
@@ -99,7 +109,7 @@ class CheckpointManager:
         shared = self._claim(ref)
         save = _Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
-            self.registry.store,
+            self.backend.sink(shared),
             shared.prefix,
             save.commit if _rank() == 0 else None,
             thread_count=self.thread_count,
@@ -137,12 +147,10 @@ class CheckpointManager:
 
     def _claim(self, ref: CheckpointRef) -> SharedClaim:
         """Rank 0 claims the step; every rank gets the claim or rank 0's error."""
-        from registry.lifecycle.checkpoints.shared import claim
-
         got: list[Any] = [None]
         if _rank() == 0:
             try:
-                got[0] = claim(self.registry.context, ref)
+                got[0] = self.backend.claim(ref)
             except RegistryError as exc:
                 got[0] = exc
         _broadcast(got)
@@ -171,24 +179,23 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         from registry.formats.dcp_load import SafeLoadPlanner
-        from registry.layout import checkpoint_prefix
         from registry.training.timed_reader import TimedReader
 
         started = time.monotonic()
-        latest: list[Any] = [None, {}]  # the step, and its files' recorded versions
+        # Rank 0 asks which step is newest; every rank then reads it (the same files).
+        found: list[Any] = [None]
         if _rank() == 0:
-            try:
-                shown = self.registry.show(CheckpointRef(self.project, self.run, None))
-                versions = {f["path"]: f["version"] for f in shown["files"] if f.get("version")}
-                latest[:] = [shown["step"], versions]
-            except NotFound:
-                latest[0] = None
-        _broadcast(latest)
-        step, versions = latest
-        if step is None:
+            newest = self.backend.latest(CheckpointRef(self.project, self.run, None))
+            found[0] = None if newest is None else newest[0]
+        _broadcast(found)
+        if found[0] is None:
             return None
-        prefix = checkpoint_prefix(self.project, self.run, step)
-        reader = TimedReader(self.registry.store, prefix, versions=versions)
+        step = int(found[0])
+        located = self.backend.latest(CheckpointRef(self.project, self.run, step))
+        if located is None:
+            raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
+        _, store, prefix, versions = located
+        reader = TimedReader(store, prefix, versions=versions)
         loaded, self.resume_notes = _per_rank_to_load(reader.read_metadata(), per_rank)
         full = _with_per_rank(state, loaded)
         _checked(lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()))
@@ -210,14 +217,11 @@ class CheckpointManager:
             "total_seconds": total,
             "bytes": float(reader.bytes_read),
         }
-        self._restore = _Restore(CheckpointRef(self.project, self.run, step), _gather_max(phases))
+        ref = CheckpointRef(self.project, self.run, step)
+        self._restore = _Restore(ref, _gather_max(phases))
         if _rank() == 0:
-            from registry.lifecycle.checkpoints.read import record_resume
-
-            context = self.registry.context
-            if context.principal.authorize("push", project=self.project).allowed:
-                record_resume(context, CheckpointRef(self.project, self.run, step))
-        return int(step)
+            self.backend.resumed(ref)  # at once: retention keeps the step the run resumed from
+        return step
 
     def first_step_done(self) -> None:
         """Call after the first training step that follows `restore`: the restore's record
@@ -232,9 +236,7 @@ class CheckpointManager:
         restore, self._restore = self._restore, None
         if restore is None or _rank() != 0:
             return
-        from registry.lifecycle.checkpoints.costs import record_restore
-
-        record_restore(self.registry.context, restore.ref, _world(), restore.phases)
+        self.backend.restored(restore.ref, _world(), restore.phases)
 
     def close(self) -> None:
         """Wait for the save in flight, record a pending restore, close the registry."""
@@ -275,13 +277,11 @@ class _Save:
     def hold(self) -> None:
         if _rank() != 0:
             return
-        from registry.catalog import claims
         from registry.catalog.leases import Heartbeat
+        from registry.training.backends import SERVER_LEASE_S
 
-        context, claim = self.manager.registry.context, self.shared.catalog_claim()
-        self._heartbeat = Heartbeat(
-            lambda: claims.renew(context.catalog, claim), claims.LEASE_SECONDS / 4
-        )
+        backend, shared = self.manager.backend, self.shared
+        self._heartbeat = Heartbeat(lambda: backend.renew(shared), SERVER_LEASE_S / 4)
         self._heartbeat.__enter__()
 
     def release(self, *, failed: bool) -> None:
@@ -289,9 +289,8 @@ class _Save:
             self._heartbeat.__exit__(None, None, None)
             self._heartbeat = None
         if failed and _rank() == 0:
-            from registry.catalog import claims
-
-            claims.expire(self.manager.registry.context.catalog, self.shared.catalog_claim())
+            with contextlib.suppress(RegistryError):  # the save's own error matters more
+                self.manager.backend.give_up(self.shared)
 
     def staged(self, seconds: float) -> None:
         self.stall = seconds
@@ -300,7 +299,6 @@ class _Save:
     def commit(self, written: Written) -> None:
         """Rank 0, in DCP's finish (a background thread for an async save)."""
         from registry import faults
-        from registry.lifecycle.checkpoints.shared import commit_written
 
         faults.point("save-written")
         persist = time.monotonic() - self.started
@@ -315,17 +313,9 @@ class _Save:
             "world_size": _world(),
             "ranks": written.rank_costs(),
         }
-        result = commit_written(
-            self.manager.registry.context,
-            self.shared,
-            written.files,
-            world_size=_world(),
-            metrics=self.metrics,
-            save_costs=costs,
-            upload_seconds=persist,
-            own_writer=True,
+        self.committed = self.manager.backend.commit(
+            self.shared, written, _world(), self.metrics, costs
         )
-        self.committed = result.to_json()
 
     def result(self, *, sync: bool) -> dict[str, Any]:
         """Every rank: the committed view (rank 0's, broadcast for a synchronous save; an

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -34,10 +34,37 @@ from torch.futures import Future
 
 from registry.errors import Conflict, ObjectExists, RegistryError
 from registry.formats.documents import FileRecord
-from registry.storage.base import BaseStore
+from registry.storage.base import BaseStore, PutResult
 
 RANK_WRITES_FQN = "__reg_rank_writes__"  # never a real key: DCP keys are the state dict's FQNs
 BUFFER = 8 * 1024 * 1024  # bytes gathered before they go to the store's writer thread
+
+
+class ObjectSink(Protocol):
+    """Where a writer's objects go, put-if-absent: the store itself (`StoreSink`), or the
+    store behind `reg server` (`registry.training.backends.ServerSink`). Each put returns the
+    object's size and sha256 as the sink measured them."""
+
+    def put_chunks(self, key: str, chunks: Iterator[bytes]) -> PutResult: ...
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult: ...
+
+
+class StoreSink:
+    """The registry's own store as an `ObjectSink` (embedded mode)."""
+
+    def __init__(self, store: BaseStore) -> None:
+        self.store = store
+
+    def put_chunks(self, key: str, chunks: Iterator[bytes]) -> PutResult:
+        def produce(write: Callable[[Any], None]) -> None:
+            for chunk in chunks:
+                write(chunk)
+
+        return self.store.put_stream(key, produce)
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult:
+        return self.store.put_bytes(key, data)
 
 
 @dataclass(slots=True)
@@ -75,13 +102,13 @@ class Written:
 
 
 class StoreWriter(FileSystemWriter):
-    """`dcp.save(state, storage_writer=StoreWriter(store, prefix, on_commit))` on every rank.
+    """`dcp.save(state, storage_writer=StoreWriter(sink, prefix, on_commit))` on every rank.
     `on_commit(written, metadata_bytes)` runs on the coordinator once every rank's files and
     `.metadata` are in the store; what it raises fails the save on every rank."""
 
     def __init__(
         self,
-        store: BaseStore,
+        sink: ObjectSink,
         prefix: str,
         on_commit: Callable[[Written], None] | None,
         *,
@@ -90,10 +117,10 @@ class StoreWriter(FileSystemWriter):
         # sync_files=False: the store makes each object durable before it is visible (a local
         # store fsyncs the file and its directory); DCP's fallback would `os.sync()` the host.
         super().__init__(prefix, thread_count=thread_count, sync_files=False, overwrite=True)
-        self.store_fs = _StoreFileSystem(store, prefix)
+        self.store_fs = _StoreFileSystem(sink, prefix)
         self.fs = self.store_fs  # type: ignore[assignment]  # DCP's writer takes any FileSystemBase
         self.path = prefix
-        self.store, self.prefix, self.on_commit = store, prefix, on_commit
+        self.sink, self.prefix, self.on_commit = sink, prefix, on_commit
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan  # no directory to make, and the prefix is fresh under the claim
@@ -123,7 +150,7 @@ class StoreWriter(FileSystemWriter):
         from registry.formats.dcp_metadata import load_metadata
 
         load_metadata(data)
-        put = _put_new(self.store, self.prefix + ".metadata", data)
+        put = _put_new(self.sink, self.prefix + ".metadata", data)
         files = [f for r in ranks for f in r.files]
         files.append(FileRecord(".metadata", put.size, put.sha256, None, put.version))
         if self.on_commit is not None:
@@ -136,9 +163,9 @@ def _dcp_version() -> str:
     return str(getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"))
 
 
-def _put_new(store: BaseStore, key: str, data: bytes) -> Any:
+def _put_new(sink: ObjectSink, key: str, data: bytes) -> PutResult:
     try:
-        return store.put_bytes(key, data)
+        return sink.put_bytes(key, data)
     except ObjectExists:
         raise Conflict(
             f"{key} already exists in the store: another writer is writing this step",
@@ -150,8 +177,8 @@ class _StoreFileSystem(FileSystemBase):
     """DCP's view of the checkpoint's prefix: streams that are store objects. Paths are the
     file names DCP chooses (`__0_0.distcp`), joined to nothing."""
 
-    def __init__(self, store: BaseStore, prefix: str) -> None:
-        self.store, self.prefix = store, prefix
+    def __init__(self, sink: ObjectSink, prefix: str) -> None:
+        self.sink, self.prefix = sink, prefix
         self.written: list[FileRecord] = []
         self._lock = threading.Lock()
 
@@ -160,7 +187,7 @@ class _StoreFileSystem(FileSystemBase):
         if mode != "wb":
             raise ValueError(f"the store writer only writes ({mode!r})")
         name = str(path)
-        stream = _ObjectStream(self.store, self.prefix + name)
+        stream = _ObjectStream(self.sink, self.prefix + name)
         try:
             yield stream
         except BaseException:
@@ -190,13 +217,13 @@ class _StoreFileSystem(FileSystemBase):
         return False
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
-        return self.store.head(self.prefix + str(path)) is not None
+        raise NotImplementedError("not asked: the claim makes the prefix fresh")
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         raise NotImplementedError("the store writer never deletes")
 
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
-        return [i.key.removeprefix(self.prefix) for i in self.store.list(self.prefix)]
+        raise NotImplementedError("not asked: the writer records what it wrote")
 
 
 def _rank_of(name: str) -> int | None:
@@ -214,15 +241,15 @@ class _Aborted(Exception):
 
 
 class _ObjectStream(io.RawIOBase):
-    """A write-only stream that is one store object. Bytes are gathered into BUFFER-sized
-    chunks and handed to a thread running the store's `put_stream` (two chunks queued at most:
+    """A write-only stream that is one object. Bytes are gathered into BUFFER-sized chunks and
+    handed to a thread running the sink's `put_chunks` (two chunks queued at most:
     memory stays bounded while DCP serializes the next tensor). Nothing is visible until
     `finish()`: an aborted stream leaves no object. A stream nothing was written to makes no
     object (a rank with no items of its own)."""
 
-    def __init__(self, store: BaseStore, key: str) -> None:
+    def __init__(self, sink: ObjectSink, key: str) -> None:
         super().__init__()
-        self.store, self.key = store, key
+        self.sink, self.key = sink, key
         self._buffer = bytearray()
         self._position = 0
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -266,17 +293,17 @@ class _ObjectStream(io.RawIOBase):
                     return
 
     def _put(self) -> None:
-        def produce(write: Callable[[Any], None]) -> None:
+        def chunks() -> Iterator[bytes]:
             while True:
                 item = self._queue.get()
                 if item is _END:
                     return
                 if item is _ABORT:
                     raise _Aborted
-                write(item)
+                yield item
 
         try:
-            self._result = self.store.put_stream(self.key, produce)
+            self._result = self.sink.put_chunks(self.key, chunks())
         except BaseException as exc:
             self._error = exc
             while True:  # let a writer blocked on a full queue go on to see the error

@@ -108,8 +108,10 @@ def commit(
     world_size: int | None = None,
     metrics: dict[str, float] | None = None,
     layout: str | None = None,
+    save_costs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Commit the claimed step from every part pushed under `token`."""
+    """Commit the claimed step from every part pushed under `token` (`save_costs`: what the
+    training loop measured, recorded as it says)."""
     from policies.layouts import check_layout
 
     check_layout(layout)
@@ -121,7 +123,13 @@ def commit(
             "run `reg push-ckpt DIR --claim TOKEN` on each node first",
         )
     result = shared.commit_written(
-        ctx, held, files, world_size=world_size, metrics=metrics, layout=layout
+        ctx,
+        held,
+        files,
+        world_size=world_size,
+        metrics=metrics,
+        layout=layout,
+        save_costs=save_costs,
     )
     for key in records:  # the parts' records are not part of the checkpoint
         with contextlib.suppress(RegistryError):

@@ -132,6 +132,13 @@ def renew(ctx: Context, shared: SharedClaim, seconds: float) -> None:
             raise _lost(shared.ref)
 
 
+def give_up(ctx: Context, shared: SharedClaim) -> None:
+    """The writers failed: the claim may be taken over at once (the step saved again)."""
+    from registry.catalog import claims
+
+    claims.expire(ctx.catalog, shared.catalog_claim())
+
+
 def record_part(ctx: Context, shared: SharedClaim, files: list[Stored]) -> str:
     """Write which files one writer put (its part of the checkpoint); returns the record key."""
     doc = {

@@ -1,0 +1,83 @@
+"""A checkpoint's files pushed under a shared claim through `reg server` (issue 15): one node's
+part of a step (`reg push-ckpt DIR --claim TOKEN`), each file a streamed PUT that the server
+hashes as it lands; the answer's digest must equal the one computed here while sending."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import IntegrityError, UsageError
+from registry.formats.dcp_scan import open_checked, scan_part
+from registry.progress import Counter, Progress
+from registry.refs import CheckpointRef
+
+if TYPE_CHECKING:
+    from registry.remote.registry import RemoteRegistry
+
+CHUNK = 4 << 20
+
+
+def check_token(token: str) -> str:
+    if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise UsageError("not a claim token", "use the token `reg claim-ckpt` printed")
+    return token
+
+
+def push_part(
+    registry: RemoteRegistry,
+    root: Path,
+    token: str,
+    ref: CheckpointRef,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    held = registry.renew_claim(check_token(token), 3600.0)
+    if held.get("ref") != str(ref):
+        raise UsageError(
+            f"the claim is for {held.get('ref')}, not {ref}",
+            "pass the --run and --step it was made for",
+        )
+    files, identity = scan_part(root)
+    counter = Counter(progress)
+    if progress:
+        progress.start(f"push {ref} (part)", sum(files.values()))
+    started = time.monotonic()
+
+    def put(path: str) -> dict[str, Any]:
+        digest = hashlib.sha256()
+        fd = open_checked(root, path, identity[path], files[path])
+
+        def chunks() -> Iterator[bytes]:
+            with os.fdopen(fd, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+                    counter(len(chunk))
+                    yield chunk
+
+        got = registry.put_claimed(token, path, chunks())
+        if (got.get("size"), got.get("sha256")) != (files[path], digest.hexdigest()):
+            raise IntegrityError(
+                f"{root / path}: the server stored other bytes than were sent",
+                "the file changed while being pushed, or was damaged in transit; push again",
+            )
+        return {"path": path, "size": files[path], "sha256": digest.hexdigest()}
+
+    try:
+        with ThreadPoolExecutor(max_workers=registry.settings.workers) as pool:
+            done = list(pool.map(put, sorted(files, key=lambda p: -files[p])))
+    finally:
+        if progress:
+            progress.finish()
+    return {
+        "ref": str(ref),
+        "files": sorted(done, key=lambda f: f["path"]),
+        "bytes": sum(files.values()),
+        "reused_files": 0,
+        "upload_seconds": round(time.monotonic() - started, 3),
+    }

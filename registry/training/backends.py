@@ -1,0 +1,181 @@
+"""Where a training loop's saves and restores go: the store itself (embedded mode), or
+`reg server` (REG_URL set), which alone holds the catalog and store credentials.
+
+Both answer the same questions for `CheckpointManager`: claim a step (rank 0), give every rank
+a sink for its files, keep the claim alive, commit, find the newest step and a reader for it,
+and record a restore. Through the server each file streams through it into the store (hashed
+there; the server records what it received) and the commit sends no file list.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import NotFound, UsageError
+from registry.layout import checkpoint_prefix
+from registry.lifecycle.checkpoints.shared import SharedClaim
+from registry.refs import CheckpointRef, parse_checkpoint_ref
+from registry.storage.base import PutResult
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+    from registry.storage.base import BaseStore
+    from registry.training.store_writer import ObjectSink, Written
+
+SERVER_LEASE_S = 120.0  # a server claim is held by no server process: rank 0 renews it
+
+
+class EmbeddedBackend:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def claim(self, ref: CheckpointRef) -> SharedClaim:
+        from registry.lifecycle.checkpoints.shared import claim
+
+        return claim(self.registry.context, ref)
+
+    def sink(self, claimed: SharedClaim) -> ObjectSink:
+        from registry.training.store_writer import StoreSink
+
+        return StoreSink(self.registry.store)
+
+    def renew(self, claimed: SharedClaim) -> None:
+        from registry.catalog import claims
+
+        claims.renew(self.registry.context.catalog, claimed.catalog_claim())
+
+    def give_up(self, claimed: SharedClaim) -> None:
+        from registry.lifecycle.checkpoints.shared import give_up
+
+        give_up(self.registry.context, claimed)
+
+    def commit(
+        self,
+        claimed: SharedClaim,
+        written: Written,
+        world_size: int,
+        metrics: dict[str, float] | None,
+        costs: dict[str, Any],
+    ) -> dict[str, Any]:
+        from registry.lifecycle.checkpoints.shared import commit_written
+
+        result = commit_written(
+            self.registry.context,
+            claimed,
+            written.files,
+            world_size=world_size,
+            metrics=metrics,
+            save_costs=costs,
+            upload_seconds=float(costs["persist_seconds"]),
+            own_writer=True,
+        )
+        return result.to_json()
+
+    def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
+        """The newest committed step, a store to read it from, its prefix and file versions."""
+        try:
+            shown = self.registry.show(ref)
+        except NotFound:
+            return None
+        step = int(shown["step"])
+        versions = {f["path"]: f["version"] for f in shown["files"] if f.get("version")}
+        prefix = checkpoint_prefix(ref.project, ref.run, step)
+        return step, self.registry.store, prefix, versions
+
+    def resumed(self, ref: CheckpointRef) -> None:
+        from registry.lifecycle.checkpoints.read import record_resume
+
+        context = self.registry.context
+        if context.principal.authorize("push", project=ref.project).allowed:
+            record_resume(context, ref)
+
+    def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
+        from registry.lifecycle.checkpoints.costs import record_restore
+
+        context = self.registry.context
+        if context.principal.authorize("push", project=ref.project).allowed:
+            record_restore(context, ref, world_size, phases)
+
+
+class ServerBackend:
+    def __init__(self, registry: Registry) -> None:
+        from registry.remote.registry import RemoteRegistry
+
+        assert isinstance(registry, RemoteRegistry)
+        self.registry = registry
+
+    def claim(self, ref: CheckpointRef) -> SharedClaim:
+        got = self.registry.claim_checkpoint(
+            ref.run, ref.step or 0, project=ref.project, lease_s=SERVER_LEASE_S
+        )
+        return SharedClaim(ref, 0, _token(got.get("claim")))
+
+    def sink(self, claimed: SharedClaim) -> ObjectSink:
+        return ServerSink(self.registry, claimed)
+
+    def renew(self, claimed: SharedClaim) -> None:
+        self.registry.renew_claim(claimed.token, SERVER_LEASE_S)
+
+    def give_up(self, claimed: SharedClaim) -> None:
+        self.registry.renew_claim(claimed.token, 0)
+
+    def commit(
+        self,
+        claimed: SharedClaim,
+        written: Written,
+        world_size: int,
+        metrics: dict[str, float] | None,
+        costs: dict[str, Any],
+    ) -> dict[str, Any]:
+        # The server commits from the files it received itself; `written` is not sent.
+        return self.registry.commit_claimed(
+            claimed.token, world_size=world_size, metrics=metrics, save_costs=costs
+        )
+
+    def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
+        from registry.formats.documents import FileRecord
+        from registry.remote.reader import RemoteReader
+
+        try:
+            listing = self.registry.client.call("GET", "/files", params={"ref": str(ref)})
+        except NotFound:
+            return None
+        step = parse_checkpoint_ref(listing["ref"]).step or 0
+        files = [
+            FileRecord(f["path"], f["size"], f["sha256"], None, f.get("version"))
+            for f in listing["files"]
+        ]
+        prefix = "remote/"  # any key prefix: the reader asks for each file of the ref
+        urls = self.registry.read_urls(listing["ref"], listing["files"])
+        reader = RemoteReader(self.registry.client, listing["ref"], prefix, files, urls)
+        return step, reader, prefix, {}
+
+    def resumed(self, ref: CheckpointRef) -> None:
+        self.registry.client.call("POST", "/checkpoints/pulled", body={"ref": str(ref)})
+
+    def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
+        body = {"ref": str(ref), "restore": {"world_size": world_size, "phases": phases}}
+        self.registry.client.call("POST", "/checkpoints/pulled", body=body)
+
+
+class ServerSink:
+    """Each object a PUT of its bytes to `reg server`, streamed as they are produced."""
+
+    def __init__(self, registry: Any, claimed: SharedClaim) -> None:
+        self.registry, self.claimed = registry, claimed
+
+    def put_chunks(self, key: str, chunks: Iterator[bytes]) -> PutResult:
+        path = key.removeprefix(self.claimed.prefix)
+        got = self.registry.put_claimed(self.claimed.token, path, chunks)
+        return PutResult(key, int(got["size"]), str(got["sha256"]), got.get("version"))
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult:
+        return self.put_chunks(key, iter([data]))
+
+
+def _token(value: object) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{32}", value):
+        raise UsageError("the server answered the claim without a token", "update reg server")
+    return value
