@@ -1,7 +1,8 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
-Runs bench.checkpoints, bench.promotion, bench.s3, bench.presigned, bench.server and bench.gc
-in turn on one shared 1.2 GiB checkpoint (made once by 2 torchrun ranks); each prints ratios
+Runs bench.checkpoints, bench.promotion, bench.s3, bench.presigned, bench.server,
+bench.training and bench.gc in turn on one shared 1.2 GiB checkpoint (made once by 2 torchrun
+ranks; bench.training saves its own state of that size from torchrun jobs); each prints ratios
 against baselines measured in the same run.
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
             ("bench.s3", common),
             ("bench.presigned", common),
             ("bench.server", common),
+            ("bench.training", common),
             ("bench.gc", []),
         ):
             print(f"== {module}", flush=True)
