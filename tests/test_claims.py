@@ -119,3 +119,93 @@ def test_bad_claims_and_parts_are_refused_in_one_line(
 def test_a_lease_out_of_range_is_refused(cli: Any, lease: str) -> None:
     res = cli("claim-ckpt", "--run", "multi", "--step", "1", "--lease", lease)
     assert res.returncode == 2 and "--lease" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_lease_refused_claims_nothing(cli: Any) -> None:
+    assert cli("claim-ckpt", "--run", "multi", "--step", "1", "--lease", "30d").returncode == 2
+    assert cli("claim-ckpt", "--run", "multi", "--step", "1").returncode == 0
+
+
+def test_a_taken_over_claim_writes_nothing_into_the_next_attempt(
+    cli: Any, ckpts: Ckpts, tmp_path: Path
+) -> None:
+    """Claim A's lease runs out, claim B takes the step: A's late part is refused, and B's
+    commit holds only what B's writers recorded."""
+    import time
+
+    a, b = _nodes(ckpts, tmp_path)
+    first = _ok(cli("claim-ckpt", "--run", "multi", "--step", "5", "--lease", "1s")).strip()
+    time.sleep(1.5)
+    second = _ok(cli("claim-ckpt", "--run", "multi", "--step", "5")).strip()
+    assert second != first
+    _fails(
+        cli("push-ckpt", b, "--claim", first, "--run", "multi", "--step", "5"),
+        3,
+        "no checkpoint is being written under this claim",
+    )
+    _ok(cli("push-ckpt", a, "--claim", second, "--run", "multi", "--step", "5"))
+    _fails(cli("commit-ckpt", "--claim", second), 1, "of rank(s) 1 that .metadata names")
+
+
+def test_a_forged_part_record_is_refused(cli: Any, ckpts: Ckpts, tmp_path: Path) -> None:
+    import hashlib
+
+    a, b = _nodes(ckpts, tmp_path)
+    token = _ok(cli("claim-ckpt", "--run", "multi", "--step", "6")).strip()
+    _ok(cli("push-ckpt", a, "--claim", token, "--run", "multi", "--step", "6"))
+    _ok(cli("push-ckpt", b, "--claim", token, "--run", "multi", "--step", "6"))
+    store = tmp_path / "reg-home" / "store" / "ckpt" / "default" / "multi" / "step-6"
+    tag = hashlib.sha256(token.encode()).hexdigest()[:24]
+    forged = store / f".reg-claim-{tag}-forged.json"
+    for files in (
+        [{"path": ".reg-claim-other.json", "size": 2, "sha256": "0" * 64}],
+        [{"path": "../../x", "size": 2, "sha256": "0" * 64}],
+        [{"path": "__1_0.distcp", "size": 2, "sha256": None}],
+        [{"path": ["x"], "size": 2, "sha256": "0" * 64}],
+        [{"path": "x", "size": 1e400, "sha256": "0" * 64}],
+    ):
+        forged.write_text(json.dumps({"files": files}))
+        _fails(cli("commit-ckpt", "--claim", token), 1, "is not a part record")
+    forged.write_text("[" * 100_000)
+    _fails(cli("commit-ckpt", "--claim", token), 1, "is not a part record")
+    forged.unlink()
+    out = json.loads(_ok(cli("commit-ckpt", "--claim", token, "--json")))
+    assert sorted(f["path"] for f in out["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_two_commits_of_one_claim_record_the_manifest_that_is_stored(
+    ckpts: Ckpts, tmp_path: Path
+) -> None:
+    """Launchers that commit from every node: one commit wins, the other finds the claim
+    gone, and the catalog's manifest digest is the stored MANIFEST.json's."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from registry import Registry
+    from tests.helpers import ROOT
+
+    a, b = _nodes(ckpts, tmp_path)
+    with Registry() as reg:
+        token = reg.claim_checkpoint("multi", 7)["claim"]
+        reg.push_checkpoint_part(a, claim=token, run="multi", step=7)
+        reg.push_checkpoint_part(b, claim=token, run="multi", step=7)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli", "commit-ckpt", "--claim", token],
+            cwd=ROOT,
+            env=dict(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    codes = sorted(p.wait(timeout=120) for p in procs)
+    assert codes[0] == 0 and codes[1] in (3, 5), [p.stderr.read() for p in procs]
+    with Registry() as reg:
+        shown = reg.show("multi@step7")
+    stored = tmp_path / "reg-home" / "store" / "ckpt" / "default" / "multi" / "step-7"
+    digest = hashlib.sha256((stored / "MANIFEST.json").read_bytes()).hexdigest()
+    assert shown["manifest_sha256"] == digest

@@ -274,3 +274,19 @@ def test_a_wide_commit_names_the_missing_ranks(reg: Registry) -> None:
         commit_written(ctx, shared, lost, world_size=RANKS, own_writer=True)
     with pytest.raises(NotFound):
         reg.show("wide@step2")
+
+
+def test_state_that_restore_could_not_load_is_refused_at_save(clean_env: Path) -> None:
+    """A value that unpickles only with arbitrary code (a numpy RNG state) would make every
+    later restore fail: refused when saved, before anything is claimed."""
+    import numpy as np
+
+    manager = CheckpointManager("loop")
+    with pytest.raises(UsageError, match=r"rng\.rank_0\.np needs arbitrary unpickling"):
+        manager.save(_state(1), 1, per_rank={"rng": {"np": np.random.get_state()}})
+    with Registry() as reg:
+        assert reg.list_checkpoints("loop") == []
+    # The same step saves once the state is plain (an RNG state as a tensor).
+    view = manager.save(_state(1), 1, per_rank={"rng": torch.get_rng_state()})
+    assert view is not None and view["ref"] == "loop@step1"
+    manager.close()

@@ -68,8 +68,13 @@ def push_part(
             )
         return {"path": path, "size": files[path], "sha256": digest.hexdigest()}
 
+    from registry.catalog.leases import Heartbeat
+
     try:
-        with ThreadPoolExecutor(max_workers=registry.settings.workers) as pool:
+        with (
+            Heartbeat(lambda: registry.renew_claim(token, 3600.0), 60.0),
+            ThreadPoolExecutor(max_workers=registry.settings.workers) as pool,
+        ):
             done = list(pool.map(put, sorted(files, key=lambda p: -files[p])))
     finally:
         if progress:

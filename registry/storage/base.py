@@ -92,6 +92,23 @@ class Staged:
         self.discard()
 
 
+class ObjectWriter:
+    """Bytes pushed in by the caller (`write`), hashed as they come; `publish()` makes them the
+    object (put-if-absent: ObjectExists if the key appeared meanwhile), `discard()` drops
+    them. Nothing is visible before `publish()`."""
+
+    key: str
+
+    def write(self, data: Any) -> None:
+        raise NotImplementedError
+
+    def publish(self) -> PutResult:
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        raise NotImplementedError
+
+
 class _DeferredFile(Staged):
     """Staging for backends that cannot hide a written object: the write happens at publish."""
 
@@ -261,6 +278,11 @@ class BaseStore(ABC):
     def lock_compliance(self, key: str, version: str | None) -> str | None:
         """Put a COMPLIANCE retention on `key` (that `version` of it, on a versioned bucket)
         where the backend has Object Lock: what the lock is, or None where it has none."""
+        return None
+
+    def open_writer(self, key: str) -> ObjectWriter | None:
+        """A writer the caller pushes bytes into from its own thread (hashed as written,
+        invisible until `publish()`), where the backend has one; None: use `put_stream`."""
         return None
 
     def sweep_incomplete(

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from registry.errors import IntegrityError, NotFound, ObjectExists, RegistryError
 from registry.storage.base import (
@@ -34,6 +35,7 @@ from registry.storage.base import (
     BaseStore,
     HashingSink,
     ObjectInfo,
+    ObjectWriter,
     Producer,
     Progress,
     PutResult,
@@ -187,6 +189,12 @@ class LocalStore(BaseStore):
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd, str(temp)
 
+    def open_writer(self, key: str) -> _LocalWriter:
+        if os.path.lexists(self._path(check_key(key))):
+            raise ObjectExists(key)
+        fd, temp = self._open_temp(key)
+        return _LocalWriter(self, key, fd, temp)
+
     def sweep_incomplete(
         self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None
     ) -> builtins.list[Swept]:
@@ -339,6 +347,46 @@ class _LocalStaged(Staged):
         finally:
             os.close(dir_fd)
         return PutResult(self.key, *self._digest)
+
+    def discard(self) -> None:
+        if self._open:
+            self._open = False
+            _close_temp(self._fd, self._temp)
+
+
+class _LocalWriter(ObjectWriter):
+    """Written and hashed in the caller's thread into an unnamed file, as DCP's own file
+    writer writes (no copy, no hand-off); `publish` fsyncs and links it like a staged file."""
+
+    def __init__(self, store: LocalStore, key: str, fd: int, temp: str | None) -> None:
+        self.key = key
+        self._store, self._fd, self._temp = store, fd, temp
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._open = True
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        try:
+            write_all(self._fd, view)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise RegistryError(f"no space left writing {self.key}", "free space") from exc
+            raise
+        self._size += len(view)
+
+    def publish(self) -> PutResult:
+        os.fsync(self._fd)
+        self._store._set_owner(self._fd, _file_mode(False, None))
+        self._open = False
+        staged = _LocalStaged(
+            self._store, self.key, self._fd, self._temp, self._size, self._hash.hexdigest()
+        )
+        try:
+            return staged.publish()
+        finally:
+            staged.discard()
 
     def discard(self) -> None:
         if self._open:

@@ -131,19 +131,37 @@ class S3Store(BaseStore):
                 if progress:
                     progress(len(data))
                 return result
-            return self._multipart(key, file_parts(f, part), immutable, progress)
+            def from_start() -> Iterator[bytes]:
+                f.seek(0)
+                return file_parts(f, part)
+
+            return self._multipart(key, from_start, immutable, progress)
 
     def _put_stream(self, key: str, produce: Producer, immutable: bool) -> tuple[int, str]:
-        return stream_parts(
-            produce, MIN_PART * 2, lambda parts: self._multipart(key, parts, immutable, None)
-        )
+        def upload(parts: Iterator[bytes]) -> tuple[int, str]:
+            given = [parts]
+
+            def once() -> Iterator[bytes]:  # a stream is read once: no retry re-reads it
+                if not given:
+                    raise Conflict(f"{key}: a concurrent write conflicted with it", "retry")
+                return given.pop()
+
+            return self._multipart(key, once, immutable, None)
+
+        return stream_parts(produce, MIN_PART * 2, upload)
 
     def _multipart(
-        self, key: str, parts: Iterator[bytes], immutable: bool, progress: Progress
+        self,
+        key: str,
+        parts_from_start: Callable[[], Iterator[bytes]],
+        immutable: bool,
+        progress: Progress,
     ) -> tuple[int, str]:
-        """Upload parts in parallel (at most IN_FLIGHT in memory), hashing them in order."""
+        """Upload parts in parallel (at most IN_FLIGHT in memory), hashing them in order. A
+        retry after a conflicting concurrent write reads the parts again from the start."""
         full_key = self._key(key)
         for attempt in range(3):
+            parts = parts_from_start()
             upload_id = self._call(
                 key,
                 lambda: self.client.create_multipart_upload(

@@ -25,6 +25,7 @@ resumed from it, so retention keeps it.
 from __future__ import annotations
 
 import contextlib
+import io
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,7 @@ class CheckpointManager:
         self._record_restore()
         started = time.monotonic()
         state = _with_per_rank(state, per_rank)
+        _agree(_unloadable(state))  # refused on every rank, before anything is claimed
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         save = _Save(self, shared, started, metrics, async_)
@@ -147,16 +149,7 @@ class CheckpointManager:
 
     def _claim(self, ref: CheckpointRef) -> SharedClaim:
         """Rank 0 claims the step; every rank gets the claim or rank 0's error."""
-        got: list[Any] = [None]
-        if _rank() == 0:
-            try:
-                got[0] = self.backend.claim(ref)
-            except RegistryError as exc:
-                got[0] = exc
-        _broadcast(got)
-        if isinstance(got[0], BaseException):
-            raise got[0]
-        return got[0]  # type: ignore[no-any-return]
+        return _from_rank0(lambda: self.backend.claim(ref))  # type: ignore[no-any-return]
 
     def _group(self) -> Any:
         """async_save's own gloo group: its collectives run on a background thread, which must
@@ -182,15 +175,16 @@ class CheckpointManager:
         from registry.training.timed_reader import TimedReader
 
         started = time.monotonic()
+
         # Rank 0 asks which step is newest; every rank then reads it (the same files).
-        found: list[Any] = [None]
-        if _rank() == 0:
-            newest = self.backend.latest(CheckpointRef(self.project, self.run, None))
-            found[0] = None if newest is None else newest[0]
-        _broadcast(found)
-        if found[0] is None:
+        def newest() -> int | None:
+            found = self.backend.latest(CheckpointRef(self.project, self.run, None))
+            return None if found is None else found[0]
+
+        newest_step = _from_rank0(newest)
+        if newest_step is None:
             return None
-        step = int(found[0])
+        step = int(newest_step)
         located = self.backend.latest(CheckpointRef(self.project, self.run, step))
         if located is None:
             raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
@@ -406,6 +400,70 @@ def _world() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _unloadable(state: dict[str, Any]) -> RegistryError | None:
+    """A value `restore` could not load back (it unpickles with weights_only=True): found
+    at save time, not after the crash that needs the checkpoint."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from registry.formats.dcp_load import load_object
+
+    flat, _ = flatten_state_dict(state)
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            continue
+        data = io.BytesIO()
+        try:
+            torch.save(value, data)
+            load_object(data.getvalue(), fqn)
+        except RegistryError as exc:
+            return UsageError(
+                f"{exc.message.removesuffix('; refused')} on restore: nothing was saved",
+                "save tensors, numbers, strings, lists and dicts (an RNG's state as a tensor)",
+            )
+        except Exception as exc:
+            return UsageError(f"{fqn} cannot be saved: {type(exc).__name__}: {exc}")
+    return None
+
+
+def _agree(error: RegistryError | None) -> None:
+    """Every rank raises if any rank found `error` (the first rank's), so that no rank goes on
+    into a collective the others left."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error)
+        error = next((e for e in every if e is not None), None)
+    if error is not None:
+        raise error
+
+
+def _from_rank0(call: Any) -> Any:
+    """`call()` on rank 0, its answer (or its error) on every rank: a failure on rank 0 must
+    not leave the other ranks waiting in a collective that never comes."""
+    got: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            got[0] = call()
+        except RegistryError as exc:
+            got[0] = exc
+        except Exception as exc:  # what else failed, in a form every rank can unpickle
+            got[0] = RegistryError(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            if not _distributed():
+                raise
+    _broadcast(got)
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
 
 
 def _broadcast(values: list[Any]) -> None:

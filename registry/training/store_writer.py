@@ -34,7 +34,7 @@ from torch.futures import Future
 
 from registry.errors import Conflict, ObjectExists, RegistryError
 from registry.formats.documents import FileRecord
-from registry.storage.base import BaseStore, PutResult
+from registry.storage.base import BaseStore, ObjectWriter, PutResult
 
 RANK_WRITES_FQN = "__reg_rank_writes__"  # never a real key: DCP keys are the state dict's FQNs
 BUFFER = 8 * 1024 * 1024  # bytes gathered before they go to the store's writer thread
@@ -65,6 +65,9 @@ class StoreSink:
 
     def put_bytes(self, key: str, data: bytes) -> PutResult:
         return self.store.put_bytes(key, data)
+
+    def open_writer(self, key: str) -> ObjectWriter | None:
+        return self.store.open_writer(key)
 
 
 @dataclass(slots=True)
@@ -167,10 +170,7 @@ def _put_new(sink: ObjectSink, key: str, data: bytes) -> PutResult:
     try:
         return sink.put_bytes(key, data)
     except ObjectExists:
-        raise Conflict(
-            f"{key} already exists in the store: another writer is writing this step",
-            "a stale writer of an earlier attempt is still running; save under a new step",
-        ) from None
+        raise _exists(key) from None
 
 
 class _StoreFileSystem(FileSystemBase):
@@ -234,6 +234,7 @@ def _rank_of(name: str) -> int | None:
 
 
 _END, _ABORT = object(), object()
+SMALL = 1 << 20  # writes below this are gathered (zip headers, pickles); larger go as they are
 
 
 class _Aborted(Exception):
@@ -241,17 +242,22 @@ class _Aborted(Exception):
 
 
 class _ObjectStream(io.RawIOBase):
-    """A write-only stream that is one object. Bytes are gathered into BUFFER-sized chunks and
-    handed to a thread running the sink's `put_chunks` (two chunks queued at most:
-    memory stays bounded while DCP serializes the next tensor). Nothing is visible until
-    `finish()`: an aborted stream leaves no object. A stream nothing was written to makes no
-    object (a rank with no items of its own)."""
+    """A write-only stream that is one object; nothing is visible until `finish()`, an aborted
+    stream leaves no object, and a stream nothing was written to makes none (a rank with no
+    items of its own).
+
+    Where the sink has an inline writer (a local store) each large write (a tensor's storage,
+    in one call from torch.save) is hashed and written from the caller's thread, without a
+    copy, as DCP's own writer does. Otherwise (S3, `reg server`) bytes go in BUFFER-sized
+    chunks to a thread running the sink's `put_chunks`, two queued at most: memory stays
+    bounded whatever the tensor's size."""
 
     def __init__(self, sink: ObjectSink, key: str) -> None:
         super().__init__()
         self.sink, self.key = sink, key
-        self._buffer = bytearray()
+        self._small = bytearray()
         self._position = 0
+        self._writer: Any = None  # an ObjectWriter, opened at the first write
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
         self._thread: threading.Thread | None = None
         self._result: Any = None
@@ -266,17 +272,43 @@ class _ObjectStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self._error is not None:
-            raise self._error
-        self._buffer += view
-        self._position += len(view)
-        if len(self._buffer) >= BUFFER:
-            self._send(bytes(self._buffer))
-            self._buffer = bytearray()
-        return len(view)
+        n = len(view)
+        self._position += n
+        if n < SMALL:
+            self._small += view
+            if len(self._small) >= BUFFER:
+                self._flush_small()
+            return n
+        self._flush_small()
+        if self._inline():
+            self._writer.write(view)
+            return n
+        for start in range(0, n, BUFFER):  # one copy per chunk: the caller's memory is its own
+            self._send(bytes(view[start : start + BUFFER]))
+        return n
 
     def close(self) -> None:
         pass  # DCP closes the stream before the context ends; `finish` publishes
+
+    def _inline(self) -> bool:
+        if self._writer is None and self._thread is None:
+            opener = getattr(self.sink, "open_writer", None)
+            try:
+                self._writer = opener(self.key) if opener is not None else None
+            except ObjectExists:
+                raise _exists(self.key) from None
+            if self._writer is None:
+                self._writer = False
+        return bool(self._writer)
+
+    def _flush_small(self) -> None:
+        if not self._small:
+            return
+        chunk, self._small = self._small, bytearray()  # handed over, not copied
+        if self._inline():
+            self._writer.write(chunk)
+        else:
+            self._send(chunk)
 
     def _send(self, item: Any) -> None:
         if self._thread is None:
@@ -284,13 +316,15 @@ class _ObjectStream(io.RawIOBase):
             self._thread.start()
         while True:
             if self._error is not None and item is not _ABORT:
-                raise self._error
+                raise _mapped(self.key, self._error)
             try:
                 self._queue.put(item, timeout=0.5)
                 return
             except queue.Full:
                 if not self._thread.is_alive():
-                    return
+                    if item is _ABORT:
+                        return
+                    continue  # its error is set: raised above
 
     def _put(self) -> None:
         def chunks() -> Iterator[bytes]:
@@ -316,30 +350,46 @@ class _ObjectStream(io.RawIOBase):
         """Publish the object; its PutResult (None when nothing was written)."""
         if self._finished:
             return self._result
+        self._flush_small()
         self._finished = True
-        if self._thread is None and not self._buffer:
+        if self._writer:
+            try:
+                self._result = self._writer.publish()
+            except ObjectExists:
+                raise _exists(self.key) from None
+            finally:
+                self._writer.discard()
+            return self._result
+        if self._thread is None:
             return None
-        if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer = bytearray()
         self._send(_END)
-        assert self._thread is not None
         self._thread.join()
-        if isinstance(self._error, ObjectExists):
-            raise Conflict(
-                f"{self.key} already exists in the store: another writer is writing this step",
-                "a stale writer of an earlier attempt is still running; save under a new step",
-            ) from None
-        if isinstance(self._error, RegistryError):
-            raise self._error
         if self._error is not None:
-            raise RegistryError(f"writing {self.key} failed: {self._error}") from self._error
+            raise _mapped(self.key, self._error)
         return self._result
 
     def abort(self) -> None:
         if self._finished:
             return
         self._finished = True
-        if self._thread is not None:
+        if self._writer:
+            self._writer.discard()
+        elif self._thread is not None:
             self._send(_ABORT)
             self._thread.join()
+
+
+def _exists(key: str) -> Conflict:
+    return Conflict(
+        f"{key} already exists in the store: another writer is writing this step",
+        "a stale writer of an earlier attempt is still running; save under a new step",
+    )
+
+
+def _mapped(key: str, error: BaseException) -> BaseException:
+    """The store's error as the user should read it."""
+    if isinstance(error, ObjectExists):
+        return _exists(key)
+    if isinstance(error, RegistryError):
+        return error
+    return RegistryError(f"writing {key} failed: {error}")

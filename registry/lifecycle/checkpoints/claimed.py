@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from registry.context import Context
 
 DEFAULT_LEASE_S = 3600.0
+RENEW_EVERY_S = 60.0
 
 
 def claim(ctx: Context, ref: CheckpointRef, lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
@@ -76,8 +77,14 @@ def push_part(
         finally:
             os.close(fd)
 
+    from registry.catalog.leases import Heartbeat
+
     try:
-        with ThreadPoolExecutor(max_workers=ctx.workers) as pool:
+        # The claim lives as long as the copy does, however long that is.
+        with (
+            Heartbeat(lambda: shared.renew(ctx, held, DEFAULT_LEASE_S), RENEW_EVERY_S),
+            ThreadPoolExecutor(max_workers=ctx.workers) as pool,
+        ):
             stored = list(pool.map(put, sorted(files, key=lambda p: -files[p])))
     finally:
         if progress:

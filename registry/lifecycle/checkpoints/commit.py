@@ -97,6 +97,13 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
                     "push under a new step",
                 )
             if claims.is_live(row):
+                if row.claim_pid is None:  # a launcher's claim (reg claim-ckpt): a lease only
+                    raise Conflict(
+                        f"{ref} is being pushed by {row.pushed_by} under a claim made on "
+                        f"{row.claim_host} at {iso(row.created_at)}",
+                        f"commit it with `reg commit-ckpt`, or wait until its lease runs out "
+                        f"({iso(row.lease_until)})",
+                    )
                 raise Conflict(
                     f"{ref} is being pushed by {row.pushed_by} on {row.claim_host} "
                     f"(pid {row.claim_pid}) since {iso(row.created_at)}",

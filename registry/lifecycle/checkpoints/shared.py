@@ -46,7 +46,10 @@ if TYPE_CHECKING:
     from registry.lifecycle.checkpoints.commit import PushResult
 
 _TOKEN = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_RECORDS = 1_000_000  # files of one checkpoint (4,096 ranks x 244 files each)
+MAX_LEASE_S = 7 * 86400.0
+MAX_PART_RECORD = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +82,14 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
     from registry.lifecycle.checkpoints import commit
 
     check_request(ref.project, ref.run, ref.step or 0)
+    if lease_s is not None and not 1 <= lease_s <= MAX_LEASE_S:
+        raise UsageError(f"--lease {lease_s:g}s is out of range", "1 second to 7 days")
     ctx.authorize("push", project=ref.project, target=str(ref))
     taken, existing = commit.claim_step(ctx, ref)
     if existing is not None:
         raise Conflict(f"{ref} is already committed", "save under a new step")
     shared = SharedClaim(ref, taken.row_id, taken.token)
     if lease_s is not None:
-        if not 1 <= lease_s <= 7 * 86400:
-            raise UsageError(f"--lease {lease_s:g}s is out of range", "1 second to 7 days")
         with ctx.catalog.session(write=True) as s:
             # No process holds it: the lease alone says when it may be taken over.
             claims.guarded_update(s, taken, claim_pid=None, lease_until=now() + float(lease_s))
@@ -125,10 +128,13 @@ def find(ctx: Context, token: str) -> SharedClaim:
 def renew(ctx: Context, shared: SharedClaim, seconds: float) -> None:
     """Keep a launcher's claim alive for `seconds` more (each `push-ckpt --claim` does)."""
     from registry.catalog import claims
+    from registry.catalog.models import Checkpoint
 
     with ctx.catalog.session(write=True) as s:
-        lease = max(seconds, claims.LEASE_SECONDS)
-        if not claims.guarded_update(s, shared.catalog_claim(), lease_until=now() + lease):
+        row = s.get(Checkpoint, shared.row_id)
+        current = (row.lease_until or 0.0) if row is not None else 0.0
+        lease = max(current, now() + max(seconds, claims.LEASE_SECONDS))  # never shortened
+        if not claims.guarded_update(s, shared.catalog_claim(), lease_until=lease):
             raise _lost(shared.ref)
 
 
@@ -155,9 +161,18 @@ def record_part(ctx: Context, shared: SharedClaim, files: list[Stored]) -> str:
             for f in files
         ],
     }
-    key = f"{shared.prefix}{CLAIM_RECORD_PREFIX}{uuid.uuid4().hex}.json"
+    key = f"{_records_of(shared)}{uuid.uuid4().hex}.json"
+    renew(ctx, shared, 0)  # still ours (a writer whose claim was taken over stops here)
     ctx.store.put_bytes(key, json.dumps(doc, separators=(",", ":")).encode())
     return key
+
+
+def _records_of(shared: SharedClaim) -> str:
+    """Where the part records of this claim go: named by a digest of its token, so a commit
+    reads only its own writers' records (never a taken-over attempt's), and the store does
+    not hold the token itself."""
+    tag = hashlib.sha256(shared.token.encode()).hexdigest()[:24]
+    return f"{shared.prefix}{CLAIM_RECORD_PREFIX}{tag}-"
 
 
 def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord], list[str]]:
@@ -165,22 +180,11 @@ def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord],
     different bytes is a conflict."""
     records: dict[str, FileRecord] = {}
     keys = []
-    for info in ctx.store.list(shared.prefix + CLAIM_RECORD_PREFIX):
+    for info in ctx.store.list(_records_of(shared)):
         keys.append(info.key)
-        if info.size > 256 * 1024 * 1024:
+        if info.size > MAX_PART_RECORD:
             raise IntegrityError(f"{info.key} is {info.size} bytes: not a part record")
-        try:
-            doc = json.loads(ctx.store.get_bytes(info.key))
-            entries = doc["files"]
-            parsed = [
-                FileRecord(e["path"], int(e["size"]), str(e["sha256"]), None, e.get("version"))
-                for e in entries
-            ]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise IntegrityError(
-                f"{info.key} is not a part record ({exc})", "push that part again"
-            ) from None
-        for r in parsed:
+        for r in _parse_part(info.key, ctx.store.get_bytes(info.key)):
             seen = records.get(r.path)
             if seen is not None and (seen.size, seen.sha256) != (r.size, r.sha256):
                 raise Conflict(
@@ -189,6 +193,44 @@ def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord],
                 )
             records[r.path] = r
     return sorted(records.values(), key=lambda r: r.path), keys
+
+
+def _parse_part(key: str, data: bytes) -> list[FileRecord]:
+    """One part record's files, each field checked: a record is read back from the store, and
+    what it says becomes the checkpoint's file list."""
+    from registry.formats.dcp_scan import check_path, is_reserved
+
+    bad = IntegrityError(f"{key} is not a part record", "push that part again")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise bad from None
+    entries = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise bad
+    out = []
+    for e in entries:
+        if not isinstance(e, dict):
+            raise bad
+        path, size, digest, version = (e.get(k) for k in ("path", "size", "sha256", "version"))
+        if (
+            not isinstance(path, str)
+            or isinstance(size, bool)
+            or not isinstance(size, int)
+            or not 0 <= size < 1 << 50
+            or not isinstance(digest, str)
+            or not _HEX.fullmatch(digest)
+            or not (version is None or (isinstance(version, str) and len(version) <= 1024))
+        ):
+            raise bad
+        try:
+            check_path(key, path)
+        except UsageError:
+            raise bad from None
+        if is_reserved(path):
+            raise bad
+        out.append(FileRecord(path, size, digest, None, version))
+    return out
 
 
 def commit_written(
@@ -246,7 +288,8 @@ def commit_written(
     world = world_size_of(scanned, world_size, None)
     facts = facts_of(scanned.inventory, sizes, read, layout)
     stored = [Stored(prefix + f.path, f.size, f.sha256, False, f.version) for f in files]
-    with claims.held(ctx.catalog, shared.catalog_claim()):
+    committing = _take_for_commit(ctx, shared)
+    with claims.held(ctx.catalog, committing):
         manifest = build_manifest(
             ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), checked_metrics
         )
@@ -261,11 +304,11 @@ def commit_written(
                 manifest_key(ref.project, ref.run, ref.step or 0),
                 data=data,
                 on_mismatch=OnMismatch.REPLACE,
-                before_replace=lambda: commit.ensure_held(ctx, shared.catalog_claim(), ref),
+                before_replace=lambda: commit.ensure_held(ctx, committing, ref),
             ).version
         result = commit.commit(
             ctx,
-            shared.catalog_claim(),
+            committing,
             manifest,
             data,
             version,
@@ -274,6 +317,23 @@ def commit_written(
             save_costs=save_costs,
         )
     return replace(result, resume=fields(facts, ctx.policy.resume))
+
+
+def _take_for_commit(ctx: Context, shared: SharedClaim) -> Claim:
+    """One committer: the claim's token is swapped for a fresh one held by this process, so a
+    second `commit-ckpt` of the same claim (or a writer still renewing it) finds it gone
+    instead of writing a MANIFEST.json the first commit does not record."""
+    from registry.catalog import claims
+    from registry.catalog.models import Checkpoint
+
+    fresh = claims.new_token()
+    with ctx.catalog.session(write=True) as s:
+        if not claims.guarded_update(s, shared.catalog_claim(), **claims.claim_columns(fresh)):
+            raise Conflict(
+                f"{shared.ref} is being committed by another process, or its claim was lost",
+                "check `reg show`; claim the step again if it is not committed",
+            )
+    return claims.Claim(Checkpoint, shared.row_id, fresh)
 
 
 def _check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> None:
