@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,10 @@ class _LocalStaged(Staged):
             _close_temp(self._fd, self._temp)
 
 
+OVERLAP = 4 << 20  # writes from this size are hashed while they are written
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reg-hash")
+
+
 class _LocalWriter(ObjectWriter):
     """Written and hashed in the caller's thread into an unnamed file, as DCP's own file
     writer writes (no copy, no hand-off); `publish` fsyncs and links it like a staged file."""
@@ -367,13 +372,20 @@ class _LocalWriter(ObjectWriter):
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        # A large write is hashed on a second thread while this one writes it (both release
+        # the GIL); the call returns only once both are done with the caller's memory.
+        hashing = _HASHER.submit(self._hash.update, view) if len(view) >= OVERLAP else None
+        if hashing is None:
+            self._hash.update(view)
         try:
             write_all(self._fd, view)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise RegistryError(f"no space left writing {self.key}", "free space") from exc
             raise
+        finally:
+            if hashing is not None:
+                hashing.result()
         self._size += len(view)
 
     def publish(self) -> PutResult:
