@@ -131,6 +131,7 @@ class S3Store(BaseStore):
                 if progress:
                     progress(len(data))
                 return result
+
             def from_start() -> Iterator[bytes]:
                 f.seek(0)
                 return file_parts(f, part)

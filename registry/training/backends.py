@@ -31,6 +31,9 @@ class EmbeddedBackend:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
+    def prepare(self) -> None:
+        self.registry.store  # noqa: B018  # opened now: an unreachable store fails here
+
     def claim(self, ref: CheckpointRef) -> SharedClaim:
         from registry.lifecycle.checkpoints.shared import claim
 
@@ -105,6 +108,9 @@ class ServerBackend:
 
         assert isinstance(registry, RemoteRegistry)
         self.registry = registry
+
+    def prepare(self) -> None:
+        pass  # the client was made with the registry (its token checked then)
 
     def claim(self, ref: CheckpointRef) -> SharedClaim:
         got = self.registry.claim_checkpoint(

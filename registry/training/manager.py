@@ -105,8 +105,16 @@ class CheckpointManager:
         self.wait()  # one save in flight: the previous one commits (or raises) first
         self._record_restore()
         started = time.monotonic()
-        state = _with_per_rank(state, per_rank)
-        _agree(_unloadable(state))  # refused on every rank, before anything is claimed
+        # What one rank finds wrong stops every rank, before anything is claimed: a rank that
+        # raised alone would leave the others waiting in DCP's collectives.
+        problem: RegistryError | None = None
+        try:
+            state = _with_per_rank(state, per_rank)
+            problem = _unloadable(state)
+            self.backend.prepare()  # the store or the server, reachable from this rank
+        except RegistryError as exc:
+            problem = exc
+        _agree(problem)
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         save = _Save(self, shared, started, metrics, async_)
@@ -185,14 +193,21 @@ class CheckpointManager:
         if newest_step is None:
             return None
         step = int(newest_step)
-        located = self.backend.latest(CheckpointRef(self.project, self.run, step))
-        if located is None:
-            raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
-        _, store, prefix, versions = located
-        reader = TimedReader(store, prefix, versions=versions)
-        loaded, self.resume_notes = _per_rank_to_load(reader.read_metadata(), per_rank)
-        full = _with_per_rank(state, loaded)
-        _checked(lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()))
+        problem: RegistryError | None = None
+        try:  # every rank finds the step and reads its .metadata, or every rank stops
+            located = self.backend.latest(CheckpointRef(self.project, self.run, step))
+            if located is None:
+                raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
+            _, store, prefix, versions = located
+            reader = TimedReader(store, prefix, versions=versions)
+            loaded, self.resume_notes = _per_rank_to_load(reader.read_metadata(), per_rank)
+            full = _with_per_rank(state, loaded)
+        except RegistryError as exc:
+            problem = exc
+        _agree(problem)
+        _checked(
+            lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()), "restore"
+        )
         for cls in loaded:
             assert per_rank is not None
             per_rank[cls] = full[cls][f"rank_{_rank()}"]
@@ -370,7 +385,7 @@ def _per_rank_to_load(
     return load, notes
 
 
-def _checked(call: Any) -> Any:
+def _checked(call: Any, what: str = "save") -> Any:
     """DCP's own errors are a BaseException (`CheckpointException`) carrying each rank's; the
     registry's error of the first failing rank is raised as it is (one line for the user)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -385,8 +400,10 @@ def _checked(call: Any) -> Any:
         first = next(iter(exc.failures.values()), None)
         cause = first[0] if isinstance(first, tuple) else first
         raise RegistryError(
-            f"the checkpoint save failed on rank(s) {sorted(exc.failures)}: {cause}",
-            "nothing was committed; the step can be saved again",
+            f"the checkpoint {what} failed on rank(s) {sorted(exc.failures)}: {cause}",
+            "nothing was committed; the step can be saved again"
+            if what == "save"
+            else "the state may be partly loaded: restore again before training",
         ) from exc
 
 
