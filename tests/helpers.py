@@ -148,3 +148,16 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
     i = len(data) // 2 if offset is None else offset
     data[i] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def split_as_nodes(ckpts: Ckpts, tmp_path: Path) -> tuple[Path, Path]:
+    """The session's ws=2 step-2 checkpoint as two nodes without a shared disk hold it: node A
+    wrote rank 0's shard and (as the coordinator) .metadata; node B rank 1's."""
+    src = ckpts.ws2.step_dir(2)
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    a.mkdir()
+    b.mkdir()
+    for name in (".metadata", "__0_0.distcp"):
+        shutil.copy(src / name, a / name)
+    shutil.copy(src / "__1_0.distcp", b / "__1_0.distcp")
+    return a, b

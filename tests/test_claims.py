@@ -5,25 +5,12 @@ nodes without a shared disk would hold it."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import Ckpts
-
-
-def _nodes(ckpts: Ckpts, tmp_path: Path) -> tuple[Path, Path]:
-    """Node A wrote rank 0's shard and (as the coordinator) .metadata; node B rank 1's."""
-    src = ckpts.ws2.step_dir(2)
-    a, b = tmp_path / "node-a", tmp_path / "node-b"
-    a.mkdir()
-    b.mkdir()
-    for name in (".metadata", "__0_0.distcp"):
-        shutil.copy(src / name, a / name)
-    shutil.copy(src / "__1_0.distcp", b / "__1_0.distcp")
-    return a, b
+from tests.helpers import Ckpts, split_as_nodes
 
 
 def _ok(res: Any) -> str:
@@ -41,7 +28,7 @@ def _fails(res: Any, code: int, text: str) -> None:
 def test_nodes_push_their_parts_and_one_commit_makes_the_step(
     cli: Any, ckpts: Ckpts, tmp_path: Path, catalog_url: str
 ) -> None:
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     token = _ok(cli("claim-ckpt", "--run", "multi", "--step", "2")).strip()
     assert len(token) == 32
     _fails(cli("claim-ckpt", "--run", "multi", "--step", "2"), 5, "multi@step2 is being pushed")
@@ -83,7 +70,7 @@ def test_nodes_push_their_parts_and_one_commit_makes_the_step(
 def test_bad_claims_and_parts_are_refused_in_one_line(
     cli: Any, ckpts: Ckpts, tmp_path: Path
 ) -> None:
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     token = _ok(cli("claim-ckpt", "--run", "multi", "--step", "3")).strip()
     _fails(cli("commit-ckpt", "--claim", "../../etc"), 2, "not a claim token")
     _fails(cli("commit-ckpt", "--claim", "0" * 32), 3, "no checkpoint is being written")
@@ -133,7 +120,7 @@ def test_a_taken_over_claim_writes_nothing_into_the_next_attempt(
     commit holds only what B's writers recorded."""
     import time
 
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     first = _ok(cli("claim-ckpt", "--run", "multi", "--step", "5", "--lease", "1s")).strip()
     time.sleep(1.5)
     second = _ok(cli("claim-ckpt", "--run", "multi", "--step", "5")).strip()
@@ -150,7 +137,7 @@ def test_a_taken_over_claim_writes_nothing_into_the_next_attempt(
 def test_a_forged_part_record_is_refused(cli: Any, ckpts: Ckpts, tmp_path: Path) -> None:
     import hashlib
 
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     token = _ok(cli("claim-ckpt", "--run", "multi", "--step", "6")).strip()
     _ok(cli("push-ckpt", a, "--claim", token, "--run", "multi", "--step", "6"))
     _ok(cli("push-ckpt", b, "--claim", token, "--run", "multi", "--step", "6"))
@@ -186,7 +173,7 @@ def test_two_commits_of_one_claim_record_the_manifest_that_is_stored(
     from registry import Registry
     from tests.helpers import ROOT
 
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     with Registry() as reg:
         token = reg.claim_checkpoint("multi", 7)["claim"]
         reg.push_checkpoint_part(a, claim=token, run="multi", step=7)

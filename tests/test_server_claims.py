@@ -5,7 +5,6 @@ from a client; the claim token alone grants nothing."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import httpx
 
 from registry import Registry
 from registry.config import Settings
-from tests.helpers import Ckpts, torchrun
+from tests.helpers import Ckpts, split_as_nodes, torchrun
 
 
 def _as(server: Any, who: str) -> dict[str, str]:
@@ -58,21 +57,10 @@ def test_a_training_job_saves_and_restores_through_the_server(
     assert leftovers == []
 
 
-def _nodes(ckpts: Ckpts, tmp_path: Path) -> tuple[Path, Path]:
-    src = ckpts.ws2.step_dir(2)
-    a, b = tmp_path / "node-a", tmp_path / "node-b"
-    a.mkdir()
-    b.mkdir()
-    for name in (".metadata", "__0_0.distcp"):
-        shutil.copy(src / name, a / name)
-    shutil.copy(src / "__1_0.distcp", b / "__1_0.distcp")
-    return a, b
-
-
 def test_node_parts_through_the_server_and_what_a_token_does_not_grant(
     reg_server: Any, cli: Any, ckpts: Ckpts, tmp_path: Path
 ) -> None:
-    a, b = _nodes(ckpts, tmp_path)
+    a, b = split_as_nodes(ckpts, tmp_path)
     alice, bob = _as(reg_server, "alice"), _as(reg_server, "bob")
     res = cli("claim-ckpt", "--project", "team-b", "--run", "n", "--step", "2", env=alice)
     assert res.returncode == 4, res.stderr  # alice trains in team-a only
@@ -115,3 +103,98 @@ def test_node_parts_through_the_server_and_what_a_token_does_not_grant(
     assert cli("pull", "team-a/n@step2", pulled, env=alice).returncode == 0
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
         assert (pulled / name).read_bytes() == (ckpts.ws2.step_dir(2) / name).read_bytes()
+
+
+def _claim(server: Any, who: str, step: int) -> str:
+    got = server.call(
+        who, "POST", "/v1/claims", json={"project": "team-a", "run": "h", "step": step}
+    )
+    return str(got["claim"])
+
+
+def test_bad_uploads_and_commits_are_refused_by_the_server(reg_server: Any) -> None:
+    token = _claim(reg_server, "alice", 1)
+    url = f"{reg_server.url}/v1/claims/{token}"
+    auth = {"authorization": f"Bearer {reg_server.token('alice')}"}
+    # A reserved name as a directory, and a file where a directory was written.
+    assert httpx.put(f"{url}/files/MANIFEST.json/y", content=b"x", headers=auth).status_code == 400
+    assert httpx.put(f"{url}/files/a", content=b"x", headers=auth).status_code == 200
+    collide = httpx.put(f"{url}/files/a/b", content=b"x", headers=auth)
+    assert collide.status_code == 409 and "collides" in collide.json()["message"]
+    # Costs the server would have to render later: too deep, or not finite.
+    deep: Any = 1.0
+    for _ in range(300):
+        deep = {"x": deep}
+    for costs in ({"deep": deep}, {"persist_seconds": float("nan")}, {"k" * 100: 1}):
+        body = json.dumps({"save_costs": costs})
+        got = httpx.post(f"{url}/commit", content=body, headers=auth)
+        assert got.status_code == 400, (got.status_code, got.text)
+    huge = '{"project": "team-a", "run": "h", "step": ' + "9" * 5000 + "}"
+    got = httpx.post(f"{reg_server.url}/v1/claims", content=huge, headers=auth)
+    assert got.status_code == 400, got.text
+
+
+def test_a_restore_record_cannot_rewrite_who_restored(
+    reg_server: Any, cli: Any, ckpts: Ckpts
+) -> None:
+    alice = _as(reg_server, "alice")
+    res = cli(
+        "push-ckpt",
+        ckpts.ws2.step_dir(2),
+        "--project",
+        "team-a",
+        "--run",
+        "h",
+        "--step",
+        "2",
+        env=alice,
+    )
+    assert res.returncode == 0, res.stderr
+    body = {"ref": "team-a/h@step2", "restore": {"world_size": 2, "phases": {"by": 1.0, "at": 2.0}}}
+    reg_server.call("alice", "POST", "/v1/checkpoints/pulled", json=body)
+    with _direct(reg_server) as reg:
+        restore = reg.show("team-a/h@step2")["restores"][0]
+    assert restore["by"] == "alice" and restore["phases"] == {"by": 1.0, "at": 2.0}
+
+
+def test_a_writer_whose_claim_changed_leaves_nothing_in_the_new_attempts_way(
+    reg_server: Any,
+) -> None:
+    """The bytes of a PUT that finishes after its claim was given up and the step claimed
+    again are deleted; the new attempt writes that file."""
+    import threading
+
+    old = _claim(reg_server, "alice", 3)
+    auth = {"authorization": f"Bearer {reg_server.token('alice')}"}
+    go = threading.Event()
+
+    def slow() -> Any:
+        yield b"first half "
+        go.wait(60)
+        yield b"second half"
+
+    answers: list[Any] = []
+    put = threading.Thread(
+        target=lambda: answers.append(
+            httpx.put(
+                f"{reg_server.url}/v1/claims/{old}/files/__0_0.distcp",
+                content=slow(),
+                headers=auth,
+                timeout=60,
+            )
+        )
+    )
+    put.start()
+    import time
+
+    time.sleep(1.0)  # the PUT is in the store's hands
+    reg_server.call("alice", "POST", "/v1/claims/renew", json={"claim": old, "seconds": 0})
+    new = _claim(reg_server, "alice", 3)
+    go.set()
+    put.join(60)
+    assert answers and answers[0].status_code in (404, 409), answers
+    fresh = httpx.put(
+        f"{reg_server.url}/v1/claims/{new}/files/__0_0.distcp", content=b"mine", headers=auth
+    )
+    assert fresh.status_code == 200, fresh.text
+    assert fresh.json()["size"] == 4

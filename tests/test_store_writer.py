@@ -66,7 +66,9 @@ def test_a_save_is_committed_with_its_digests_and_restores(clean_env: Path) -> N
         shown = reg.show("loop@step1")
     assert shown["metrics"] == {"loss": 0.5}
     assert shown["save_costs"]["ranks"][0]["bytes"] > 2**20
-    assert len(shown["restores"]) == 1 and "first_step_seconds" not in shown["restores"][0]
+    assert (
+        len(shown["restores"]) == 1 and "first_step_seconds" not in shown["restores"][0]["phases"]
+    )
 
 
 def test_a_committed_step_is_not_saved_again(clean_env: Path) -> None:
@@ -290,3 +292,16 @@ def test_state_that_restore_could_not_load_is_refused_at_save(clean_env: Path) -
     view = manager.save(_state(1), 1, per_rank={"rng": torch.get_rng_state()})
     assert view is not None and view["ref"] == "loop@step1"
     manager.close()
+
+
+def test_the_save_cost_of_a_run_is_what_its_saves_stalled_the_loop(clean_env: Path) -> None:
+    """`reg recovery`'s C for a run saved from the loop is the recorded stall (an async save's
+    staging), not the time until the upload was committed."""
+    manager = CheckpointManager("loop")
+    for step in (1, 2, 3):
+        manager.save(_state(step, mib=8), step, async_=True)
+    manager.close()
+    with Registry() as reg:
+        stalls = sorted(reg.show(f"loop@step{s}")["save_costs"]["stall_seconds"] for s in (1, 2, 3))
+        out = reg.recovery("loop", mtbf_s=86400.0)
+    assert out["save_cost_seconds"] == pytest.approx(stalls[1], abs=1e-3)

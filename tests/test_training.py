@@ -71,7 +71,7 @@ def test_save_and_resume_across_world_sizes(tmp_path: Path) -> None:
         assert reg.show("mgr@step4")["world_size"] == 3
         restores = reg.show("mgr@step2")["restores"]
     assert len(restores) == 1 and restores[0]["world_size"] == 3
-    phases = restores[0]
+    phases = restores[0]["phases"]
     assert {"metadata_seconds", "fetch_seconds", "load_reshard_seconds", "total_seconds"} <= set(
         phases
     )

@@ -35,8 +35,8 @@ RESERVED_NAMES = (MANIFEST, RELEASE_DOCUMENT, UPLOAD_PLAN)
 
 
 def is_reserved(path: str) -> bool:
-    name = path.rsplit("/", 1)[-1]
-    return name in RESERVED_NAMES or name.startswith(CLAIM_RECORD_PREFIX)
+    """A path with a name the registry writes itself, as a file or a directory."""
+    return any(n in RESERVED_NAMES or n.startswith(CLAIM_RECORD_PREFIX) for n in path.split("/"))
 
 
 ReadHead = Callable[[str, int], bytes]  # (path, offset) -> the 9 bytes there

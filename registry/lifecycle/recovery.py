@@ -1,11 +1,13 @@
 """Checkpoint economics: what a checkpoint costs to save (C) and to restore (RTO), and what that
 means for the checkpoint interval and the work lost to a failure.
 
-Inputs are measured, not assumed: C is the median time the registry took to take a checkpoint of
-the run (`upload_seconds`); RTO is the median restore time of the run's validations plus the time
-to move the newest checkpoint's bytes at the run's measured transfer rate. With a mean time
-between failures M, the Young/Daly first-order optimum interval is sqrt(2 C M); between
-checkpoints a failure loses on average half an interval of work, plus the RTO.
+Inputs are measured, not assumed. C is the median time a checkpoint of the run cost the
+training loop: the stall a save from the loop recorded (`save_costs.stall_seconds`; an async
+save's is its staging only), else the time the registry took to take it (`upload_seconds`).
+RTO is the median restore time of the run's validations plus the time to move the newest
+checkpoint's bytes at the run's measured transfer rate. With a mean time between failures M,
+the Young/Daly first-order optimum interval is sqrt(2 C M); between checkpoints a failure loses
+on average half an interval of work, plus the RTO.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def economics(
     if not rows:
         raise NotFound(f"{run} has no committed checkpoints", "reg push-ckpt registers one")
     uploads = [r.upload_seconds for r in rows if r.upload_seconds]
-    cost = statistics.median(uploads) if uploads else None
+    costs = [c for c in map(_save_cost, rows) if c is not None]
+    cost = statistics.median(costs) if costs else None
     rate = (
         statistics.median(r.bytes / r.upload_seconds for r in rows if r.upload_seconds)
         if uploads
@@ -143,3 +146,11 @@ def _human(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f}min"
     return f"{seconds / 3600:.1f}h"
+
+
+def _save_cost(row: Any) -> float | None:
+    """What the checkpoint cost the training loop, in seconds (None: not measured)."""
+    stall = (row.save_costs or {}).get("stall_seconds")
+    if isinstance(stall, int | float) and not isinstance(stall, bool) and stall >= 0:
+        return float(stall)
+    return float(row.upload_seconds) if row.upload_seconds else None

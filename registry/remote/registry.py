@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.api import Registry
 from registry.config import Settings
-from registry.errors import UsageError
+from registry.errors import RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.remote.client import Client
@@ -183,7 +183,12 @@ class RemoteRegistry(Registry):
         from registry.remote.claims import check_token
 
         where = f"/claims/{check_token(claim)}/files/{quote(path, safe='/')}"
-        return dict(self.client.call("PUT", where, content=chunks))
+        got = self.client.call("PUT", where, content=chunks)
+        if not isinstance(got, dict):
+            raise RegistryError(
+                f"{self.settings.url} answered a file upload with {type(got).__name__}"
+            )
+        return got
 
     def push_checkpoint_part(
         self,

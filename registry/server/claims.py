@@ -14,21 +14,36 @@ reads `.metadata` and the head of every shard from the store itself.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import queue
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from registry.errors import Conflict, ObjectExists, UsageError
+from registry.errors import Conflict, ObjectExists, RegistryError, UsageError
 from registry.refs import CheckpointRef
 from registry.server.auth import context_for
-from registry.server.requests import authed_body, idle_limited, opt_text, text
+from registry.server.requests import (
+    IDLE_S,
+    authed_body,
+    idle_limited,
+    json_body,
+    opt_text,
+    text,
+)
 
 router = APIRouter()
-MAX_FILE = 1 << 50
+MAX_FILE = 1 << 44  # 16 TiB: far above any shard
+MIN_RATE = 64 * 1024  # bytes/s a body must keep up after its first minute
+# Uploads run on a pool of their own, never the request threadpool every request needs; a PUT
+# waits at most UPLOAD_WAIT_S for a slot, then the client is told to retry.
+UPLOAD_SLOTS = int(os.environ.get("REG_SERVER_UPLOADS", "32"))
+UPLOAD_WAIT_S = 120.0
+_POOL = ThreadPoolExecutor(max_workers=UPLOAD_SLOTS, thread_name_prefix="reg-upload")
+_UPLOADS = asyncio.Semaphore(UPLOAD_SLOTS)
 MAX_COSTS_BYTES = 4 << 20  # a 4,096-rank save's per-rank costs are ~0.5 MiB
 _END, _ABORT = object(), object()
 
@@ -78,18 +93,40 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
     from registry.formats.dcp_scan import check_path, is_reserved
     from registry.lifecycle.checkpoints import shared
-    from registry.transfer import Stored
 
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(shared.find, ctx, token)
     check_path(str(held.ref), path)
     if is_reserved(path):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
+    try:
+        await asyncio.wait_for(_UPLOADS.acquire(), UPLOAD_WAIT_S)
+    except TimeoutError:
+        raise RegistryError(
+            f"the server is busy: {UPLOAD_SLOTS} uploads in flight", "retry in a moment"
+        ) from None
+    try:
+        return await _receive(ctx, held, path, request)
+    finally:
+        _UPLOADS.release()
+
+
+async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str, Any]:
+    """The request's body into the store (on the upload pool's thread), without polling: the
+    store's thread takes each chunk from an asyncio queue through the event loop. A body that
+    arrives slower than MIN_RATE after its first minute is cut off."""
+    from registry.lifecycle.checkpoints import shared
+    from registry.transfer import Stored
+
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
     key = held.prefix + path
-    chunks: queue.Queue[Any] = queue.Queue(maxsize=8)
 
     def produce(write: Any) -> None:
-        while (chunk := chunks.get()) is not _END:
+        while True:
+            chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result(IDLE_S * 2)
+            if chunk is _END:
+                return
             if chunk is _ABORT:
                 raise UsageError(f"the upload of {path} was cut off", "send it again")
             write(chunk)
@@ -102,57 +139,66 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
                 f"{held.ref}: {path} was already written under this claim",
                 "each file has one writer; claim the step again to rewrite it",
             ) from None
+        except (NotADirectoryError, IsADirectoryError, FileExistsError):
+            raise Conflict(
+                f"{held.ref}: {path} collides with a file or directory already written",
+                "give each file its own path",
+            ) from None
 
-    loop = asyncio.get_running_loop()
-    putting = loop.run_in_executor(None, store)
-    received = 0
+    putting = loop.run_in_executor(_POOL, store)
+
+    async def offer(item: Any) -> bool:
+        """Queue `item` for the store's thread; False once that thread has ended."""
+        queued = asyncio.ensure_future(chunks.put(item))
+        done, _ = await asyncio.wait({queued, putting}, return_when=asyncio.FIRST_COMPLETED)
+        if queued in done:
+            return True
+        queued.cancel()
+        return False
+
+    received, started = 0, time.monotonic()
     try:
         async for chunk in idle_limited(request.stream()):
             received += len(chunk)
             if received > MAX_FILE:
                 raise UsageError(f"{path} is over {MAX_FILE} bytes")
-            if not await _offer(chunks, chunk, putting):
+            elapsed = time.monotonic() - started
+            if elapsed > 60 and received < MIN_RATE * elapsed:
+                raise UsageError(f"the upload of {path} is too slow", "send it again")
+            if not await offer(chunk):
                 break  # the store gave up: its error is raised below
-        await _offer(chunks, _END, putting)
+        await offer(_END)
     except BaseException:
-        await _offer(chunks, _ABORT, putting)
+        await offer(_ABORT)
         await asyncio.gather(putting, return_exceptions=True)
         raise
     put = await putting
     stored = Stored(key, put.size, put.sha256, False, put.version)
-    await run_in_threadpool(shared.record_part, ctx, held, [stored])
+    try:
+        await run_in_threadpool(shared.record_part, ctx, held, [stored])
+    except RegistryError:
+        # The claim changed while the bytes came in (given up, taken over): they are this
+        # request's own object, and must not stay in the next attempt's way.
+        await run_in_threadpool(ctx.store.delete, key)
+        raise
     return {"path": path, "size": put.size, "sha256": put.sha256, "version": put.version}
-
-
-async def _offer(chunks: queue.Queue[Any], item: Any, putting: asyncio.Future[Any]) -> bool:
-    """Queue `item` for the store's writer thread without blocking the event loop; False once
-    that thread has ended (it failed, or never read: the key existed)."""
-    while True:
-        try:
-            chunks.put_nowait(item)
-            return True
-        except queue.Full:
-            if putting.done():
-                return False
-            await asyncio.sleep(0.002)
 
 
 @router.post("/claims/{token}/commit")
 async def commit(token: str, request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints import claimed
+    from registry.lifecycle.checkpoints import claimed, shared
+    from registry.lifecycle.checkpoints.costs import check_save_costs
 
-    ctx, doc = await authed_body(request, MAX_COSTS_BYTES + (1 << 20))
+    ctx = await run_in_threadpool(context_for, request)
+    await run_in_threadpool(shared.find, ctx, token)  # authorized before the body is read
+    doc = await json_body(request, MAX_COSTS_BYTES + (1 << 20))
     world = doc.get("world_size")
     if world is not None and (isinstance(world, bool) or not isinstance(world, int)):
         raise UsageError("world_size must be a whole number")
     metrics = doc.get("metrics") or {}
     if not isinstance(metrics, dict):
         raise UsageError("metrics must be an object of numbers")
-    costs = doc.get("save_costs")
-    if costs is not None and (
-        not isinstance(costs, dict) or len(json.dumps(costs)) > MAX_COSTS_BYTES
-    ):
-        raise UsageError(f"save_costs must be an object of at most {MAX_COSTS_BYTES} bytes")
+    costs = check_save_costs(doc.get("save_costs"))
 
     def work() -> dict[str, Any]:
         return claimed.commit(

@@ -54,6 +54,8 @@ def _parse_json(data: bytes) -> dict[str, Any]:
         raise UsageError(f"request body is not JSON: {exc}") from None
     except RecursionError:
         raise UsageError("request body is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise UsageError(f"request body is not usable JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise UsageError("request body is not a JSON object")
     return doc

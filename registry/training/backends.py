@@ -9,11 +9,12 @@ there; the server records what it received) and the commit sends no file list.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import NotFound, UsageError
+from registry.errors import IntegrityError, NotFound, UsageError
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import SharedClaim
 from registry.refs import CheckpointRef, parse_checkpoint_ref
@@ -174,8 +175,25 @@ class ServerSink:
 
     def put_chunks(self, key: str, chunks: Iterator[bytes]) -> PutResult:
         path = key.removeprefix(self.claimed.prefix)
-        got = self.registry.put_claimed(self.claimed.token, path, chunks)
-        return PutResult(key, int(got["size"]), str(got["sha256"]), got.get("version"))
+        digest, size = hashlib.sha256(), 0
+
+        def sent() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                yield chunk
+
+        got = self.registry.put_claimed(self.claimed.token, path, sent())
+        if (got.get("size"), got.get("sha256")) != (size, digest.hexdigest()):
+            raise IntegrityError(
+                f"{key}: the server stored other bytes than were sent",
+                "damaged in transit; save again",
+            )
+        version = got.get("version")
+        return PutResult(
+            key, size, digest.hexdigest(), version if isinstance(version, str) else None
+        )
 
     def put_bytes(self, key: str, data: bytes) -> PutResult:
         return self.put_chunks(key, iter([data]))

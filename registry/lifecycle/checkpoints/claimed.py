@@ -93,7 +93,16 @@ def push_part(
         path = s.key.removeprefix(held.prefix)
         if s.size != files[path]:
             raise IntegrityError(f"{root / path} changed while being pushed", "push it again")
-    shared.record_part(ctx, held, stored)
+    try:
+        shared.record_part(ctx, held, stored)
+    except RegistryError:
+        # The claim changed while the files went up: what this push wrote must not stay in
+        # the next attempt's way (a file another writer had put already is theirs).
+        for s in stored:
+            if not s.reused:
+                with contextlib.suppress(RegistryError):
+                    ctx.store.delete(s.key)
+        raise
     shared.renew(ctx, held, DEFAULT_LEASE_S)
     seconds = time.monotonic() - started
     return {

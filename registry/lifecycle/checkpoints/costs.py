@@ -4,12 +4,14 @@ commit (`checkpoint.save_costs`); each restore by the training loop adds a row
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col, select
 
 from registry.catalog import queries
 from registry.catalog.models import CheckpointRestore
+from registry.errors import UsageError
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -49,7 +51,45 @@ def costs_json(session: Session, checkpoint_id: int, save_costs: Any) -> dict[st
     return {
         "save_costs": save_costs,
         "restores": [
-            {"at": iso(r.created_at), "by": r.actor, "world_size": r.world_size, **r.phases}
+            {"at": iso(r.created_at), "by": r.actor, "world_size": r.world_size, "phases": r.phases}
             for r in rows
         ],
     }
+
+
+MAX_COST_DEPTH, MAX_COST_ITEMS = 4, 200_000
+
+
+def check_save_costs(doc: object) -> dict[str, Any] | None:
+    """A save's costs as a client reports them (through `reg server`): an object at most
+    MAX_COST_DEPTH deep, of finite numbers, booleans, short strings and lists, no more than
+    MAX_COST_ITEMS values in all (a 4,096-rank save has ~25,000)."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise UsageError("save_costs must be an object")
+    count = 0
+
+    def check(value: object, depth: int) -> None:
+        nonlocal count
+        count += 1
+        if count > MAX_COST_ITEMS or depth > MAX_COST_DEPTH:
+            raise UsageError("save_costs is too large or too deep")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str) or len(k) > 64:
+                    raise UsageError("save_costs keys are short strings")
+                check(v, depth + 1)
+        elif isinstance(value, list):
+            for v in value:
+                check(v, depth + 1)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UsageError("save_costs holds a non-finite number")
+        elif isinstance(value, str):
+            if len(value) > 256:
+                raise UsageError("save_costs strings are at most 256 characters")
+        elif value is not None and not isinstance(value, bool | int | float):
+            raise UsageError("save_costs holds numbers, booleans, strings and lists")
+
+    check(doc, 0)
+    return doc

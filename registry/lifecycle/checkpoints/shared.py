@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
 from registry.formats.dcp_roots import metadata_paths
-from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, scan_contents
+from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, check_file_set, scan_contents
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import check_metrics, check_request
@@ -182,6 +182,8 @@ def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord],
     keys = []
     for info in ctx.store.list(_records_of(shared)):
         keys.append(info.key)
+        if len(keys) > MAX_RECORDS:
+            raise IntegrityError(f"{shared.ref}: over {MAX_RECORDS} part records")
         if info.size > MAX_PART_RECORD:
             raise IntegrityError(f"{info.key} is {info.size} bytes: not a part record")
         for r in _parse_part(info.key, ctx.store.get_bytes(info.key)):
@@ -262,12 +264,14 @@ def commit_written(
     if len(by_path) != len(files):
         raise Conflict(f"{ref}: a file was written twice", "each file has one writer")
     sizes = {f.path: f.size for f in files}
-    _check_listed(ctx, shared, sizes)
     paths = metadata_paths(sizes)
     if not paths:
         raise IntegrityError(
             f"{ref}: no .metadata was written", "DCP's coordinator writes it last: push it too"
         )
+    # Names, roots and .metadata sizes as a pushed directory's, before a byte is read.
+    check_file_set(str(ref), sizes)
+    _check_listed(ctx, shared, sizes)
 
     def read(path: str) -> bytes:  # a file whole, refused unless it holds the recorded bytes
         data = bytes(ctx.store.get_bytes(prefix + path, version=by_path[path].version))
