@@ -161,16 +161,7 @@ def scan_part(root: Path) -> tuple[dict[str, int], dict[str, tuple[int, int, int
     files, identity = _walk(root)
     if not files:
         raise InvalidCheckpoint(f"{root} holds no files", "give the directory this node wrote")
-    reserved = sorted(p for p in files if is_reserved(p))
-    if reserved:
-        raise InvalidCheckpoint(
-            f"{root} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
-        )
-    for path in metadata_paths(files):
-        if files[path] > MAX_METADATA_BYTES:
-            raise InvalidCheckpoint(
-                f"{root}/{path} is {files[path]} bytes; refused", "not a DCP metadata file"
-            )
+    _check_names_and_sizes(str(root), files)
     return files, identity
 
 
@@ -179,6 +170,11 @@ def check_file_set(label: str, files: dict[str, int]) -> None:
     the registry reserves. (The walk checked each name; a list from elsewhere goes through
     `check_path`.)"""
     check_roots(label, files)
+    _check_names_and_sizes(label, files)
+
+
+def _check_names_and_sizes(label: str, files: dict[str, int]) -> None:
+    """No name the registry reserves; every `.metadata` of a sane size."""
     reserved = sorted(p for p in files if is_reserved(p))
     if reserved:
         raise InvalidCheckpoint(
