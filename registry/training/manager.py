@@ -25,14 +25,14 @@ resumed from it, so retention keeps it.
 from __future__ import annotations
 
 import contextlib
-import io
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from registry.api import Registry
-from registry.errors import NotFound, RegistryError, UsageError
+from registry.errors import NotFound, RegistryError
 from registry.refs import CheckpointRef
+from registry.training import ranks
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -109,19 +109,19 @@ class CheckpointManager:
         # raised alone would leave the others waiting in DCP's collectives.
         problem: RegistryError | None = None
         try:
-            state = _with_per_rank(state, per_rank)
-            problem = _unloadable(state)
+            state = ranks.with_per_rank(state, per_rank)
+            problem = ranks.unloadable(state)
             self.backend.prepare()  # the store or the server, reachable from this rank
         except RegistryError as exc:
             problem = exc
-        _agree(problem)
+        ranks.agree(problem)
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         save = _Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
             self.backend.sink(shared),
             shared.prefix,
-            save.commit if _rank() == 0 else None,
+            save.commit if ranks.current_rank() == 0 else None,
             thread_count=self.thread_count,
         )
         save.hold()
@@ -157,7 +157,7 @@ class CheckpointManager:
 
     def _claim(self, ref: CheckpointRef) -> SharedClaim:
         """Rank 0 claims the step; every rank gets the claim or rank 0's error."""
-        return _from_rank0(lambda: self.backend.claim(ref))  # type: ignore[no-any-return]
+        return ranks.from_rank0(lambda: self.backend.claim(ref))  # type: ignore[no-any-return]
 
     def _group(self) -> Any:
         """async_save's own gloo group: its collectives run on a background thread, which must
@@ -189,7 +189,7 @@ class CheckpointManager:
             found = self.backend.latest(CheckpointRef(self.project, self.run, None))
             return None if found is None else found[0]
 
-        newest_step = _from_rank0(newest)
+        newest_step = ranks.from_rank0(newest)
         if newest_step is None:
             return None
         step = int(newest_step)
@@ -200,17 +200,17 @@ class CheckpointManager:
                 raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
             _, store, prefix, versions = located
             reader = TimedReader(store, prefix, versions=versions)
-            loaded, self.resume_notes = _per_rank_to_load(reader.read_metadata(), per_rank)
-            full = _with_per_rank(state, loaded)
+            loaded, self.resume_notes = ranks.per_rank_to_load(reader.read_metadata(), per_rank)
+            full = ranks.with_per_rank(state, loaded)
         except RegistryError as exc:
             problem = exc
-        _agree(problem)
+        ranks.agree(problem)
         _checked(
             lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()), "restore"
         )
         for cls in loaded:
             assert per_rank is not None
-            per_rank[cls] = full[cls][f"rank_{_rank()}"]
+            per_rank[cls] = full[cls][f"rank_{ranks.current_rank()}"]
         total = time.monotonic() - started
         phases = {
             "catalog_seconds": reader.opened_at - started,
@@ -227,8 +227,8 @@ class CheckpointManager:
             "bytes": float(reader.bytes_read),
         }
         ref = CheckpointRef(self.project, self.run, step)
-        self._restore = _Restore(ref, _gather_max(phases))
-        if _rank() == 0:
+        self._restore = _Restore(ref, ranks.gather_max(phases))
+        if ranks.current_rank() == 0:
             self.backend.resumed(ref)  # at once: retention keeps the step the run resumed from
         return step
 
@@ -243,9 +243,9 @@ class CheckpointManager:
 
     def _record_restore(self) -> None:
         restore, self._restore = self._restore, None
-        if restore is None or _rank() != 0:
+        if restore is None or ranks.current_rank() != 0:
             return
-        self.backend.restored(restore.ref, _world(), restore.phases)
+        self.backend.restored(restore.ref, ranks.world_size(), restore.phases)
 
     def close(self) -> None:
         """Wait for the save in flight, record a pending restore, close the registry."""
@@ -284,7 +284,7 @@ class _Save:
         self.committed: dict[str, Any] | None = None
 
     def hold(self) -> None:
-        if _rank() != 0:
+        if ranks.current_rank() != 0:
             return
         from registry.catalog.leases import Heartbeat
         from registry.training.backends import SERVER_LEASE_S
@@ -297,7 +297,7 @@ class _Save:
         if self._heartbeat is not None:
             self._heartbeat.__exit__(None, None, None)
             self._heartbeat = None
-        if failed and _rank() == 0:
+        if failed and ranks.current_rank() == 0:
             with contextlib.suppress(RegistryError):  # the save's own error matters more
                 self.manager.backend.give_up(self.shared)
 
@@ -319,11 +319,11 @@ class _Save:
             "stall_seconds": round(stall, 4),
             "persist_seconds": round(persist, 4),
             "bytes": sum(f.size for f in written.files),
-            "world_size": _world(),
+            "world_size": ranks.world_size(),
             "ranks": written.rank_costs(),
         }
         self.committed = self.manager.backend.commit(
-            self.shared, written, _world(), self.metrics, costs
+            self.shared, written, ranks.world_size(), self.metrics, costs
         )
 
     def result(self, *, sync: bool) -> dict[str, Any]:
@@ -332,57 +332,11 @@ class _Save:
         self.release(failed=False)
         if sync:
             got: list[Any] = [self.committed]
-            _broadcast(got)
+            ranks.broadcast(got)
             return dict(got[0] or {})
         if self.committed is not None:
             return self.committed
         return {"ref": str(self.shared.ref), "state": "committed"}
-
-
-def _with_per_rank(state: dict[str, Any], per_rank: dict[str, Any] | None) -> dict[str, Any]:
-    """`state` with this rank's per-rank values under `<class>.rank_<r>` (a new dict)."""
-    if not per_rank:
-        return state
-    clash = sorted(set(per_rank) & set(state))
-    if clash:
-        raise UsageError(
-            f"per_rank class {clash[0]!r} is also a key of the state",
-            "keep per-rank state out of the state dict (or rename the class)",
-        )
-    return {**state, **{cls: {f"rank_{_rank()}": value} for cls, value in per_rank.items()}}
-
-
-def _per_rank_to_load(
-    metadata: Any, per_rank: dict[str, Any] | None
-) -> tuple[dict[str, Any], list[str]]:
-    """Which per-rank classes this rank can load from the checkpoint, and notes on the rest
-    (rank 0 also names saved ranks beyond the current world size)."""
-    if not per_rank:
-        return {}, []
-    rank, world = _rank(), _world()
-    saved: dict[str, set[int]] = {cls: set() for cls in per_rank}
-    for fqn in metadata.state_dict_metadata:
-        cls, _, rest = fqn.partition(".rank_")
-        if cls in saved and rest.split(".", 1)[0].isdigit():
-            saved[cls].add(int(rest.split(".", 1)[0]))
-    load, notes = {}, []
-    for cls, template in per_rank.items():
-        ranks = saved[cls]
-        if rank in ranks:
-            load[cls] = template
-        elif not ranks:
-            notes.append(f"{cls}: the checkpoint has no per-rank {cls}; rank {rank} keeps its own")
-        else:
-            notes.append(
-                f"{cls}: saved for ranks 0-{max(ranks)}, not for rank {rank}; it keeps its own"
-            )
-        beyond = sorted(r for r in ranks if r >= world)
-        if rank == 0 and beyond:
-            notes.append(
-                f"{cls}: the state of rank(s) {', '.join(map(str, beyond))} is not loaded "
-                f"(world size {world} now)"
-            )
-    return load, notes
 
 
 def _checked(call: Any, what: str = "save") -> Any:
@@ -405,97 +359,3 @@ def _checked(call: Any, what: str = "save") -> Any:
             if what == "save"
             else "the state may be partly loaded: restore again before training",
         ) from exc
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _unloadable(state: dict[str, Any]) -> RegistryError | None:
-    """A value `restore` could not load back (it unpickles with weights_only=True): found
-    at save time, not after the crash that needs the checkpoint."""
-    import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from registry.formats.dcp_load import load_object
-
-    flat, _ = flatten_state_dict(state)
-    for fqn, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            continue
-        data = io.BytesIO()
-        try:
-            torch.save(value, data)
-            load_object(data.getvalue(), fqn)
-        except RegistryError as exc:
-            return UsageError(
-                f"{exc.message.removesuffix('; refused')} on restore: nothing was saved",
-                "save tensors, numbers, strings, lists and dicts (an RNG's state as a tensor)",
-            )
-        except Exception as exc:
-            return UsageError(f"{fqn} cannot be saved: {type(exc).__name__}: {exc}")
-    return None
-
-
-def _agree(error: RegistryError | None) -> None:
-    """Every rank raises if any rank found `error` (the first rank's), so that no rank goes on
-    into a collective the others left."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, error)
-        error = next((e for e in every if e is not None), None)
-    if error is not None:
-        raise error
-
-
-def _from_rank0(call: Any) -> Any:
-    """`call()` on rank 0, its answer (or its error) on every rank: a failure on rank 0 must
-    not leave the other ranks waiting in a collective that never comes."""
-    got: list[Any] = [None]
-    if _rank() == 0:
-        try:
-            got[0] = call()
-        except RegistryError as exc:
-            got[0] = exc
-        except Exception as exc:  # what else failed, in a form every rank can unpickle
-            got[0] = RegistryError(f"rank 0 failed: {type(exc).__name__}: {exc}")
-            if not _distributed():
-                raise
-    _broadcast(got)
-    if isinstance(got[0], BaseException):
-        raise got[0]
-    return got[0]
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_initialized()
-
-
-def _broadcast(values: list[Any]) -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.broadcast_object_list(values, src=0)
-
-
-def _gather_max(phases: dict[str, float]) -> dict[str, float]:
-    """Each phase's slowest rank (the job waits for it)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return phases
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, phases)
-    return {k: max(float(p[k]) for p in every) for k in phases}
