@@ -38,12 +38,25 @@ from registry.server.requests import (
 router = APIRouter()
 MAX_FILE = 1 << 44  # 16 TiB: far above any shard
 MIN_RATE = 64 * 1024  # bytes/s a body must keep up after its first minute
+
+
 # Uploads run on a pool of their own, never the request threadpool every request needs; a PUT
 # waits at most UPLOAD_WAIT_S for a slot, then the client is told to retry.
-UPLOAD_SLOTS = int(os.environ.get("REG_SERVER_UPLOADS", "32"))
+def _slots_setting() -> int:
+    value = os.environ.get("REG_SERVER_UPLOADS", "32")
+    return max(1, int(value)) if value.isdigit() else 32
+
+
+UPLOAD_SLOTS = _slots_setting()
 UPLOAD_WAIT_S = 120.0
 _POOL = ThreadPoolExecutor(max_workers=UPLOAD_SLOTS, thread_name_prefix="reg-upload")
-_UPLOADS = asyncio.Semaphore(UPLOAD_SLOTS)
+_SLOTS: dict[int, asyncio.Semaphore] = {}  # one per event loop (a semaphore binds to one)
+
+
+def _uploads() -> asyncio.Semaphore:
+    return _SLOTS.setdefault(id(asyncio.get_running_loop()), asyncio.Semaphore(UPLOAD_SLOTS))
+
+
 MAX_COSTS_BYTES = 4 << 20  # a 4,096-rank save's per-rank costs are ~0.5 MiB
 _END, _ABORT = object(), object()
 
@@ -99,8 +112,9 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     check_path(str(held.ref), path)
     if is_reserved(path):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
+    slots = _uploads()
     try:
-        await asyncio.wait_for(_UPLOADS.acquire(), UPLOAD_WAIT_S)
+        await asyncio.wait_for(slots.acquire(), UPLOAD_WAIT_S)
     except TimeoutError:
         raise RegistryError(
             f"the server is busy: {UPLOAD_SLOTS} uploads in flight", "retry in a moment"
@@ -108,7 +122,7 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     try:
         return await _receive(ctx, held, path, request)
     finally:
-        _UPLOADS.release()
+        slots.release()
 
 
 async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str, Any]:
