@@ -210,7 +210,18 @@ def scan_contents(
     the same checks wherever the files are (a local directory, or objects a client uploaded).
     `read_head=None`: reg's own StoreWriter wrote the shards (torch.save, no transforms), so
     their serialization is known and no shard is read."""
-    metadata = merged_metadata(metadata_bytes, light=True)
+    merged = merged_metadata(metadata_bytes, light=True)
+    return scan_merged(root, files, merged, metadata_bytes, read_head)
+
+
+def scan_merged(
+    root: Path,
+    files: dict[str, int],
+    metadata: Any,
+    metadata_bytes: dict[str, bytes],
+    read_head: ReadHead | None,
+) -> ScannedDir:
+    """`scan_contents` for a caller that merged the roots' `.metadata` already."""
     inv = inventory(metadata)
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv, read_head)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import open_checked, scan_part
+from registry.lifecycle.checkpoints.claimed import DEFAULT_LEASE_S, RENEW_EVERY_S
+from registry.lifecycle.checkpoints.shared import check_token
 from registry.progress import Counter, Progress
 from registry.refs import CheckpointRef
 
@@ -24,12 +25,6 @@ if TYPE_CHECKING:
 CHUNK = 4 << 20
 
 
-def check_token(token: str) -> str:
-    if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
-        raise UsageError("not a claim token", "use the token `reg claim-ckpt` printed")
-    return token
-
-
 def push_part(
     registry: RemoteRegistry,
     root: Path,
@@ -37,7 +32,7 @@ def push_part(
     ref: CheckpointRef,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    held = registry.renew_claim(check_token(token), 3600.0)
+    held = registry.renew_claim(check_token(token), DEFAULT_LEASE_S)
     if held.get("ref") != str(ref):
         raise UsageError(
             f"the claim is for {held.get('ref')}, not {ref}",
@@ -72,7 +67,7 @@ def push_part(
 
     try:
         with (
-            Heartbeat(lambda: registry.renew_claim(token, 3600.0), 60.0),
+            Heartbeat(lambda: registry.renew_claim(token, DEFAULT_LEASE_S), RENEW_EVERY_S),
             ThreadPoolExecutor(max_workers=registry.settings.workers) as pool,
         ):
             done = list(pool.map(put, sorted(files, key=lambda p: -files[p])))

@@ -171,7 +171,7 @@ class RemoteRegistry(Registry):
 
     def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]:
         """Keep the claim alive `seconds` more (0: give it up); the claim's ref."""
-        from registry.remote.claims import check_token
+        from registry.lifecycle.checkpoints.shared import check_token
 
         body = {"claim": check_token(claim), "seconds": seconds}
         return dict(self.client.call("POST", "/claims/renew", body=body))
@@ -180,7 +180,7 @@ class RemoteRegistry(Registry):
         """One file of the claimed step, streamed; the server's size and sha256 of it."""
         from urllib.parse import quote
 
-        from registry.remote.claims import check_token
+        from registry.lifecycle.checkpoints.shared import check_token
 
         where = f"/claims/{check_token(claim)}/files/{quote(path, safe='/')}"
         got = self.client.call("PUT", where, content=chunks)
@@ -214,7 +214,7 @@ class RemoteRegistry(Registry):
         layout: str | None = None,
         save_costs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        from registry.remote.claims import check_token
+        from registry.lifecycle.checkpoints.shared import check_token
 
         body = {
             "world_size": world_size,

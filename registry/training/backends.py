@@ -10,7 +10,6 @@ there; the server records what it received) and the commit sends no file list.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -200,6 +199,8 @@ class ServerSink:
 
 
 def _token(value: object) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{32}", value):
+    from registry.lifecycle.checkpoints.shared import is_token
+
+    if not is_token(value):
         raise UsageError("the server answered the claim without a token", "update reg server")
-    return value
+    return str(value)

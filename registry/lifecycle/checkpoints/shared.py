@@ -30,9 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
-from registry.formats.dcp_roots import metadata_paths
-from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, check_file_set, scan_contents
+from registry.errors import Conflict, IntegrityError, NotFound, UsageError
+from registry.formats.dcp_roots import merged_metadata, metadata_paths
+from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, check_file_set, scan_merged
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import check_metrics, check_request
@@ -100,14 +100,24 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
     return shared
 
 
+def is_token(value: object) -> bool:
+    return isinstance(value, str) and _TOKEN.fullmatch(value) is not None
+
+
+def check_token(token: str) -> str:
+    """`token` if it has a claim token's form (it goes into queries and URLs)."""
+    if not is_token(token):
+        raise UsageError("not a claim token", "use the token `reg claim-ckpt` printed")
+    return token
+
+
 def find(ctx: Context, token: str) -> SharedClaim:
     """The pending step `token` holds (authorized to push in its project)."""
     from sqlmodel import col, select
 
     from registry.catalog.models import PENDING, Checkpoint, Project, Run
 
-    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
-        raise UsageError("not a claim token", "use the token `reg claim-ckpt` printed")
+    check_token(token)
     with ctx.catalog.session() as s:
         found = s.exec(
             select(Checkpoint, Run, Project)
@@ -280,7 +290,8 @@ def commit_written(
         return data
 
     metadata = {path: read(path) for path in paths}
-    _check_named_files(ref, metadata, sizes)
+    merged = merged_metadata(metadata, light=True)
+    _check_named_files(ref, merged, sizes)
 
     def read_head(path: str, offset: int) -> bytes:
         if offset >= sizes[path]:
@@ -288,7 +299,7 @@ def commit_written(
         return bytes(ctx.store.read_range(prefix + path, offset, min(9, sizes[path] - offset)))
 
     label = str(ref)
-    scanned = scan_contents(Path(label), sizes, metadata, None if own_writer else read_head)
+    scanned = scan_merged(Path(label), sizes, merged, metadata, None if own_writer else read_head)
     world = world_size_of(scanned, world_size, None)
     facts = facts_of(scanned.inventory, sizes, read, layout)
     stored = [Stored(prefix + f.path, f.size, f.sha256, False, f.version) for f in files]
@@ -298,18 +309,13 @@ def commit_written(
             ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), checked_metrics
         )
         data = manifest.to_bytes()
-        try:
-            version = ctx.store.put_bytes(
-                manifest_key(ref.project, ref.run, ref.step or 0), data
-            ).version
-        except ObjectExists:
-            version = put_reconciled(  # an earlier commit of ours died after writing it
-                ctx.store,
-                manifest_key(ref.project, ref.run, ref.step or 0),
-                data=data,
-                on_mismatch=OnMismatch.REPLACE,
-                before_replace=lambda: commit.ensure_held(ctx, committing, ref),
-            ).version
+        version = put_reconciled(
+            ctx.store,
+            manifest_key(ref.project, ref.run, ref.step or 0),
+            data=data,
+            on_mismatch=OnMismatch.REPLACE,  # an earlier commit of ours died after writing it
+            before_replace=lambda: commit.ensure_held(ctx, committing, ref),
+        ).version
         result = commit.commit(
             ctx,
             committing,
@@ -362,14 +368,10 @@ def _check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> N
         )
 
 
-def _check_named_files(
-    ref: CheckpointRef, metadata: dict[str, bytes], sizes: dict[str, int]
-) -> None:
+def _check_named_files(ref: CheckpointRef, merged: Any, sizes: dict[str, int]) -> None:
     """Every shard `.metadata` names was recorded; else say which ranks' files are missing."""
-    from registry.formats.dcp_roots import merged_metadata
     from registry.formats.dcp_scan import RANK_FILE
 
-    merged = merged_metadata(metadata, light=True)
     named = {str(info.relative_path) for info in merged.storage_data.values()}
     missing = sorted(named - set(sizes))
     if not missing:
