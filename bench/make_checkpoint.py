@@ -25,6 +25,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gib", type=float, default=1.2, help="total size (model + optimizer)")
     parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument(
+        "--poison-last", action="store_true", help="a NaN in the last rank's last weight"
+    )
+    parser.add_argument(
+        "--transposed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="an N x N float32 weight saved as a transposed view (a chunk that cannot stream)",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,6 +48,12 @@ def main() -> None:
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
 
     model = {f"layers.{i}.weight": sharded() for i in range(layers)}
+    if args.poison_last and rank == world - 1:
+        model[f"layers.{layers - 1}.weight"].to_local()[-1, -1] = float("nan")
+    if args.transposed:  # each rank saves a replica, as a non-contiguous view
+        n = args.transposed
+        square = torch.randn(n, n, generator=torch.Generator().manual_seed(7))
+        model["transposed.weight"] = square.T
     optim = {
         "state": {
             f"layers.{i}.weight": {
@@ -47,7 +63,7 @@ def main() -> None:
             }
             for i in range(layers)
         },
-        "param_groups": [{"lr": 1e-4, "params": list(model)}],
+        "param_groups": [{"lr": 1e-4, "params": [f"layers.{i}.weight" for i in range(layers)]}],
     }
     state = {
         "model": model,

@@ -26,9 +26,26 @@ def register(app: typer.Typer) -> None:
 def validate(
     ref: str = typer.Argument(..., help="RUN@stepN or RUN@latest."),
     device: str = typer.Option("auto", "--device", help="cuda, cpu or auto."),
-    world_size: int = typer.Option(1, "--world-size", help="Reshard onto this many ranks."),
+    world_size: int = typer.Option(
+        1,
+        "--world-size",
+        help="Restore on this many ranks as the factory's parallelize(model, mesh) shards it.",
+    ),
     model_factory: str | None = typer.Option(
-        None, "--model-factory", help="module:function building the model (strict load + probe)."
+        None,
+        "--model-factory",
+        help="module:function building the model (key, shape and dtype match; probe).",
+    ),
+    memory_budget: str | None = typer.Option(
+        None,
+        "--memory-budget",
+        help="Memory to validate within, e.g. 8GiB (default: half the GPU's free memory, a "
+        "quarter of free RAM on CPU).",
+    ),
+    with_optimizer: bool = typer.Option(
+        False,
+        "--with-optimizer",
+        help="With --world-size: restore the optimizer too (the module's build_optimizer).",
     ),
     layout: str | None = LAYOUT_OPTION,
     strip_prefix: str | None = STRIP_PREFIX_OPTION,
@@ -46,6 +63,8 @@ def validate(
             progress=progress_for(json_output),
             layout=layout,
             strip_prefix=strip_prefix,
+            memory_budget=memory_budget,
+            with_optimizer=with_optimizer,
         )
     if json_output:
         emit_json(out)
@@ -56,10 +75,11 @@ def validate(
         for s in out.get("suggestions", []):
             print(f"  hint {'':<13} {s}")
         verdict = "passed" if out["passed"] else "FAILED"
+        driver = f", driver {out['driver']}" if out.get("driver") else ""
         print(
             f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
-            f"({out['device_name']}), restore {out['seconds']:.2f}s at world size "
-            f"{out['world_size']}"
+            f"({out['device_name']}{driver}), {out['mode']}, restore {out['seconds']:.2f}s at "
+            f"world size {out['world_size']}"
         )
     if not out["passed"]:
         from registry.errors import ValidationFailed

@@ -2,12 +2,15 @@
 
 Factory contract (`--model-factory examples.tiny_model:build_model`): the function returns an
 `nn.Module` whose `state_dict()` names match the checkpoint's model tensors; the same module
-defines `probe_loss(model) -> float`, the loss on a fixed probe batch.
+defines `probe_loss(model) -> float`, the loss on a fixed probe batch. For `reg validate
+--world-size M` it also says how training shards the model, `parallelize(model, mesh)`, and
+builds its optimizer, `build_optimizer(model)` (train_tiny.py trains with exactly these).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +54,21 @@ def build_model() -> TinyLM:
         layers=int(os.environ.get("TINY_LAYERS", "2")),
         tie=os.environ.get("TINY_TIE", "1") == "1",
     )
+
+
+def parallelize(model: TinyLM, mesh: Any = None) -> TinyLM:
+    """FSDP2 as training applies it: each block, then the whole model (on `mesh`, or the
+    default one over every rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def batch(seed: int, size: int = 8, length: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

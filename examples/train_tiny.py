@@ -35,9 +35,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
 
-from examples.tiny_model import batch, build_model, loss_on, probe_loss
+from examples.tiny_model import (
+    batch,
+    build_model,
+    build_optimizer,
+    loss_on,
+    parallelize,
+    probe_loss,
+)
 
 
 def main() -> None:
@@ -63,11 +69,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same init on every rank
-    model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = parallelize(build_model())
+    optim = build_optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.9)
     torch.manual_seed(1000 + rank)  # per-rank data and dropout streams
     random.seed(rank)

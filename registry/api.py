@@ -273,21 +273,20 @@ class Registry:
         progress: Progress | None = None,
         layout: str | None = None,
         strip_prefix: str | None = None,
+        memory_budget: str | None = None,
+        with_optimizer: bool = False,
     ) -> dict[str, Any]:
         """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
-        names too (after the layout's prefix) for the model factory's check."""
-        from registry.lifecycle.validation import validate
+        names too (after the layout's prefix) for the model factory's check; `memory_budget` a
+        size (default: a fraction of the device's free memory); `world_size` > 1 restores the
+        model as the factory module's parallelize shards it (and the optimizer with
+        `with_optimizer`)."""
+        from registry.lifecycle.validation import Request, validate
 
-        return validate(
-            self.context,
-            _ckpt(ref),
-            device=device,
-            world_size=world_size,
-            model_factory=model_factory,
-            progress=progress,
-            layout=layout,
-            strip_prefix=strip_prefix,
+        request = Request(
+            device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
         )
+        return validate(self.context, _ckpt(ref), request, progress=progress)
 
     def promote(
         self,

@@ -41,24 +41,53 @@ def test_validation_with_factory_passes_and_is_recorded(reg, ckpts):
         "resume_state",
     }
     assert "tied: embed.weight=lm_head.weight" in checks["model"]["detail"]
+    assert "match the checkpoint's names, shapes and dtypes" in checks["model"]["detail"]
     assert "probe loss" in checks["probe"]["detail"]
-    assert out["seconds"] > 0 and {"integrity_seconds", "restore_seconds"} <= set(out["phases"])
+    assert out["mode"] == "streamed" and out["driver"] is None  # no GPU driver on CPU
+    assert out["seconds"] > 0 and {"metadata_seconds", "restore_seconds"} <= set(out["phases"])
     assert [e["action"] for e in reg.audit_log()][-1] == "validate"
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_reshard_ws2_checkpoint(reg, ckpts, world_size):
+def test_ws2_checkpoint_at_world_size_1(reg, ckpts):
     _push(reg, ckpts.ws2, 2)
-    out = reg.validate("r@step2", device="cpu", world_size=world_size)
+    out = reg.validate("r@step2", device="cpu")
     assert out["passed"], out["checks"]
-    assert out["world_size"] == world_size
-    expected = "at world size 1" if world_size == 1 else f"resharded onto {world_size} ranks"
-    assert expected in _checks(out)["restore"]["detail"]
+    assert out["world_size"] == 1 and out["mode"] == "streamed"
+    assert "loaded on cpu in batches within --memory-budget" in _checks(out)["restore"]["detail"]
 
 
-def test_ws3_checkpoint_restores_at_ws2(reg, ckpts):
+def test_sharded_mode_restores_as_the_factory_shards(reg, ckpts):
+    """--world-size 3 on a world-size-2 FSDP2 checkpoint: every parameter a DTensor with the
+    factory's placements, each rank holding about a third, the probe matching the loss
+    recorded at push; the optimizer restored too."""
+    _push(reg, ckpts.ws2, 4)
+    out = reg.validate(
+        "r@step4", device="cpu", world_size=3, model_factory=FACTORY, with_optimizer=True
+    )
+    checks = _checks(out)
+    assert out["passed"], out["checks"]
+    assert out["mode"] == "sharded" and out["world_size"] == 3
+    assert (
+        "model and optimizer restored through examples.tiny_model.parallelize onto 3 ranks"
+        in (checks["restore_sharded"]["detail"])
+    )
+    sharding = out["sharding"]
+    assert sharding and all(p["dtensor"] for p in sharding.values())
+    assert {p["placements"] for p in sharding.values()} == {"(Shard(dim=0),)"}
+    for name, p in sharding.items():
+        assert len(p["local"]) == 3 and sum(p["local"]) >= p["numel"], name
+        assert 0.30 <= p["largest_share"] <= 0.40, (name, p)
+    assert checks["probe"]["passed"] and "probe loss" in checks["probe"]["detail"]
+
+
+def test_sharded_mode_needs_the_factorys_hooks(reg, ckpts):
     _push(reg, ckpts.ws3, 3)
-    assert reg.validate("r@step3", device="cpu", world_size=2)["passed"]
+    with pytest.raises(UsageError, match="needs --model-factory") as info:
+        reg.validate("r@step3", device="cpu", world_size=2)
+    assert info.value.exit_code == 2
+    with pytest.raises(UsageError, match=r"tests.helpers defines no parallelize\(model, mesh\)"):
+        reg.validate("r@step3", device="cpu", world_size=2, model_factory="tests.helpers:train")
+    assert reg.validate("r@step3", device="cpu", world_size=2, model_factory=FACTORY)["passed"]
     assert reg.validate("r@step3", device="cpu", model_factory=FACTORY)["passed"]
 
 
@@ -88,7 +117,10 @@ def test_corrupt_shard_fails_integrity_and_loads_nothing(reg, ckpts):
     tamper.flip_byte(reg.store, "ckpt/default/r/step-4/__0_0.distcp")
     out = reg.validate("r@step4", device="cpu")
     assert not out["passed"]
-    assert "__0_0.distcp: sha256" in _checks(out)["integrity"]["detail"]
+    assert (
+        "__0_0.distcp is not the file that was pushed (sha256"
+        in _checks(out)["integrity"]["detail"]
+    )
     assert "restore" not in _checks(out)
 
 
@@ -140,25 +172,23 @@ def test_cuda_reshard_onto_two_gpus(reg, ckpts):
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs one GPU per rank: this machine has fewer than 2")
     _push(reg, ckpts.ws2, 4)
-    out = reg.validate("r@step4", device="cuda", world_size=2, model_factory=FACTORY)
+    out = reg.validate(
+        "r@step4", device="cuda", world_size=2, model_factory=FACTORY, with_optimizer=True
+    )
     assert out["passed"], out["checks"]
-    assert "resharded onto 2 ranks (cuda)" in _checks(out)["restore"]["detail"]
+    assert "onto 2 ranks (cuda)" in _checks(out)["restore_sharded"]["detail"]
+    assert out["driver"]  # nvidia-smi's driver version is recorded
 
 
-def test_reshard_runs_the_model_factory_on_the_gathered_tensors(reg, ckpts):
+def test_sharded_mode_with_a_mismatched_model_stops_before_the_ranks(reg, ckpts):
     _push(reg, ckpts.ws2, 4)
-    out = reg.validate("r@step4", device="cpu", world_size=2, model_factory=FACTORY)
-    checks = _checks(out)
-    assert out["passed"], out["checks"]
-    assert "resharded onto 2 ranks" in checks["restore"]["detail"]
-    assert "tied: embed.weight=lm_head.weight" in checks["model"]["detail"]
-    assert checks["probe"]["passed"] and "probe loss" in checks["probe"]["detail"]
     wrong = reg.validate(
         "r@step4", device="cpu", world_size=2, model_factory="tests.factories:wrong_names"
     )
-    assert _checks(wrong)["restore"]["passed"], wrong["checks"]
-    assert not wrong["passed"]
-    assert "missing keys: 0.weight" in _checks(wrong)["model"]["detail"]
+    checks = _checks(wrong)
+    assert checks["restore"]["passed"] and not wrong["passed"]
+    assert "missing keys: 0.weight" in checks["model"]["detail"]
+    assert "restore_sharded" not in checks
 
 
 def _drop_a_chunk(src: Path, dest: Path) -> str:

@@ -197,6 +197,9 @@ class Validation(SQLModel, table=True):
     # Where the model was loaded from (its layout's path, or [resume] model_key): the model and
     # probe checks and the tied weights name tensors as that path left them. None: unknown.
     model_path: str | None = Field(default=None, max_length=1024)
+    # How it restored: streamed | sharded; whole | resharded before modes existed (0012).
+    mode: str | None = Field(default=None, max_length=16)
+    driver: str | None = Field(default=None, max_length=64)  # nvidia-smi's driver version
 
 
 class Model(SQLModel, table=True):

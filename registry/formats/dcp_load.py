@@ -32,6 +32,7 @@ from torch.futures import Future
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
+from registry.formats.torch_archive import LayoutUnpickler, plain_layout
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore
@@ -183,38 +184,6 @@ def read_chunk(source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str) -> 
 # tensor is a view of the bytes already read: no torch.load, no copy. Anything else (views with
 # offsets or strides, other rebuild functions) returns None and goes through torch.load.
 
-_LEGACY_STORAGES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-}
-
-
-class _Rebuild:
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _Rebuild
-        if module == "torch" and name in _LEGACY_STORAGES:
-            return _LEGACY_STORAGES[name]
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return pid
-
 
 def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.Tensor | None:
     try:
@@ -225,20 +194,12 @@ def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.T
         }
         if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
             return None
-        layout = _LayoutUnpickler(io.BytesIO(archive.read(names["data.pkl"]))).load()
-        if not isinstance(layout, _Rebuild):
+        layout = plain_layout(
+            LayoutUnpickler(io.BytesIO(archive.read(names["data.pkl"]))).load(), dtype, sizes
+        )
+        if layout is None:
             return None
-        (kind, storage_dtype, key, _location, numel), offset, size, stride = layout.args[:4]
-        expected_stride = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
-        if (
-            kind != "storage"
-            or storage_dtype != dtype
-            or tuple(size) != sizes
-            or tuple(stride) != expected_stride
-            or offset != 0
-            or numel != math.prod(sizes)
-        ):
-            return None
+        key, numel = layout.key, math.prod(sizes)
         info = archive.getinfo(names[f"data/{key}"])
         if info.compress_type != zipfile.ZIP_STORED:
             return None

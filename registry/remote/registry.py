@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -302,32 +303,35 @@ class RemoteRegistry(Registry):
         progress: Progress | None = None,
         layout: str | None = None,
         strip_prefix: str | None = None,
+        memory_budget: str | None = None,
+        with_optimizer: bool = False,
     ) -> dict[str, Any]:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
         from policies.layouts import check_layout, known_layout
         from policies.loader import parse_policy
-        from policies.resume import check_strip_prefix
-        from registry.lifecycle.validation import Attempt, check_world_size, run_checks
-        from registry.lifecycle.validation.checks import load_factory
-        from registry.lifecycle.validation.restore import resolve_device
+        from registry.layout import checkpoint_prefix
+        from registry.lifecycle.validation import Attempt, Request, run_checks
 
         parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
-        check_world_size(world_size)
-        check_layout(layout)
-        strip = check_strip_prefix(strip_prefix)
-        dev = resolve_device(device)
-        if model_factory is not None:
-            load_factory(model_factory)
+        request = Request(
+            device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
+        ).checked()
+        if request.world_size > 1:
+            raise UsageError(
+                "--world-size > 1 through reg server: the validation ranks read the store "
+                "directly, which only the server can",
+                "validate at --world-size 1 here, or run the sharded validation embedded "
+                "where the store is reachable",
+            )
         begun = self.client.call("POST", "/validations/begin", body={"ref": str(parsed)})
         full = parse_checkpoint_ref(begun["ref"])
         files = [_record(f) for f in begun["files"]]
-        from registry.layout import checkpoint_prefix
-
         prefix = checkpoint_prefix(full.project, full.run, full.step or 0)
         reader = RemoteReader(
             self.client, str(full), prefix, files, self._read_urls(str(full), begun["files"])
         )
+        request = replace(request, layout=check_layout(layout) or known_layout(begun.get("layout")))
         with reader:
             outcome = run_checks(
                 reader,
@@ -336,14 +340,10 @@ class RemoteRegistry(Registry):
                 full,
                 dict(begun["metrics"]),
                 files,
-                dev,
-                world_size,
-                model_factory,
+                request,
                 progress,
-                check_layout(layout) or known_layout(begun.get("layout")),
-                strip,
             )
-        attempt = Attempt.of(outcome, dev, world_size)
+        attempt = Attempt.of(outcome, request)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
         return {**self.client.call("POST", "/validations", body=body), **outcome.resume}
 

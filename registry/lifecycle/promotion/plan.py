@@ -181,7 +181,7 @@ def check_resumable(ctx: Context, plan: PromotionPlan) -> None:
 def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     """A recorded validation the policy accepts, or a new one run here. With a model factory a
     new validation always runs (its tied weights and probe are part of the release)."""
-    from registry.lifecycle.validation import validate
+    from registry.lifecycle.validation import Request, validate
     from registry.lifecycle.validation.restore import resolve_device
 
     policy = ctx.policy.promotion
@@ -201,14 +201,13 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     if gate:
         raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
     device = policy.require_device if policy.require_device == "cuda" else "auto"
-    result = validate(
-        ctx,
-        plan.source,
-        device=resolve_device(device),
+    request = Request(
+        resolve_device(device),
         model_factory=plan.model_factory,
         layout=plan.layout,
         strip_prefix=plan.strip_prefix,
     )
+    result = validate(ctx, plan.source, request)
     if not result["passed"] or not satisfies_device(policy, result["device"]):
         failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
         raise ValidationFailed(

@@ -3,7 +3,8 @@
 A checkpoint's files can change in the store after they were pushed and validated (a tampered
 shard, a bad restore from backup, a disk error). Checking digests first and reading chunks later
 would leave a window in which the store hands out other bytes, so promotion reads each shard
-that holds model chunks exactly once, front to back: every byte goes through sha256, and the
+that holds model chunks exactly once, front to back, through the reader validation uses too
+(storage/verified_stream.py): every byte goes through sha256, and the
 byte ranges of the model's chunks are copied, as they pass, into a local spool (an unnamed temp
 file, gone when the promotion ends). Consolidation reads its chunks from the spool only, and
 only after the whole file hashed to the digest the catalog recorded. `.metadata` is proved the
@@ -29,6 +30,7 @@ from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import ChunkRange
 from registry.formats.dcp_roots import metadata_paths
 from registry.progress import Counter
+from registry.storage.verified_stream import Span, read_verified
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -116,33 +118,24 @@ class ProvenCheckpoint:
                 progress.finish()
 
     def _pass(self, path: str, counter: Counter) -> int:
-        record, spans = self.records[path], self._spans[path]
-        digest, pos, i = hashlib.sha256(), 0, 0
-        for piece in self._stream(path):
-            if self._stop.is_set():
-                raise IntegrityError(f"{self.label}: stopped", "another shard failed first")
-            view = memoryview(piece)
-            end = pos + len(view)
-            if end > record.size:
-                raise self._mismatch(path, f"it is longer than the {record.size} bytes recorded")
-            digest.update(view)
-            while i < len(spans) and spans[i].start < end:
-                span = spans[i]
-                lo, hi = max(span.start, pos), min(span.end, end)
-                if hi > lo:
-                    self._spool_write(view[lo - pos : hi - pos], span.spool_at + lo - span.start)
-                if span.end > end:
-                    break
-                i += 1
-            pos = end
-            counter(len(view))
-        if pos != record.size:
-            raise self._mismatch(path, f"it has {pos} bytes, the manifest recorded {record.size}")
-        if digest.hexdigest() != record.sha256:
-            raise self._mismatch(
-                path, f"sha256 {digest.hexdigest()[:16]}..., recorded {record.sha256[:16]}..."
+        spans = [Span(s.start, s.end, s.spool_at) for s in self._spans[path]]
+
+        def spool(spool_at: int, at: int, view: memoryview) -> None:
+            self._spool_write(view, spool_at + at)
+
+        try:
+            return read_verified(
+                self.store,
+                self.prefix,
+                self.records[path],
+                spans,
+                spool,
+                label=self.label,
+                stop=self._stop,
+                advance=counter,
             )
-        return pos
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
 
     def _whole(self, path: str) -> bytes:
         record = self._record(path)

@@ -2,46 +2,47 @@
 
 Run the checks -> an Outcome -> record it (a Validation row, audit, an event). The checks, each
 recorded with its detail:
-  integrity     every stored file's size and sha256; every metadata chunk inside its file
-  restore       every tensor and object loaded through DCP onto the device, resharded to the
-                validation world size (1 by default), with a reader that never unpickles unsafely
+  integrity     every stored file's size and sha256, hashed in the same single pass that loads
+                it (storage/verified_stream.py); every metadata chunk inside its file
+  restore       every tensor chunk and object loaded onto the device in batches within
+                `--memory-budget` (modes.py, streamed.py), never unpickling unsafely
   shapes        loaded shapes and dtypes match the metadata; chunks cover each tensor exactly
-  finite        every floating tensor is free of NaN and Inf (the first offender is named)
+  finite        every floating tensor is free of NaN and Inf (the offenders are named)
   resume_state  the resume-state classes the layout or policy requires are present (reported,
                 not counted toward `passed`: the promotion gate decides it under its policy)
-  model         with a model factory: strict load_state_dict of the model tensors
-  probe         with a model factory that defines probe_loss(model): the loss matches the
-                `probe_loss` metric recorded at push within [promotion] probe_rtol
+  model         with a model factory: a strict key, shape and dtype match of its model, built
+                on the meta device, against the checkpoint's model tensors
+  probe         with a factory module that defines probe_loss(model): the loss matches the
+                `probe_loss` metric recorded at push within [promotion] probe_rtol (at world size
+                1 when the model fits half the budget; sharded, on the sharded model)
+  restore_sharded, sharding   at --world-size M: the model (and optimizer) restored as the
+                factory's parallelize(model, mesh) shards it, every parameter a DTensor
 
-The restore phase's wall time is the measured restore time (RTO input); integrity hashing and
-the checks are timed separately.
+Each validation records its mode (streamed or sharded), the device's name and driver. The pass's
+wall time is the measured restore time (RTO input).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
-from registry.errors import RegistryError, UsageError
+from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.validation.budget import choose as choose_budget
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
-from registry.lifecycle.validation.restore import (
-    device_name,
-    resolve_device,
-    restore_distributed,
-    restore_here,
-)
+from registry.lifecycle.validation.modes import MODES, SHARDED, run_streamed
+from registry.lifecycle.validation.restore import device_name, driver_version, resolve_device
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
-from registry.transfer import verify_stored
 
 if TYPE_CHECKING:
     from policies.loader import Policy
@@ -51,34 +52,74 @@ if TYPE_CHECKING:
     from registry.storage.base import BaseStore
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a validation was asked to do (the CLI's options)."""
+
+    device: str = "auto"
+    world_size: int = 1
+    model_factory: str | None = None
+    layout: str | None = None
+    strip_prefix: str | None = None
+    memory_budget: str | None = None  # a size; None: the device's default
+    with_optimizer: bool = False
+
+    def checked(self) -> Request:
+        """Every option checked before any work (usage errors, exit 2); the device resolved."""
+        from policies.layouts import check_layout
+        from policies.resume import check_strip_prefix
+        from registry.lifecycle.validation.sharded import require_hooks
+
+        check_world_size(self.world_size)
+        check_layout(self.layout)
+        strip = check_strip_prefix(self.strip_prefix)
+        device = resolve_device(self.device)
+        if self.model_factory is not None:
+            load_factory(self.model_factory)  # a bad spec is a usage error before any work
+        if self.world_size > 1 or self.with_optimizer:
+            if self.model_factory is None:
+                raise UsageError(
+                    f"--world-size {self.world_size}"
+                    + (" --with-optimizer" if self.with_optimizer else "")
+                    + " needs --model-factory: the factory's module says how training shards "
+                    "the model (parallelize(model, mesh))",
+                    "give --model-factory module:function, or validate at --world-size 1",
+                )
+            require_hooks(self.model_factory, self.world_size, self.with_optimizer)
+        choose_budget(self.memory_budget, device)  # a bad size is refused here too
+        return Request(
+            device,
+            self.world_size,
+            self.model_factory,
+            self.layout,
+            strip,
+            self.memory_budget,
+            self.with_optimizer,
+        )
+
+
 def validate(
     ctx: Context,
     ref: CheckpointRef,
+    request: Request,
     *,
-    device: str = "auto",
-    world_size: int = 1,
-    model_factory: str | None = None,
     progress: Progress | None = None,
-    layout: str | None = None,
-    strip_prefix: str | None = None,
 ) -> dict[str, Any]:
-    from policies.layouts import check_layout, known_layout
-    from policies.resume import check_strip_prefix
+    from policies.layouts import known_layout
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
 
     ctx.authorize("validate", project=ref.project, target=str(ref))
-    check_world_size(world_size)
-    check_layout(layout)
-    strip = check_strip_prefix(strip_prefix)
-    dev = resolve_device(device)
-    if model_factory is not None:
-        load_factory(model_factory)  # a bad spec is a usage error before any work
+    request = request.checked()
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     facts = facts_of_checkpoint(ctx, full, ckpt, files, record=True)
     recorded = known_layout(facts.layout)
-    if strip:  # every model key has the prefix (else UsageError), before any work
-        verdict(facts, ctx.policy.resume, layout).model_names(facts.keys, strip)
+    if request.strip_prefix:  # every model key has the prefix (else UsageError), before any work
+        verdict(facts, ctx.policy.resume, request.layout).model_names(
+            facts.keys, request.strip_prefix
+        )
+    if request.layout is None and recorded is not None:
+        request = replace(request, layout=recorded)
     with hold(ctx.catalog, ctx.actor, ckpt.id or 0, f"validate {full}"):
         out = run_checks(
             ctx.store,
@@ -87,16 +128,12 @@ def validate(
             full,
             dict(ckpt.metrics),
             files,
-            dev,
-            world_size,
-            model_factory,
+            request,
             progress,
-            layout or recorded,
-            strip,
         )
     # Inside reg server the server itself ran it: as trustworthy as a validator's.
-    result = record(ctx, full, ckpt, Attempt.of(out, dev, world_size), attested=ctx.server)
-    return {**result, **out.resume}
+    result = record(ctx, full, ckpt, Attempt.of(out, request), attested=ctx.server)
+    return {**result, **out.resume, **({"sharding": out.sharding} if out.sharding else {})}
 
 
 def check_world_size(world_size: int) -> None:
@@ -111,76 +148,105 @@ def run_checks(
     ref: CheckpointRef,
     metrics: dict[str, float],
     files: list[FileRecord],
-    device: str,
-    world_size: int,
-    model_factory: str | None,
+    request: Request,
     progress: Progress | None,
-    layout: str | None,
-    strip_prefix: str = "",
 ) -> Outcome:
     """Every check of the module docstring on the stored checkpoint `ref` (its `files` as the
-    catalog lists them) with its model where `layout` puts it (None: where its keys show),
-    its names stripped of `strip_prefix` too; no catalog access, so a validator reading
-    through `reg server` runs the same code."""
+    catalog lists them), as `request` (checked) asks, its model where `request.layout` puts it
+    (None: where its keys show); no catalog access, so a validator reading through `reg
+    server` runs the same code."""
     from policies.resume import names_path, suggest
+    from registry.errors import IntegrityError
     from registry.lifecycle.checkpoints.resume_facts import facts_of, proven_reader, verdict
 
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+    device = request.device
+    budget = choose_budget(request.memory_budget, device)
+    proven = proven_reader(store, prefix, files)  # .metadata and sidecars: read whole, proven
     started = time.perf_counter()
-    problems = verify_stored(
-        store,
-        prefix,
-        files,
-        label=f"verify {ref}",
-        workers=workers,
-        progress=progress,
-        recorded_versions=True,
-    )
-    versions = {f.path: f.version for f in files if f.version}
-    proven = proven_reader(store, prefix, files)  # .metadata and sidecars: read again, proven
-    metadata = inv = None
-    if problems:
-        out.add("integrity", False, "; ".join(f"{p.path}: {p.problem}" for p in problems))
-    else:
+    try:
         metadata = stored_metadata(proven, [f.path for f in files])
         inv = inventory(metadata)
-        try:
-            check_ranges(inv, {f.path: f.size for f in files}, str(ref))
-            chunks = sum(len(t.chunks) for t in inv.tensors.values())
-            out.add(
-                "integrity", True, f"{len(files)} files, sha256 verified; {chunks} chunks in range"
-            )
-        except RegistryError as exc:
-            out.add("integrity", False, str(exc))
-    out.phases["integrity_seconds"] = round(time.perf_counter() - started, 3)
-
-    if inv is None:
+        check_ranges(inv, {f.path: f.size for f in files}, str(ref))
+        facts = facts_of(inv, {f.path: f.size for f in files}, proven, request.layout)
+    except (IntegrityError, NotFound) as exc:
+        out.add("integrity", False, str(exc))
         out.add("resume_state", False, "not decided: the integrity check failed")
         return out
-    facts = facts_of(inv, {f.path: f.size for f in files}, proven, layout)
+    except RegistryError as exc:
+        out.add("integrity", False, str(exc))
+        out.add("resume_state", False, "not decided: the metadata is not consistent")
+        return out
+    out.phases["metadata_seconds"] = round(time.perf_counter() - started, 3)
     resume = verdict(facts, rules.resume)
-    out.names_path = names_path(resume.model_path, strip_prefix)
+    out.names_path = names_path(resume.model_path, request.strip_prefix or "")
     out.resume = {
         **resume.to_json(),
         "suggestions": suggest(facts.keys, facts.sidecars, rules.resume, resume),
     }
-    if out.passed and metadata is not None:
-        model = None
-        if model_factory is not None:
-            model = ModelCheck(
-                spec=model_factory,
-                names=resume.model_names(inv.tensors, strip_prefix),
-                metrics=metrics,
-                probe_rtol=rules.promotion.probe_rtol,
-            )
-        if world_size == 1:
-            restore_here(store, prefix, versions, metadata, inv, device, model, out)
-        else:
-            paths = [f.path for f in files]
-            restore_distributed(store, prefix, versions, paths, inv, device, world_size, model, out)
+    model = None
+    if request.model_factory is not None:
+        model = ModelCheck(
+            spec=request.model_factory,
+            names=resume.model_names(inv.tensors, request.strip_prefix or ""),
+            metrics=metrics,
+            probe_rtol=rules.promotion.probe_rtol,
+        )
+    passed = run_streamed(
+        store,
+        prefix,
+        files,
+        inv,
+        device,
+        budget,
+        model,
+        out,
+        label=str(ref),
+        workers=workers,
+        progress=progress,
+        probe=request.world_size == 1,
+    )
+    if passed and model is not None and request.world_size > 1:
+        _run_sharded(store, prefix, files, device, request, model, resume, out)
     out.add("resume_state", resume.resumable, "; ".join([resume.summary(), *resume.warnings]))
     return out
+
+
+def _run_sharded(
+    store: BaseStore,
+    prefix: str,
+    files: list[FileRecord],
+    device: str,
+    request: Request,
+    model: ModelCheck,
+    resume: Any,
+    out: Outcome,
+) -> None:
+    from registry.lifecycle.validation.sharded import ShardedJob, run_sharded
+
+    optimizer_path = None
+    if request.with_optimizer:
+        roots = resume.classes.get("optimizer", [])
+        if len(roots) != 1:
+            raise UsageError(
+                f"--with-optimizer: the checkpoint has {len(roots)} optimizer key paths "
+                f"({', '.join(roots) or 'none'}); exactly one can be restored",
+                "validate without --with-optimizer",
+            )
+        optimizer_path = roots[0]
+    out.mode = SHARDED
+    job = ShardedJob(
+        store.url,
+        prefix,
+        {f.path: f.version for f in files if f.version},
+        [f.path for f in files],
+        device,
+        request.world_size,
+        model,
+        optimizer_path,
+    )
+    run_sharded(job, out)
 
 
 MAX_DETAIL = 4000  # characters of one check's detail in a validator's report
@@ -228,23 +294,27 @@ class Attempt:
     checks: list[dict[str, Any]]
     tied: list[list[str]]  # groups of names sharing storage (recorded with the checks)
     model_path: str | None = None  # where the model was taken from (its names depend on it)
+    mode: str | None = None  # streamed | sharded (modes.py); None from a validator before them
+    driver: str | None = None  # the GPU driver's version (nvidia-smi), on CUDA
 
     @classmethod
-    def of(cls, out: Outcome, device: str, world_size: int) -> Attempt:
+    def of(cls, out: Outcome, request: Request) -> Attempt:
         import torch
 
         checks = [c.as_dict() for c in out.checks]
         return cls(
             passed=out.passed,
-            device=device,
-            device_name=device_name(device),
+            device=request.device,
+            device_name=device_name(request.device),
             torch_version=torch.__version__,
-            world_size=world_size,
+            world_size=request.world_size,
             seconds=out.phases.get("restore_seconds", 0.0),
             phases=dict(out.phases),
             checks=checks,
             tied=[list(g) for g in out.tied],
             model_path=out.names_path,
+            mode=out.mode,
+            driver=driver_version() if request.device == "cuda" else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -259,6 +329,8 @@ class Attempt:
             "checks": self.checks,
             "tied": self.tied,
             "model_path": self.model_path,
+            "mode": self.mode,
+            "driver": self.driver,
         }
 
     @classmethod
@@ -313,6 +385,11 @@ class Attempt:
         text = {k: doc.get(k) for k in ("device_name", "torch_version")}
         if not all(isinstance(v, str) for v in text.values()):
             raise bad("device_name and torch_version are strings")
+        mode, driver = doc.get("mode"), doc.get("driver")
+        if mode is not None and mode not in MODES[:2]:
+            raise bad(f"mode is none of {', '.join(MODES[:2])}")
+        if driver is not None and not isinstance(driver, str):
+            raise bad("driver is a string")
         return cls(
             passed=passed,
             device=device,
@@ -324,6 +401,8 @@ class Attempt:
             checks=clean,
             tied=tied,
             model_path=None if model_path is None else inert(model_path)[:1024],
+            mode=mode,
+            driver=None if driver is None else inert(driver)[:64],
         )
 
 
@@ -351,6 +430,8 @@ def record(
             created_by=ctx.actor,
             attested=attested,
             model_path=attempt.model_path,
+            mode=attempt.mode,
+            driver=attempt.driver,
         )
         s.add(row)
         s.flush()

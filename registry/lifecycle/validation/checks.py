@@ -1,7 +1,8 @@
-"""The checks of a restore validation over loaded tensors, and their outcome (DESIGN §5).
+"""The checks of a restore validation, and their outcome (DESIGN §5): how shapes and finiteness
+are reported, the model factory (its model matched on the meta device) and the probe.
 
-Pure over what was loaded: no catalog, no store. The same functions run in the validating
-process (world size 1) and on rank 0 of a resharded restore.
+No catalog, no store: the same functions run in the validating process and on the ranks of a
+sharded restore.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import importlib
 import math
 import os
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ class Outcome:
     tied: list[list[str]] = field(default_factory=list)
     resume: dict[str, Any] = field(default_factory=dict)  # the resume verdict, as JSON
     names_path: str | None = None  # the key path the model's names are relative to
+    mode: str | None = None  # streamed | sharded (modes.py)
+    sharding: dict[str, Any] = field(default_factory=dict)  # parameter -> how it was sharded
 
     def add(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, passed, detail))
@@ -69,37 +71,6 @@ def coverage_problem(info: TensorInfo) -> str | None:
     return cover_problem(info.fqn, info.shape, info.chunks)
 
 
-def shape_problems(state: Mapping[str, Any], inv: Inventory) -> list[str]:
-    """Loaded (global) shapes and dtypes against the metadata, and chunk coverage."""
-    wrong = []
-    for fqn, t in inv.tensors.items():
-        tensor = state.get(fqn)
-        problem = coverage_problem(t)
-        if problem is not None:
-            wrong.append(problem)
-        elif tensor is None or not hasattr(tensor, "shape"):
-            wrong.append(f"{fqn} was not loaded")
-        elif tuple(tensor.shape) != t.shape or str(tensor.dtype) != f"torch.{t.dtype}":
-            wrong.append(
-                f"{fqn} loaded as {tuple(tensor.shape)} {tensor.dtype}, metadata says "
-                f"{t.shape} {t.dtype}"
-            )
-    return wrong
-
-
-def nonfinite(fqn: str, tensor: Any) -> str | None:
-    import torch
-
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return None
-    finite = torch.isfinite(tensor)
-    if bool(finite.all()):
-        return None
-    n = int((~finite).sum())
-    kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
-    return f"{fqn} ({n} non-finite, {kind})"
-
-
 def add_shapes(out: Outcome, wrong: list[str], count: int) -> None:
     out.add(
         "shapes",
@@ -118,12 +89,6 @@ def add_finite(out: Outcome, bad: list[str]) -> None:
         if bad
         else "every floating tensor is finite",
     )
-
-
-def check_tensors(state: Mapping[str, Any], inv: Inventory, out: Outcome) -> None:
-    add_shapes(out, shape_problems(state, inv), len(inv.tensors))
-    bad = [b for fqn in sorted(inv.tensors) if (b := nonfinite(fqn, state[fqn])) is not None]
-    add_finite(out, bad)
 
 
 def load_factory(spec: str) -> tuple[Any, Any]:
@@ -148,47 +113,72 @@ def load_factory(spec: str) -> tuple[Any, Any]:
 
 
 def tied_groups(model: Any) -> list[list[str]]:
-    """Names that share one storage (tied weights), in state_dict order."""
+    """Names that share one storage (tied weights), in state_dict order. On the meta device
+    (no storage) names that are one tensor object."""
     groups: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if tensor.numel():
-            groups.setdefault(tensor.data_ptr(), []).append(name)
+            key = id(tensor) if tensor.is_meta else tensor.data_ptr()
+            groups.setdefault(key, []).append(name)
     return [names for names in groups.values() if len(names) > 1]
 
 
-def check_model(weights: Mapping[str, Any], device: str, job: ModelCheck, out: Outcome) -> None:
-    """Strict load of `weights` (model names -> tensors) into the factory's model, then the
-    probe: its loss must match the `probe_loss` recorded at push within `probe_rtol`."""
-    fn, module = load_factory(job.spec)
+def build_on_meta(job: ModelCheck, out: Outcome) -> Any | None:
+    """The factory's model built on the meta device (no memory), or None with the model check
+    failed."""
+    import torch
+
+    fn, _ = load_factory(job.spec)
     try:
-        model = fn()
-        model.to(device)
+        with torch.device("meta"):
+            return fn()
     except Exception as exc:
-        out.add("model", False, f"{job.spec}() failed: {type(exc).__name__}: {exc}")
-        return
-    try:
-        result = model.load_state_dict(dict(weights), strict=False)
-    except RuntimeError as exc:  # size mismatches are raised even when strict=False
-        lines = [ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln]
         out.add(
-            "model",
-            False,
-            f"{job.spec} does not match the checkpoint: "
-            + ("; ".join(lines[:3]) or str(exc).splitlines()[0]),
+            "model", False, f"{job.spec}() failed on the meta device: {type(exc).__name__}: {exc}"
         )
-        return
-    mismatch = _key_mismatch(list(result.missing_keys), list(result.unexpected_keys))
+        return None
+
+
+def check_model_meta(model: Any, inv: Inventory, job: ModelCheck, out: Outcome) -> bool:
+    """Strict key, shape and dtype match of the factory's model (on meta) against the
+    checkpoint's model tensors."""
+    expected = model.state_dict()
+    missing = [n for n in expected if n not in job.names]
+    unexpected = [n for n in job.names if n not in expected]
+    mismatch = _key_mismatch(missing, unexpected)
+    if not mismatch:
+        wrong = []
+        for name, tensor in expected.items():
+            info = inv.tensors.get(job.names[name])
+            if info is None:
+                wrong.append(f"{name} is not a tensor in the checkpoint")
+            elif tuple(tensor.shape) != info.shape or str(tensor.dtype) != f"torch.{info.dtype}":
+                wrong.append(
+                    f"{name}: the model has {tuple(tensor.shape)} {str(tensor.dtype)[6:]}, the "
+                    f"checkpoint {info.shape} {info.dtype}"
+                )
+        mismatch = "; ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
     if mismatch:
         out.add("model", False, f"{job.spec} does not match the checkpoint: {mismatch}")
-        return
+        return False
     out.tied = tied_groups(model)
     out.add(
         "model",
         True,
-        f"strict load of {len(weights)} tensors into {job.spec}"
+        f"{len(expected)} tensors of {job.spec} match the checkpoint's names, shapes and dtypes"
         + (f"; tied: {', '.join('='.join(g) for g in out.tied)}" if out.tied else ""),
     )
+    return True
+
+
+def run_probe(model: Any, job: ModelCheck, out: Outcome) -> None:
+    _, module = load_factory(job.spec)
     _check_probe(model, module, job, out)
+
+
+def has_probe(job: ModelCheck) -> bool:
+    _, module = load_factory(job.spec)
+    return callable(getattr(module, "probe_loss", None))
 
 
 def _key_mismatch(missing: list[str], unexpected: list[str]) -> str:

@@ -1,0 +1,88 @@
+"""The memory a validation may use (`--memory-budget`), and how it is shared out.
+
+Default: half the device's free memory on CUDA, a quarter of the RAM available on CPU. On CPU
+the budget covers every buffer the validation holds; on CUDA it bounds what is held on the device
+(and the pinned host buffers mirror the device batches). Beyond it, a process has its fixed
+overhead (the interpreter and torch) and the store's read pieces (8 MiB per worker).
+
+  batches     a quarter: tensors are loaded and checked a batch at a time (on CUDA two batches
+              of an eighth each, one filling while the other is checked)
+  held whole  a quarter, shared by the workers: a chunk that cannot be streamed (a view with an
+              offset or strides) or a non-tensor item is held whole while it is loaded
+  model       half: the model for the probe, when it fits (else the probe is skipped, named)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from registry.errors import UsageError
+
+MIN_BUDGET = 16 * 1024 * 1024
+CUDA_FRACTION = 0.5
+CPU_FRACTION = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    total: int
+    source: str  # how it was chosen, as the record shows it
+
+    @property
+    def batch(self) -> int:
+        return max(1 << 20, self.total // 4)
+
+    def held(self, workers: int) -> int:
+        return max(1 << 20, self.total // (4 * max(1, workers)))
+
+    @property
+    def model(self) -> int:
+        return self.total // 2
+
+    def describe(self) -> str:
+        return f"{human(self.total)} ({self.source})"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def choose(text: str | None, device: str) -> Budget:
+    """`--memory-budget` (a size such as 512MiB or 4GB), else the default for `device`."""
+    from policies.loader import parse_size
+
+    if text is not None:
+        try:
+            size = parse_size(text)
+        except ValueError as exc:
+            raise UsageError(
+                f"--memory-budget: {exc}", "write a size such as 512MiB or 8GB"
+            ) from None
+        if size is None or size < MIN_BUDGET:
+            raise UsageError(
+                f"--memory-budget {text}: at least {human(MIN_BUDGET)} is needed",
+                "give a size such as 512MiB or 8GB",
+            )
+        return Budget(size, "--memory-budget")
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return Budget(max(MIN_BUDGET, int(free * CUDA_FRACTION)), "half the GPU's free memory")
+    return Budget(max(MIN_BUDGET, int(available_ram() * CPU_FRACTION)), "a quarter of free RAM")
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
