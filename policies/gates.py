@@ -13,10 +13,17 @@ class ValidationRecord:
     id: int
     passed: bool
     device: str  # cuda | cpu
+    mode: str | None = (
+        None  # streamed | sharded | whole | resharded; None: whole (an old validator)
+    )
 
 
 def satisfies_device(policy: PromotionPolicy, device: str) -> bool:
     return policy.require_device == "any" or device == policy.require_device
+
+
+def satisfies_mode(policy: PromotionPolicy, mode: str | None) -> bool:
+    return (mode or "whole") in policy.modes
 
 
 def usable_validation(
@@ -24,9 +31,21 @@ def usable_validation(
 ) -> ValidationRecord | None:
     """The newest passing validation that the policy accepts."""
     for v in sorted(validations, key=lambda v: v.id, reverse=True):
-        if v.passed and satisfies_device(policy, v.device):
+        if v.passed and satisfies_device(policy, v.device) and satisfies_mode(policy, v.mode):
             return v
     return None
+
+
+def mode_gate(policy: PromotionPolicy, validations: list[ValidationRecord]) -> str | None:
+    """None when a recorded validation satisfies the policy or promotion's own (streamed)
+    validation would."""
+    if usable_validation(policy, validations) is not None or "streamed" in policy.modes:
+        return None
+    return (
+        f"policy [promotion] modes = [{', '.join(policy.modes)}] accepts no validation that "
+        "promotion can run itself: run `reg validate REF --world-size M --model-factory "
+        "module:function` (the sharded mode), then promote"
+    )
 
 
 def resumable_gate(policy: PromotionPolicy, resumable: bool, missing: list[str]) -> str | None:

@@ -108,10 +108,18 @@ class RetentionPolicy(RetentionRules):
         return self.projects.get(project, self)
 
 
+ValidationMode = Literal["streamed", "sharded", "whole", "resharded"]
+VALIDATION_MODES: tuple[ValidationMode, ...] = ("streamed", "sharded", "whole", "resharded")
+
+
 class PromotionPolicy(_Model):
     require_device: Literal["cuda", "any"] = "cuda"
     require_resumable: bool = True
     probe_rtol: float = Field(default=1e-3, ge=0, le=1e6, allow_inf_nan=False)
+    # The validation modes a promotion accepts (registry/lifecycle/validation/modes.py).
+    modes: list[ValidationMode] = Field(
+        default_factory=lambda: list(VALIDATION_MODES), min_length=1
+    )
 
 
 class ResumePolicy(_Model):

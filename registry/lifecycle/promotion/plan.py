@@ -15,6 +15,7 @@ from sqlmodel import select
 from policies.gates import (
     ValidationRecord,
     device_gate,
+    mode_gate,
     resumable_gate,
     satisfies_device,
     usable_validation,
@@ -192,12 +193,13 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     if ctx.server:  # identities are proven here: only what a validator attested counts
         rows = [v for v in rows if v.attested]
     rows = [v for v in rows if _same_names(v, plan)]
-    records = [ValidationRecord(v.id or 0, v.passed, v.device) for v in rows]
+    records = [ValidationRecord(v.id or 0, v.passed, v.device, v.mode) for v in rows]
     usable = usable_validation(policy, records)
     if usable is not None and plan.model_factory is None:
         return next(v for v in rows if v.id == usable.id)
     here = "cuda" if _cuda_available() else "cpu"
-    gate = device_gate(policy, [] if plan.model_factory else records, here)
+    considered = [] if plan.model_factory else records
+    gate = mode_gate(policy, considered) or device_gate(policy, considered, here)
     if gate:
         raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
     device = policy.require_device if policy.require_device == "cuda" else "auto"

@@ -74,7 +74,7 @@ class Batches:
                 self._dev = self._host
         except torch.cuda.OutOfMemoryError as exc:
             raise OutOfDeviceMemory(str(exc).splitlines()[0]) from None
-        self._views = [memoryview(h.numpy()) for h in self._host]
+        self._views = [memoryview(h.numpy()) for h in self._host]  # type: ignore[arg-type]
 
     def wants(self, fqn: str, dtype: str) -> bool:
         """Whether pieces of this tensor need loading (floats are checked; the held model's

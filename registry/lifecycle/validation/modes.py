@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from policies.loader import VALIDATION_MODES
 from registry.formats.dcp import Inventory
 from registry.lifecycle.validation.batches import OutOfDeviceMemory, Target
 from registry.lifecycle.validation.budget import Budget, human
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from registry.storage.base import BaseStore
 
 STREAMED, SHARDED = "streamed", "sharded"
-MODES = (STREAMED, SHARDED, "whole", "resharded")
+MODES = VALIDATION_MODES
 
 
 def run_streamed(
