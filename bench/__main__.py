@@ -1,9 +1,10 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
-Runs bench.checkpoints, bench.promotion, bench.s3, bench.presigned, bench.server,
-bench.training and bench.gc in turn on one shared 1.2 GiB checkpoint (made once by 2 torchrun
-ranks; bench.training saves its own state of that size from torchrun jobs); each prints ratios
-against baselines measured in the same run.
+Runs bench.checkpoints, bench.promotion, bench.validation, bench.s3, bench.presigned,
+bench.server, bench.training and bench.gc in turn on one shared 1.2 GiB checkpoint (made once
+by 2 torchrun ranks; bench.training saves its own state of that size from torchrun jobs); each
+prints ratios against baselines measured in the same run. README's validation figures come from
+`python -m bench.validation --gib 4` (the issue's 4 GiB checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
         for module, extra in (
             ("bench.checkpoints", common),
             ("bench.promotion", common),
+            ("bench.validation", common),
             ("bench.s3", common),
             ("bench.presigned", common),
             ("bench.server", common),

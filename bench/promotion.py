@@ -6,7 +6,7 @@ Consolidation (DCP -> safetensors of the model weights), each in its own process
 peak RSS, against:
   (a) what users do today: dcp_to_torch_save + torch.load + safetensors save_file
   (b) dcp.load of the model keys alone at ws=1 into tensors allocated from the metadata + save_file
-Validation: reg's restore phase against a bare dcp.load of the whole checkpoint at ws=1.
+(Validation has its own benchmark: bench/validation.py.)
 """
 
 from __future__ import annotations
@@ -83,18 +83,6 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
                 metadata={"format": "pt"},
                 tie_groups=[],
             )
-    elif mode == "bare_load":
-        reader = dcp.FileSystemReader(src)
-        md = reader.read_metadata()
-        state = {
-            k: torch.empty(v.size, dtype=v.properties.dtype)
-            for k, v in md.state_dict_metadata.items()
-            if hasattr(v, "chunks")
-        }
-        state |= {k: None for k, v in md.state_dict_metadata.items() if not hasattr(v, "chunks")}
-        start = time.perf_counter()
-        dcp.load(state, storage_reader=reader)
-        result["seconds"] = time.perf_counter() - start
     print(json.dumps(result))
 
 
@@ -154,27 +142,6 @@ def main() -> None:
             flush=True,
         )
 
-    bare, restore, integrity = [], [], []
-    for _ in range(args.repeat):
-        evict(src, stored)
-        bare.append(_measure(["bare_load", str(src), "-", str(home)], e)[2]["seconds"])
-        evict(src, stored)
-        proc = subprocess.run(
-            [*REG, "validate", "bench@step0", "--device", "cpu", "--json"],
-            env=e,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        phases = json.loads(proc.stdout)["phases"]
-        restore.append(phases["restore_seconds"])
-        integrity.append(phases["integrity_seconds"])
-    b, r = statistics.median(bare), statistics.median(restore)
-    print(
-        f"validate: integrity (sha256 of every file) {statistics.median(integrity):.2f}s, "
-        f"restore {r:.2f}s vs bare dcp.load {b:.2f}s: {r / b:.2f}x of bare (target <= 1.2x)"
-    )
     if args.work is None:
         rm(work)
 

@@ -53,7 +53,9 @@ def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
         2,
         args,
         clean=out,
-        env_extra={"PYTHONWARNINGS": "ignore"},
+        # CPU and gloo wherever it runs (a GPU machine too): the frameworks would otherwise
+        # move both ranks onto one GPU.
+        env_extra={"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""},
     )
     return dict(json.loads(losses.read_text()))
 
@@ -202,3 +204,22 @@ def test_accelerate_save_state_without_fsdp_is_refused_by_name(cli: Any, tmp_pat
     assert got.returncode == 2
     assert "accelerate save_state without FSDP" in got.stderr
     assert "SHARDED_STATE_DICT" in got.stderr and "Traceback" not in got.stderr
+
+
+@pytest.mark.cuda
+def test_framework_checkpoint_validates_on_cuda(run: Run, cli: Any, tmp_path: Path) -> None:
+    """The frameworks' checkpoints (trained on CPU, gloo) restore on a GPU: what the default
+    policy's gate requires. Training on GPUs needs one per rank (NCCL): not on a one-GPU
+    machine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (CI has none; scripts/gpu-check runs it on a GPU machine)")
+    ref = f"fw/{run.framework}@step{SAVE_AT}"
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", run.framework,
+                 "--step", str(SAVE_AT), "--world-size", "2")  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    validated = cli("validate", ref, "--device", "cuda", "--json")
+    assert validated.returncode == 0, validated.stderr
+    out = json.loads(validated.stdout)
+    assert out["passed"] and out["device"] == "cuda" and out["mode"] == "streamed", out

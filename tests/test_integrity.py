@@ -75,7 +75,9 @@ def test_a_truncated_file_is_named(pushed, tmp_path):
 
 def test_promotion_refuses_a_corrupt_shard_and_consumes_no_version(pushed):
     tamper.flip_byte(pushed.store, KEY + "__1_0.distcp")
-    with pytest.raises(ValidationFailed, match="integrity: __1_0.distcp: sha256"):
+    with pytest.raises(
+        ValidationFailed, match=r"integrity: __1_0.distcp is not the file that was pushed \(sha256"
+    ):
         pushed.promote("r@step4", model="tiny")
     assert pushed.releases() == []
     assert pushed.store.head("release/tiny/v1/model.safetensors") is None
@@ -144,7 +146,12 @@ def test_memory_store_is_not_shared_with_validation_ranks(monkeypatch, ckpts):
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
         with pytest.raises(UsageError, match="memory store cannot be shared"):
-            reg.validate("r@step2", device="cpu", world_size=2)
+            reg.validate(
+                "r@step2",
+                device="cpu",
+                world_size=2,
+                model_factory="examples.tiny_model:build_model",
+            )
 
 
 def test_cli_missing_release_file_is_one_line_exit_1(cpu_policy, ckpts, cli, tmp_path):

@@ -110,6 +110,11 @@ def validate(
 
     ctx.authorize("validate", project=ref.project, target=str(ref))
     request = request.checked()
+    if request.world_size > 1 and ctx.store.url.startswith("memory://"):
+        raise UsageError(
+            "a memory store cannot be shared with validation ranks in other processes",
+            "validate at world size 1, or use a file:// or s3:// store",
+        )
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     facts = facts_of_checkpoint(ctx, full, ckpt, files, record=True)

@@ -22,6 +22,7 @@ from registry.formats.torch_archive import ITEMSIZE
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 ALIGN = 64
 SLICE = 1 << 24  # elements checked at once on CPU (bounds isfinite's temporary)
+CUDA_BATCH = 256 << 20
 
 
 class OutOfDeviceMemory(Exception):
@@ -55,7 +56,11 @@ class Batches:
         self.device = device
         self.targets = targets or {}
         self.lock = threading.Lock()
-        self.size = max(ALIGN, batch_bytes // (2 if device == "cuda" else 1))
+        # On CUDA two buffers on each side, of at most CUDA_BATCH: larger copies gain nothing.
+        if device == "cuda":
+            self.size = max(ALIGN, min(batch_bytes // 2, CUDA_BATCH))
+        else:
+            self.size = max(ALIGN, batch_bytes)
         self.nonfinite: dict[str, list[Any]] = {}  # fqn -> [bad, nan] counts (tensors on CUDA)
         self._pieces: list[_Piece] = []
         self._used = 0

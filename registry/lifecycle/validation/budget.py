@@ -6,7 +6,7 @@ the budget covers every buffer the validation holds; on CUDA it bounds what is h
 overhead (the interpreter and torch) and the store's read pieces (8 MiB per worker).
 
   batches     a quarter: tensors are loaded and checked a batch at a time (on CUDA two batches
-              of an eighth each, one filling while the other is checked)
+              of an eighth each, at most 256 MiB, one filling while the other is checked)
   held whole  a quarter, shared by the workers: a chunk that cannot be streamed (a view with an
               offset or strides) or a non-tensor item is held whole while it is loaded
   model       half: the model for the probe, when it fits (else the probe is skipped, named)
