@@ -13,9 +13,8 @@ class ValidationRecord:
     id: int
     passed: bool
     device: str  # cuda | cpu
-    mode: str | None = (
-        None  # streamed | sharded | whole | resharded; None: whole (an old validator)
-    )
+    mode: str | None = None  # streamed | sharded | whole | resharded; None: whole (pre-0012)
+    probed: bool = False  # its probe ran and passed
 
 
 def satisfies_device(policy: PromotionPolicy, device: str) -> bool:
@@ -31,20 +30,26 @@ def usable_validation(
 ) -> ValidationRecord | None:
     """The newest passing validation that the policy accepts."""
     for v in sorted(validations, key=lambda v: v.id, reverse=True):
-        if v.passed and satisfies_device(policy, v.device) and satisfies_mode(policy, v.mode):
+        if (
+            v.passed
+            and satisfies_device(policy, v.device)
+            and satisfies_mode(policy, v.mode)
+            and (v.probed or not policy.require_probe)
+        ):
             return v
     return None
 
 
 def mode_gate(policy: PromotionPolicy, validations: list[ValidationRecord]) -> str | None:
-    """None when a recorded validation satisfies the policy or promotion's own (streamed)
-    validation would."""
+    """None when a recorded validation satisfies the policy or promotion's own validation
+    (streamed, world size 1) would."""
     if usable_validation(policy, validations) is not None or "streamed" in policy.modes:
         return None
     return (
-        f"policy [promotion] modes = [{', '.join(policy.modes)}] accepts no validation that "
-        "promotion can run itself: run `reg validate REF --world-size M --model-factory "
-        "module:function` (the sharded mode), then promote"
+        f"policy [promotion] modes = [{', '.join(policy.modes)}] does not accept the streamed "
+        "validation promotion runs itself, and no recorded validation it accepts passed: run "
+        "`reg validate REF` in an accepted mode (sharded: --world-size M --model-factory "
+        "module:function), then promote"
     )
 
 

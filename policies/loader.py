@@ -120,6 +120,8 @@ class PromotionPolicy(_Model):
     modes: list[ValidationMode] = Field(
         default_factory=lambda: list(VALIDATION_MODES), min_length=1
     )
+    # Only validations whose probe ran count (one skipped for the memory budget does not).
+    require_probe: bool = False
 
 
 class ResumePolicy(_Model):

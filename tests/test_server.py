@@ -16,6 +16,12 @@ import pytest
 
 from tests.serverproc import team_policy
 
+# What a validator's passing report holds at least (Attempt.from_json refuses less).
+PASSED_CHECKS = [
+    {"name": name, "passed": True, "detail": "ok"}
+    for name in ("integrity", "restore", "shapes", "finite")
+]
+
 
 def _as(server, who: str, **extra: str) -> dict[str, str]:
     return {**server.client_env(who), **extra}
@@ -133,7 +139,7 @@ def test_a_trainers_validation_is_refused_and_never_recorded(cli, ckpts, reg_ser
             "world_size": 1,
             "seconds": 1.0,
             "phases": {},
-            "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+            "checks": PASSED_CHECKS,
         },
     }
     r = httpx.post(
@@ -172,7 +178,7 @@ def test_the_gpu_gate_takes_only_a_validators_attestation(cli, ckpts, reg_server
         "world_size": 1,
         "seconds": 0.5,
         "phases": {"restore_seconds": 0.5},
-        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+        "checks": PASSED_CHECKS,
     }
     recorded = reg_server.call(
         "val", "POST", "/v1/validations", json={"ref": "team-a/r@step2", "attempt": attempt}
@@ -721,6 +727,10 @@ def test_what_a_killed_server_left_in_uploads_is_swept_at_start(cli, big_ckpt, r
         {"seconds": 10**400},
         {"phases": {"x": 10**400}},
         {"checks": [{"name": "restore", "passed": True, "detail": [[["deep"]]]}]},
+        {"checks": [{"name": "restore", "passed": True, "detail": "ok"}]},  # checks left out
+        {"mode": "sharded"},  # at world size 1
+        {"mode": "streamed", "world_size": 2},
+        {"mode": "whole"},  # only rows from before modes read whole
     ],
 )
 def test_a_validators_report_with_impossible_values_is_refused(reg_server, attempt):
@@ -732,7 +742,7 @@ def test_a_validators_report_with_impossible_values_is_refused(reg_server, attem
         "world_size": 1,
         "seconds": 1,
         "phases": {},
-        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+        "checks": PASSED_CHECKS,
         **attempt,
     }
     r = httpx.post(
@@ -877,7 +887,7 @@ def test_retention_keeps_what_a_validator_is_validating(cli, ckpts, reg_server):
         "world_size": 1,
         "seconds": 1,
         "phases": {},
-        "checks": [{"name": "restore", "passed": True, "detail": "ok"}],
+        "checks": PASSED_CHECKS,
     }
     reg_server.call(
         "val",

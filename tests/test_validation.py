@@ -222,3 +222,65 @@ def test_partly_covered_tensor_is_refused_at_push(reg, ckpts, tmp_path):
         reg.push_checkpoint(tmp_path / "partial", run="p", step=4)
     assert info.value.exit_code == 2
     assert reg.list_checkpoints("p") == []
+
+
+def test_policy_modes_and_probe_decide_which_validations_promote(
+    catalog_url, ckpts, tmp_path, monkeypatch
+):
+    """[promotion] modes = ["sharded"]: the streamed validation promotion runs itself is not
+    enough, a recorded sharded one is; require_probe: a validation without a probe is not."""
+    from registry import Registry
+    from registry.errors import GateNotMet, ValidationFailed
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[promotion]\nrequire_device = "any"\nmodes = ["sharded"]\n')
+    monkeypatch.setenv("REG_POLICY", str(policy))
+    with Registry() as reg:
+        _push(reg, ckpts.ws2, 4)
+        assert reg.validate("r@step4", device="cpu", model_factory=FACTORY)["mode"] == "streamed"
+        for factory in (None, FACTORY):
+            with pytest.raises(GateNotMet, match=r"modes = \[sharded\] does not accept"):
+                reg.promote("r@step4", model="m", model_factory=factory)
+        sharded = reg.validate("r@step4", device="cpu", world_size=2, model_factory=FACTORY)
+        assert sharded["passed"] and sharded["mode"] == "sharded"
+        out = reg.promote("r@step4", model="m", model_factory=FACTORY)
+        assert out["version"] == 1 and out["validation"]["id"] == sharded["validation_id"]
+
+    policy.write_text('[promotion]\nrequire_device = "any"\nrequire_probe = true\n')
+    with Registry() as reg:
+        _push(reg, ckpts.ws2, 2, run="p")
+        assert reg.validate("p@step2", device="cpu")["passed"]  # no factory: no probe
+        with pytest.raises(
+            ValidationFailed, match="require_probe = true and validation .* ran no probe"
+        ):
+            reg.promote("p@step2", model="n")
+        assert [r["model"] for r in reg.releases()] == ["m"]  # nothing of n
+        assert reg.promote("p@step2", model="n", model_factory=FACTORY)["version"] == 1
+
+
+def test_overlapping_chunks_in_metadata_are_refused_by_name(reg, ckpts, tmp_path):
+    """Two items over the same bytes of a shard: DCP never writes that, and a pass would check
+    one of them only in part."""
+    import pickle
+    import shutil
+
+    dest = shutil.copytree(ckpts.ws2.step_dir(4), tmp_path / "overlap")
+    with open(dest / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own test checkpoint, not an untrusted file
+    items = sorted(
+        (i for i in metadata.storage_data.items() if i[1].relative_path == "__0_0.distcp"),
+        key=lambda i: i[1].offset,
+    )
+    (_, first), (index, second) = items[0], items[1]
+    second.offset = first.offset + 1  # inside the first item, same length
+    with open(dest / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    try:
+        reg.push_checkpoint(dest, run="o", step=4)
+    except InvalidCheckpoint as exc:  # refused at push already: as good
+        assert "overlap" in str(exc) or "__0_0.distcp" in str(exc)
+        return
+    out = reg.validate("o@step4", device="cpu")
+    restore = _checks(out)["restore"]
+    assert not out["passed"] and not restore["passed"]
+    assert f"{index.fqn} overlap in __0_0.distcp" in restore["detail"]

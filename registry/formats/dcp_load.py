@@ -16,10 +16,6 @@ consolidation path: one tensor in memory at a time; promotion's source is the pr
 from __future__ import annotations
 
 import io
-import math
-import pickle
-import struct
-import zipfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,7 +28,7 @@ from torch.futures import Future
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
-from registry.formats.torch_archive import LayoutUnpickler, plain_layout
+from registry.formats.torch_archive import LayoutUnpickler, Region, canonical, plain_layout
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore
@@ -186,41 +182,20 @@ def read_chunk(source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str) -> 
 
 
 def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """The tensor as a view of `data` when the chunk is an archive torch.save writes, of a
+    plain tensor (the one reading validation checked, `canonical`); None: load it with torch."""
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        names = {
-            n.rsplit("/", 1)[-1] if "/data/" not in n else "data/" + n.rsplit("/", 1)[-1]: n
-            for n in archive.namelist()
-        }
-        if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
-            return None
-        layout = plain_layout(
-            LayoutUnpickler(io.BytesIO(archive.read(names["data.pkl"]))).load(), dtype, sizes
-        )
-        if layout is None:
-            return None
-        key, numel = layout.key, math.prod(sizes)
-        info = archive.getinfo(names[f"data/{key}"])
-        if info.compress_type != zipfile.ZIP_STORED:
-            return None
-        header = memoryview(data)[info.header_offset : info.header_offset + 30]
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        view = memoryview(data)[start : start + numel * itemsize]
-        if len(view) != numel * itemsize:
-            return None
-    except (
-        KeyError,
-        ValueError,
-        TypeError,
-        pickle.UnpicklingError,
-        zipfile.BadZipFile,
-        struct.error,
-    ):
+        found = canonical(Region(data, 0, b""))
+        layout = plain_layout(LayoutUnpickler(io.BytesIO(found.pickle)).load(), dtype, sizes)
+    except Exception:  # not canonical, or a data.pkl that is no plain layout: torch decides
         return None
-    if numel == 0:
+    if layout is None or layout.key != found.key or found.byteorder not in (None, b"little"):
+        return None
+    if found.data_len != layout.nbytes:
+        return None
+    if layout.nbytes == 0:
         return torch.empty(sizes, dtype=getattr(torch, dtype))
+    view = memoryview(data)[found.data_at : found.data_at + found.data_len]
     return torch.frombuffer(view, dtype=getattr(torch, dtype)).view(sizes)
 
 

@@ -193,12 +193,15 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     if ctx.server:  # identities are proven here: only what a validator attested counts
         rows = [v for v in rows if v.attested]
     rows = [v for v in rows if _same_names(v, plan)]
-    records = [ValidationRecord(v.id or 0, v.passed, v.device, v.mode) for v in rows]
+    records = [ValidationRecord(v.id or 0, v.passed, v.device, v.mode, _probed(v)) for v in rows]
     usable = usable_validation(policy, records)
-    if usable is not None and plan.model_factory is None:
+    # With a model factory a validation runs here (its ties and probe are the release's), but
+    # it runs streamed: where the policy does not accept that, the recorded one must do.
+    runs_here = plan.model_factory is not None and "streamed" in policy.modes
+    if usable is not None and not runs_here:
         return next(v for v in rows if v.id == usable.id)
     here = "cuda" if _cuda_available() else "cpu"
-    considered = [] if plan.model_factory else records
+    considered = [] if runs_here else records
     gate = mode_gate(policy, considered) or device_gate(policy, considered, here)
     if gate:
         raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
@@ -210,6 +213,14 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         strip_prefix=plan.strip_prefix,
     )
     result = validate(ctx, plan.source, request)
+    probed = any(c["name"] == "probe" and _ran(c) for c in result["checks"])
+    if policy.require_probe and result["passed"] and not probed:
+        raise ValidationFailed(
+            f"refusing to promote {plan.source}: policy [promotion] require_probe = true and "
+            f"validation {result['validation_id']} ran no probe",
+            "give --model-factory whose module defines probe_loss(model), and a memory budget "
+            "the model fits (reg validate --memory-budget), or validate sharded",
+        )
     if not result["passed"] or not satisfies_device(policy, result["device"]):
         failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
         raise ValidationFailed(
@@ -221,6 +232,14 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
         found = s.get(Validation, result["validation_id"])
         assert found is not None
         return found
+
+
+def _ran(check: dict[str, Any]) -> bool:
+    return bool(check.get("passed")) and not str(check.get("detail", "")).startswith("skipped")
+
+
+def _probed(v: Validation) -> bool:
+    return any(c.get("name") == "probe" and _ran(c) for c in v.checks)
 
 
 def _same_names(v: Validation, plan: PromotionPlan) -> bool:

@@ -391,10 +391,19 @@ class Attempt:
         if not all(isinstance(v, str) for v in text.values()):
             raise bad("device_name and torch_version are strings")
         mode, driver = doc.get("mode"), doc.get("driver")
-        if mode is not None and mode not in MODES[:2]:
-            raise bad(f"mode is none of {', '.join(MODES[:2])}")
+        if mode is None:  # a validator from before modes: what it did at that world size
+            mode = "whole" if world == 1 else "resharded"
+        elif mode not in MODES[:2] or (mode == SHARDED) != (world > 1):
+            raise bad("mode is streamed at world size 1 or sharded above it")
         if driver is not None and not isinstance(driver, str):
             raise bad("driver is a string")
+        names = {c["name"] for c in clean}
+        needed = {"integrity", "restore", "shapes", "finite"}
+        needed |= {"restore_sharded", "sharding"} if mode == SHARDED else set()
+        if passed and not needed <= names:
+            raise bad(
+                f"a passing validation has every check of its mode ({', '.join(sorted(needed))})"
+            )
         return cls(
             passed=passed,
             device=device,

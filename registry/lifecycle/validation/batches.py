@@ -19,7 +19,18 @@ from typing import Any
 from registry.formats.dcp import ChunkRange
 from registry.formats.torch_archive import ITEMSIZE
 
-FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+# Checked for NaN and Inf: every floating and complex dtype. Those isfinite does not take
+# (float8, complex32) are widened a slice at a time first.
+WIDENED = {
+    "float8_e4m3fn": "float32",
+    "float8_e5m2": "float32",
+    "float8_e4m3fnuz": "float32",
+    "float8_e5m2fnuz": "float32",
+    "float8_e8m0fnu": "float32",
+    "complex32": "complex64",
+}
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "complex128"})
+FLOATING |= frozenset(WIDENED)
 ALIGN = 64
 SLICE = 1 << 24  # elements checked at once on CPU (bounds isfinite's temporary)
 CUDA_BATCH = 256 << 20
@@ -77,7 +88,7 @@ class Batches:
             else:
                 self._host = [torch.empty(self.size, dtype=torch.uint8)]
                 self._dev = self._host
-        except torch.cuda.OutOfMemoryError as exc:
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # RuntimeError: host memory
             raise OutOfDeviceMemory(str(exc).splitlines()[0]) from None
         self._views = [memoryview(h.numpy()) for h in self._host]  # type: ignore[arg-type]
 
@@ -143,18 +154,18 @@ class Batches:
         dtype = getattr(torch, piece.dtype)
         values = buffer[piece.at : piece.at + piece.nbytes].view(dtype)
         if piece.dtype in FLOATING:
-            if self.device == "cuda":
-                bad = values.numel() - torch.isfinite(values).sum()
-                nan = torch.isnan(values).sum()
-                counts = self.nonfinite.setdefault(piece.fqn, [0, 0])
-                counts[0], counts[1] = counts[0] + bad, counts[1] + nan
-            else:
-                for lo in range(0, values.numel(), SLICE):
-                    part = values[lo : lo + SLICE]
-                    if not bool(torch.isfinite(part).all()):
-                        counts = self.nonfinite.setdefault(piece.fqn, [0, 0])
-                        counts[0] += int((~torch.isfinite(part)).sum())
-                        counts[1] += int(torch.isnan(part).sum())
+            wide = getattr(torch, WIDENED[piece.dtype]) if piece.dtype in WIDENED else None
+            counts = self.nonfinite.setdefault(piece.fqn, [0, 0])
+            for lo in range(0, values.numel(), SLICE):
+                part = values[lo : lo + SLICE]
+                if wide is not None:
+                    part = part.to(wide)
+                if self.device == "cuda":  # counted on the device, read once at the end
+                    counts[0] = counts[0] + (part.numel() - torch.isfinite(part).sum())
+                    counts[1] = counts[1] + torch.isnan(part).sum()
+                elif not bool(torch.isfinite(part).all()):
+                    counts[0] += int((~torch.isfinite(part)).sum())
+                    counts[1] += int(torch.isnan(part).sum())
         target = self.targets.get(piece.fqn)
         if target is not None and piece.chunk is not None:
             _copy_into(target, piece.chunk, piece.first, values)

@@ -68,6 +68,12 @@ def choose(text: str | None, device: str) -> Budget:
                 f"--memory-budget {text}: at least {human(MIN_BUDGET)} is needed",
                 "give a size such as 512MiB or 8GB",
             )
+        most, where = device_memory(device)
+        if size > most:
+            raise UsageError(
+                f"--memory-budget {text}: more than the {human(most)} {where} has",
+                "give at most what the device has (the default is a safe fraction of it)",
+            )
         return Budget(size, "--memory-budget")
     if device == "cuda":
         import torch
@@ -86,3 +92,30 @@ def available_ram() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """All the memory of `device` (a budget above it is refused) and what to call it."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory), "the GPU"
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine's RAM"
+    except (ValueError, OSError):
+        return 2**62, "this machine"
+
+
+def out_of_memory(device: str, budget: Budget, exc: BaseException) -> str:
+    """A failed check's detail: what ran out, and the budget to try."""
+    text = str(exc).strip()
+    first = text.splitlines()[0][:200] if text else type(exc).__name__
+    half = budget.total // 2
+    advice = (
+        f"try --memory-budget {human(half)}"
+        if half >= MIN_BUDGET
+        else f"free memory on the {device} (the smallest budget is {human(MIN_BUDGET)})"
+    )
+    return (
+        f"out of memory on {device} with --memory-budget {human(budget.total)} ({first}): {advice}"
+    )

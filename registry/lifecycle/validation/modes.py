@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from policies.loader import VALIDATION_MODES
 from registry.formats.dcp import Inventory
 from registry.lifecycle.validation.batches import OutOfDeviceMemory, Target
-from registry.lifecycle.validation.budget import Budget, human
+from registry.lifecycle.validation.budget import Budget, human, out_of_memory
 from registry.lifecycle.validation.checks import (
     ModelCheck,
     Outcome,
@@ -79,7 +79,7 @@ def run_streamed(
         )
     except OutOfDeviceMemory as exc:
         out.add("integrity", False, "not checked: the device batches did not fit")
-        out.add("restore", False, _oom(device, budget, exc))
+        out.add("restore", False, out_of_memory(device, budget, exc))
         return False
     result = streamed.run(progress)
     if device == "cuda":
@@ -87,6 +87,10 @@ def run_streamed(
     out.phases["restore_seconds"] = round(result.seconds, 3)
     if result.integrity:
         out.add("integrity", False, "; ".join(result.integrity[:3]))
+        return False
+    if result.files != len(files):  # the pass stopped early (out of memory)
+        out.add("integrity", False, f"not finished: {result.files} of {len(files)} files read")
+        out.add("restore", False, result.restore[0] if result.restore else "the pass stopped")
         return False
     chunks = sum(len(t.chunks) for t in inv.tensors.values()) + sum(
         len(c) for c in inv.byte_items.values()
@@ -147,15 +151,7 @@ def _model_for_probe(
     try:
         return fn().to(device)
     except torch.cuda.OutOfMemoryError as exc:
-        out.add("probe", False, _oom(device, budget, exc))
+        out.add("probe", False, out_of_memory(device, budget, exc))
     except Exception as exc:
         out.add("probe", False, f"{job.spec}() failed: {type(exc).__name__}: {exc}")
     return None
-
-
-def _oom(device: str, budget: Budget, exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (
-        f"out of memory on {device} with --memory-budget {human(budget.total)} ({first[:200]}): "
-        f"try --memory-budget {human(budget.total // 2)}"
-    )

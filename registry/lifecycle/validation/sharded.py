@@ -18,6 +18,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from registry.errors import UsageError
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
 
 START_ATTEMPTS = 2  # gloo now and then aborts a rank while the group forms on a busy machine
+RANK_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,10 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
         if job.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "nccl" if job.device == "cuda" else "gloo", rank=rank, world_size=job.world_size
+            "nccl" if job.device == "cuda" else "gloo",
+            rank=rank,
+            world_size=job.world_size,
+            timeout=timedelta(seconds=RANK_TIMEOUT_S),  # a rank that failed alone ends the rest
         )
         mesh = init_device_mesh(job.device, (job.world_size,))
         result["stage"] = "load"
@@ -175,6 +180,7 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
             model = fn()
         module.parallelize(model, mesh)
         model.to_empty(device=job.device)
+        _init_buffers(model, module)
         optim = module.build_optimizer(model) if job.optimizer_path is not None else None
         if optim is None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -217,6 +223,23 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         result["error"] = f"rank {rank}: {_one_line(exc)}"
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _init_buffers(model: Any, module: Any) -> None:
+    """Buffers left out of the state dict (rotary frequencies, masks) are not in the checkpoint
+    and `to_empty` leaves them uninitialized: the module's `init_buffers(model)` sets them;
+    without it a model that has them is refused (its probe would run on garbage)."""
+    names = {n for n, _ in model.named_buffers()} - set(model.state_dict())
+    if not names:
+        return
+    init = getattr(module, "init_buffers", None)
+    if not callable(init):
+        raise UsageError(
+            f"{module.__name__}'s model has buffers outside its state dict "
+            f"({', '.join(sorted(names)[:3])}) that the sharded restore cannot fill",
+            f"define init_buffers(model) in {module.__name__} to set them after to_empty",
+        )
+    init(model)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ integrity failure there outranks anything noted from its bytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -24,7 +25,7 @@ from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import ChunkRange, Inventory, TensorInfo
 from registry.formats.torch_archive import ArchiveStream, NotStreamable
 from registry.lifecycle.validation.batches import Batches, OutOfDeviceMemory, Target
-from registry.lifecycle.validation.budget import Budget, human
+from registry.lifecycle.validation.budget import Budget, human, out_of_memory
 from registry.progress import Counter
 from registry.storage.verified_stream import Span, read_verified
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
     from registry.progress import Progress
     from registry.storage.base import BaseStore
+
+
+HELD_COPIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,6 @@ class PassResult:
     restore: list[str] = field(default_factory=list)  # chunks that do not load
     shapes: list[str] = field(default_factory=list)
     nonfinite: dict[str, tuple[int, bool]] = field(default_factory=dict)
-    objects: dict[str, Any] = field(default_factory=dict)  # fqn -> loaded non-tensor item
     files: int = 0
     bytes_read: int = 0
     chunks: int = 0
@@ -92,6 +95,15 @@ class StreamPass:
                 self._spans.setdefault(c.file, []).append(
                     Span(c.offset, c.offset + c.length, _ObjectChunk(fqn, c))
                 )
+        for path, spans in self._spans.items():  # DCP never writes two items over one byte
+            spans.sort(key=lambda s: (s.start, s.end))
+            for before, after in itertools.pairwise(spans):
+                if after.start < before.end:
+                    self.result.restore.append(
+                        f"{_name(before.key)} and {_name(after.key)} overlap in {path} (bytes "
+                        f"{after.start}...{min(before.end, after.end)}): the metadata is corrupt "
+                        "or crafted"
+                    )
 
     def run(self, progress: Progress | None = None) -> PassResult:
         started = time.perf_counter()
@@ -107,10 +119,7 @@ class StreamPass:
                 self.result.nonfinite = self.batches.close()
         except OutOfDeviceMemory as exc:
             self._stop.set()
-            self.result.restore.append(
-                f"out of memory on {self.device} with --memory-budget {human(self.budget.total)} "
-                f"({exc}): try --memory-budget {human(self.budget.total // 2)}"
-            )
+            self.result.restore.append(out_of_memory(self.device, self.budget, exc))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             if progress:
@@ -143,7 +152,6 @@ class StreamPass:
             self.result.chunks += reader.chunks
             self.result.restore.extend(reader.restore)
             self.result.shapes.extend(reader.shapes)
-            self.result.objects.update(reader.objects)
 
 
 class _FileReader:
@@ -154,7 +162,6 @@ class _FileReader:
         self.chunks = 0
         self.restore: list[str] = []
         self.shapes: list[str] = []
-        self.objects: dict[str, Any] = {}
         self._key: object = None
         self._stream: ArchiveStream | None = None
         self._held: bytearray | None = None
@@ -187,8 +194,9 @@ class _FileReader:
             self._hold(key, bytearray())
 
     def _hold(self, key: Any, start: bytearray) -> None:
-        if key.chunk.length > self.owner.held_limit:
-            need = key.chunk.length * 4 * self.owner.workers
+        # Held, copied once for torch.load, and loaded: three times the chunk's size.
+        if key.chunk.length * HELD_COPIES > self.owner.held_limit:
+            need = key.chunk.length * HELD_COPIES * 4 * self.owner.workers
             self._failed = True
             what = "is not a plain tensor (it cannot be read in sub-ranges)"
             if isinstance(key, _ObjectChunk):
@@ -233,7 +241,7 @@ class _FileReader:
                 from registry.formats.dcp_load import load_object
 
                 assert self._held is not None
-                self.objects[key.fqn] = load_object(bytes(self._held), self._where(key))
+                load_object(bytes(self._held), self._where(key))  # loads, then is let go
             elif self._stream is not None:
                 self._stream.finish()
             else:
@@ -262,6 +270,10 @@ class _FileReader:
         if self.owner.batches.wants(info.fqn, info.dtype) and tensor.numel():
             data = tensor.contiguous().view(-1).view(_uint8()).numpy()
             self.owner.batches.add(info.fqn, info.dtype, data, chunk, 0)
+
+
+def _name(key: Any) -> str:
+    return str(key.info.fqn if isinstance(key, _TensorChunk) else key.fqn)
 
 
 def _itemsize(dtype: str) -> int:
