@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -161,3 +163,19 @@ def split_as_nodes(ckpts: Ckpts, tmp_path: Path) -> tuple[Path, Path]:
         shutil.copy(src / name, a / name)
     shutil.copy(src / "__1_0.distcp", b / "__1_0.distcp")
     return a, b
+
+
+def _gpus() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+# Skips decided at collection, before any fixture trains a checkpoint for a test that cannot run.
+needs_cuda = pytest.mark.skipif(
+    _gpus() < 1,
+    reason="needs a CUDA device (CI has none; scripts/gpu-check runs these on a GPU machine)",
+)
+needs_two_gpus = pytest.mark.skipif(
+    _gpus() < 2, reason="NCCL needs one GPU per rank: this machine has fewer than 2"
+)

@@ -207,14 +207,11 @@ def test_accelerate_save_state_without_fsdp_is_refused_by_name(cli: Any, tmp_pat
 
 
 @pytest.mark.cuda
+@helpers.needs_cuda
 def test_framework_checkpoint_validates_on_cuda(run: Run, cli: Any, tmp_path: Path) -> None:
     """The frameworks' checkpoints (trained on CPU, gloo) restore on a GPU: what the default
     policy's gate requires. Training on GPUs needs one per rank (NCCL): not on a one-GPU
     machine."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (CI has none; scripts/gpu-check runs it on a GPU machine)")
     ref = f"fw/{run.framework}@step{SAVE_AT}"
     pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", run.framework,
                  "--step", str(SAVE_AT), "--world-size", "2")  # fmt: skip

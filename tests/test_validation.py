@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from registry.errors import InvalidCheckpoint, UsageError
-from tests import tamper
+from tests import helpers, tamper
 
 FACTORY = "examples.tiny_model:build_model"
 
@@ -155,22 +155,16 @@ def test_cuda_request_without_cuda_is_a_clear_error(reg, ckpts):
 
 
 @pytest.mark.cuda
+@helpers.needs_cuda
 def test_cuda_validation_and_reshard(reg, ckpts):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (CI has none; run `pytest -m cuda` on a GPU machine)")
     _push(reg, ckpts.ws2, 4)
     out = reg.validate("r@step4", device="cuda", model_factory=FACTORY)
     assert out["passed"] and out["device"] == "cuda", out["checks"]
 
 
 @pytest.mark.cuda
+@helpers.needs_two_gpus
 def test_cuda_reshard_onto_two_gpus(reg, ckpts):
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip("NCCL needs one GPU per rank: this machine has fewer than 2")
     _push(reg, ckpts.ws2, 4)
     out = reg.validate(
         "r@step4", device="cuda", world_size=2, model_factory=FACTORY, with_optimizer=True

@@ -163,16 +163,9 @@ def test_a_budget_too_small_or_malformed_is_a_usage_error(ckpts, cli):
         assert "--memory-budget" in got.stderr and "Traceback" not in got.stderr
 
 
-def _cuda() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (CI has none; scripts/gpu-check runs it on a GPU machine)")
-
-
 @pytest.mark.cuda
+@helpers.needs_cuda
 def test_cuda_batches_check_every_tensor_and_find_the_nan(big, poisoned, cli):
-    _cuda()
     ref = push(cli, big, "cuda-big")
     got = cli("validate", ref, "--device", "cuda", "--memory-budget", "64MiB", "--json")
     assert got.returncode == 0, got.stderr
@@ -188,10 +181,10 @@ def test_cuda_batches_check_every_tensor_and_find_the_nan(big, poisoned, cli):
 
 
 @pytest.mark.cuda
+@helpers.needs_cuda
 def test_cuda_out_of_memory_is_a_failed_check_naming_the_budget(reg, ckpts):
     """The GPU nearly full (another job's memory): the batches do not fit, and the check says
     which budget to try instead of a traceback."""
-    _cuda()
     import torch
 
     reg.push_checkpoint(ckpts.ws2.step_dir(4), run="oom", step=4)
