@@ -21,9 +21,8 @@ REG = [PY, "-m", "cli"]
 def env(home: Path, **extra: str) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("REG_", "AWS_", "MLFLOW_"))}
     # No MLflow drain in the background: it would take CPU from the next measured run.
-    out.update(
-        REG_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), REG_MLFLOW="off", **extra
-    )
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    out.update(REG_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=path, REG_MLFLOW="off", **extra)
     return out
 
 
