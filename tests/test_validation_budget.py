@@ -39,9 +39,9 @@ def make(out: Path, gib: float, dim: int, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """About 260 MiB: 1024x1024 float32 layers and their AdamW state, and one 4 MiB weight
+    """About 260 MiB: 1024x1024 float32 layers and their AdamW state, and one 1 MiB weight
     saved as a transposed view (a chunk that cannot stream: it is held whole)."""
-    return make(tmp_path_factory.mktemp("big") / "ckpt", 0.25, 1024, "--transposed", "1024")
+    return make(tmp_path_factory.mktemp("big") / "ckpt", 0.25, 1024, "--transposed", "512")
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +150,8 @@ def test_a_chunk_that_cannot_stream_and_exceeds_the_budget_is_refused_by_name(bi
     restore = checks(out)["restore"]
     assert not restore["passed"]
     assert "model.transposed.weight in __" in restore["detail"]
-    assert "(4.0 MiB) is not a plain tensor" in restore["detail"]
-    assert "needs --memory-budget 32.0 MiB or more" in restore["detail"]
+    assert "(1.0 MiB) is not a plain tensor" in restore["detail"]
+    assert "needs --memory-budget 24.0 MiB or more" in restore["detail"]
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
