@@ -148,6 +148,7 @@ class Mirror:
                 {
                     "reg.validation": "passed" if p["passed"] else "failed",
                     "reg.validation.device": f"{p['device']} ({p['device_name']})",
+                    "reg.validation.mode": str(p.get("mode") or "whole"),
                     "reg.restore_seconds": str(p["seconds"]),
                 },
             )

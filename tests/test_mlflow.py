@@ -68,6 +68,7 @@ def test_every_mapping(policy, ckpts):
     assert step4.tags["reg.resumable"] == "true" and step4.tags["reg.layout"] == "dcp"
     assert step4.params["uri"].endswith("/ckpt/default/run42/step-4/")
     assert step4.tags["state"] == "committed" and step4.tags["reg.validation"] == "passed"
+    assert step4.tags["reg.validation.mode"] == "streamed"
     assert models["run42-step2"].tags["state"] == "deleted"
     found = client.search_logged_models([exp.experiment_id], filter_string="tags.step = '4'")
     assert [m.name for m in found] == ["run42-step4"]

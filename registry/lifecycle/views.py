@@ -139,6 +139,7 @@ class ReleaseView:
                 "passed": v.passed,
                 "device": v.device,
                 "device_name": v.device_name,
+                "mode": v.mode,
                 "seconds": v.seconds,
             }
             if v

@@ -468,6 +468,7 @@ def record(
             passed=attempt.passed,
             device=attempt.device,
             device_name=row.device_name,
+            mode=attempt.mode,
             validation_id=row.id,
             seconds=attempt.seconds,
         )
