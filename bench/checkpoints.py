@@ -42,6 +42,21 @@ def make_checkpoint(out: Path, gib: float) -> Path:
     return out
 
 
+def pushed_as_bench(src: Path, home: Path, **extra: str) -> tuple[dict[str, str], Path]:
+    """`src` pushed as bench@step0 into a fresh registry at `home` (CPU validation allowed):
+    the environment to run reg in, and where the store keeps the checkpoint."""
+    rm(home)
+    e = env(home, REG_POLICY=str(ROOT / "examples" / "cpu-policy.toml"), **extra)
+    subprocess.run(
+        [*REG, "push-ckpt", str(src), "--run", "bench", "--step", "0", "--json"],
+        env=e,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return e, home / "store" / "ckpt" / "default" / "bench" / "step-0"
+
+
 def bench_push_pull(work: Path, src: Path, repeat: int) -> list[str]:
     size = dir_bytes(src)
     home = work / "home"

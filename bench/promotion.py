@@ -15,14 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.checkpoints import make_checkpoint
-from bench.common import PY, REG, ROOT, env, evict, measured, rm
+from bench.checkpoints import make_checkpoint, pushed_as_bench
+from bench.common import PY, ROOT, evict, measured, rm
 
 
 def _measure(args: list[str], environ: dict[str, str]) -> tuple[float, float, dict]:
@@ -99,16 +98,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
     src = make_checkpoint(work / "src", args.gib)
     home = work / "promo-home"
-    rm(home)
-    e = env(home, REG_POLICY=str(ROOT / "examples" / "cpu-policy.toml"))
-    subprocess.run(
-        [*REG, "push-ckpt", str(src), "--run", "bench", "--step", "0", "--json"],
-        env=e,
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    stored = home / "store" / "ckpt" / "default" / "bench" / "step-0"
+    e, stored = pushed_as_bench(src, home)
     print(
         f"checkpoint: {sum(f.stat().st_size for f in src.iterdir()) / 2**30:.2f} GiB "
         f"(ws=2, model + AdamW); files evicted from the page cache before each run; "

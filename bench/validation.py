@@ -18,13 +18,12 @@ import argparse
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.checkpoints import make_checkpoint
-from bench.common import PY, REG, ROOT, dir_bytes, env, measured, rm
+from bench.checkpoints import make_checkpoint, pushed_as_bench
+from bench.common import PY, REG, ROOT, dir_bytes, measured, rm
 
 
 def warm(*roots: Path) -> None:
@@ -75,17 +74,7 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
     src = make_checkpoint(work / "src", args.gib)
-    home = work / "validate-home"
-    rm(home)
-    e = env(home, REG_POLICY=str(ROOT / "examples" / "cpu-policy.toml"), PYTHONWARNINGS="ignore")
-    subprocess.run(
-        [*REG, "push-ckpt", str(src), "--run", "bench", "--step", "0", "--json"],
-        env=e,
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    stored = home / "store" / "ckpt" / "default" / "bench" / "step-0"
+    e, stored = pushed_as_bench(src, work / "validate-home", PYTHONWARNINGS="ignore")
     size = dir_bytes(src)
     print(
         f"checkpoint: {size / 2**30:.2f} GiB (ws=2, model + AdamW), --memory-budget "
