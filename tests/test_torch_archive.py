@@ -136,3 +136,42 @@ def test_an_archive_torch_save_does_not_write_is_refused(crafted):
     else:
         pytest.fail("a crafted archive was read as a clean tensor")
     assert stored_tensor_view(bytearray(data), "float32", (4,)) is None  # promotion asks torch
+
+
+def with_pickle(data: bytes, change) -> bytes:
+    source = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in source.infolist():
+            body = source.read(info)
+            z.writestr(info.filename, change(body) if info.filename.endswith("data.pkl") else body)
+    return out.getvalue()
+
+
+def decoy(storage: str, numel: int) -> bytes:
+    """A storage reference left on the pickle's stack: torch keeps the first reference's dtype
+    for a key, so the bytes would be read as `storage`."""
+    return (
+        b"(X\x07\x00\x00\x00storagectorch\n" + storage.encode() + b"\nX\x01\x00\x00\x000"
+        b"X\x03\x00\x00\x00cpuJ" + numel.to_bytes(4, "little") + b"tQ"
+    )
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # the same float32 bytes that torch reads as float16 (NaN and Inf where float32 is finite)
+        with_pickle(saved(CLEAN), lambda p: p[:2] + decoy("HalfStorage", 8) + p[2:]),
+        # torch.save of a negated view: the metadata argument makes torch negate the bytes
+        saved(torch._neg_view(CLEAN)),
+    ],
+    ids=["decoy-storage-reference", "negative-view"],
+)
+def test_a_layout_torch_reads_differently_is_never_streamed(data):
+    """Such chunks are held whole and loaded with torch, so validation checks what torch (a
+    resume) and promotion (which then asks torch too) read."""
+    reader = ArchiveStream(len(data), "float32", (4,), "w in f")
+    with pytest.raises(NotStreamable):
+        reader.feed(memoryview(data))
+        reader.finish()
+    assert stored_tensor_view(bytearray(data), "float32", (4,)) is None

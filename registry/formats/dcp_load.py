@@ -50,7 +50,7 @@ def load_chunk(data: bytes, where: str) -> torch.Tensor:
         ) from exc
     if not isinstance(tensor, torch.Tensor):
         raise InvalidCheckpoint(f"{where} holds a {type(tensor).__name__}, not a tensor")
-    return tensor
+    return tensor.resolve_conj().resolve_neg()  # the values torch means, as plain bytes
 
 
 def load_object(data: bytes, where: str) -> Any:

@@ -84,8 +84,19 @@ class LayoutUnpickler(pickle.Unpickler):
             return dict
         raise pickle.UnpicklingError(f"{module}.{name}")
 
+    references = 0
+
     def persistent_load(self, pid: Any) -> Any:
+        self.references += 1
         return pid
+
+    def load(self) -> Any:
+        """The layout; a pickle that names a storage more than once is refused (torch keeps
+        the first reference's dtype for a key: a decoy would change what torch reads)."""
+        obj = super().load()
+        if self.references != 1:
+            raise pickle.UnpicklingError(f"{self.references} storage references, not one")
+        return obj
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +119,14 @@ def plain_layout(obj: Any, dtype: str, sizes: tuple[int, ...]) -> Layout | None:
         if not isinstance(obj, _Rebuild) or dtype not in ITEMSIZE:
             return None
         (kind, storage, key, _location, numel), offset, size, stride = obj.args[:4]
+        requires_grad, hooks = obj.args[4:6]
         count = math.prod(sizes)
+        # Nothing after the fixed arguments: a `metadata` argument (neg or conj bits) changes
+        # the values torch builds from the same bytes.
+        if len(obj.args) != (7 if obj.v3 else 6) or not isinstance(requires_grad, bool):
+            return None
+        if not isinstance(hooks, dict) or hooks:
+            return None
         if obj.v3:  # an untyped storage counts bytes; the dtype is the 7th argument
             ok = storage == "untyped" and isinstance(obj.args[6], _Dtype)
             ok = ok and obj.args[6] == dtype and numel == count * ITEMSIZE[dtype]
@@ -122,6 +140,7 @@ def plain_layout(obj: Any, dtype: str, sizes: tuple[int, ...]) -> Layout | None:
             or (count and tuple(stride) != expected)  # an empty tensor's strides say nothing
             or offset != 0
             or not isinstance(key, str)
+            or type(numel) is not int
         ):
             return None
     except (TypeError, ValueError, IndexError):

@@ -198,6 +198,9 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     # With a model factory a validation runs here (its ties and probe are the release's), but
     # it runs streamed: where the policy does not accept that, the recorded one must do.
     runs_here = plan.model_factory is not None and "streamed" in policy.modes
+    if plan.model_factory is not None and not runs_here:  # only one that checked a model
+        records = [r for r, v in zip(records, rows, strict=True) if _checked_model(v)]
+        usable = usable_validation(policy, records)
     if usable is not None and not runs_here:
         return next(v for v in rows if v.id == usable.id)
     here = "cuda" if _cuda_available() else "cpu"
@@ -236,6 +239,10 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
 
 def _ran(check: dict[str, Any]) -> bool:
     return bool(check.get("passed")) and not str(check.get("detail", "")).startswith("skipped")
+
+
+def _checked_model(v: Validation) -> bool:
+    return any(c.get("name") == "model" and c.get("passed") for c in v.checks)
 
 
 def _probed(v: Validation) -> bool:
