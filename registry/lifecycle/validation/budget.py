@@ -41,7 +41,8 @@ class Budget:
         return self.total // 2
 
     def describe(self) -> str:
-        return f"{human(self.total)} ({self.source})"
+        given = self.source == "--memory-budget"
+        return human(self.total) if given else f"{human(self.total)} ({self.source})"
 
 
 def human(n: float) -> str:
