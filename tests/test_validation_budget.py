@@ -1,5 +1,5 @@
 """Validation within --memory-budget, measured: `reg validate` runs as a child process and its
-peak RSS is read with wait4 (ru_maxrss).
+peak RSS is read with wait4 (ru_maxrss, through a small launcher: see LAUNCHER).
 
 The checkpoints are real: written by 2 torchrun ranks through DCP (bench/make_checkpoint.py),
 float32 matrices sharded Shard(0) with their AdamW state. The stated overhead is what the same
@@ -54,18 +54,32 @@ def size_of(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir())
 
 
+# A child's ru_maxrss starts at its parent's RSS when it forks (and exec keeps it): forked from
+# a pytest process of 2 GB, every child "peaks" at 2 GB. A small launcher process forks the
+# command instead and reports its rusage.
+LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss * 1024}")
+"""
+
+
 def reg_peak(*args: str) -> tuple[int, str, str, int]:
     """(exit code, stdout, stderr, peak RSS in bytes) of `reg ARGS` in a child process."""
     env = dict(os.environ, REG_WORKERS=str(WORKERS))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, stdout=out, stderr=err
-        )
-        _, status, usage = os.wait4(child.pid, 0)  # the child's own rusage
-        child.returncode = os.waitstatus_to_exitcode(status)
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.NamedTemporaryFile("r") as report,
+    ):
+        cmd = [sys.executable, "-c", LAUNCHER, report.name, sys.executable, "-m", "cli", *args]
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, check=True, timeout=600)
+        code, peak = map(int, Path(report.name).read_text().split())
         out.seek(0)
         err.seek(0)
-        return child.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
+        return code, out.read(), err.read(), peak
 
 
 def push(cli: Any, directory: Path, run: str) -> str:
