@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from registry.errors import UsageError
+from registry.timeutil import human_bytes
 
 MIN_BUDGET = 16 * 1024 * 1024
 CUDA_FRACTION = 0.5
@@ -42,15 +43,7 @@ class Budget:
 
     def describe(self) -> str:
         given = self.source == "--memory-budget"
-        return human(self.total) if given else f"{human(self.total)} ({self.source})"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+        return human_bytes(self.total) if given else f"{human_bytes(self.total)} ({self.source})"
 
 
 def choose(text: str | None, device: str) -> Budget:
@@ -66,13 +59,13 @@ def choose(text: str | None, device: str) -> Budget:
             ) from None
         if size is None or size < MIN_BUDGET:
             raise UsageError(
-                f"--memory-budget {text}: at least {human(MIN_BUDGET)} is needed",
+                f"--memory-budget {text}: at least {human_bytes(MIN_BUDGET)} is needed",
                 "give a size such as 512MiB or 8GB",
             )
         most, where = device_memory(device)
         if size > most:
             raise UsageError(
-                f"--memory-budget {text}: more than the {human(most)} {where} has",
+                f"--memory-budget {text}: more than the {human_bytes(most)} {where} has",
                 "give at most what the device has (the default is a safe fraction of it)",
             )
         return Budget(size, "--memory-budget")
@@ -113,10 +106,9 @@ def out_of_memory(device: str, budget: Budget, exc: BaseException) -> str:
     first = text.splitlines()[0][:200] if text else type(exc).__name__
     half = budget.total // 2
     advice = (
-        f"try --memory-budget {human(half)}"
+        f"try --memory-budget {human_bytes(half)}"
         if half >= MIN_BUDGET
-        else f"free memory on the {device} (the smallest budget is {human(MIN_BUDGET)})"
+        else f"free memory on the {device} (the smallest budget is {human_bytes(MIN_BUDGET)})"
     )
-    return (
-        f"out of memory on {device} with --memory-budget {human(budget.total)} ({first}): {advice}"
-    )
+    used = human_bytes(budget.total)
+    return f"out of memory on {device} with --memory-budget {used} ({first}): {advice}"

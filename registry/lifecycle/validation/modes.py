@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from policies.loader import VALIDATION_MODES
 from registry.formats.dcp import Inventory
 from registry.lifecycle.validation.batches import OutOfDeviceMemory, Target
-from registry.lifecycle.validation.budget import Budget, human, out_of_memory
+from registry.lifecycle.validation.budget import Budget, out_of_memory
 from registry.lifecycle.validation.checks import (
     ModelCheck,
     Outcome,
@@ -33,6 +33,7 @@ from registry.lifecycle.validation.checks import (
     run_probe,
 )
 from registry.lifecycle.validation.streamed import StreamPass, model_bytes
+from registry.timeutil import human_bytes
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -60,7 +61,6 @@ def run_streamed(
 ) -> bool:
     """The one pass and its checks into `out`; whether the tensors passed (integrity, restore,
     shapes, finite). With `probe` False the model is matched on meta only."""
-    import torch
 
     out.mode = STREAMED
     out.phases["memory_budget_mib"] = round(budget.total / 2**20, 1)
@@ -81,9 +81,7 @@ def run_streamed(
         out.add("integrity", False, "not checked: the device batches did not fit")
         out.add("restore", False, out_of_memory(device, budget, exc))
         return False
-    result = streamed.run(progress)
-    if device == "cuda":
-        torch.cuda.synchronize()  # before the clock is read
+    result = streamed.run(progress)  # its clock is read after the device synchronized
     out.phases["restore_seconds"] = round(result.seconds, 3)
     if result.integrity:
         out.add("integrity", False, "; ".join(result.integrity[:3]))
@@ -110,7 +108,7 @@ def run_streamed(
     out.add(
         "restore",
         True,
-        f"{len(inv.tensors)} tensors ({human(inv.tensor_bytes)}) and {len(inv.byte_items)} "
+        f"{len(inv.tensors)} tensors ({human_bytes(inv.tensor_bytes)}) and {len(inv.byte_items)} "
         f"objects loaded on {device} in batches within --memory-budget {budget.describe()} "
         f"in {result.seconds:.2f}s",
     )
@@ -142,8 +140,8 @@ def _model_for_probe(
         out.add(
             "probe",
             True,
-            f"skipped: the model's {human(need)} do not fit half of --memory-budget "
-            f"{human(budget.total)}: give --memory-budget {human(2 * need + 2**26)} or "
+            f"skipped: the model's {human_bytes(need)} do not fit half of --memory-budget "
+            f"{human_bytes(budget.total)}: give --memory-budget {human_bytes(2 * need + 2**26)} or "
             "validate sharded (--world-size M)",
         )
         return None

@@ -25,9 +25,10 @@ from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import ChunkRange, Inventory, TensorInfo
 from registry.formats.torch_archive import ArchiveStream, NotStreamable
 from registry.lifecycle.validation.batches import Batches, OutOfDeviceMemory, Target
-from registry.lifecycle.validation.budget import Budget, human, out_of_memory
+from registry.lifecycle.validation.budget import Budget, out_of_memory
 from registry.progress import Counter
 from registry.storage.verified_stream import Span, read_verified
+from registry.timeutil import human_bytes
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -202,9 +203,9 @@ class _FileReader:
             if isinstance(key, _ObjectChunk):
                 what = "is a non-tensor item (loaded whole)"
             self.restore.append(
-                f"{self._where(key)} ({human(key.chunk.length)}) {what} and does not fit "
-                f"--memory-budget {human(self.owner.budget.total)}: it needs --memory-budget "
-                f"{human(need)} or more"
+                f"{self._where(key)} ({human_bytes(key.chunk.length)}) {what} and does not fit "
+                f"--memory-budget {human_bytes(self.owner.budget.total)}: it needs --memory-budget "
+                f"{human_bytes(need)} or more"
             )
             return
         self._held = start
@@ -254,6 +255,8 @@ class _FileReader:
 
     def _load_held(self, key: _TensorChunk) -> None:
         """A chunk that could not stream: loaded with torch, then into the batches."""
+        import torch
+
         from registry.formats.dcp_load import load_chunk
 
         assert self._held is not None
@@ -268,7 +271,7 @@ class _FileReader:
             )
             return
         if self.owner.batches.wants(info.fqn, info.dtype) and tensor.numel():
-            data = tensor.contiguous().view(-1).view(_uint8()).numpy()
+            data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
             self.owner.batches.add(info.fqn, info.dtype, data, chunk, 0)
 
 
@@ -280,12 +283,6 @@ def _itemsize(dtype: str) -> int:
     from registry.formats.torch_archive import ITEMSIZE
 
     return ITEMSIZE[dtype]
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def model_bytes(inv: Inventory, names: dict[str, str]) -> int:
