@@ -28,7 +28,8 @@ from torch.futures import Future
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
-from registry.formats.torch_archive import LayoutUnpickler, Region, canonical, plain_layout
+from registry.formats.torch_archive import LayoutUnpickler, plain_layout
+from registry.formats.torch_zip import Region, canonical
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore

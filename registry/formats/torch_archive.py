@@ -6,8 +6,9 @@ never runs code from the file.
 
 `ArchiveStream` reads a chunk as it streams past (validation's one pass over a shard): it keeps
 the few header bytes before the tensor's storage, hands the storage bytes on in whole-element
-pieces, keeps the short tail, and at the end asks the archive's own central directory (read from
-the kept head and tail) whether the bytes it handed on were the storage `torch.load` would read.
+pieces, keeps the short tail, and at the end asks `torch_zip.canonical` (reading the kept head
+and tail) whether the archive is one torch.save writes and the bytes it handed on were its one
+storage, the bytes `torch.load` would read.
 Memory: about 1 MiB at most, whatever the chunk's size. A chunk it cannot stream (a view with an
 offset or strides, a compressed record) raises `NotStreamable` before any storage byte is handed
 on; the caller then holds it whole (`head` has every byte so far) and loads it with torch.
@@ -24,6 +25,7 @@ from typing import Any
 
 from registry.errors import IntegrityError
 from registry.formats.dcp_metadata import DTYPE_SIZES
+from registry.formats.torch_zip import LOCAL_HEADER, NotCanonical, Region, canonical
 
 _ALIASES = {"double", "float", "half", "long", "int", "short"}
 
@@ -45,7 +47,6 @@ LEGACY_STORAGES = {
 ITEMSIZE = {name: size for name, size in DTYPE_SIZES.items() if name not in _ALIASES}
 HEAD_MAX = 1 << 20  # the bytes before a tensor's storage: data.pkl and three tiny records
 TAIL_MAX = 1 << 20  # after it: two tiny records and the central directory
-_LOCAL = 0x04034B50
 
 
 class _Rebuild:
@@ -290,7 +291,7 @@ def _local_header(buf: bytearray, at: int) -> tuple[str, int] | None:
     sig, _, _, method, _, _, _, _, _, name_len, extra_len = struct.unpack_from(
         "<IHHHHHIIIHH", buf, at
     )
-    if sig != _LOCAL:
+    if sig != LOCAL_HEADER:
         raise NotStreamable("not a zip local header")
     if method != 0:
         raise NotStreamable("a compressed record")
@@ -298,192 +299,3 @@ def _local_header(buf: bytearray, at: int) -> tuple[str, int] | None:
     if len(buf) < start:
         return None
     return bytes(buf[at + 30 : at + 30 + name_len]).decode("utf-8", "replace"), start
-
-
-class NotCanonical(Exception):
-    pass
-
-
-class Region:
-    """An archive's bytes with its storage left out: `head`, then `gap` bytes never read, then
-    `tail`. Every structure is read from head or tail; a read that reaches into the gap means
-    the archive is not what torch.save writes."""
-
-    def __init__(self, head: Any, gap: int, tail: Any) -> None:
-        self.head, self.gap, self.tail = memoryview(head), gap, memoryview(tail)
-        self.size = len(self.head) + gap + len(self.tail)
-
-    def read(self, at: int, n: int) -> bytes:
-        end = at + n
-        if at < 0 or n < 0 or end > self.size:
-            raise NotCanonical(f"a record points outside the archive ({at}+{n})")
-        if end <= len(self.head):
-            return bytes(self.head[at:end])
-        start = len(self.head) + self.gap
-        if at >= start:
-            return bytes(self.tail[at - start : end - start])
-        raise NotCanonical("a record points into the tensor's storage")
-
-
-@dataclass(frozen=True, slots=True)
-class Canonical:
-    root: str
-    pickle: bytes  # data.pkl
-    key: str  # the storage record's name under data/
-    data_at: int  # where the storage bytes start
-    data_len: int
-    byteorder: bytes | None
-
-
-_SMALL = {".format_version", ".storage_alignment", "byteorder", "version", ".data/version"}
-_SMALL |= {".data/serialization_id", "data.pkl"}
-_MAX_ENTRIES = 64
-
-
-def canonical(region: Region) -> Canonical:
-    """The one reading of a one-tensor archive as torch.save writes it, or NotCanonical:
-    the end record is the last 22 bytes (no comment), after torch's zip64 end record and
-    locator where present; the central directory ends exactly where they begin; its entries
-    name `ROOT/data.pkl` first and otherwise only torch's own records under ROOT (unique, also
-    ignoring case), one storage record, stored uncompressed; the local records lie back to back
-    from byte 0 in directory order, each followed only by its data descriptor. Any other zip
-    reader (Python's, torch's) then reads the same bytes for every name."""
-    size = region.size
-    end = region.read(size - 22, 22)
-    sig, disk, cd_disk, count, total, cd_size, cd_at, comment = struct.unpack("<IHHHHIIH", end)
-    if sig != 0x06054B50 or comment or disk or cd_disk or count != total:
-        raise NotCanonical("the end record is not the archive's last 22 bytes")
-    cd_end = size - 22
-    if size >= 22 + 20 + 56 and region.read(size - 42, 4) == b"PK\x06\x07":
-        _, loc_disk, z64_at, disks = struct.unpack("<IIQI", region.read(size - 42, 20))
-        if loc_disk or disks != 1 or z64_at != size - 42 - 56:
-            raise NotCanonical("a zip64 locator that does not point just before it")
-        z = struct.unpack("<IQHHIIQQQQ", region.read(z64_at, 56))
-        if z[0] != 0x06064B50 or z[1] != 44 or z[4] or z[5] or z[6] != z[7]:
-            raise NotCanonical("a malformed zip64 end record")
-        count, cd_size, cd_at, cd_end = z[7], z[8], z[9], z64_at
-    if count < 3 or count > _MAX_ENTRIES or cd_at + cd_size != cd_end:
-        raise NotCanonical("the central directory does not end where the end record begins")
-    entries = _directory(region, cd_at, cd_size, count)
-    first = entries[0][0]
-    root, _, rest = first.partition("/")
-    if rest != "data.pkl" or not root:
-        raise NotCanonical("the first record is not ROOT/data.pkl")
-    seen: set[str] = set()
-    storage = []
-    for name, *_ in entries:
-        low = name.lower()
-        sub = name[len(root) + 1 :]
-        if not name.startswith(root + "/") or low in seen:
-            raise NotCanonical(f"a record {name!r} outside {root}/ or named twice")
-        seen.add(low)
-        if sub.startswith("data/") and "/" not in sub[5:] and sub[5:]:
-            storage.append(name)
-        elif sub not in _SMALL:
-            raise NotCanonical(f"a record {name!r} torch.save does not write")
-    if len(storage) != 1 or not {f"{root}/version", f"{root}/.data/version"} & seen:
-        raise NotCanonical("not exactly one storage record and a version")
-    bodies = _local_records(region, entries, cd_at)
-    data_at, data_len = bodies[storage[0]]
-    pickled = region.read(*bodies[first])
-    order = bodies.get(f"{root}/byteorder")
-    return Canonical(
-        root,
-        pickled,
-        storage[0][len(root) + 6 :],
-        data_at,
-        data_len,
-        None if order is None else region.read(*order),
-    )
-
-
-def _directory(region: Region, at: int, size: int, count: int) -> list[tuple[str, int, int]]:
-    """(name, local header offset, size) of each central directory entry."""
-    out = []
-    end = at + size
-    for _ in range(count):
-        fixed = struct.unpack("<IHHHHHHIIIHHHHHII", region.read(at, 46))
-        (sig, _, _, flags, method, _, _, _, csize, usize, nlen, elen, clen) = fixed[:13]
-        offset = fixed[16]
-        name = region.read(at + 46, nlen)
-        extra = region.read(at + 46 + nlen, elen)
-        if sig != 0x02014B50 or method or clen or flags & 0x41:  # no encryption, no comment
-            raise NotCanonical("a central directory entry that is not a stored record")
-        csize, usize, offset = _zip64_sizes(extra, csize, usize, offset)
-        if csize != usize:
-            raise NotCanonical("a record whose stored and real sizes differ")
-        try:
-            text = name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise NotCanonical("a record name that is not UTF-8") from None
-        out.append((text, offset, csize))
-        at += 46 + nlen + elen
-    if at != end:
-        raise NotCanonical("the central directory's size disagrees with its entries")
-    return out
-
-
-def _zip64_sizes(extra: bytes, csize: int, usize: int, offset: int) -> tuple[int, int, int]:
-    """The sizes and offset an entry's zip64 extra field (0x0001) holds for its 0xFFFFFFFF
-    fields, in the order the format fixes."""
-    wanted = [v == 0xFFFFFFFF for v in (usize, csize, offset)]
-    values = [usize, csize, offset]
-    at = 0
-    while at + 4 <= len(extra):
-        tag, length = struct.unpack_from("<HH", extra, at)
-        if tag == 0x0001:
-            body, i = extra[at + 4 : at + 4 + length], 0
-            for k, need in enumerate(wanted):
-                if need:
-                    if i + 8 > len(body):
-                        raise NotCanonical("a short zip64 extra field")
-                    values[k] = struct.unpack_from("<Q", body, i)[0]
-                    i += 8
-            wanted = [False, False, False]
-        at += 4 + length
-    if any(wanted):
-        raise NotCanonical("a zip64 size without its extra field")
-    return values[1], values[0], values[2]
-
-
-def _local_records(
-    region: Region, entries: list[tuple[str, int, int]], cd_at: int
-) -> dict[str, tuple[int, int]]:
-    """name -> (where its bytes start, length), each local record checked against its entry,
-    back to back from byte 0."""
-    out = {}
-    expected = 0
-    for i, (name, offset, size) in enumerate(entries):
-        if offset != expected:
-            raise NotCanonical(f"{name!r} does not start where the previous record ends")
-        sig, _, flags, method, _, _, _, csize, usize, nlen, elen = struct.unpack(
-            "<IHHHHHIIIHH", region.read(offset, 30)
-        )
-        local_name = region.read(offset + 30, nlen)
-        if sig != _LOCAL or method or local_name != name.encode("utf-8"):
-            raise NotCanonical(f"the local record of {name!r} disagrees with the directory")
-        if not flags & 0x08 and (csize, usize) not in ((size, size), (0xFFFFFFFF, 0xFFFFFFFF)):
-            raise NotCanonical(f"the local sizes of {name!r} disagree with the directory")
-        start = offset + 30 + nlen + elen
-        out[name] = (start, size)
-        following = entries[i + 1][1] if i + 1 < len(entries) else cd_at
-        expected = start + size + _descriptor(region, start + size, following, flags, size, name)
-    if expected != cd_at:
-        raise NotCanonical("bytes between the last record and the central directory")
-    return out
-
-
-def _descriptor(region: Region, at: int, following: int, flags: int, size: int, name: str) -> int:
-    """The length of the data descriptor at `at` (0 without one)."""
-    if not flags & 0x08:
-        return 0
-    length = following - at
-    if length == 16:
-        sig, _, csize, usize = struct.unpack("<IIII", region.read(at, 16))
-    elif length == 24:
-        sig, _, csize, usize = struct.unpack("<IIQQ", region.read(at, 24))
-    else:
-        raise NotCanonical(f"no data descriptor after {name!r}")
-    if sig != 0x08074B50 or csize != size or usize != size:
-        raise NotCanonical(f"the data descriptor of {name!r} disagrees with the directory")
-    return length
