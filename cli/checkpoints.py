@@ -20,6 +20,9 @@ def register(app: typer.Typer) -> None:
     app.command("pin")(pin)
     app.command("unpin")(unpin)
     app.command("recovery")(recovery)
+    runs = typer.Typer(help="A training run as a whole.", no_args_is_help=True)
+    runs.command("finish")(finish)
+    app.add_typer(runs, name="run")
 
 
 def recovery(
@@ -225,6 +228,19 @@ def pin(
     with open_registry() as reg:
         out = reg.pin(ref, reason)
     emit_json(out) if json_output else print(f"pinned {out['ref']}")
+
+
+def finish(
+    run: str = typer.Argument(..., help="RUN or PROJECT/RUN."),
+    status: str = typer.Option(
+        "finished", "--status", help="How the job ended: finished, failed or killed."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Say a run's training job ended: its MLflow run stops showing RUNNING."""
+    with open_registry() as reg:
+        out = reg.finish_run(run, status=status)
+    emit_json(out) if json_output else print(f"{out['project']}/{out['run']}: {out['status']}")
 
 
 def unpin(

@@ -262,6 +262,15 @@ class Registry:
 
         return set_pin(self.context, _ckpt(ref), False)
 
+    def finish_run(
+        self, run: str, *, project: str | None = None, status: str = "finished"
+    ) -> dict[str, Any]:
+        """The training job of `run` (`project/run` or `run`) ended with `status`."""
+        from registry.lifecycle.runs import finish_run, split_run
+
+        project_name, run_name = split_run(run, project)
+        return finish_run(self.context, project_name, run_name, status)
+
     # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
         self,

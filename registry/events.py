@@ -21,6 +21,8 @@ RELEASE_CREATED = "release.created"
 ALIAS_MOVED = "release.alias"
 RELEASE_STATUS = "release.status"
 CHECKPOINT_RESUME = "checkpoint.resume"  # a policy change changed a checkpoint's resume verdict
+CHECKPOINT_PROTECTION = "checkpoint.protection"  # pinned or unpinned: its expiry changed
+RUN_FINISHED = "run.finished"  # the training job ended (finished, failed or killed)
 
 
 class EventSink(Protocol):

@@ -107,15 +107,21 @@ def _protections(session: Session) -> Protections:
     )
 
 
-def explain(ctx: Context, project: str, run: Run, ckpt: Checkpoint) -> dict[str, Any]:
+def explain(
+    ctx: Context, project: str, run: Run, ckpt: Checkpoint, session: Session | None = None
+) -> dict[str, Any]:
     """What retention would do with `ckpt` now, and why. Only its run is planned, unless the
-    project has a quota (then every run of the project counts)."""
+    project has a quota (then every run of the project counts). In `session` when given (a
+    change not yet committed, e.g. a pin, counts)."""
     if ckpt.state != COMMITTED:
         return {"action": ckpt.state, "reason": ckpt.delete_reason, "protected": False}
     rules = ctx.policy.retention.for_project(project)
     scope = None if rules.max_bytes is not None else run.name
-    with ctx.catalog.session() as s:
-        records, protections = _records(s, project=project, run=scope)
+    if session is not None:
+        records, protections = _records(session, project=project, run=scope)
+    else:
+        with ctx.catalog.session() as s:
+            records, protections = _records(s, project=project, run=scope)
     decision = next(
         d for d in plan(records, ctx.policy.retention, now(), protections) if d.id == ckpt.id
     )

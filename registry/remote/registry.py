@@ -292,6 +292,15 @@ class RemoteRegistry(Registry):
     def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
         return dict(self.client.call("POST", "/pin", body={"ref": str(ref), "pinned": False}))
 
+    def finish_run(
+        self, run: str, *, project: str | None = None, status: str = "finished"
+    ) -> dict[str, Any]:
+        from registry.lifecycle.runs import split_run
+
+        project_name, run_name = split_run(run, project)
+        body = {"project": project_name, "run": run_name, "status": status}
+        return dict(self.client.call("POST", "/runs/finish", body=body))
+
     # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
         self,

@@ -97,6 +97,15 @@ async def pin(request: Request) -> dict[str, Any]:
     return await run_in_threadpool(set_pin, ctx, ref, on, opt_text(doc, "reason"))
 
 
+@router.post("/runs/finish")
+async def finish_run(request: Request) -> dict[str, Any]:
+    from registry.lifecycle.runs import finish_run
+
+    ctx, doc = await authed_body(request)
+    status = opt_text(doc, "status") or "finished"
+    return await run_in_threadpool(finish_run, ctx, text(doc, "project"), text(doc, "run"), status)
+
+
 # -- validation: a validator's report --------------------------------------------------------------
 
 

@@ -64,6 +64,7 @@ class CheckpointManager:
         self._async_group: Any = None
         self._restore: _Restore | None = None
         self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
+        self._saved_any = False  # a run exists once a save committed (or a restore found one)
 
     @property
     def registry(self) -> Registry:
@@ -117,6 +118,7 @@ class CheckpointManager:
         ranks.agree(problem)
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
+        self._saved_any = True  # the claim made the run
         save = _Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
             self.backend.sink(shared),
@@ -192,6 +194,7 @@ class CheckpointManager:
         newest_step = ranks.from_rank0(newest)
         if newest_step is None:
             return None
+        self._saved_any = True
         step = int(newest_step)
         problem: RegistryError | None = None
         try:  # every rank finds the step and reads its .metadata, or every rank stops
@@ -247,14 +250,29 @@ class CheckpointManager:
             return
         self.backend.restored(restore.ref, ranks.world_size(), restore.phases)
 
-    def close(self) -> None:
-        """Wait for the save in flight, record a pending restore, close the registry."""
+    def close(self, status: str | None = "finished") -> None:
+        """Wait for the save in flight, record a pending restore, say the run ended with
+        `status` (rank 0; None: the job goes on elsewhere), close the registry."""
         try:
             self.wait()
             self._record_restore()
+            if status is not None and ranks.current_rank() == 0 and self._saved_any:
+                self.registry.finish_run(self.run, project=self.project, status=status)
         finally:
             if self._registry is not None:
                 self._registry.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """A `with` block: the run ends finished, failed on an exception, killed on Ctrl-C."""
+        if kind is None:
+            self.close("finished")
+        elif issubclass(kind, KeyboardInterrupt):
+            self.close("killed")
+        else:
+            self.close("failed")
 
 
 class _Restore:

@@ -154,6 +154,29 @@ def set_pin(
         s.add(ckpt)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         ctx.audit(s, action, str(full), reason=reason)
+        s.flush()
+        emit_protection(ctx, s, full, run, ckpt)
         files = queries.files_of(s, ckpt.id or 0)
         out = CheckpointView.of(ref.project, run.name, ckpt, files).to_json()
     return out | resume_json(ctx, full, ckpt, files, full=False)
+
+
+def emit_protection(ctx: Context, session: Any, ref: CheckpointRef, run: Any, ckpt: Any) -> None:
+    """Tell the MLflow mirror the checkpoint's protection and expiry as they are now."""
+    from registry import events
+    from registry.lifecycle.gc import explain
+
+    retention = explain(ctx, ref.project, run, ckpt, session)
+    ctx.events.emit(
+        session,
+        events.CHECKPOINT_PROTECTION,
+        project=ref.project,
+        run=ref.run,
+        step=ref.step,
+        ref=str(ref),
+        pinned=ckpt.pinned,
+        pinned_by=ckpt.pinned_by,
+        pin_reason=ckpt.pin_reason,
+        expires_at=retention.get("expires_at"),
+        retention=retention.get("reason"),
+    )

@@ -35,6 +35,7 @@ from registry.lifecycle.promotion.stages import (
 )
 from registry.lifecycle.releases import move_alias, uri_of
 from registry.lifecycle.views import ReleaseView
+from registry.mirror_names import refuse_colliding_model
 from registry.refs import CheckpointRef
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ def promote(
     existing = _existing(ctx, plan)
     if existing is not None:
         return existing
+    with ctx.catalog.session() as s:  # before any validation work; again when it is created
+        refuse_colliding_model(s, plan.model)
     check_resumable(ctx, plan)
     validation = validation_for(ctx, plan)
     with (

@@ -48,6 +48,7 @@ from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
+from registry.mirror_names import refuse_colliding_model
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, put_reconciled
 
@@ -83,6 +84,9 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
         with ctx.catalog.session(write=True) as s:
             model = s.exec(select(Model).where(Model.name == plan.model)).first()
             if model is None:
+                if not ctx.catalog.is_sqlite:  # new models take turns: one MLflow name each
+                    s.connection().execute(text("SELECT pg_advisory_xact_lock(7312, 0)"))
+                refuse_colliding_model(s, plan.model)
                 try:
                     with s.begin_nested():
                         s.add(Model(name=plan.model, created_at=now()))

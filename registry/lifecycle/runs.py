@@ -1,0 +1,51 @@
+"""A run's end: `reg run finish RUN [--status failed]` and `CheckpointManager.close()` say the
+training job ended, so the MLflow run stops showing RUNNING. Recorded in the audit log (who said
+it, when, with which status) and mirrored; saying it again is harmless."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from registry import events
+from registry.errors import NotFound, UsageError
+from registry.refs import check_name
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+RUN_STATUSES = ("finished", "failed", "killed")
+
+
+def finish_run(ctx: Context, project: str, run: str, status: str = "finished") -> dict[str, Any]:
+    """Mark `project/run` ended with `status` (finished, failed or killed)."""
+    from sqlmodel import select
+
+    from registry.catalog.models import Project, Run
+
+    check_name(project, "project name")
+    check_name(run, "run name")
+    if status not in RUN_STATUSES:
+        raise UsageError(f"unknown run status {status!r}", "use " + ", ".join(RUN_STATUSES))
+    target = f"{project}/{run}"
+    ctx.authorize("push", project=project, target=target)
+    with ctx.catalog.session(write=True) as s:
+        found = s.exec(
+            select(Run).join(Project).where(Project.name == project, Run.name == run)
+        ).first()
+        if found is None:
+            raise NotFound(f"no run {target}", "reg ls shows the runs")
+        ended = now()
+        ctx.audit(s, "finish-run", target, status=status)
+        ctx.events.emit(
+            s, events.RUN_FINISHED, project=project, run=run, status=status, ended_at=ended
+        )
+    return {"project": project, "run": run, "status": status, "ended_at": iso(ended)}
+
+
+def split_run(text: str, project: str | None = None) -> tuple[str, str]:
+    """`project/run` or `run` (in `project`, default `default`)."""
+    if "/" in text:
+        head, _, tail = text.partition("/")
+        return head, tail
+    return project or "default", text
