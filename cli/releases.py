@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from cli.common import JSON_OPTION, LAYOUT_OPTION, STRIP_PREFIX_OPTION, open_registry
-from cli.render import emit_json, progress_for, table
+from cli.render import emit_json, note, progress_for, table
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
 
@@ -126,6 +127,9 @@ def promote(
             strip_prefix=strip_prefix,
             allow_unclassified=allow_unclassified,
         )
+    warning = _hf_warning(out)
+    if warning:
+        note(f"{out['release']}: {warning}")
     if json_output:
         emit_json(out)
         return
@@ -136,6 +140,18 @@ def promote(
         f"sha256 {out['sha256']}"
     )
     print(f"  {out.get('uri', '')}")
+    for key, change in ((out.get("hf_config") or {}).get("rewritten") or {}).items():
+        print(f"  config.json {key}: {change['from']!r} -> {change['to']!r}")
+
+
+def _hf_warning(out: dict[str, Any]) -> str | None:
+    """One line when the release is not a complete Hugging Face model folder."""
+    from registry.formats.hf_folder import Completeness
+
+    hf = out.get("hf")
+    if not hf:
+        return None
+    return Completeness(hf["complete"], hf["missing"], hf["notes"]).warning()
 
 
 def releases(

@@ -106,6 +106,21 @@ def test_promote_again_returns_the_existing_release(cpu_policy, reg, ckpts):
     assert [r["release"] for r in reg.releases("tiny")] == ["tiny:v1", "tiny:v2", "tiny:v3"]
 
 
+def test_a_model_factory_is_part_of_what_makes_a_release_the_same(cpu_policy, reg, ckpts):
+    """The factory finds the ties (written once) and names config.json's architectures: a
+    promotion with one is not the same as one without, and each returns its own again."""
+    _push(reg, ckpts.ws2, 4)
+    plain = reg.promote("r@step4", model="tiny")
+    assert plain["release"] == "tiny:v1" and plain["tied"] == []
+    tied = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
+    assert tied["release"] == "tiny:v2" and not tied["existing"]
+    assert tied["tied"] == [["lm_head.weight", "embed.weight"]]
+    assert "lm_head.weight" not in load_file(_release_dir(tied) / "model.safetensors")
+    again = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
+    assert again["existing"] and again["release"] == "tiny:v2"
+    assert reg.promote("r@step4", model="tiny")["release"] == "tiny:v1"
+
+
 def test_default_policy_requires_cuda(reg, ckpts, cli):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

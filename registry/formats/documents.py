@@ -12,6 +12,9 @@ here and keeps reading the older ones:
   reg.manifest/3                  `resume` also has the checkpoint's `layout`, its `keys` (every
                                   DCP key path, sorted) and `sidecars` (files beside the shards),
                                   from which resume state is decided when used (from 2026-12)
+  reg.release/3                   `hf_config`: the extra config.json as given (its sha256) and
+                                  the keys promotion rewrote in the release's copy, each
+                                  {from, to}; written only when it rewrote one (else /2)
 """
 
 from __future__ import annotations
@@ -186,9 +189,27 @@ class ValidationRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class HfConfigRecord:
+    """The release's config.json as promotion rewrote it: the given file's sha256 and each
+    rewritten key's value before and after (the release's copy is listed in `files`)."""
+
+    path: str
+    original_sha256: str
+    rewritten: dict[str, dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "original_sha256": self.original_sha256,
+            "rewritten": self.rewritten,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseDocument:
     FORMAT: ClassVar[str] = "reg.release/2"
-    READS: ClassVar[tuple[str, ...]] = ("reg.release/1", "reg.release/2")
+    FORMAT_HF: ClassVar[str] = "reg.release/3"  # with `hf_config`
+    READS: ClassVar[tuple[str, ...]] = ("reg.release/1", "reg.release/2", "reg.release/3")
 
     model: str
     version: int
@@ -199,14 +220,15 @@ class ReleaseDocument:
     tied: dict[str, str]  # a name written once -> the name it was written under
     created_at: str
     created_by: str
+    hf_config: HfConfigRecord | None = None
 
     @property
     def release(self) -> str:
         return f"{self.model}:v{self.version}"
 
     def to_bytes(self) -> bytes:
-        document = {
-            "format": self.FORMAT,
+        document: dict[str, Any] = {
+            "format": self.FORMAT if self.hf_config is None else self.FORMAT_HF,
             "release": self.release,
             "model": self.model,
             "version": self.version,
@@ -229,15 +251,19 @@ class ReleaseDocument:
             "created_at": self.created_at,
             "created_by": self.created_by,
         }
+        if self.hf_config is not None:
+            document["hf_config"] = self.hf_config.to_json()
         return json.dumps(document, indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> ReleaseDocument:
         r = StrictReader(where)
         doc = r.document(data, cls.READS)
+        with_hf = doc["format"] == cls.FORMAT_HF
         r.keys(
             doc,
-            "format release model version files source validation dtype tied created_at created_by",
+            "format release model version files source validation dtype tied created_at created_by"
+            + (" hf_config" if with_hf else ""),
         )
         versioned = doc["format"] != "reg.release/1"
         source = r.mapping(doc["source"], "source", "ref manifest_sha256 world_size")
@@ -267,12 +293,27 @@ class ReleaseDocument:
             tied=r.string_map(doc["tied"], "tied"),
             created_at=r.timestamp(doc["created_at"], "created_at"),
             created_by=r.text(doc["created_by"], "created_by"),
+            hf_config=_hf_config(r, doc["hf_config"]) if with_hf else None,
         )
         if doc["release"] != out.release:
             raise r.error(
                 "release", f"says {doc['release']!r}, model and version say {out.release}"
             )
         return out
+
+
+def _hf_config(r: StrictReader, value: Any) -> HfConfigRecord:
+    doc = r.mapping(value, "hf_config", "path original_sha256 rewritten")
+    rewritten = doc["rewritten"]
+    if not isinstance(rewritten, dict) or not rewritten:
+        raise r.error("hf_config.rewritten", "is not a non-empty object")
+    for key, change in rewritten.items():
+        r.mapping(change, f"hf_config.rewritten.{r.unicode(key, 'hf_config.rewritten')}", "from to")
+    return HfConfigRecord(
+        path=r.relative_path(doc["path"], "hf_config.path"),
+        original_sha256=r.digest(doc["original_sha256"], "hf_config.original_sha256"),
+        rewritten=rewritten,
+    )
 
 
 # -- the parts both documents share ---------------------------------------------------------

@@ -122,10 +122,13 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
 
 
 def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
+    from registry.lifecycle.promotion.hf import release_hf
+
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
-        out = ReleaseView.load(s, model, release).to_json(uri_of(ctx, model.name, release.version))
+        view = ReleaseView.load(s, model, release)
+        out = view.to_json(uri_of(ctx, model.name, release.version))
         history = s.exec(
             select(AliasEvent).where(AliasEvent.model_id == model.id).order_by(col(AliasEvent.id))
         ).all()
@@ -140,6 +143,7 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
         for e in history
         if release.version in (e.to_version, e.from_version)
     ]
+    out.update(release_hf(ctx, view))  # a complete Hugging Face folder? (reads two small files)
     return out
 
 

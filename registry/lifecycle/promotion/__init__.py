@@ -1,13 +1,15 @@
 """Promotion: checkpoint -> validated, consolidated, immutable release (DESIGN §1, §5).
 
-    plan      check the request, resolve the source (nothing written)       plan.py
+    plan      check the request, resolve the source (nothing written); the
+              release's config.json (dtype, architectures rewritten)        plan.py, hf.py
     existing  the same checkpoint and options already made an active release: return it
     gates     resumable (policy); a passing validation the policy accepts     plan.py
     proved    the model's shards read once and proved against the manifest    proven.py
     reserve -> build -> commit, under a claim on the release row              stages.py
 
 Nothing is visible until the commit. The source checkpoint is held (protected from retention)
-from the gates to the commit.
+from the gates to the commit. The result says whether the release is a complete Hugging Face
+model folder (`hf`), never refusing one that is not.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from registry.lifecycle.promotion.stages import (
 from registry.lifecycle.releases import move_alias, uri_of
 from registry.lifecycle.views import ReleaseView
 from registry.mirror_names import refuse_colliding_model
-from registry.refs import CheckpointRef
+from registry.refs import CheckpointRef, ReleaseRef
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -87,12 +89,30 @@ def promote(
         except AlreadyReleased:  # a concurrent twin won the race: its release is this one
             existing = _existing(ctx, plan)
             if existing is not None:
-                return existing
+                return _with_hf(ctx, existing)
             raise
         with claims.held(ctx.catalog, reservation.claim):
             built = build(ctx, plan, reservation, source, progress)
             out = commit(ctx, plan, reservation, built)
     out["existing"] = False
+    return _with_hf(ctx, out)
+
+
+def _with_hf(ctx: Context, out: dict[str, Any]) -> dict[str, Any]:
+    """`hf` and `hf_config` of the release (as `reg show` has them). The release is made: a
+    file that cannot be read back now is a note, not a failed promotion."""
+    from registry.errors import RegistryError
+    from registry.lifecycle.promotion.hf import release_hf
+    from registry.lifecycle.releases import resolve_release
+
+    try:
+        with ctx.catalog.session() as s:
+            model, release = resolve_release(s, ReleaseRef(out["model"], version=out["version"]))
+            view = ReleaseView.load(s, model, release)
+        out.update(release_hf(ctx, view))
+    except RegistryError as exc:
+        out["hf"] = {"complete": False, "missing": [], "notes": [str(exc)]}
+        out.setdefault("hf_config", None)
     return out
 
 

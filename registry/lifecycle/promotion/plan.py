@@ -33,6 +33,7 @@ from registry.refs import CheckpointRef, check_alias, check_name
 if TYPE_CHECKING:
     from policies.resume import ResumeVerdict
     from registry.context import Context
+    from registry.formats.hf_folder import ConfigRewrite
     from registry.lifecycle.checkpoints.resume_facts import KeyFacts
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -64,6 +65,8 @@ class PromotionPlan:
     layout: str | None = None  # forced with --layout
     allow_unclassified: bool = False  # leave out tensors no class claims (else refused)
     strip_prefix: str = ""  # stripped from names after the layout's prefix (checked: "p.")
+    # The release's config.json when one is an extra (dtype and architectures rewritten)
+    hf_config: ConfigRewrite | None = None
     options: dict[str, Any] = field(init=False)
     options_key: str = field(init=False)
 
@@ -83,6 +86,12 @@ class PromotionPlan:
             options["allow_unclassified"] = True
         if self.strip_prefix:
             options["strip_prefix"] = self.strip_prefix
+        # The factory decides the tied weights (written once) and config.json's architectures;
+        # a rewritten config.json has other bytes than the extra's sha256 above says.
+        if self.model_factory is not None:
+            options["model_factory"] = self.model_factory
+        if self.hf_config is not None and self.hf_config.changes:
+            options["config_rewrite"] = {k: c["to"] for k, c in self.hf_config.changes.items()}
         key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:32]
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "options_key", key)
@@ -106,6 +115,7 @@ def plan_promotion(
     checkpoint pushed before the catalog kept them, recorded once)."""
     from policies.resume import check_strip_prefix
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
+    from registry.lifecycle.promotion.hf import plan_config
 
     check_name(model, "model name")
     check_layout(layout)
@@ -117,6 +127,7 @@ def plan_promotion(
     ctx.authorize("promote", project=ref.project, model=model, target=f"{ref} -> {model}")
     max_bytes = _shard_bytes(max_shard_size)
     checked = _check_extras(extras)
+    hf_config = plan_config(checked, dtype, model_factory)  # an invalid config.json: refused
     _, ckpt, files = resolve(ctx, ref)
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
@@ -137,6 +148,7 @@ def plan_promotion(
         layout=layout,
         allow_unclassified=allow_unclassified,
         strip_prefix=strip,
+        hf_config=hf_config,
     )
 
 

@@ -43,8 +43,10 @@ from registry.formats.documents import (
     SourceRecord,
     ValidationRecord,
 )
+from registry.formats.hf_folder import CONFIG
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
+from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
@@ -276,7 +278,20 @@ def build(
         progress=progress,
     )
     _stage(ctx, reservation, "consolidated")
+    rewritten = plan.hf_config if plan.hf_config and plan.hf_config.changes else None
     for extra in plan.extras:
+        if rewritten is not None and extra.name == CONFIG:  # the release's own config.json
+            stored = put_reconciled(
+                ctx.store,
+                dest + extra.name,
+                data=rewritten.data,
+                immutable=True,
+                on_mismatch=OnMismatch.CONFLICT,
+            )
+            built.files.append(
+                FileRecord(extra.name, stored.size, stored.sha256, version=stored.version)
+            )
+            continue
         stored = put_reconciled(
             ctx.store,
             dest + extra.name,
@@ -408,4 +423,5 @@ def _document(
         tied=built.tied,
         created_at=iso(created_at) or "",
         created_by=created_by,
+        hf_config=hf_record(plan.hf_config),
     )

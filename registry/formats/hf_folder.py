@@ -1,0 +1,198 @@
+"""What makes a folder a Hugging Face model folder, decided from file names and two small JSON
+documents: the release's copy of `config.json` (its `dtype`, `torch_dtype` and `architectures`
+rewritten to what the release holds) and whether a release is complete (config.json, and the
+tokenizer files its `tokenizer_config.json` implies).
+
+Pure: bytes and names in, results out. transformers is never imported here (it is slow to
+import and not a dependency of reg): the tokenizer classes reg knows are a table, taken from
+each class's `vocab_files_names` in transformers 5.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from registry.errors import UsageError
+
+CONFIG = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_JSON = "tokenizer.json"  # a `tokenizers` (fast) tokenizer: all it needs
+
+# --dtype -> the name transformers writes in config.json (`dtype`; `torch_dtype` before 4.56)
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+# Tokenizer class (without a `Fast` suffix) -> the files its slow form needs when there is no
+# tokenizer.json (every one of these also loads from tokenizer.json alone).
+_BPE = ("vocab.json", "merges.txt")
+_SENTENCEPIECE = ("tokenizer.model",)
+_WORDPIECE = ("vocab.txt",)
+TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
+    "GPT2Tokenizer": _BPE,
+    "Qwen2Tokenizer": _BPE,
+    "RobertaTokenizer": _BPE,
+    "BartTokenizer": _BPE,
+    "GPTNeoXTokenizer": _BPE,
+    "CodeGenTokenizer": _BPE,
+    "LlamaTokenizer": _SENTENCEPIECE,
+    "CodeLlamaTokenizer": _SENTENCEPIECE,
+    "GemmaTokenizer": _SENTENCEPIECE,
+    "MistralTokenizer": _SENTENCEPIECE,
+    "T5Tokenizer": ("spiece.model",),
+    "XLMRobertaTokenizer": ("sentencepiece.bpe.model",),
+    "BertTokenizer": _WORDPIECE,
+    "DistilBertTokenizer": _WORDPIECE,
+    # Only a tokenizer.json: the generic fast tokenizer (transformers 5's TokenizersBackend).
+    "PreTrainedTokenizer": (),
+    "TokenizersBackend": (),
+}
+
+
+# -- config.json ----------------------------------------------------------------------------
+
+
+def parse_object(data: bytes, label: str) -> dict[str, Any]:
+    """A JSON object (key order kept), else a UsageError naming `label`."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise UsageError(
+            f"{label} is not valid JSON ({_first_line(exc)})",
+            "give the config.json that save_pretrained wrote",
+        ) from None
+    if not isinstance(doc, dict):
+        raise UsageError(
+            f"{label} is JSON but not an object (a {type(doc).__name__})",
+            "give the config.json that save_pretrained wrote",
+        )
+    return doc
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigRewrite:
+    """The release's config.json: its bytes and what was changed (key -> {from, to})."""
+
+    data: bytes
+    original_sha256: str
+    changes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": CONFIG, "original_sha256": self.original_sha256, "rewritten": self.changes}
+
+
+def rewrite_config(
+    data: bytes, *, dtype: str | None, architecture: str | None, label: str = CONFIG
+) -> ConfigRewrite:
+    """config.json as the release holds it: with `dtype` (a --dtype), `dtype` and `torch_dtype`
+    name the release's dtype (whichever are there; `dtype` when neither is); with
+    `architecture`, `architectures` is `[architecture]`. Every other key and the key order are
+    kept; unchanged values leave the bytes exactly as given."""
+    import hashlib
+
+    doc = parse_object(data, label)
+    wanted: dict[str, Any] = {}
+    if dtype is not None:
+        name = DTYPE_NAMES[dtype]
+        present = [k for k in DTYPE_KEYS if k in doc]
+        wanted.update({k: name for k in present or ["dtype"]})
+    if architecture is not None:
+        wanted["architectures"] = [architecture]
+    changes = {
+        k: {"from": doc.get(k), "to": v} for k, v in wanted.items() if k not in doc or doc[k] != v
+    }
+    digest = hashlib.sha256(data).hexdigest()
+    if not changes:
+        return ConfigRewrite(data, digest)
+    for key, change in changes.items():
+        doc[key] = change["to"]  # an existing key keeps its place; a new one goes last
+    text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    return ConfigRewrite(text.encode(), digest, changes)
+
+
+# -- completeness ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Completeness:
+    complete: bool
+    missing: list[str]
+    notes: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"complete": self.complete, "missing": self.missing, "notes": self.notes}
+
+    def warning(self) -> str | None:
+        """One line for a user, or None when the folder is complete."""
+        if self.complete:
+            return None
+        parts = []
+        if self.missing:
+            parts.append(f"missing {', '.join(self.missing)}")
+        parts.extend(self.notes)
+        return "not a complete Hugging Face model folder: " + "; ".join(parts)
+
+
+def completeness(
+    files: Collection[str], config: bytes | None, tokenizer_config: bytes | None
+) -> Completeness:
+    """Whether `files` (a folder's names) with these config.json and tokenizer_config.json
+    contents (None: absent) make a complete Hugging Face model folder."""
+    names = set(files)
+    missing: list[str] = []
+    notes: list[str] = []
+    unsure = False
+    if not any(n.endswith(".safetensors") for n in names):
+        missing.append("model.safetensors")
+    if CONFIG not in names or config is None:
+        missing.append(CONFIG)
+    else:
+        doc = _object_or_note(config, CONFIG, notes)
+        if doc is None:
+            unsure = True
+        elif not isinstance(doc.get("model_type"), str):
+            notes.append("config.json has no model_type: AutoConfig cannot tell the model")
+            unsure = True
+    if TOKENIZER_CONFIG in names and tokenizer_config is not None:
+        needed, note = tokenizer_files(tokenizer_config, names)
+        missing.extend(n for n in needed if n not in missing)
+        if note:
+            notes.append(note)
+            unsure = True
+    else:
+        notes.append("no tokenizer_config.json: weights and config only (no tokenizer)")
+    return Completeness(not missing and not unsure, missing, notes)
+
+
+def tokenizer_files(tokenizer_config: bytes, names: Collection[str]) -> tuple[list[str], str]:
+    """The tokenizer files missing from `names` that tokenizer_config.json implies, and a note
+    when that cannot be decided."""
+    notes: list[str] = []
+    doc = _object_or_note(tokenizer_config, TOKENIZER_CONFIG, notes)
+    if doc is None:
+        return [], notes[0]
+    if TOKENIZER_JSON in names:  # every tokenizers-backed class loads from it alone
+        return [], ""
+    cls = doc.get("tokenizer_class")
+    if not isinstance(cls, str) or not cls:
+        return [TOKENIZER_JSON], ""
+    needed = TOKENIZER_FILES.get(cls.removesuffix("Fast"))
+    if needed is None:
+        return [], f"unknown tokenizer class {cls}: cannot say which files it needs"
+    if not needed:
+        return [TOKENIZER_JSON], ""
+    return [n for n in needed if n not in names], ""
+
+
+def _object_or_note(data: bytes, label: str, notes: list[str]) -> dict[str, Any] | None:
+    try:
+        return parse_object(data, label)
+    except UsageError as exc:
+        notes.append(exc.message)
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -1,0 +1,125 @@
+"""Hugging Face folders in promotion: the release's config.json (decided with the plan, before
+anything is written) and whether a release is a complete HF model folder (read from the catalog's
+file list and two small files, each verified against its recorded sha256).
+
+transformers is never imported: a factory's model is recognised as a transformers model by its
+classes' names and modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import Conflict, IntegrityError, UsageError
+from registry.formats.documents import FileRecord, HfConfigRecord, ReleaseDocument
+from registry.formats.hf_folder import (
+    CONFIG,
+    TOKENIZER_CONFIG,
+    ConfigRewrite,
+    completeness,
+    rewrite_config,
+)
+from registry.layout import RELEASE_DOCUMENT, release_prefix
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.lifecycle.promotion.plan import Extra
+    from registry.lifecycle.views import ReleaseView
+
+MAX_DOCUMENT = 16 * 1024 * 1024  # a config or tokenizer config larger than this is not read
+
+
+def plan_config(
+    extras: Sequence[Extra], dtype: str | None, model_factory: str | None
+) -> ConfigRewrite | None:
+    """The release's config.json when a `--extra config.json` is given: refused (UsageError)
+    unless it is a JSON object; `dtype` and `architectures` rewritten for the release."""
+    given = next((e for e in extras if e.name == CONFIG), None)
+    if given is None:
+        return None
+    data = given.path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != given.sha256:
+        raise Conflict(f"--extra {given.path} changed while being promoted", "promote again")
+    label = f"--extra {given.path}"
+    if dtype is None and model_factory is None:
+        rewrite_config(data, dtype=None, architecture=None, label=label)  # checked, kept
+        return ConfigRewrite(data, given.sha256)
+    architecture = factory_architecture(model_factory) if model_factory else None
+    return rewrite_config(data, dtype=dtype, architecture=architecture, label=label)
+
+
+def factory_architecture(spec: str) -> str | None:
+    """The class name of the factory's model (built on the meta device) when it is a
+    transformers `PreTrainedModel`; None for any other module."""
+    import torch
+
+    from registry.lifecycle.validation.checks import load_factory
+
+    fn, _ = load_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = fn()
+    except Exception as exc:
+        raise UsageError(
+            f"--model-factory {spec}: building the model failed: {type(exc).__name__}: {exc}",
+            "reg validate REF --model-factory ... shows the same failure",
+        ) from exc
+    is_hf = any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(model).__mro__
+    )
+    return type(model).__name__ if is_hf else None
+
+
+def hf_record(rewrite: ConfigRewrite | None) -> HfConfigRecord | None:
+    """What release.json records: only a config.json that was rewritten."""
+    if rewrite is None or not rewrite.changes:
+        return None
+    return HfConfigRecord(CONFIG, rewrite.original_sha256, rewrite.changes)
+
+
+# -- completeness of a stored release --------------------------------------------------------
+
+
+def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
+    """`hf` (complete, missing, notes) and `hf_config` (what promotion rewrote, or None) of a
+    stored release: the file names come from the catalog; config.json, tokenizer_config.json
+    and release.json are read and verified against their recorded sha256."""
+    prefix = release_prefix(view.model.name, view.row.version)
+    records = {f.path: f for f in view.files}
+    label = view.name
+
+    def small(path: str) -> bytes | None:
+        record = records.get(path)
+        return None if record is None else _verified(ctx, prefix, record, label)
+
+    found = completeness(records, small(CONFIG), small(TOKENIZER_CONFIG))
+    out: dict[str, Any] = {"hf": found.to_json(), "hf_config": None}
+    if view.row.sha256:
+        document = FileRecord(
+            RELEASE_DOCUMENT,
+            view.row.bytes - sum(f.size for f in view.files),
+            view.row.sha256,
+            version=view.row.document_version,
+        )
+        data = _verified(ctx, prefix, document, label)
+        if data is not None:
+            record = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}").hf_config
+            out["hf_config"] = None if record is None else record.to_json()
+    return out
+
+
+def _verified(ctx: Context, prefix: str, record: FileRecord, label: str) -> bytes | None:
+    """The file's bytes when they are what the catalog recorded (else IntegrityError); None for
+    a file too large to be such a document."""
+    if record.size > MAX_DOCUMENT:
+        return None
+    data = bytes(ctx.store.get_bytes(prefix + record.path, version=record.version))
+    if len(data) != record.size or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise IntegrityError(
+            f"{label}: {record.path} does not match its recorded sha256",
+            f"reg verify {label} lists every damaged file",
+        )
+    return data

@@ -1,0 +1,257 @@
+"""Releases that stock Hugging Face transformers loads as they are.
+
+One `torchrun` (2 gloo processes, FSDP2 `fully_shard`) per session trains config-built tiny
+`LlamaForCausalLM` and `GPT2LMHeadModel`, tied and untied (examples/train_hf.py), and writes
+each one's DCP checkpoint through `torch.distributed.checkpoint`, its full state_dict and its
+config.json. Each is pushed, promoted (bf16, sharded, with and without the model factory) with
+its config.json as an extra, pulled, and loaded with `AutoModelForCausalLM.from_pretrained`:
+the state dict and the logits on a fixed input must equal the trained weights' bit for bit.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from registry.formats.hf_folder import completeness, rewrite_config
+from tests import helpers
+
+STEPS = 2
+MODELS = ("llama_tied", "llama_untied", "gpt2_tied", "gpt2_untied")
+CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+@pytest.fixture(scope="session")
+def hf_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every model's step-2 checkpoint, full weights and config.json, from one torchrun."""
+    pytest.importorskip("transformers", reason="transformers is not installed (frameworks extra)")
+    out = tmp_path_factory.mktemp("hf") / "out"
+    models = [a for m in MODELS for a in ("--model", m)]
+    helpers.torchrun(
+        "examples.train_hf",
+        2,
+        ["--out", str(out), "--steps", str(STEPS), *models],
+        clean=out,
+        env_extra={"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"},
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str | None
+    factory: bool
+    max_shard_size: str
+    tokenizer: bool = False  # a real tokenizer.json + tokenizer_config.json as extras
+
+
+CASES = {
+    "llama-tied-bf16-sharded-factory": Case("llama_tied", "bf16", True, "20KB", tokenizer=True),
+    "llama-untied-fp32": Case("llama_untied", None, False, "5GB"),
+    "gpt2-tied-sharded-factory": Case("gpt2_tied", None, True, "20KB"),
+    "gpt2-untied-bf16-sharded": Case("gpt2_untied", "bf16", False, "8KB"),
+}
+
+
+def _tokenizer(dest: Path) -> list[Path]:
+    """A tiny word-level tokenizer written by transformers itself (tokenizer.json and
+    tokenizer_config.json), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 128)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(dest)
+    return [dest / "tokenizer.json", dest / "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transformers_loads_the_release_bit_exact(
+    name: str, hf_trained: Path, cpu_policy: Path, tmp_path: Path
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from examples.hf_models import CONFIGS, tokens
+    from registry import Registry
+
+    case = CASES[name]
+    family = case.model.split("_")[0]
+    trained = hf_trained / case.model
+    config = trained / "config.json"
+    extras = [config, *(_tokenizer(tmp_path / "tok") if case.tokenizer else [])]
+    with Registry() as reg:
+        reg.push_checkpoint(trained / f"step-{STEPS}", run=case.model, step=STEPS, world_size=2)
+        out = reg.promote(
+            f"{case.model}@step{STEPS}",
+            model=family,
+            dtype=case.dtype,
+            max_shard_size=case.max_shard_size,
+            extras=extras,
+            model_factory=f"examples.hf_models:{case.model}" if case.factory else None,
+        )
+        shown = reg.show(out["release"])
+        release = reg.pull_release(out["release"], tmp_path / "release")["dest"]
+    release_dir = Path(release)
+
+    # The layout HF expects: one file, or shards with an index.
+    names = {f["path"] for f in out["files"]}
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    if case.max_shard_size != "5GB":
+        assert len(shards) >= 2 and "model.safetensors.index.json" in names, names
+    else:
+        assert shards == ["model.safetensors"]
+
+    # config.json: dtype rewritten to the release's, architectures from the factory's class.
+    given = json.loads(config.read_text())
+    got = json.loads((release_dir / "config.json").read_text())
+    assert list(got)[: len(given)] == list(given)  # every key kept, in its order
+    assert {k: v for k, v in got.items() if k in given} == given
+    rewritten = {}
+    if case.dtype:
+        rewritten["dtype"] = {"from": None, "to": "bfloat16"}
+    if case.factory:
+        rewritten["architectures"] = {"from": None, "to": [CLASSES[family]]}
+    assert {k: v for k, v in got.items() if k not in given} == {
+        k: c["to"] for k, c in rewritten.items()
+    }
+    expected_hf_config = (
+        {
+            "path": "config.json",
+            "original_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+            "rewritten": rewritten,
+        }
+        if rewritten
+        else None
+    )
+    assert out["hf_config"] == shown["hf_config"] == expected_hf_config
+    recorded = next(f for f in out["files"] if f["path"] == "config.json")
+    stored = (release_dir / "config.json").read_bytes()
+    assert recorded["sha256"] == hashlib.sha256(stored).hexdigest()
+    document = json.loads((release_dir / "release.json").read_text())
+    assert document["format"] == ("reg.release/3" if rewritten else "reg.release/2")
+    assert document.get("hf_config") == expected_hf_config
+    assert out["hf"] == shown["hf"] and out["hf"]["complete"] is True, out["hf"]
+
+    # Loaded by stock transformers, equal to the trained weights bit for bit.
+    dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+    full = torch.load(trained / f"step-{STEPS}.full.pt", weights_only=True)
+    want = {k: v.to(dtype) for k, v in full.items()}
+    loaded = AutoModelForCausalLM.from_pretrained(release_dir).eval()
+    assert type(loaded).__name__ == CLASSES[family]
+    state = loaded.state_dict()
+    assert sorted(state) == sorted(want)
+    for key, tensor in want.items():
+        assert state[key].dtype == dtype and torch.equal(state[key], tensor), key
+    head, embed = loaded.get_output_embeddings().weight, loaded.get_input_embeddings().weight
+    assert (head is embed) == case.model.endswith("_tied")
+    if case.factory and case.model.endswith("_tied"):
+        assert out["tied"]  # written once, as HF does
+    # The trained weights in a model transformers builds at that dtype (buffers such as the
+    # rotary frequencies stay float32, as from_pretrained keeps them)
+    reference = AutoModelForCausalLM.from_config(CONFIGS[case.model](), dtype=dtype).eval()
+    reference.load_state_dict(want)
+    probe = tokens(seed=99)
+    with torch.no_grad():
+        assert torch.equal(loaded(probe).logits, reference(probe).logits)
+    if case.tokenizer:
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(release_dir)("w1 w2")["input_ids"] == [1, 2]
+
+
+def test_an_incomplete_folder_warns_and_show_says_what_is_missing(
+    hf_trained: Path, cpu_policy: Path, cli: Any, tmp_path: Path
+) -> None:
+    trained = hf_trained / "gpt2_untied"
+    tokenizer_config = tmp_path / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    bad = tmp_path / "bad" / "config.json"
+    bad.parent.mkdir()
+    bad.write_text("[1, 2]")
+    pushed = cli("push-ckpt", trained / f"step-{STEPS}", "--run", "g", "--step", str(STEPS))
+    assert pushed.returncode == 0, pushed.stderr
+
+    refused = cli("promote", f"g@step{STEPS}", "--model", "gpt2", "--extra", bad, "--dtype", "bf16")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.count("\n") == 1 and "is JSON but not an object" in refused.stderr
+    assert json.loads(cli("releases", "--json").stdout) == []
+
+    promoted = cli(
+        "promote", f"g@step{STEPS}", "--model", "gpt2", "--extra", trained / "config.json",
+        "--extra", tokenizer_config, "--json",
+    )  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    warnings = [line for line in promoted.stderr.splitlines() if "Hugging Face" in line]
+    assert warnings == [
+        "reg: gpt2:v1: not a complete Hugging Face model folder: missing vocab.json, merges.txt"
+    ]
+    shown = json.loads(cli("show", "gpt2:v1", "--json").stdout)
+    assert shown["hf"] == {
+        "complete": False,
+        "missing": ["vocab.json", "merges.txt"],
+        "notes": [],
+    }
+    assert shown["hf_config"] is None  # no --dtype, no factory: config.json as given
+
+
+# -- the pure parts --------------------------------------------------------------------------
+
+
+def test_rewrite_keeps_order_and_bytes_when_nothing_changes() -> None:
+    given = b'{"torch_dtype": "float32", "model_type": "llama", "architectures": ["X"]}'
+    same = rewrite_config(given, dtype=None, architecture=None)
+    assert same.data == given and same.changes == {}
+    out = rewrite_config(given, dtype="fp16", architecture="LlamaForCausalLM")
+    assert list(json.loads(out.data)) == ["torch_dtype", "model_type", "architectures"]
+    assert out.changes == {
+        "torch_dtype": {"from": "float32", "to": "float16"},
+        "architectures": {"from": ["X"], "to": ["LlamaForCausalLM"]},
+    }
+    both = rewrite_config(b'{"dtype": "float32", "torch_dtype": "float32"}', dtype="bf16",
+                          architecture=None)  # fmt: skip
+    assert json.loads(both.data) == {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    already = b'{"dtype": "bfloat16"}'
+    assert rewrite_config(already, dtype="bf16", architecture=None).data == already
+
+
+@pytest.mark.parametrize(
+    ("files", "tokenizer_config", "missing", "note"),
+    [
+        ({"tokenizer.json"}, {"tokenizer_class": "LlamaTokenizerFast"}, [], None),
+        (set(), {"tokenizer_class": "LlamaTokenizer"}, ["tokenizer.model"], None),
+        ({"tokenizer.model"}, {"tokenizer_class": "LlamaTokenizer"}, [], None),
+        ({"vocab.json"}, {"tokenizer_class": "GPT2Tokenizer"}, ["merges.txt"], None),
+        (set(), {"tokenizer_class": "T5Tokenizer"}, ["spiece.model"], None),
+        (set(), {"tokenizer_class": "BertTokenizerFast"}, ["vocab.txt"], None),
+        (set(), {"tokenizer_class": "PreTrainedTokenizerFast"}, ["tokenizer.json"], None),
+        (set(), {}, ["tokenizer.json"], None),
+        (set(), {"tokenizer_class": "MyTokenizer"}, [], "unknown tokenizer class MyTokenizer"),
+    ],
+)
+def test_completeness_follows_the_tokenizer_class(
+    files: set[str], tokenizer_config: dict[str, str], missing: list[str], note: str | None
+) -> None:
+    names = {"model.safetensors", "config.json", "tokenizer_config.json", *files}
+    found = completeness(names, b'{"model_type": "llama"}', json.dumps(tokenizer_config).encode())
+    assert found.missing == missing
+    assert found.complete == (not missing and note is None)
+    assert (note is None) == (not found.notes) and all(note in n for n in found.notes if note)
+
+
+def test_completeness_without_config_or_with_a_broken_one() -> None:
+    assert completeness({"model.safetensors"}, None, None).missing == ["config.json"]
+    broken = completeness({"model.safetensors", "config.json"}, b"{nope", None)
+    assert not broken.complete and "config.json is not valid JSON" in broken.notes[0]
+    plain = completeness({"model.safetensors", "config.json"}, b'{"model_type": "gpt2"}', None)
+    assert plain.complete and plain.notes == [
+        "no tokenizer_config.json: weights and config only (no tokenizer)"
+    ]
