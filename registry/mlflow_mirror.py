@@ -1,24 +1,26 @@
-"""Mirror the catalog into MLflow (the only module that imports mlflow).
+"""Mirror the catalog into MLflow (with `mirror_releases`, `mirror_access` and `mirror_login`,
+the only modules that import mlflow).
 
 The catalog is the source of truth; MLflow is a view. Outbox events are applied in order, each
 idempotently (objects are found by `reg.*` tags before anything is created), so a replay after a
 crash or an outage creates no duplicates. A drain has a time budget: if MLflow is down or slow it
 gives up, the events wait, and a later drain (the next command, `reg mlflow sync`) catches up.
 
-Mapping: project -> experiment; run -> MLflow run of the same name; checkpoint -> an external
-LoggedModel (nothing copied) named like `run42-step9000`, linked to the run at its step, with
-params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, and
-`reg.resumable` / `reg.missing_state`, which follow a policy change that changes them),
-and the push metrics logged on the run at that step; release -> registered model version whose
-source is the release URI (S3) or the release's external LoggedModel (`models:/m-...`, local
-stores), tagged with its digest, registry version, source and validation; aliases as set.
+Mapping: project -> experiment; run -> MLflow run of the same name, "created by" the principal
+who pushed first, ended by `reg run finish` / `CheckpointManager.close()`; checkpoint -> an
+external LoggedModel (nothing copied) named like `run42-step9000`, linked to the run at its step,
+with params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, pin,
+and `reg.resumable` / `reg.missing_state`, which follow a policy change that changes them), and
+the push metrics logged on the run at that step; model -> registered model (names one to one,
+`registry.mirror_names`) plus a `releases/<model>` experiment whose artifacts are the release
+bytes; release -> model version with reg's number, its bytes served by MLflow's artifact proxy
+until it is yanked (`registry.mirror_releases`, `registry.mirror_artifacts`); aliases as set.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ from sqlmodel import col, select
 
 from registry.catalog import leases
 from registry.catalog.models import OutboxEvent
+from registry.mirror_names import mirror_name
 from registry.text import redact
 from registry.timeutil import iso, now
 
@@ -36,21 +39,20 @@ if TYPE_CHECKING:
     from registry.config import Settings
 
 DRAIN_LEASE = "mlflow-drain"
-_UNSAFE = re.compile(r"[/:.%\"']")
-
-
-def safe_name(name: str) -> str:
-    """LoggedModel and registered model names refuse / : . % " '."""
-    return _UNSAFE.sub("-", name)
 
 
 class Mirror:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
         import mlflow  # noqa: F401 - seconds of import, paid only by the drain
         from mlflow import MlflowClient
 
+        from registry.mirror_releases import ReleaseMirror
+        from registry.storage import open_store
+
         self.settings = settings
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+        self.store = open_store(settings.store_url)
+        self.releases = ReleaseMirror(self.client, catalog, self.store, self.run)
         self._experiments: dict[str, str] = {}
         self._runs: dict[tuple[str, str], str] = {}
 
@@ -68,7 +70,7 @@ class Mirror:
             self._experiments[project] = exp_id
         return self._experiments[project]
 
-    def run(self, project: str, run: str) -> str:
+    def run(self, project: str, run: str, creator: str | None = None) -> str:
         key = (project, run)
         if key not in self._runs:
             exp = self.experiment(project)
@@ -78,9 +80,10 @@ class Mirror:
             if found:
                 self._runs[key] = found[0].info.run_id
             else:
-                created = self.client.create_run(
-                    exp, run_name=run, tags={"reg.run": run, "reg.project": project}
-                )
+                tags = {"reg.run": run, "reg.project": project}
+                if creator:  # MLflow's "Created by": the principal who pushed first
+                    tags["mlflow.user"] = creator
+                created = self.client.create_run(exp, run_name=run, tags=tags)
                 self._runs[key] = created.info.run_id
         return self._runs[key]
 
@@ -92,20 +95,12 @@ class Mirror:
         )
         return found[0] if found else None
 
-    def model_version(self, model: str, version: int) -> Any | None:
-        name = safe_name(model)
-        try:
-            versions = self.client.search_model_versions(f"name = '{name}'")
-        except Exception:
-            return None
-        return next((v for v in versions if v.tags.get("reg.version") == str(version)), None)
-
     # -- events --------------------------------------------------------------------------------
     def apply(self, kind: str, p: dict[str, Any]) -> None:
         getattr(self, "on_" + kind.replace(".", "_"))(p)
 
     def on_checkpoint_committed(self, p: dict[str, Any]) -> None:
-        run_id = self.run(p["project"], p["run"])
+        run_id = self.run(p["project"], p["run"], p.get("pushed_by"))
         existing = self.logged_model(p["project"], p["ref"])
         if existing is None:
             import mlflow
@@ -119,7 +114,7 @@ class Mirror:
                 "manifest_sha256": p["manifest_sha256"],
             }
             model = mlflow.create_external_model(
-                name=safe_name(f"{p['run']}-step{p['step']}"),
+                name=mirror_name(f"{p['run']}-step{p['step']}"),
                 source_run_id=run_id,
                 model_type="checkpoint",
                 experiment_id=self.experiment(p["project"]),
@@ -166,70 +161,34 @@ class Mirror:
             )
 
     def on_release_created(self, p: dict[str, Any]) -> None:
-        if self.model_version(p["model"], p["version"]) is not None:
-            return
-        import mlflow
-
-        name = safe_name(p["model"])
-        try:
-            self.client.get_registered_model(name)
-        except Exception:
-            self.client.create_registered_model(
-                name, tags={"reg.model": p["model"]}, description=f"reg model {p['model']}"
-            )
-        run_id = self.run(p["project"], p["run"])
-        tags = {
-            "reg.sha256": p["sha256"],
-            "reg.version": str(p["version"]),
-            "reg.release": p["release"],
-            "reg.source": p["source"],
-            "reg.uri": p["uri"],
-            "reg.validation": "passed" if p["validation_passed"] else "failed",
-            "reg.validation.device": p["validation_device"],
-            "reg.status": "active",
-        }
-        description = (
-            f"{p['release']}: {p['uri']} (sha256 {p['sha256']}), promoted from {p['source']}"
-        )
-        if p["uri"].startswith("s3://"):
-            self.client.create_model_version(
-                name, source=p["uri"], run_id=run_id, tags=tags, description=description
-            )
-            return
-        existing = self.logged_model(p["project"], p["release"])
-        logged = existing or mlflow.create_external_model(
-            name=safe_name(f"{p['model']}-v{p['version']}"),
-            source_run_id=run_id,
-            model_type="release",
-            experiment_id=self.experiment(p["project"]),
-            tags={"reg.ref": p["release"], "reg.kind": "release", "reg.uri": p["uri"]},
-        )
-        self.client.create_model_version(
-            name,
-            source=f"models:/{logged.model_id}",
-            run_id=run_id,
-            tags=tags,
-            description=description,
-            model_id=logged.model_id,
-        )
-
-    def on_release_alias(self, p: dict[str, Any]) -> None:
-        version = self.model_version(p["model"], p["version"])
-        if version is None:
-            raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
-        self.client.set_registered_model_alias(safe_name(p["model"]), p["alias"], version.version)
+        self.releases.created(p["model"], p["version"])
 
     def on_release_status(self, p: dict[str, Any]) -> None:
-        version = self.model_version(p["model"], p["version"])
-        if version is None:
-            raise RuntimeError(f"{p['model']}:v{p['version']} is not mirrored yet")
-        self.client.set_model_version_tag(
-            safe_name(p["model"]), version.version, "reg.status", p["status"]
-        )
-        if p.get("reason"):
-            self.client.set_model_version_tag(
-                safe_name(p["model"]), version.version, "reg.status_reason", p["reason"]
-            )
+        self.releases.changed(p["model"], p["version"])
+
+    def on_release_alias(self, p: dict[str, Any]) -> None:
+        """The alias follows reg's: on a yank it stays where it was, as reg's does, and
+        resolves to a version whose bytes are no longer served."""
+        self.releases.created(p["model"], p["version"])  # its version exists first
+        self.client.set_registered_model_alias(mirror_name(p["model"]), p["alias"], p["version"])
+
+    def on_run_finished(self, p: dict[str, Any]) -> None:
+        status = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}[p["status"]]
+        run_id = self.run(p["project"], p["run"])
+        self.client.set_terminated(run_id, status, end_time=int(p["ended_at"] * 1000))
+
+    def on_checkpoint_protection(self, p: dict[str, Any]) -> None:
+        model = self.logged_model(p["project"], p["ref"])
+        if model is not None:
+            tags = {
+                "reg.pinned": "true" if p["pinned"] else "false",
+                "reg.expires_at": p.get("expires_at") or "never",
+                "reg.retention": p.get("retention") or "",
+            }
+            if p["pinned"]:
+                tags["reg.pinned_by"] = p.get("pinned_by") or ""
+                tags["reg.pin_reason"] = p.get("pin_reason") or ""
+            self.client.set_logged_model_tags(model.model_id, tags)
 
 
 def _resume_tags(p: dict[str, Any]) -> dict[str, str]:
@@ -268,7 +227,7 @@ def drain(
     applied, error = 0, None
     try:
         os.chdir(settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
-        mirror = Mirror(settings)
+        mirror = Mirror(settings, catalog)
         while time.monotonic() - started < budget_s:
             with catalog.session() as s:
                 batch = s.exec(

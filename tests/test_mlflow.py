@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 
 from registry import Registry
 from registry.mlflow_mirror import drain
+from tests.conftest import ROOT
 
 POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'
 
@@ -62,7 +66,8 @@ def test_every_mapping(policy, ckpts):
         (4, pytest.approx(2.6)),
     ]
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
-    assert set(models) == {"run42-step2", "run42-step4", "tiny-lm-v1"}
+    assert set(models) == {"run42-step2", "run42-step4"}
+    assert runs[0].data.tags["mlflow.user"] == os.environ["REG_USER"]  # "Created by"
     step4 = models["run42-step4"]
     assert step4.params["world_size"] == "2" and "resumable" not in step4.params
     assert step4.tags["reg.resumable"] == "true" and step4.tags["reg.layout"] == "dcp"
@@ -75,8 +80,17 @@ def test_every_mapping(policy, ckpts):
     version = client.search_model_versions("name = 'tiny-lm'")[0]
     assert version.tags["reg.version"] == "1" and version.tags["reg.status"] == "deprecated"
     assert version.tags["reg.source"] == "run42@step4" and len(version.tags["reg.sha256"]) == 64
+    assert version.tags["reg.model"] == "tiny.lm" and version.run_id == run_id
     assert "release/tiny.lm/v1/" in version.description
-    assert version.source == f"models:/{models['tiny-lm-v1'].model_id}"
+    assert version.description.startswith("DEPRECATED by ")
+    releases = client.get_experiment_by_name("releases/tiny.lm")
+    assert version.source == f"mlflow-artifacts:/{releases.experiment_id}/releases/tiny.lm/v1"
+    served = Path(os.environ["REG_HOME"]) / "store" / "mlflow-artifacts"
+    folder = served / releases.experiment_id / "releases" / "tiny.lm" / "v1"
+    stored = Path(os.environ["REG_HOME"]) / "store" / "release" / "tiny.lm" / "v1"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in stored.iterdir())
+    for path in folder.iterdir():  # linked, not copied
+        assert path.stat().st_ino == (stored / path.name).stat().st_ino
     rm = client.get_registered_model("tiny-lm")
     assert rm.aliases == {"prod": version.version, "canary": version.version}
     assert not list(Path.cwd().glob("mlruns"))  # nothing written where the command ran
@@ -112,7 +126,7 @@ def test_replays_are_idempotent(policy, ckpts):
     client = _client()
     exp = client.get_experiment_by_name("default")
     assert len(client.search_runs([exp.experiment_id])) == 1
-    assert len(client.search_logged_models([exp.experiment_id])) == 3
+    assert len(client.search_logged_models([exp.experiment_id])) == 2
     assert len(client.search_model_versions("name = 'tiny-lm'")) == 1
     run_id = client.search_runs([exp.experiment_id])[0].info.run_id
     assert len(client.get_metric_history(run_id, "val_loss")) == 2
@@ -160,3 +174,100 @@ def test_the_command_returns_and_the_detached_drain_mirrors(policy, ckpts, monke
         time.sleep(1)
     exp = _client().get_experiment_by_name("default")
     assert [m.name for m in _client().search_logged_models([exp.experiment_id])] == ["r-step2"]
+
+
+def _published(model: str, version: int) -> Path:
+    exp = _client().get_experiment_by_name(f"releases/{model}")
+    return (
+        Path(os.environ["REG_HOME"])
+        / "store"
+        / "mlflow-artifacts"
+        / (f"{exp.experiment_id}/releases/{model}/v{version}")
+    )
+
+
+def test_versions_keep_reg_numbers_when_mirrored_out_of_order(policy, ckpts):
+    """v1 reserved by a promotion that died, v2 released meanwhile: MLflow numbers them as reg
+    does. v1 is a placeholder without bytes until a rerun of its promotion commits it."""
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+    died = subprocess.run(
+        [sys.executable, "-m", "cli", "promote", "r@step2", "--model", "m"],
+        cwd=ROOT,
+        env=dict(os.environ, REG_FAULT="promote-documented"),
+        capture_output=True,
+        text=True,
+    )
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    with Registry() as reg:
+        assert reg.promote("r@step4", model="m")["version"] == 2
+    assert _drain()["error"] is None
+    client = _client()
+    versions = {int(v.version): v for v in client.search_model_versions("name = 'm'")}
+    assert versions[2].tags["reg.version"] == "2" and versions[2].tags["reg.source"] == "r@step4"
+    assert versions[1].tags["reg.status"] == "reserved" and "reserved" in versions[1].description
+    assert not _published("m", 1).exists() and (_published("m", 2) / "release.json").exists()
+    with Registry() as reg:  # the rerun takes v1 over and commits it
+        assert reg.promote("r@step2", model="m")["version"] == 1
+    assert _drain()["error"] is None
+    v1 = client.get_model_version("m", "1")
+    assert v1.tags["reg.status"] == "active" and v1.tags["reg.source"] == "r@step2"
+    assert (_published("m", 1) / "release.json").exists()
+
+
+def test_a_yank_takes_the_bytes_out_of_mlflow_and_says_who_and_why(policy, ckpts):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="m", alias="prod")
+    _drain()
+    assert (_published("m", 1) / "release.json").exists()
+    with Registry() as reg:
+        reg.yank("m:v1", reason="trained on leaked eval data")
+    assert _drain()["error"] is None
+    client = _client()
+    v1 = client.get_model_version("m", "1")
+    assert v1.tags["reg.status"] == "yanked" and v1.tags["reg.status_by"] == "tester"
+    assert v1.tags["reg.status_reason"] == "trained on leaked eval data"
+    assert v1.description.startswith("YANKED by tester") and "no longer served" in v1.description
+    assert client.get_registered_model("m").aliases == {"prod": v1.version}  # as reg's stays
+    assert not _published("m", 1).exists()
+    stored = Path(os.environ["REG_HOME"]) / "store" / "release" / "m" / "v1" / "release.json"
+    assert stored.exists()  # reg keeps the bytes; only MLflow stops serving them
+
+
+def test_runs_end_and_checkpoint_tags_follow_pins(policy, ckpts, cli):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.pin("r@step4", reason="paper figure")
+    res = cli("run", "finish", "r", "--status", "failed", "--json")
+    assert res.returncode == 0 and '"status": "failed"' in res.stdout, res.stderr
+    assert cli("run", "finish", "nope").returncode == 3
+    assert cli("run", "finish", "r", "--status", "exploded").returncode == 2
+    assert _drain()["error"] is None
+    client = _client()
+    exp = client.get_experiment_by_name("default")
+    run = client.search_runs([exp.experiment_id])[0]
+    assert run.info.status == "FAILED" and run.info.end_time
+    model = client.search_logged_models([exp.experiment_id])[0]
+    assert model.tags["reg.pinned"] == "true" and model.tags["reg.expires_at"] == "never"
+    assert model.tags["reg.pin_reason"] == "paper figure"
+    assert model.tags["reg.retention"] == "kept: pinned by tester (paper figure)"
+    with Registry() as reg:
+        reg.unpin("r@step4")
+        expected = reg.show("r@step4")
+    assert _drain()["error"] is None
+    model = client.search_logged_models([exp.experiment_id])[0]
+    assert model.tags["reg.pinned"] == "false", model.tags
+    assert model.tags["reg.retention"] == expected["protection"]["reason"]
+
+
+def test_model_names_map_one_to_one(policy, ckpts, cli):
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="llama.v2")
+    res = cli("promote", "r@step4", "--model", "llama-v2")
+    assert res.returncode == 5 and res.stderr.count("\n") == 1, res.stderr
+    assert "would appear in MLflow as 'llama-v2'" in res.stderr
+    with Registry() as reg:
+        assert [r["model"] for r in reg.releases()] == ["llama.v2"]

@@ -275,11 +275,20 @@ class S3Store(BaseStore):
         )
 
     def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
+        self.copy_within(key, key, version=version, immutable=immutable)
+
+    def copy_within(
+        self, source_key: str, key: str, *, version: str | None = None, immutable: bool = False
+    ) -> None:
+        """Copy `source_key` (at `version`, else its current one) onto `key`, in the bucket:
+        no byte passes through this process."""
         full_key = self._key(check_key(key))
-        source = {"Bucket": self.bucket, "Key": full_key, "VersionId": version}
-        head = self._head(key, version)
+        source = {"Bucket": self.bucket, "Key": self._key(check_key(source_key))}
+        if version is not None:
+            source["VersionId"] = version
+        head = self._head(source_key, version)
         if head is None:
-            raise NotFound(f"version {version} of {key} is gone")
+            raise NotFound(f"{source_key} (version {version or 'current'}) is gone")
         args: dict[str, Any] = {
             "ContentType": _content_type(key),
             "MetadataDirective": "REPLACE",

@@ -215,6 +215,7 @@ def _emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha
         metrics=manifest.metrics,
         uri=ctx.store.describe(checkpoint_prefix(ref.project, ref.run, manifest.step)),
         manifest_sha256=manifest_sha256,
+        pushed_by=manifest.pushed_by,
         committed_at=now(),
         expires_at=None if ttl == float("inf") else now() + ttl,
     )
