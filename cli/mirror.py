@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import typer
 
 from cli.common import JSON_OPTION, open_registry
@@ -64,45 +59,43 @@ def sync(
         )
 
 
-def ui(port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1.")) -> None:
-    """Start the MLflow UI on the mirror's tracking store (Ctrl-C stops it and its workers)."""
+def ui(
+    port: int = typer.Option(5000, "--port", help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    auth: bool | None = typer.Option(
+        None,
+        "--auth/--no-auth",
+        help="MLflow's login with reg tokens (default: on when the policy has grants).",
+    ),
+) -> None:
+    """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
+    from registry.errors import UsageError
+    from registry.mirror_ui import plan_ui, run_ui
     from registry.text import redact_url
 
     with open_registry() as reg:
+        if reg.settings.remote:
+            raise UsageError(
+                "reg ui runs on the registry's own host (it reads the catalog and the store)",
+                "run it where reg server runs, without REG_URL",
+            )
         reg.authorize_read(project=None, model=None)
-        uri = reg.settings.mlflow_tracking_uri
-        home = reg.settings.home
-    artifacts = (home / "mlflow-artifacts").as_uri()
-    # The tracking URI may hold a password: it goes to the server by environment, never argv
-    # (which every user of the machine can read in /proc).
-    environment = dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri)
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--default-artifact-root",
-        artifacts,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    # Its own process group: MLflow's server leaves worker processes behind otherwise.
-    server = subprocess.Popen(cmd, cwd=home, env=environment, start_new_session=True)
+        plan = plan_ui(
+            reg.settings,
+            reg.catalog,
+            reg.store,
+            host=host,
+            port=port,
+            auth=auth,
+            has_grants=bool(reg.policy.access.grants),
+        )
+        uri, home = reg.settings.mlflow_tracking_uri, reg.settings.home
+    login = "log in with your reg principal and a reg token" if plan.auth else "no login"
     print(
-        f"MLflow UI: http://127.0.0.1:{port}  (tracking store {redact_url(uri)}; Ctrl-C stops it)",
+        f"MLflow UI: {plan.url}  ({login}; tracking store {redact_url(uri)}; "
+        f"release bytes from {plan.artifacts or 'nowhere: an in-memory store'}; Ctrl-C stops it)",
         flush=True,
     )
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(server.pid, signal.SIGKILL)
+    code = run_ui(plan, home)
+    if code not in (0, -15):
+        raise typer.Exit(1)

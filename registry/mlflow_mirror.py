@@ -254,6 +254,10 @@ def drain(
                         .values(done_at=now())
                     )
                 applied += 1
+        from registry import mirror_access
+
+        if mirror_access.enabled(settings):  # new projects and models, changed grants
+            mirror_access.sync_access(settings, catalog)
     except _Stop:
         pass
     except Exception as exc:  # MLflow unreachable at start-up, and the like

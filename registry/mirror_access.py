@@ -1,0 +1,180 @@
+"""Who sees what in the MLflow UI: MLflow's auth app (`mlflow[auth]`), its users and
+permissions kept in step with reg's grants.
+
+Everyone reg knows (a principal a grant names, or one holding a live token) is an MLflow user
+who logs in with a reg token (`registry.mirror_login`); the password MLflow stores for them is
+random and never given out. Default permission: none. Each gets READ on the experiment of every
+project and on the registered model and releases experiment of every model their grants let
+them read. Admins get EDIT on project experiments and registered models, and only READ on the
+releases experiments, whose artifacts are the served release bytes: nobody but the mirror
+writes there. No one is an MLflow admin. Synced after every drain and at each login (the
+login's principal), so a grant, a revoked token or a new project shows within one drain.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+    from registry.config import Settings
+
+READ, EDIT = "READ", "EDIT"
+ADMIN_USER = "reg-mlflow-admin"  # the auth app's bootstrap admin: nobody can log in as it
+
+
+def auth_db_uri(settings: Settings) -> str:
+    return f"sqlite:///{settings.home / 'mlflow-auth.db'}"
+
+
+def enabled(settings: Settings) -> bool:
+    """`reg ui` created the auth store: keep it in step."""
+    return (settings.home / "mlflow-auth.db").exists()
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One principal's permissions: experiment id -> level, registered model -> level."""
+
+    experiments: dict[str, str]
+    models: dict[str, str]
+
+
+class AccessSync:
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+        from mlflow import MlflowClient
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+        self.settings, self.catalog = settings, catalog
+        self.auth = SqlAlchemyStore()
+        self.auth.init_db(auth_db_uri(settings))  # type: ignore[no-untyped-call]
+        self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+
+    def principals(self) -> set[str]:
+        """Whom a grant names, and whoever holds a live token."""
+        from sqlmodel import col, or_, select
+
+        from registry.catalog.models import ApiToken
+        from registry.timeutil import now
+
+        policy = self._policy()
+        named = {p for grant in policy.access.grants for p in grant.principals}
+        with self.catalog.session() as s:
+            holders = s.exec(
+                select(ApiToken.principal).where(
+                    col(ApiToken.revoked_at).is_(None),
+                    or_(col(ApiToken.expires_at).is_(None), col(ApiToken.expires_at) > now()),
+                )
+            ).all()
+        return (named | set(holders)) - {ADMIN_USER}
+
+    def sync(self, only: str | None = None) -> dict[str, Any]:
+        """Make the auth store say what reg's grants say (for `only`, one principal)."""
+        everyone = self.principals()
+        targets = {only} & everyone if only is not None else everyone
+        projects, models = self._mirrored()
+        changed = 0
+        for name in sorted(targets):
+            changed += self._apply(name, self._wanted(name, projects, models))
+        removed = 0
+        if only is None:
+            for user in self.auth.list_users():
+                if user.username not in everyone and user.username != ADMIN_USER:
+                    self.auth.delete_user(user.username)
+                    removed += 1
+        return {"users": len(targets), "changed": changed, "removed": removed}
+
+    # -- what reg says -------------------------------------------------------------------------
+    def _policy(self) -> Any:
+        from registry.policy_source import EffectivePolicy
+
+        return EffectivePolicy.load(
+            self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
+        )
+
+    def _mirrored(self) -> tuple[dict[str, str], dict[str, tuple[str, str | None]]]:
+        """Project -> experiment id; model -> (registered model name, releases experiment)."""
+        from mlflow.entities import ViewType
+
+        from registry.mirror_names import RELEASES_EXPERIMENT, mirror_name
+
+        projects: dict[str, str] = {}
+        releases: dict[str, str] = {}
+        for exp in self.client.search_experiments(view_type=ViewType.ALL, max_results=50_000):
+            if exp.tags.get("reg.kind") == "releases":
+                releases[exp.name.removeprefix(RELEASES_EXPERIMENT)] = exp.experiment_id
+            elif "reg.project" in exp.tags:
+                projects[exp.tags["reg.project"]] = exp.experiment_id
+        models = {}
+        for rm in self.client.search_registered_models(max_results=1_000):
+            model = rm.tags.get("reg.model")
+            if model and mirror_name(model) == rm.name:
+                models[model] = (rm.name, releases.get(model))
+        return projects, models
+
+    def _wanted(
+        self,
+        name: str,
+        projects: dict[str, str],
+        models: dict[str, tuple[str, str | None]],
+    ) -> Wanted:
+        from registry.principal import Principal
+
+        principal = Principal.under(name, "token", self._policy())
+        if principal.single_user:
+            principal = Principal(name, "token", ())  # as behind reg server: no grant, no access
+        admin = principal.authorize("mlflow-sync").allowed
+        experiments: dict[str, str] = {}
+        registered: dict[str, str] = {}
+        for project, exp_id in projects.items():
+            if admin or principal.can_read(project=project):
+                experiments[exp_id] = EDIT if admin else READ
+        for model, (rm_name, releases_exp) in models.items():
+            if admin or principal.can_read(model=model):
+                registered[rm_name] = EDIT if admin else READ
+                if releases_exp is not None:
+                    experiments[releases_exp] = READ  # only the mirror writes release bytes
+        return Wanted(experiments, registered)
+
+    # -- what MLflow says ----------------------------------------------------------------------
+    def _apply(self, name: str, wanted: Wanted) -> int:
+        if not self.auth.has_user(name, use_primary=True):
+            self.auth.create_user(name, secrets.token_urlsafe(32) + "Aa1!", is_admin=False)
+        elif self.auth.get_user(name).is_admin:
+            self.auth.update_user(name, is_admin=False)
+        changed = 0
+        have = {p.experiment_id: p.permission for p in self.auth.list_experiment_permissions(name)}
+        for exp_id, level in wanted.experiments.items():
+            if exp_id not in have:
+                self.auth.create_experiment_permission(exp_id, name, level)
+            elif have[exp_id] != level:
+                self.auth.update_experiment_permission(exp_id, name, level)
+            else:
+                continue
+            changed += 1
+        for exp_id in set(have) - set(wanted.experiments):
+            self.auth.delete_experiment_permission(exp_id, name)
+            changed += 1
+        have = {p.name: p.permission for p in self.auth.list_registered_model_permissions(name)}
+        for rm_name, level in wanted.models.items():
+            if rm_name not in have:
+                self.auth.create_registered_model_permission(rm_name, name, level)
+            elif have[rm_name] != level:
+                self.auth.update_registered_model_permission(rm_name, name, level)
+            else:
+                continue
+            changed += 1
+        for rm_name in set(have) - set(wanted.models):
+            self.auth.delete_registered_model_permission(rm_name, name)
+            changed += 1
+        return changed
+
+
+def sync_access(settings: Settings, catalog: Catalog, only: str | None = None) -> dict[str, Any]:
+    sync = AccessSync(settings, catalog)
+    try:
+        return sync.sync(only)
+    finally:
+        sync.auth.engine.dispose()

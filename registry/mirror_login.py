@@ -1,0 +1,86 @@
+"""MLflow's auth app logs people in with their reg identity: HTTP basic auth, user = principal,
+password = a reg token of that principal (`reg token create`). Configured as the app's
+`authorization_function` by `reg ui`; runs inside the MLflow server, on the registry's host,
+with the registry's settings (its catalog and audit key verify the token, as `reg server` does).
+
+A verified token is remembered for LOGIN_CACHE_S (the MLflow UI sends it with every request):
+a revoked token stops working within that time. Each verification also brings the principal's
+MLflow permissions in step with reg's grants (`registry.mirror_access`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any
+
+LOGIN_CACHE_S = 30.0
+
+_lock = threading.Lock()
+_verified: dict[str, tuple[str, float]] = {}  # sha256(user:token) -> (principal, until)
+_state: dict[str, Any] = {}
+
+
+def authenticate() -> Any:
+    """The app's authorization function: a werkzeug Authorization, or a 401 asking for one."""
+    from flask import Response, request
+
+    from registry.mirror_access import ADMIN_USER
+
+    auth = request.authorization
+    if auth is None or auth.type != "basic" or not auth.username or not auth.password:
+        return _challenge(Response)
+    if auth.username == ADMIN_USER or principal_of(auth.username, auth.password) is None:
+        return _challenge(Response)
+    return auth
+
+
+def principal_of(user: str, token: str) -> str | None:
+    """`user` when `token` is a live reg token of that principal, else None."""
+    key = hashlib.sha256(f"{user}\0{token}".encode()).hexdigest()
+    with _lock:
+        hit = _verified.get(key)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+    from registry.errors import RegistryError
+
+    try:
+        settings, catalog, audit_key = _registry()
+        from registry.tokens import verify
+
+        principal = verify(catalog, token, audit_key).principal
+    except RegistryError:
+        return None
+    if principal != user:
+        return None
+    from registry.mirror_access import sync_access
+
+    sync_access(settings, catalog, only=principal)
+    with _lock:
+        _verified[key] = (principal, time.monotonic() + LOGIN_CACHE_S)
+    return principal
+
+
+def _registry() -> tuple[Any, Any, bytes]:
+    with _lock:
+        if not _state:
+            from registry.audit_chain import keys
+            from registry.catalog.engine import Catalog
+            from registry.config import Settings
+
+            settings = Settings.from_env()
+            _state["settings"] = settings
+            _state["catalog"] = Catalog(
+                settings.catalog_url, busy_timeout_s=settings.busy_timeout_s
+            )
+            _state["key"] = keys.for_server(settings.audit_key_path)
+        return _state["settings"], _state["catalog"], _state["key"]
+
+
+def _challenge(response: Any) -> Any:
+    return response(
+        "Log in with your reg principal and a reg token as the password.\n",
+        401,
+        {"WWW-Authenticate": 'Basic realm="reg"'},
+    )

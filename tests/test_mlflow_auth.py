@@ -1,0 +1,197 @@
+"""`reg ui` with MLflow's auth app, against a real MLflow server on 127.0.0.1: people log in with
+their reg principal and token, see and download only what reg's grants let them read, never a
+yanked release's bytes, and cannot edit. The UI is checked in headless Chromium as a viewer of
+one project (screenshot for README). SIGTERM stops the server and its workers."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.mlflow_mirror import drain
+from tests.conftest import ROOT
+from tests.s3server import free_port
+from tests.test_mlflow_ui import CHROMIUM, FLAGS, _open
+
+GRANTS = """
+[promotion]
+require_device = "any"
+
+[[access.grants]]
+principals = ["admin"]
+role = "admin"
+
+[[access.grants]]
+principals = ["alice"]
+role = "viewer"
+projects = ["team-a"]
+models = ["tiny-*"]
+
+[[access.grants]]
+principals = ["bob"]
+role = "viewer"
+projects = ["team-b"]
+models = ["other-*"]
+"""
+
+
+@pytest.fixture
+def ui(tmp_path, monkeypatch, ckpts):
+    """Two projects and two models, mirrored; `reg ui` with the login; tokens of alice and bob."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(GRANTS)
+    monkeypatch.setenv("REG_POLICY", str(policy))
+    monkeypatch.setenv("REG_USER", "admin")
+    init = subprocess.run(
+        [sys.executable, "-m", "cli", "server", "init", "--admin", "admin", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert init.returncode == 0, init.stderr
+    with Registry() as reg:
+        for project, model in (("team-a", "tiny-a"), ("team-b", "other-b")):
+            reg.push_checkpoint(ckpts.ws2.step_dir(4), project=project, run="r", step=4)
+            reg.promote(f"{project}/r@step4", model=model, alias="prod")
+        tokens = {who: reg.create_token(who)["token"] for who in ("alice", "bob")}
+        assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "ui", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
+        time.sleep(0.5)
+    yield url, tokens, proc
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _as(monkeypatch, url: str, who: str, token: str):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", who)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", token)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    return MlflowClient(tracking_uri=url)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, tmp_path):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    url, tokens, proc = ui
+    tracking_store = os.environ["MLFLOW_TRACKING_URI"]  # the mirror's, not the server's
+    alice = _as(monkeypatch, url, "alice", tokens["alice"])
+    names = {e.name for e in alice.search_experiments()}
+    assert names == {"team-a", "releases/tiny-a"}
+    assert [m.name for m in alice.search_registered_models()] == ["tiny-a"]
+    got = Path(
+        mlflow.artifacts.download_artifacts("models:/tiny-a@prod", dst_path=str(tmp_path / "a"))
+    )
+    with Registry() as reg:
+        stored = Path(reg.pull_release("tiny-a:v1", tmp_path / "pulled")["dest"])
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in stored.iterdir())
+    for path in got.iterdir():  # exactly the release's bytes
+        assert _sha256(path) == _sha256(stored / path.name)
+    for uri in ("models:/other-b/1", "models:/other-b@prod"):
+        with pytest.raises(MlflowException):
+            mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "denied"))
+    with pytest.raises(MlflowException):  # a viewer cannot edit
+        alice.set_registered_model_tag("tiny-a", "owner", "alice")
+    with pytest.raises(MlflowException):
+        alice.delete_experiment(alice.get_experiment_by_name("team-a").experiment_id)
+
+    bob = _as(monkeypatch, url, "bob", tokens["bob"])
+    assert [m.name for m in bob.search_registered_models()] == ["other-b"]
+    bob_dl = mlflow.artifacts.download_artifacts("models:/other-b/1", dst_path=str(tmp_path / "b"))
+    assert (Path(bob_dl) / "release.json").exists()
+
+    for who, token in (("alice", tokens["bob"]), ("alice", "reg_nope_nope"), ("admin", "x")):
+        mallory = _as(monkeypatch, url, who, token)
+        with pytest.raises(MlflowException, match="401|Unauthorized|credentials"):
+            mallory.search_registered_models()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_store)
+    with Registry() as reg:  # a yank: nothing in MLflow resolves to the bytes any more
+        reg.yank("tiny-a:v1", reason="leaked eval data")
+        out = drain(reg.catalog, reg.settings, 120)
+        assert out["pending"] == 0, out
+    alice = _as(monkeypatch, url, "alice", tokens["alice"])
+    version = alice.get_model_version("tiny-a", "1")
+    assert version.tags["reg.status"] == "yanked" and version.tags["reg.status_by"] == "admin"
+    for uri in ("models:/tiny-a@prod", "models:/tiny-a/1"):
+        with contextlib.suppress(MlflowException):  # an error, or an empty folder: no bytes
+            out = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "y")))
+            assert not any(p.is_file() for p in out.rglob("*")), list(out.rglob("*"))
+
+    proc.send_signal(signal.SIGTERM)  # as systemd, docker and Kubernetes stop it
+    assert proc.wait(timeout=30) == 0
+    time.sleep(0.5)
+    alive = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+    assert alive.stdout == "", f"left running: {alive.stdout}"
+
+
+def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `apt-get install chromium` (scripts/test does it)")
+    url, tokens, _ = ui
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        anonymous = browser.new_context()
+        assert anonymous.new_page().goto(url).status == 401
+        context = browser.new_context(
+            http_credentials={"username": "alice", "password": tokens["alice"]},
+            viewport={"width": 1400, "height": 900},
+        )
+        page = context.new_page()
+        _open(page, f"{url}/#/models", "tiny-a")
+        body = page.inner_text("body")
+        assert "tiny-a" in body and "other-b" not in body
+        models_shot = tmp_path / "mlflow-viewer-models.png"
+        page.screenshot(path=str(models_shot))
+        _open(page, f"{url}/#/experiments", "team-a")
+        body = page.inner_text("body")
+        assert "team-a" in body and "team-b" not in body
+        experiments_shot = tmp_path / "mlflow-viewer-experiments.png"
+        page.screenshot(path=str(experiments_shot))
+        denied = context.request.get(f"{url}/api/2.0/mlflow/registered-models/get?name=other-b")
+        assert denied.status == 403
+        browser.close()
+    for shot in (models_shot, experiments_shot):
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("REG_SAVE_SCREENSHOT") == "1":  # refreshes README's pictures
+            shutil.copy(shot, ROOT / "docs" / shot.name)
