@@ -1,4 +1,4 @@
-"""Checkpoint commands: push-ckpt, ls, show, pull, verify, pin, unpin."""
+"""Checkpoint commands: push-ckpt, ls, show, pull, verify (a ref or a pulled folder), pin."""
 
 from __future__ import annotations
 
@@ -185,20 +185,46 @@ def pull(
     if json_output:
         emit_json(out)
     else:
-        print(f"pulled {out['ref']} into {out['dest']} ({len(out['files'])} files verified)")
+        kept = f", {out['kept']} kept for reg verify --dir" if out.get("kept") else ""
+        print(f"pulled {out['ref']} into {out['dest']} ({len(out['files'])} files verified{kept})")
 
 
 def verify(
-    ref: str = typer.Argument(..., help="A checkpoint or release ref."),
+    ref: str | None = typer.Argument(None, help="A checkpoint or release ref."),
     repair: bool = typer.Option(
         False,
         "--repair",
         help="Restore each damaged file from the version its record names (versioned S3 "
         "buckets; admin).",
     ),
+    directory: Path | None = typer.Option(
+        None,
+        "--dir",
+        help="Check a pulled folder offline against the MANIFEST.json or release.json it keeps.",
+    ),
+    sha256: str | None = typer.Option(
+        None,
+        "--sha256",
+        help="With --dir: the digest the registry recorded for that document (reg show: "
+        "manifest_sha256, or a release's sha256).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Re-hash the stored copy; exit 1 naming each missing or corrupt file."""
+    """Re-hash the stored copy (or, with --dir, a pulled folder); exit 1 naming each missing
+    or corrupt file."""
+    from registry.errors import UsageError
+
+    if directory is not None or sha256 is not None:
+        if ref is not None or repair or directory is None:
+            raise UsageError(
+                "give either REF, or --dir PATH [--sha256 HEX]",
+                "reg verify REF checks the store; reg verify --dir PATH a pulled folder",
+            )
+        _verify_dir(directory, sha256, json_output)
+        return
+    if ref is None:
+        # as typer words it for a required argument; --help shows --dir too
+        raise UsageError("Missing argument 'ref'.", "`reg verify --help` shows the usage")
     with open_registry() as reg:
         out = reg.verify(ref, repair=repair, progress=progress_for(json_output))
     if json_output:
@@ -211,11 +237,53 @@ def verify(
         if out["ok"]:
             print(f"{out.get('ref') or out.get('release')}: ok, {out['files']} files verified")
     if not out["ok"]:
-        from registry.errors import IntegrityError
-
-        raise IntegrityError(
+        _damaged(
             f"{len(out['problems'])} damaged file(s) in {out.get('ref') or out.get('release')}",
             "the stored copy is damaged; restore it from another copy",
+            json_output,
+        )
+
+
+def _damaged(message: str, hint: str, json_output: bool) -> None:
+    """Exit 1 with one line on stderr; with --json the report printed is the one document."""
+    from registry.errors import IntegrityError
+
+    if json_output:
+        note(f"error: {message} ({hint})")
+        raise typer.Exit(1)
+    raise IntegrityError(message, hint)
+
+
+def _verify_dir(directory: Path, sha256: str | None, json_output: bool) -> None:
+    """Offline: no catalog and no store are opened."""
+    import re
+
+    from registry.errors import UsageError
+    from registry.lifecycle.checkpoints.pulled import verify_folder
+
+    if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise UsageError(f"--sha256 {sha256[:80]!r} is not a sha256", "64 lowercase hex digits")
+    report = verify_folder(directory, expect_sha256=sha256)
+    out = report.to_json()
+    name = out.get("ref") or out.get("release")
+    if json_output:
+        emit_json(out)
+    else:
+        for p in out["problems"]:
+            print(f"{out['dir']}: {p['path']}: {p['problem']}")
+        if report.ok:
+            from registry.timeutil import human_bytes
+
+            pinned = " and its digest" if sha256 else ""
+            print(
+                f"{out['dir']}: ok, {out['files']} files ({human_bytes(out['bytes'])}) match "
+                f"the {out['document']}{pinned} of {name} (sha256 {out['document_sha256']})"
+            )
+    if not report.ok:
+        _damaged(
+            f"{len(out['problems'])} problem(s) in {out['dir']} (pulled from {name})",
+            "pull it again from the registry",
+            json_output,
         )
 
 

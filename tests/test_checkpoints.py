@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import json
 from pathlib import Path
 
@@ -74,7 +75,11 @@ def test_ls_latest_and_not_found_says_what_exists(reg, ckpts):
 def test_pull_is_byte_identical_and_atomic(reg, ckpts, tmp_path):
     reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
     out = reg.pull("r@latest", tmp_path / "restore")
-    assert out["step"] == 4
+    assert out["step"] == 4 and out["kept"] == "MANIFEST.json"
+    # The checkpoint's files, and beside them the MANIFEST.json the store holds (exactly)
+    kept = (tmp_path / "restore" / "MANIFEST.json").read_bytes()
+    assert hashlib.sha256(kept).hexdigest() == out["manifest_sha256"]
+    (tmp_path / "restore" / "MANIFEST.json").unlink()
     assert _same_tree(ckpts.ws2.step_dir(4), tmp_path / "restore")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("keep me")
@@ -83,6 +88,7 @@ def test_pull_is_byte_identical_and_atomic(reg, ckpts, tmp_path):
     assert (tmp_path / "busy" / "x").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
     reg.pull("r@step4", tmp_path / "empty")
+    (tmp_path / "empty" / "MANIFEST.json").unlink()
     assert _same_tree(ckpts.ws2.step_dir(4), tmp_path / "empty")
 
 

@@ -75,10 +75,11 @@ def _through_server(server: RegServer) -> float:
 
 
 def _files(path: Path) -> dict[str, str]:
+    """The checkpoint's files (not the MANIFEST.json a pull keeps beside them)."""
     return {
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(path.rglob("*"))
-        if p.is_file()
+        if p.is_file() and str(p.relative_to(path)) != "MANIFEST.json"
     }
 
 

@@ -111,8 +111,10 @@ def open_checked(root: Path, path: str, identity: Any, size: int) -> int:
     return fd
 
 
-def scan_directory(root: Path) -> ScannedDir:
-    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it."""
+def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> ScannedDir:
+    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it.
+    `skip`: top-level files that are not the checkpoint's (the MANIFEST.json a pulled folder
+    keeps, already read and checked by the caller)."""
     root = Path(root)
     try:
         st = os.lstat(root)
@@ -130,6 +132,9 @@ def scan_directory(root: Path) -> ScannedDir:
             "DCP writes .metadata last; the save may not have finished",
         )
     files, identity = _walk(root)
+    for name in skip:
+        files.pop(name, None)
+        identity.pop(name, None)
     check_file_set(str(root), files)
     # Parsed from the descriptors the identity check gave, hashed: the push later refuses a
     # stored .metadata with another digest, so what was checked is what gets committed.

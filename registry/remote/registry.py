@@ -93,7 +93,8 @@ class RemoteRegistry(Registry):
             if first:
                 return first.pop()
             again = self.client.call("GET", "/files", params={"ref": ref})
-            return {f["path"]: f["url"] for f in again["files"] if "url" in f}
+            kept = [again["manifest"]] if "manifest" in again else []
+            return {f["path"]: f["url"] for f in [*again["files"], *kept] if "url" in f}
 
         return fresh
 
@@ -128,6 +129,7 @@ class RemoteRegistry(Registry):
     ) -> dict[str, Any]:
         from policies.layouts import check_layout
         from registry.formats.dcp_scan import scan_directory
+        from registry.lifecycle.checkpoints.pulled import KeptManifest
         from registry.lifecycle.checkpoints.push import check_metrics, check_request
         from registry.remote.presigned_push import PresignedPush
         from registry.remote.push_stream import body
@@ -135,7 +137,11 @@ class RemoteRegistry(Registry):
         check_request(project, run, step)  # refused here as embedded, before a byte moves
         check_layout(layout)
         metrics = check_metrics(metrics or {})
-        scanned = scan_directory(Path(src))
+        kept = KeptManifest.of(Path(src))  # a pulled folder: checked whole before it is sent
+        scanned = scan_directory(Path(src), skip=kept.skip if kept else frozenset())
+        if kept is not None:
+            kept.check_files(scanned.files)
+            kept.check_folder()
         order = sorted(scanned.files)
         header: dict[str, Any] = {
             "project": project,
@@ -246,18 +252,19 @@ class RemoteRegistry(Registry):
         where = self._download(str(parsed), Path(dest), progress)
         out = dict(self.client.call("POST", "/checkpoints/pulled", body={"ref": where[0]}))
         out["dest"] = str(where[1])
+        out["kept"] = "MANIFEST.json" if (where[1] / "MANIFEST.json").is_file() else None
         return out
 
     def _download(self, ref: str, dest: Path, progress: Progress | None) -> tuple[str, Path, Any]:
         from registry.transfer import download
 
         listing = self.client.call("GET", "/files", params={"ref": ref})
-        files = [_record(f) for f in listing["files"]]
+        # A checkpoint's MANIFEST.json is kept beside its files (`reg verify --dir`)
+        listed = [*listing["files"], *([listing["manifest"]] if "manifest" in listing else [])]
+        files = [_record(f) for f in listed]
         full = listing["ref"]
         prefix = "remote/"  # any key prefix: the reader asks for each file of `full`
-        reader = RemoteReader(
-            self.client, full, prefix, files, self._read_urls(full, listing["files"])
-        )
+        reader = RemoteReader(self.client, full, prefix, files, self._read_urls(full, listed))
 
         def still_there() -> None:  # collected or yanked meanwhile: nothing is published
             self.client.call("GET", "/files", params={"ref": full})

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from registry.context import Context
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
+from registry.layout import MANIFEST
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.remote.push_stream import MAGIC
 from registry.server.auth import CTX, context_for
@@ -172,19 +173,38 @@ def files(ref: str, ctx: Context = CTX) -> dict[str, Any]:
     from registry.server.presigned import read_urls
 
     full, prefix, listed, view = _pullable(ctx, parse_ref(ref))
-    urls = read_urls(ctx, prefix, listed)
-    return {
+    kept = _kept_manifest(ctx, full)
+    urls = read_urls(ctx, prefix, listed if kept is None else [*listed, kept])
+    out = {
         "ref": full,
         "files": [f.document_json() | ({"url": urls[f.path]} if urls else {}) for f in listed],
         "view": view,
     }
+    if kept is not None:  # a pull keeps it beside the files (`reg verify --dir`)
+        out["manifest"] = kept.document_json() | ({"url": urls[kept.path]} if urls else {})
+    return out
+
+
+def _kept_manifest(ctx: Context, full: str) -> FileRecord | None:
+    """A checkpoint's MANIFEST.json as a pull copies it (None for a release: its release.json
+    is one of its files already)."""
+    from registry.layout import checkpoint_prefix
+    from registry.lifecycle.checkpoints.read import kept_manifest, resolve
+
+    ref = parse_ref(full)
+    if not isinstance(ref, CheckpointRef):
+        return None
+    _, ckpt, _ = resolve(ctx, ref)
+    return kept_manifest(ctx, checkpoint_prefix(ref.project, ref.run, ckpt.step), ckpt)
 
 
 def _readable(
     ctx: Context, ref: CheckpointRef | ReleaseRef, path: str
 ) -> tuple[str, str | None, int]:
     """(key, version, size) of `path` in `ref`: only files the catalog lists."""
-    _, prefix, listed, _ = _pullable(ctx, ref, with_view=False)
+    full, prefix, listed, _ = _pullable(ctx, ref, with_view=False)
+    if path == MANIFEST and (kept := _kept_manifest(ctx, full)) is not None:
+        listed = [*listed, kept]
     for f in listed:
         if f.path == path:
             return prefix + f.path, f.version, f.size

@@ -30,6 +30,7 @@ from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
 from registry.layout import checkpoint_prefix, manifest_key
+from registry.lifecycle.checkpoints.pulled import KeptManifest
 from registry.progress import Counter, Progress
 from registry.refs import CheckpointRef, check_name
 from registry.storage.base import Staged
@@ -65,7 +66,10 @@ def push(
     check_layout(layout)
     checked_metrics = check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
-    scanned = scan_directory(Path(src))
+    kept = KeptManifest.of(Path(src))  # a pulled folder: pushed against the manifest it kept
+    scanned = scan_directory(Path(src), skip=kept.skip if kept else frozenset())
+    if kept is not None:
+        kept.check_files(scanned.files)
     world = world_size_of(scanned, world_size, notes)
     with _Uploader(ctx, ref, scanned, progress, received) as uploader:
         # A server's received files are taken, not copied: nothing to overlap, and a file
@@ -90,6 +94,9 @@ def push(
                 commit.ensure_held(ctx, claim, ref)
 
             uploaded = uploader.finish(still_ours)
+            if kept is not None:  # each digest as the copy hashed it, before the manifest
+                prefix = checkpoint_prefix(project, run, step)
+                kept.check_digests((u.key.removeprefix(prefix), u.sha256) for u in uploaded)
             faults.point("push-published")
             manifest = build_manifest(
                 ctx, ref, scanned, uploaded, world, resume_record, checked_metrics

@@ -1,4 +1,5 @@
 """Reading checkpoints: resolve a ref, show, pull, verify; pin and unpin (DESIGN §3, §7).
+A pulled folder keeps the checkpoint's MANIFEST.json (checked offline: `pulled.py`).
 
 Only committed rows are visible; a collected one answers with its tombstone (when, why).
 """
@@ -12,7 +13,7 @@ from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
 from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
-from registry.layout import checkpoint_prefix
+from registry.layout import MANIFEST, checkpoint_prefix
 from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.views import CheckpointView
 from registry.refs import CheckpointRef
@@ -52,7 +53,8 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
 def pull(
     ctx: Context, ref: CheckpointRef, dest: Path, *, progress: Progress | None = None
 ) -> dict[str, Any]:
-    """Copy a committed checkpoint to `dest`, verifying every byte; all or nothing. A trainer's
+    """Copy a committed checkpoint to `dest`, verifying every byte, with its MANIFEST.json (the
+    record `reg verify --dir` checks the folder against); all or nothing. A trainer's
     pull records the run as resuming from it, so retention keeps it until the run commits a
     newer step (a viewer's pull changes nothing)."""
     ctx.authorize_read(project=ref.project)
@@ -64,11 +66,13 @@ def pull(
         # A collection that raced the download wins: never hand out a half-deleted checkpoint.
         latest.append(resolve(ctx, full)[1])
 
+    prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
+    kept = kept_manifest(ctx, prefix, ckpt)
     try:
         where = download(
             ctx.store,
-            checkpoint_prefix(ref.project, ref.run, ckpt.step),
-            files,
+            prefix,
+            files if kept is None else [*files, kept],
             dest,
             label=str(full),
             workers=ctx.workers,
@@ -84,7 +88,20 @@ def pull(
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
     out.update(resume_json(ctx, full, latest[0], files, full=False))  # its bytes are verified
     out["dest"] = str(where)
+    out["manifest_sha256"] = latest[0].manifest_sha256
+    out["kept"] = MANIFEST if kept is not None else None  # `reg verify --dir` checks against it
     return out
+
+
+def kept_manifest(ctx: Context, prefix: str, ckpt: Checkpoint) -> FileRecord | None:
+    """The checkpoint's MANIFEST.json as a file the pull copies too, verified like the others
+    against the digest the catalog recorded: the pulled folder can then be checked offline
+    (`reg verify --dir`) and pushed again. None for a row that records no manifest digest."""
+    if not ckpt.manifest_sha256:
+        return None
+    info = ctx.store.head(prefix + MANIFEST, version=ckpt.manifest_version)
+    size = info.size if info is not None else 0  # missing: the download says so (exit 1)
+    return FileRecord(MANIFEST, size, ckpt.manifest_sha256, version=ckpt.manifest_version)
 
 
 def record_resume(ctx: Context, ref: CheckpointRef) -> None:

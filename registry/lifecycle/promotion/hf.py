@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import Conflict, IntegrityError, UsageError
+from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord, HfConfigRecord, ReleaseDocument
 from registry.formats.hf_folder import (
     CONFIG,
@@ -90,12 +90,19 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
     prefix = release_prefix(view.model.name, view.row.version)
     records = {f.path: f for f in view.files}
     label = view.name
+    damaged: list[str] = []  # `reg show` still shows a damaged release: each one is a note
 
-    def small(path: str) -> bytes | None:
-        record = records.get(path)
-        return None if record is None else _verified(ctx, prefix, record, label)
+    def small(record: FileRecord | None) -> bytes | None:
+        if record is None:
+            return None
+        try:
+            return _verified(ctx, prefix, record, label)
+        except RegistryError as exc:
+            damaged.append(exc.message)
+            return None
 
-    found = completeness(records, small(CONFIG), small(TOKENIZER_CONFIG))
+    config, tokenizer = small(records.get(CONFIG)), small(records.get(TOKENIZER_CONFIG))
+    found = completeness(records, config, tokenizer)
     out: dict[str, Any] = {"hf": found.to_json(), "hf_config": None}
     if view.row.sha256:
         document = FileRecord(
@@ -104,10 +111,12 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
             view.row.sha256,
             version=view.row.document_version,
         )
-        data = _verified(ctx, prefix, document, label)
+        data = small(document)
         if data is not None:
             record = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}").hf_config
             out["hf_config"] = None if record is None else record.to_json()
+    if damaged:
+        out["hf"].update(complete=False, notes=[*found.notes, *damaged])
     return out
 
 
