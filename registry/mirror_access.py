@@ -172,6 +172,15 @@ class AccessSync:
         return changed
 
 
+def is_reg_admin(settings: Settings, catalog: Catalog, principal: str) -> bool:
+    from registry.policy_source import EffectivePolicy
+    from registry.principal import Principal
+
+    policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
+    who = Principal.under(principal, "token", policy)
+    return not who.single_user and who.authorize("mlflow-sync").allowed
+
+
 def sync_access(settings: Settings, catalog: Catalog, only: str | None = None) -> dict[str, Any]:
     sync = AccessSync(settings, catalog)
     try:

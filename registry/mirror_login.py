@@ -6,11 +6,17 @@ with the registry's settings (its catalog and audit key verify the token, as `re
 A verified token is remembered for LOGIN_CACHE_S (the MLflow UI sends it with every request):
 a revoked token stops working within that time. Each verification also brings the principal's
 MLflow permissions in step with reg's grants (`registry.mirror_access`).
+
+MLflow lets any logged-in user create experiments and registered models (and own them). Here
+only reg's admins change anything through MLflow: everyone else's writes are refused before
+MLflow sees them, so nobody can, say, create `releases/<model>` before the mirror does and own
+the place a future release's bytes are served from.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 from typing import Any
@@ -18,7 +24,7 @@ from typing import Any
 LOGIN_CACHE_S = 30.0
 
 _lock = threading.Lock()
-_verified: dict[str, tuple[str, float]] = {}  # sha256(user:token) -> (principal, until)
+_verified: dict[str, tuple[bool, float]] = {}  # sha256(user, token) -> (admin, until)
 _state: dict[str, Any] = {}
 
 
@@ -31,13 +37,31 @@ def authenticate() -> Any:
     auth = request.authorization
     if auth is None or auth.type != "basic" or not auth.username or not auth.password:
         return _challenge(Response)
-    if auth.username == ADMIN_USER or principal_of(auth.username, auth.password) is None:
+    admin = None if auth.username == ADMIN_USER else is_admin(auth.username, auth.password)
+    if admin is None:
         return _challenge(Response)
+    if not admin and writes(request.method, request.path):
+        return Response(
+            "Read-only: reg is the source of truth; change things with reg itself.\n", 403
+        )
     return auth
 
 
-def principal_of(user: str, token: str) -> str | None:
-    """`user` when `token` is a live reg token of that principal, else None."""
+# POST requests that only read (MLflow searches by POST); any other POST, PUT, PATCH or DELETE
+# changes something, which only reg's admins may do through MLflow.
+_READ_POSTS = re.compile(r".*/(search|search-datasets|get-latest-versions|presigned-download-url)$")
+
+
+def writes(method: str, path: str) -> bool:
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return False
+    path = path.rstrip("/")
+    return not (method == "POST" and (_READ_POSTS.fullmatch(path) or path.endswith("/graphql")))
+
+
+def is_admin(user: str, token: str) -> bool | None:
+    """None unless `token` is a live reg token of principal `user`; else whether reg makes
+    them an admin."""
     key = hashlib.sha256(f"{user}\0{token}".encode()).hexdigest()
     with _lock:
         hit = _verified.get(key)
@@ -54,12 +78,13 @@ def principal_of(user: str, token: str) -> str | None:
         return None
     if principal != user:
         return None
-    from registry.mirror_access import sync_access
+    from registry.mirror_access import is_reg_admin, sync_access
 
     sync_access(settings, catalog, only=principal)
+    admin = is_reg_admin(settings, catalog, principal)
     with _lock:
-        _verified[key] = (principal, time.monotonic() + LOGIN_CACHE_S)
-    return principal
+        _verified[key] = (admin, time.monotonic() + LOGIN_CACHE_S)
+    return admin
 
 
 def _registry() -> tuple[Any, Any, bytes]:

@@ -77,9 +77,10 @@ class ReleaseMirror:
             self.client.create_registered_model(
                 name, tags={"reg.model": model}, description=f"reg model {model}"
             )
-        elif found.tags.get("reg.model", model) != model:
+        elif found.tags.get("reg.model") != model:
             raise RuntimeError(
-                f"MLflow model {name} mirrors reg model {found.tags['reg.model']}, not {model}"
+                f"MLflow model {name} was not made by the mirror for reg model {model} "
+                f"(its reg.model tag: {found.tags.get('reg.model')!r}); rename or delete it"
             )
         return name
 
@@ -87,14 +88,16 @@ class ReleaseMirror:
         """The model's releases experiment: its artifact root serves the release bytes."""
         if model not in self._experiments:
             title = releases_experiment(model)
+            tags = {"reg.model": model, "reg.kind": "releases"}
             found = self.client.get_experiment_by_name(title)
-            self._experiments[model] = (
-                found.experiment_id
-                if found is not None
-                else self.client.create_experiment(
-                    title, tags={"reg.model": model, "reg.kind": "releases"}
+            if found is None:
+                self._experiments[model] = self.client.create_experiment(title, tags=tags)
+            elif any(found.tags.get(k) != v for k, v in tags.items()):
+                raise RuntimeError(  # its artifacts would be what MLflow serves as releases
+                    f"MLflow experiment {title} was not made by the mirror; rename or delete it"
                 )
-            )
+            else:
+                self._experiments[model] = found.experiment_id
         return self._experiments[model]
 
     def _versions(self, name: str) -> list[Any]:

@@ -22,7 +22,8 @@ from registry import Registry
 from registry.mlflow_mirror import drain
 from tests.conftest import ROOT
 from tests.s3server import free_port
-from tests.test_mlflow_ui import CHROMIUM, FLAGS, _open
+from tests.test_mlflow_ui import CHROMIUM, FLAGS
+from tests.test_mlflow_ui import _open as _open_once
 
 GRANTS = """
 [promotion]
@@ -67,9 +68,17 @@ def ui(tmp_path, monkeypatch, ckpts):
             reg.promote(f"{project}/r@step4", model=model, alias="prod")
         tokens = {who: reg.create_token(who)["token"] for who in ("alice", "bob")}
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
+    url, proc = start_ui()
+    yield url, tokens, proc
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def start_ui(*args: str) -> tuple[str, subprocess.Popen[str]]:
+    """`reg ui` on a free port, up (its /health answers)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "ui", "--port", str(port)],
+        [sys.executable, "-m", "cli", "ui", "--port", str(port), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -82,15 +91,25 @@ def ui(tmp_path, monkeypatch, ckpts):
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
-                    break
+                    return url, proc
         except OSError:
             pass
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
         time.sleep(0.5)
-    yield url, tokens, proc
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _open(page, url: str, wait_for: str) -> None:
+    """Open `url`, then dismiss what MLflow pops up late (the new-registry modal, the
+    assistant panel) so the screenshot shows the page."""
+    _open_once(page, url, wait_for)
+    for _ in range(2):
+        page.wait_for_timeout(700)
+        page.keyboard.press("Escape")
+        for label in ("Close", "close"):
+            for button in page.get_by_role("button", name=label).all():
+                with contextlib.suppress(Exception):
+                    button.click(timeout=1_000)
 
 
 def _as(monkeypatch, url: str, who: str, token: str):
@@ -132,6 +151,10 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
         alice.set_registered_model_tag("tiny-a", "owner", "alice")
     with pytest.raises(MlflowException):
         alice.delete_experiment(alice.get_experiment_by_name("team-a").experiment_id)
+    with pytest.raises(MlflowException, match="403|Read-only"):  # no squatting either
+        alice.create_experiment("releases/tiny-next")
+    with pytest.raises(MlflowException, match="403|Read-only"):
+        alice.create_registered_model("tiny-next")
 
     bob = _as(monkeypatch, url, "bob", tokens["bob"])
     assert [m.name for m in bob.search_registered_models()] == ["other-b"]
@@ -164,15 +187,21 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
 
 
 def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
+    """alice (viewer of team-a and tiny-*) sees her project and model, the yanked version with
+    who yanked it and why, and nothing of team-b; her browser cannot read other-b by the API."""
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: `apt-get install chromium` (scripts/test does it)")
     url, tokens, _ = ui
+    with Registry() as reg:
+        reg.yank("tiny-a:v1", reason="trained on leaked eval data")
+        assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         anonymous = browser.new_context()
-        assert anonymous.new_page().goto(url).status == 401
+        assert anonymous.request.get(url).status == 401
+        assert anonymous.request.get(f"{url}/ajax-api/2.0/mlflow/experiments/search").status == 401
         context = browser.new_context(
             http_credentials={"username": "alice", "password": tokens["alice"]},
             viewport={"width": 1400, "height": 900},
@@ -188,10 +217,61 @@ def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
         assert "team-a" in body and "team-b" not in body
         experiments_shot = tmp_path / "mlflow-viewer-experiments.png"
         page.screenshot(path=str(experiments_shot))
+        _open(page, f"{url}/#/models/tiny-a/versions/1", "YANKED by admin")
+        body = page.inner_text("body").replace("\xa0", " ")
+        assert "trained on leaked eval data" in body and "reg.status" in body
+        yanked_shot = tmp_path / "mlflow-viewer-yanked.png"
+        page.screenshot(path=str(yanked_shot))
         denied = context.request.get(f"{url}/api/2.0/mlflow/registered-models/get?name=other-b")
         assert denied.status == 403
         browser.close()
-    for shot in (models_shot, experiments_shot):
+    for shot in (models_shot, experiments_shot, yanked_shot):
         assert shot.stat().st_size > 10_000
-        if os.environ.get("REG_SAVE_SCREENSHOT") == "1":  # refreshes README's pictures
+        if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes README's pictures
             shutil.copy(shot, ROOT / "docs" / shot.name)
+
+
+def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_path, monkeypatch):
+    """No grants (one person): no login. The release bytes are copied inside the bucket, served
+    by the MLflow server with its own credentials (the client has none), and removed on a yank."""
+    import boto3
+    import mlflow
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[promotion]\nrequire_device = "any"\n')
+    monkeypatch.setenv("REG_POLICY", str(policy))
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="m", alias="prod")
+        assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
+        stored = Path(reg.pull_release("m:v1", tmp_path / "pulled")["dest"])
+    bucket = s3_env.removeprefix("s3://").split("/")[0]
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+    def served() -> list[str]:
+        found = s3.list_objects_v2(Bucket=bucket, Prefix="reg/mlflow-artifacts/")
+        return sorted(o["Key"].rsplit("/", 1)[1] for o in found.get("Contents", []))
+
+    assert served() == sorted(p.name for p in stored.iterdir())
+    url, proc = start_ui()
+    tracking_store = os.environ["MLFLOW_TRACKING_URI"]
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    for key in aws:
+        monkeypatch.delenv(key)  # the client holds no store credentials
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    try:
+        got = Path(
+            mlflow.artifacts.download_artifacts("models:/m@prod", dst_path=str(tmp_path / "d"))
+        )
+        for path in stored.iterdir():
+            assert _sha256(got / path.name) == _sha256(path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_store)
+    for key, value in aws.items():
+        monkeypatch.setenv(key, value)
+    with Registry() as reg:
+        reg.yank("m:v1", reason="bad data")
+        assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
+    assert served() == []

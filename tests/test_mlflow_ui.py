@@ -109,5 +109,5 @@ def test_release_and_checkpoints_are_visible_in_the_mlflow_ui(ui, tmp_path):
         assert "run42-step2" in body and "run42-step4" in body
         browser.close()
     assert shot.stat().st_size > 10_000
-    if os.environ.get("REG_SAVE_SCREENSHOT") == "1":  # refreshes README's picture
+    if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes README's picture
         shutil.copy(shot, ROOT / "docs" / "mlflow-release.png")
