@@ -271,3 +271,22 @@ def test_model_names_map_one_to_one(policy, ckpts, cli):
     assert "would appear in MLflow as 'llama-v2'" in res.stderr
     with Registry() as reg:
         assert [r["model"] for r in reg.releases()] == ["llama.v2"]
+
+
+def test_a_resume_moves_the_protection_tags(policy, ckpts, tmp_path):
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+    _drain()
+    exp = _client().get_experiment_by_name("default")
+
+    def tags() -> dict[str, str]:
+        found = _client().search_logged_models([exp.experiment_id], filter_string="tags.step = '2'")
+        return found[0].tags
+
+    with Registry() as reg:
+        reg.pull("r@step2", tmp_path / "resume")  # the run resumes from step 2: retention keeps it
+        expected = reg.show("r@step2")["protection"]
+    assert _drain()["error"] is None
+    assert expected["protected"] and tags()["reg.retention"] == expected["reason"]
+    assert "resum" in tags()["reg.retention"]

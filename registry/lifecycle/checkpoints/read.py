@@ -110,9 +110,25 @@ def record_resume(ctx: Context, ref: CheckpointRef) -> None:
     with ctx.catalog.session(write=True) as s:
         run = queries.find_run(s, ref.project, ref.run)
         if run is not None:
+            before = run.resumed_from_step
             run.resumed_from_step, run.resumed_at = ref.step, now()
             s.add(run)
             ctx.audit(s, "resume", str(ref))
+            s.flush()
+            from sqlmodel import col, select
+
+            from registry.catalog.models import COMMITTED
+
+            steps = {before, ref.step} - {None}  # the one protected now, and the one before
+            for ckpt in s.exec(
+                select(Checkpoint).where(
+                    Checkpoint.run_id == run.id,
+                    col(Checkpoint.step).in_(steps),
+                    Checkpoint.state == COMMITTED,
+                )
+            ).all():
+                full = CheckpointRef(ref.project, ref.run, ckpt.step)
+                emit_protection(ctx, s, full, run, ckpt)
 
 
 def verify(
