@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from registry.catalog.engine import Catalog
     from registry.config import Settings
 
@@ -144,32 +146,47 @@ class AccessSync:
             self.auth.create_user(name, secrets.token_urlsafe(32) + "Aa1!", is_admin=False)
         elif self.auth.get_user(name).is_admin:
             self.auth.update_user(name, is_admin=False)
-        changed = 0
-        have = {p.experiment_id: p.permission for p in self.auth.list_experiment_permissions(name)}
-        for exp_id, level in wanted.experiments.items():
-            if exp_id not in have:
-                self.auth.create_experiment_permission(exp_id, name, level)
-            elif have[exp_id] != level:
-                self.auth.update_experiment_permission(exp_id, name, level)
-            else:
-                continue
-            changed += 1
-        for exp_id in set(have) - set(wanted.experiments):
-            self.auth.delete_experiment_permission(exp_id, name)
-            changed += 1
-        have = {p.name: p.permission for p in self.auth.list_registered_model_permissions(name)}
-        for rm_name, level in wanted.models.items():
-            if rm_name not in have:
-                self.auth.create_registered_model_permission(rm_name, name, level)
-            elif have[rm_name] != level:
-                self.auth.update_registered_model_permission(rm_name, name, level)
-            else:
-                continue
-            changed += 1
-        for rm_name in set(have) - set(wanted.models):
-            self.auth.delete_registered_model_permission(rm_name, name)
-            changed += 1
-        return changed
+        auth = self.auth
+        experiments = {
+            p.experiment_id: p.permission for p in auth.list_experiment_permissions(name)
+        }
+        models = {p.name: p.permission for p in auth.list_registered_model_permissions(name)}
+        return _reconcile(
+            experiments,
+            wanted.experiments,
+            lambda key, level: auth.create_experiment_permission(key, name, level),
+            lambda key, level: auth.update_experiment_permission(key, name, level),
+            lambda key: auth.delete_experiment_permission(key, name),
+        ) + _reconcile(
+            models,
+            wanted.models,
+            lambda key, level: auth.create_registered_model_permission(key, name, level),
+            lambda key, level: auth.update_registered_model_permission(key, name, level),
+            lambda key: auth.delete_registered_model_permission(key, name),
+        )
+
+
+def _reconcile(
+    have: dict[str, str],
+    wanted: dict[str, str],
+    create: Callable[[str, str], object],
+    update: Callable[[str, str], object],
+    delete: Callable[[str], object],
+) -> int:
+    """Make `have` (resource -> level) into `wanted`; how many grants changed."""
+    changed = 0
+    for key, level in wanted.items():
+        if key not in have:
+            create(key, level)
+        elif have[key] != level:
+            update(key, level)
+        else:
+            continue
+        changed += 1
+    for key in set(have) - set(wanted):
+        delete(key)
+        changed += 1
+    return changed
 
 
 def is_reg_admin(settings: Settings, catalog: Catalog, principal: str) -> bool:

@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,3 +181,39 @@ needs_cuda = pytest.mark.skipif(
 needs_two_gpus = pytest.mark.skipif(
     _gpus() < 2, reason="NCCL needs one GPU per rank: this machine has fewer than 2"
 )
+
+
+def start_ui(*args: str) -> tuple[str, subprocess.Popen[str]]:
+    """`reg ui` on a free port, up (its /health answers); its output goes to a log file (a pipe
+    nobody reads would fill and stall the server)."""
+    import tempfile
+
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="reg-ui-")) / "ui.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "ui", "--port", str(port), *args],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return url, proc
+        except OSError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"reg ui not up in 120 s: {log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

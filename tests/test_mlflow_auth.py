@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from registry import Registry
 from registry.mlflow_mirror import drain
 from tests.conftest import ROOT
-from tests.s3server import free_port
+from tests.helpers import start_ui
 from tests.test_mlflow_ui import CHROMIUM, FLAGS
 from tests.test_mlflow_ui import _open as _open_once
 
@@ -72,31 +71,6 @@ def ui(tmp_path, monkeypatch, ckpts):
     yield url, tokens, proc
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-def start_ui(*args: str) -> tuple[str, subprocess.Popen[str]]:
-    """`reg ui` on a free port, up (its /health answers)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "ui", "--port", str(port), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return url, proc
-        except OSError:
-            pass
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
-        time.sleep(0.5)
 
 
 def _open(page, url: str, wait_for: str) -> None:

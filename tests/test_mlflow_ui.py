@@ -8,9 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ import pytest
 from registry import Registry
 from registry.mlflow_mirror import drain
 from tests.conftest import ROOT
-from tests.s3server import free_port
+from tests.helpers import start_ui
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
@@ -49,30 +46,12 @@ def ui(tmp_path, monkeypatch, ckpts):
             )
         reg.promote("run42@step4", model="tiny-lm", alias="prod")
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "ui", "--port", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "mlflow server did not come up in 90 s"
-        time.sleep(0.5)
+    url, proc = start_ui()
     yield url
     proc.send_signal(signal.SIGINT)  # reg ui stops the server's whole process group
     proc.wait(timeout=30)
-    assert subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).stdout == b""
+    alive = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+    assert alive.stdout == "", f"left running: {alive.stdout}"
 
 
 def _open(page, url: str, wait_for: str) -> None:
