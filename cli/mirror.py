@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import typer
 
 from cli.common import JSON_OPTION, open_registry
@@ -67,6 +69,11 @@ def ui(
         "--auth/--no-auth",
         help="MLflow's login with reg tokens (default: on when the policy has grants).",
     ),
+    allowed_hosts: str | None = typer.Option(
+        None,
+        "--allowed-hosts",
+        help="Host headers MLflow answers, comma-separated (default: localhost, private IPs).",
+    ),
 ) -> None:
     """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
     from registry.errors import UsageError
@@ -88,6 +95,7 @@ def ui(
             port=port,
             auth=auth,
             has_grants=bool(reg.policy.access.grants),
+            allowed_hosts=allowed_hosts,
         )
         uri, home = reg.settings.mlflow_tracking_uri, reg.settings.home
     login = "log in with your reg principal and a reg token" if plan.auth else "no login"
@@ -97,5 +105,5 @@ def ui(
         flush=True,
     )
     code = run_ui(plan, home)
-    if code not in (0, -15):
+    if code not in (0, -signal.SIGTERM):
         raise typer.Exit(1)

@@ -5,14 +5,17 @@ Everyone reg knows (a principal a grant names, or one holding a live token) is a
 who logs in with a reg token (`registry.mirror_login`); the password MLflow stores for them is
 random and never given out. Default permission: none. Each gets READ on the experiment of every
 project and on the registered model and releases experiment of every model their grants let
-them read. Admins get EDIT on project experiments and registered models, and only READ on the
-releases experiments, whose artifacts are the served release bytes: nobody but the mirror
-writes there. No one is an MLflow admin. Synced after every drain and at each login (the
-login's principal), so a grant, a revoked token or a new project shows within one drain.
+them read; reg's admins get READ on everything. Nobody gets more: every write through MLflow is
+refused at the login (`mirror_login.writes`), admins' included, because reg trusts what the
+mirror wrote there (which experiment serves a model's bytes, which version number is which).
+No one is an MLflow admin but, on a registry without grants, the one local user. Synced after
+every drain and at each login (the login's principal), so a grant, a revoked token or a new
+project shows within one drain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,8 +26,9 @@ if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
     from registry.config import Settings
 
-READ, EDIT = "READ", "EDIT"
+READ = "READ"
 ADMIN_USER = "reg-mlflow-admin"  # the auth app's bootstrap admin: nobody can log in as it
+LOCAL_USER = "reg-local"  # the one user of a registry without grants (no login)
 
 
 def auth_db_uri(settings: Settings) -> str:
@@ -52,6 +56,7 @@ class AccessSync:
         self.settings, self.catalog = settings, catalog
         self.auth = SqlAlchemyStore()
         self.auth.init_db(auth_db_uri(settings))  # type: ignore[no-untyped-call]
+        (settings.home / "mlflow-auth.db").chmod(0o600)  # password hashes: the owner's only
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
 
     def principals(self) -> set[str]:
@@ -102,15 +107,26 @@ class AccessSync:
 
         from registry.mirror_names import RELEASES_EXPERIMENT, mirror_name
 
+        # Only what the mirror made counts: its name and its tags agree (nobody else writes
+        # there: mirror_login refuses every write through MLflow).
         projects: dict[str, str] = {}
         releases: dict[str, str] = {}
-        for exp in self.client.search_experiments(view_type=ViewType.ALL, max_results=50_000):
-            if exp.tags.get("reg.kind") == "releases":
-                releases[exp.name.removeprefix(RELEASES_EXPERIMENT)] = exp.experiment_id
-            elif "reg.project" in exp.tags:
-                projects[exp.tags["reg.project"]] = exp.experiment_id
+        for exp in _pages(
+            lambda token: self.client.search_experiments(
+                view_type=ViewType.ALL, max_results=1_000, page_token=token
+            )
+        ):
+            model = exp.tags.get("reg.model")
+            if exp.tags.get("reg.kind") == "releases" and exp.name == RELEASES_EXPERIMENT + str(
+                model
+            ):
+                releases[str(model)] = exp.experiment_id
+            elif exp.tags.get("reg.project") == exp.name:
+                projects[exp.name] = exp.experiment_id
         models = {}
-        for rm in self.client.search_registered_models(max_results=1_000):
+        for rm in _pages(
+            lambda token: self.client.search_registered_models(max_results=1_000, page_token=token)
+        ):
             model = rm.tags.get("reg.model")
             if model and mirror_name(model) == rm.name:
                 models[model] = (rm.name, releases.get(model))
@@ -127,25 +143,34 @@ class AccessSync:
         principal = Principal.under(name, "token", self._policy())
         if principal.single_user:
             principal = Principal(name, "token", ())  # as behind reg server: no grant, no access
-        admin = principal.authorize("mlflow-sync").allowed
         experiments: dict[str, str] = {}
         registered: dict[str, str] = {}
         for project, exp_id in projects.items():
-            if admin or principal.can_read(project=project):
-                experiments[exp_id] = EDIT if admin else READ
+            if principal.can_read(project=project):
+                experiments[exp_id] = READ
         for model, (rm_name, releases_exp) in models.items():
-            if admin or principal.can_read(model=model):
-                registered[rm_name] = EDIT if admin else READ
+            if principal.can_read(model=model):
+                registered[rm_name] = READ
                 if releases_exp is not None:
-                    experiments[releases_exp] = READ  # only the mirror writes release bytes
+                    experiments[releases_exp] = READ
         return Wanted(experiments, registered)
 
     # -- what MLflow says ----------------------------------------------------------------------
-    def _apply(self, name: str, wanted: Wanted) -> int:
+    def open_user(self) -> None:
+        """A registry without grants: the one local user, who reads everything."""
+        self._user(LOCAL_USER, admin=True)
+
+    def _user(self, name: str, *, admin: bool) -> None:
+        from mlflow.exceptions import MlflowException
+
         if not self.auth.has_user(name, use_primary=True):
-            self.auth.create_user(name, secrets.token_urlsafe(32) + "Aa1!", is_admin=False)
-        elif self.auth.get_user(name).is_admin:
-            self.auth.update_user(name, is_admin=False)
+            with contextlib.suppress(MlflowException):  # a concurrent login created it
+                self.auth.create_user(name, secrets.token_urlsafe(32) + "Aa1!", is_admin=admin)
+        if self.auth.get_user(name).is_admin != admin:
+            self.auth.update_user(name, is_admin=admin)
+
+    def _apply(self, name: str, wanted: Wanted) -> int:
+        self._user(name, admin=False)
         auth = self.auth
         experiments = {
             p.experiment_id: p.permission for p in auth.list_experiment_permissions(name)
@@ -164,6 +189,18 @@ class AccessSync:
             lambda key, level: auth.update_registered_model_permission(key, name, level),
             lambda key: auth.delete_registered_model_permission(key, name),
         )
+
+
+def _pages(search: Callable[[str | None], Any]) -> list[Any]:
+    """Every item of a paged MLflow search."""
+    items: list[Any] = []
+    token = None
+    while True:
+        page = search(token)
+        items.extend(page)
+        token = page.token
+        if not token:
+            return items
 
 
 def _reconcile(
@@ -187,15 +224,6 @@ def _reconcile(
         delete(key)
         changed += 1
     return changed
-
-
-def is_reg_admin(settings: Settings, catalog: Catalog, principal: str) -> bool:
-    from registry.policy_source import EffectivePolicy
-    from registry.principal import Principal
-
-    policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
-    who = Principal.under(principal, "token", policy)
-    return not who.single_user and who.authorize("mlflow-sync").allowed
 
 
 def sync_access(settings: Settings, catalog: Catalog, only: str | None = None) -> dict[str, Any]:

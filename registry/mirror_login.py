@@ -2,20 +2,27 @@
 password = a reg token of that principal (`reg token create`). Configured as the app's
 `authorization_function` by `reg ui`; runs inside the MLflow server, on the registry's host,
 with the registry's settings (its catalog and audit key verify the token, as `reg server` does).
+OIDC JWTs are not accepted here (a browser's basic-auth prompt cannot carry one): such
+principals get a reg token for the UI.
 
 A verified token is remembered for LOGIN_CACHE_S (the MLflow UI sends it with every request):
 a revoked token stops working within that time. Each verification also brings the principal's
 MLflow permissions in step with reg's grants (`registry.mirror_access`).
 
-MLflow lets any logged-in user create experiments and registered models (and own them). Here
-only reg's admins change anything through MLflow: everyone else's writes are refused before
-MLflow sees them, so nobody can, say, create `releases/<model>` before the mirror does and own
-the place a future release's bytes are served from.
+The mirror is read-only for everyone: every write through MLflow (tags, deletes, new
+experiments, models or versions, artifact uploads) is refused here, before MLflow sees it.
+reg trusts what the mirror wrote (which experiment serves a model's bytes, which number is which
+version): letting anyone else write there, admins included, would let them change what a stock
+client downloads. Changes are made with reg.
+
+`REG_UI_OPEN=1` (set by `reg ui` on a registry without grants, for its MLflow server only):
+no login; everyone is the one local user, still read-only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 import time
@@ -24,32 +31,32 @@ from typing import Any
 LOGIN_CACHE_S = 30.0
 
 _lock = threading.Lock()
-_verified: dict[str, tuple[bool, float]] = {}  # sha256(user, token) -> (admin, until)
+_sync_lock = threading.Lock()  # one permission sync at a time (parallel first requests)
+_verified: dict[str, float] = {}  # sha256(user, token) -> valid until (monotonic)
 _state: dict[str, Any] = {}
+
+# POST requests that only read (MLflow searches by POST); any other POST, PUT, PATCH or DELETE
+# changes something.
+_READ_POSTS = re.compile(r".*/(search|search-datasets|get-latest-versions|presigned-download-url)")
 
 
 def authenticate() -> Any:
-    """The app's authorization function: a werkzeug Authorization, or a 401 asking for one."""
+    """The app's authorization function: a werkzeug Authorization, or a 401/403 response."""
     from flask import Response, request
+    from werkzeug.datastructures import Authorization
 
-    from registry.mirror_access import ADMIN_USER
+    from registry.mirror_access import ADMIN_USER, LOCAL_USER
 
+    if writes(request.method, request.path):
+        return Response("Read-only: reg is the source of truth; change it with reg.\n", 403)
+    if os.environ.get("REG_UI_OPEN") == "1":
+        return Authorization("basic", {"username": LOCAL_USER, "password": ""})
     auth = request.authorization
     if auth is None or auth.type != "basic" or not auth.username or not auth.password:
         return _challenge(Response)
-    admin = None if auth.username == ADMIN_USER else is_admin(auth.username, auth.password)
-    if admin is None:
+    if auth.username in (ADMIN_USER, LOCAL_USER) or not verified(auth.username, auth.password):
         return _challenge(Response)
-    if not admin and writes(request.method, request.path):
-        return Response(
-            "Read-only: reg is the source of truth; change things with reg itself.\n", 403
-        )
     return auth
-
-
-# POST requests that only read (MLflow searches by POST); any other POST, PUT, PATCH or DELETE
-# changes something, which only reg's admins may do through MLflow.
-_READ_POSTS = re.compile(r".*/(search|search-datasets|get-latest-versions|presigned-download-url)$")
 
 
 def writes(method: str, path: str) -> bool:
@@ -59,35 +66,33 @@ def writes(method: str, path: str) -> bool:
     return not (method == "POST" and (_READ_POSTS.fullmatch(path) or path.endswith("/graphql")))
 
 
-def is_admin(user: str, token: str) -> bool | None:
-    """None unless `token` is a live reg token of principal `user`; else whether reg makes
-    them an admin."""
+def verified(user: str, token: str) -> bool:
+    """Whether `token` is a live reg token of principal `user`."""
     key = hashlib.sha256(f"{user}\0{token}".encode()).hexdigest()
     with _lock:
-        hit = _verified.get(key)
-        if hit is not None and hit[1] > time.monotonic():
-            return hit[0]
-    from registry.errors import RegistryError
-
+        until = _verified.get(key)
+        if until is not None and until > time.monotonic():
+            return True
     try:
         settings, catalog, audit_key = _registry()
         from registry.tokens import verify
 
-        principal = verify(catalog, token, audit_key).principal
-    except RegistryError:
-        return None
-    if principal != user:
-        return None
-    from registry.mirror_access import is_reg_admin, sync_access
+        if verify(catalog, token, audit_key).principal != user:
+            return False
+        from registry.mirror_access import sync_access
 
-    sync_access(settings, catalog, only=principal)
-    admin = is_reg_admin(settings, catalog, principal)
+        with _sync_lock:
+            sync_access(settings, catalog, only=user)
+    except Exception:  # a bad token (RegistryError), or the catalog unreachable: no login
+        return False
     with _lock:
-        _verified[key] = (admin, time.monotonic() + LOGIN_CACHE_S)
-    return admin
+        _verified[key] = time.monotonic() + LOGIN_CACHE_S
+    return True
 
 
 def _registry() -> tuple[Any, Any, bytes]:
+    """The registry's settings, catalog and audit key, made once (all or nothing: a catalog
+    that is down now is tried again on the next login)."""
     with _lock:
         if not _state:
             from registry.audit_chain import keys
@@ -95,11 +100,9 @@ def _registry() -> tuple[Any, Any, bytes]:
             from registry.config import Settings
 
             settings = Settings.from_env()
-            _state["settings"] = settings
-            _state["catalog"] = Catalog(
-                settings.catalog_url, busy_timeout_s=settings.busy_timeout_s
-            )
-            _state["key"] = keys.for_server(settings.audit_key_path)
+            catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+            key = keys.for_server(settings.audit_key_path)
+            _state.update(settings=settings, catalog=catalog, key=key)
         return _state["settings"], _state["catalog"], _state["key"]
 
 

@@ -38,7 +38,7 @@ class ReleaseFacts:
     run: str
     tags: dict[str, str]
     description: str
-    files: tuple[tuple[str, int], ...]
+    files: tuple[mirror_artifacts.ServedFile, ...]
 
 
 class ReleaseMirror:
@@ -66,6 +66,29 @@ class ReleaseMirror:
         else:
             self.refresh(model, version, found)
 
+    def reconcile(self) -> int:
+        """Remove served bytes no active release explains (yanked meanwhile, an experiment id
+        the tracking store no longer has, leftovers of a crash), and check that what stays is
+        the releases' own bytes (replaced where not); the files removed."""
+        known: dict[str, str | None] = {}
+        kept: list[tuple[str, ReleaseFacts]] = []
+
+        def keep(experiment_id: str, model: str, version: int) -> bool:
+            if model not in known:
+                known[model] = self._existing_experiment(model)
+            facts = self.facts(model, version)
+            if known[model] != experiment_id or facts.status not in ("active", "deprecated"):
+                return False
+            kept.append((experiment_id, facts))
+            return True
+
+        removed = mirror_artifacts.reconcile(self.store, keep)
+        for experiment_id, facts in kept:
+            mirror_artifacts.publish(
+                self.store, experiment_id, facts.model, facts.version, facts.files
+            )
+        return removed
+
     # -- parts ---------------------------------------------------------------------------------
     def registered_model(self, model: str) -> str:
         name = mirror_name(model)
@@ -85,20 +108,25 @@ class ReleaseMirror:
         return name
 
     def experiment(self, model: str) -> str:
-        """The model's releases experiment: its artifact root serves the release bytes."""
+        """The model's releases experiment (created if missing): its artifact root serves the
+        release bytes."""
         if model not in self._experiments:
-            title = releases_experiment(model)
-            tags = {"reg.model": model, "reg.kind": "releases"}
-            found = self.client.get_experiment_by_name(title)
-            if found is None:
-                self._experiments[model] = self.client.create_experiment(title, tags=tags)
-            elif any(found.tags.get(k) != v for k, v in tags.items()):
-                raise RuntimeError(  # its artifacts would be what MLflow serves as releases
-                    f"MLflow experiment {title} was not made by the mirror; rename or delete it"
-                )
-            else:
-                self._experiments[model] = found.experiment_id
+            found = self._existing_experiment(model)
+            self._experiments[model] = found or self.client.create_experiment(
+                releases_experiment(model), tags=_releases_tags(model)
+            )
         return self._experiments[model]
+
+    def _existing_experiment(self, model: str) -> str | None:
+        title = releases_experiment(model)
+        found = self.client.get_experiment_by_name(title)
+        if found is None:
+            return None
+        if any(found.tags.get(k) != v for k, v in _releases_tags(model).items()):
+            raise RuntimeError(  # its artifacts would be what MLflow serves as releases
+                f"MLflow experiment {title} was not made by the mirror; rename or delete it"
+            )
+        return str(found.experiment_id)
 
     def _versions(self, name: str) -> list[Any]:
         return list(self.client.search_model_versions(f"name = '{name}'", max_results=10_000))
@@ -130,44 +158,39 @@ class ReleaseMirror:
                 self.client.set_model_version_tag(name, str(version), key, value)
         if (found.description or "") != facts.description:
             self.client.update_model_version(name, str(version), description=facts.description)
-        experiment = self.experiment(model)
         if facts.status == "yanked":
-            mirror_artifacts.unpublish(self.store, experiment, model, version)
+            mirror_artifacts.unpublish_everywhere(self.store, model, version)
         elif facts.status != RESERVED:
+            experiment = self.experiment(model)
             mirror_artifacts.publish(self.store, experiment, model, version, facts.files)
+            if self.facts(model, version).status == "yanked":  # yanked while it was published
+                mirror_artifacts.unpublish_everywhere(self.store, model, version)
 
     def facts(self, model: str, version: int) -> ReleaseFacts:
-        from registry.catalog.models import (
-            RELEASE_PENDING,
-            Checkpoint,
-            Model,
-            Project,
-            Release,
-            ReleaseFile,
-            Run,
-            Validation,
-        )
+        """What the catalog says of `model:v<version>` now."""
+        from registry.catalog.models import RELEASE_PENDING, Model, Release
         from registry.layout import release_prefix
+        from registry.lifecycle.releases import stored_files
+        from registry.lifecycle.views import ReleaseView
 
         with self.catalog.session() as s:
-            row = s.exec(
-                select(Release).join(Model).where(Model.name == model, Release.version == version)
-            ).first()
-            if row is None or row.status == RELEASE_PENDING:
-                return _reserved(model, version, row.created_by if row else None)
             found = s.exec(
-                select(Project.name, Run.name)
-                .select_from(Checkpoint)
-                .join(Run, Run.id == Checkpoint.run_id)  # type: ignore[arg-type]
-                .join(Project, Project.id == Run.project_id)  # type: ignore[arg-type]
-                .where(Checkpoint.id == row.source_checkpoint_id)
+                select(Model, Release)
+                .join(Release, Release.model_id == Model.id)  # type: ignore[arg-type]
+                .where(Model.name == model, Release.version == version)
             ).first()
-            project, run = found if found else ("", "")
-            validation = s.get(Validation, row.validation_id) if row.validation_id else None
-            files = tuple(
-                (f.path, f.size)
-                for f in s.exec(select(ReleaseFile).where(ReleaseFile.release_id == row.id))
-            )
+            if found is None:
+                return _reserved(model, version, None, ("", ""))
+            model_row, row = found
+            source = self._source_run(s, row.source_checkpoint_id)
+            if row.status == RELEASE_PENDING:
+                return _reserved(model, version, row.created_by, source)
+            view = ReleaseView.load(s, model_row, row)
+        validation = view.validation
+        served = tuple(
+            mirror_artifacts.ServedFile(f.path, f.size, f.sha256, f.version)
+            for f in stored_files(view)
+        )
         uri = self.store.describe(release_prefix(model, version))
         tags = {
             "reg.model": model,
@@ -199,16 +222,34 @@ class ReleaseMirror:
                 + "\n\n"
                 + description
             )
-        return ReleaseFacts(model, version, row.status, project, run, tags, description, files)
+        project, run = source
+        return ReleaseFacts(model, version, row.status, project, run, tags, description, served)
+
+    @staticmethod
+    def _source_run(session: Any, checkpoint_id: int) -> tuple[str, str]:
+        from registry.catalog.models import Checkpoint, Project, Run
+
+        found = session.exec(
+            select(Project.name, Run.name)
+            .select_from(Checkpoint)
+            .join(Run, Run.id == Checkpoint.run_id)  # type: ignore[arg-type]
+            .join(Project, Project.id == Run.project_id)  # type: ignore[arg-type]
+            .where(Checkpoint.id == checkpoint_id)
+        ).first()
+        return (found[0], found[1]) if found else ("", "")
 
 
-def _reserved(model: str, version: int, by: str | None) -> ReleaseFacts:
+def _releases_tags(model: str) -> dict[str, str]:
+    return {"reg.model": model, "reg.kind": "releases"}
+
+
+def _reserved(model: str, version: int, by: str | None, source: tuple[str, str]) -> ReleaseFacts:
     return ReleaseFacts(
         model,
         version,
         RESERVED,
-        "",
-        "",
+        source[0],
+        source[1],
         {
             "reg.model": model,
             "reg.version": str(version),

@@ -4,12 +4,17 @@
   `registry.mirror_artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
   returns the weights, on a local or an S3 store, with the server's credentials, never the
   client's.
-- On a registry with grants it runs MLflow's auth app: default permission none, people log in
-  with their reg principal and a reg token (`registry.mirror_login`), and see what reg's grants
-  let them read (`registry.mirror_access`). A registry without grants (one person, embedded) has
-  no one to tell apart: the UI runs without a login, on 127.0.0.1 unless told otherwise.
-- SIGTERM (systemd, docker, Kubernetes) and Ctrl-C stop the server's whole process group: MLflow
-  leaves uvicorn and huey workers behind when only its own pid is killed.
+- It always runs MLflow's auth app with reg's login function (`registry.mirror_login`): every
+  write through MLflow is refused. On a registry with grants, default permission none, people
+  log in with their reg principal and a reg token, and see what reg's grants let them read
+  (`registry.mirror_access`). A registry without grants (one person, embedded) has no one to
+  tell apart: no login, on 127.0.0.1 only.
+- Before the server starts, a drain brings MLflow up to date (events, permissions, what is
+  served).
+- SIGTERM (systemd, docker, Kubernetes), SIGHUP (a closed terminal) and Ctrl-C stop the
+  server's whole process group: MLflow leaves uvicorn and huey workers behind when only its own
+  pid is killed. The server is also told to die with `reg ui` (PR_SET_PDEATHSIG), should that
+  be killed outright.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class UiPlan:
     url: str
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def plan_ui(
     settings: Settings,
     catalog: Catalog,
@@ -50,9 +58,13 @@ def plan_ui(
     port: int,
     auth: bool | None,
     has_grants: bool,
+    allowed_hosts: str | None = None,
 ) -> UiPlan:
-    """The MLflow server command and environment; `auth` None: on when the policy has grants."""
+    """The MLflow server command and environment; `auth` None: a login when the policy has
+    grants."""
+    from registry.mirror_access import AccessSync
     from registry.mirror_artifacts import destination
+    from registry.mlflow_mirror import drain
 
     use_auth = has_grants if auth is None else auth
     if use_auth and not settings.audit_key_path.exists():
@@ -60,15 +72,27 @@ def plan_ui(
             "the MLflow login takes reg tokens, and this registry has none (no audit key)",
             "run `reg server init` first, or `reg ui --no-auth` on 127.0.0.1",
         )
-    if not use_auth and has_grants and host not in ("127.0.0.1", "localhost", "::1"):
+    if not use_auth and host not in _LOOPBACK:
         raise UsageError(
-            f"--no-auth on {host} would show every project to anyone who reaches it",
-            "keep the login (the default), or bind to 127.0.0.1",
+            f"without a login, {host} would show every project to anyone who reaches it",
+            "keep the UI on 127.0.0.1, or give the registry grants and a login (reg server init)",
         )
+    drain(catalog, settings, 60, wait=True, holder="reg ui")  # pending events first
     # The tracking URI may hold a password: it goes to the server by environment, never argv
     # (which every user of the machine can read in /proc).
     env = dict(os.environ, MLFLOW_BACKEND_STORE_URI=settings.mlflow_tracking_uri)
-    command = [sys.executable, "-m", "mlflow", "server"]
+    env.update(_auth_environment(settings))
+    env.pop("REG_UI_OPEN", None)
+    sync = AccessSync(settings, catalog)
+    try:
+        if use_auth:
+            sync.sync()  # in step before the first login
+        else:
+            sync.open_user()
+            env["REG_UI_OPEN"] = "1"
+    finally:
+        sync.auth.engine.dispose()
+    command = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth"]
     artifacts = destination(store)
     if artifacts is not None:
         command += ["--serve-artifacts", "--artifacts-destination", artifacts]
@@ -77,12 +101,8 @@ def plan_ui(
             env["MLFLOW_S3_ENDPOINT_URL"] = endpoint
     else:
         command += ["--default-artifact-root", (settings.home / "mlflow-artifacts").as_uri()]
-    if use_auth:
-        from registry.mirror_access import sync_access
-
-        env.update(_auth_environment(settings))
-        command += ["--app-name", "basic-auth"]
-        sync_access(settings, catalog)  # the auth store exists, in step, before the first login
+    if allowed_hosts:
+        command += ["--allowed-hosts", allowed_hosts]
     command += ["--host", host, "--port", str(port), "--workers", "1"]
     return UiPlan(command, env, use_auth, artifacts, f"http://{host}:{port}")
 
@@ -124,20 +144,35 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def run_ui(plan: UiPlan, cwd: Path) -> int:
-    """Run the server until it exits, Ctrl-C or SIGTERM; then stop its whole process group."""
-    server = subprocess.Popen(plan.command, cwd=cwd, env=plan.environment, start_new_session=True)
+    """Run the server until it exits, Ctrl-C, SIGTERM or SIGHUP; then stop its whole group."""
+    server = subprocess.Popen(
+        plan.command,
+        cwd=cwd,
+        env=plan.environment,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
 
     def stop(signum: int, _: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return server.wait()
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _stop_group(server)
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: SIGTERM it when `reg ui` dies (Linux)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop_group(server: subprocess.Popen[bytes]) -> None:

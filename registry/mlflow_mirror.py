@@ -95,12 +95,25 @@ class Mirror:
         )
         return found[0] if found else None
 
+    def settle(self) -> None:
+        """After the events: MLflow's permissions follow reg's grants (when `reg ui` runs the
+        auth app), and only active releases are served."""
+        from registry import mirror_access
+
+        if mirror_access.enabled(self.settings):
+            mirror_access.sync_access(self.settings, self.releases.catalog)
+        self.releases.reconcile()
+
     # -- events --------------------------------------------------------------------------------
     def apply(self, kind: str, p: dict[str, Any]) -> None:
         getattr(self, "on_" + kind.replace(".", "_"))(p)
 
     def on_checkpoint_committed(self, p: dict[str, Any]) -> None:
         run_id = self.run(p["project"], p["run"], p.get("pushed_by"))
+        info = self.client.get_run(run_id).info
+        committed_ms = int(p.get("committed_at", 0) * 1000)
+        if info.status != "RUNNING" and (info.end_time or 0) < committed_ms:
+            self.client.update_run(run_id, status="RUNNING")  # a job said it ended, then saved
         existing = self.logged_model(p["project"], p["ref"])
         if existing is None:
             import mlflow
@@ -228,44 +241,56 @@ def drain(
     try:
         os.chdir(settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
         mirror = Mirror(settings, catalog)
-        while time.monotonic() - started < budget_s:
-            with catalog.session() as s:
-                batch = s.exec(
-                    select(OutboxEvent)
-                    .where(col(OutboxEvent.done_at).is_(None))
-                    .order_by(col(OutboxEvent.id))
-                    .limit(50)
-                ).all()
-            if not batch:
-                break
-            for event in batch:
-                if time.monotonic() - started >= budget_s:
-                    break
-                try:
-                    mirror.apply(event.kind, event.payload)
-                except Exception as exc:
-                    error = redact(f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}")
-                    _note_failure(catalog, event.id or 0, error)
-                    raise _Stop from exc
-                with catalog.session(write=True) as s:
-                    s.exec(
-                        update(OutboxEvent)
-                        .where(col(OutboxEvent.id) == event.id)
-                        .values(done_at=now())
-                    )
-                applied += 1
-        from registry import mirror_access
-
-        if mirror_access.enabled(settings):  # new projects and models, changed grants
-            mirror_access.sync_access(settings, catalog)
-    except _Stop:
-        pass
-    except Exception as exc:  # MLflow unreachable at start-up, and the like
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        error = redact(f"{type(exc).__name__}: {first}")
-    finally:
+    except Exception as exc:  # MLflow not importable or unreachable at start-up, and the like
         leases.release(catalog, DRAIN_LEASE, token)
+        return {"applied": 0, "pending": pending_count(catalog), "error": _first_line(exc)}
+    # The lease is renewed while the drain works (a slow MLflow call or a large S3 copy outlasts
+    # its first term), and checked before each event: two drains never apply the same events.
+    with leases.renewed(catalog, DRAIN_LEASE, token, seconds):
+        try:
+            while time.monotonic() - started < budget_s:
+                with catalog.session() as s:
+                    batch = s.exec(
+                        select(OutboxEvent)
+                        .where(col(OutboxEvent.done_at).is_(None))
+                        .order_by(col(OutboxEvent.id))
+                        .limit(50)
+                    ).all()
+                if not batch:
+                    break
+                for event in batch:
+                    if time.monotonic() - started >= budget_s:
+                        break
+                    if not leases.renew(catalog, DRAIN_LEASE, token, seconds):
+                        raise _Stop  # another drain took over
+                    try:
+                        mirror.apply(event.kind, event.payload)
+                    except Exception as exc:
+                        error = redact(f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}")
+                        _note_failure(catalog, event.id or 0, error)
+                        raise _Stop from exc
+                    with catalog.session(write=True) as s:
+                        s.exec(
+                            update(OutboxEvent)
+                            .where(col(OutboxEvent.id) == event.id)
+                            .values(done_at=now())
+                        )
+                    applied += 1
+        except _Stop:
+            pass
+        except Exception as exc:  # MLflow unreachable, and the like
+            error = _first_line(exc)
+        # Whatever the events did: who may see what, and what is served, follow the catalog.
+        try:
+            mirror.settle()
+        except Exception as exc:
+            error = error or _first_line(exc)
     return {"applied": applied, "pending": pending_count(catalog), "error": error}
+
+
+def _first_line(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return redact(f"{type(exc).__name__}: {first}")
 
 
 class _Stop(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -183,7 +184,36 @@ needs_two_gpus = pytest.mark.skipif(
 )
 
 
-def start_ui(*args: str) -> tuple[str, subprocess.Popen[str]]:
+@dataclass
+class Ui:
+    """A running `reg ui`: its URL, its process, and the MLflow server's process group."""
+
+    url: str
+    proc: subprocess.Popen[str]
+    group: int
+
+    def leftovers(self, wait_s: float = 10.0) -> str:
+        """What still runs of the MLflow server's group (its uvicorn and huey workers), after
+        up to `wait_s` for the dying to go (zombies not yet reaped do not count)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = subprocess.run(
+                ["ps", "-o", "pid=,stat=,args=", "-g", str(self.group)],
+                capture_output=True,
+                text=True,
+            ).stdout
+            alive = [line for line in out.splitlines() if line.split()[1:2] != ["Z"]]
+            if not alive or time.monotonic() > deadline:
+                return "\n".join(alive)
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        for group in (self.group, self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+
+
+def start_ui(*args: str) -> Ui:
     """`reg ui` on a free port, up (its /health answers); its output goes to a log file (a pipe
     nobody reads would fill and stall the server)."""
     import tempfile
@@ -205,12 +235,17 @@ def start_ui(*args: str) -> tuple[str, subprocess.Popen[str]]:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return url, proc
+                    break
         except OSError:
             pass
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, f"reg ui not up in 120 s: {log.read_text()[-3000:]}"
         time.sleep(0.5)
+    found = subprocess.run(
+        ["pgrep", "-f", f"mlflow server .*--port {port}"], capture_output=True, text=True
+    ).stdout.split()
+    assert found, "the MLflow server process was not found"
+    return Ui(url, proc, os.getpgid(int(found[0])))
 
 
 def _free_port() -> int:

@@ -222,8 +222,9 @@ def test_a_yank_takes_the_bytes_out_of_mlflow_and_says_who_and_why(policy, ckpts
         reg.promote("r@step4", model="m", alias="prod")
     _drain()
     assert (_published("m", 1) / "release.json").exists()
-    with Registry() as reg:
-        reg.yank("m:v1", reason="trained on leaked eval data")
+    with Registry() as reg:  # no drain yet (REG_MLFLOW=off): the yank itself stops serving it
+        out = reg.yank("m:v1", reason="trained on leaked eval data")
+    assert out["served_files_removed"] == 2 and not _published("m", 1).exists()
     assert _drain()["error"] is None
     client = _client()
     v1 = client.get_model_version("m", "1")
@@ -290,3 +291,29 @@ def test_a_resume_moves_the_protection_tags(policy, ckpts, tmp_path):
     assert _drain()["error"] is None
     assert expected["protected"] and tags()["reg.retention"] == expected["reason"]
     assert "resum" in tags()["reg.retention"]
+
+
+def test_only_the_releases_own_bytes_are_served(policy, ckpts):
+    """A drain removes what no active release explains and replaces what is not the release's
+    own file (a crash's leftovers, an experiment id the tracking store does not have, a file
+    written over)."""
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="m")
+    _drain()
+    served = _published("m", 1)
+    stored = Path(os.environ["REG_HOME"]) / "store" / "release" / "m" / "v1"
+    stray = served.parent.parent.parent.parent / "999" / "releases" / "m" / "v1"
+    stray.mkdir(parents=True)
+    (stray / "model.safetensors").write_bytes(b"not the release")
+    leftover = served.with_name(".v1.partial-deadbeef")
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    weights = served / "model.safetensors"
+    weights.unlink()
+    weights.write_bytes(b"someone else's weights")  # same name, another file
+    (served / "extra.bin").write_bytes(b"x")
+    assert _drain()["error"] is None
+    assert not stray.exists() and not leftover.exists()
+    assert sorted(p.name for p in served.iterdir()) == sorted(p.name for p in stored.iterdir())
+    assert weights.stat().st_ino == (stored / "model.safetensors").stat().st_ino

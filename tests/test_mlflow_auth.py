@@ -12,9 +12,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from registry import Registry
@@ -67,10 +67,9 @@ def ui(tmp_path, monkeypatch, ckpts):
             reg.promote(f"{project}/r@step4", model=model, alias="prod")
         tokens = {who: reg.create_token(who)["token"] for who in ("alice", "bob")}
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
-    url, proc = start_ui()
-    yield url, tokens, proc
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    ui = start_ui()
+    yield ui.url, tokens, ui
+    ui.kill()
 
 
 def _open(page, url: str, wait_for: str) -> None:
@@ -104,7 +103,7 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    url, tokens, proc = ui
+    url, tokens, running = ui
     tracking_store = os.environ["MLFLOW_TRACKING_URI"]  # the mirror's, not the server's
     alice = _as(monkeypatch, url, "alice", tokens["alice"])
     names = {e.name for e in alice.search_experiments()}
@@ -130,6 +129,15 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
     with pytest.raises(MlflowException, match="403|Read-only"):
         alice.create_registered_model("tiny-next")
 
+    with Registry() as reg:
+        admin_token = reg.create_token("admin")["token"]
+    admin = _as(monkeypatch, url, "admin", admin_token)
+    assert {e.name for e in admin.search_experiments()} >= {"team-a", "team-b"}
+    with pytest.raises(MlflowException, match="403|Read-only"):  # admins change things in reg
+        admin.set_registered_model_tag("tiny-a", "owner", "admin")
+    with pytest.raises(MlflowException, match="403|Read-only"):
+        admin.create_experiment("releases/tiny-next")
+
     bob = _as(monkeypatch, url, "bob", tokens["bob"])
     assert [m.name for m in bob.search_registered_models()] == ["other-b"]
     bob_dl = mlflow.artifacts.download_artifacts("models:/other-b/1", dst_path=str(tmp_path / "b"))
@@ -153,11 +161,9 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
             out = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "y")))
             assert not any(p.is_file() for p in out.rglob("*")), list(out.rglob("*"))
 
-    proc.send_signal(signal.SIGTERM)  # as systemd, docker and Kubernetes stop it
-    assert proc.wait(timeout=30) == 0
-    time.sleep(0.5)
-    alive = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
-    assert alive.stdout == "", f"left running: {alive.stdout}"
+    running.proc.send_signal(signal.SIGTERM)  # as systemd, docker and Kubernetes stop it
+    assert running.proc.wait(timeout=30) == 0
+    assert running.leftovers() == "", f"left running: {running.leftovers()}"
 
 
 def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
@@ -227,7 +233,8 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
         return sorted(o["Key"].rsplit("/", 1)[1] for o in found.get("Contents", []))
 
     assert served() == sorted(p.name for p in stored.iterdir())
-    url, proc = start_ui()
+    ui = start_ui()
+    url = ui.url
     tracking_store = os.environ["MLFLOW_TRACKING_URI"]
     aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     for key in aws:
@@ -239,9 +246,20 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
         )
         for path in stored.iterdir():
             assert _sha256(got / path.name) == _sha256(path)
+        # no login on a registry without grants, but still read-only
+        put = httpx.put(
+            f"{url}/api/2.0/mlflow-artifacts/artifacts/1/releases/m/v1/x.bin", content=b"x"
+        )
+        tag = httpx.post(
+            f"{url}/api/2.0/mlflow/registered-models/set-tag",
+            json={"name": "m", "key": "k", "value": "v"},
+        )
+        assert (put.status_code, tag.status_code) == (403, 403)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        ui.proc.send_signal(signal.SIGHUP)  # a closed terminal stops it too
+        ui.proc.wait(timeout=30)
+        assert ui.leftovers() == ""
+        ui.kill()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_store)
     for key, value in aws.items():
         monkeypatch.setenv(key, value)
@@ -249,3 +267,8 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
         reg.yank("m:v1", reason="bad data")
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
     assert served() == []
+
+
+def test_no_login_stays_on_this_machine(cli, tmp_path, monkeypatch):
+    res = cli("ui", "--host", "0.0.0.0", "--no-auth")
+    assert res.returncode == 2 and "without a login" in res.stderr, res.stderr

@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,12 +45,13 @@ def ui(tmp_path, monkeypatch, ckpts):
             )
         reg.promote("run42@step4", model="tiny-lm", alias="prod")
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
-    url, proc = start_ui()
-    yield url
-    proc.send_signal(signal.SIGINT)  # reg ui stops the server's whole process group
-    proc.wait(timeout=30)
-    alive = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
-    assert alive.stdout == "", f"left running: {alive.stdout}"
+    ui = start_ui()
+    yield ui.url
+    ui.proc.send_signal(signal.SIGINT)  # reg ui stops the server's whole process group
+    ui.proc.wait(timeout=30)
+    leftovers = ui.leftovers()
+    ui.kill()
+    assert leftovers == "", f"left running: {leftovers}"
 
 
 def _open(page, url: str, wait_for: str) -> None:

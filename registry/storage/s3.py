@@ -278,10 +278,16 @@ class S3Store(BaseStore):
         self.copy_within(key, key, version=version, immutable=immutable)
 
     def copy_within(
-        self, source_key: str, key: str, *, version: str | None = None, immutable: bool = False
+        self,
+        source_key: str,
+        key: str,
+        *,
+        version: str | None = None,
+        immutable: bool = False,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         """Copy `source_key` (at `version`, else its current one) onto `key`, in the bucket:
-        no byte passes through this process."""
+        no byte passes through this process. `metadata`: the copy's user metadata."""
         full_key = self._key(check_key(key))
         source = {"Bucket": self.bucket, "Key": self._key(check_key(source_key))}
         if version is not None:
@@ -293,6 +299,7 @@ class S3Store(BaseStore):
             "ContentType": _content_type(key),
             "MetadataDirective": "REPLACE",
             "ChecksumAlgorithm": "SHA256",
+            "Metadata": metadata or {},
         }
         if head.size <= MAX_COPY:
             out = self._call(
@@ -303,20 +310,22 @@ class S3Store(BaseStore):
             )
             created = out.get("VersionId")
         else:  # S3 copies objects over 5 GB part by part
-            created = self._copy_parts(key, source, head.size)
+            created = self._copy_parts(key, source, head.size, metadata or {})
         # The lock is set on the new version afterwards, as after a multipart upload (only on
         # the version this copy created: with no id reported, nothing is locked).
         if created:
             self._retain(full_key, created, immutable)
 
-    def _copy_parts(self, key: str, source: dict[str, str], size: int) -> str | None:
+    def _copy_parts(
+        self, key: str, source: dict[str, str], size: int, metadata: dict[str, str]
+    ) -> str | None:
         """UploadPartCopy of `source` onto `key`; the version the completion created (exactly
         that one gets the lock, never one a concurrent writer put meanwhile)."""
         full_key = self._key(key)
         upload_id = self._call(
             key,
             lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=full_key, ContentType=_content_type(key)
+                Bucket=self.bucket, Key=full_key, ContentType=_content_type(key), Metadata=metadata
             ),
         )["UploadId"]
         part = part_size_for(size)

@@ -269,10 +269,14 @@ class CheckpointManager:
         """A `with` block: the run ends finished, failed on an exception, killed on Ctrl-C."""
         if kind is None:
             self.close("finished")
-        elif issubclass(kind, KeyboardInterrupt):
-            self.close("killed")
-        else:
-            self.close("failed")
+            return
+        # The block's own exception is what the caller must see, not one from closing.
+        try:
+            self.close("killed" if issubclass(kind, KeyboardInterrupt) else "failed")
+        except Exception as exc:
+            import warnings
+
+            warnings.warn(f"closing {self.project}/{self.run} failed: {exc}", stacklevel=2)
 
 
 class _Restore:
