@@ -198,7 +198,7 @@ class Mirror:
                 "reg.expires_at": p.get("expires_at") or "never",
                 "reg.retention": p.get("retention") or "",
             }
-            if p["pinned"]:
+            if p["pinned"] and "pinned_by" in p:  # a pin (a policy change does not say)
                 tags["reg.pinned_by"] = p.get("pinned_by") or ""
                 tags["reg.pin_reason"] = p.get("pin_reason") or ""
             self.client.set_logged_model_tags(model.model_id, tags)

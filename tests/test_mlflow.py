@@ -317,3 +317,20 @@ def test_only_the_releases_own_bytes_are_served(policy, ckpts):
     assert not stray.exists() and not leftover.exists()
     assert sorted(p.name for p in served.iterdir()) == sorted(p.name for p in stored.iterdir())
     assert weights.stat().st_ino == (stored / "model.safetensors").stat().st_ino
+
+
+def test_a_retention_change_moves_the_expiry_tags(policy, ckpts, tmp_path):
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+    _drain()
+    looser = tmp_path / "looser.toml"
+    looser.write_text(POLICY.replace("keep_last = 1", "keep_last = 5"))
+    with Registry() as reg:
+        assert reg.apply_policy(looser)["expiry_changed"] == 1  # step 2: deleted -> kept
+        expected = reg.show("r@step2")["protection"]
+        assert reg.apply_policy(looser)["expiry_changed"] == 0
+    assert _drain()["error"] is None
+    exp = _client().get_experiment_by_name("default")
+    found = _client().search_logged_models([exp.experiment_id], filter_string="tags.step = '2'")
+    assert found[0].tags["reg.retention"] == expected["reason"]

@@ -136,6 +136,42 @@ def explain(
     }
 
 
+def emit_expiry_changes(ctx: Context, session: Session, old: Any, new: Any) -> int:
+    """A retention policy change: a `checkpoint.protection` event for every committed
+    checkpoint whose expiry, protection or reason it changes (MLflow's tags follow). Returns
+    how many checkpoints."""
+    if old == new:
+        return 0
+    records, protections = _records(session)
+    at = now()
+    before = {d.id: d for d in plan(records, old, at, protections)}
+    by_id = {r.id: r for r in records}
+    count = 0
+    for d in plan(records, new, at, protections):
+        b = before.get(d.id)
+        if b is not None and (b.expires_at, b.reason, b.protected) == (
+            d.expires_at,
+            d.reason,
+            d.protected,
+        ):
+            continue
+        r = by_id[d.id]
+        ref = CheckpointRef(r.project, r.run, r.step)
+        ctx.events.emit(
+            session,
+            events.CHECKPOINT_PROTECTION,
+            project=r.project,
+            run=r.run,
+            step=r.step,
+            ref=str(ref),
+            pinned=r.pinned,
+            expires_at=iso(d.expires_at),
+            retention=d.reason,
+        )
+        count += 1
+    return count
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
+from registry.lifecycle.gc import emit_expiry_changes
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -56,11 +57,13 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
             grants=len(parsed.access.grants),
         )
         changed = emit_changes(ctx, s, ctx.policy.resume, parsed.resume)
+        expiry_changed = emit_expiry_changes(ctx, s, ctx.policy.retention, parsed.retention)
     return {
         "version": version,
         "sha256": digest,
         "grants": len(parsed.access.grants),
         "resume_changed": changed,  # checkpoints whose resume verdict the new policy changes
+        "expiry_changed": expiry_changed,  # checkpoints whose retention it changes
         # committed before the catalog kept key paths: not decided until `reg catalog migrate`
         # (or their first show, pull, validate or promote) records them
         "resume_undecided": len(undecided(ctx)),
