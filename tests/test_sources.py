@@ -9,6 +9,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,8 @@ def _swap_after_scan(monkeypatch, swap):  # type: ignore[no-untyped-def]
     """Run `swap(root)` right after push has scanned and checked the directory."""
     scan = dcp_scan.scan_directory
 
-    def scanned_then_swapped(root: Path) -> dcp_scan.ScannedDir:
-        out = scan(root)
+    def scanned_then_swapped(root: Path, **kw: Any) -> dcp_scan.ScannedDir:
+        out = scan(root, **kw)
         swap(Path(root))
         return out
 
