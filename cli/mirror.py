@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 
 import typer
 
@@ -23,13 +24,16 @@ def register(app: typer.Typer) -> None:
 def sync(
     budget: float = typer.Option(300.0, "--budget", help="Give up after this many seconds."),
     every: str | None = typer.Option(None, "--every", help="Run forever, once per interval."),
+    skip: int | None = typer.Option(
+        None, "--skip", help="First set aside the pending event with this id (audited)."
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Drain pending catalog events into MLflow now (admin); idempotent."""
 
     def once() -> dict[str, object]:
         with open_registry() as reg:
-            return reg.mlflow_sync(budget)
+            return reg.mlflow_sync(budget, skip)
 
     if every is not None:
         from cli.schedule import repeat
@@ -48,6 +52,8 @@ def sync(
     if json_output:
         emit_json(out)
     else:
+        if out.get("skipped"):
+            print(f"set aside event #{skip}")
         print(
             f"mirrored {out['applied']} event(s); {out['pending']} pending"
             + (f"; stopped at: {out['error']}" if out.get("error") else "")
@@ -57,7 +63,8 @@ def sync(
 
         raise RegistryError(
             f"MLflow sync incomplete: {out['error']}",
-            "the events wait; run `reg mlflow sync` again when MLflow is up",
+            "the events wait; run `reg mlflow sync` again when MLflow is up, or set the event "
+            "aside with `reg mlflow sync --skip ID` if it can never apply",
         )
 
 
@@ -98,6 +105,14 @@ def ui(
             allowed_hosts=allowed_hosts,
         )
         uri, home = reg.settings.mlflow_tracking_uri, reg.settings.home
+    if plan.drained.get("error") or plan.drained.get("skipped"):
+        from registry.text import inert
+
+        why = plan.drained.get("error") or plan.drained.get("skipped")
+        print(
+            f"reg: warning: MLflow is not up to date ({inert(str(why))}); see `reg mlflow sync`",
+            file=sys.stderr,
+        )
     login = "log in with your reg principal and a reg token" if plan.auth else "no login"
     print(
         f"MLflow UI: {plan.url}  ({login}; tracking store {redact_url(uri)}; "

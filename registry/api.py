@@ -444,13 +444,16 @@ class Registry:
 
         return token_admin.revoke(self.context, token_id)
 
-    def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
-        """Drain pending catalog events into MLflow now (admin), waiting for a running drain."""
-        from registry.mlflow_mirror import drain
+    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
+        """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
+        `skip`: first set that pending event aside (audited)."""
+        from registry.mlflow_mirror import drain, skip_event
         from registry.text import redact_url
 
         self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))
-        return drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
+        skipped = skip_event(self.context, skip) if skip is not None else None
+        out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
+        return out | ({"skipped": skipped} if skipped else {})
 
 
 def _release(ref: str | ReleaseRef) -> ReleaseRef:

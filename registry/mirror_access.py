@@ -87,11 +87,19 @@ class AccessSync:
             changed += self._apply(name, self._wanted(name, projects, models))
         removed = 0
         if only is None:
+            if self.auth.has_user(LOCAL_USER, use_primary=True):  # `reg ui` without a login
+                changed += self._apply(LOCAL_USER, _everything(projects, models))
             for user in self.auth.list_users():
-                if user.username not in everyone and user.username != ADMIN_USER:
+                if user.username not in everyone | {ADMIN_USER, LOCAL_USER}:
                     self.auth.delete_user(user.username)
                     removed += 1
         return {"users": len(targets), "changed": changed, "removed": removed}
+
+    def open_user(self) -> None:
+        """A registry without grants: the one local user, with READ on everything (not an
+        MLflow admin: MLflow's own checks stay behind reg's read-only login)."""
+        self._user(LOCAL_USER, admin=False)
+        self.sync()
 
     # -- what reg says -------------------------------------------------------------------------
     def _policy(self) -> Any:
@@ -156,10 +164,6 @@ class AccessSync:
         return Wanted(experiments, registered)
 
     # -- what MLflow says ----------------------------------------------------------------------
-    def open_user(self) -> None:
-        """A registry without grants: the one local user, who reads everything."""
-        self._user(LOCAL_USER, admin=True)
-
     def _user(self, name: str, *, admin: bool) -> None:
         from mlflow.exceptions import MlflowException
 
@@ -189,6 +193,12 @@ class AccessSync:
             lambda key, level: auth.update_registered_model_permission(key, name, level),
             lambda key: auth.delete_registered_model_permission(key, name),
         )
+
+
+def _everything(projects: dict[str, str], models: dict[str, tuple[str, str | None]]) -> Wanted:
+    experiments = dict.fromkeys(projects.values(), READ)
+    experiments.update({exp: READ for _, exp in models.values() if exp is not None})
+    return Wanted(experiments, {name: READ for name, _ in models.values()})
 
 
 def _pages(search: Callable[[str | None], Any]) -> list[Any]:

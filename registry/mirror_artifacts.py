@@ -153,9 +153,16 @@ def _same_files(folder: Path, source: Path, wanted: set[str]) -> bool:
 
 
 def _discard(folder: Path) -> int:
-    """Rename away in one step (a download sees the whole folder or none), then delete."""
+    """Rename away in one step (a download sees the whole folder or none), then delete; the
+    files removed (none when a concurrent yank or drain removed it first)."""
     gone = folder.with_name(f".{folder.name}.gone-{uuid.uuid4().hex[:8]}")
-    folder.rename(gone)
+    try:
+        folder.rename(gone)
+    except FileNotFoundError:
+        return 0
+    if not gone.is_dir() or gone.is_symlink():
+        gone.unlink()
+        return 1
     count = sum(1 for p in gone.rglob("*") if not p.is_dir())
     shutil.rmtree(gone)
     return count
@@ -205,8 +212,7 @@ def _served(store: BaseStore) -> list[str]:
         base = store.root / ARTIFACTS
         if not base.is_dir():
             return []
-        found = [p for p in base.glob("*/releases/*/*") if p.is_dir()]
-        found += [p for p in base.glob("*/releases/*/.*") if p.is_dir()]  # leftovers
+        found = list(base.glob("*/releases/*/*")) + list(base.glob("*/releases/*/.*"))
         return sorted(str(p.relative_to(base)) for p in found)
     if getattr(store, "copy_within", None) is None:
         return []

@@ -16,7 +16,8 @@ version): letting anyone else write there, admins included, would let them chang
 client downloads. Changes are made with reg.
 
 `REG_UI_OPEN=1` (set by `reg ui` on a registry without grants, for its MLflow server only):
-no login; everyone is the one local user, still read-only.
+no login; everyone is the one local user, who has READ on everything (not an MLflow admin, so
+MLflow's own checks stand behind this one), still read-only.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ _sync_lock = threading.Lock()  # one permission sync at a time (parallel first r
 _verified: dict[str, float] = {}  # sha256(user, token) -> valid until (monotonic)
 _state: dict[str, Any] = {}
 
-# POST requests that only read (MLflow searches by POST); any other POST, PUT, PATCH or DELETE
-# changes something.
-_READ_POSTS = re.compile(r".*/(search|search-datasets|get-latest-versions|presigned-download-url)")
+# POST requests that only read (MLflow searches by POST), matched on the whole path: a route
+# whose last segment is a parameter (an artifact path: `.../mpu/create/<path>`) never passes for
+# a search by ending in one. Any other POST, PUT, PATCH or DELETE changes something.
+_READ_POSTS = re.compile(
+    r"/(?:ajax-)?api/[23]\.0/mlflow/(?:[a-z-]+/)?(?:search|search-datasets|get-latest-versions)"
+    r"|/(?:ajax-)?api/2\.0/mlflow/artifacts/presigned-download-url"
+    r"|/graphql"
+)
 
 
 def authenticate() -> Any:
@@ -62,8 +68,7 @@ def authenticate() -> Any:
 def writes(method: str, path: str) -> bool:
     if method in ("GET", "HEAD", "OPTIONS"):
         return False
-    path = path.rstrip("/")
-    return not (method == "POST" and (_READ_POSTS.fullmatch(path) or path.endswith("/graphql")))
+    return not (method == "POST" and _READ_POSTS.fullmatch(path))
 
 
 def verified(user: str, token: str) -> bool:

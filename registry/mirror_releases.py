@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from registry.storage.base import BaseStore
 
 RESERVED = "reserved"
+SERVED = ("active", "deprecated")  # the statuses whose bytes MLflow serves
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,14 @@ class ReleaseMirror:
             if model not in known:
                 known[model] = self._existing_experiment(model)
             facts = self.facts(model, version)
-            if known[model] != experiment_id or facts.status not in ("active", "deprecated"):
+            if known[model] != experiment_id or facts.status not in SERVED:
                 return False
             kept.append((experiment_id, facts))
             return True
 
         removed = mirror_artifacts.reconcile(self.store, keep)
         for experiment_id, facts in kept:
-            mirror_artifacts.publish(
-                self.store, experiment_id, facts.model, facts.version, facts.files
-            )
+            self._serve(facts, experiment_id)
         return removed
 
     # -- parts ---------------------------------------------------------------------------------
@@ -153,17 +152,26 @@ class ReleaseMirror:
         name = mirror_name(model)
         if found.tags.get("reg.version") != str(version):
             raise RuntimeError(f"MLflow {name} version {version} is not reg's {model}:v{version}")
+        # The bytes first: a version shows active once its bytes are all there (an S3 publish
+        # is not atomic), and yanked once they are gone.
+        self._serve(facts)
         for key, value in facts.tags.items():
             if found.tags.get(key) != value:
                 self.client.set_model_version_tag(name, str(version), key, value)
         if (found.description or "") != facts.description:
             self.client.update_model_version(name, str(version), description=facts.description)
+
+    def _serve(self, facts: ReleaseFacts, experiment: str | None = None) -> None:
+        """Serve an active or deprecated release's bytes; take a yanked one's away. A release
+        yanked while it was being published is taken away again (a yank does not wait for the
+        drain's lease)."""
+        model, version = facts.model, facts.version
         if facts.status == "yanked":
             mirror_artifacts.unpublish_everywhere(self.store, model, version)
         elif facts.status != RESERVED:
-            experiment = self.experiment(model)
-            mirror_artifacts.publish(self.store, experiment, model, version, facts.files)
-            if self.facts(model, version).status == "yanked":  # yanked while it was published
+            where = experiment or self.experiment(model)
+            mirror_artifacts.publish(self.store, where, model, version, facts.files)
+            if self.facts(model, version).status not in SERVED:
                 mirror_artifacts.unpublish_everywhere(self.store, model, version)
 
     def facts(self, model: str, version: int) -> ReleaseFacts:

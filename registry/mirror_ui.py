@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from registry.catalog.engine import Catalog
     from registry.config import Settings
     from registry.storage.base import BaseStore
@@ -44,6 +46,7 @@ class UiPlan:
     auth: bool
     artifacts: str | None
     url: str
+    drained: dict[str, Any]  # the drain before the start: applied, pending, error
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -77,7 +80,7 @@ def plan_ui(
             f"without a login, {host} would show every project to anyone who reaches it",
             "keep the UI on 127.0.0.1, or give the registry grants and a login (reg server init)",
         )
-    drain(catalog, settings, 60, wait=True, holder="reg ui")  # pending events first
+    drained = drain(catalog, settings, 60, wait=True, holder="reg ui")  # pending events first
     # The tracking URI may hold a password: it goes to the server by environment, never argv
     # (which every user of the machine can read in /proc).
     env = dict(os.environ, MLFLOW_BACKEND_STORE_URI=settings.mlflow_tracking_uri)
@@ -104,7 +107,7 @@ def plan_ui(
     if allowed_hosts:
         command += ["--allowed-hosts", allowed_hosts]
     command += ["--host", host, "--port", str(port), "--workers", "1"]
-    return UiPlan(command, env, use_auth, artifacts, f"http://{host}:{port}")
+    return UiPlan(command, env, use_auth, artifacts, f"http://{host}:{port}", drained)
 
 
 def _auth_environment(settings: Settings) -> dict[str, str]:
@@ -150,7 +153,7 @@ def run_ui(plan: UiPlan, cwd: Path) -> int:
         cwd=cwd,
         env=plan.environment,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_die_with(os.getpid()),
     )
 
     def stop(signum: int, _: Any) -> None:
@@ -167,12 +170,23 @@ def run_ui(plan: UiPlan, cwd: Path) -> int:
         _stop_group(server)
 
 
-def _die_with_parent() -> None:
-    """In the server's process, before exec: SIGTERM it when `reg ui` dies (Linux)."""
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """What the server's process runs before exec: ask the kernel to SIGTERM it when `reg ui`
+    dies (Linux's PR_SET_PDEATHSIG), and exit if that already happened. `prctl` is looked up
+    here, in the parent: the child of a threaded process may only call what is resolved."""
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: SIGTERM, SIGHUP and Ctrl-C still stop the group
+
+    def in_child() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return in_child
 
 
 def _stop_group(server: subprocess.Popen[bytes]) -> None:

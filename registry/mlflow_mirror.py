@@ -37,6 +37,7 @@ from registry.timeutil import iso, now
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
     from registry.config import Settings
+    from registry.context import Context
 
 DRAIN_LEASE = "mlflow-drain"
 
@@ -246,46 +247,65 @@ def drain(
         return {"applied": 0, "pending": pending_count(catalog), "error": _first_line(exc)}
     # The lease is renewed while the drain works (a slow MLflow call or a large S3 copy outlasts
     # its first term), and checked before each event: two drains never apply the same events.
+    lost = False
     with leases.renewed(catalog, DRAIN_LEASE, token, seconds):
-        try:
-            while time.monotonic() - started < budget_s:
-                with catalog.session() as s:
-                    batch = s.exec(
-                        select(OutboxEvent)
-                        .where(col(OutboxEvent.done_at).is_(None))
-                        .order_by(col(OutboxEvent.id))
-                        .limit(50)
-                    ).all()
-                if not batch:
-                    break
-                for event in batch:
-                    if time.monotonic() - started >= budget_s:
-                        break
-                    if not leases.renew(catalog, DRAIN_LEASE, token, seconds):
-                        raise _Stop  # another drain took over
-                    try:
-                        mirror.apply(event.kind, event.payload)
-                    except Exception as exc:
-                        error = redact(f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}")
-                        _note_failure(catalog, event.id or 0, error)
-                        raise _Stop from exc
-                    with catalog.session(write=True) as s:
-                        s.exec(
-                            update(OutboxEvent)
-                            .where(col(OutboxEvent.id) == event.id)
-                            .values(done_at=now())
-                        )
-                    applied += 1
-        except _Stop:
-            pass
-        except Exception as exc:  # MLflow unreachable, and the like
-            error = _first_line(exc)
-        # Whatever the events did: who may see what, and what is served, follow the catalog.
-        try:
-            mirror.settle()
-        except Exception as exc:
-            error = error or _first_line(exc)
+        while True:
+            try:
+                applied += _apply_pending(catalog, mirror, token, seconds, started, budget_s)
+            except _Stop as stop:
+                applied += stop.applied
+                error, lost = stop.error, stop.lost
+            except Exception as exc:  # MLflow unreachable, and the like
+                error = _first_line(exc)
+            if lost:
+                break  # the new holder settles
+            # Whatever the events did: who may see what, and what is served, follow the catalog.
+            try:
+                mirror.settle()
+            except Exception as exc:
+                error = error or _first_line(exc)
+            # Events that came meanwhile (a yank during the settle) are this drain's too: the
+            # drain started after them found the lease held.
+            if error or not pending_count(catalog) or time.monotonic() - started >= budget_s:
+                break
     return {"applied": applied, "pending": pending_count(catalog), "error": error}
+
+
+def _apply_pending(
+    catalog: Catalog, mirror: Mirror, token: str, seconds: float, started: float, budget_s: float
+) -> int:
+    """Apply pending events in order while time remains; the number applied. Raises _Stop at
+    the first failing event, or when the lease is no longer ours."""
+    applied = 0
+    while time.monotonic() - started < budget_s:
+        with catalog.session() as s:
+            batch = s.exec(
+                select(OutboxEvent)
+                .where(col(OutboxEvent.done_at).is_(None))
+                .order_by(col(OutboxEvent.id))
+                .limit(50)
+            ).all()
+        if not batch:
+            break
+        for event in batch:
+            if time.monotonic() - started >= budget_s:
+                break
+            if not leases.renew(catalog, DRAIN_LEASE, token, seconds):
+                raise _Stop(applied, "another drain took over", lost=True)
+            try:
+                mirror.apply(event.kind, event.payload)
+            except Exception as exc:
+                error = redact(f"{event.kind} #{event.id}: {type(exc).__name__}: {exc}")
+                _note_failure(catalog, event.id or 0, error)
+                raise _Stop(applied, error) from exc
+            _mark_done(catalog, event.id or 0)
+            applied += 1
+    return applied
+
+
+def _mark_done(catalog: Catalog, event_id: int) -> None:
+    with catalog.session(write=True) as s:
+        s.exec(update(OutboxEvent).where(col(OutboxEvent.id) == event_id).values(done_at=now()))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -295,6 +315,30 @@ def _first_line(exc: BaseException) -> str:
 
 class _Stop(Exception):
     """Stop at the first failing event: order matters (a version before its alias)."""
+
+    def __init__(self, applied: int, error: str, *, lost: bool = False) -> None:
+        super().__init__(error)
+        self.applied, self.error, self.lost = applied, error, lost
+
+
+def skip_event(ctx: Context, event_id: int) -> dict[str, Any]:
+    """Set one pending event aside (admin, audited), so a drain that stops at it goes on; what
+    it would have mirrored is not mirrored (a later event about the same object may be)."""
+    from registry.errors import NotFound
+
+    with ctx.catalog.session(write=True) as s:
+        event = s.get(OutboxEvent, event_id)
+        if event is None or event.done_at is not None:
+            raise NotFound(
+                f"no pending MLflow event #{event_id}",
+                "`reg mlflow sync` names the event it stopped at",
+            )
+        kind, was = event.kind, event.last_error
+        event.done_at = now()
+        event.last_error = f"skipped by {ctx.actor}" + (f" after: {was}" if was else "")
+        s.add(event)
+        ctx.audit(s, "mlflow-skip", f"MLflow event #{event_id}", kind=kind, error=was)
+    return {"skipped": event_id, "kind": kind, "error": was}
 
 
 def pending_count(catalog: Catalog) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -334,3 +335,24 @@ def test_a_retention_change_moves_the_expiry_tags(policy, ckpts, tmp_path):
     exp = _client().get_experiment_by_name("default")
     found = _client().search_logged_models([exp.experiment_id], filter_string="tags.step = '2'")
     assert found[0].tags["reg.retention"] == expected["reason"]
+
+
+def test_an_event_that_can_never_apply_can_be_set_aside(policy, ckpts, cli):
+    from registry.catalog.models import OutboxEvent
+    from registry.timeutil import now
+
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        with reg.catalog.session(write=True) as s:
+            s.add(OutboxEvent(ts=now(), kind="no.such", payload={}))
+    res = cli("mlflow", "sync")
+    assert res.returncode == 1 and "stopped at: no.such #2" in res.stdout, res.stdout
+    assert "--skip ID" in res.stderr
+    res = cli("mlflow", "sync", "--skip", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["pending"] == 0 and out["skipped"]["kind"] == "no.such"
+    assert cli("mlflow", "sync", "--skip", "2").returncode == 3  # not pending any more
+    with Registry() as reg:
+        audit = reg.audit_log(action="mlflow-skip")
+    assert [e["target"] for e in audit] == ["MLflow event #2"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -254,7 +255,8 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
             f"{url}/api/2.0/mlflow/registered-models/set-tag",
             json={"name": "m", "key": "k", "value": "v"},
         )
-        assert (put.status_code, tag.status_code) == (403, 403)
+        multipart = httpx.post(f"{url}/api/2.0/mlflow-artifacts/mpu/create/1/releases/m/v1/search")
+        assert (put.status_code, tag.status_code, multipart.status_code) == (403, 403, 403)
     finally:
         ui.proc.send_signal(signal.SIGHUP)  # a closed terminal stops it too
         ui.proc.wait(timeout=30)
@@ -272,3 +274,34 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
 def test_no_login_stays_on_this_machine(cli, tmp_path, monkeypatch):
     res = cli("ui", "--host", "0.0.0.0", "--no-auth")
     assert res.returncode == 2 and "without a login" in res.stderr, res.stderr
+
+
+READS = {  # every POST of MLflow's API that only reads
+    "artifacts/presigned-download-url",
+    "experiments/search",
+    "logged-models/search",
+    "registered-models/get-latest-versions",
+    "runs/search",
+    "datasets/search",
+    "issues/search",
+    "traces/search",
+}
+
+
+def test_every_mlflow_write_is_refused_by_the_login():
+    """Every route of MLflow's API that can change something is refused for everyone (with a
+    path parameter shaped like a search, too); only the searches pass."""
+    from mlflow.server.handlers import get_endpoints
+
+    from registry.mirror_login import writes
+
+    routes = {(m, path) for path, _, methods in get_endpoints() for m in methods}
+    assert len(routes) > 100
+    for method, path in routes:
+        concrete = re.sub(r"<[^>]+>", "1/releases/m/v1/search", path)
+        read = (
+            method in ("GET", "HEAD")
+            or path == "/graphql"
+            or any(path.endswith("/mlflow/" + r) for r in READS)
+        )
+        assert writes(method, concrete) is not read, (method, path)

@@ -305,26 +305,25 @@ def set_status(
         )
         out = ReleaseView.load(s, model, release).to_json()
     if status == YANKED:
-        out["served_files_removed"] = _stop_serving(ctx, model.name, release.version)
+        out.update(_stop_serving(ctx, model.name, release.version))
     return out
 
 
-def _stop_serving(ctx: Context, model: str, version: int) -> int:
+def _stop_serving(ctx: Context, model: str, version: int) -> dict[str, Any]:
     """A yank takes the release's bytes out of what `reg ui` serves to MLflow clients at once,
     without waiting for the MLflow drain (which does it again). The yank itself is committed:
-    a failure here is a warning, and the next drain retries."""
+    a failure here is a warning and `served_error` in the result; every drain retries."""
     import warnings
 
     from registry.errors import RegistryError
     from registry.mirror_artifacts import unpublish_everywhere
 
     try:
-        return unpublish_everywhere(ctx.store, model, version)
+        return {"served_files_removed": unpublish_everywhere(ctx.store, model, version)}
     except (RegistryError, OSError) as exc:
-        warnings.warn(
-            f"{model}:v{version} is yanked, but MLflow may still serve it: {exc}", stacklevel=2
-        )
-        return 0
+        message = f"{model}:v{version} is yanked, but MLflow may still serve it: {exc}"
+        warnings.warn(message + " (reg mlflow sync retries)", stacklevel=2)
+        return {"served_files_removed": 0, "served_error": str(exc)}
 
 
 def _version_number(version: str | int) -> int:

@@ -471,8 +471,9 @@ class RemoteRegistry(Registry):
         out = self.client.call("GET", "/policy/export", params={"bucket": bucket})
         return dict(out["document"]), list(out["missing"])
 
-    def mlflow_sync(self, budget_s: float = 300.0) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/mlflow/sync", body={"budget_s": budget_s}))
+    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
+        body = {"budget_s": budget_s, "skip": skip}
+        return dict(self.client.call("POST", "/mlflow/sync", body=body))
 
     def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
         body = {"principal": principal, "expires_s": expires_s}

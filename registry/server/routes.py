@@ -354,17 +354,22 @@ def policy_export(bucket: str | None = None, ctx: Context = CTX) -> dict[str, An
 
 @router.post("/mlflow/sync")
 async def mlflow_sync(request: Request) -> dict[str, Any]:
-    from registry.mlflow_mirror import drain
+    from registry.mlflow_mirror import drain, skip_event
 
     ctx, doc = await authed_body(request)
     budget = doc.get("budget_s", 300.0)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 3600:
         raise UsageError("budget_s must be a number of seconds in (0, 3600]")
+    skip = doc.get("skip")
+    if skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 1):
+        raise UsageError("skip must be an event id (a positive integer)")
     settings = request.app.state.reg.settings
 
     def work() -> dict[str, Any]:
         ctx.authorize("mlflow-sync", target="the MLflow mirror")
-        return drain(ctx.catalog, settings, float(budget), wait=True, holder=ctx.actor)
+        skipped = skip_event(ctx, skip) if skip is not None else None
+        out = drain(ctx.catalog, settings, float(budget), wait=True, holder=ctx.actor)
+        return out | ({"skipped": skipped} if skipped else {})
 
     return await run_in_threadpool(work)
 
