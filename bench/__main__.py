@@ -1,7 +1,7 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
 Runs bench.checkpoints, bench.promotion, bench.validation, bench.s3, bench.presigned,
-bench.server, bench.training and bench.gc in turn on one shared 1.2 GiB checkpoint (made once
+bench.server, bench.training, bench.gc and bench.mlflow_download in turn on one shared 1.2 GiB checkpoint (made once
 by 2 torchrun ranks; bench.training saves its own state of that size from torchrun jobs); each
 prints ratios against baselines measured in the same run. README's validation figures come from
 `python -m bench.validation --gib 4` (the issue's 4 GiB checkpoint).
@@ -35,6 +35,7 @@ def main() -> None:
             ("bench.server", common),
             ("bench.training", common),
             ("bench.gc", []),
+            ("bench.mlflow_download", ["--gib", str(args.gib), "--repeat", str(args.repeat)]),
         ):
             print(f"== {module}", flush=True)
             subprocess.run([sys.executable, "-m", module, *extra], cwd=ROOT, check=True)
