@@ -1,10 +1,10 @@
 """All benchmarks, one command: `python -m bench [--gib 1.2] [--repeat 3]`.
 
 Runs bench.checkpoints, bench.promotion, bench.validation, bench.s3, bench.presigned,
-bench.server, bench.training, bench.gc and bench.mlflow_download in turn on one shared 1.2 GiB checkpoint (made once
-by 2 torchrun ranks; bench.training saves its own state of that size from torchrun jobs); each
-prints ratios against baselines measured in the same run. README's validation figures come from
-`python -m bench.validation --gib 4` (the issue's 4 GiB checkpoint).
+bench.server, bench.training, bench.gc and bench.mlflow_download in turn on one shared 1.2 GiB
+checkpoint (made once by 2 torchrun ranks; bench.training saves its own state of that size from
+torchrun jobs); each prints ratios against baselines measured in the same run. README's
+validation figures come from `python -m bench.validation --gib 4` (the issue's 4 GiB checkpoint).
 """
 
 from __future__ import annotations
