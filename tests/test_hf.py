@@ -255,3 +255,113 @@ def test_completeness_without_config_or_with_a_broken_one() -> None:
     assert plain.complete and plain.notes == [
         "no tokenizer_config.json: weights and config only (no tokenizer)"
     ]
+
+
+# -- review fixes: architectures of a subclass, strict config.json, unreadable release.json ----
+
+
+def test_architectures_names_the_transformers_class_never_a_users_subclass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed (frameworks extra)")
+    from registry.lifecycle.promotion.hf import factory_architecture
+
+    (tmp_path / "user_models_arch.py").write_text(
+        "import torch\n"
+        "from transformers import LlamaForCausalLM, PreTrainedModel\n"
+        "from examples.hf_models import llama_config\n"
+        "class MyLlama(LlamaForCausalLM):\n"
+        "    pass\n"
+        "class Deeper(MyLlama):\n"
+        "    pass\n"
+        "class Mine(PreTrainedModel):\n"
+        "    config_class = type(llama_config(True))\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__(config)\n"
+        "        self.proj = torch.nn.Linear(2, 2)\n"
+        "def my_llama():\n"
+        "    return MyLlama(llama_config(True))\n"
+        "def deeper():\n"
+        "    return Deeper(llama_config(False))\n"
+        "def mine():\n"
+        "    return Mine(llama_config(True))\n"
+        "def plain():\n"
+        "    return torch.nn.Linear(2, 2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert factory_architecture("examples.hf_models:llama_tied") == "LlamaForCausalLM"
+    assert factory_architecture("user_models_arch:my_llama") == "LlamaForCausalLM"
+    assert factory_architecture("user_models_arch:deeper") == "LlamaForCausalLM"
+    assert factory_architecture("user_models_arch:mine") is None  # no class transformers has
+    assert factory_architecture("user_models_arch:plain") is None
+
+
+BAD_CONFIGS = {
+    "lone surrogate": (b'{"x":"\\ud800","dtype":"float32"}', "x holds a lone surrogate escape"),
+    "lone surrogate key": (b'{"\\udc00":1}', "a key in the object holds a lone surrogate"),
+    "nested surrogate": (b'{"a":{"b":[1,"\\ud800"]}}', "a.b[1] holds a lone surrogate"),
+    "bom": (b'\xef\xbb\xbf{"dtype":"float32"}', "starts with a UTF-8 byte order mark"),
+    "utf-16": ('{"dtype":"float32"}'.encode("utf-16"), "is not UTF-8"),
+    "latin-1": ('{"name":"caf\xe9"}'.encode("latin-1"), "is not UTF-8"),
+    "duplicate key": (b'{"dtype":"float32","dtype":"bfloat16"}', "'dtype' appears twice"),
+    "nested duplicate": (b'{"a":{"k":1,"k":2}}', "'k' appears twice"),
+    "NaN": (b'{"x":NaN}', "NaN is not a JSON number"),
+    "Infinity": (b'{"x":-Infinity}', "-Infinity is not a JSON number"),
+    "overflow": (b'{"x":1e400}', "1e400 is not a finite number"),
+    "array": (b"[1, 2]", "is JSON but not an object"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONFIGS))
+def test_a_crafted_config_is_refused_in_one_line(name: str) -> None:
+    from registry.errors import UsageError
+
+    data, message = BAD_CONFIGS[name]
+    for dtype in (None, "bf16"):
+        with pytest.raises(UsageError, match="^--extra config.json") as raised:
+            rewrite_config(data, dtype=dtype, architecture=None, label="--extra config.json")
+        assert message in raised.value.message and "\n" not in str(raised.value)
+        assert raised.value.exit_code == 2
+
+
+def test_a_crafted_config_refuses_promote_before_anything_is_written(
+    ckpts: Any, cpu_policy: Path, cli: Any, tmp_path: Path
+) -> None:
+    from registry.formats.hf_folder import MAX_DOCUMENT
+
+    assert cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "r", "--step", "4").returncode == 0
+    cases = {**BAD_CONFIGS, "too large": (b"", f"over {MAX_DOCUMENT}: not a config")}
+    for i, (name, (data, message)) in enumerate(sorted(cases.items())):
+        config = tmp_path / str(i) / "config.json"
+        config.parent.mkdir()
+        config.write_bytes(data)
+        if name == "too large":
+            with open(config, "r+b") as f:  # sparse, and refused before it is read
+                f.truncate(MAX_DOCUMENT + 1)
+        res = cli("promote", "r@step4", "--model", "tiny", "--extra", config, "--dtype", "bf16")
+        assert res.returncode == 2, (name, res.stderr)
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (name, res.stderr)
+        assert message in res.stderr, (name, res.stderr)
+    assert json.loads(cli("releases", "--json").stdout) == []
+    readme = " ".join((helpers.ROOT / "README.md").read_text().split())
+    for said in ("duplicate key", "byte order mark", "lone surrogate", "larger than 16 MiB"):
+        assert said in readme, said
+
+
+def test_an_unreadable_release_document_is_a_note_not_a_failed_show(
+    ckpts: Any, cpu_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from registry import Registry
+    from registry.errors import InvalidDocument
+    from registry.formats.documents import ReleaseDocument
+
+    def newer(cls: type, data: bytes, where: str) -> ReleaseDocument:
+        raise InvalidDocument(f"{where}: format is 'reg.release/9'; this reg reads reg.release/3")
+
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="tiny")
+        monkeypatch.setattr(ReleaseDocument, "from_bytes", classmethod(newer))
+        shown = reg.show("tiny:v1")
+    assert shown["hf_config"] is None and shown["hf"]["complete"] is False
+    assert any("release.json: format is 'reg.release/9'" in n for n in shown["hf"]["notes"])

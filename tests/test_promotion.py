@@ -101,6 +101,9 @@ def test_promote_again_returns_the_existing_release(cpu_policy, reg, ckpts):
     again = reg.promote("r@step4", model="tiny", alias="prod")
     assert again["existing"] and again["release"] == "tiny:v1" and again["aliases"] == ["prod"]
     assert again["sha256"] == first["sha256"]
+    # a repeated promote reports the folder as the first one did (reg promote --json)
+    assert again["hf"] == first["hf"] and again["hf_config"] == first["hf_config"] is None
+    assert again["hf"]["missing"] == ["config.json"]
     assert reg.promote("r@step4", model="tiny", dtype="bf16")["release"] == "tiny:v2"
     assert reg.promote("r@step2", model="tiny")["release"] == "tiny:v3"
     assert [r["release"] for r in reg.releases("tiny")] == ["tiny:v1", "tiny:v2", "tiny:v3"]
@@ -119,6 +122,54 @@ def test_a_model_factory_is_part_of_what_makes_a_release_the_same(cpu_policy, re
     again = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
     assert again["existing"] and again["release"] == "tiny:v2"
     assert reg.promote("r@step4", model="tiny")["release"] == "tiny:v1"
+
+
+def test_a_factory_release_made_before_the_factory_was_in_the_key_gets_one_new_version(
+    cpu_policy, reg, ckpts, monkeypatch
+):
+    """What README's "The model factory is part of a release's identity" says of an older
+    release made with --model-factory: its key is the one without a factory, so promoting again
+    with the factory makes one new version (then returns it); without the factory returns the
+    old one. reg does not try to match the older key."""
+    import hashlib
+
+    from registry.lifecycle.promotion.plan import PromotionPlan
+
+    keyed = PromotionPlan.__post_init__
+
+    def as_an_older_reg(plan: PromotionPlan) -> None:  # no model_factory in the key
+        keyed(plan)
+        legacy = {k: v for k, v in plan.options.items() if k != "model_factory"}
+        key = hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:32]
+        object.__setattr__(plan, "options", legacy)
+        object.__setattr__(plan, "options_key", key)
+
+    _push(reg, ckpts.ws2, 4)
+    with monkeypatch.context() as older:
+        older.setattr(PromotionPlan, "__post_init__", as_an_older_reg)
+        made = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
+    assert made["release"] == "tiny:v1"
+    again = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
+    assert again["release"] == "tiny:v2" and not again["existing"]
+    repeated = reg.promote("r@step4", model="tiny", model_factory=FACTORY)
+    assert repeated["release"] == "tiny:v2" and repeated["existing"]
+    plain = reg.promote("r@step4", model="tiny")
+    assert plain["release"] == "tiny:v1" and plain["existing"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "keep their identity (these options are added to the key only when given)" in readme
+    assert "again with the factory makes one new version" in readme
+    assert "promoting it again without the factory returns the older release" in readme
+    assert "releases made before these rewrites existed keep their identity" not in readme
+
+
+def test_reserved_names_are_refused_as_extras(cpu_policy, reg, ckpts, tmp_path):
+    _push(reg, ckpts.ws2, 4)
+    for name in ("MANIFEST.json", "release.json", "model.safetensors.index.json"):
+        extra = tmp_path / name
+        extra.write_text("{}")
+        with pytest.raises(UsageError, match=f"the name {name} is taken or reserved"):
+            reg.promote("r@step4", model="tiny", extras=[extra])
+    assert reg.releases() == []
 
 
 def test_default_policy_requires_cuda(reg, ckpts, cli):

@@ -117,3 +117,53 @@ def test_verify_usage_errors_are_one_line(cli, tmp_path):
         res = cli(*args)
         assert res.returncode == 2, (args, res.stderr)
         assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_a_kept_document_over_the_cap_is_refused_unread(cli, tmp_path):
+    from registry.lifecycle.checkpoints.pulled import MAX_KEPT
+
+    folder = tmp_path / "pulled"
+    folder.mkdir()
+    with open(folder / "MANIFEST.json", "wb") as f:  # sparse: nothing is written or read
+        f.truncate(MAX_KEPT + 1)
+    (folder / ".metadata").write_bytes(b"x")
+    for args in (("verify", "--dir", folder), ("push-ckpt", folder, "--run", "f", "--step", "1")):
+        res = cli(*args)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1 and f"over {MAX_KEPT}" in res.stderr, res.stderr
+
+
+def test_the_server_never_reads_a_manifest_a_client_sends(cli, ckpts, reg_server, tmp_path):
+    """A client that sends a pulled folder's MANIFEST.json (the CLI never does) is refused:
+    in the server's received folder it is a reserved name, not a kept manifest to trust."""
+    import struct
+
+    import httpx
+
+    pushed = cli(
+        "push-ckpt", ckpts.ws2.step_dir(4), "--run", "r", "--step", "4", "--project", "team-a"
+    )
+    assert pushed.returncode == 0, pushed.stderr
+    dest = tmp_path / "pulled"
+    assert cli("pull", "team-a/r@step4", dest).returncode == 0
+    assert (dest / "MANIFEST.json").is_file()
+    paths = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    header = {
+        "project": "team-a",
+        "run": "fork",
+        "step": 4,
+        "files": [{"path": p, "size": (dest / p).stat().st_size} for p in paths],
+    }
+    data = json.dumps(header).encode()
+    tail = b"".join(
+        (dest / p).read_bytes() + hashlib.sha256((dest / p).read_bytes()).digest() for p in paths
+    )
+    r = httpx.post(
+        f"{reg_server.url}/v1/checkpoints/push",
+        content=b"REGPUSH1" + struct.pack(">Q", len(data)) + data + tail,
+        headers={"authorization": f"Bearer {reg_server.token('alice')}"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert "MANIFEST.json, a name the registry reserves" in r.json()["message"]
+    assert reg_server.call("admin", "GET", "/v1/checkpoints?run=fork") == []

@@ -11,6 +11,7 @@ each class's `vocab_files_names` in transformers 5.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,9 @@ from registry.errors import UsageError
 CONFIG = "config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"  # a `tokenizers` (fast) tokenizer: all it needs
+# A config.json or tokenizer_config.json larger than this is refused as an extra and not read
+# from a release (transformers' are a few KiB; a tokenizer's vocabulary lives elsewhere).
+MAX_DOCUMENT = 16 * 1024 * 1024
 
 # --dtype -> the name transformers writes in config.json (`dtype`; `torch_dtype` before 4.56)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -71,6 +75,83 @@ def parse_object(data: bytes, label: str) -> dict[str, Any]:
     return doc
 
 
+def parse_config(data: bytes, label: str) -> dict[str, Any]:
+    """A config.json a release will hold, read strictly (UsageError, one line, for anything
+    else): at most MAX_DOCUMENT bytes of UTF-8 without a BOM, a JSON object without duplicate
+    keys, non-finite numbers (NaN, Infinity) or lone surrogate escapes. Each of those reads
+    differently, or not at all, in other JSON readers (and the release's copy is rewritten with
+    ensure_ascii=False, which cannot encode a lone surrogate)."""
+    hint = "give the config.json that save_pretrained wrote"
+    if len(data) > MAX_DOCUMENT:
+        raise UsageError(f"{label} is {len(data)} bytes, over {MAX_DOCUMENT}: not a config", hint)
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise UsageError(f"{label} starts with a UTF-8 byte order mark", "save it without one")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{label} is not UTF-8 (byte {exc.start})", hint) from None
+    try:
+        doc = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite
+        )
+    except _Refused as exc:
+        raise UsageError(f"{label}: {exc}", hint) from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"{label} is not valid JSON ({_first_line(exc)})", hint) from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{label} is JSON but not an object (a {type(doc).__name__})", hint)
+    if (bad := _lone_surrogate(doc)) is not None:
+        raise UsageError(f"{label}: {bad} holds a lone surrogate escape, not text", hint)
+    return doc
+
+
+class _Refused(ValueError):
+    """A config.json that parses but must not be accepted (the message says why)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number (finite numbers only)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a float too large is infinity
+        raise _Refused(f"{text} is not a finite number")
+    return value
+
+
+def _lone_surrogate(value: Any, where: str = "") -> str | None:
+    """The path of the first string (a key or a value) that cannot be encoded as UTF-8, or
+    None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "a string"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _lone_surrogate(key) is not None:
+                return f"a key in {where or 'the object'}"
+            name = key if key.isprintable() else json.dumps(key)  # one line, whatever it holds
+            if (found := _lone_surrogate(item, f"{where}.{name}" if where else name)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _lone_surrogate(item, f"{where}[{i}]")) is not None:
+                return found
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ConfigRewrite:
     """The release's config.json: its bytes and what was changed (key -> {from, to})."""
@@ -89,10 +170,11 @@ def rewrite_config(
     """config.json as the release holds it: with `dtype` (a --dtype), `dtype` and `torch_dtype`
     name the release's dtype (whichever are there; `dtype` when neither is); with
     `architecture`, `architectures` is `[architecture]`. Every other key and the key order are
-    kept; unchanged values leave the bytes exactly as given."""
+    kept; unchanged values leave the bytes exactly as given. The config is read strictly
+    (`parse_config`)."""
     import hashlib
 
-    doc = parse_object(data, label)
+    doc = parse_config(data, label)
     wanted: dict[str, Any] = {}
     if dtype is not None:
         name = DTYPE_NAMES[dtype]

@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import IntegrityError, UsageError
+from registry.errors import IntegrityError, InvalidDocument, UsageError
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 HASH_WORKERS = 4  # hashlib releases the GIL: files hash in parallel
+# A kept MANIFEST.json or release.json larger than this is not read: reg writes about 200 bytes
+# per file, so this is some 300,000 files (`reg server` takes at most 100,000).
+MAX_KEPT = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ def read_kept(root: Path) -> Kept:
             "a pulled folder is one checkpoint or one release",
         )
     name = present[0]
-    data = (root / name).read_bytes()
+    data = _read_capped(root / name)
     digest = hashlib.sha256(data).hexdigest()
     where = f"{root / name}"
     if name == MANIFEST:
@@ -68,6 +71,20 @@ def read_kept(root: Path) -> Kept:
         return Kept(name, "checkpoint", str(manifest.ref), digest, manifest.files)
     release = ReleaseDocument.from_bytes(data, where)
     return Kept(name, "release", release.release, digest, release.files)
+
+
+def _read_capped(path: Path) -> bytes:
+    """The document's bytes, refused (InvalidDocument) past MAX_KEPT: checked before reading
+    and while reading, so a huge or growing file is never read whole into memory."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(MAX_KEPT + 1) if size <= MAX_KEPT else b""
+    if size > MAX_KEPT or len(data) > MAX_KEPT:
+        raise InvalidDocument(
+            f"{path} is {max(size, len(data))} bytes, over {MAX_KEPT}: not a document reg wrote",
+            "pull the folder again, or check it online with reg verify REF",
+        )
+    return data
 
 
 @dataclass(slots=True)

@@ -66,7 +66,10 @@ def push(
     check_layout(layout)
     checked_metrics = check_metrics(metrics or {})
     ctx.authorize("push", project=project, target=str(ref))
-    kept = KeptManifest.of(Path(src))  # a pulled folder: pushed against the manifest it kept
+    # A pulled folder is pushed against the manifest it kept. Not in the server: `received` is
+    # what a client sent, and a MANIFEST.json there is a reserved name (refused by the scan),
+    # never a document to parse (the client checked its own kept manifest before sending).
+    kept = KeptManifest.of(Path(src)) if received is None else None
     scanned = scan_directory(Path(src), skip=kept.skip if kept else frozenset())
     if kept is not None:
         kept.check_files(scanned.files)

@@ -75,7 +75,7 @@ def promote(
     )
     existing = _existing(ctx, plan)
     if existing is not None:
-        return existing
+        return _with_hf(ctx, existing)
     with ctx.catalog.session() as s:  # before any validation work; again when it is created
         refuse_colliding_model(s, plan.model)
     check_resumable(ctx, plan)

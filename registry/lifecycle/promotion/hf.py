@@ -16,6 +16,7 @@ from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord, HfConfigRecord, ReleaseDocument
 from registry.formats.hf_folder import (
     CONFIG,
+    MAX_DOCUMENT,
     TOKENIZER_CONFIG,
     ConfigRewrite,
     completeness,
@@ -28,21 +29,26 @@ if TYPE_CHECKING:
     from registry.lifecycle.promotion.plan import Extra
     from registry.lifecycle.views import ReleaseView
 
-MAX_DOCUMENT = 16 * 1024 * 1024  # a config or tokenizer config larger than this is not read
-
 
 def plan_config(
     extras: Sequence[Extra], dtype: str | None, model_factory: str | None
 ) -> ConfigRewrite | None:
     """The release's config.json when a `--extra config.json` is given: refused (UsageError)
-    unless it is a JSON object; `dtype` and `architectures` rewritten for the release."""
+    unless it is a strict JSON object (`parse_config`); `dtype` and `architectures` rewritten
+    for the release."""
     given = next((e for e in extras if e.name == CONFIG), None)
     if given is None:
         return None
+    label = f"--extra {given.path}"
+    size = given.path.stat().st_size
+    if size > MAX_DOCUMENT:  # not read: `reg show` would not read it either
+        raise UsageError(
+            f"{label} is {size} bytes, over {MAX_DOCUMENT}: not a config",
+            "give the config.json that save_pretrained wrote",
+        )
     data = given.path.read_bytes()
     if hashlib.sha256(data).hexdigest() != given.sha256:
-        raise Conflict(f"--extra {given.path} changed while being promoted", "promote again")
-    label = f"--extra {given.path}"
+        raise Conflict(f"{label} changed while being promoted", "promote again")
     if dtype is None and model_factory is None:
         rewrite_config(data, dtype=None, architecture=None, label=label)  # checked, kept
         return ConfigRewrite(data, given.sha256)
@@ -51,8 +57,11 @@ def plan_config(
 
 
 def factory_architecture(spec: str) -> str | None:
-    """The class name of the factory's model (built on the meta device) when it is a
-    transformers `PreTrainedModel`; None for any other module."""
+    """The transformers class the factory's model is (built on the meta device): the most
+    derived class in its MRO that transformers defines (`transformers.models.*`), so a user's
+    `class MyLlama(LlamaForCausalLM)` gives `LlamaForCausalLM`, the name transformers can
+    load. None for a model that is no transformers `PreTrainedModel`, or whose classes above
+    PreTrainedModel are all the user's (AutoModel could not build it from a name)."""
     import torch
 
     from registry.lifecycle.validation.checks import load_factory
@@ -66,11 +75,13 @@ def factory_architecture(spec: str) -> str | None:
             f"--model-factory {spec}: building the model failed: {type(exc).__name__}: {exc}",
             "reg validate REF --model-factory ... shows the same failure",
         ) from exc
+    mro = type(model).__mro__
     is_hf = any(
-        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-        for c in type(model).__mro__
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in mro
     )
-    return type(model).__name__ if is_hf else None
+    if not is_hf:
+        return None
+    return next((c.__name__ for c in mro if c.__module__.startswith("transformers.models.")), None)
 
 
 def hf_record(rewrite: ConfigRewrite | None) -> HfConfigRecord | None:
@@ -113,8 +124,13 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
         )
         data = small(document)
         if data is not None:
-            record = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}").hf_config
-            out["hf_config"] = None if record is None else record.to_json()
+            try:  # a damaged or newer release.json is a note: `reg show` still shows the rest
+                parsed = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}")
+            except RegistryError as exc:
+                damaged.append(exc.message)
+            else:
+                record = parsed.hf_config
+                out["hf_config"] = None if record is None else record.to_json()
     if damaged:
         out["hf"].update(complete=False, notes=[*found.notes, *damaged])
     return out

@@ -25,7 +25,7 @@ from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
 from registry.formats.documents import FileRecord
-from registry.layout import RELEASE_DOCUMENT
+from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.consolidate import INDEX
 from registry.refs import CheckpointRef, check_alias, check_name
@@ -164,7 +164,7 @@ def _shard_bytes(text: str) -> int:
 
 def _check_extras(extras: list[Path]) -> tuple[Extra, ...]:
     out: list[Extra] = []
-    reserved = {RELEASE_DOCUMENT, INDEX}
+    reserved = {RELEASE_DOCUMENT, MANIFEST, INDEX}  # MANIFEST.json: a pulled folder's document
     for given in extras:
         p = Path(given)
         if not p.is_file() or p.is_symlink():
