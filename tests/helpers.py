@@ -119,8 +119,18 @@ def torchrun(
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            # torchrun starts its workers in sessions of their own: kill them by ancestry, or
+            # one would keep the output pipes open and the read below would wait forever.
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = "", "(its output could not be read)"
             why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
         else:
             if killed and proc.returncode != 0 and _all_killed(err, nproc):
@@ -130,6 +140,26 @@ def torchrun(
             why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
         sys.stderr.write(f"{module}: {why}\n")
     raise RuntimeError(f"{module} on {nproc} ranks: {why}")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (from /proc), children before their parents' siblings."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _all_killed(stderr: str, nproc: int) -> bool:
