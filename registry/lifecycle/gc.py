@@ -149,27 +149,48 @@ def emit_expiry_changes(ctx: Context, session: Session, old: Any, new: Any) -> i
     count = 0
     for d in plan(records, new, at, protections):
         b = before.get(d.id)
-        if b is not None and (b.expires_at, b.reason, b.protected) == (
-            d.expires_at,
-            d.reason,
-            d.protected,
-        ):
+        if b is not None and _retention_of(b) == _retention_of(d):
             continue
         r = by_id[d.id]
-        ref = CheckpointRef(r.project, r.run, r.step)
-        ctx.events.emit(
+        emit_protection_event(
+            ctx,
             session,
-            events.CHECKPOINT_PROTECTION,
-            project=r.project,
-            run=r.run,
-            step=r.step,
-            ref=str(ref),
-            pinned=r.pinned,
-            expires_at=iso(d.expires_at),
-            retention=d.reason,
+            CheckpointRef(r.project, r.run, r.step),
+            r.pinned,
+            iso(d.expires_at),
+            d.reason,
         )
         count += 1
     return count
+
+
+def _retention_of(d: Decision) -> tuple[float | None, str, bool]:
+    return d.expires_at, d.reason, d.protected
+
+
+def emit_protection_event(
+    ctx: Context,
+    session: Session,
+    ref: CheckpointRef,
+    pinned: bool,
+    expires_at: str | None,
+    reason: str,
+    **pin: str | None,
+) -> None:
+    """Tell the MLflow mirror a checkpoint's protection and expiry (ISO time; `pin`:
+    pinned_by and pin_reason, when a pin or unpin is what changed)."""
+    ctx.events.emit(
+        session,
+        events.CHECKPOINT_PROTECTION,
+        project=ref.project,
+        run=ref.run,
+        step=ref.step,
+        ref=str(ref),
+        pinned=pinned,
+        expires_at=expires_at,
+        retention=reason,
+        **pin,
+    )
 
 
 # -- the run ------------------------------------------------------------------------------------

@@ -196,20 +196,16 @@ def set_pin(
 
 def emit_protection(ctx: Context, session: Any, ref: CheckpointRef, run: Any, ckpt: Any) -> None:
     """Tell the MLflow mirror the checkpoint's protection and expiry as they are now."""
-    from registry import events
-    from registry.lifecycle.gc import explain
+    from registry.lifecycle.gc import emit_protection_event, explain
 
     retention = explain(ctx, ref.project, run, ckpt, session)
-    ctx.events.emit(
+    emit_protection_event(
+        ctx,
         session,
-        events.CHECKPOINT_PROTECTION,
-        project=ref.project,
-        run=ref.run,
-        step=ref.step,
-        ref=str(ref),
-        pinned=ckpt.pinned,
+        ref,
+        ckpt.pinned,
+        retention.get("expires_at"),
+        retention.get("reason") or "",
         pinned_by=ckpt.pinned_by,
         pin_reason=ckpt.pin_reason,
-        expires_at=retention.get("expires_at"),
-        retention=retention.get("reason"),
     )
