@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ def torchrun(
     args: list[str],
     *,
     clean: Path | None = None,
+    keep: Path | None = None,
     env_extra: dict[str, str] | None = None,
     attempts: int = 3,
     timeout: float = 240,
@@ -89,7 +91,10 @@ def torchrun(
     gloo on a 2-core machine now and then aborts a rank during start-up, or (seen in CI) hangs
     a collective forever: each attempt has its own time limit, after which the whole process
     group (torchrun and its workers) is killed, and the next attempt starts on a clean `clean`
-    directory. A persistent failure raises with the last attempt's stderr. `killed`: the job
+    directory. `keep`: a directory (say REG_HOME, with a SQLite catalog) every attempt starts
+    from as it was before the first, so a job that committed its work and then aborted in
+    gloo's teardown is retried from the same state, not resumed from its own checkpoints.
+    A persistent failure raises with the last attempt's stderr. `killed`: the job
     is meant to SIGKILL itself; that, and only that, ends it (every rank killed, none failed
     otherwise)."""
     cmd = [
@@ -104,42 +109,65 @@ def torchrun(
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     why = ""
-    for attempt in range(1, attempts + 1):
-        if clean is not None:
-            shutil.rmtree(clean, ignore_errors=True)
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # torchrun starts its workers in sessions of their own: kill them by ancestry, or
-            # one would keep the output pipes open and the read below would wait forever.
-            for pid in [*_descendants(proc.pid), proc.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = "", "(its output could not be read)"
-            why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
-        else:
-            if killed and proc.returncode != 0 and _all_killed(err, nproc):
-                return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-            if proc.returncode == 0 and not killed:
-                return subprocess.CompletedProcess(cmd, 0, out, err)
-            why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
-        sys.stderr.write(f"{module}: {why}\n")
+    kept = None
+    if keep is not None:
+        kept = Path(tempfile.mkdtemp(prefix="torchrun-keep-")) / "copy"
+        if keep.exists():
+            shutil.copytree(keep, kept, symlinks=True)
+    try:
+        for attempt in range(1, attempts + 1):
+            if clean is not None:
+                shutil.rmtree(clean, ignore_errors=True)
+            if keep is not None and kept is not None and attempt > 1:
+                shutil.rmtree(keep, ignore_errors=True)
+                if kept.exists():
+                    shutil.copytree(kept, keep, symlinks=True)
+            done, why = _attempt(cmd, env, attempt, timeout, killed, nproc)
+            if done is not None:
+                return done
+            sys.stderr.write(f"{module}: {why}\n")
+    finally:
+        if kept is not None:
+            shutil.rmtree(kept.parent, ignore_errors=True)
     raise RuntimeError(f"{module} on {nproc} ranks: {why}")
+
+
+def _attempt(
+    cmd: list[str], env: dict[str, str], attempt: int, timeout: float, killed: bool, nproc: int
+) -> tuple[subprocess.CompletedProcess[str] | None, str]:
+    """One torchrun: its result when it ended as meant, or None and why not."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts its workers in sessions of their own: kill them by ancestry, or
+        # one would keep the output pipes open and the read below would wait forever.
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = "", "(its output could not be read)"
+        why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
+    else:
+        if killed and proc.returncode != 0 and _all_killed(err, nproc):
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err), ""
+        if proc.returncode == 0 and not killed:
+            return subprocess.CompletedProcess(cmd, 0, out, err), ""
+        why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
+    return None, why
 
 
 def _descendants(root: int) -> list[int]:

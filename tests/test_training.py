@@ -5,6 +5,7 @@ resumes exactly."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,13 @@ from tests.helpers import torchrun
 
 
 def _job(nproc: int, *args: str, killed: bool = False) -> None:
+    """A job on nproc ranks. A retried attempt (gloo aborts now and then, even in teardown after
+    the work is committed) starts from REG_HOME as it was, never from the failed attempt's saves."""
     torchrun(
         "examples.train_with_manager",
         nproc,
         list(args),
+        keep=Path(os.environ["REG_HOME"]),
         env_extra={"PYTHONWARNINGS": "ignore"},
         killed=killed,
     )
