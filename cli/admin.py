@@ -1,4 +1,4 @@
-"""Admin commands: gc, audit, storage init, catalog rebuild|migrate|grants."""
+"""Admin commands: gc, fsck, audit, storage init, catalog rebuild|migrate|grants."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ audit_app = typer.Typer(invoke_without_command=True)
 
 def register(app: typer.Typer) -> None:
     app.command("gc")(gc)
+    app.command("fsck")(fsck)
     app.add_typer(audit_app, name="audit")
     audit_app.callback()(audit)
     audit_app.command("verify")(audit_verify)
@@ -169,6 +170,70 @@ def _gc_cycle() -> dict[str, object]:
         "kept": sum(d["action"] == "keep" for d in result["decisions"]),
         "errors": result["errors"],
     }
+
+
+def fsck(
+    project: str | None = typer.Option(None, "--project", help="Only this project."),
+    repair: bool = typer.Option(
+        False, "--repair", help="Do what is safe: sweep, finish deletions, restore versions."
+    ),
+    full: bool = typer.Option(False, "--full", help="Hash every file, not a sample."),
+    sample: int = typer.Option(
+        32, "--sample", min=0, help="Data files hashed without --full (documents always are)."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Check the whole registry, catalog against store: missing, damaged, unlisted objects,
+    dead claims, unfinished deletions. Exit 1 when anything but leftovers is found."""
+    from cli.render import progress_for
+    from registry.timeutil import human_bytes
+
+    with open_registry() as reg:
+        out = reg.fsck(
+            project, repair=repair, full=full, sample=sample, progress=progress_for(json_output)
+        )
+    if json_output:
+        emit_json(out)
+    else:
+        c = out["checked"]
+        print(
+            f"checked {c['checkpoints']} checkpoint(s), {c['releases']} release(s), "
+            f"{c['objects']} object(s) ({human_bytes(c['bytes'])}); hashed {c['hashed_files']} "
+            f"file(s) ({human_bytes(c['hashed_bytes'])})"
+        )
+        shown = out["left"] if repair else out["problems"]
+        if shown:
+            table(
+                ["KIND", "TARGET", "OBJECT", "DETAIL", "LEFTOVER"],
+                [
+                    [
+                        p["kind"],
+                        inert(p["target"]),
+                        inert(p["key"] or ""),
+                        inert(p["detail"]),
+                        p["sweepable"],
+                    ]
+                    for p in shown
+                ],
+            )
+        for line in out.get("repaired", []):
+            print(f"repaired: {inert(line)}")
+        print(_fsck_verdict(out, repair))
+    if not out["clean"]:
+        raise typer.Exit(1)
+
+
+def _fsck_verdict(out: dict[str, object], repair: bool) -> str:
+    if out["clean"]:
+        found = out["left"] if repair else out["problems"]
+        if found:
+            return "clean: only leftovers (`reg fsck --repair` or the next `reg gc` clears them)"
+        return "clean"
+    return (
+        "damage found: see above; `reg fsck --repair` restores from recorded versions where it can"
+        if not repair
+        else "damage left that needs a person: see above"
+    )
 
 
 def audit(

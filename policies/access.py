@@ -44,6 +44,8 @@ ACTIONS: dict[str, str] = {
     "mlflow-sync": "admin",
     "catalog": "admin",
     "repair": "admin",
+    "fsck": "admin",
+    "scrub": "admin",
     "token": "admin",
     # validator (beside the others; admin includes it)
     "attest": VALIDATOR,

@@ -368,6 +368,23 @@ class Registry:
 
         return run_gc(self.context, dry_run=dry_run)
 
+    def fsck(
+        self,
+        project: str | None = None,
+        *,
+        repair: bool = False,
+        full: bool = False,
+        sample: int = 32,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
+        from registry.lifecycle.fsck import fsck
+
+        ctx = self.context
+        return fsck(
+            ctx, project=project, full=full, sample=sample, repair=repair, progress=progress
+        )
+
     def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Re-create missing catalog rows from the store's documents (admin)."""
         from registry.lifecycle.rebuild import rebuild

@@ -229,7 +229,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         return out
     where = {r.id: r for r in records}
     with leases.renewed(ctx.catalog, GC_LEASE, acquire(ctx), GC_LEASE_SECONDS):
-        freed = _finish_interrupted(ctx, out["errors"])
+        freed = finish_interrupted(ctx, out["errors"])
         doomed = [d for d in decisions if d.action == DELETE]
         for start in range(0, len(doomed), BATCH):
             batch = doomed[start : start + BATCH]
@@ -243,7 +243,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                 freed += _delete_objects(
                     ctx, CheckpointRef(r.project, r.run, r.step), out["errors"]
                 )
-        freed += _sweep_orphans(ctx, out)
+        freed += sweep_orphans(ctx, out, grace=ctx.policy.retention.orphan_grace)
         out["freed_bytes"] = freed
     return out
 
@@ -284,7 +284,7 @@ def _mark_deleting(ctx: Context, batch: list[Decision]) -> set[int]:
     return marked
 
 
-def _delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> tuple[int, bool]:
+def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> tuple[int, bool]:
     """Delete every object under `prefix`, MANIFEST.json first so the prefix stops looking
     committed: (bytes freed, all gone). A failed delete is logged, never raised: the next run
     retries it, and it never stops the others."""
@@ -307,7 +307,7 @@ def _delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> 
 def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
     """Delete a checkpoint's objects, then leave the tombstone."""
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
-    freed, done = _delete_prefix(ctx, prefix, str(ref), errors)
+    freed, done = delete_prefix(ctx, prefix, str(ref), errors)
     if not done:
         return freed
     with ctx.catalog.session(write=True) as s:
@@ -333,7 +333,7 @@ def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
     return freed
 
 
-def _finish_interrupted(ctx: Context, errors: list[str]) -> int:
+def finish_interrupted(ctx: Context, errors: list[str]) -> int:
     """Checkpoints a crashed GC left `deleting`: finish them."""
     with ctx.catalog.session() as s:
         rows = s.exec(
@@ -345,13 +345,12 @@ def _finish_interrupted(ctx: Context, errors: list[str]) -> int:
     return sum(_delete_objects(ctx, CheckpointRef(p, r, step), errors) for step, r, p in rows)
 
 
-def _sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
-    """Uploads that never committed: dead claims older than orphan_grace, and sweeps an earlier
+def sweep_orphans(ctx: Context, out: dict[str, Any], *, grace: float) -> int:
+    """Uploads that never committed: dead claims older than `grace`, and sweeps an earlier
     GC did not finish. Each row is first marked `sweeping` under its old claim (a push of the
     step is refused meanwhile, so it cannot publish into a prefix being emptied), its objects
     are deleted, and only then the row goes, freeing the step. Then what crashed writers left in
-    the store's own temp space (never a key a live push holds)."""
-    grace = ctx.policy.retention.orphan_grace
+    the store's own temp space older than orphan_grace (never a key a live push holds)."""
     with ctx.catalog.session() as s:
         rows = s.exec(
             select(Checkpoint, Run.name, Project.name)
@@ -373,7 +372,7 @@ def _sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
         if row.state == PENDING and not _mark_sweeping(ctx, row):
             continue  # someone took the claim over meanwhile
         prefix = checkpoint_prefix(project, run, row.step)
-        got, done = _delete_prefix(ctx, prefix, f"orphan {prefix}", out["errors"])
+        got, done = delete_prefix(ctx, prefix, f"orphan {prefix}", out["errors"])
         freed += got
         if done:
             with ctx.catalog.session(write=True) as s:
@@ -383,7 +382,8 @@ def _sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
                     )
                 )
             out["orphans"].append(prefix)
-    for swept in ctx.store.sweep_incomplete(CHECKPOINTS, grace, skip=_live_claim_keys(ctx)):
+    temp_grace = ctx.policy.retention.orphan_grace
+    for swept in ctx.store.sweep_incomplete(CHECKPOINTS, temp_grace, skip=_live_claim_keys(ctx)):
         freed += swept.size
         out["orphans"].append(swept.what)
     return freed

@@ -424,6 +424,18 @@ class RemoteRegistry(Registry):
         return dict(self.client.call("POST", "/status", body=body))
 
     # -- administration --------------------------------------------------------------------------
+    def fsck(
+        self,
+        project: str | None = None,
+        *,
+        repair: bool = False,
+        full: bool = False,
+        sample: int = 32,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        body = {"project": project, "repair": repair, "full": full, "sample": sample}
+        return dict(self.client.call("POST", "/fsck", body=body))
+
     def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
         return dict(self.client.call("POST", "/gc", body={"dry_run": dry_run}))
 

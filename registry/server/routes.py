@@ -281,6 +281,25 @@ async def gc(request: Request) -> dict[str, Any]:
     return await run_in_threadpool(lambda: run_gc(ctx, dry_run=flag(doc, "dry_run")))
 
 
+@router.post("/fsck")
+async def fsck(request: Request) -> dict[str, Any]:
+    from registry.lifecycle.fsck import fsck as run_fsck
+
+    ctx, doc = await authed_body(request)
+    sample = doc.get("sample", 32)
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        raise UsageError("sample must be a number of files, 0 or more")
+    return await run_in_threadpool(
+        lambda: run_fsck(
+            ctx,
+            project=opt_text(doc, "project"),
+            full=flag(doc, "full"),
+            sample=sample,
+            repair=flag(doc, "repair"),
+        )
+    )
+
+
 @router.post("/catalog/rebuild")
 async def rebuild(request: Request) -> dict[str, Any]:
     from registry.lifecycle.rebuild import rebuild as run_rebuild
