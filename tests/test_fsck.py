@@ -132,25 +132,20 @@ def test_a_live_claim_is_not_a_leftover_and_an_uncataloged_checkpoint_is_kept(fi
     step8 = _store() / "ckpt/default/r/step-8"
     step8.mkdir(parents=True, exist_ok=True)
     (step8 / "__0_0.distcp").write_bytes(b"in flight")
-    # A committed checkpoint whose row is gone (a catalog restored from an old backup).
-    db = sqlite3.connect(Path(os.environ["REG_HOME"]) / "catalog.db")
-    with db:
-        gone = "(SELECT id FROM checkpoint WHERE step = 2)"
-        db.execute(f"DELETE FROM checkpoint_file WHERE checkpoint_id IN {gone}")
-        db.execute("DELETE FROM checkpoint WHERE step = 2")
-    db.close()
+    # A committed checkpoint the catalog has no row for (a catalog restored from a backup).
+    shutil.copytree(_store() / "ckpt/default/r/step-2", _store() / "ckpt/default/lost/step-2")
     out = json.loads(cli("fsck", "--json").stdout)
     uncataloged = [p for p in out["problems"] if p["kind"] == "uncataloged"]
-    assert [p["key"] for p in uncataloged] == ["ckpt/default/r/step-2/MANIFEST.json"]
+    assert [p["key"] for p in uncataloged] == ["ckpt/default/lost/step-2/MANIFEST.json"]
     assert {p["kind"] for p in out["problems"]} == {"uncataloged"}  # the live claim is no finding
     fixed = json.loads(cli("fsck", "--repair", "--json").stdout)
     assert {p["kind"] for p in fixed["left"]} == {"uncataloged"}
-    assert (_store() / "ckpt/default/r/step-2/MANIFEST.json").exists()  # never swept
+    assert len(list((_store() / "ckpt/default/lost/step-2").iterdir())) == 4  # never swept
     assert (step8 / "__0_0.distcp").exists()
 
 
 def test_repair_restores_damage_from_recorded_versions_on_s3(
-    locked_registry, locked_bucket, moto_server, cli
+    s3_env, locked_registry, locked_bucket, moto_server, cli
 ):
     client = test_s3._client(moto_server)
     manifest = json.loads(
