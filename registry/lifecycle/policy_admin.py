@@ -14,6 +14,8 @@ from policies.loader import Policy, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
+from registry.journal.event import POLICY
+from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
 from registry.lifecycle.gc import emit_expiry_changes
 from registry.timeutil import now
@@ -44,9 +46,10 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
     digest = hashlib.sha256(text.encode()).hexdigest()
     with ctx.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
+        applied = now()
         s.add(
             PolicyDocument(
-                version=version, text=text, sha256=digest, applied_at=now(), applied_by=ctx.actor
+                version=version, text=text, sha256=digest, applied_at=applied, applied_by=ctx.actor
             )
         )
         ctx.audit(
@@ -58,6 +61,10 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         )
         changed = emit_changes(ctx, s, ctx.policy.resume, parsed.resume)
         expiry_changed = emit_expiry_changes(ctx, s, ctx.policy.retention, parsed.retention)
+        # last: the commit follows it (registry.journal.write); the grants are in the text
+        journal_record(
+            ctx, s, POLICY, {"version": version}, {"text": text, "sha256": digest}, ts=applied
+        )
     return {
         "version": version,
         "sha256": digest,

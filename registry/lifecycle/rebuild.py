@@ -7,8 +7,14 @@ writes it (`ckpt/<project>/<run>/step-<N>/MANIFEST.json`, `release/<model>/v<K>/
 only if it reads strictly, and only if what it claims matches where it is: a manifest nested
 inside a checkpoint, or naming another project, run or step, is skipped and reported.
 
-What lives only in the catalog (aliases, deprecations and yanks, pins, validations, the audit
-log) cannot come back from the store and is reported as such.
+What else lived only in the catalog (validations, applied policies and their grants, aliases,
+deprecations and yanks, pins) comes back from the journal (`journal/`, registry.journal): each
+decision was written there before the catalog committed it. After the checkpoints, the
+validations are replayed (so that a restored release links the validation its release.json
+names), then the releases, then the other decisions; `events_replayed` and `events_current`
+count them by kind, `events_skipped` names each event not taken and why (malformed, unsigned or
+forged where the registry has an audit key, or its target gone). Only the audit log cannot come
+back, and is reported as such.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from registry.catalog.models import (
 from registry.errors import InvalidDocument
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
+from registry.journal import replay as journal
 from registry.layout import (
     CHECKPOINTS,
     MANIFEST,
@@ -66,16 +73,19 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
             manifest = _read_manifest(ctx, obj.key, out)
             if manifest is not None:
                 _checkpoint(ctx, obj.key, manifest, out, dry_run)
+    decisions = journal.read(ctx, dry_run=dry_run)
+    journal.apply_validations(ctx, decisions)
     for obj in ctx.store.list(RELEASES):
         if obj.key.endswith("/" + RELEASE_DOCUMENT):
             document = _read_release(ctx, obj.key, out)
             if document is not None:
-                _release(ctx, document, out, dry_run)
-    out["not_recoverable"] = (
-        "aliases, deprecations and yanks, pins, validations and the audit "
-        "log live only in the catalog"
-    )
-    if not dry_run and (out["checkpoints_added"] or out["releases_added"]):
+                _release(ctx, document, out, dry_run, decisions)
+    journal.apply_decisions(ctx, decisions)
+    out.update(decisions.to_json())
+    out["skipped"] += [f"{e['event']}: {e['reason']}" for e in out["events_skipped"]]
+    out["not_recoverable"] = "the audit log lives only in the catalog"
+    replayed = sum(decisions.replayed.values())
+    if not dry_run and (out["checkpoints_added"] or out["releases_added"] or replayed):
         with ctx.catalog.session(write=True) as s:
             ctx.audit(
                 s,
@@ -83,6 +93,7 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                 "catalog",
                 checkpoints=len(out["checkpoints_added"]),
                 releases=len(out["releases_added"]),
+                events=replayed or None,
             )
     return out
 
@@ -199,6 +210,7 @@ def _release(
     read: tuple[ReleaseDocument, bytes, str | None],
     out: dict[str, Any],
     dry_run: bool,
+    decisions: journal.Replay,
 ) -> None:
     doc, data, version = read
     with ctx.catalog.session(write=not dry_run) as s:
@@ -224,6 +236,9 @@ def _release(
             s.flush()
         source = doc.source.ref
         ckpt = _source_row(s, doc)
+        validation = decisions.validation_for(
+            source.project, source.run, source.step or 0, doc.validation.id
+        )
         release = Release(
             model_id=model.id or 0,
             version=doc.version,
@@ -233,6 +248,7 @@ def _release(
             bytes=sum(f.size for f in doc.files) + len(data),
             source_checkpoint_id=ckpt.id or 0,
             source_ref=str(source),
+            validation_id=validation,
             options_key="rebuilt",
             options={"dtype": doc.dtype},
             dtype=doc.dtype,

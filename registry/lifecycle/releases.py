@@ -20,6 +20,8 @@ from registry.catalog.models import (
 )
 from registry.errors import Conflict, NotFound, UsageError
 from registry.formats.documents import FileRecord
+from registry.journal.event import ALIAS
+from registry.journal.write import record as journal_record
 from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.views import ReleaseView
 from registry.refs import ReleaseRef, check_alias, check_name
@@ -223,18 +225,19 @@ def move_alias(
         )
     row = session.exec(select(Alias).where(Alias.model_id == model.id, Alias.name == alias)).first()
     previous = None
+    when = now()  # the row's, its history's and the journal's time: a replay recognizes it
     if row is None:
         row = Alias(
             model_id=model.id or 0,
             name=alias,
             release_id=release.id or 0,
-            updated_at=now(),
+            updated_at=when,
             updated_by=ctx.actor,
         )
     else:
         old = session.get(Release, row.release_id)
         previous = old.version if old else None
-        row.release_id, row.updated_at, row.updated_by = release.id or 0, now(), ctx.actor
+        row.release_id, row.updated_at, row.updated_by = release.id or 0, when, ctx.actor
     session.add(row)
     if previous != release.version:
         session.add(
@@ -243,7 +246,7 @@ def move_alias(
                 name=alias,
                 from_version=previous,
                 to_version=release.version,
-                ts=now(),
+                ts=when,
                 actor=ctx.actor,
             )
         )
@@ -256,6 +259,14 @@ def move_alias(
         )
         ctx.events.emit(
             session, events.ALIAS_MOVED, model=model.name, alias=alias, version=release.version
+        )
+        journal_record(
+            ctx,
+            session,
+            ALIAS,
+            {"model": model.name, "version": release.version},
+            {"alias": alias, "from": previous},
+            ts=when,
         )
     return previous
 
@@ -304,6 +315,14 @@ def set_status(
             reason=reason,
         )
         out = ReleaseView.load(s, model, release).to_json()
+        journal_record(  # last: the commit follows it (registry.journal.write)
+            ctx,
+            s,
+            action,
+            {"model": model.name, "version": release.version},
+            {"reason": reason},
+            ts=release.status_changed_at,
+        )
     if status == YANKED:
         out.update(_stop_serving(ctx, model.name, release.version))
     return out

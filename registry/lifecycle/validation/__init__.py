@@ -35,6 +35,8 @@ from registry.catalog.models import Checkpoint, Validation
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
+from registry.journal.event import VALIDATION
+from registry.journal.write import record as journal_record
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.budget import choose as choose_budget
@@ -471,6 +473,28 @@ def record(
             mode=attempt.mode,
             validation_id=row.id,
             seconds=attempt.seconds,
+        )
+        journal_record(  # last: the commit follows it (registry.journal.write)
+            ctx,
+            s,
+            VALIDATION,
+            {"project": ref.project, "run": ref.run, "step": ckpt.step},
+            {
+                "validation_id": row.id,
+                "passed": row.passed,
+                "device": row.device,
+                "device_name": row.device_name,
+                "torch_version": row.torch_version,
+                "world_size": row.world_size,
+                "seconds": row.seconds,
+                "phases": row.phases,
+                "checks": row.checks,
+                "attested": row.attested,
+                "model_path": row.model_path,
+                "mode": row.mode,
+                "driver": row.driver,
+            },
+            ts=row.created_at,
         )
         validation_id = row.id
     return {

@@ -1,0 +1,125 @@
+"""Write a decision to the journal before the catalog commits it (write-ahead).
+
+The order is the point. Written first, a decision the catalog committed is always in the
+journal: a failed store write raises inside the caller's transaction, which then rolls back, so
+the decision is refused rather than kept where a rebuild cannot find it. If the catalog then
+fails to commit, an `aborted` event naming it is written (best effort) and the rebuild ignores
+both. What is left is a process that dies between the two, after the event and before the
+commit: its event stays live and a rebuild replays a decision its author saw fail (the same
+decision, made by someone allowed to make it).
+
+The store write happens inside the caller's catalog transaction (SQLite holds its write lock
+meanwhile): one small put per decision.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import event as sa_event
+
+from registry.errors import RegistryError, UsageError
+from registry.journal.event import ABORTED, MAX_BYTES, PIN, UNPIN, Event, sign
+from registry.refs import parse_checkpoint_ref
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from registry.context import Context
+
+
+def record(
+    ctx: Context,
+    session: Session,
+    kind: str,
+    target: dict[str, Any],
+    fact: dict[str, Any],
+    *,
+    ts: float | None = None,
+) -> Event:
+    """Write the event now; mark it aborted if `session`'s transaction ends uncommitted.
+    `ts` is the time the catalog row records (so a replay can recognize the row)."""
+    written = _put(ctx, kind, target, fact, ts)
+    _abort_unless_committed(ctx, session, written)
+    return written
+
+
+def record_audited(
+    ctx: Context, session: Session, action: str, target: str, details: dict[str, Any]
+) -> None:
+    """Pins and unpins, journaled from their audit record (which holds their whole fact)."""
+    if action not in (PIN, UNPIN):
+        return
+    ref = parse_checkpoint_ref(target)
+    where = {"project": ref.project, "run": ref.run, "step": ref.step}
+    record(ctx, session, action, where, {"reason": details.get("reason")} if action == PIN else {})
+
+
+def _put(
+    ctx: Context, kind: str, target: dict[str, Any], fact: dict[str, Any], ts: float | None
+) -> Event:
+    from registry.audit_chain.keys import key_id
+
+    ns = time.time_ns()
+    made = Event(
+        id=f"{ns:020d}-{uuid.uuid4().hex}",
+        kind=kind,
+        ts=ns / 1e9 if ts is None else ts,
+        actor=ctx.actor,
+        target=target,
+        fact=fact,
+        key_id=key_id(ctx.audit_key) if ctx.audit_key else None,
+    )
+    if ctx.audit_key:
+        made = Event(**{**_fields(made), "mac": sign(made.body(), ctx.audit_key)})
+    data = made.to_bytes()
+    if len(data) > MAX_BYTES:
+        raise UsageError(
+            f"{made.describe()}: {len(data)} bytes to journal, over {MAX_BYTES}; refused",
+            "a policy or validation that large is not one reg writes; make it smaller",
+        )
+    ctx.store.put_bytes(made.key, data)
+    return made
+
+
+def _fields(e: Event) -> dict[str, Any]:
+    return {name: getattr(e, name) for name in Event.__slots__}
+
+
+def _abort_unless_committed(ctx: Context, session: Session, written: Event) -> None:
+    session.connection()  # the transaction the decision is in has begun (autobegin)
+    tx = session.get_transaction()
+    while tx is not None and tx.parent is not None:
+        tx = tx.parent
+    state = {"committed": False, "ended": False}
+
+    def committed(_: Any) -> None:
+        state["committed"] = True
+
+    def ended(_: Any, ended_tx: Any) -> None:
+        # (listeners stay: removing one while SQLAlchemy dispatches is an error; the
+        # session is short-lived)
+        if ended_tx is not tx or state["ended"]:
+            return
+        state["ended"] = True
+        if not state["committed"]:
+            abort(ctx, written, "the catalog did not commit it")
+
+    sa_event.listen(session, "after_commit", committed)
+    sa_event.listen(session, "after_transaction_end", ended)
+
+
+def abort(ctx: Context, written: Event, why: str) -> None:
+    """Write the `aborted` event for `written`; a failure is a warning (the event then stays
+    live, and a rebuild would replay it: said in the warning)."""
+    try:
+        _put(ctx, ABORTED, {"event": written.id}, {"error": why}, None)
+    except (RegistryError, OSError) as exc:
+        warnings.warn(
+            f"{written.key} ({written.describe()}) was not committed, and marking it aborted "
+            f"failed: {exc}; a catalog rebuild would replay it",
+            stacklevel=2,
+        )
