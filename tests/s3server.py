@@ -7,6 +7,7 @@ import http.client
 import random
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -37,10 +38,12 @@ class MotoServer:
 
 class FaultyProxy:
     """Forwards requests to `upstream`; a share of them fail instead, as one of `kinds`:
-    "500", "503" (SlowDown), "drop" (the connection closes before the request is forwarded) or
+    "500", "503" (SlowDown), "drop" (the connection closes before the request is forwarded),
     "lost" (the request is carried out upstream, then the connection closes before the reply:
-    the client cannot tell that it succeeded). Bounded: it only serves the test that started
-    it, on 127.0.0.1."""
+    the client cannot tell that it succeeded), "slow" (carried out, answered after `slow_s`
+    seconds) or "truncate" (carried out, the reply's headers promise the whole body but only
+    the first half of it is sent before the connection closes). `by_kind` counts the faults
+    injected. Bounded: it only serves the test that started it, on 127.0.0.1."""
 
     def __init__(
         self,
@@ -48,12 +51,15 @@ class FaultyProxy:
         fault_rate: float,
         seed: int = 0,
         kinds: tuple[str, ...] = ("500", "503", "drop", "lost"),
+        slow_s: float = 0.5,
     ) -> None:
         self.upstream_port = upstream_port
         self.fault_rate = fault_rate
         self.random = random.Random(seed)
+        self.slow_s = slow_s
         self.faults = 0
         self.requests = 0
+        self.by_kind: dict[str, int] = {}
         self.lock = threading.Lock()
         proxy = self
 
@@ -72,6 +78,8 @@ class FaultyProxy:
                     fault = roll < proxy.fault_rate
                     kind = proxy.random.choice(kinds) if fault else ""
                     proxy.faults += fault
+                    if fault:
+                        proxy.by_kind[kind] = proxy.by_kind.get(kind, 0) + 1
                 if kind == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -88,12 +96,16 @@ class FaultyProxy:
                     self.end_headers()
                     self.wfile.write(payload)
                     return
+                if kind == "slow":
+                    time.sleep(proxy.slow_s)
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if kind == "truncate" and (self.command == "HEAD" or not data):
+                    kind = "lost"  # no body to cut short: the reply is lost instead
                 if kind == "lost":  # done upstream; the client never hears of it
                     conn.close()
                     self.close_connection = True
@@ -105,6 +117,13 @@ class FaultyProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if kind == "truncate":  # the promised length, half the bytes, then gone
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    conn.close()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()

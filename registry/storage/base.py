@@ -23,6 +23,8 @@ left behind).
 from __future__ import annotations
 
 import builtins
+import contextlib
+import errno
 import hashlib
 import os
 import queue
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from registry import faults
 from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 
 Progress = Callable[[int], None] | None
@@ -236,8 +239,19 @@ class BaseStore(ABC):
     def get_file(
         self, key: str, dest: Path, *, progress: Progress = None, version: str | None = None
     ) -> PutResult:
-        """Write the object to the new file `dest` (fsynced), returning its size and sha256."""
-        size, digest = self._get_file(check_key(key), Path(dest), progress, version)
+        """Write the object to the new file `dest` (fsynced), returning its size and sha256.
+        On failure `dest` is removed again; a full disk is a one-line error naming `dest`."""
+        dest = Path(dest)
+        existed = os.path.lexists(dest)
+        try:
+            size, digest = self._get_file(check_key(key), dest, progress, version)
+        except BaseException as exc:
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.unlink(dest)
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                raise disk_full(dest.absolute(), exc) from exc
+            raise
         return PutResult(key, size, digest, version)
 
     def sha256(self, key: str, *, progress: Progress = None, version: str | None = None) -> str:
@@ -345,6 +359,7 @@ class BaseStore(ABC):
             for piece in self._stream(key, version):
                 digest.update(piece)
                 write_all(fd, memoryview(piece))
+                faults.point("pull-write", dest)
                 size += len(piece)
                 if progress:
                     progress(len(piece))
@@ -370,6 +385,18 @@ class BaseStore(ABC):
             except (OSError, RegistryError) as exc:
                 errors[key] = str(exc)
         return freed, errors
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(path: Path, exc: OSError) -> RegistryError:
+    """A full disk (or quota) while writing `path`, as one line (exit 1)."""
+    what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "disk full"
+    return RegistryError(
+        f"{what}: no space left on the device writing {path}",
+        "free space there and retry; nothing partial was kept",
+    )
 
 
 def write_all(fd: int, view: memoryview) -> None:

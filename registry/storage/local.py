@@ -30,9 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from registry.errors import IntegrityError, NotFound, ObjectExists, RegistryError
+from registry import faults
+from registry.errors import IntegrityError, NotFound, ObjectExists
 from registry.storage.base import (
     CHUNK,
+    DISK_FULL,
     BaseStore,
     HashingSink,
     ObjectInfo,
@@ -43,6 +45,7 @@ from registry.storage.base import (
     Staged,
     Swept,
     check_key,
+    disk_full,
     write_all,
 )
 
@@ -143,12 +146,13 @@ class LocalStore(BaseStore):
         fd, temp = self._open_temp(key)
         try:
             size, digest = write(fd)
-            os.fsync(fd)
+            faults.point("store-write", self._path(key))
+            os.fsync(fd)  # a full disk often shows only here (delayed allocation)
             self._set_owner(fd, _file_mode(immutable, source_mode))
         except BaseException as exc:
             _close_temp(fd, temp)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                raise RegistryError(f"no space left writing {key}", "free space and retry") from exc
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                raise disk_full(self._path(key), exc) from exc
             raise
         return _LocalStaged(self, key, fd, temp, size, digest)
 
@@ -240,6 +244,7 @@ class LocalStore(BaseStore):
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             size, digest = _copy_path_hashing(self._path(key), fd, progress)
+            faults.point("pull-write", dest)
         finally:
             os.close(fd)
         return size, digest
@@ -334,6 +339,7 @@ class _LocalStaged(Staged):
 
     def publish(self) -> PutResult:
         final = self._store._path(self.key)
+        faults.point("store-publish", final)
         self._store._make_dirs(final.parent)
         dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -379,9 +385,10 @@ class _LocalWriter(ObjectWriter):
             self._hash.update(view)
         try:
             write_all(self._fd, view)
+            faults.point("store-write", self._store._path(self.key))
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise RegistryError(f"no space left writing {self.key}", "free space") from exc
+            if exc.errno in DISK_FULL:
+                raise disk_full(self._store._path(self.key), exc) from exc
             raise
         finally:
             if hashing is not None:
@@ -389,7 +396,12 @@ class _LocalWriter(ObjectWriter):
         self._size += len(view)
 
     def publish(self) -> PutResult:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                raise disk_full(self._store._path(self.key), exc) from exc
+            raise
         self._store._set_owner(self._fd, _file_mode(False, None))
         self._open = False
         staged = _LocalStaged(

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from registry import faults
 from registry.errors import Conflict, NotFound, ObjectExists, UsageError
 from registry.storage.base import (
     CHUNK,
@@ -242,7 +243,7 @@ class S3Store(BaseStore):
             except (ClientError, BotoCoreError) as exc:
                 if attempt == PART_RETRIES - 1 or not retryable(exc):
                     raise
-                time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+                _backoff(attempt)
         raise AssertionError("unreachable")
 
     def abort_multipart(self, full_key: str, upload_id: str) -> None:
@@ -427,29 +428,61 @@ class S3Store(BaseStore):
         except BotoCoreError as exc:
             raise translate(exc, key) from exc
 
-    def _get(self, key: str, **kwargs: Any) -> Any:
-        return self._call(
-            key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
-        )["Body"]
-
     def _read_range(self, key: str, offset: int, length: int, version: str | None) -> bytes:
+        # botocore retries a request, not the reading of its body: a body cut short (a
+        # connection lost mid-transfer) is read again here, a bounded number of times.
         span = f"bytes={offset}-{offset + length - 1}"
-        body = self._get(key, Range=span, **_version_arg(version))
-        data = self._call(key, body.read)
-        return bytearray(data)  # type: ignore[return-value]  # writable, like the local store
+        for attempt in range(PART_RETRIES):
+            try:
+                body = self.client.get_object(
+                    Bucket=self.bucket, Key=self._key(key), Range=span, **_version_arg(version)
+                )["Body"]
+                try:
+                    data = body.read()
+                finally:
+                    body.close()
+                return bytearray(data)  # type: ignore[return-value]  # writable, like local
+            except (ClientError, BotoCoreError) as exc:
+                if attempt == PART_RETRIES - 1 or not retryable(exc):
+                    raise translate(exc, key) from exc
+                _backoff(attempt)
+        raise AssertionError("unreachable")
 
     def _stream(self, key: str, version: str | None) -> Iterator[bytes]:
-        body = self._get(key, **_version_arg(version))
+        first = self._get_response(key, version)
 
         def pieces() -> Iterator[bytes]:
-            try:
-                yield from body.iter_chunks(CHUNK)
-            except (ClientError, BotoCoreError) as exc:
-                raise translate(exc, key) from exc
-            finally:
-                body.close()
+            # A body cut short is resumed where it broke, from the same object (its ETag),
+            # a bounded number of times in a row.
+            response, offset, failures = first, 0, 0
+            while True:
+                body = response["Body"]
+                try:
+                    for piece in body.iter_chunks(CHUNK):
+                        offset += len(piece)
+                        failures = 0
+                        yield piece
+                    return
+                except (ClientError, BotoCoreError) as exc:
+                    failures += 1
+                    if failures >= PART_RETRIES or not retryable(exc):
+                        raise translate(exc, key) from exc
+                finally:
+                    body.close()
+                _backoff(failures - 1)
+                response = self._get_response(
+                    key, version, Range=f"bytes={offset}-", IfMatch=first["ETag"]
+                )
 
         return pieces()
+
+    def _get_response(self, key: str, version: str | None, **kwargs: Any) -> Any:
+        return self._call(
+            key,
+            lambda: self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), **_version_arg(version), **kwargs
+            ),
+        )
 
     def _get_file(
         self, key: str, dest: Path, progress: Progress, version: str | None
@@ -470,8 +503,10 @@ class S3Store(BaseStore):
                 )
                 while len(futures) > IN_FLIGHT:
                     self._write_part(fd, futures.pop(0).result(), digest, progress)
+                    faults.point("pull-write", dest)
             for fut in futures:
                 self._write_part(fd, fut.result(), digest, progress)
+                faults.point("pull-write", dest)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -708,6 +743,10 @@ def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
     if part.get("ChecksumCRC32"):
         out["ChecksumCRC32"] = part["ChecksumCRC32"]
     return out
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
 
 
 def _version_arg(version: str | None) -> dict[str, str]:
