@@ -208,12 +208,35 @@ def verify(
         help="With --dir: the digest the registry recorded for that document (reg show: "
         "manifest_sha256, or a release's sha256).",
     ),
+    every_artifact: bool = typer.Option(
+        False,
+        "--all",
+        help="Scrub: re-hash every committed checkpoint and release, the longest unverified "
+        "first (admin).",
+    ),
+    rate: str | None = typer.Option(
+        None, "--rate", help="With --all: at most this bandwidth (e.g. 200MB/s)."
+    ),
+    every: str | None = typer.Option(
+        None, "--every", help="With --all: run forever, once per interval (e.g. 24h)."
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", min=1, help="With --all: at most this many artifacts per pass."
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Re-hash the stored copy (or, with --dir, a pulled folder); exit 1 naming each missing
-    or corrupt file."""
+    """Re-hash the stored copy (or, with --dir, a pulled folder; with --all, everything);
+    exit 1 naming each missing or corrupt file."""
     from registry.errors import UsageError
 
+    if every_artifact or rate is not None or every is not None or limit is not None:
+        if not every_artifact or ref is not None or repair or directory or sha256:
+            raise UsageError(
+                "--rate, --every and --limit go with --all, and --all with no REF or --dir",
+                "reg verify --all [--rate 200MB/s] [--every 24h] scrubs the whole registry",
+            )
+        _scrub(rate, every, limit, json_output)
+        return
     if directory is not None or sha256 is not None:
         if ref is not None or repair or directory is None:
             raise UsageError(
@@ -240,6 +263,42 @@ def verify(
         _damaged(
             f"{len(out['problems'])} damaged file(s) in {out.get('ref') or out.get('release')}",
             "the stored copy is damaged; restore it from another copy",
+            json_output,
+        )
+
+
+def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: bool) -> None:
+    from registry.lifecycle.scrub import parse_rate
+
+    bps = parse_rate(rate) if rate is not None else None
+    if every is not None:
+        from cli.schedule import repeat
+
+        def cycle() -> dict[str, object]:
+            with open_registry() as reg:
+                return reg.scrub(rate=bps, limit=limit)
+
+        repeat(every, cycle)
+        return
+    with open_registry() as reg:
+        out = reg.scrub(rate=bps, limit=limit, progress=progress_for(json_output))
+    if json_output:
+        emit_json(out)
+    else:
+        from registry.text import inert
+        from registry.timeutil import human_bytes
+
+        for d in out["damaged"]:
+            for p in d["problems"]:
+                print(f"{inert(d['target'])}: {inert(p['path'])}: {inert(p['problem'])}")
+        print(
+            f"scrubbed {out['artifacts']} artifact(s), {human_bytes(out['bytes'])} in "
+            f"{out['seconds']:.1f}s ({human_bytes(out['bytes_per_second'])}/s)"
+        )
+    if not out["ok"]:
+        _damaged(
+            f"{len(out['damaged'])} damaged artifact(s)",
+            "`reg verify REF --repair` or `reg fsck --repair` restores recorded versions",
             json_output,
         )
 

@@ -252,6 +252,19 @@ class Registry:
 
         return read.verify(self.context, parsed, repair=repair, progress=progress)
 
+    def scrub(
+        self,
+        *,
+        rate: float | None = None,
+        limit: int | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Re-hash every committed checkpoint and release (admin), the longest unverified first,
+        at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
+        from registry.lifecycle.scrub import scrub
+
+        return scrub(self.context, rate=rate, limit=limit, progress=progress)
+
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
         from registry.lifecycle.checkpoints.read import set_pin
 

@@ -23,6 +23,8 @@ RELEASE_STATUS = "release.status"
 CHECKPOINT_RESUME = "checkpoint.resume"  # a policy change changed a checkpoint's resume verdict
 CHECKPOINT_PROTECTION = "checkpoint.protection"  # pinned or unpinned: its expiry changed
 RUN_FINISHED = "run.finished"  # the training job ended (finished, failed or killed)
+CHECKPOINT_VERIFIED = "checkpoint.verified"  # every stored byte re-hashed (verify, a scrub)
+RELEASE_VERIFIED = "release.verified"
 
 
 class EventSink(Protocol):

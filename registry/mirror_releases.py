@@ -211,6 +211,7 @@ class ReleaseMirror:
             "reg.created_by": row.created_by,
             "reg.created_at": iso(row.created_at) or "",
         }
+        tags.update(verified_tags(row.verified_at, len(row.verify_findings or [])))
         if validation is not None:
             tags["reg.validation"] = "passed" if validation.passed else "failed"
             tags["reg.validation.device"] = validation.device
@@ -269,3 +270,11 @@ def _reserved(model: str, version: int, by: str | None, source: tuple[str, str])
         "no bytes are served. It turns into the release when that promotion commits.",
         (),
     )
+
+
+def verified_tags(at: float | None, damaged: int) -> dict[str, str]:
+    """The last re-hash of every stored byte, as MLflow tags (none before the first)."""
+    if at is None:
+        return {}
+    verdict = f"damaged: {damaged} file(s)" if damaged else "ok"
+    return {"reg.verified_at": iso(at) or "", "reg.verify": verdict}

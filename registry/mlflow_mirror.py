@@ -174,6 +174,16 @@ class Mirror:
                 model.model_id, {"state": "deleted", "reg.delete_reason": p.get("reason") or ""}
             )
 
+    def on_checkpoint_verified(self, p: dict[str, Any]) -> None:
+        from registry.mirror_releases import verified_tags
+
+        model = self.logged_model(p["project"], p["ref"])
+        if model is not None:
+            self.client.set_logged_model_tags(model.model_id, verified_tags(p["at"], p["damaged"]))
+
+    def on_release_verified(self, p: dict[str, Any]) -> None:
+        self.releases.changed(p["model"], p["version"])
+
     def on_release_created(self, p: dict[str, Any]) -> None:
         self.releases.created(p["model"], p["version"])
 

@@ -90,6 +90,12 @@ class Checkpoint(ClaimColumns, table=True):
     # How a save from the training loop went (registry.training): stall and persist seconds,
     # bytes, each rank's writes. None for a checkpoint pushed from a directory (migration 0011).
     save_costs: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # The last re-hash of every stored byte (`reg verify`, a scrub): when, and what it found
+    # (a list of {path, problem}; empty when every file matched). Migration 0013.
+    verified_at: float | None = None
+    verify_findings: list[dict[str, str]] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True)
+    )
 
     @classmethod
     def pending_clause(cls) -> Any:
@@ -231,6 +237,10 @@ class Release(ClaimColumns, table=True):
     status_changed_at: float | None = None
     status_changed_by: str | None = None
     stage: str = Field(default="reserved", max_length=32)
+    verified_at: float | None = None  # as on Checkpoint (migration 0013)
+    verify_findings: list[dict[str, str]] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True)
+    )
 
     @classmethod
     def pending_clause(cls) -> Any:

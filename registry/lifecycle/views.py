@@ -72,6 +72,7 @@ class CheckpointView:
             pin_reason=row.pin_reason,
             manifest_sha256=row.manifest_sha256,
             digests_reported_by=row.digests_reported_by,
+            verified=verified_json(row.verified_at, row.verify_findings),
             uri=uri,
         )
         if row.state in (DELETING, DELETED):
@@ -145,6 +146,14 @@ class ReleaseView:
             if v
             else None,
         }
+        out["verified"] = verified_json(row.verified_at, row.verify_findings)
         if uri is not None:
             out["uri"] = uri
         return out
+
+
+def verified_json(at: float | None, findings: list[dict[str, str]] | None) -> dict[str, Any] | None:
+    """The last re-hash of every stored byte (`reg verify`, a scrub); None: never since push."""
+    if at is None:
+        return None
+    return {"at": iso(at), "ok": not findings, "problems": list(findings or [])}

@@ -292,6 +292,16 @@ class RemoteRegistry(Registry):
         body = {"ref": str(_parsed(ref)), "repair": repair}
         return dict(self.client.call("POST", "/verify", body=body))
 
+    def scrub(
+        self,
+        *,
+        rate: float | None = None,
+        limit: int | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        body = {"rate": rate, "limit": limit}
+        return dict(self.client.call("POST", "/scrub", body=body))
+
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
         body = {"ref": str(ref), "pinned": True, "reason": reason}
         return dict(self.client.call("POST", "/pin", body=body))
