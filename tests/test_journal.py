@@ -1,0 +1,293 @@
+"""Losing the catalog loses no decisions (issue 17): the journal under `journal/` and its replay
+by `reg catalog rebuild`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from registry import Registry
+from registry.audit_chain import keys
+from registry.journal.event import MAX_BYTES, parse, sign
+from registry.layout import JOURNAL, journal_key
+from tests.helpers import PG_URL
+
+POLICY = """
+[promotion]
+require_device = "any"
+
+[retention]
+keep_last = 1
+ttl = "0s"
+
+[[access.grants]]
+principals = ["tester"]
+role = "admin"
+
+[[access.grants]]
+principals = ["alice"]
+role = "trainer"
+projects = ["team-a"]
+"""
+
+
+def lose_catalog(url: str) -> None:
+    """The catalog is gone: the SQLite file, or the test's own PostgreSQL schema (dropped and
+    made again empty; no other schema or database is touched)."""
+    if url.startswith("sqlite"):
+        path = Path(url.removeprefix("sqlite:///"))
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return
+    import psycopg
+
+    options = unquote(urlparse(url).query).removeprefix("options=-csearch_path=")
+    assert options.startswith("t_") and options.isidentifier(), options
+    with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {options} CASCADE")
+        conn.execute(f"CREATE SCHEMA {options}")
+
+
+def journal_keys(reg: Registry) -> list[str]:
+    return [o.key for o in reg.store.list(JOURNAL)]
+
+
+def tree(path: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def rebuild(cli) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    res = cli("catalog", "rebuild", "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+def test_drill_every_decision_survives_the_catalog(
+    catalog_url, cpu_policy, ckpts, tmp_path, cli, monkeypatch
+):
+    policy = tmp_path / "team.toml"
+    policy.write_text(POLICY)
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step, project="team-a")
+        checked = reg.validate("team-a/r@step4", device="cpu")
+        assert checked["passed"]
+        reg.promote("team-a/r@step2", model="tiny")
+        v2 = reg.promote("team-a/r@step4", model="tiny")
+        assert v2["validation"]["id"] == checked["validation_id"]
+        reg.set_alias("tiny", "prod", 2)
+        reg.set_alias("tiny", "canary", 1)
+        reg.set_alias("tiny", "canary", 2)
+        reg.yank("tiny:v1", reason="bad eval")
+        reg.pin("team-a/r@step2", reason="the paper's numbers")
+        reg.pull_release("tiny:v2", tmp_path / "before")
+        history = reg.show("tiny:v2")["alias_history"]
+    assert cli("policy", "apply", str(policy)).returncode == 0
+    monkeypatch.delenv("REG_POLICY")
+    yanked = cli("pull-release", "tiny:v1", str(tmp_path / "y0"))
+    assert yanked.returncode == 5, yanked.stderr
+    assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+    with Registry() as reg:
+        written = journal_keys(reg)
+        kinds = sorted(parse(reg.store.get_bytes(k), k).kind for k in written)
+    assert kinds == sorted(["validation"] * 2 + ["alias"] * 3 + ["yank", "pin", "policy"]), (
+        kinds
+    )  # promote ran step2's validation itself
+
+    lose_catalog(catalog_url)
+    assert (
+        cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 0
+    )  # single-user mode, for now
+    out = rebuild(cli)
+    assert out["releases_added"] == ["tiny:v1", "tiny:v2"]
+    assert out["events_replayed"] == {
+        "alias": 3,
+        "pin": 1,
+        "policy": 1,
+        "validation": 2,
+        "yank": 1,
+    }
+    assert out["events_skipped"] == [] and out["events_aborted"] == 0
+    assert out["not_recoverable"] == "the audit log lives only in the catalog"
+
+    # grants hold: a principal without one is denied, one with one is not
+    denied = cli("policy", "show", env={"REG_USER": "mallory"})
+    assert denied.returncode == 4, denied.stderr
+    assert cli("ls", env={"REG_USER": "alice"}).returncode == 0
+    # the yanked release stays unpullable, the active one pulls bit-exact, aliases resolve
+    again = cli("pull-release", "tiny:v1", str(tmp_path / "y1"))
+    assert again.returncode == 5 and "yanked: bad eval" in again.stderr
+    assert cli("pull-release", "tiny@prod", str(tmp_path / "after")).returncode == 0
+    assert tree(tmp_path / "after") == tree(tmp_path / "before")
+    with Registry() as reg:
+        assert journal_keys(reg) == written  # replaying wrote no new events
+        shown = reg.show("tiny@canary")
+        assert shown["version"] == 2 and set(shown["aliases"]) == {"canary", "prod"}
+        assert shown["alias_history"] == history
+        # the validation is back: linked to v2, and the promotion gate takes it (no new one)
+        assert shown["validation"]["passed"] and shown["validation"]["device"] == "cpu"
+        step4 = reg.show("team-a/r@step4")
+        pinned = reg.show("team-a/r@step2")
+        assert pinned["pinned"] and pinned["pin_reason"] == "the paper's numbers"
+        other = reg.promote("team-a/r@step4", model="tiny-copy")
+        assert other["validation"]["id"] == shown["validation"]["id"]
+        assert len(journal_keys(reg)) == len(written)  # no validation ran, none recorded
+        # the pin holds: GC under the replayed policy (keep_last 1, ttl 0s) keeps step2
+        plan = {d["ref"]: d for d in reg.gc()["decisions"]}
+        assert plan["team-a/r@step2"]["action"] == "keep", plan
+        assert "pinned" in plan["team-a/r@step2"]["reason"]
+        assert reg.show("team-a/r@step2")["state"] == "committed"
+    assert step4["step"] == 4
+
+    # a second rebuild changes nothing
+    twice = rebuild(cli)
+    assert twice["checkpoints_added"] == [] and twice["releases_added"] == []
+    assert twice["events_replayed"] == {}
+    assert twice["events_current"] == {
+        "alias": 3,
+        "pin": 1,
+        "policy": 1,
+        "validation": 2,
+        "yank": 1,
+    }
+
+
+def test_unsigned_and_forged_events_are_refused_with_a_key(ckpts, cli, clean_env):
+    key_path = clean_env / "audit.key"
+    assert keys.create(key_path)
+    key = keys.read(key_path)
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.pin("r@step2", reason="keep")
+        (genuine,) = journal_keys(reg)
+        event = parse(reg.store.get_bytes(genuine), genuine)
+        assert event.key_id == keys.key_id(key) and event.mac is not None
+        body = dict(event.body())
+        # an unpin nobody signed, a pin whose content was changed after signing, and one
+        # signed under another key
+        unsigned = dict(body, id=f"{2 * 10**18:020d}-{'a' * 32}", kind="unpin", fact={})
+        unsigned.update(key_id=None)
+        altered = dict(
+            body, id=f"{2 * 10**18 + 1:020d}-{'b' * 32}", target=dict(body["target"], step=4)
+        )
+        other = b"\x01" * 32
+        alien = dict(body, id=f"{2 * 10**18 + 2:020d}-{'c' * 32}", key_id=keys.key_id(other))
+        for doc, mac in (
+            (unsigned, None),
+            (altered, event.mac),
+            (alien, sign(alien, other)),
+        ):
+            ns, uid = doc["id"].split("-")
+            raw = json.dumps(doc | {"mac": mac}).encode()
+            reg.store.put_bytes(journal_key(int(ns), uid), raw)
+        home = reg.settings.home
+    lose_catalog(f"sqlite:///{home / 'catalog.db'}")
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"pin": 1}
+    reasons = sorted(s["reason"] for s in out["events_skipped"])
+    assert len(reasons) == 3
+    assert "unsigned, and this registry has an audit key" in reasons
+    assert "its signature does not match its content (forged or altered)" in reasons
+    assert any(r.startswith("signed with another key") for r in reasons)
+    with Registry() as reg:
+        assert reg.show("r@step2")["pinned"]  # the forged unpin was not taken
+        assert not reg.show("r@step4")["pinned"]  # nor the altered pin
+
+
+def test_malformed_events_are_skipped_and_reported(cli, tmp_path, clean_env):
+    policy = tmp_path / "p.toml"
+    policy.write_text(POLICY)
+    assert cli("policy", "apply", str(policy)).returncode == 0
+    with Registry() as reg:
+        (genuine,) = journal_keys(reg)
+        good = json.loads(reg.store.get_bytes(genuine))
+        ids = [f"{10**18 + n:020d}-{n:032x}" for n in range(6)]
+        bad = [
+            b"{nope",
+            b'{"format": "reg.event/1", "format": "reg.event/1"}',
+            json.dumps(dict(good, id=ids[2], ts=float("nan"))).encode(),
+            b" " * (MAX_BYTES + 1),
+            json.dumps(dict(good, id=ids[4], kind="grant-everyone")).encode(),
+            b"[]",
+        ]
+        for ident, data in zip(ids, bad, strict=True):
+            ns, uid = ident.split("-")
+            reg.store.put_bytes(journal_key(int(ns), uid), data)
+        reg.store.put_bytes("journal/elsewhere.json", json.dumps(good).encode())
+        reg.store.put_bytes(  # a genuine event copied under another name (moved in time)
+            journal_key(10**18 + 99, "f" * 32), json.dumps(good).encode()
+        )
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"policy": 1}
+    reasons = " | ".join(s["reason"] for s in out["events_skipped"])
+    assert len(out["events_skipped"]) == len(bad) + 2, reasons
+    for text in (
+        "not JSON",
+        "appears twice",
+        "NaN is not a finite number",
+        f"over {MAX_BYTES}: not read",
+        "kind is 'grant-everyone'",
+        "is not a JSON object",
+        "not where a journal event is kept",
+        "not the name it is stored under",
+    ):
+        assert text in reasons, text
+    human = cli("catalog", "rebuild")
+    assert human.returncode == 0 and "Traceback" not in human.stderr
+    assert "not where a journal event is kept" in human.stderr
+    assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+
+
+def test_a_failed_catalog_commit_is_not_resurrected(cli, tmp_path, clean_env, monkeypatch):
+    from sqlmodel import Session
+
+    from registry.errors import RegistryError
+
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text(POLICY)
+    second.write_text(POLICY.replace('"alice"', '"alice", "mallory"'))
+    with Registry() as reg:
+        reg.apply_policy(first)
+    from registry.lifecycle import policy_admin
+
+    real_commit, real_record = Session.commit, policy_admin.journal_record
+    armed = []
+
+    def record(*args, **kwargs):  # type: ignore[no-untyped-def]
+        written = real_record(*args, **kwargs)
+        armed.append(written)  # the event is in the store; now the commit fails
+        return written
+
+    def commit(self):  # type: ignore[no-untyped-def]
+        if armed:
+            armed.clear()
+            raise RegistryError("the catalog went away", "retry")
+        return real_commit(self)
+
+    monkeypatch.setattr(policy_admin, "journal_record", record)
+    monkeypatch.setattr(Session, "commit", commit)
+    with Registry() as reg, pytest.raises(RegistryError, match="went away"):
+        reg.apply_policy(second)
+    monkeypatch.setattr(Session, "commit", real_commit)
+    monkeypatch.setattr(policy_admin, "journal_record", real_record)
+    with Registry() as reg:
+        kinds = [parse(reg.store.get_bytes(k), k).kind for k in journal_keys(reg)]
+        assert kinds == ["policy", "policy", "aborted"]
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"policy": 1} and out["events_aborted"] == 1
+    assert (
+        cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+    )  # b.toml never took effect
+    with Registry() as reg:
+        assert reg.policy.text == POLICY
