@@ -173,3 +173,19 @@ def test_fsck_is_an_admin_action_through_the_server(reg_server, cli):
     res = cli("fsck", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["clean"]
+
+
+def test_repairs_wait_for_a_running_gc(filled, cli):
+    from registry.catalog import leases
+
+    (_store() / "ckpt/default/r/step-4/stray.bin").write_bytes(b"x")
+    shard = sorted((_store() / "ckpt/default/r/step-2").glob("*.distcp"))[0]
+    shard.chmod(0o644)
+    shard.write_bytes(b"other")
+    token, _ = leases.try_acquire(filled.catalog, "gc", "someone-else", 600)
+    assert token is not None
+    for args in (["fsck", "--repair"], ["verify", "r@step2", "--repair"]):
+        res = cli(*args)
+        assert res.returncode == 5, res.stderr
+        assert "another GC is running: someone-else" in res.stderr and "Traceback" not in res.stderr
+    assert (_store() / "ckpt/default/r/step-4/stray.bin").exists()  # nothing was done

@@ -1,7 +1,7 @@
 """`reg verify [--repair]` and scrubs (`reg verify --all`): re-hash an artifact's stored files
 against the catalog's records, and on a versioned bucket restore each damaged one from the
 version its record names (after proving that version still holds the recorded bytes). Repair is
-an admin action, audited.
+an admin action, audited, and holds the GC lease (never beside a GC or `reg fsck --repair`).
 
 Every complete re-hash is recorded on the artifact's row (`verified_at`, `verify_findings`),
 shown by `reg show` and mirrored to MLflow; findings are audited. A scrub re-hashes every
@@ -71,7 +71,11 @@ def verify_files(
         out["repaired"] = []
     if repair and problems:
         ctx.authorize("repair", target=name, **scope)
-        repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)
+        from registry.catalog import leases
+        from registry.lifecycle import gc
+
+        with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
+            repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)
         with ctx.catalog.session(write=True) as s:
             ctx.audit(s, "repair", name, repaired=repaired, left=len(left))
         after = verify_stored(
