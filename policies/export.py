@@ -5,7 +5,10 @@ the bucket credentials bypasses them. The exported policy closes that at the sto
 writes only under `ckpt/<project>/` for trainers of that project, reads as granted, no delete or
 unconditional overwrite under `release/` for anyone but admins, and the audit chain's anchors
 under `audit/` write-once for everyone (admins included: an anchor is evidence against whoever
-holds the database, and the server writes each with If-None-Match).
+holds the database, and the server writes each with If-None-Match). The decision journal under
+`journal/` (registry.journal) is the same: written once, by whoever may make a decision (trainers
+and up; the server, behind `reg server`), and never deleted, since a rebuild of the catalog
+replays it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ def bucket_policy(
                     "Resource": projects,
                 }
             )
+        if gives(grant.role, "trainer"):  # pins, validations, aliases, deprecations
+            statements.append(
+                {
+                    "Sid": f"Grant{n}WriteJournal",
+                    "Effect": "Allow",
+                    "Principal": who,
+                    "Action": "s3:PutObject",
+                    "Resource": f"{base}journal/*",
+                }
+            )
         if gives(grant.role, "releaser"):
             statements.append(
                 {
@@ -135,6 +148,25 @@ def bucket_policy(
             "Principal": "*",
             "Action": "s3:PutObject",
             "Resource": f"{base}audit/*",
+            "Condition": {"Null": {"s3:if-none-match": "true"}},
+        }
+    )
+    statements.append(
+        {
+            "Sid": "JournalIsNeverDeleted",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": ["s3:DeleteObject", "s3:DeleteObjectVersion"],
+            "Resource": f"{base}journal/*",
+        }
+    )
+    statements.append(
+        {
+            "Sid": "JournalWritesAreWriteOnce",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": f"{base}journal/*",
             "Condition": {"Null": {"s3:if-none-match": "true"}},
         }
     )

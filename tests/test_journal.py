@@ -291,3 +291,38 @@ def test_a_failed_catalog_commit_is_not_resurrected(cli, tmp_path, clean_env, mo
     )  # b.toml never took effect
     with Registry() as reg:
         assert reg.policy.text == POLICY
+
+
+def test_the_server_signs_what_it_journals_and_refuses_what_it_did_not(reg_server, cli):
+    """Behind `reg server` the server writes the journal, signed with its audit key; an event
+    put into the store by anyone else (store credentials, no key) is not replayed."""
+    from registry.config import Settings
+    from registry.journal.event import signature_problem
+
+    with Registry(Settings.from_env(reg_server.env)) as direct:
+        # `reg server init`'s policy (its admin grant), then the fixture's team policy
+        key = keys.read(direct.settings.audit_key_path)
+        events = [parse(direct.store.get_bytes(k), k) for k in journal_keys(direct)]
+        assert [(e.kind, e.target, e.actor) for e in events] == [
+            ("policy", {"version": 1}, "admin"),
+            ("policy", {"version": 2}, "admin"),
+        ]
+        assert all(signature_problem(e, key) is None for e in events)
+        event = events[-1]
+        forged = dict(
+            event.body(),
+            id=f"{event.id[:-32]}{'e' * 32}",
+            target={"version": 3},
+            fact={"text": POLICY, "sha256": hashlib.sha256(POLICY.encode()).hexdigest()},
+            key_id=None,
+        )
+        ns, uid = forged["id"].split("-")
+        direct.store.put_bytes(
+            journal_key(int(ns), uid), json.dumps(forged | {"mac": None}).encode()
+        )
+    out = rebuild(cli)
+    assert out["events_current"] == {"policy": 2} and out["events_replayed"] == {}
+    (skipped,) = out["events_skipped"]
+    assert skipped["reason"] == "unsigned, and this registry has an audit key"
+    shown = json.loads(cli("policy", "show", "--json").stdout)
+    assert shown["source"].startswith("catalog policy v2")

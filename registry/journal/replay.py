@@ -20,6 +20,7 @@ whose release.json is gone, a collected checkpoint) is skipped and reported.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ from registry.catalog.models import (
     Release,
     Validation,
 )
-from registry.errors import InvalidDocument, RegistryError
+from registry.errors import InvalidDocument, PolicyError, RegistryError
 from registry.journal.event import (
     ABORTED,
     ALIAS,
@@ -56,6 +57,7 @@ from registry.journal.event import (
     signature_problem,
 )
 from registry.layout import JOURNAL
+from registry.storage.base import ObjectInfo
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -97,28 +99,36 @@ class Replay:
 
 
 def read(ctx: Context, *, dry_run: bool) -> Replay:
+    """Every event in the store that may be replayed (read `ctx.workers` at a time)."""
     out = Replay(dry_run)
     found: list[Event] = []
-    for obj in ctx.store.list(JOURNAL):
-        if obj.size > MAX_BYTES:
-            out.skip(obj.key, f"{obj.size} bytes, over {MAX_BYTES}: not read")
-            continue
-        try:
-            e = parse(_read_capped(ctx, obj.key), obj.key)
-        except InvalidDocument as exc:
-            out.skip(obj.key, exc.message)
-            continue
-        problem = signature_problem(e, ctx.audit_key)
-        if problem is not None:
-            out.skip(obj.key, problem)
-            continue
-        found.append(e)
+    objects = list(ctx.store.list(JOURNAL))
+    with ThreadPoolExecutor(max_workers=max(1, ctx.workers)) as pool:
+        loaded = list(pool.map(lambda obj: _load(ctx, obj), objects))
+    for obj, result in zip(objects, loaded, strict=True):
+        if isinstance(result, str):
+            out.skip(obj.key, result)
+        else:
+            found.append(result)
     aborted = {e.target["event"] for e in found if e.kind == ABORTED}
     out.aborted = len(aborted & {e.id for e in found})
     out.events = sorted(
         (e for e in found if e.kind != ABORTED and e.id not in aborted), key=lambda e: e.id
     )
     return out
+
+
+def _load(ctx: Context, obj: ObjectInfo) -> Event | str:
+    """The event, or why it is not taken."""
+    if obj.size > MAX_BYTES:
+        return f"{obj.size} bytes, over {MAX_BYTES}: not read"
+    try:
+        e = parse(_read_capped(ctx, obj.key), obj.key)
+    except InvalidDocument as exc:
+        return exc.message
+    except RegistryError as exc:  # gone since it was listed, or the store failed
+        return f"cannot be read: {exc.message}"
+    return signature_problem(e, ctx.audit_key) or e
 
 
 def _read_capped(ctx: Context, key: str) -> bytes:
@@ -243,7 +253,8 @@ def _validation(s: Session, e: Event, out: Replay) -> str:
             checks=f["checks"],
             created_at=e.ts,
             created_by=e.actor,
-            attested=f["attested"],
+            # attested only where the server's signature proves the server recorded it
+            attested=f["attested"] and e.mac is not None,
             model_path=f["model_path"],
             mode=f["mode"],
             driver=f["driver"],
@@ -265,7 +276,10 @@ def _policy(s: Session, e: Event, out: Replay) -> str:
         if row.sha256 != digest:
             raise Skip(f"the catalog's policy v{version} is another document ({row.sha256[:12]})")
         return CURRENT
-    parse_policy(text, f"{e.key} (policy v{version})")  # a PolicyError is reported, not kept
+    try:
+        parse_policy(text, f"policy v{version}")
+    except PolicyError as exc:  # a policy this reg cannot read would lock every client out
+        raise Skip(f"the policy does not read: {exc.message}") from None
     if out.dry_run:
         return REPLAYED
     s.add(

@@ -31,7 +31,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
     from registry.lifecycle.policy_admin import apply_text
     from registry.policy_source import EffectivePolicy
     from registry.principal import Principal
-    from registry.storage.memory import MemoryStore
+    from registry.storage import open_store
     from registry.tokens import mint
 
     checked_user(admin, "--admin")
@@ -49,7 +49,8 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
             )
             ctx = Context(
                 catalog=catalog,
-                store=MemoryStore(),  # applying a policy touches no object
+                # the policy (its grants) goes to the store's journal, as every apply does
+                store=open_store(settings.store_url),
                 policy=policy,
                 principal=Principal.under(admin, f"reg server init by {operator}", policy),
                 events=Outbox(settings),
