@@ -115,7 +115,9 @@ class FaultyProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's reply has no body: its Content-Length is the object's size.
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if kind == "truncate":  # the promised length, half the bytes, then gone
                     self.wfile.write(data[: len(data) // 2])

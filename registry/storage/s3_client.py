@@ -86,7 +86,7 @@ def translate(exc: BaseException, key: str) -> RegistryError:
         return RegistryError(
             f"S3 error on {key or 'the bucket'}: {code}: "
             f"{exc.response.get('Error', {}).get('Message', '')}",
-            "retry; a failed push leaves nothing visible",
+            "retry; a failed operation leaves nothing half-visible",
         )
     return RegistryError(
         f"cannot reach S3 for {key or 'the bucket'}: {exc}",
