@@ -88,6 +88,9 @@ def test_drill_every_decision_survives_the_catalog(
         reg.set_alias("tiny", "canary", 2)
         reg.yank("tiny:v1", reason="bad eval")
         reg.pin("team-a/r@step2", reason="the paper's numbers")
+        reg.pin("team-a/r@step4", reason="for a while")
+        reg.unpin("team-a/r@step4")
+        reg.deprecate("tiny:v2")
         reg.pull_release("tiny:v2", tmp_path / "before")
         history = reg.show("tiny:v2")["alias_history"]
     assert cli("policy", "apply", str(policy)).returncode == 0
@@ -98,23 +101,24 @@ def test_drill_every_decision_survives_the_catalog(
     with Registry() as reg:
         written = journal_keys(reg)
         kinds = sorted(parse(reg.store.get_bytes(k), k).kind for k in written)
-    assert kinds == sorted(["validation"] * 2 + ["alias"] * 3 + ["yank", "pin", "policy"]), (
-        kinds
-    )  # promote ran step2's validation itself
+    assert kinds == sorted(
+        ["validation"] * 2 + ["alias"] * 3 + ["yank", "pin", "pin", "unpin", "deprecate", "policy"]
+    ), kinds  # promote ran step2's validation itself
 
     lose_catalog(catalog_url)
-    assert (
-        cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 0
-    )  # single-user mode, for now
+    single_user = cli("policy", "show", env={"REG_USER": "mallory"})
+    assert single_user.returncode == 0  # no policy applied: everyone is admin, for now
     out = rebuild(cli)
     assert out["releases_added"] == ["tiny:v1", "tiny:v2"]
     assert out["events_replayed"] == {
         "alias": 3,
+        "deprecate": 1,
         "pin": 1,
         "policy": 1,
         "validation": 2,
         "yank": 1,
     }
+    assert out["events_current"] == {"pin": 1, "unpin": 1}  # step4: pinned, then unpinned
     assert out["events_skipped"] == [] and out["events_aborted"] == 0
     assert out["not_recoverable"] == "the audit log lives only in the catalog"
 
@@ -137,6 +141,7 @@ def test_drill_every_decision_survives_the_catalog(
         step4 = reg.show("team-a/r@step4")
         pinned = reg.show("team-a/r@step2")
         assert pinned["pinned"] and pinned["pin_reason"] == "the paper's numbers"
+        assert not step4["pinned"] and shown["status"] == "deprecated"
         other = reg.promote("team-a/r@step4", model="tiny-copy")
         assert other["validation"]["id"] == shown["validation"]["id"]
         assert len(journal_keys(reg)) == len(written)  # no validation ran, none recorded
@@ -153,8 +158,10 @@ def test_drill_every_decision_survives_the_catalog(
     assert twice["events_replayed"] == {}
     assert twice["events_current"] == {
         "alias": 3,
-        "pin": 1,
+        "deprecate": 1,
+        "pin": 2,
         "policy": 1,
+        "unpin": 1,
         "validation": 2,
         "yank": 1,
     }
