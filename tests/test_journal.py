@@ -333,3 +333,42 @@ def test_the_server_signs_what_it_journals_and_refuses_what_it_did_not(reg_serve
     assert skipped["reason"] == "unsigned, and this registry has an audit key"
     shown = json.loads(cli("policy", "show", "--json").stdout)
     assert shown["source"].startswith("catalog policy v2")
+
+
+def test_an_event_reads_back_as_signed():
+    """The MAC is checked over the event as stored: whole numbers where floats are read still
+    verify; a reason may be empty; an aborted event must name an event id."""
+    from dataclasses import replace
+
+    from registry.errors import InvalidDocument
+    from registry.journal.event import Event, signature_problem
+
+    key = b"\x07" * 32
+    fact = {
+        "validation_id": 3,
+        "passed": True,
+        "device": "cpu",
+        "device_name": "",
+        "torch_version": "2.13.0",
+        "world_size": 1,
+        "seconds": 2,
+        "phases": {"load": 1},
+        "checks": [{"name": "finite", "passed": True, "detail": {"n": [1, 2]}}],
+        "attested": False,
+        "model_path": "",
+        "mode": "streamed",
+        "driver": None,
+    }
+    target = {"project": "default", "run": "r", "step": 0}
+    made = Event(f"{10**18:020d}-{'0' * 32}", "validation", 1, "a", target, fact, keys.key_id(key))
+    made = replace(made, mac=sign(made.body(), key))
+    back = parse(made.to_bytes(), made.key)
+    assert signature_problem(back, key) is None
+    assert back.fact["phases"] == {"load": 1.0} and back.fact["seconds"] == 2.0
+    pin = Event(f"{10**18 + 1:020d}-{'1' * 32}", "pin", 1.5, "a", target, {"reason": ""})
+    assert parse(pin.to_bytes(), pin.key).fact == {"reason": ""}
+    aborted = Event(
+        f"{10**18 + 2:020d}-{'2' * 32}", "aborted", 2.0, "a", {"event": "9" * 40}, {"error": ""}
+    )
+    with pytest.raises(InvalidDocument, match="target.event is '9999"):
+        parse(aborted.to_bytes(), aborted.key)

@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ PIN, UNPIN, YANK, DEPRECATE = "pin", "unpin", "yank", "deprecate"
 ALIAS, POLICY, VALIDATION, ABORTED = "alias", "policy", "validation", "aborted"
 KINDS = (PIN, UNPIN, YANK, DEPRECATE, ALIAS, POLICY, VALIDATION, ABORTED)
 _DOMAIN = b"reg.journal.event/1\n"
+_ID = re.compile(r"[0-9]{20}-[0-9a-f]{32}")
 _VALIDATION_FACT = (
     "validation_id passed device device_name torch_version world_size seconds phases checks "
     "attested model_path mode driver"
@@ -56,6 +58,9 @@ class Event:
     fact: dict[str, Any]
     key_id: str | None = None
     mac: str | None = field(default=None, compare=False)
+    # what was read, less the mac: the MAC is checked over it as stored (the parsed fields
+    # are normalized, 3 -> 3.0, and would no longer be the signed bytes)
+    stored: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:
@@ -103,7 +108,8 @@ def signature_problem(event: Event, key: bytes | None) -> str | None:
         return "unsigned, and this registry has an audit key"
     if event.key_id != key_id(key):
         return f"signed with another key (key id {event.key_id}, this registry's {key_id(key)})"
-    if not same(event.mac, sign(event.body(), key)):
+    body = event.stored if event.stored is not None else event.body()
+    if not same(event.mac, sign(body, key)):
         return "its signature does not match its content (forged or altered)"
     return None
 
@@ -164,7 +170,7 @@ def parse(data: bytes, key: str) -> Event:
         raise r.error("format", f"is {doc.get('format')!r}; this reg reads {FORMAT}")
     r.keys(doc, "format id kind ts actor target fact key_id mac")
     ident = r.text(doc["id"], "id")
-    if ident != f"{place[0]:020d}-{place[1]}":
+    if ident != f"{place[0]:020d}-{place[1]}":  # the name is signed: no moving it in time
         raise r.error("id", f"is {ident!r}, not the name it is stored under")
     kind = doc["kind"]
     if kind not in KINDS:
@@ -182,6 +188,7 @@ def parse(data: bytes, key: str) -> Event:
         fact=_fact(r, kind, doc["fact"]),
         key_id=key_id,
         mac=mac,
+        stored={k: v for k, v in doc.items() if k != "mac"},
     )
 
 
@@ -204,8 +211,7 @@ def _target(r: StrictReader, kind: str, value: Any) -> dict[str, Any]:
         return {"version": r.integer(t["version"], "target.version", minimum=1, maximum=2**31)}
     t = r.mapping(value, "target", "event")
     other = r.text(t["event"], "target.event")
-    ns, _, uid = other.partition("-")
-    if not ns.isdigit() or parse_journal_key(journal_key(int(ns), uid)) is None:
+    if not _ID.fullmatch(other):
         raise r.error("target.event", f"is {other!r}, not an event id")
     return {"event": other}
 
@@ -213,7 +219,7 @@ def _target(r: StrictReader, kind: str, value: Any) -> dict[str, Any]:
 def _fact(r: StrictReader, kind: str, value: Any) -> dict[str, Any]:
     if kind in (PIN, YANK, DEPRECATE):
         f = r.mapping(value, "fact", "reason")
-        reason = r.optional(f["reason"], r.text, "fact.reason")
+        reason = r.optional(f["reason"], lambda v, k: _string(r, v, k), "fact.reason")
         if kind == YANK and reason is None:
             raise r.error("fact.reason", "is missing: a yank has a reason")
         return {"reason": reason}

@@ -128,6 +128,8 @@ def _load(ctx: Context, obj: ObjectInfo) -> Event | str:
         return exc.message
     except RegistryError as exc:  # gone since it was listed, or the store failed
         return f"cannot be read: {exc.message}"
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # a reader's gap
+        return f"cannot be parsed: {type(exc).__name__}: {str(exc)[:200]}"
     return signature_problem(e, ctx.audit_key) or e
 
 
