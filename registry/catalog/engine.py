@@ -10,6 +10,13 @@ a session, and alembic only when the schema is behind.
 
 SQLite write transactions start with `BEGIN IMMEDIATE`, so a writer waits for the lock (busy
 timeout) up front instead of failing when a read transaction later tries to upgrade.
+
+PostgreSQL connections are pinged before use (a server restart leaves the pool's connections
+dead), and once this process has reached the database, a new connection that is refused waits
+for it to come back (a restart, a failover) for up to REG_CATALOG_RECONNECT seconds (default 30)
+before the command fails with one line saying the catalog is unavailable. A catalog never
+reached fails at once. A transaction whose connection dies under it is not replayed (it may have
+committed): it fails with that one line, and the operations are safe to run again.
 """
 
 from __future__ import annotations
@@ -93,6 +100,13 @@ class Catalog:
                 raw = self.engine.raw_connection()
                 try:
                     yield raw, "%s"
+                except BaseException:
+                    # Never hand a connection that failed back to the pool: resetting a dead
+                    # one logs a traceback (the server restarted under it), and the next
+                    # checkout reconnects anyway.
+                    with contextlib.suppress(Exception):
+                        raw.invalidate()
+                    raise
                 finally:
                     raw.close()
 
@@ -107,6 +121,8 @@ class Catalog:
         except sqlite3.OperationalError as exc:
             raise self._translated(exc, str(exc)) from exc
         except Exception as exc:
+            if _is_driver_operational(exc):  # a raw DB-API connection's (dbapi())
+                raise self._translated(exc, str(exc)) from exc
             orig = getattr(exc, "orig", None)
             if orig is None or type(exc).__module__.split(".")[0] != "sqlalchemy":
                 raise
@@ -148,11 +164,13 @@ class Catalog:
 
         if not self.is_sqlite:
             try:
-                return create_engine(self.url, pool_pre_ping=True)
+                pg = create_engine(self.url, pool_pre_ping=True)
             except Exception as exc:  # bad URL or missing driver
                 raise RegistryError(
                     redact(f"cannot open catalog {self.url!r}: {exc}"), "check REG_CATALOG_URL"
                 ) from exc
+            _wait_for_reconnects(pg, _reconnect_wait())
+            return pg
         engine = create_engine(self.url, creator=self._sqlite_connect)
 
         @event.listens_for(engine, "begin")
@@ -287,6 +305,51 @@ class Catalog:
                 conn.commit()
         finally:
             _WRITE.reset(token)
+
+
+def _reconnect_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get("REG_CATALOG_RECONNECT") or 30))
+    except ValueError:
+        raise RegistryError(
+            f"REG_CATALOG_RECONNECT={os.environ['REG_CATALOG_RECONNECT']!r} is not a number "
+            "of seconds"
+        ) from None
+
+
+def _wait_for_reconnects(engine: Engine, wait_s: float) -> None:
+    """Once a first connection succeeded, a refused new one is retried for `wait_s` seconds:
+    the database restarting or failing over, not a wrong URL."""
+    import threading
+    import time
+
+    from sqlalchemy import event
+
+    reached = threading.Event()
+
+    @event.listens_for(engine, "connect")
+    def _connected(dbapi_connection: Any, record: Any) -> None:
+        reached.set()
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
+        if not reached.is_set():
+            return None  # the dialect's own connect: a catalog never reached fails at once
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return dialect.connect(*cargs, **cparams)
+            except dialect.loaded_dbapi.OperationalError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.25)
+
+
+def _is_driver_operational(exc: BaseException) -> bool:
+    return any(
+        c.__name__ == "OperationalError" and c.__module__.split(".")[0] == "psycopg"
+        for c in type(exc).__mro__
+    )
 
 
 def _check_known(revision: str | None) -> None:
