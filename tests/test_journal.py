@@ -372,3 +372,15 @@ def test_an_event_reads_back_as_signed():
     )
     with pytest.raises(InvalidDocument, match="target.event is '9999"):
         parse(aborted.to_bytes(), aborted.key)
+
+
+def test_the_journal_on_s3(s3_env, cli, tmp_path, clean_env):
+    policy = tmp_path / "p.toml"
+    policy.write_text(POLICY)
+    assert cli("policy", "apply", str(policy)).returncode == 0
+    with Registry() as reg:
+        (written,) = journal_keys(reg)
+        assert reg.store.describe(written).startswith(s3_env)
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    assert rebuild(cli)["events_replayed"] == {"policy": 1}
+    assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4

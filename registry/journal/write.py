@@ -81,7 +81,8 @@ def _put(
             f"{made.describe()}: {len(data)} bytes to journal, over {MAX_BYTES}; refused",
             "a policy or validation that large is not one reg writes; make it smaller",
         )
-    ctx.store.put_bytes(made.key, data)
+    # immutable: read-only on a local store, Object Lock (as releases) where the bucket has it
+    ctx.store.put_bytes(made.key, data, immutable=True)
     return made
 
 
