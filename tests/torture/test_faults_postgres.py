@@ -176,6 +176,7 @@ def _finish(proc: subprocess.Popen[str], moment: str) -> tuple[int, str]:
 
 
 def _check_outcome(rc: int, err: str, moment: str, must_complete: bool) -> None:
+    print(f"{moment}: exit {rc} {err.strip()}")  # the figures of a run (pytest -s)
     assert "Traceback" not in err, f"{moment}: a traceback instead of one line:\n{err}"
     if rc == 0:
         return
