@@ -384,3 +384,51 @@ def test_the_journal_on_s3(s3_env, cli, tmp_path, clean_env):
     lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
     assert rebuild(cli)["events_replayed"] == {"policy": 1}
     assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+
+
+def test_backfill_journals_what_an_older_registry_decided(
+    cpu_policy, ckpts, tmp_path, cli, clean_env, monkeypatch
+):
+    """A registry from before the journal: its decisions are only in the catalog until
+    `backfill` writes them (with their rows' times and authors); then a lost catalog loses
+    none of them, and a second backfill writes nothing."""
+    import shutil
+
+    from registry.journal.backfill import backfill
+
+    policy = tmp_path / "team.toml"
+    policy.write_text(POLICY)
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+        reg.validate("r@step4", device="cpu")
+        reg.promote("r@step4", model="tiny", alias="prod")
+        reg.promote("r@step2", model="tiny")
+        reg.deprecate("tiny:v2")
+        reg.pin("r@step2", reason="keep")
+        reg.apply_policy(policy)
+    monkeypatch.delenv("REG_POLICY")
+    shutil.rmtree(clean_env / "store" / "journal")  # as if written before the journal
+    with Registry() as reg:
+        dry = backfill(reg.context, dry_run=True)
+        assert not journal_keys(reg)
+        out = backfill(reg.context)
+        assert out == dict(dry, applied=True)
+        assert out["events_written"] == {
+            "alias": 1,
+            "deprecate": 1,
+            "pin": 1,
+            "policy": 1,
+            "validation": 2,
+        }
+        assert backfill(reg.context)["events_written"] == {}
+        before = reg.show("tiny@prod")
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    rebuilt = rebuild(cli)
+    assert rebuilt["events_replayed"] == out["events_written"], rebuilt
+    assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+    with Registry() as reg:
+        after = reg.show("tiny@prod")
+        assert after["validation"]["passed"] and after["alias_history"] == before["alias_history"]
+        assert reg.show("tiny:v2")["status"] == "deprecated"
+        assert reg.show("r@step2")["pinned"]

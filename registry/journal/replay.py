@@ -112,8 +112,10 @@ def read(ctx: Context, *, dry_run: bool) -> Replay:
             found.append(result)
     aborted = {e.target["event"] for e in found if e.kind == ABORTED}
     out.aborted = len(aborted & {e.id for e in found})
+    # in the order they were decided (an event's time is the catalog row's; a backfilled
+    # event is written late but carries its row's time), then as written
     out.events = sorted(
-        (e for e in found if e.kind != ABORTED and e.id not in aborted), key=lambda e: e.id
+        (e for e in found if e.kind != ABORTED and e.id not in aborted), key=lambda e: (e.ts, e.id)
     )
     return out
 

@@ -28,6 +28,7 @@ from registry.refs import parse_checkpoint_ref
 if TYPE_CHECKING:
     from sqlmodel import Session
 
+    from registry.catalog.models import Validation
     from registry.context import Context
 
 
@@ -42,9 +43,28 @@ def record(
 ) -> Event:
     """Write the event now; mark it aborted if `session`'s transaction ends uncommitted.
     `ts` is the time the catalog row records (so a replay can recognize the row)."""
-    written = _put(ctx, kind, target, fact, ts)
+    written = put(ctx, kind, target, fact, ts)
     _abort_unless_committed(ctx, session, written)
     return written
+
+
+def validation_fact(row: Validation) -> dict[str, Any]:
+    """A validation event's fact: the row's columns (and its id, which release.json names)."""
+    return {
+        "validation_id": row.id,
+        "passed": row.passed,
+        "device": row.device,
+        "device_name": row.device_name,
+        "torch_version": row.torch_version,
+        "world_size": row.world_size,
+        "seconds": row.seconds,
+        "phases": row.phases,
+        "checks": row.checks,
+        "attested": row.attested,
+        "model_path": row.model_path,
+        "mode": row.mode,
+        "driver": row.driver,
+    }
 
 
 def record_audited(
@@ -58,9 +78,15 @@ def record_audited(
     record(ctx, session, action, where, {"reason": details.get("reason")} if action == PIN else {})
 
 
-def _put(
-    ctx: Context, kind: str, target: dict[str, Any], fact: dict[str, Any], ts: float | None
+def put(
+    ctx: Context,
+    kind: str,
+    target: dict[str, Any],
+    fact: dict[str, Any],
+    ts: float | None,
+    actor: str | None = None,
 ) -> Event:
+    """Write one event now (`actor`: who decided, if not this Context's principal)."""
     from registry.audit_chain.keys import key_id
 
     ns = time.time_ns()
@@ -68,7 +94,7 @@ def _put(
         id=f"{ns:020d}-{uuid.uuid4().hex}",
         kind=kind,
         ts=ns / 1e9 if ts is None else ts,
-        actor=ctx.actor,
+        actor=actor or ctx.actor,
         target=target,
         fact=fact,
         key_id=key_id(ctx.audit_key) if ctx.audit_key else None,
@@ -117,7 +143,7 @@ def abort(ctx: Context, written: Event, why: str) -> None:
     """Write the `aborted` event for `written`; a failure is a warning (the event then stays
     live, and a rebuild would replay it: said in the warning)."""
     try:
-        _put(ctx, ABORTED, {"event": written.id}, {"error": why}, None)
+        put(ctx, ABORTED, {"event": written.id}, {"error": why}, None)
     except (RegistryError, OSError) as exc:
         warnings.warn(
             f"{written.key} ({written.describe()}) was not committed, and marking it aborted "

@@ -37,6 +37,7 @@ from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
 from registry.journal.event import VALIDATION
 from registry.journal.write import record as journal_record
+from registry.journal.write import validation_fact
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.budget import choose as choose_budget
@@ -479,21 +480,7 @@ def record(
             s,
             VALIDATION,
             {"project": ref.project, "run": ref.run, "step": ckpt.step},
-            {
-                "validation_id": row.id,
-                "passed": row.passed,
-                "device": row.device,
-                "device_name": row.device_name,
-                "torch_version": row.torch_version,
-                "world_size": row.world_size,
-                "seconds": row.seconds,
-                "phases": row.phases,
-                "checks": row.checks,
-                "attested": row.attested,
-                "model_path": row.model_path,
-                "mode": row.mode,
-                "driver": row.driver,
-            },
+            validation_fact(row),
             ts=row.created_at,
         )
         validation_id = row.id
