@@ -10,6 +10,7 @@ to the store as one small append-only object under `journal/` (registry.layout),
                marked aborted if that commit then fails
     replay.py  reads every event (refusing the malformed, oversized, unsigned or forged ones)
                and re-creates the catalog rows, idempotently, without side effects
+    backfill.py  writes events for what a registry decided before it had a journal
 
 The journal proves what it holds (with an audit key, every event is signed), not that nothing
 was removed from it: whoever can delete objects in the store can delete events.
