@@ -209,7 +209,10 @@ def child_op(arg: dict[str, Any]) -> Any:
                     raise
                 time.sleep(0.25)
                 waited = time.monotonic() - t
-        return {"op": result, "seconds": time.monotonic() - t - waited, "waited": waited}
+        out = {"op": result, "seconds": time.monotonic() - t - waited, "waited": waited}
+    if arg.get("check") is not None:  # the rerun's check, in the same child (one fork less)
+        out["check"] = child_check(dict(arg["check"], started=lambda: None))
+    return out
 
 
 WAIT_LIVE_S = 90.0  # a dead holder's claim expires within 60 s (registry.catalog.claims)
@@ -221,7 +224,9 @@ def _live_claim(exc: Exception) -> bool:
 
 def run_op(reg: Any, op: str, spec: dict[str, Any]) -> Any:
     if op == "push":
-        out = reg.push_checkpoint(spec["src"], run=spec["run"], step=spec["step"])
+        out = reg.push_checkpoint(
+            spec["src"], run=spec["run"], step=spec["step"], project=spec["project"]
+        )
         return {"state": out["state"]}
     if op == "pull":
         out = reg.pull(spec["ref"], spec["dest"])
@@ -258,16 +263,20 @@ def fsck_available() -> bool:
     return hasattr(Registry, "fsck")
 
 
-def catalog_store_problems(reg: Any) -> list[str]:
+def catalog_store_problems(
+    reg: Any, expected: tuple[str, ...] = (), project: str | None = None
+) -> list[str]:
     """`Registry.fsck()` where it exists: every problem that GC would not sweep is a violation.
     Until it lands this returns nothing (and the report says fsck was not run)."""
     if not hasattr(reg, "fsck"):
         return []
-    report = reg.fsck()
+    # After each kill: the campaign's project, a few objects re-hashed (verify re-hashes the
+    # operation's own artifacts); at the end: everything, with fsck's default sample.
+    report = reg.fsck(project) if project is None else reg.fsck(project, sample=4)
     return [
         f"fsck: {p.get('kind')} {p.get('target')} {p.get('key')}: {p.get('detail')}"
         for p in report.get("problems", [])
-        if not p.get("sweepable")
+        if not p.get("sweepable") and p.get("kind") not in expected
     ]
 
 
@@ -276,6 +285,7 @@ def child_check(arg: dict[str, Any]) -> Any:
     spec, phase = arg["spec"], arg["phase"]
     bad: list[str] = []
     arg["started"]()
+    clock = {"start": time.monotonic()}
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(_registry())
         direct = stack.enter_context(_registry("TORTURE_DIRECT_ENV")) if spec["server"] else client
@@ -284,8 +294,13 @@ def child_check(arg: dict[str, Any]) -> Any:
         mortal: set[str] = set(spec.get("mortal", []))  # GC may take these
         targets_c: set[str] = set(spec.get("target_ckpts", []))
         targets_r: set[str] = set(spec.get("target_releases", []))
+        if spec["op"] == "mlflow" and phase == "rerun":  # before the checks add events
+            from registry.mlflow_mirror import pending_count
+
+            if pending := pending_count(direct.catalog):
+                bad.append(f"mlflow: {pending} events still pending after the rerun")
         # Visibility: only committed, known artifacts are listed; and every one of them is.
-        listed = {_ckpt_ref(c) for c in client.list_checkpoints(project=spec.get("project"))}
+        listed = {_ckpt_ref(c) for c in client.list_checkpoints()}
         for ref in sorted(listed - set(ledger_ckpts) - targets_c - mortal):
             bad.append(f"{ref} is listed but no operation committed it")
         for ref in sorted(set(ledger_ckpts) - listed - mortal):
@@ -297,6 +312,7 @@ def child_check(arg: dict[str, Any]) -> Any:
             bad.append(f"{ref} is listed but no operation made it")
         for ref in sorted(set(ledger_releases) - releases):
             bad.append(f"{ref} was released before and is no longer listed")
+        clock["listed"] = time.monotonic()
         # Bytes: the operation's own artifacts (where visible), a sample of the ledger.
         to_verify = sorted((targets_c & listed) | (targets_r & releases))
         to_verify += [r for r in spec.get("sample", []) if r in listed or r in releases]
@@ -315,14 +331,20 @@ def child_check(arg: dict[str, Any]) -> Any:
                 continue
             if shown.get("state", "committed") not in ("committed", "validated") and "@" in ref:
                 bad.append(f"show {ref}: state {shown.get('state')}")
+        clock["verified"] = time.monotonic()
         # Per operation.
         bad += _op_checks(client, direct, spec, phase, listed, releases)
         if spec.get("fsck"):
+            # A killed rebuild has not yet added what it is there to add.
+            expected = ("uncataloged",) if spec["op"] == "rebuild" and phase == "killed" else ()
             try:
-                bad += catalog_store_problems(direct)
+                bad += catalog_store_problems(direct, expected, spec.get("fsck_project"))
             except Exception as exc:
                 bad.append(f"fsck raised {type(exc).__name__}: {exc}")
-    return {"violations": bad, "listed": sorted(listed), "releases": sorted(releases)}
+    clock["fsck"] = time.monotonic()
+    t = clock.pop("start")
+    timing = {k: round(v - t, 3) for k, v in clock.items()}
+    return {"violations": bad, "timing": timing}
 
 
 def _op_checks(
@@ -365,16 +387,11 @@ def _op_checks(
         from mlflow import MlflowClient
 
         mlc = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
-        exp = mlc.get_experiment_by_name("default")
+        exp = mlc.get_experiment_by_name(spec["mlflow_experiment"])
         names = {m.name for m in mlc.search_logged_models([exp.experiment_id])} if exp else set()
         want = spec["mlflow_model"]
         if want not in names:
             bad.append(f"mlflow: logged model {want} missing after the rerun")
-        from registry.mlflow_mirror import pending_count
-
-        pending = pending_count(direct.catalog)
-        if pending:
-            bad.append(f"mlflow: {pending} events still pending after the rerun")
     return bad
 
 
@@ -457,6 +474,10 @@ class Stats:
     op_seconds: list[float] = field(default_factory=list)  # plain, unkilled runs (the reruns)
     cycle_seconds: list[float] = field(default_factory=list)  # kill + check + rerun + check
     wall: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds spent, summed
+
+    def phase(self, name: str, since: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - since
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -469,6 +490,7 @@ class Stats:
             "op_median_s": statistics.median(self.op_seconds) if self.op_seconds else None,
             "cycle_median_s": statistics.median(self.cycle_seconds) if self.cycle_seconds else None,
             "wall_s": self.wall,
+            "phases_s": {k: round(v, 2) for k, v in self.phases.items()},
         }
 
 
@@ -516,6 +538,8 @@ class Campaign:
         self.stats = Stats()
         self.expected = 0.3  # seconds; follows the measured plain runs
         self.run = f"{op}-{uuid.uuid4().hex[:6]}"
+        # A project per campaign: its checks list and fsck what it touched, not everything.
+        self.project = "gcp" if op == "gc" else f"p-{op}"
         # The ledger: what is committed and must stay so. The MLflow drain runs on a catalog
         # and store of its own: its settle step reconciles every release, and this campaign
         # should not pay for the releases the others made.
@@ -545,12 +569,13 @@ class Campaign:
         s: dict[str, Any] = {"op": op, "src": src}
         extra: dict[str, str] = {}
         if op == "push":
-            s.update(run=self.run, step=i + 1, target_ckpts=[f"default/{self.run}@step{i + 1}"])
+            ref = f"{self.project}/{self.run}@step{i + 1}"
+            s.update(run=self.run, step=i + 1, project=self.project, target_ckpts=[ref])
         elif op == "pull":
             s.update(ref=self.pull_ref, dest=str(self.work / f"pull-{self.run}-{i}"))
         elif op == "promote":
-            ref = f"default/{self.run}@step{i + 1}"
-            s.update(setup_push=[[src, "default", self.run, i + 1]], ref=ref, model=self.model)
+            ref = f"{self.project}/{self.run}@step{i + 1}"
+            s.update(setup_push=[[src, self.project, self.run, i + 1]], ref=ref, model=self.model)
             s["new_releases_of"] = self.model  # the next version may appear if it completes
             if self.rng.random() < 0.5:  # else promote validates on its own
                 s["setup_validate"] = ref
@@ -572,8 +597,9 @@ class Campaign:
             s["target_ckpts"] = self.rb_ckpts
             s["target_releases"] = self.rb_releases
         elif op == "mlflow":
-            s["setup_push"] = [[src, "default", self.run, i + 1]]
-            s["target_ckpts"] = s["setup_ckpts"] = [f"default/{self.run}@step{i + 1}"]
+            s["setup_push"] = [[src, self.project, self.run, i + 1]]
+            s["target_ckpts"] = s["setup_ckpts"] = [f"{self.project}/{self.run}@step{i + 1}"]
+            s["mlflow_experiment"] = self.project
             s["mlflow_model"] = f"{self.run}-step{i + 1}"
         return s, extra
 
@@ -581,15 +607,15 @@ class Campaign:
         """What the operation needs before its first kill (unkilled)."""
         env, src = self.env(), str(self.src)
         if self.op == "pull":
-            self.pull_ref = f"default/{self.run}@step1"
-            self._setup(env, push=[[src, "default", self.run, 1]])
+            self.pull_ref = f"{self.project}/{self.run}@step1"
+            self._setup(env, push=[[src, self.project, self.run, 1]])
             self.lc.append(self.pull_ref)
         elif self.op in ("promote", "alias"):
             self.model = f"m-{self.run}"
         if self.op == "alias":
             base = f"{self.run}-base"
-            push = [[src, "default", base, 1], [src, "default", base, 2]]
-            refs = [f"default/{base}@step1", f"default/{base}@step2"]
+            push = [[src, self.project, base, 1], [src, self.project, base, 2]]
+            refs = [f"{self.project}/{base}@step1", f"{self.project}/{base}@step2"]
             out = self._setup(env, push=push, promote=[[r, self.model] for r in refs])
             self.lc += refs
             self.lr += out["releases"]
@@ -611,8 +637,9 @@ class Campaign:
 
     def check_spec(self, s: dict[str, Any]) -> dict[str, Any]:
         c = dict(s, server=self.b.direct_env is not None, fsck=self.use_fsck)
+        c["fsck_project"] = None if s.get("rb") else self.project
         if s.get("rb"):  # a catalog of its own: only the rebuilt artifacts are there
-            c.update(ledger_ckpts=[], ledger_releases=[], project=None)
+            c.update(ledger_ckpts=[], ledger_releases=[])
             return c
         ledger = self.lc + self.lr
         c.update(ledger_ckpts=self.lc, ledger_releases=self.lr)
@@ -623,6 +650,8 @@ class Campaign:
         out = fork_call(env, child_check, {"spec": self.check_spec(s), "phase": phase})
         if out.status != 0:
             return [f"the check itself failed: {out.error[:1500]}"]
+        if os.environ.get("TORTURE_VERBOSE"):
+            self.log(f"  check {phase}: {out.elapsed:.3f}s {out.result['timing']}")
         return list(out.result["violations"])
 
     def iteration(self, i: int) -> None:
@@ -633,7 +662,9 @@ class Campaign:
             env["REG_MLFLOW"] = "off"  # no detached drain: the killed one is the test
         delay, fault = self.moment()
         moment = f"fault point {fault}" if fault else f"{delay:.3f}s after start"
+        t_phase = time.monotonic()
         out = fork_call(env, child_op, {"op": self.op, "spec": s}, kill_after=delay, fault=fault)
+        self.stats.phase("kill", t_phase)
         st = self.stats
         if os.environ.get("TORTURE_VERBOSE"):
             self.log(
@@ -649,15 +680,20 @@ class Campaign:
         st.faults += bool(fault) and out.landed
         if out.status == 0 and out.result:
             st.op_seconds.append(out.result["seconds"])
+        t_phase = time.monotonic()
         for what in self.check(s, env, "killed"):
             st.violations.append({"where": where, "phase": "after the kill", "what": what})
+        st.phase("check", t_phase)
         # The rerun: the same command, to completion.
         if self.op == "pull" and Path(s["dest"]).exists():  # it completed: pull once more
             s["dest"] += "-again"
         if out.started:  # what the preparation committed stays committed
             self.lc += [r for r in s.get("setup_ckpts", []) if r not in self.lc]
         rerun = {"op": self.op, "spec": s, "setup": False, "wait_live": self.b.name == "server"}
+        rerun["check"] = {"spec": self.check_spec(s), "phase": "rerun"}
+        t_phase = time.monotonic()
         again = fork_call(env, child_op, rerun)
+        st.phase("rerun+check", t_phase)
         if again.status != 0:
             what = f"the rerun failed ({again.status}): {again.error[:1500]}"
             st.violations.append({"where": where, "phase": "rerun", "what": what})
@@ -667,7 +703,7 @@ class Campaign:
         st.op_seconds.append(again.result["seconds"])
         self.expected = statistics.median(st.op_seconds[-20:])
         self.record(s, again.result)
-        for what in self.check(s, env, "rerun"):
+        for what in again.result["check"]["violations"]:
             st.violations.append({"where": where, "phase": "after the rerun", "what": what})
         st.cycle_seconds.append(time.monotonic() - t_cycle)
 
@@ -867,6 +903,42 @@ def preload(with_mlflow: bool) -> None:
     sqlalchemy.orm.configure_mappers()
 
 
+def warm_up(work: Path, src: Path) -> None:
+    """Every operation once, here in the zygote, on a throwaway local registry: what the
+    registry imports lazily (the Context, policies, validation, consolidation, fsck) is then
+    imported once for every child. Nothing of it stays open: the catalog is disposed and the
+    transfer threads end before the first fork."""
+    import threading
+
+    from registry import Registry
+    from registry.config import Settings
+
+    home = work / "warm-up"
+    env = base_env(work) | {"REG_HOME": str(home)}
+    with Registry(Settings.from_env(env)) as reg:
+        reg.push_checkpoint(src, run="w", step=1)
+        reg.push_checkpoint(src, run="w", step=2)
+        reg.list_checkpoints()
+        reg.show("w@step1")
+        reg.verify("w@step1")
+        reg.pull("w@step1", home / "pulled")
+        reg.validate("w@step1", device="cpu")
+        reg.promote("w@step1", model="w")
+        reg.promote("w@step2", model="w")
+        reg.releases()
+        reg.verify("w:v1")
+        reg.set_alias("w", "prod", 2)
+        reg.show("w@prod")
+        reg.gc()
+        reg.rebuild_catalog(dry_run=True)
+        if hasattr(reg, "fsck"):
+            reg.fsck()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(home, ignore_errors=True)
+
+
 # -- the whole run -----------------------------------------------------------------------------
 def run_torture(
     *,
@@ -898,6 +970,9 @@ def run_torture(
         if out.status != 0:
             raise RuntimeError(f"could not write the source checkpoint: {out.error}")
     src_bytes = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
+    warm_up(work, src)
+    if threading.active_count() != 1:
+        raise RuntimeError(f"the zygote runs {threading.active_count()} threads after warm-up")
     report: dict[str, Any] = {
         "seed": seed,
         "n": n,
@@ -1015,7 +1090,7 @@ def _line(name: str, s: Stats) -> str:
     return (
         f"{name:<16} kills {s.kills:4d}  landed {s.landed:4d}  (fault points {s.faults:3d})  "
         f"reruns {s.reruns:4d}  violations {len(s.violations):3d}  op {op}  cycle {cycle}  "
-        f"wall {s.wall:6.1f}s"
+        f"wall {s.wall:6.1f}s  {j['phases_s']}"
     )
 
 
@@ -1055,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--fsck", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"reg-torture-{seed}"
@@ -1076,7 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))
-    if not report["violations"]:
+    if not report["violations"] and not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if report["violations"] else 0
 
