@@ -60,6 +60,9 @@ FAULTS: dict[str, tuple[str, ...]] = {
     "gc": ("gc-marked",),
 }
 FAULT_SHARE = 0.3  # of the kills on an operation that has crash points
+# Crash points before the catalog commit: an operation killed there must have left nothing
+# visible (its step not listed, no new release).
+BEFORE_COMMIT = ("push-published", "push-manifest", "promote-consolidated", "promote-documented")
 
 POLICY = """
 [promotion]
@@ -306,7 +309,16 @@ def child_check(arg: dict[str, Any]) -> Any:
         for ref in sorted(set(ledger_ckpts) - listed - mortal):
             bad.append(f"{ref} was committed before and is no longer listed")
         releases = {_release_ref(r) for r in client.releases()}
-        if spec.get("new_releases_of"):
+        if spec.get("uncommitted"):
+            pushed = targets_c if spec["op"] == "push" else set()
+            for ref in sorted(pushed & listed - set(ledger_ckpts)):
+                bad.append(f"{ref} is listed though its push was killed before the commit")
+            new_of = spec.get("new_releases_of")
+            for ref in sorted(
+                r for r in releases - set(ledger_releases) if new_of and r.startswith(new_of + ":v")
+            ):
+                bad.append(f"{ref} is listed though its promotion was killed before the commit")
+        elif spec.get("new_releases_of"):
             targets_r |= {r for r in releases if r.startswith(spec["new_releases_of"] + ":v")}
         for ref in sorted(releases - set(ledger_releases) - targets_r):
             bad.append(f"{ref} is listed but no operation made it")
@@ -681,7 +693,10 @@ class Campaign:
         if out.status == 0 and out.result:
             st.op_seconds.append(out.result["seconds"])
         t_phase = time.monotonic()
-        for what in self.check(s, env, "killed"):
+        killed = dict(s)
+        if fault and out.landed and fault in BEFORE_COMMIT:  # known to die before its commit
+            killed["uncommitted"] = True
+        for what in self.check(killed, env, "killed"):
             st.violations.append({"where": where, "phase": "after the kill", "what": what})
         st.phase("check", t_phase)
         # The rerun: the same command, to completion.
