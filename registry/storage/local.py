@@ -146,7 +146,7 @@ class LocalStore(BaseStore):
         fd, temp = self._open_temp(key)
         try:
             size, digest = write(fd)
-            faults.point("store-write", self._path(key))
+            faults.point("store-write", key)
             os.fsync(fd)  # a full disk often shows only here (delayed allocation)
             self._set_owner(fd, _file_mode(immutable, source_mode))
         except BaseException as exc:
@@ -385,7 +385,7 @@ class _LocalWriter(ObjectWriter):
             self._hash.update(view)
         try:
             write_all(self._fd, view)
-            faults.point("store-write", self._store._path(self.key))
+            faults.point("store-write", self.key)
         except OSError as exc:
             if exc.errno in DISK_FULL:
                 raise disk_full(self._store._path(self.key), exc) from exc

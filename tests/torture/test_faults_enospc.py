@@ -120,3 +120,22 @@ def test_store_get_file_on_a_full_disk_removes_what_it_wrote(ckpts, tmp_path, mo
             store.get_file(key, tmp_path / "one")
         assert str(tmp_path / "one") in str(failed.value)
         assert not (tmp_path / "one").exists(), "a partial file was left behind"
+
+
+@pytest.mark.parametrize("named_temps", [False, True], ids=["unnamed-temp", "named-temp"])
+def test_a_streaming_writer_on_a_full_disk_leaves_nothing(tmp_path, monkeypatch, named_temps):
+    """The writer a training save streams into (`open_writer`): a full disk mid-write is the
+    one-line error naming the object's path; discarding it leaves no temp file and no object."""
+    from registry.storage.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    store._tmpfile = not named_temps
+    writer = store.open_writer("ckpt/p/r/step-1/__0_0.distcp")
+    writer.write(b"x" * 1024)
+    monkeypatch.setattr(faults, "_ARMED", "store-write:enospc")
+    with pytest.raises(RegistryError, match="disk full") as failed:
+        writer.write(b"y" * 1024)
+    assert str(tmp_path / "store" / "ckpt/p/r/step-1/__0_0.distcp") in str(failed.value)
+    writer.discard()
+    assert _leftover_temps(tmp_path / "store") == []
+    assert list(store.list("")) == [], "a writer that failed published an object"
