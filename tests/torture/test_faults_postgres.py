@@ -260,6 +260,10 @@ def test_push_survives_a_catalog_restart(
     proc = _push(big_src, tmp_path, f"{point}:pause")
     marker = tmp_path / point
     _wait_for(f"{point}", marker.exists, proc)
+    with Registry() as reg:  # held mid-push: nothing of it is visible yet
+        assert reg.list_checkpoints() == [], f"{moment}: a push in flight is listed"
+        with pytest.raises(NotFound):
+            reg.show("big@step1")
     if mode == "restart":
         pg_cluster.restart("fast")
         marker.unlink()
