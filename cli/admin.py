@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import typer
 
@@ -218,22 +219,31 @@ def fsck(
             )
         for line in out.get("repaired", []):
             print(f"repaired: {inert(line)}")
-        print(_fsck_verdict(out, repair))
+        if out["clean"]:
+            found = out["left"] if repair else out["problems"]
+            print("clean" + (": only leftovers of interrupted work" if found else ""))
     if not out["clean"]:
-        raise typer.Exit(1)
+        _fsck_failed(out, repair, json_output)
 
 
-def _fsck_verdict(out: dict[str, object], repair: bool) -> str:
-    if out["clean"]:
-        found = out["left"] if repair else out["problems"]
-        if found:
-            return "clean: only leftovers (`reg fsck --repair` or the next `reg gc` clears them)"
-        return "clean"
-    return (
-        "damage found: see above; `reg fsck --repair` restores from recorded versions where it can"
-        if not repair
-        else "damage left that needs a person: see above"
+def _fsck_failed(out: dict[str, Any], repair: bool, json_output: bool) -> None:
+    """Exit 1 with one line on stderr (with --json, the report is the one document)."""
+    from registry.errors import IntegrityError
+
+    found = [p for p in (out["left"] if repair else out["problems"]) if not p["sweepable"]]
+    damaged = sum(
+        p["kind"] in ("missing-object", "size-mismatch", "sha256-mismatch") for p in found
     )
+    if damaged:
+        message = f"{damaged} stored file(s) missing or different"
+        hint = "`reg fsck --repair` restores recorded versions where the bucket keeps them"
+    else:
+        message = f"{len(found)} finding(s) need a person"
+        hint = "each row above says what to do"
+    if json_output:
+        note(f"error: {message} ({hint})")
+        raise typer.Exit(1)
+    raise IntegrityError(message, hint)
 
 
 def audit(

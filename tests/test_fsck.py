@@ -62,9 +62,9 @@ def test_damage_is_named_and_exits_1_and_repair_without_versions_leaves_it(fille
     with other.open("r+b") as f:
         f.truncate(10)
     res = cli("fsck", "--full", "--json")
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr
     out = json.loads(res.stdout)
-    assert not out["clean"]
+    assert not out["clean"], out
     assert _kinds(out) == [
         ("missing-object", "ckpt/default/r/step-2/.metadata"),
         ("sha256-mismatch", f"ckpt/default/r/step-4/{shard.name}"),
@@ -79,25 +79,36 @@ def test_damage_is_named_and_exits_1_and_repair_without_versions_leaves_it(fille
     left = json.loads(fixed.stdout)["left"]
     assert len(left) == 3 and all("no version was recorded" in p["detail"] for p in left)
     human = cli("fsck")
-    assert "damage found" in human.stdout and "Traceback" not in human.stderr
+    assert human.returncode == 1 and "Traceback" not in human.stderr
+    assert human.stderr.count("\n") == 1 and "3 stored file(s) missing or different" in human.stderr
+
+
+def _sql(*statements: str) -> None:
+    db = sqlite3.connect(Path(os.environ["REG_HOME"]) / "catalog.db")
+    with db:
+        for statement in statements:
+            db.execute(statement)
+    db.close()
 
 
 def test_leftovers_are_clean_and_repair_clears_them(filled, ckpts, cli):
     store = _store()
     # A stray object in a committed checkpoint, objects under a step no row names, a dead
-    # claim, a collected step with objects back, and an unknown object under a release.
+    # claim older than orphan_grace, a collected step whose deletion stopped after its
+    # MANIFEST.json, and an unknown object under a release.
     (store / "ckpt/default/r/step-4/stray.bin").write_bytes(b"x")
     (store / "ckpt/default/ghost/step-1").mkdir(parents=True)
     (store / "ckpt/default/ghost/step-1/__0_0.distcp").write_bytes(b"y" * 10)
     filled.claim_checkpoint("r", 6, lease_s=1)
     (store / "ckpt/default/r/step-6").mkdir()
     shutil.copy(sorted(ckpts.ws2.step_dir(4).glob("*.distcp"))[0], store / "ckpt/default/r/step-6/")
-    db = sqlite3.connect(Path(os.environ["REG_HOME"]) / "catalog.db")
-    with db:
-        db.execute("UPDATE checkpoint SET lease_until = 0 WHERE step = 6")
-        for state in ("deleting", "deleted"):  # as GC leaves it; its objects stay
-            db.execute(f"UPDATE checkpoint SET state = '{state}' WHERE step = 2")
-    db.close()
+    old = "created_at = created_at - 30 * 86400"
+    _sql(
+        f"UPDATE checkpoint SET lease_until = 0, {old} WHERE step = 6",
+        "UPDATE checkpoint SET state = 'deleting' WHERE step = 2",
+        "UPDATE checkpoint SET state = 'deleted' WHERE step = 2",
+    )
+    (store / "ckpt/default/r/step-2/MANIFEST.json").unlink()  # GC deletes it first
     (store / "release/tiny/v1/extra.txt").write_bytes(b"z")
     out = json.loads(cli("fsck", "--json").stdout)
     found = {(p["kind"], p["sweepable"]) for p in out["problems"]}
@@ -110,12 +121,11 @@ def test_leftovers_are_clean_and_repair_clears_them(filled, ckpts, cli):
     assert not out["clean"]  # the release's stray object needs a person
     res = cli("fsck", "--repair", "--json")
     assert res.returncode == 1, res.stderr
+    assert "1 finding(s) need a person" in res.stderr
     fixed = json.loads(res.stdout)
     assert [p["key"] for p in fixed["left"]] == ["release/tiny/v1/extra.txt"]
     assert not (store / "ckpt/default/r/step-4/stray.bin").exists()
-    assert not (store / "ckpt/default/ghost").exists() or not any(
-        (store / "ckpt/default/ghost").rglob("*.distcp")
-    )
+    assert not any((store / "ckpt/default/ghost").rglob("*.distcp"))
     assert not any((store / "ckpt/default/r/step-2").glob("*"))
     assert not any((store / "ckpt/default/r/step-6").glob("*"))
     (store / "release/tiny/v1/extra.txt").unlink()
@@ -124,7 +134,76 @@ def test_leftovers_are_clean_and_repair_clears_them(filled, ckpts, cli):
     with Registry() as reg:
         assert reg.verify("r@step4")["ok"] and reg.verify("tiny:v1")["ok"]
         assert [c["step"] for c in reg.list_checkpoints("r")] == [4]
-        assert [e for e in reg.audit_log() if e["action"] == "fsck-repair"]
+        audited = [e for e in reg.audit_log() if e["action"] == "fsck-repair"]
+        assert "swept ckpt/default/r/step-6/" in audited[0]["details"]["done"]
+
+
+def test_what_only_looks_like_a_leftover_is_left_alone(filled, ckpts, cli):
+    """A tombstone over a MANIFEST.json (not how GC leaves one), a dead upload younger than
+    orphan_grace (it may have written its MANIFEST.json: pushed again, it commits), and a key
+    reg refuses: reported, and --repair deletes none of them."""
+    store = _store()
+    _sql(
+        "UPDATE checkpoint SET state = 'deleting' WHERE step = 2",
+        "UPDATE checkpoint SET state = 'deleted' WHERE step = 2",
+    )
+    filled.claim_checkpoint("r", 6, lease_s=1)
+    shutil.copytree(store / "ckpt/default/r/step-4", store / "ckpt/default/r/step-6")
+    _sql("UPDATE checkpoint SET lease_until = 0 WHERE step = 6")
+    (store / "ckpt/default/odd/step-9").mkdir(parents=True)
+    (store / "ckpt/default/odd/step-9/__0_0.distcp~").write_bytes(b"editor backup")
+    (store / "ckpt/default/odd/step-9/__1_0.distcp").write_bytes(b"data")
+    out = json.loads(cli("fsck", "--json").stdout)
+    by_kind = {p["kind"]: p for p in out["problems"]}
+    assert not by_kind["tombstone-objects"]["sweepable"]
+    assert "MANIFEST.json" in by_kind["tombstone-objects"]["detail"]
+    assert (
+        by_kind["stale-claim"]["sweepable"] and "push it again" in by_kind["stale-claim"]["detail"]
+    )
+    assert not by_kind["invalid-key"]["sweepable"]
+    res = cli("fsck", "--repair", "--json")
+    assert res.returncode == 1
+    left = {p["kind"] for p in json.loads(res.stdout)["left"]}
+    assert {"tombstone-objects", "stale-claim", "invalid-key"} <= left
+    assert len(list((store / "ckpt/default/r/step-2").iterdir())) == 4
+    assert len(list((store / "ckpt/default/r/step-6").iterdir())) == 4
+    assert len(list((store / "ckpt/default/odd/step-9").iterdir())) == 2
+    # No placeholder row stays behind: that step can be pushed.
+    pushed = cli("push-ckpt", ckpts.ws2.step_dir(4), "--run", "odd", "--step", "9")
+    assert pushed.returncode == 0, pushed.stderr
+
+
+def test_a_project_scoped_repair_touches_only_that_project(filled, ckpts, cli):
+    filled.claim_checkpoint("r", 6, lease_s=1)
+    (_store() / "ckpt/default/r/step-6").mkdir()
+    (_store() / "ckpt/default/r/step-6/__0_0.distcp").write_bytes(b"uploading")
+    _sql("UPDATE checkpoint SET lease_until = 0, created_at = 0 WHERE step = 6")
+    filled.push_checkpoint(ckpts.ws2.step_dir(2), run="x", step=1, project="other")
+    (_store() / "ckpt/other/x/step-1/stray.bin").write_bytes(b"x")
+    out = json.loads(cli("fsck", "--project", "other", "--repair", "--json").stdout)
+    assert out["repaired"] == ["deleted ckpt/other/x/step-1/stray.bin (in no manifest)"]
+    assert out["checked"]["checkpoints"] == 1 and out["checked"]["releases"] == 0
+    assert (_store() / "ckpt/default/r/step-6/__0_0.distcp").exists()
+
+
+def test_damage_reported_only_while_it_is_so(filled):
+    """A checkpoint committed after the listing, or collected while fsck reads, is no damage."""
+    from registry.lifecycle import fsck
+
+    ctx = filled.context
+    snap = fsck.snapshot(ctx, None)
+    late = "ckpt/default/r/step-4/MANIFEST.json"
+    del snap.objects[late]  # as if listed just before the push wrote it
+    found, _ = fsck.check(ctx, snap, full=True, sample=0)
+    assert found == []
+    snap = fsck.snapshot(ctx, None)
+    (_store() / "ckpt/default/r/step-2/.metadata").unlink()
+    _sql(
+        "UPDATE checkpoint SET state = 'deleting' WHERE step = 2",
+        "UPDATE checkpoint SET state = 'deleted' WHERE step = 2",
+    )
+    found, _ = fsck.check(ctx, snap, full=True, sample=0)
+    assert [f.kind for f in found] == []  # the row says collected now: not damage
 
 
 def test_a_live_claim_is_not_a_leftover_and_an_uncataloged_checkpoint_is_kept(filled, cli):

@@ -6,19 +6,24 @@ artifact; fsck checks every one and what lies between them:
     sha256-mismatch       ... holds other bytes (every document is hashed; data files are
                           sampled, or all with `full`)
     unlisted-object       an object no manifest lists, in a checkpoint's or a release's place
+    invalid-key           an object under ckpt/ or release/ whose key reg refuses to read or delete
     uncataloged           a committed MANIFEST.json or release.json the catalog has no row for
                           (`reg catalog rebuild` adds it)
     stale-claim           a pending upload whose holder is gone, or a sweep a GC did not finish
     unfinished-deletion   a checkpoint GC marked `deleting` and did not finish
     tombstone-objects     objects left under a checkpoint that was collected
-    unfinished-promotion  a reserved release version (promoting again finishes it)
+    unfinished-promotion  a reserved release version whose promotion is gone (promoting again
+                          finishes it)
 
-A finding is `sweepable` when it is a leftover of an interrupted operation, not damage: the
-registry is `clean` when every finding is. `repair` (fsck_repair.py) does only what is safe.
+A finding is `sweepable` when it is a leftover of interrupted work, not damage and not something
+a person must look at: the registry is `clean` when every finding is. `repair` (fsck_repair.py)
+does only what is safe, and only to what the findings name.
 
 The store is listed before the catalog is read: a push claims its row before it writes, so an
 object in the listing whose step has no row in the later snapshot was never part of a push in
-flight.
+flight. The other way round (a row committed after the listing, a checkpoint collected while
+fsck reads) every damage finding is checked again before it is reported: the row must still be
+committed and the object still missing or different.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from registry.catalog.models import (
     ReleaseFile,
     Run,
 )
-from registry.errors import NotFound
+from registry.errors import NotFound, RegistryError
 from registry.formats.documents import FileRecord
 from registry.layout import (
     CHECKPOINTS,
@@ -61,6 +66,8 @@ from registry.layout import (
 )
 from registry.progress import Counter
 from registry.refs import CheckpointRef, check_name
+from registry.storage.base import check_key
+from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -68,7 +75,7 @@ if TYPE_CHECKING:
     from registry.storage.base import ObjectInfo
 
 MISSING, SIZE, DIGEST = "missing-object", "size-mismatch", "sha256-mismatch"
-UNLISTED, UNCATALOGED = "unlisted-object", "uncataloged"
+UNLISTED, INVALID_KEY, UNCATALOGED = "unlisted-object", "invalid-key", "uncataloged"
 STALE_CLAIM, UNFINISHED_DELETION = "stale-claim", "unfinished-deletion"
 TOMBSTONE_OBJECTS, UNFINISHED_PROMOTION = "tombstone-objects", "unfinished-promotion"
 DAMAGE = (MISSING, SIZE, DIGEST)
@@ -78,7 +85,7 @@ DEFAULT_SAMPLE = 32  # data files hashed per fsck without `full` (documents are 
 @dataclass(frozen=True, slots=True)
 class Finding:
     kind: str
-    target: str  # the checkpoint ref or release name it concerns
+    target: str  # the checkpoint ref or release name it concerns (a place, for no row)
     key: str | None  # the object, where one is concerned
     detail: str
     sweepable: bool
@@ -87,22 +94,38 @@ class Finding:
         return asdict(self)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one per row: compared and hashed by identity
 class Artifact:
     """A catalog row with the files it lists (documents included), under `prefix`."""
 
     target: str
     prefix: str
-    state: str
+    row: Checkpoint | Release
     files: list[FileRecord] = field(default_factory=list)
-    release: bool = False
-    live: bool = False  # a pending upload whose holder still holds its claim
+
+    @property
+    def release(self) -> bool:
+        return isinstance(self.row, Release)
+
+    @property
+    def state(self) -> str:
+        return self.row.status if isinstance(self.row, Release) else self.row.state
+
+    @property
+    def committed(self) -> bool:
+        """A committed checkpoint, or a release that left `pending` (active, deprecated,
+        yanked): what readers rely on."""
+        return self.state != RELEASE_PENDING if self.release else self.state == COMMITTED
 
 
 @dataclass(slots=True)
 class Snapshot:
     objects: dict[str, ObjectInfo]
     artifacts: dict[str, Artifact]  # by prefix
+    places: set[str] = field(default_factory=set)  # prefixes that hold at least one object
+
+    def by_target(self, target: str) -> Artifact | None:
+        return next((a for a in self.artifacts.values() if a.target == target), None)
 
 
 def fsck(
@@ -117,6 +140,25 @@ def fsck(
     if project is not None:
         check_name(project, "project name")
     ctx.authorize("fsck", target=f"fsck {project or 'all projects'}")
+    if not repair:
+        return _run(ctx, project, full, sample, progress)
+    from registry.catalog import leases
+    from registry.lifecycle import gc
+
+    ctx.authorize("repair", target="fsck --repair")
+    with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
+        return _run(ctx, project, full, sample, progress, repair=True)
+
+
+def _run(
+    ctx: Context,
+    project: str | None,
+    full: bool,
+    sample: int,
+    progress: Progress | None,
+    *,
+    repair: bool = False,
+) -> dict[str, Any]:
     snap = snapshot(ctx, project)
     findings, hashed = check(ctx, snap, full=full, sample=sample, progress=progress)
     out: dict[str, Any] = {
@@ -131,6 +173,7 @@ def fsck(
         },
         "problems": [f.to_json() for f in findings],
         "clean": all(f.sweepable for f in findings),
+        "damaged": any(f.kind in DAMAGE for f in findings),
     }
     if repair:
         from registry.lifecycle.fsck_repair import repair as run_repair
@@ -140,6 +183,7 @@ def fsck(
             repaired=repaired,
             left=[f.to_json() for f in left],
             clean=all(f.sweepable for f in left),
+            damaged=any(f.kind in DAMAGE for f in left),
         )
     return out
 
@@ -159,14 +203,10 @@ def snapshot(ctx: Context, project: str | None) -> Snapshot:
     if project is not None:  # only the releases made from this project's checkpoints
         mine = {a.prefix for a in releases}
         objects = {
-            k: o for k, o in objects.items() if not k.startswith(RELEASES) or _under(k, mine)
+            k: o for k, o in objects.items() if not k.startswith(RELEASES) or _place(k) in mine
         }
-    return Snapshot(objects, artifacts)
-
-
-def _under(key: str, prefixes: set[str]) -> bool:
-    parsed = parse_release_key(key)
-    return parsed is not None and release_prefix(parsed[0], parsed[1]) in prefixes
+    places = {p for p in map(_place, objects) if p is not None}
+    return Snapshot(objects, artifacts, places)
 
 
 def _checkpoints(s: Session, project: str | None) -> Iterable[Artifact]:
@@ -186,12 +226,11 @@ def _checkpoints(s: Session, project: str | None) -> Iterable[Artifact]:
         a = Artifact(
             str(CheckpointRef(proj, run, c.step)),
             checkpoint_prefix(proj, run, c.step),
-            c.state,
+            c,
             files.get(c.id or 0, []),
-            live=c.state == PENDING and claims.is_live(c),
         )
-        if c.manifest_sha256:
-            a.files.append(FileRecord(MANIFEST, -1, c.manifest_sha256))  # size: not recorded
+        if c.manifest_sha256:  # its size is not recorded: the repair reads its version's
+            a.files.append(FileRecord(MANIFEST, -1, c.manifest_sha256, version=c.manifest_version))
         yield a
 
 
@@ -216,9 +255,24 @@ def _releases(s: Session, project: str | None) -> Iterable[Artifact]:
         if r.sha256:
             size = r.bytes - sum(f.size for f in listed)
             listed.append(FileRecord(RELEASE_DOCUMENT, size, r.sha256, version=r.document_version))
-        yield Artifact(
-            f"{model}:v{r.version}", release_prefix(model, r.version), r.status, listed, True
-        )
+        yield Artifact(f"{model}:v{r.version}", release_prefix(model, r.version), r, listed)
+
+
+def _place(key: str) -> str | None:
+    """The checkpoint's or release's prefix a key lies under; None for any other key."""
+    ckpt = parse_checkpoint_key(key)
+    if ckpt is not None:
+        return checkpoint_prefix(ckpt[0], ckpt[1], ckpt[2])
+    rel = parse_release_key(key)
+    return release_prefix(rel[0], rel[1]) if rel is not None else None
+
+
+def _valid(key: str) -> bool:
+    try:
+        check_key(key)
+    except RegistryError:
+        return False
+    return True
 
 
 # -- what is wrong ----------------------------------------------------------------------------
@@ -233,51 +287,63 @@ def check(
     progress: Progress | None = None,
 ) -> tuple[list[Finding], dict[str, int]]:
     findings: list[Finding] = []
-    to_hash: list[tuple[Artifact, FileRecord]] = []
+    documents: list[tuple[Artifact, FileRecord]] = []
     data: list[tuple[Artifact, FileRecord]] = []
     for a in snap.artifacts.values():
-        findings.extend(_state_findings(a, snap))
-        if not _committed(a):
+        findings.extend(_state_findings(ctx, a, snap))
+        if not a.committed:
             continue
         for f in a.files:
-            info = snap.objects.get(a.prefix + f.path)
+            key = a.prefix + f.path
+            info = snap.objects.get(key)
             if info is None:
-                findings.append(
-                    Finding(MISSING, a.target, a.prefix + f.path, "not in the store", False)
-                )
+                findings.append(Finding(MISSING, a.target, key, "not in the store", False))
             elif f.size >= 0 and info.size != f.size:
                 detail = f"{info.size} bytes, the record says {f.size}"
-                findings.append(Finding(SIZE, a.target, a.prefix + f.path, detail, False))
-            elif f.path in (MANIFEST, RELEASE_DOCUMENT):
-                to_hash.append((a, f))
+                findings.append(Finding(SIZE, a.target, key, detail, False))
             else:
-                data.append((a, f))
-    to_hash.extend(data if full else random.sample(data, min(sample, len(data))))
+                (documents if f.path in (MANIFEST, RELEASE_DOCUMENT) else data).append((a, f))
+    chosen = data if full else random.sample(data, min(sample, len(data)))
     findings.extend(_unlisted(snap))
-    digests, hashed = _hash(ctx, snap, to_hash, progress)
+    digests, hashed = _hash(ctx, snap, documents + chosen, progress)
     findings.extend(digests)
-    return findings, hashed
+    return _confirmed(ctx, snap, findings), hashed
 
 
-def _state_findings(a: Artifact, snap: Snapshot) -> Iterable[Finding]:
-    present = any(k.startswith(a.prefix) for k in snap.objects)
-    if a.release:
-        if a.state == RELEASE_PENDING and present:
+def _state_findings(ctx: Context, a: Artifact, snap: Snapshot) -> Iterable[Finding]:
+    present = a.prefix in snap.places
+    manifest = a.prefix + MANIFEST in snap.objects
+    row = a.row
+    if isinstance(row, Release):
+        if row.status == RELEASE_PENDING and present and not claims.is_live(row):
             yield Finding(
                 UNFINISHED_PROMOTION,
                 a.target,
                 None,
-                "a reserved version with objects; `reg promote` again finishes it",
+                "a reserved version whose promotion is gone; `reg promote` again finishes it",
                 True,
             )
         return
-    if a.state in (PENDING, SWEEPING) and not a.live:
-        why = "an upload whose holder is gone" if a.state == PENDING else "a sweep GC left"
-        yield Finding(STALE_CLAIM, a.target, None, f"{why}; GC sweeps it", True)
-    elif a.state == DELETING:
+    if row.state == PENDING and not claims.is_live(row):
+        detail = "an upload whose holder is gone"
+        if manifest:
+            detail += " after it wrote MANIFEST.json: push it again to commit it"
+        grace_ends = row.created_at + ctx.policy.retention.orphan_grace
+        if (row.lease_until or 0) >= now():
+            detail += f"; its lease runs out at {iso(row.lease_until)}, then it can be swept"
+        elif grace_ends > now():
+            detail += f"; swept after orphan_grace, from {iso(grace_ends)}"
+        yield Finding(STALE_CLAIM, a.target, None, detail, True)
+    elif row.state == SWEEPING:
+        yield Finding(STALE_CLAIM, a.target, None, "a sweep GC did not finish", True)
+    elif row.state == DELETING:
         yield Finding(UNFINISHED_DELETION, a.target, None, "GC marked it and did not finish", True)
-    elif a.state == DELETED and present:
-        yield Finding(TOMBSTONE_OBJECTS, a.target, None, "collected, but objects remain", True)
+    elif row.state == DELETED and present:
+        if manifest:  # GC deletes MANIFEST.json first and leaves the tombstone last
+            detail = "collected, but its MANIFEST.json is still there: not a GC leftover"
+            yield Finding(TOMBSTONE_OBJECTS, a.target, a.prefix + MANIFEST, detail, False)
+        else:
+            yield Finding(TOMBSTONE_OBJECTS, a.target, None, "collected, but objects remain", True)
 
 
 def _unlisted(snap: Snapshot) -> Iterable[Finding]:
@@ -287,7 +353,12 @@ def _unlisted(snap: Snapshot) -> Iterable[Finding]:
     for key in sorted(snap.objects):
         if key in listed:
             continue
-        prefix = _prefix_of(key)
+        prefix = _place(key)
+        if not _valid(key):
+            where = prefix or key
+            detail = "reg refuses this key: remove it with the store's own tools"
+            yield Finding(INVALID_KEY, where, key, detail, False)
+            continue
         if prefix is None:
             yield Finding(UNLISTED, key, key, "not in any checkpoint's or release's place", False)
             continue
@@ -298,30 +369,18 @@ def _unlisted(snap: Snapshot) -> Iterable[Finding]:
             if document in snap.objects:
                 if key == document:
                     what = "a release" if is_release else "a committed checkpoint"
-                    yield Finding(
-                        UNCATALOGED,
-                        prefix,
-                        key,
-                        f"{what} the catalog has no row for; `reg catalog rebuild` adds it",
-                        False,
-                    )
+                    detail = f"{what} the catalog has no row for; `reg catalog rebuild` adds it"
+                    yield Finding(UNCATALOGED, prefix, key, detail, False)
                 continue
-            yield Finding(UNLISTED, prefix, key, "no catalog row names this place", not is_release)
-        elif _committed(owner):
-            yield Finding(UNLISTED, owner.target, key, "not in its manifest", not owner.release)
-
-
-def _committed(a: Artifact) -> bool:
-    """A committed checkpoint, or a release that left `pending` (active, deprecated, yanked)."""
-    return a.state != RELEASE_PENDING if a.release else a.state == COMMITTED
-
-
-def _prefix_of(key: str) -> str | None:
-    ckpt = parse_checkpoint_key(key)
-    if ckpt is not None:
-        return checkpoint_prefix(ckpt[0], ckpt[1], ckpt[2])
-    rel = parse_release_key(key)
-    return release_prefix(rel[0], rel[1]) if rel is not None else None
+            detail = "no catalog row names this place"
+            if is_release:
+                detail += "; release objects are never deleted: left for a person"
+            yield Finding(UNLISTED, prefix, key, detail, not is_release)
+        elif owner.committed:
+            detail = "not in its manifest"
+            if owner.release:
+                detail += "; release objects are never deleted: left for a person"
+            yield Finding(UNLISTED, owner.target, key, detail, not owner.release)
 
 
 def _hash(
@@ -349,3 +408,44 @@ def _hash(
     with ThreadPoolExecutor(max(1, ctx.workers)) as pool:
         found = [x for x in pool.map(one, items) if x is not None]
     return found, {"hashed_files": len(items), "hashed_bytes": counter.total}
+
+
+def _confirmed(ctx: Context, snap: Snapshot, findings: list[Finding]) -> list[Finding]:
+    """Damage is reported only if it is still so: the row still committed (not collected since
+    the snapshot) and a missing or resized object still missing or resized (not written by a
+    push that committed after the listing)."""
+    damage = [f for f in findings if f.kind in DAMAGE]
+    if not damage:
+        return findings
+    committed = _still_committed(ctx, {a for f in damage if (a := snap.by_target(f.target))})
+    kept: list[Finding] = []
+    for f in findings:
+        if f.kind not in DAMAGE:
+            kept.append(f)
+            continue
+        artifact = snap.by_target(f.target)
+        if artifact is None or artifact.prefix not in committed:
+            continue
+        if f.kind in (MISSING, SIZE) and f.key is not None:
+            record = next(r for r in artifact.files if artifact.prefix + r.path == f.key)
+            info = ctx.store.head(f.key)
+            if info is not None and (record.size < 0 or info.size == record.size):
+                continue  # there now, as recorded: committed after the listing
+        kept.append(f)
+    return kept
+
+
+def _still_committed(ctx: Context, artifacts: set[Artifact]) -> set[str]:
+    """The prefixes, among `artifacts`, whose rows are committed now."""
+    ckpts = {a.row.id: a.prefix for a in artifacts if not a.release}
+    rels = {a.row.id: a.prefix for a in artifacts if a.release}
+    with ctx.catalog.session() as s:
+        now_ckpt = s.exec(
+            select(Checkpoint.id).where(
+                col(Checkpoint.id).in_(ckpts), Checkpoint.state == COMMITTED
+            )
+        ).all()
+        now_rel = s.exec(
+            select(Release.id).where(col(Release.id).in_(rels), Release.status != RELEASE_PENDING)
+        ).all()
+    return {ckpts[i] for i in now_ckpt} | {rels[i] for i in now_rel}

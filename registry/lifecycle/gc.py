@@ -240,10 +240,10 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                     _note_skip(out, d.ref)
                     continue
                 r = where[d.id]
-                freed += _delete_objects(
+                freed += delete_checkpoint(
                     ctx, CheckpointRef(r.project, r.run, r.step), out["errors"]
                 )
-        freed += sweep_orphans(ctx, out, grace=ctx.policy.retention.orphan_grace)
+        freed += sweep_orphans(ctx, out)
         out["freed_bytes"] = freed
     return out
 
@@ -304,8 +304,8 @@ def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> t
     return freed, not failed
 
 
-def _delete_objects(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
-    """Delete a checkpoint's objects, then leave the tombstone."""
+def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
+    """Delete a checkpoint's objects, then leave the tombstone (a row marked `deleting`)."""
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     freed, done = delete_prefix(ctx, prefix, str(ref), errors)
     if not done:
@@ -342,15 +342,16 @@ def finish_interrupted(ctx: Context, errors: list[str]) -> int:
             .join(Project, col(Project.id) == Run.project_id)
             .where(Checkpoint.state == DELETING)
         ).all()
-    return sum(_delete_objects(ctx, CheckpointRef(p, r, step), errors) for step, r, p in rows)
+    return sum(delete_checkpoint(ctx, CheckpointRef(p, r, step), errors) for step, r, p in rows)
 
 
-def sweep_orphans(ctx: Context, out: dict[str, Any], *, grace: float) -> int:
-    """Uploads that never committed: dead claims older than `grace`, and sweeps an earlier
+def sweep_orphans(ctx: Context, out: dict[str, Any]) -> int:
+    """Uploads that never committed: dead claims older than orphan_grace, and sweeps an earlier
     GC did not finish. Each row is first marked `sweeping` under its old claim (a push of the
     step is refused meanwhile, so it cannot publish into a prefix being emptied), its objects
     are deleted, and only then the row goes, freeing the step. Then what crashed writers left in
-    the store's own temp space older than orphan_grace (never a key a live push holds)."""
+    the store's own temp space (never a key a live push holds)."""
+    grace = ctx.policy.retention.orphan_grace
     with ctx.catalog.session() as s:
         rows = s.exec(
             select(Checkpoint, Run.name, Project.name)
@@ -369,24 +370,28 @@ def sweep_orphans(ctx: Context, out: dict[str, Any], *, grace: float) -> int:
         ).all()
     freed = 0
     for row, run, project in rows:
-        if row.state == PENDING and not _mark_sweeping(ctx, row):
-            continue  # someone took the claim over meanwhile
-        prefix = checkpoint_prefix(project, run, row.step)
-        got, done = delete_prefix(ctx, prefix, f"orphan {prefix}", out["errors"])
-        freed += got
-        if done:
-            with ctx.catalog.session(write=True) as s:
-                s.exec(
-                    delete(Checkpoint).where(
-                        col(Checkpoint.id) == row.id, col(Checkpoint.state) == SWEEPING
-                    )
-                )
-            out["orphans"].append(prefix)
-    temp_grace = ctx.policy.retention.orphan_grace
-    for swept in ctx.store.sweep_incomplete(CHECKPOINTS, temp_grace, skip=_live_claim_keys(ctx)):
+        freed += sweep_one(ctx, row, checkpoint_prefix(project, run, row.step), out)
+    for swept in ctx.store.sweep_incomplete(CHECKPOINTS, grace, skip=_live_claim_keys(ctx)):
         freed += swept.size
         out["orphans"].append(swept.what)
     return freed
+
+
+def sweep_one(ctx: Context, row: Checkpoint, prefix: str, out: dict[str, Any]) -> int:
+    """One dead upload (a `pending` row whose lease ran out, marked `sweeping` under its old
+    claim first) or an unfinished sweep: its objects, then its row. Bytes freed."""
+    if row.state == PENDING and not _mark_sweeping(ctx, row):
+        return 0  # someone took the claim over meanwhile
+    got, done = delete_prefix(ctx, prefix, f"orphan {prefix}", out["errors"])
+    if done:
+        with ctx.catalog.session(write=True) as s:
+            s.exec(
+                delete(Checkpoint).where(
+                    col(Checkpoint.id) == row.id, col(Checkpoint.state) == SWEEPING
+                )
+            )
+        out["orphans"].append(prefix)
+    return got
 
 
 def _mark_sweeping(ctx: Context, row: Checkpoint) -> bool:

@@ -87,19 +87,21 @@ async def verify(request: Request) -> dict[str, Any]:
 
 @router.post("/scrub")
 async def scrub(request: Request) -> dict[str, Any]:
+    from registry.lifecycle.scrub import check_rate
     from registry.lifecycle.scrub import scrub as run_scrub
 
     ctx, doc = await authed_body(request)
     rate, limit = doc.get("rate"), doc.get("limit")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)):
-        raise UsageError("rate must be bytes per second")
-    if rate is not None and not rate > 0:
-        raise UsageError("rate must be more than 0 bytes per second")
+    if rate is not None:
+        if isinstance(rate, bool) or not isinstance(rate, int | float):
+            raise UsageError("rate must be bytes per second")
+        try:
+            rate = check_rate(float(rate))
+        except OverflowError:
+            raise UsageError("rate must be bytes per second, 1 to 1e13") from None
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise UsageError("limit must be a number of artifacts, 1 or more")
-    return await run_in_threadpool(
-        lambda: run_scrub(ctx, rate=float(rate) if rate else None, limit=limit)
-    )
+    return await run_in_threadpool(lambda: run_scrub(ctx, rate=rate, limit=limit))
 
 
 @router.post("/pin")

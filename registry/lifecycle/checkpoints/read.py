@@ -141,10 +141,12 @@ def verify(
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
+    prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
+    manifest = kept_manifest(ctx, prefix, ckpt)  # its MANIFEST.json too: every stored byte
     report = verify_files(
         ctx,
-        checkpoint_prefix(ref.project, ref.run, ckpt.step),
-        files,
+        prefix,
+        files + ([manifest] if manifest is not None else []),
         name=str(full),
         scope={"project": ref.project},
         repair=repair,
@@ -152,11 +154,11 @@ def verify(
         progress=progress,
     )
     if report["ok"] and ckpt.digests_reported_by is not None:
-        _rehashed(ctx, ckpt.id or 0, str(full))
+        rehashed(ctx, ckpt.id or 0, str(full))
     return {"ref": str(full), **report}
 
 
-def _rehashed(ctx: Context, checkpoint_id: int, ref: str) -> None:
+def rehashed(ctx: Context, checkpoint_id: int, ref: str) -> None:
     """Every byte matched the client-reported digests: they are the registry's own now."""
     from sqlalchemy import update
 
