@@ -113,6 +113,15 @@ def catalog_rebuild(
     )
     for ref in out["checkpoints_added"] + out["releases_added"]:
         print(f"  {ref}")
+    replayed = out.get("events_replayed") or {}
+    if replayed or out.get("events_current") or out.get("events_aborted"):
+        kinds = ", ".join(f"{kind} {n}" for kind, n in replayed.items())
+        print(
+            f"{'would replay' if dry_run else 'replayed'} {sum(replayed.values())} decision(s)"
+            + (f": {kinds}" if kinds else "")
+            + f"; {sum((out.get('events_current') or {}).values())} already in the catalog"
+            + f"; {out.get('events_aborted', 0)} aborted"
+        )
     for skipped in out["skipped"]:
         print(f"  skipped {inert(skipped)}", file=sys.stderr)
     print(f"not recoverable from the store: {out['not_recoverable']}")

@@ -165,6 +165,12 @@ def test_drill_every_decision_survives_the_catalog(
         "validation": 2,
         "yank": 1,
     }
+    # and the store and the rebuilt catalog agree, byte for byte
+    fsck = cli("fsck", "--full", "--json")
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    assert json.loads(fsck.stdout)["problems"] == []
+    human = cli("catalog", "rebuild")
+    assert "replayed 0 decision(s); 11 already in the catalog; 0 aborted" in human.stdout
 
 
 def test_unsigned_and_forged_events_are_refused_with_a_key(ckpts, cli, clean_env):
@@ -432,3 +438,14 @@ def test_backfill_journals_what_an_older_registry_decided(
         assert after["validation"]["passed"] and after["alias_history"] == before["alias_history"]
         assert reg.show("tiny:v2")["status"] == "deprecated"
         assert reg.show("r@step2")["pinned"]
+
+
+def test_no_one_deletes_from_the_journal_through_reg(clean_env):
+    from registry.errors import Conflict
+
+    with Registry() as reg:
+        key = journal_key(1_700_000_000 * 10**9, "0" * 32)
+        reg.store.put_bytes(key, b"{}")
+        with pytest.raises(Conflict, match="append-only"):
+            reg.store.delete(key)
+        assert reg.store.head(key) is not None

@@ -164,6 +164,10 @@ def check_deletable(key: str) -> None:
         )
     if key.startswith("audit/"):
         raise Conflict(f"refusing to delete {key}", "audit anchors are never deleted")
+    if key.startswith("journal/"):
+        raise Conflict(
+            f"refusing to delete {key}", "the decision journal is append-only: never deleted"
+        )
 
 
 class BaseStore(ABC):
