@@ -83,7 +83,7 @@ def main() -> None:
 
 def _print(report: dict) -> None:  # type: ignore[type-arg]
     print(
-        f"\ntorture: seed {report['seed']}, n {report['n']} per operation and backend, "
+        f"\ntorture: seed {report['seed']}, kills per operation up to {report['n']}, "
         f"source {report['src_bytes'] / 1e6:.2f} MB, fsck {'on' if report['fsck'] else 'off'}, "
         f"{report['wall_s'] / 60:.1f} min"
     )

@@ -736,13 +736,7 @@ class Campaign:
                 if ref in self.lc:
                     self.lc.remove(ref)
 
-    def run_all(self) -> Stats:
-        t = time.monotonic()
-        self.prepare()
-        for i in range(self.n):
-            if time.monotonic() > self.deadline:
-                break
-            self.iteration(i)
+    def finish(self) -> None:
         if self.extra_env:  # a catalog of its own: its own final check
             self.stats.violations += _final_check(
                 f"{self.b.name}:{self.op}",
@@ -752,8 +746,6 @@ class Campaign:
                 self.b.direct_env is not None,
                 self.use_fsck,
             )
-        self.stats.wall = time.monotonic() - t
-        return self.stats
 
 
 # -- backends ----------------------------------------------------------------------------------
@@ -955,11 +947,19 @@ def warm_up(work: Path, src: Path) -> None:
 
 
 # -- the whole run -----------------------------------------------------------------------------
+def parse_counts(text: str, backends: list[str]) -> dict[str, int]:
+    """`25` (every backend) or `local=35,s3pg=15,server=15`: kills per operation, by backend."""
+    if "=" not in text:
+        return dict.fromkeys(backends, int(text))
+    counts = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    return {b: counts.get(b, 0) for b in backends}
+
+
 def run_torture(
     *,
     backends: list[str],
     ops: list[str],
-    n: int,
+    n: dict[str, int],
     seed: int,
     budget_s: float,
     work: Path,
@@ -968,9 +968,13 @@ def run_torture(
     use_fsck: bool | None,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
+    """Every (backend, operation) campaign, round-robin: one kill each per round until each
+    has had its count (`n[backend]`) or the time budget is spent, so a run cut short by the
+    budget still spreads its kills evenly."""
     import threading
 
     started = time.monotonic()
+    deadline = started + budget_s
     preload("mlflow" in ops)
     if threading.active_count() != 1:  # a fork copies one thread: locks others held stay held
         raise RuntimeError(f"the zygote runs {threading.active_count()} threads after imports")
@@ -997,66 +1001,74 @@ def run_torture(
         "skipped": {},
     }
     moto: subprocess.Popen[bytes] | None = None
-    campaigns = [(b, op) for b in backends for op in ops if b != "server" or op in SERVER_OPS]
+    live: list[Backend] = []
+    campaigns: list[Campaign] = []
     try:
-        done = 0
         for name in backends:
+            if n.get(name, 0) <= 0:
+                continue
             if name == "s3pg" and not pg_available():
                 report["skipped"][name] = "PostgreSQL is not reachable on 127.0.0.1:5432"
-                done += sum(1 for b, _ in campaigns if b == name)
                 continue
             backend: Backend
             if name == "local":
                 backend = LocalBackend(work)
             elif name == "s3pg":
-                if moto is None:
-                    moto, moto_url = start_moto(work)
+                moto, moto_url = start_moto(work)
                 backend = S3PgBackend(work, moto_url)
                 out = fork_call(backend.child_env(), create_bucket, {"bucket": backend.bucket})  # type: ignore[attr-defined]
                 if out.status != 0:
                     raise RuntimeError(out.error)
             else:
                 backend = ServerBackend(work)
+            live.append(backend)
             Path(backend.env["REG_HOME"]).mkdir(parents=True, exist_ok=True)
-            try:
-                if "rebuild" in ops and name != "server":
-                    _rebuild_store(backend, src)
-                for op in ops:
-                    if (name, op) not in campaigns:
-                        continue
-                    left = budget_s - (time.monotonic() - started)
-                    share = left / max(1, len(campaigns) - done)
-                    campaign = Campaign(
-                        backend,
-                        op,
-                        n=n,
-                        seed=seed,
-                        deadline=time.monotonic() + share,
-                        src=src,
-                        work=work / name,
-                        use_fsck=fsck,
-                        log=log,
-                    )
-                    stats = campaign.run_all()
-                    done += 1
-                    report["campaigns"][f"{name}:{op}"] = stats.to_json()
-                    log(_line(f"{name}:{op}", stats))
-                final = _final_check(
-                    name,
-                    backend.child_env(),
-                    backend.ledger_ckpts,
-                    backend.ledger_releases,
-                    backend.direct_env is not None,
-                    fsck,
+            if "rebuild" in ops and name != "server":
+                _rebuild_store(backend, src)
+            for op in ops:
+                if name == "server" and op not in SERVER_OPS:
+                    continue
+                campaign = Campaign(
+                    backend,
+                    op,
+                    n=n[name],
+                    seed=seed,
+                    deadline=deadline,
+                    src=src,
+                    work=work / name,
+                    use_fsck=fsck,
+                    log=log,
                 )
-                report["campaigns"][f"{name}:final"] = {"violations": final}
-                if final:
-                    log(f"{name}: final check: {len(final)} violations")
-            finally:
-                for fn in backend.cleanup:
-                    with contextlib.suppress(Exception):
-                        fn()
+                campaign.prepare()
+                campaigns.append(campaign)
+        for i in range(max((c.n for c in campaigns), default=0)):
+            for campaign in campaigns:
+                if i < campaign.n and time.monotonic() < deadline:
+                    t = time.monotonic()
+                    campaign.iteration(i)
+                    campaign.stats.wall += time.monotonic() - t
+        for campaign in campaigns:
+            campaign.finish()
+            name = f"{campaign.b.name}:{campaign.op}"
+            report["campaigns"][name] = campaign.stats.to_json()
+            log(_line(name, campaign.stats))
+        for backend in live:
+            final = _final_check(
+                backend.name,
+                backend.child_env(),
+                backend.ledger_ckpts,
+                backend.ledger_releases,
+                backend.direct_env is not None,
+                fsck,
+            )
+            report["campaigns"][f"{backend.name}:final"] = {"violations": final}
+            if final:
+                log(f"{backend.name}: final check: {len(final)} violations")
     finally:
+        for backend in live:
+            for fn in backend.cleanup:
+                with contextlib.suppress(Exception):
+                    fn()
         if moto is not None:
             os.killpg(moto.pid, signal.SIGKILL)
             moto.wait()
@@ -1111,7 +1123,7 @@ def _line(name: str, s: Stats) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"torture: seed {report['seed']}, up to {report['n']} kills per operation and backend, "
+        f"torture: seed {report['seed']}, kills per operation up to {report['n']}, "
         f"source {report['src_bytes'] / 1e6:.2f} MB, fsck {'on' if report['fsck'] else 'off'}, "
         f"{report['wall_s']:.0f}s"
     ]
@@ -1137,7 +1149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--ops", default=",".join(OPS))
-    parser.add_argument("--n", type=int, default=50, help="kills per operation and backend")
+    parser.add_argument(
+        "--n", default="50", help="kills per operation and backend: 50, or local=35,s3pg=15,..."
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--work", type=Path, default=None)
@@ -1155,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_torture(
         backends=args.backends.split(","),
         ops=args.ops.split(","),
-        n=args.n,
+        n=parse_counts(args.n, args.backends.split(",")),
         seed=seed,
         budget_s=args.budget_s,
         work=work,
