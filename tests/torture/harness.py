@@ -1042,7 +1042,8 @@ def run_torture(
                 campaign.prepare()
                 campaigns.append(campaign)
         for i in range(max((c.n for c in campaigns), default=0)):
-            for campaign in campaigns:
+            k = i % max(1, len(campaigns))  # each round starts elsewhere: a cut-off is even
+            for campaign in campaigns[k:] + campaigns[:k]:
                 if i < campaign.n and time.monotonic() < deadline:
                     t = time.monotonic()
                     campaign.iteration(i)
