@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
 
@@ -19,32 +20,12 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
     app.command("pin")(pin)
     app.command("unpin")(unpin)
-    app.command("recovery")(recovery)
+    app.command("advise")(advise.advise)
+    app.command("recovery")(advise.recovery)  # deprecated: goes in the next release
     runs = typer.Typer(help="A training run as a whole.", no_args_is_help=True)
     runs.command("finish")(finish)
+    runs.command("restart")(advise.restart)
     app.add_typer(runs, name="run")
-
-
-def recovery(
-    run: str = typer.Argument(..., help="Run name."),
-    project: str = typer.Option("default", "--project", help="Project name."),
-    mtbf: str = typer.Option("24h", "--mtbf", help="Mean time between failures of the job."),
-    json_output: bool = JSON_OPTION,
-) -> None:
-    """Checkpoint economics of a run: save cost C, restore time RTO, interval advice."""
-    from registry.timeutil import positive_duration
-
-    mtbf_s = positive_duration(mtbf, "--mtbf", "24h")
-    with open_registry() as reg:
-        out = reg.recovery(run, project=project, mtbf_s=mtbf_s)
-    if json_output:
-        emit_json(out)
-        return
-    for key, value in out.items():
-        if key != "advice":
-            print(f"{key}: {value}")
-    for line in out["advice"]:
-        print(f"advice: {line}")
 
 
 def push_ckpt(

@@ -6,8 +6,11 @@ checkpoint, train, save through the registry from every rank.
 Each rank draws its batches from its own generator (seeded by rank), so an exact resume needs
 that generator's state and the rank's position in its data: both are saved per rank
 (`per_rank=`), and restored where the world size allows. `--kill-after K` SIGKILLs every rank
-once step K's save is committed (a crash with nothing left to flush); `--losses FILE` (rank 0)
-records each step's loss, averaged over ranks.
+once step K's save is committed (a crash with nothing left to flush); `--kill-at K` SIGKILLs
+every rank right after step K, whatever is in flight (the work since the last committed save is
+lost: `reg advise` counts it); `--losses FILE` (rank 0) records each step's loss, averaged over
+ranks. Every step is reported to the manager (`step_done`), which sends a heartbeat every
+`--heartbeat` seconds; `--planned` says this job's restore is a planned restart.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="save every N steps")
     parser.add_argument("--async", dest="async_", action="store_true", help="async saves")
     parser.add_argument("--kill-after", type=int, help="SIGKILL every rank after this save")
+    parser.add_argument("--kill-at", type=int, help="SIGKILL every rank after this step")
+    parser.add_argument("--heartbeat", type=float, default=30.0, help="heartbeat every S seconds")
+    parser.add_argument("--planned", action="store_true", help="this restart is planned")
     parser.add_argument("--losses", type=Path, help="rank 0 appends each step's loss here")
     parser.add_argument("--report", type=Path, help="rank 0 writes what it did here (JSON)")
     parser.add_argument(
@@ -64,13 +70,13 @@ def main() -> None:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(args.run_name, project=args.project)
+    manager = CheckpointManager(args.run_name, project=args.project, heartbeat_s=args.heartbeat)
 
     data = torch.Generator().manual_seed(1000 + rank)
     per_rank = {"rng": data.get_state(), "dataloader": {"position": 0}}
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optimizer": optim_sd, "train_state": {"step": 0}}
-    resumed = manager.restore(state, per_rank=per_rank)
+    resumed = manager.restore(state, per_rank=per_rank, planned=args.planned)
     if resumed is not None:
         set_state_dict(
             model, optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
@@ -93,6 +99,11 @@ def main() -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses[step] = float(mean) / dist.get_world_size()
+        manager.step_done(step)
+        if step == args.kill_at:
+            _record(args, rank, losses)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
         if step % args.every == 0 or step == last:
             model_sd, optim_sd = get_state_dict(model, optim)
             manager.save(

@@ -404,13 +404,38 @@ class Registry:
 
         return rebuild(self.context, dry_run=dry_run)
 
-    def recovery(
-        self, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+    def advise(
+        self,
+        run: str,
+        *,
+        project: str = "default",
+        gpus: int | None = None,
+        mtbf_s: float | None = None,
+        fleet: bool = False,
     ) -> dict[str, Any]:
-        """Checkpoint economics of a run: save cost, restore time, interval advice."""
-        from registry.lifecycle.recovery import economics
+        """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
+        intervals (Young, Daly, the availability optimum), waste, regret, advice."""
+        from registry.lifecycle.economics import advise
 
-        return economics(self.context, run, project=project, mtbf_s=mtbf_s)
+        return advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+
+    def recovery(
+        self, run: str, *, project: str = "default", mtbf_s: float | None = None
+    ) -> dict[str, Any]:
+        """Deprecated (one release): `advise`."""
+        return self.advise(run, project=project, mtbf_s=mtbf_s)
+
+    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
+        """The next restore of `run` is a planned restart, not a failure (trainer)."""
+        from registry.lifecycle.economics.records import plan_restart
+
+        return plan_restart(self.context, project, run)
+
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+        """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
+        from registry.lifecycle.economics.records import record_heartbeat
+
+        return record_heartbeat(self.context, project, run, **figures)
 
     def storage_init(self) -> dict[str, Any]:
         """Check the store and set lifecycle rules (S3); create the root (local)."""

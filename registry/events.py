@@ -25,6 +25,8 @@ CHECKPOINT_PROTECTION = "checkpoint.protection"  # pinned or unpinned: its expir
 RUN_FINISHED = "run.finished"  # the training job ended (finished, failed or killed)
 CHECKPOINT_VERIFIED = "checkpoint.verified"  # every stored byte re-hashed (verify, a scrub)
 RELEASE_VERIFIED = "release.verified"
+# The run's checkpoint economics changed (a background save's cost measured, a restore, the end)
+RUN_ECONOMICS = "run.economics"
 
 
 class EventSink(Protocol):

@@ -201,6 +201,13 @@ class Mirror:
         run_id = self.run(p["project"], p["run"])
         self.client.set_terminated(run_id, status, end_time=int(p["ended_at"] * 1000))
 
+    def on_run_economics(self, p: dict[str, Any]) -> None:
+        """`reg advise`'s measured figures as metrics of the run, at the step reached."""
+        run_id = self.run(p["project"], p["run"])
+        for key in ("c_eff_s", "rto_s", "advised_interval_s"):
+            if isinstance(p.get(key), int | float):
+                self.client.log_metric(run_id, f"reg.{key}", float(p[key]), step=int(p["step"]))
+
     def on_checkpoint_protection(self, p: dict[str, Any]) -> None:
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:

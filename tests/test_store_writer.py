@@ -295,13 +295,14 @@ def test_state_that_restore_could_not_load_is_refused_at_save(clean_env: Path) -
 
 
 def test_the_save_cost_of_a_run_is_what_its_saves_stalled_the_loop(clean_env: Path) -> None:
-    """`reg recovery`'s C for a run saved from the loop is the recorded stall (an async save's
-    staging), not the time until the upload was committed."""
+    """`reg advise`'s C for a run saved from the loop without step times is the recorded
+    stall (an async save's staging), not the time until the upload was committed."""
     manager = CheckpointManager("loop")
     for step in (1, 2, 3):
         manager.save(_state(step, mib=8), step, async_=True)
     manager.close()
     with Registry() as reg:
         stalls = sorted(reg.show(f"loop@step{s}")["save_costs"]["stall_seconds"] for s in (1, 2, 3))
-        out = reg.recovery("loop", mtbf_s=86400.0)
-    assert out["save_cost_seconds"] == pytest.approx(stalls[1], abs=1e-3)
+        out = reg.advise("loop", mtbf_s=86400.0)
+    assert out["c_eff"]["median_s"] == pytest.approx(stalls[1], abs=1e-3)
+    assert out["c_eff"]["source"] == "stall only (no step_done reported)"

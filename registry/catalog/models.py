@@ -54,6 +54,16 @@ class Run(SQLModel, table=True):
     # commits a newer step.
     resumed_from_step: int | None = Field(default=None, sa_type=BigInteger)
     resumed_at: float | None = None
+    # What the training job reported as it went (`CheckpointManager` heartbeats; migration
+    # 0014): the last step reached, the time at risk summed over attempts (wall seconds, and
+    # x world size), the median step time; a planned restart announced; the last attempt closed.
+    last_step: int | None = Field(default=None, sa_type=BigInteger)
+    last_step_at: float | None = None
+    train_seconds: float | None = None
+    gpu_seconds: float | None = None
+    step_seconds: float | None = None
+    restart_planned_at: float | None = None
+    attempt_ended_at: float | None = None
 
 
 class Checkpoint(ClaimColumns, table=True):
@@ -161,6 +171,13 @@ class CheckpointRestore(SQLModel, table=True):
     actor: str = Field(max_length=256)
     world_size: int
     phases: dict[str, float] = _json()
+    # How it came about (migration 0014): start | failure | planned | resume (None before it);
+    # for a failure, the step the job had reached and the run's exposure then.
+    kind: str | None = Field(default=None, max_length=16)
+    reached_step: int | None = Field(default=None, sa_type=BigInteger)
+    train_seconds: float | None = None
+    gpu_seconds: float | None = None
+    step_seconds: float | None = None
 
 
 class KeySet(SQLModel, table=True):

@@ -452,11 +452,34 @@ class RemoteRegistry(Registry):
     def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
         return dict(self.client.call("POST", "/catalog/rebuild", body={"dry_run": dry_run}))
 
-    def recovery(
-        self, run: str, *, project: str = "default", mtbf_s: float = 86400.0
+    def advise(
+        self,
+        run: str,
+        *,
+        project: str = "default",
+        gpus: int | None = None,
+        mtbf_s: float | None = None,
+        fleet: bool = False,
     ) -> dict[str, Any]:
-        params = {"run": run, "project": project, "mtbf_s": mtbf_s}
-        return dict(self.client.call("GET", "/recovery", params=params))
+        params: dict[str, Any] = {"run": run, "project": project, "fleet": fleet}
+        if gpus is not None:
+            params["gpus"] = gpus
+        if mtbf_s is not None:
+            params["mtbf_s"] = mtbf_s
+        return dict(self.client.call("GET", "/advise", params=params))
+
+    def recovery(
+        self, run: str, *, project: str = "default", mtbf_s: float | None = None
+    ) -> dict[str, Any]:
+        return self.advise(run, project=project, mtbf_s=mtbf_s)
+
+    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
+        body = {"project": project, "run": run}
+        return dict(self.client.call("POST", "/runs/restart", body=body))
+
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+        body = {"project": project, "run": run, **figures}
+        return dict(self.client.call("POST", "/runs/heartbeat", body=body))
 
     def storage_init(self) -> dict[str, Any]:
         return dict(self.client.call("POST", "/storage/init"))

@@ -412,15 +412,53 @@ async def mlflow_sync(request: Request) -> dict[str, Any]:
     return await run_in_threadpool(work)
 
 
+@router.get("/advise")
+def advise(
+    run: str,
+    project: str = "default",
+    gpus: int | None = None,
+    mtbf_s: float | None = Query(None),
+    fleet: bool = False,
+    ctx: Context = CTX,
+) -> dict[str, Any]:
+    """Checkpoint economics (viewer read, as `recovery` was)."""
+    from registry.lifecycle.economics import advise
+
+    return advise(ctx, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+
+
 @router.get("/recovery")
 def recovery(
-    run: str, project: str = "default", mtbf_s: float = Query(86400.0), ctx: Context = CTX
+    run: str, project: str = "default", mtbf_s: float | None = Query(None), ctx: Context = CTX
 ) -> dict[str, Any]:
-    from registry.lifecycle.recovery import economics
+    """Deprecated for one release: `/advise`."""
+    from registry.lifecycle.economics import advise
 
-    if not 0 < mtbf_s < float("inf"):
-        raise UsageError(f"--mtbf must be a positive, finite duration, got {mtbf_s}s")
-    return economics(ctx, run, project=project, mtbf_s=mtbf_s)
+    return advise(ctx, run, project=project, mtbf_s=mtbf_s)
+
+
+@router.post("/runs/restart")
+async def plan_restart(request: Request) -> dict[str, Any]:
+    from registry.lifecycle.economics.records import plan_restart
+
+    ctx, doc = await authed_body(request)
+    return await run_in_threadpool(plan_restart, ctx, text(doc, "project"), text(doc, "run"))
+
+
+@router.post("/runs/heartbeat")
+async def heartbeat(request: Request) -> dict[str, Any]:
+    """A training job's heartbeat (`CheckpointManager`; trainer); checked in the lifecycle."""
+    from registry.lifecycle.economics.records import record_heartbeat
+
+    ctx, doc = await authed_body(request)
+    keys = ("step", "seconds", "world_size", "step_seconds", "saves")
+    figures: dict[str, Any] = {k: doc.get(k) for k in keys}
+    ended = flag(doc, "ended")
+    return await run_in_threadpool(
+        lambda: record_heartbeat(
+            ctx, text(doc, "project"), text(doc, "run"), ended=ended, **figures
+        )
+    )
 
 
 # -- tokens ----------------------------------------------------------------------------------------

@@ -101,6 +101,21 @@ class EmbeddedBackend:
         if context.principal.authorize("push", project=ref.project).allowed:
             record_restore(context, ref, world_size, phases)
 
+    def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
+        from registry.lifecycle.economics.records import record_heartbeat
+
+        context = self.registry.context
+        if not context.principal.authorize("push", project=ref.project).allowed:
+            return {"recorded": True}  # a reader's job: nothing to record, nothing to keep
+        return record_heartbeat(context, ref.project, ref.run, **figures)
+
+    def plan_restart(self, ref: CheckpointRef) -> None:
+        from registry.lifecycle.economics.records import plan_restart
+
+        context = self.registry.context
+        if context.principal.authorize("push", project=ref.project).allowed:
+            plan_restart(context, ref.project, ref.run)
+
 
 class ServerBackend:
     def __init__(self, registry: Registry) -> None:
@@ -164,6 +179,12 @@ class ServerBackend:
     def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
         body = {"ref": str(ref), "restore": {"world_size": world_size, "phases": phases}}
         self.registry.client.call("POST", "/checkpoints/pulled", body=body)
+
+    def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
+        return self.registry.heartbeat(ref.run, project=ref.project, **figures)
+
+    def plan_restart(self, ref: CheckpointRef) -> None:
+        self.registry.plan_restart(ref.run, project=ref.project)
 
 
 class ServerSink:

@@ -4,6 +4,7 @@
     start = manager.restore(state) or 0          # every rank; None when the run has none yet
     for step in range(start + 1, steps + 1):
         ...
+        manager.step_done(step)                   # cheap: step times in memory, heartbeats
         if step % 1000 == 0:
             manager.save(state, step, metrics={"val_loss": loss}, async_=True)
     manager.close()                               # waits for the last save
@@ -20,13 +21,25 @@ rank's writes, is recorded on the checkpoint; each restore records its phases.
 `restore` loads the newest committed checkpoint straight from the store on every rank (ranged
 reads, the safe metadata reader, resharding to the current world size) and records that the run
 resumed from it, so retention keeps it.
+
+`step_done(step)` after each training step feeds `reg advise` (issue 18): rank 0 keeps step
+times in memory; a step that overlapped a background save is slower than the median of the
+steps that did not, and that slowdown (plus any time the next save waited for it) is the save's
+interference: C_eff = stall + interference, recorded on the checkpoint. Every `heartbeat_s`, at
+each save and at close, rank 0 reports the last step reached and the time at risk since the
+previous report, so a restore after a crash knows the work the failure lost (the steps since
+the restored checkpoint, to the last heartbeat). `restore(planned=True)` says this restart was
+planned (not a failure); `close()` says the attempt ended, so the next restore is not one
+either. A heartbeat that fails is warned about once and never stops training.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from registry.api import Registry
@@ -51,6 +64,7 @@ class CheckpointManager:
         registry: Registry | None = None,
         thread_count: int = 1,
         staging: object = None,  # unused since saves write straight into the store
+        heartbeat_s: float = 30.0,
     ) -> None:
         from registry.refs import check_name
 
@@ -65,6 +79,16 @@ class CheckpointManager:
         self._restore: _Restore | None = None
         self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
         self._saved_any = False  # a run exists once a save committed (or a restore found one)
+        # Step timings (rank 0): issue 18's C_eff and heartbeats.
+        self.heartbeat_s = heartbeat_s
+        self._flushed_at = time.monotonic()  # the time at risk is counted from here
+        self._last_step: int | None = None
+        self._last_step_time: float | None = None
+        self._in_save = 0.0  # loop time spent in save() since the previous step_done
+        self._clean: deque[float] = deque(maxlen=256)  # step times with no save in flight
+        self._tracking: list[_Track] = []  # background saves whose slowdown is measured
+        self._finished: dict[str, dict[str, float]] = {}  # for the next heartbeat
+        self._heartbeat_warned = False
 
     @property
     def registry(self) -> Registry:
@@ -99,11 +123,29 @@ class CheckpointManager:
         memory (None); `wait()` returns the view. `per_rank`: state that differs by rank, by
         class (`{"rng": ..., "dataloader": ...}`), saved as `<class>.rank_<r>` for each rank
         (DCP keeps one copy of a key every rank saves alike)."""
+        entered = time.monotonic()
+        try:
+            return self._save(state, step, metrics, async_, per_rank, entered)
+        finally:
+            self._in_save += time.monotonic() - entered
+
+    def _save(
+        self,
+        state: dict[str, Any],
+        step: int,
+        metrics: dict[str, float] | None,
+        async_: bool,
+        per_rank: dict[str, Any] | None,
+        entered: float,
+    ) -> dict[str, Any] | None:
         import torch.distributed.checkpoint as dcp
 
         from registry.training.store_writer import StoreWriter
 
+        pending = self._pending
         self.wait()  # one save in flight: the previous one commits (or raises) first
+        if pending is not None:  # the loop blocked on it: part of that save's cost
+            self._track_done(pending, blocked=time.monotonic() - entered)
         self._record_restore()
         started = time.monotonic()
         # What one rank finds wrong stops every rank, before anything is claimed: a rank that
@@ -119,6 +161,8 @@ class CheckpointManager:
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
+        if ranks.current_rank() == 0:
+            self._heartbeat()  # the step reached, with the save (its cost counts the call)
         save = _Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
             self.backend.sink(shared),
@@ -142,6 +186,8 @@ class CheckpointManager:
         save.staged(time.monotonic() - started)
         save.future = future
         self._pending = save
+        if ranks.current_rank() == 0:
+            self._tracking.append(_Track(save, step))
         return None
 
     def wait(self) -> dict[str, Any] | None:
@@ -172,9 +218,14 @@ class CheckpointManager:
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(
-        self, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None
+        self,
+        state: dict[str, Any],
+        *,
+        per_rank: dict[str, Any] | None = None,
+        planned: bool = False,
     ) -> int | None:
         """Load the newest committed checkpoint into `state` (in place); returns its step.
+        `planned`: this restart was planned (a config change, a move), not a failure.
         `per_rank` (as `save` took it: class -> a template of this rank's value) is filled in
         place with what this rank saved. At another world size a rank the checkpoint has no
         state for keeps its template, and ranks beyond the new world size are not loaded:
@@ -230,7 +281,7 @@ class CheckpointManager:
             "bytes": float(reader.bytes_read),
         }
         ref = CheckpointRef(self.project, self.run, step)
-        self._restore = _Restore(ref, ranks.gather_max(phases))
+        self._restore = _Restore(ref, ranks.gather_max(phases), planned)
         if ranks.current_rank() == 0:
             self.backend.resumed(ref)  # at once: retention keeps the step the run resumed from
         return step
@@ -248,14 +299,89 @@ class CheckpointManager:
         restore, self._restore = self._restore, None
         if restore is None or ranks.current_rank() != 0:
             return
+        if restore.planned:
+            self.backend.plan_restart(restore.ref)
         self.backend.restored(restore.ref, ranks.world_size(), restore.phases)
+
+    # -- step timings and heartbeats (issue 18) ------------------------------------------------
+    def step_done(self, step: int) -> None:
+        """Training step `step` is done (call on every rank, after the optimizer step). Cheap:
+        rank 0 keeps the step's time in memory; a heartbeat goes out every `heartbeat_s`."""
+        if self._restore is not None:
+            self.first_step_done()
+        if ranks.current_rank() != 0:
+            return
+        at = time.monotonic()
+        before, self._last_step_time = self._last_step_time, at
+        self._last_step = step
+        in_save, self._in_save = self._in_save, 0.0
+        if before is not None:
+            took = max(0.0, at - before - in_save)
+            if self._tracking:
+                for track in self._tracking:
+                    track.during.append(took)
+            else:
+                self._clean.append(took)
+        for track in list(self._tracking):
+            if track.save.future is None or track.save.future.done():
+                self._track_done(track.save)
+        if at - self._flushed_at >= self.heartbeat_s:
+            self._heartbeat()
+
+    def _track_done(self, save: _Save, blocked: float = 0.0) -> None:
+        """A background save finished: its slowdown of the steps it overlapped, for the next
+        heartbeat (against the median of the steps no save overlapped)."""
+        for track in [t for t in self._tracking if t.save is save]:
+            self._tracking.remove(track)
+            figures: dict[str, float] = {
+                "steps_during": float(len(track.during)),
+                "blocked_seconds": round(blocked, 4),
+            }
+            if len(self._clean) >= 3:
+                baseline = statistics.median(self._clean)
+                extra = sum(d - baseline for d in track.during)
+                figures["baseline_step_seconds"] = round(baseline, 6)
+                figures["interference_seconds"] = round(max(0.0, extra), 4)
+            self._finished[str(track.step)] = figures
+
+    def _heartbeat(self, *, ended: bool = False) -> None:
+        """Rank 0: the last step reached and the time at risk since the last heartbeat."""
+        self._record_restore()  # a restore is classified before the new attempt reports
+        at = time.monotonic()
+        saves = dict(self._finished)
+        try:
+            got = self.backend.heartbeat(
+                CheckpointRef(self.project, self.run, None),
+                step=self._last_step,
+                seconds=at - self._flushed_at,
+                world_size=ranks.world_size(),
+                step_seconds=statistics.median(self._clean) if self._clean else None,
+                saves=saves,
+                ended=ended,
+            )
+        except RegistryError as exc:
+            if not self._heartbeat_warned:
+                import warnings
+
+                self._heartbeat_warned = True
+                warnings.warn(f"reg: a heartbeat of {self.run} failed: {exc}", stacklevel=3)
+            return
+        if got.get("recorded"):  # else no run yet: the time keeps counting to the next one
+            self._flushed_at = at
+            for key in saves:
+                self._finished.pop(key, None)
 
     def close(self, status: str | None = "finished") -> None:
         """Wait for the save in flight, record a pending restore, say the run ended with
         `status` (rank 0; None: the job goes on elsewhere), close the registry."""
         try:
+            pending = self._pending
             self.wait()
+            if pending is not None and ranks.current_rank() == 0:
+                self._track_done(pending)
             self._record_restore()
+            if ranks.current_rank() == 0 and self._saved_any:
+                self._heartbeat(ended=status != "failed")  # a failed job's next restore fails
             if status is not None and ranks.current_rank() == 0 and self._saved_any:
                 self.registry.finish_run(self.run, project=self.project, status=status)
         finally:
@@ -280,9 +406,18 @@ class CheckpointManager:
 
 
 class _Restore:
-    def __init__(self, ref: CheckpointRef, phases: dict[str, float]) -> None:
+    def __init__(self, ref: CheckpointRef, phases: dict[str, float], planned: bool) -> None:
         self.ref, self.phases = ref, {k: round(v, 4) for k, v in phases.items()}
+        self.planned = planned
         self.ended = time.monotonic()
+
+
+class _Track:
+    """A background save in flight (rank 0) and the step times it overlapped."""
+
+    def __init__(self, save: _Save, step: int) -> None:
+        self.save, self.step = save, step
+        self.during: list[float] = []
 
 
 class _Save:

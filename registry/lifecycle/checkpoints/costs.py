@@ -27,17 +27,20 @@ def record_restore(
     ctx: Context, ref: CheckpointRef, world_size: int, phases: dict[str, float]
 ) -> None:
     """One restore of `ref` by the training loop, with its phases (seconds; `bytes` read)."""
+    from registry.lifecycle.economics.records import classify, emit_economics
+
     with ctx.catalog.session(write=True) as s:
-        _, ckpt = queries.resolve_checkpoint(s, ref)
-        s.add(
-            CheckpointRestore(
-                checkpoint_id=ckpt.id or 0,
-                created_at=now(),
-                actor=ctx.actor,
-                world_size=world_size,
-                phases={k: float(v) for k, v in phases.items()},
-            )
+        run, ckpt = queries.resolve_checkpoint(s, ref)
+        restore = CheckpointRestore(
+            checkpoint_id=ckpt.id or 0,
+            created_at=now(),
+            actor=ctx.actor,
+            world_size=world_size,
+            phases={k: float(v) for k, v in phases.items()},
         )
+        classify(s, run, ckpt.step, restore)  # a failure, a planned restart, ... (issue 18)
+        s.add(restore)
+        emit_economics(ctx, s, ref.project, ref.run, run)  # the RTO changed: MLflow follows
 
 
 def costs_json(session: Session, checkpoint_id: int, save_costs: Any) -> dict[str, Any]:
@@ -51,7 +54,13 @@ def costs_json(session: Session, checkpoint_id: int, save_costs: Any) -> dict[st
     return {
         "save_costs": save_costs,
         "restores": [
-            {"at": iso(r.created_at), "by": r.actor, "world_size": r.world_size, "phases": r.phases}
+            {
+                "at": iso(r.created_at),
+                "by": r.actor,
+                "world_size": r.world_size,
+                "phases": r.phases,
+                "kind": r.kind,
+            }
             for r in rows
         ],
     }

@@ -1,0 +1,244 @@
+"""`reg advise RUN`: checkpoint economics from what the job really paid; `reg recovery` (its
+old name, for one release); `reg run restart RUN --planned`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from cli.common import JSON_OPTION, open_registry
+from cli.render import emit_json, note
+
+
+def advise(
+    run: str = typer.Argument(..., help="Run name."),
+    project: str = typer.Option("default", "--project", help="Project name."),
+    gpus: int | None = typer.Option(
+        None, "--gpus", help="GPUs the job runs on (default: its world size); scales regret."
+    ),
+    mtbf: str | None = typer.Option(
+        None, "--mtbf", help="The job's mean time between failures (default: measured)."
+    ),
+    fleet: bool = typer.Option(
+        False, "--fleet", help="Estimate the failure rate from every run of the project."
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write expected waste vs interval to FILE.svg."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Checkpoint economics of a run from what it paid: C_eff, RTO, failures, the optimum
+    interval (Young, Daly, availability), waste, regret and one sentence of advice."""
+    from registry.errors import UsageError
+    from registry.timeutil import positive_duration
+
+    mtbf_s = positive_duration(mtbf, "--mtbf", "24h") if mtbf is not None else None
+    if gpus is not None and gpus < 1:
+        raise UsageError(f"--gpus must be a positive integer, got {gpus}")
+    if plot is not None and plot.suffix.lower() != ".svg":
+        raise UsageError(f"--plot writes SVG: name the file *.svg, not {plot.name}")
+    with open_registry() as reg:
+        out = reg.advise(run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+    if plot is not None:
+        _plot(out, plot)
+    if json_output:
+        emit_json(out)
+    else:
+        render(out)
+    if plot is not None and not json_output:
+        print(f"plot: {plot}")
+
+
+def recovery(
+    run: str = typer.Argument(..., help="Run name."),
+    project: str = typer.Option("default", "--project", help="Project name."),
+    mtbf: str | None = typer.Option(None, "--mtbf", help="Mean time between failures."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Deprecated: use `reg advise` (this alias goes in the next release)."""
+    advise(run, project, None, mtbf, False, None, json_output)
+    # After the output, so that an error stays one line.
+    note("`reg recovery` is deprecated and goes in the next release: use `reg advise`")
+
+
+def restart(
+    run: str = typer.Argument(..., help="RUN or PROJECT/RUN."),
+    planned: bool = typer.Option(
+        False, "--planned", help="The next restore is a planned restart, not a failure."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Announce a planned restart of a run (before stopping the job): `reg advise` does not
+    count its next restore as a failure."""
+    from registry.errors import UsageError
+    from registry.lifecycle.runs import split_run
+
+    if not planned:
+        raise UsageError(
+            "say --planned: only a planned restart is announced", "reg run restart RUN --planned"
+        )
+    project, name = split_run(run)
+    with open_registry() as reg:
+        out = reg.plan_restart(name, project=project)
+    if json_output:
+        emit_json(out)
+    else:
+        print(f"{project}/{name}: the next restore is a planned restart")
+
+
+def _plot(out: dict[str, Any], path: Path) -> None:
+    from registry.errors import RegistryError
+    from registry.lifecycle.economics.plot import svg
+
+    c = out.get("c_eff") or {}
+    waste = out.get("waste") or {}
+    interval = out.get("interval") or {}
+    if c.get("median_s") is None or not interval.get("advised_s"):
+        raise RegistryError(
+            f"{out['run']}: nothing measured to plot", "save from the training loop first"
+        )
+    document = svg(
+        cost_s=float(c["median_s"]),
+        rto_s=float((out.get("rto") or {}).get("median_s") or 0.0),
+        mtbf_s=float(waste["mtbf_s"]),
+        gpus=int(out["gpus"]),
+        advised_s=float(interval["advised_s"]),
+        current_s=interval.get("current_s"),
+        title=f"{out['run']}: expected waste vs checkpoint interval",
+    )
+    try:
+        path.write_text(document)
+    except OSError as exc:
+        raise RegistryError(f"cannot write {path}: {exc.strerror}", "choose another path") from exc
+
+
+def render(out: dict[str, Any]) -> None:
+    """The figures as a table people read, then the advice."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from registry.lifecycle.economics.advise import human
+
+    def h(value: float | None) -> str:
+        return "-" if value is None else human(float(value))
+
+    table = Table(title=f"checkpoint economics of {out['run']}", title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    c, rto, fail = out["c_eff"], out.get("rto") or {}, out["failures"]
+    interval, waste = out.get("interval") or {}, out.get("waste") or {}
+    sim = out.get("simulation") or {}
+    rows: list[tuple[str, str]] = [
+        ("GPUs", f"{out['gpus']} ({out['gpus_source']})"),
+        ("step time", h(out.get("step_seconds"))),
+        (
+            "C_eff (median, p10-p90)",
+            f"{h(c['median_s'])} ({h(c['p10_s'])}-{h(c['p90_s'])}) over {c['saves']} saves; "
+            f"bare stall {h(c['stall_median_s'])}, interference "
+            f"{h(c['interference_median_s'])} [{c['source']}]",
+        ),
+    ]
+    if rto:
+        phases = (
+            f" = fetch {h(rto['fetch_s'])} + load/reshard {h(rto['load_reshard_s'])} + first "
+            f"step {h(rto['first_step_s'])}"
+            if rto.get("fetch_s") is not None
+            else ""
+        )
+        rows.append(("RTO (median)", f"{h(rto['median_s'])}{phases} [{rto['source']}]"))
+    else:
+        rows.append(("RTO", "not measured yet (no restore, no validation)"))
+    rows.append(
+        (
+            "failures",
+            f"{fail['count']} ({fail['planned_restarts']} planned restarts not counted), "
+            f"{fail['lost_steps']} steps lost",
+        )
+    )
+    for i, event in enumerate(fail["events"], 1):
+        rows.append(
+            (
+                f"  failure {i}",
+                f"reached step {event['reached_step']}, restored {event['restored_step']}: "
+                f"lost {event['lost_steps']} steps ({h(event['lost_s'])})",
+            )
+        )
+    if fail.get("rate_per_gpu_hour") is not None:
+        conf = f"{fail['confidence']:.0%}"
+        rows.append(
+            (
+                "failure rate",
+                f"{fail['rate_per_gpu_hour']:.4g}/GPU-hour ({conf} CI {fail['rate_low']:.3g}-"
+                f"{fail['rate_high']:.3g}) over {fail['exposure_gpu_hours']:.4g} GPU-hours"
+                + (f", {fail['pooled_runs']} runs pooled" if fail["pooled_runs"] > 1 else ""),
+            )
+        )
+    rows.append(("MTBF of the job", f"{h(fail.get('mtbf_s'))} [{fail.get('mtbf_source')}]"))
+    if interval.get("current_s") is not None:
+        every = interval.get("current_steps")
+        rows.append(
+            (
+                "interval now",
+                f"{h(interval['current_s'])}" + (f" (every {every} steps)" if every else ""),
+            )
+        )
+    if "young_s" in interval:
+        adv = interval.get("advised_steps")
+        rows += [
+            ("Young sqrt(2CM)", h(interval["young_s"])),
+            ("Daly higher-order", h(interval["daly_s"])),
+            (
+                "availability optimum",
+                h(interval["availability_s"]) + (f" (every {adv} steps)" if adv else ""),
+            ),
+        ]
+    if waste:
+        gpd = 24 * out["gpus"]
+        if "current_fraction" in waste:
+            rows.append(
+                (
+                    "waste now",
+                    f"{waste['current_fraction']:.2%} ({waste['current_fraction'] * gpd:.3g} "
+                    "GPU-h/day)",
+                )
+            )
+        rows.append(
+            (
+                "waste at the optimum",
+                f"{waste['advised_fraction']:.2%} "
+                f"({waste['advised_fraction'] * gpd:.3g} GPU-h/day)",
+            )
+        )
+        if "regret_gpu_hours_per_day" in waste:
+            rows.append(("regret", f"{waste['regret_gpu_hours_per_day']:.3g} GPU-hours/day"))
+            rows.append(("lost per failure now", h(waste["lost_per_failure_now_s"])))
+        rows.append(("lost per failure at optimum", h(waste["lost_per_failure_advised_s"])))
+    if sim:
+        e = sim["exponential"]
+        rows.append(
+            (
+                "Monte Carlo, exponential",
+                f"{e['simulated_fraction']:.2%} vs analytic {e['analytic_fraction']:.2%} "
+                f"({e['difference_pct']:.2f}% apart, {e['trials']} trials)",
+            )
+        )
+        m = sim.get("measured_gaps")
+        rows.append(
+            (
+                "Monte Carlo, measured gaps",
+                "no failure gaps measured yet"
+                if not m
+                else f"waste {m.get('current_fraction', 0):.2%} now, "
+                f"{m['advised_fraction']:.2%} at the optimum ({m['gaps']} gaps, median "
+                f"{h(m['gap_median_s'])})",
+            )
+        )
+    for name, value in rows:
+        table.add_row(Text(name), Text(value))  # no rich markup: "[source]" is text
+    console = Console(file=sys.stdout, width=max(100, Console().width))
+    console.print(table)
+    console.print(Text(out["advice"]), soft_wrap=True)

@@ -1,0 +1,296 @@
+"""`reg advise RUN`: checkpoint economics from what the job really paid (issue 18).
+
+Reads the run's measured figures (`facts`), estimates the failure rate (the run's own history,
+the project's runs pooled with `fleet`, or `--mtbf`), and answers the intervals (Young, Daly,
+the availability optimum), the waste and regret of the current interval, the expected lost work
+per failure, two Monte Carlo checks, and one sentence of advice. The model: `model`'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import select
+
+from registry.catalog import queries
+from registry.catalog.models import Project, Run
+from registry.errors import NotFound, UsageError
+from registry.lifecycle.economics import model, simulate
+from registry.lifecycle.economics.facts import RunFacts, gather
+from registry.refs import CheckpointRef, check_name
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+ASSUMED_MTBF_S = 86400.0  # when nothing was measured and no --mtbf was given
+CONFIDENCE = 0.90
+NEAR = 0.2  # an interval within 20% of the optimum is "near" it (waste is flat there)
+
+
+def advise(
+    ctx: Context,
+    run: str,
+    *,
+    project: str = "default",
+    gpus: int | None = None,
+    mtbf_s: float | None = None,
+    fleet: bool = False,
+    trials: int = 2000,
+) -> dict[str, Any]:
+    check_name(run, "run name")
+    check_name(project, "project name")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise UsageError(f"--gpus must be a positive integer, got {gpus}")
+    if mtbf_s is not None and not 0 < mtbf_s < math.inf:
+        raise UsageError(f"--mtbf must be a positive, finite duration, got {mtbf_s}s")
+    ctx.authorize_read(project=project)
+    label = CheckpointRef(project, run, None).run_label
+    with ctx.catalog.session() as s:
+        row = queries.find_run(s, project, run)
+        if row is None:
+            raise NotFound(f"run {label} not found", "reg ls lists the runs")
+        facts = gather(s, project, row)
+        pool = [facts]
+        if fleet:
+            others = s.exec(
+                select(Run).join(Project).where(Project.name == project, Run.id != row.id)
+            ).all()
+            pool += [gather(s, project, other) for other in others]
+    if not facts.checkpoints:
+        raise NotFound(f"{label} has no committed checkpoints", "reg push-ckpt registers one")
+    return _compose(label, facts, pool, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet, trials=trials)
+
+
+def _compose(
+    label: str,
+    facts: RunFacts,
+    pool: list[RunFacts],
+    *,
+    gpus: int | None,
+    mtbf_s: float | None,
+    fleet: bool,
+    trials: int,
+) -> dict[str, Any]:
+    world = next((int(c.world_size) for c in reversed(facts.checkpoints) if c.world_size), 1)
+    n_gpus = gpus or world
+    c_eff, stalls, extra, c_source = facts.costs()
+    rto = facts.rto()
+    tau_now, every, tau_source = facts.interval()
+    step_s = facts.run.step_seconds
+    failures = facts.failures()
+    out: dict[str, Any] = {
+        "run": label,
+        "gpus": n_gpus,
+        "gpus_source": "--gpus" if gpus else "the run's world size",
+        "checkpoints": len(facts.checkpoints),
+        "bytes": facts.checkpoints[-1].bytes,
+        "step_seconds": _r(step_s),
+        "last_step": facts.run.last_step,
+        "c_eff": {
+            "median_s": _r(statistics.median(c_eff)) if c_eff else None,
+            "p10_s": _r(_quantile(c_eff, 0.1)),
+            "p90_s": _r(_quantile(c_eff, 0.9)),
+            "stall_median_s": _r(statistics.median(stalls)) if stalls else None,
+            "interference_median_s": _r(statistics.median(extra)) if extra else None,
+            "saves": len(c_eff),
+            "source": c_source,
+        },
+        "rto": {k: _r(v) if isinstance(v, float) else v for k, v in (rto or {}).items()} or None,
+        "failures": {
+            "count": len(failures),
+            "planned_restarts": facts.planned(),
+            "lost_steps": sum(f.lost_steps for f in failures),
+            "events": [
+                {
+                    "restored_step": f.restored_step,
+                    "reached_step": f.reached_step,
+                    "lost_steps": f.lost_steps,
+                    "lost_s": _r(f.lost_seconds),
+                }
+                for f in failures
+            ],
+        },
+        "interval": {"current_s": _r(tau_now), "current_steps": every, "source": tau_source},
+        "advice": "",
+    }
+    mtbf, rate_doc = _mtbf(pool, n_gpus, mtbf_s, fleet)
+    out["failures"] |= rate_doc
+    if not c_eff:
+        out["advice"] = "no checkpoint cost measured yet: save from the training loop first"
+        return out
+    cost = statistics.median(c_eff)
+    r = float(rto["median_s"]) if rto else 0.0
+    best = model.optimal(cost, mtbf)
+    out["interval"] |= {
+        "young_s": _r(model.young(cost, mtbf)),
+        "daly_s": _r(model.daly(cost, mtbf)),
+        "availability_s": _r(best),
+        "advised_s": _r(best),
+        "advised_steps": max(1, round(best / step_s)) if step_s else None,
+    }
+    waste = {
+        "model": "Daly's full model: Poisson failures of mean M at any time; a failure loses the "
+        "work since the last completed checkpoint plus a restart R (also at risk)",
+        "mtbf_s": _r(mtbf),
+        "advised_fraction": _r(model.waste(best, cost, r, mtbf), 6),
+        "availability_advised": _r(model.availability(best, cost, r, mtbf), 6),
+        "lost_per_failure_advised_s": _r(model.lost_per_failure(best, cost, r, mtbf)),
+    }
+    if tau_now:
+        waste |= {
+            "current_fraction": _r(model.waste(tau_now, cost, r, mtbf), 6),
+            "availability_now": _r(model.availability(tau_now, cost, r, mtbf), 6),
+            "lost_per_failure_now_s": _r(model.lost_per_failure(tau_now, cost, r, mtbf)),
+            "regret_gpu_hours_per_day": _r(
+                model.regret_gpu_hours_per_day(tau_now, best, cost, r, mtbf, n_gpus)
+            ),
+        }
+    out["waste"] = waste
+    out["simulation"] = _simulate(cost, r, mtbf, best, tau_now, pool, n_gpus, trials)
+    advice = _sentence(out, cost, r, mtbf, best, tau_now, step_s, n_gpus)
+    del out["advice"]
+    out["advice"] = advice  # last, as the table ends with it
+    return out
+
+
+def _mtbf(
+    pool: list[RunFacts], gpus: int, mtbf_s: float | None, fleet: bool
+) -> tuple[float, dict[str, Any]]:
+    """The job's MTBF (seconds) and how it was estimated."""
+    n = sum(len(f.failures()) for f in pool)
+    gpu_hours = sum(f.gpu_seconds() for f in pool) / 3600.0
+    doc: dict[str, Any] = {
+        "pooled_runs": len(pool) if fleet else 1,
+        "exposure_gpu_hours": _r(gpu_hours, 6),
+        "rate_per_gpu_hour": None,
+        "rate_low": None,
+        "rate_high": None,
+        "confidence": CONFIDENCE,
+    }
+    if gpu_hours > 0:
+        rate = model.failure_rate(n, gpu_hours, CONFIDENCE)
+        doc |= {
+            "rate_per_gpu_hour": _r(rate.point, 6),
+            "rate_low": _r(rate.low, 6),
+            "rate_high": _r(rate.high, 6),
+            "mtbf_high_s": _r(model.mtbf_of(rate.low, gpus)),
+            "mtbf_low_s": _r(model.mtbf_of(rate.high, gpus)),
+        }
+    if mtbf_s is not None:
+        return mtbf_s, doc | {"mtbf_s": mtbf_s, "mtbf_source": "--mtbf"}
+    if gpu_hours > 0 and n > 0:
+        m = model.mtbf_of(n / gpu_hours, gpus)
+        where = "the project's runs pooled" if fleet else "the run's failures"
+        return m, doc | {"mtbf_s": _r(m), "mtbf_source": f"measured: {where}"}
+    if gpu_hours > 0:
+        m = float(doc["mtbf_low_s"])
+        return m, doc | {
+            "mtbf_s": _r(m),
+            "mtbf_source": f"no failure yet: the {CONFIDENCE:.0%} bound on the failure rate",
+        }
+    return ASSUMED_MTBF_S, doc | {
+        "mtbf_s": ASSUMED_MTBF_S,
+        "mtbf_source": "assumed (no heartbeat exposure measured; give --mtbf)",
+    }
+
+
+def _simulate(
+    cost: float,
+    rto: float,
+    mtbf: float,
+    best: float,
+    tau_now: float | None,
+    pool: list[RunFacts],
+    gpus: int,
+    trials: int,
+) -> dict[str, Any]:
+    """The exponential check of the formulas, and the waste with the measured failure gaps."""
+    analytic = model.waste(best, cost, rto, mtbf)
+    simulated = simulate.waste(best, cost, rto, simulate.exponential(mtbf, 0), trials=trials)
+    out: dict[str, Any] = {
+        "exponential": {
+            "interval_s": _r(best),
+            "analytic_fraction": _r(analytic, 6),
+            "simulated_fraction": _r(simulated, 6),
+            "difference_pct": _r(abs(simulated - analytic) / analytic * 100 if analytic else 0.0),
+            "trials": trials,
+        },
+        "measured_gaps": None,
+    }
+    gaps = [g / gpus for f in pool for g in f.gaps_gpu_seconds()]  # this job's wall seconds
+    if gaps:
+        draw = simulate.resampled(gaps, 0)
+        measured: dict[str, Any] = {
+            "gaps": len(gaps),
+            "gap_median_s": _r(statistics.median(gaps)),
+            "advised_fraction": _r(simulate.waste(best, cost, rto, draw, trials=trials), 6),
+        }
+        if tau_now:
+            draw = simulate.resampled(gaps, 0)
+            measured["current_fraction"] = _r(
+                simulate.waste(tau_now, cost, rto, draw, trials=trials), 6
+            )
+        out["measured_gaps"] = measured
+    return out
+
+
+def _sentence(
+    out: dict[str, Any],
+    cost: float,
+    rto: float,
+    mtbf: float,
+    best: float,
+    tau_now: float | None,
+    step_s: float | None,
+    gpus: int,
+) -> str:
+    basis = f"C_eff {human(cost)}, RTO {human(rto)}, MTBF {human(mtbf)}"
+    steps = f" (every {max(1, round(best / step_s))} steps)" if step_s else ""
+    if not tau_now:
+        return f"Checkpoint every {human(best)}{steps} ({basis})."
+    if abs(tau_now / best - 1.0) <= NEAR:
+        return (
+            f"Keep checkpointing every {human(tau_now)}: it is within {NEAR:.0%} of the optimum "
+            f"{human(best)} ({basis})."
+        )
+    regret = out["waste"]["regret_gpu_hours_per_day"]
+    lost_now = out["waste"]["lost_per_failure_now_s"]
+    lost_best = out["waste"]["lost_per_failure_advised_s"]
+    how = "more" if best < tau_now else "less"
+    return (
+        f"Checkpoint {how} often, every {human(best)}{steps} instead of {human(tau_now)}: "
+        f"that saves {regret:.3g} GPU-hours a day on {gpus} GPU(s), and the expected loss per "
+        f"failure goes from {human(lost_now)} to {human(lost_best)} ({basis})."
+    )
+
+
+def human(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _r(value: float | None, digits: int = 4) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)

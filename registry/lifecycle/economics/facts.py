@@ -1,0 +1,224 @@
+"""What the catalog knows about a run's checkpoint economics, gathered in one session, and the
+figures derived from it (C_eff, RTO by phase, the current interval, failures and exposure)."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import col, select
+
+from registry.catalog.models import COMMITTED, Checkpoint, CheckpointRestore, Run, Validation
+from registry.lifecycle.economics import model
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+
+@dataclass
+class Failure:
+    at: float
+    restored_step: int
+    reached_step: int
+    gpu_seconds: float | None  # the run's exposure when it failed
+    step_seconds: float | None
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.reached_step - self.restored_step)
+
+    @property
+    def lost_seconds(self) -> float | None:
+        return None if self.step_seconds is None else self.lost_steps * self.step_seconds
+
+
+@dataclass
+class RunFacts:
+    project: str
+    run: Run
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    restores: list[tuple[int, CheckpointRestore]] = field(default_factory=list)  # (step, row)
+    validation_seconds: list[float] = field(default_factory=list)
+
+    # -- C_eff ------------------------------------------------------------------------------
+    def costs(self) -> tuple[list[float], list[float], list[float], str]:
+        """Per checkpoint: C_eff, the bare stall, the interference; and where C_eff came from."""
+        c_eff, stalls, extra = [], [], []
+        measured = unmeasured = pushed = 0
+        for row in self.checkpoints:
+            costs = row.save_costs if isinstance(row.save_costs, dict) else None
+            stall = _num(costs.get("stall_seconds")) if costs else None
+            if stall is None:
+                if row.upload_seconds:
+                    pushed += 1
+                    c_eff.append(float(row.upload_seconds))
+                continue
+            stalls.append(stall)
+            if _num(costs.get("c_eff_seconds")) is not None:  # type: ignore[union-attr]
+                measured += 1
+                c_eff.append(float(costs["c_eff_seconds"]))  # type: ignore[index]
+                extra.append(c_eff[-1] - stall)
+            elif costs.get("async"):  # type: ignore[union-attr]
+                unmeasured += 1  # a background save no step times were reported around
+                c_eff.append(stall)
+            else:
+                c_eff.append(stall)  # a synchronous save: the stall is all it cost
+                extra.append(0.0)
+        source = (
+            "step times around saves"
+            if measured
+            else "stall only (no step_done reported)"
+            if unmeasured
+            else "registry upload time (pushed, not saved from the loop)"
+            if pushed
+            else "saves from the loop (synchronous)"
+        )
+        return c_eff, stalls, extra, source
+
+    # -- RTO ------------------------------------------------------------------------------------
+    def rto(self) -> dict[str, Any] | None:
+        totals, fetch, load, first = [], [], [], []
+        for _, r in self.restores:
+            p = r.phases or {}
+            f = sum(
+                float(p.get(k) or 0)
+                for k in ("catalog_seconds", "metadata_seconds", "fetch_seconds")
+            )
+            lr = float(p.get("load_reshard_seconds") or 0)
+            fs = float(p.get("first_step_seconds") or 0)
+            fetch.append(f)
+            load.append(lr)
+            first.append(fs)
+            totals.append(f + lr + fs)
+        if totals:
+            return {
+                "median_s": statistics.median(totals),
+                "fetch_s": statistics.median(fetch),
+                "load_reshard_s": statistics.median(load),
+                "first_step_s": statistics.median(first),
+                "restores": len(totals),
+                "source": "the run's restores",
+            }
+        if self.validation_seconds:
+            return {
+                "median_s": statistics.median(self.validation_seconds),
+                "fetch_s": None,
+                "load_reshard_s": None,
+                "first_step_s": None,
+                "restores": 0,
+                "source": "restore validations (no restore by the training loop yet)",
+            }
+        return None
+
+    # -- the current interval ----------------------------------------------------------------------
+    def interval(self) -> tuple[float | None, int | None, str]:
+        """Training time between saves: the median step gap x the median step time, else the
+        median time between commits."""
+        steps = [c.step for c in self.checkpoints]
+        gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
+        step_s = self.run.step_seconds
+        if gaps and step_s:
+            every = int(statistics.median(gaps))
+            return every * step_s, every, "steps between saves x step time"
+        times = [c.committed_at or c.created_at for c in self.checkpoints]
+        walls = [b - a for a, b in itertools.pairwise(times) if b > a]
+        if walls:
+            return (
+                statistics.median(walls),
+                (int(statistics.median(gaps)) if gaps else None),
+                ("time between commits"),
+            )
+        return None, None, "unknown (fewer than two checkpoints)"
+
+    # -- failures -------------------------------------------------------------------------------
+    def failures(self) -> list[Failure]:
+        return [
+            Failure(
+                r.created_at,
+                step,
+                int(r.reached_step or step),
+                r.gpu_seconds,
+                r.step_seconds or self.run.step_seconds,
+            )
+            for step, r in self.restores
+            if r.kind == "failure"
+        ]
+
+    def planned(self) -> int:
+        return sum(1 for _, r in self.restores if r.kind == "planned")
+
+    def gpu_seconds(self) -> float:
+        return float(self.run.gpu_seconds or 0.0)
+
+    def gaps_gpu_seconds(self) -> list[float]:
+        """GPU-seconds of exposure between consecutive failures (the first from the start)."""
+        out, before = [], 0.0
+        for f in self.failures():
+            if f.gpu_seconds is None:
+                continue
+            if f.gpu_seconds > before:
+                out.append(f.gpu_seconds - before)
+            before = f.gpu_seconds
+        return out
+
+
+def gather(s: Session, project: str, run: Run) -> RunFacts:
+    facts = RunFacts(project, run)
+    facts.checkpoints = list(
+        s.exec(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == run.id, Checkpoint.state == COMMITTED)
+            .order_by(col(Checkpoint.step))
+        ).all()
+    )
+    facts.restores = [
+        (int(step), r)
+        for r, step in s.exec(
+            select(CheckpointRestore, Checkpoint.step)
+            .join(Checkpoint, col(Checkpoint.id) == col(CheckpointRestore.checkpoint_id))
+            .where(Checkpoint.run_id == run.id)
+            .order_by(col(CheckpointRestore.id))
+        ).all()
+    ]
+    ids = [c.id for c in facts.checkpoints]
+    facts.validation_seconds = [
+        v.seconds
+        for v in s.exec(
+            select(Validation).where(col(Validation.checkpoint_id).in_(ids), Validation.passed)
+        ).all()
+        if v.seconds
+    ]
+    return facts
+
+
+def summary(facts: RunFacts) -> dict[str, float]:
+    """The figures mirrored to MLflow: C_eff, RTO and the advised interval (when measured)."""
+    c_eff, _, _, _ = facts.costs()
+    rto = facts.rto()
+    out: dict[str, float] = {}
+    if c_eff:
+        out["c_eff_s"] = round(statistics.median(c_eff), 4)
+    if rto:
+        out["rto_s"] = round(float(rto["median_s"]), 4)
+    gpu_hours = facts.gpu_seconds() / 3600.0
+    n = len(facts.failures())
+    if c_eff and n and gpu_hours > 0:
+        gpus = max(1, _world(facts))
+        mtbf = model.mtbf_of(n / gpu_hours, gpus)
+        out["advised_interval_s"] = round(model.optimal(out["c_eff_s"], mtbf), 2)
+    return out
+
+
+def _world(facts: RunFacts) -> int:
+    for row in reversed(facts.checkpoints):
+        if row.world_size:
+            return int(row.world_size)
+    return 1
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
+    return float(value)

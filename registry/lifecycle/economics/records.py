@@ -1,0 +1,187 @@
+"""What a training job reports to the catalog for its economics (issue 18), and how a restore
+is classified when it is recorded.
+
+- A heartbeat (`CheckpointManager.step_done`, flushed every `heartbeat_s`, at each save and at
+  close): the last step reached, the time at risk since the previous heartbeat (added to the
+  run's `train_seconds`, and x world size to `gpu_seconds`), the median step time, and for
+  each background save that finished, the slowdown of the steps it overlapped (merged into
+  that checkpoint's `save_costs`: `interference_seconds`, `c_eff_seconds`, ...).
+- `plan_restart`: the next restore of the run is planned, not a failure.
+- `classify`: a restore is a `start` (the run never reported a step), `planned`, a `resume` (the
+  previous attempt closed), or a `failure` (the job died: the step it had reached is kept, with
+  the run's exposure then, for lost work and failure gaps).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from registry import events
+from registry.catalog import queries
+from registry.errors import NotFound, UsageError
+from registry.refs import CheckpointRef, check_name
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from registry.catalog.models import CheckpointRestore, Run
+    from registry.context import Context
+
+MAX_HEARTBEAT_SECONDS = 7 * 86400.0  # one heartbeat's time at risk (a week without one: a bug)
+MAX_SAVES = 64  # finished background saves one heartbeat reports
+SAVE_FIELDS = ("interference_seconds", "blocked_seconds", "baseline_step_seconds", "steps_during")
+
+
+def record_heartbeat(
+    ctx: Context,
+    project: str,
+    run: str,
+    *,
+    step: int | None,
+    seconds: float,
+    world_size: int,
+    step_seconds: float | None = None,
+    saves: dict[str, dict[str, float]] | None = None,
+    ended: bool = False,
+) -> dict[str, Any]:
+    """Add one heartbeat to `project/run` (trainer). `recorded: false` when the run does not
+    exist yet (no save committed): the job keeps its figures for the next heartbeat."""
+    check_name(project, "project name")
+    check_name(run, "run name")
+    _check(step, seconds, world_size, step_seconds, saves)
+    ctx.authorize("push", project=project, target=f"{project}/{run}")
+    with ctx.catalog.session(write=True) as s:
+        row = queries.find_run(s, project, run)
+        if row is None:
+            return {"recorded": False}
+        at = now()
+        if step is not None:
+            row.last_step, row.last_step_at = int(step), at
+        row.train_seconds = (row.train_seconds or 0.0) + seconds
+        row.gpu_seconds = (row.gpu_seconds or 0.0) + seconds * world_size
+        if step_seconds is not None:
+            row.step_seconds = step_seconds
+        row.attempt_ended_at = at if ended else None
+        s.add(row)
+        merged = _merge_saves(s, row, saves or {})
+        if merged or ended:
+            emit_economics(ctx, s, project, run, row)
+    return {"recorded": True, "saves": merged}
+
+
+def plan_restart(ctx: Context, project: str, run: str) -> dict[str, Any]:
+    """Announce that the next restore of `project/run` is a planned restart (trainer)."""
+    check_name(project, "project name")
+    check_name(run, "run name")
+    target = f"{project}/{run}"
+    ctx.authorize("push", project=project, target=target)
+    with ctx.catalog.session(write=True) as s:
+        row = queries.find_run(s, project, run)
+        if row is None:
+            raise NotFound(
+                f"run {CheckpointRef(project, run, None).run_label} not found",
+                "reg ls lists the runs",
+            )
+        row.restart_planned_at = now()
+        s.add(row)
+        ctx.audit(s, "plan-restart", target)
+    return {"project": project, "run": run, "planned_at": iso(row.restart_planned_at)}
+
+
+def classify(session: Session, run: Run, restored_step: int, restore: CheckpointRestore) -> None:
+    """Fill in how `restore` (of `run`, to `restored_step`) came about, and start the new
+    attempt: the run is at the restored step now."""
+    at = now()
+    if run.last_step is None:
+        restore.kind = "start"
+    elif run.restart_planned_at is not None:
+        restore.kind = "planned"
+    elif run.attempt_ended_at is not None:
+        restore.kind = "resume"
+    else:
+        restore.kind = "failure"
+        restore.reached_step = run.last_step
+    restore.train_seconds = run.train_seconds
+    restore.gpu_seconds = run.gpu_seconds
+    restore.step_seconds = run.step_seconds
+    run.last_step, run.last_step_at = restored_step, at
+    run.restart_planned_at = run.attempt_ended_at = None
+    session.add(run)
+
+
+def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> list[int]:
+    """Each finished background save's slowdown, merged into its checkpoint's save_costs."""
+    from sqlmodel import select
+
+    from registry.catalog.models import COMMITTED, Checkpoint
+
+    merged = []
+    for key, figures in sorted(saves.items()):
+        ckpt = s.exec(
+            select(Checkpoint).where(
+                Checkpoint.run_id == run.id,
+                Checkpoint.step == int(key),
+                Checkpoint.state == COMMITTED,
+            )
+        ).first()
+        if ckpt is None or not isinstance(ckpt.save_costs, dict):
+            continue
+        costs = dict(ckpt.save_costs)
+        costs.update({k: figures[k] for k in SAVE_FIELDS if k in figures})
+        if "interference_seconds" in figures:  # else unmeasured (no clean steps to compare)
+            stall = float(costs.get("stall_seconds") or 0.0)
+            extra = figures["interference_seconds"] + figures.get("blocked_seconds", 0.0)
+            costs["c_eff_seconds"] = round(stall + extra, 4)
+        ckpt.save_costs = costs
+        s.add(ckpt)
+        merged.append(ckpt.step)
+    return merged
+
+
+def emit_economics(ctx: Context, s: Session, project: str, run: str, row: Run) -> None:
+    """The run's economics for MLflow (reg.c_eff_s, reg.rto_s, reg.advised_interval_s)."""
+    from registry.lifecycle.economics.facts import gather, summary
+
+    s.flush()
+    figures = summary(gather(s, project, row))
+    if figures:
+        ctx.events.emit(
+            s, events.RUN_ECONOMICS, project=project, run=run, step=row.last_step or 0, **figures
+        )
+
+
+def _check(
+    step: int | None,
+    seconds: float,
+    world_size: int,
+    step_seconds: float | None,
+    saves: dict[str, dict[str, float]] | None,
+) -> None:
+    def number(value: object, what: str, high: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise UsageError(f"{what} must be a number")
+        if not (math.isfinite(value) and 0 <= value <= high):
+            raise UsageError(f"{what} must be between 0 and {high:g}")
+
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UsageError("step must be a non-negative integer")
+    number(seconds, "seconds", MAX_HEARTBEAT_SECONDS)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError("world_size must be a positive integer")
+    if step_seconds is not None:
+        number(step_seconds, "step_seconds", MAX_HEARTBEAT_SECONDS)
+    if saves is None:
+        return
+    if not isinstance(saves, dict) or len(saves) > MAX_SAVES:
+        raise UsageError(f"saves must be an object of at most {MAX_SAVES} steps")
+    for key, figures in saves.items():
+        if not (isinstance(key, str) and key.isdigit()) or not isinstance(figures, dict):
+            raise UsageError("saves maps a step (digits) to its figures")
+        for name, value in figures.items():
+            if name not in SAVE_FIELDS:
+                raise UsageError(
+                    f"unknown save figure {name!r}", "known: " + ", ".join(SAVE_FIELDS)
+                )
+            number(value, name, MAX_HEARTBEAT_SECONDS * 1000)
