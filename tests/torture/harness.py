@@ -3,12 +3,13 @@
     python -m tests.torture.harness --backends local,s3pg,server --n 50 --seed 7 --out report.json
 
 One long-lived process (this one, the *zygote*) imports the registry, torch, boto3, psycopg and
-mlflow once, and forks a child per operation: the child builds its own `Registry` after the
-fork (no catalog connection, boto client or thread crosses a fork; the zygote itself never opens
-one), says "started", and runs the operation. The zygote SIGKILLs it after a random delay drawn
-around the operation's measured duration, or arms a named crash point (registry/faults.py) in
-the child instead. A forked checker then checks the invariants, the killed operation is run
-again to completion, and the checker runs once more:
+mlflow once and runs every operation once on a throwaway registry (the lazy imports), then forks
+a child per operation: the child builds its own `Registry` after the fork (no catalog
+connection, boto client or thread crosses a fork: the warm-up's registry is closed and its
+threads gone before the first), says "started", and runs the operation. The zygote SIGKILLs
+it after a random delay drawn around the operation's measured duration, or arms a named crash
+point (registry/faults.py) in the child instead. A forked checker then checks the invariants,
+the killed operation is run again to completion, and the checker runs once more:
 
   - no partial artifact visible: list/show return only committed artifacts; a killed push's
     step is listed only if it committed, and then it verifies; a killed pull leaves the
@@ -22,8 +23,11 @@ again to completion, and the checker runs once more:
 
 Backends: `local` (local store + SQLite), `s3pg` (S3 on a moto server over HTTP + PostgreSQL on
 127.0.0.1:5432) and `server` (a client through `reg server`, itself on a local store + SQLite).
-Every random choice comes from one seed per (backend, operation); a violation names the seed,
-the iteration, the moment of the kill and what broke, so `--only BACKEND:OP --seed S` replays it.
+Campaigns (one per backend and operation) run round-robin, one kill each per round, until their
+counts or the time budget. Every random choice comes from one seed per (backend, operation); a
+violation names the seed, the iteration, the moment of the kill and what broke, and
+`--backends B --ops OP --seed S` makes the same choices again (crash points, and delays as
+fractions of the measured duration, so a timing-dependent landing may still differ).
 """
 
 from __future__ import annotations
