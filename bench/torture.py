@@ -111,6 +111,9 @@ def _print(report: dict) -> None:  # type: ignore[type-arg]
         "ratio: one kill-check-rerun-check cycle (3 forked processes, invariants checked twice) "
         "against one plain run of the operation, medians of the same run"
     )
+    left = {n: c["leftovers"] for n, c in report["campaigns"].items() if c.get("leftovers")}
+    if left:
+        print(f"noted (not an invariant): a killed pull's temporary folder stayed: {left}")
     for name, why in report["skipped"].items():
         print(f"{name}: skipped ({why})")
     for name, c in report["campaigns"].items():

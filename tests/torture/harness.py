@@ -360,7 +360,11 @@ def child_check(arg: dict[str, Any]) -> Any:
     clock["fsck"] = time.monotonic()
     t = clock.pop("start")
     timing = {k: round(v - t, 3) for k, v in clock.items()}
-    return {"violations": bad, "timing": timing}
+    notes = []
+    if spec["op"] == "pull" and phase == "rerun":  # not an invariant: noted, counted
+        dest = Path(spec["dest"].removesuffix("-again"))
+        notes += [p.name for p in dest.parent.glob(f".{dest.name}.reg-pull-*")]
+    return {"violations": bad, "timing": timing, "notes": notes}
 
 
 def _op_checks(
@@ -486,6 +490,7 @@ class Stats:
     faults: int = 0
     reruns: int = 0
     waited: int = 0  # reruns that waited for the server to finish the killed client's request
+    leftovers: int = 0  # a killed pull's temporary folder still beside its destination
     violations: list[dict[str, Any]] = field(default_factory=list)
     op_seconds: list[float] = field(default_factory=list)  # plain, unkilled runs (the reruns)
     cycle_seconds: list[float] = field(default_factory=list)  # kill + check + rerun + check
@@ -502,6 +507,7 @@ class Stats:
             "fault_points": self.faults,
             "reruns": self.reruns,
             "reruns_waited": self.waited,
+            "leftovers": self.leftovers,
             "violations": self.violations,
             "op_median_s": statistics.median(self.op_seconds) if self.op_seconds else None,
             "cycle_median_s": statistics.median(self.cycle_seconds) if self.cycle_seconds else None,
@@ -722,6 +728,7 @@ class Campaign:
         st.op_seconds.append(again.result["seconds"])
         self.expected = statistics.median(st.op_seconds[-20:])
         self.record(s, again.result)
+        st.leftovers += len(again.result["check"].get("notes", []))
         for what in again.result["check"]["violations"]:
             st.violations.append({"where": where, "phase": "after the rerun", "what": what})
         st.cycle_seconds.append(time.monotonic() - t_cycle)
@@ -1142,6 +1149,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"(fault points {c['fault_points']:3d})  reruns {c['reruns']:4d}  "
             f"violations {len(c['violations']):3d}  op {op}  cycle {cycle}"
         )
+    left = {n: c["leftovers"] for n, c in report["campaigns"].items() if c.get("leftovers")}
+    if left:
+        lines.append(f"  noted (not an invariant): a killed pull's temporary folder left: {left}")
     for name, why in report["skipped"].items():
         lines.append(f"  {name}: skipped ({why})")
     for name, c in report["campaigns"].items():
