@@ -155,8 +155,8 @@ def render(out: dict[str, Any]) -> None:
     rows.append(
         (
             "failures",
-            f"{fail['count']} ({fail['planned_restarts']} planned restarts not counted), "
-            f"{fail['lost_steps']} steps lost",
+            f"{fail['count']}, {fail['lost_steps']} steps lost "
+            f"({fail['planned_restarts']} planned restarts: not failures)",
         )
     )
     for i, event in enumerate(fail["events"], 1):
@@ -234,7 +234,12 @@ def render(out: dict[str, Any]) -> None:
                 if not m
                 else f"waste {m.get('current_fraction', 0):.2%} now, "
                 f"{m['advised_fraction']:.2%} at the optimum ({m['gaps']} gaps, median "
-                f"{h(m['gap_median_s'])})",
+                f"{h(m['gap_median_s'])})"
+                + (
+                    "; 100%: no gap covers a restart and a segment"
+                    if m["advised_fraction"] >= 1.0
+                    else ""
+                ),
             )
         )
     for name, value in rows:
