@@ -71,11 +71,6 @@ class Context:
             token=self.principal.credential,
             **details,
         )
-        if outcome == "allowed" and action in ("pin", "unpin"):
-            # A pin's whole fact is in its audit record: journaled from it (registry.journal)
-            from registry.journal.write import record_audited
-
-            record_audited(self, session, action, target, details)
 
     def authorize(
         self,

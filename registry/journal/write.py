@@ -14,6 +14,7 @@ meanwhile): one small put per decision.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 import warnings
@@ -21,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event as sa_event
 
-from registry.errors import RegistryError, UsageError
-from registry.journal.event import ABORTED, MAX_BYTES, PIN, UNPIN, Event, sign
-from registry.refs import parse_checkpoint_ref
+from registry.errors import ObjectExists, RegistryError, UsageError
+from registry.journal.event import ABORTED, MAX_BYTES, Event, sign
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -42,10 +42,19 @@ def record(
     ts: float | None = None,
 ) -> Event:
     """Write the event now; mark it aborted if `session`'s transaction ends uncommitted.
-    `ts` is the time the catalog row records (so a replay can recognize the row)."""
-    written = put(ctx, kind, target, fact, ts)
-    _abort_unless_committed(ctx, session, written)
-    return written
+    `ts` is the time the catalog row records (so a replay can recognize the row).
+
+    The abort is armed before the put: a put that fails may still have landed (its reply
+    lost), so a failed put is marked aborted too, best effort."""
+    made = make(ctx, kind, target, fact, ts)
+    done = _abort_unless_committed(ctx, session, made)
+    try:
+        store(ctx, made)
+    except BaseException as exc:
+        done["ended"] = True  # marked here, not again when the transaction ends
+        abort(ctx, made, f"its store write failed: {type(exc).__name__}")
+        raise
+    return made
 
 
 def validation_fact(row: Validation) -> dict[str, Any]:
@@ -67,17 +76,6 @@ def validation_fact(row: Validation) -> dict[str, Any]:
     }
 
 
-def record_audited(
-    ctx: Context, session: Session, action: str, target: str, details: dict[str, Any]
-) -> None:
-    """Pins and unpins, journaled from their audit record (which holds their whole fact)."""
-    if action not in (PIN, UNPIN):
-        return
-    ref = parse_checkpoint_ref(target)
-    where = {"project": ref.project, "run": ref.run, "step": ref.step}
-    record(ctx, session, action, where, {"reason": details.get("reason")} if action == PIN else {})
-
-
 def put(
     ctx: Context,
     kind: str,
@@ -87,9 +85,24 @@ def put(
     actor: str | None = None,
 ) -> Event:
     """Write one event now (`actor`: who decided, if not this Context's principal)."""
+    made = make(ctx, kind, target, fact, ts, actor)
+    store(ctx, made)
+    return made
+
+
+def make(
+    ctx: Context,
+    kind: str,
+    target: dict[str, Any],
+    fact: dict[str, Any],
+    ts: float | None,
+    actor: str | None = None,
+) -> Event:
+    """The event, signed where there is a key; its id carries the decision's time (a replay
+    requires the two to agree)."""
     from registry.audit_chain.keys import key_id
 
-    ns = time.time_ns()
+    ns = time.time_ns() if ts is None else int(ts * 1e9)
     made = Event(
         id=f"{ns:020d}-{uuid.uuid4().hex}",
         kind=kind,
@@ -101,22 +114,36 @@ def put(
     )
     if ctx.audit_key:
         made = Event(**{**_fields(made), "mac": sign(made.body(), ctx.audit_key)})
-    data = made.to_bytes()
-    if len(data) > MAX_BYTES:
+    if len(made.to_bytes()) > MAX_BYTES:
         raise UsageError(
-            f"{made.describe()}: {len(data)} bytes to journal, over {MAX_BYTES}; refused",
+            f"{made.describe()}: {len(made.to_bytes())} bytes to journal, over {MAX_BYTES}; "
+            "refused",
             "a policy or validation that large is not one reg writes; make it smaller",
         )
-    # immutable: read-only on a local store, Object Lock (as releases) where the bucket has it
-    ctx.store.put_bytes(made.key, data, immutable=True)
     return made
+
+
+def store(ctx: Context, made: Event) -> None:
+    """Put the event (immutable: read-only on a local store, Object Lock as releases where the
+    bucket has it). An object already at its key is ours if it holds our bytes (a retried put
+    whose first try landed): that is success; anything else there is a conflict."""
+    data = made.to_bytes()
+    try:
+        ctx.store.put_bytes(made.key, data, immutable=True)
+    except ObjectExists:
+        try:
+            there = ctx.store.get_bytes(made.key)
+        except RegistryError:
+            there = b""
+        if hashlib.sha256(there).digest() != hashlib.sha256(data).digest():
+            raise
 
 
 def _fields(e: Event) -> dict[str, Any]:
     return {name: getattr(e, name) for name in Event.__slots__}
 
 
-def _abort_unless_committed(ctx: Context, session: Session, written: Event) -> None:
+def _abort_unless_committed(ctx: Context, session: Session, written: Event) -> dict[str, bool]:
     session.connection()  # the transaction the decision is in has begun (autobegin)
     tx = session.get_transaction()
     while tx is not None and tx.parent is not None:
@@ -137,6 +164,7 @@ def _abort_unless_committed(ctx: Context, session: Session, written: Event) -> N
 
     sa_event.listen(session, "after_commit", committed)
     sa_event.listen(session, "after_transaction_end", ended)
+    return state
 
 
 def abort(ctx: Context, written: Event, why: str) -> None:

@@ -176,6 +176,7 @@ def rehashed(ctx: Context, checkpoint_id: int, ref: str) -> None:
 def set_pin(
     ctx: Context, ref: CheckpointRef, pinned: bool, reason: str | None = None
 ) -> dict[str, Any]:
+    from registry.journal.write import record as journal_record
     from registry.text import check_reason
 
     reason = check_reason(reason, "pin reason")
@@ -193,6 +194,13 @@ def set_pin(
         emit_protection(ctx, s, full, run, ckpt)
         files = queries.files_of(s, ckpt.id or 0)
         out = CheckpointView.of(ref.project, run.name, ckpt, files).to_json()
+        journal_record(  # last: the commit follows it (registry.journal.write)
+            ctx,
+            s,
+            action,
+            {"project": ref.project, "run": run.name, "step": ckpt.step},
+            {"reason": reason} if pinned else {},
+        )
     return out | resume_json(ctx, full, ckpt, files, full=False)
 
 
