@@ -120,8 +120,14 @@ def catalog_rebuild(
             f"{'would replay' if dry_run else 'replayed'} {sum(replayed.values())} decision(s)"
             + (f": {kinds}" if kinds else "")
             + f"; {sum((out.get('events_current') or {}).values())} already in the catalog"
+            + f"; {sum((out.get('events_superseded') or {}).values())} superseded"
             + f"; {out.get('events_aborted', 0)} aborted"
         )
+        if out.get("events_unsigned"):
+            print(
+                f"{out['events_unsigned']} replayed decision(s) unsigned: trusted as any writer "
+                "of the store's journal/ wrote them (no audit key)"
+            )
     for skipped in out["skipped"]:
         print(f"  skipped {inert(skipped)}", file=sys.stderr)
     print(f"not recoverable from the store: {out['not_recoverable']}")

@@ -118,7 +118,11 @@ def test_drill_every_decision_survives_the_catalog(
         "validation": 2,
         "yank": 1,
     }
-    assert out["events_current"] == {"pin": 1, "unpin": 1}  # step4: pinned, then unpinned
+    # step4: pinned, then unpinned: the unpin is applied (it was unpinned anyway), the pin
+    # superseded by it
+    assert out["events_current"] == {"unpin": 1}
+    assert out["events_superseded"] == {"pin": 1}
+    assert out["events_unsigned"] == 9  # no audit key: every replayed event is trusted
     assert out["events_skipped"] == [] and out["events_aborted"] == 0
     assert out["not_recoverable"] == "the audit log lives only in the catalog"
 
@@ -170,7 +174,9 @@ def test_drill_every_decision_survives_the_catalog(
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
     assert json.loads(fsck.stdout)["problems"] == []
     human = cli("catalog", "rebuild")
-    assert "replayed 0 decision(s); 11 already in the catalog; 0 aborted" in human.stdout
+    assert "replayed 0 decision(s); 11 already in the catalog; 0 superseded; 0 aborted" in (
+        human.stdout
+    )
 
 
 def test_unsigned_and_forged_events_are_refused_with_a_key(ckpts, cli, clean_env):
@@ -449,3 +455,213 @@ def test_no_one_deletes_from_the_journal_through_reg(clean_env):
         with pytest.raises(Conflict, match="append-only"):
             reg.store.delete(key)
         assert reg.store.head(key) is not None
+
+
+def test_a_rebuild_restores_only_what_was_lost(catalog_url, cpu_policy, ckpts, cli, tmp_path):
+    """On a catalog that still holds its rows, the journal changes nothing: an older alias move,
+    an unpin and a yank that never committed (their processes died after the journal write) are
+    `current`; only what the rebuild re-created takes its decisions from the journal."""
+    import time
+
+    from registry.journal import write
+    from registry.journal.event import ALIAS, UNPIN, YANK
+
+    with Registry() as reg:
+        for step in (2, 4):
+            reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
+        reg.promote("r@step2", model="tiny")
+        reg.promote("r@step4", model="tiny")
+        reg.set_alias("tiny", "prod", 1)
+        time.sleep(0.05)
+        between = time.time()
+        time.sleep(0.05)
+        reg.set_alias("tiny", "prod", 2)
+        reg.pin("r@step2", reason="paper")
+        # decisions whose commit never happened: a move back to v1 (dated between the two
+        # real moves), an unpin, a yank
+        ctx = reg.context
+        write.put(
+            ctx, ALIAS, {"model": "tiny", "version": 1}, {"alias": "prod", "from": 2}, between
+        )
+        write.put(ctx, UNPIN, {"project": "default", "run": "r", "step": 2}, {}, None)
+        write.put(ctx, YANK, {"model": "tiny", "version": 2}, {"reason": "never"}, None)
+        before = reg.show("tiny@prod")
+    out = rebuild(cli)
+    assert out["checkpoints_added"] == [] and out["releases_added"] == []
+    assert out["events_replayed"] == {} and out["events_skipped"] == []
+    assert out["events_current"]["alias"] == 3 and out["events_current"]["yank"] == 1
+    with Registry() as reg:
+        after = reg.show("tiny@prod")
+        assert after["version"] == 2 and after["alias_history"] == before["alias_history"]
+        assert reg.show("r@step2")["pinned"]
+        assert reg.show("tiny:v2")["status"] == "active"
+
+
+def test_a_signed_journal_is_not_replayed_without_its_key(ckpts, cli, clean_env):
+    """The key is lost with the catalog: the rebuild refuses (exit 2, naming the key id and
+    REG_AUDIT_KEY_FILE) rather than replay unchecked, and so it does under a new key; with the
+    key's backup it replays, and an unsigned `aborted` does not undo a signed yank."""
+    import shutil
+    import time
+
+    from registry.audit_chain.macs import canonical
+
+    key_path = clean_env / "audit.key"
+    assert keys.create(key_path)
+    ident = keys.key_id(keys.read(key_path))
+    shutil.copy(key_path, clean_env.parent / "audit.key.backup")
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        reg.pin("r@step2", reason="keep")
+        (pin,) = journal_keys(reg)
+        ns = time.time_ns()
+        forged = {
+            "format": "reg.event/1",
+            "id": f"{ns:020d}-{'d' * 32}",
+            "kind": "aborted",
+            "ts": ns / 1e9,
+            "actor": "tester",
+            "target": {"event": parse(reg.store.get_bytes(pin), pin).id},
+            "fact": {"error": "x"},
+            "key_id": None,
+            "mac": None,
+        }
+        reg.store.put_bytes(journal_key(ns, "d" * 32), canonical(forged))
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    key_path.unlink()
+    refused = cli("catalog", "rebuild", "--json")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert ident in refused.stderr and "REG_AUDIT_KEY_FILE" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert json.loads(refused.stdout)["error"]["exit_code"] == 2
+    with Registry() as reg:
+        assert reg.list_checkpoints() == []  # refused before anything was added
+    assert keys.create(key_path)  # an operator makes a new key
+    again = cli("catalog", "rebuild")
+    assert again.returncode == 2 and "no event in the journal is signed" in again.stderr
+    key_path.unlink()
+    shutil.copy(clean_env.parent / "audit.key.backup", key_path)
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"pin": 1} and out["events_aborted"] == 0
+    assert out["events_unsigned"] == 0
+    assert [s["reason"] for s in out["events_skipped"]] == [
+        "unsigned, and this registry has an audit key"
+    ]
+    with Registry() as reg:
+        assert reg.show("r@step2")["pinned"]
+
+
+def test_a_put_that_landed_but_failed_is_aborted(cli, tmp_path, clean_env, monkeypatch):
+    """The journal put lands and its reply is lost: a retry answered 'exists' with our own
+    bytes is success; any other failure refuses the decision and marks the event aborted, so a
+    rebuild does not replay what the catalog never committed."""
+    from registry.errors import ObjectExists, RegistryError
+    from registry.storage.local import LocalStore
+
+    first, second, third = (tmp_path / n for n in ("a.toml", "b.toml", "c.toml"))
+    first.write_text(POLICY)
+    second.write_text(POLICY.replace('"alice"', '"alice", "mallory"'))
+    third.write_text(POLICY + "\n# v3\n")
+    with Registry() as reg:
+        reg.apply_policy(first)
+    real = LocalStore.put_bytes
+    failure: list[Exception] = []
+
+    def landed(self, key, data, **kwargs):  # type: ignore[no-untyped-def]
+        real(self, key, data, **kwargs)
+        if key.startswith("journal/") and failure:
+            raise failure.pop()
+
+    monkeypatch.setattr(LocalStore, "put_bytes", landed)
+    failure.append(RegistryError("connection reset", "retry"))
+    with Registry() as reg, pytest.raises(RegistryError, match="connection reset"):
+        reg.apply_policy(second)
+    failure.append(ObjectExists("journal/...: already exists"))  # the retry that landed
+    with Registry() as reg:
+        reg.apply_policy(third)
+        assert reg.policy.text == third.read_text()
+        kinds = [parse(reg.store.get_bytes(k), k).kind for k in journal_keys(reg)]
+    assert kinds == ["policy", "policy", "aborted", "policy"], kinds
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"policy": 2} and out["events_aborted"] == 1
+    assert cli("policy", "show", env={"REG_USER": "mallory"}).returncode == 4
+    with Registry() as reg:
+        assert reg.policy.text == third.read_text()
+
+
+def test_replay_refuses_what_the_live_commands_refuse(cpu_policy, ckpts, cli, clean_env):
+    """A journal writer's events are checked as the commands check them: alias names, reasons,
+    the actor's name, a plausible time that is the id's; no alias onto a yanked release."""
+    import time
+
+    from registry.audit_chain.macs import canonical
+
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        reg.promote("r@step2", model="tiny")
+        reg.yank("tiny:v1", reason="bad eval")
+        base = time.time_ns()
+        alias = {"model": "tiny", "version": 1}
+        pin = {"project": "default", "run": "r", "step": 2}
+        cases = [  # kind, target, fact, ts (None: the id's), actor
+            ("alias", alias, {"alias": "latest", "from": None}, None, "tester"),
+            ("alias", alias, {"alias": "prod", "from": None}, None, "tester"),  # after the yank
+            ("pin", pin, {"reason": "a\x1b[2Jb"}, None, "tester"),
+            ("pin", pin, {"reason": "x"}, 1e300, "tester"),
+            ("pin", pin, {"reason": "x"}, base / 1e9 - 5, "tester"),
+            ("pin", pin, {"reason": "x"}, None, "no one"),
+            ("deprecate", alias, {"reason": "r" * 501}, None, "tester"),
+        ]
+        for n, (kind, target, fact, ts, actor) in enumerate(cases):
+            ns, uid = base + n * 1000, f"{n:032x}"
+            reg.store.put_bytes(
+                journal_key(ns, uid),
+                canonical(
+                    {
+                        "format": "reg.event/1",
+                        "id": f"{ns:020d}-{uid}",
+                        "kind": kind,
+                        "ts": ns / 1e9 if ts is None else ts,
+                        "actor": actor,
+                        "target": target,
+                        "fact": fact,
+                        "key_id": None,
+                        "mac": None,
+                    }
+                ),
+            )
+    lose_catalog(f"sqlite:///{clean_env / 'catalog.db'}")
+    out = rebuild(cli)
+    assert out["events_replayed"] == {"validation": 1, "yank": 1}, out
+    reasons = " | ".join(s["reason"] for s in out["events_skipped"])
+    assert len(out["events_skipped"]) == len(cases), reasons
+    for text in (
+        "invalid alias 'latest'",
+        "the release was yanked before it",
+        "holds control characters",
+        "is before 2000 or more than a day ahead",
+        "is not the time its id names",
+        "its actor is not a principal name",
+        "501 characters",
+    ):
+        assert text in reasons, text
+    with Registry() as reg:
+        assert not reg.show("r@step2")["pinned"] and reg.show("tiny:v1")["aliases"] == []
+
+
+def test_pins_are_journaled_by_set_pin_not_by_the_audit_log(ckpts, clean_env):
+    """The pin writes its own event; an audit record named 'pin' (as any caller may write) is
+    no decision and journals nothing."""
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        with reg.context.catalog.session(write=True) as s:
+            reg.context.audit(s, "pin", "r@step2", reason="only a record")
+        assert journal_keys(reg) == []
+        reg.pin("r@step2", reason="keep")
+        reg.unpin("r@step2")
+        events = [parse(reg.store.get_bytes(k), k) for k in journal_keys(reg)]
+    assert [(e.kind, e.target["step"], e.fact) for e in events] == [
+        ("pin", 2, {"reason": "keep"}),
+        ("unpin", 2, {}),
+    ]

@@ -1,24 +1,35 @@
 """Bring the journal's decisions back into the catalog (`reg catalog rebuild`).
 
-`read` takes every object under `journal/` that reads strictly and, where the registry has an
-audit key, carries a valid signature; the rest is skipped, each with its reason. Events an
-`aborted` event names were never committed and are left out.
+`read` takes every object under `journal/` that reads strictly, passes the checks the live
+commands make (names, aliases, reasons, the actor, a time that is plausible and the event's own)
+and, where the registry has an audit key, carries a valid signature; the rest is skipped, each
+with its reason. Events an `aborted` event names were never committed and are left out. A
+journal that holds signed events is not replayed at all without its key (UsageError, exit 2:
+the rebuild is run again with REG_AUDIT_KEY_FILE pointing at the key's backup).
+
+Replay restores only what was lost. The catalog is the truth for every row it still holds: a
+decision is applied only onto what this rebuild re-created (a pin or validation onto a
+checkpoint whose row it added, a yank or deprecation onto a release it added, an alias move
+where the model row is new or every release the model's alias events name was added, a policy
+when the catalog holds no policy document at all). Every other event is `current`. Of several
+events for one target only the one applied counts as replayed; the others are `superseded`.
 
 Replaying writes catalog rows only: no journal events, no audit events per decision, no
 outbox events for MLflow, no deletes (a replayed yank does not unpublish again). It is
-idempotent: a row the event made is recognized by its time (the journal records the time the
-row holds), so a second rebuild changes nothing. A target that is not in the catalog (a release
-whose release.json is gone, a collected checkpoint) is skipped and reported.
+idempotent: a second rebuild re-creates nothing, so it applies nothing. A target that is not
+in the catalog (a release whose release.json is gone, a collected checkpoint) is skipped and
+reported.
 
     validations   first (releases restored next link to them, as release.json names them)
-    policies      by version; a version the catalog holds with other text is reported
-    aliases       in order; the history row of each move is recognized by its time
+    policies      by version, only into a catalog without any
+    aliases       in order, per model; the history row of each move is recognized by its time
     yank/deprecate  per release, the strongest (a yank is final)
     pin/unpin     per checkpoint, the last one
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +52,7 @@ from registry.catalog.models import (
     Release,
     Validation,
 )
-from registry.errors import InvalidDocument, PolicyError, RegistryError
+from registry.errors import InvalidDocument, PolicyError, RegistryError, UsageError
 from registry.journal.event import (
     ABORTED,
     ALIAS,
@@ -64,6 +75,7 @@ if TYPE_CHECKING:
 
 SAME_TIME = 1e-6  # seconds: a float time read back from either catalog
 CURRENT, REPLAYED = "current", "replayed"
+EARLIEST = 946_684_800.0  # 2000-01-01T00:00:00Z: no reg decision is older
 
 
 class Skip(Exception):
@@ -78,9 +90,15 @@ class Replay:
     events: list[Event] = field(default_factory=list)  # live, verified, in time order
     replayed: Counter[str] = field(default_factory=Counter)
     current: Counter[str] = field(default_factory=Counter)
+    superseded: Counter[str] = field(default_factory=Counter)
+    unsigned: int = 0  # replayed events without a signature (no audit key: trusted as stored)
     aborted: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     validations: dict[tuple[str, str, int, int], int] = field(default_factory=dict)
+    # what this rebuild re-created (rebuild.py fills these in): replay applies onto these only
+    checkpoints: set[tuple[str, str, int]] = field(default_factory=set)
+    releases: set[tuple[str, int]] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)
 
     def skip(self, key: str, reason: str) -> None:
         self.skipped.append({"event": key, "reason": reason})
@@ -89,6 +107,8 @@ class Replay:
         return {
             "events_replayed": dict(sorted(self.replayed.items())),
             "events_current": dict(sorted(self.current.items())),
+            "events_superseded": dict(sorted(self.superseded.items())),
+            "events_unsigned": self.unsigned,
             "events_aborted": self.aborted,
             "events_skipped": self.skipped,
         }
@@ -99,7 +119,9 @@ class Replay:
 
 
 def read(ctx: Context, *, dry_run: bool) -> Replay:
-    """Every event in the store that may be replayed (read `ctx.workers` at a time)."""
+    """Every event in the store that may be replayed (read `ctx.workers` at a time). A journal
+    with signed events and no key to check them is refused whole (UsageError), before anything
+    is changed: replaying it unchecked would take whatever a store writer added."""
     out = Replay(dry_run)
     found: list[Event] = []
     objects = list(ctx.store.list(JOURNAL))
@@ -110,29 +132,85 @@ def read(ctx: Context, *, dry_run: bool) -> Replay:
             out.skip(obj.key, result)
         else:
             found.append(result)
-    aborted = {e.target["event"] for e in found if e.kind == ABORTED}
-    out.aborted = len(aborted & {e.id for e in found})
+    _refuse_without_key(ctx, found)
+    trusted: list[Event] = []
+    for e in found:
+        problem = signature_problem(e, ctx.audit_key) or _implausible(e)
+        if problem:
+            out.skip(e.key, problem)
+        else:
+            trusted.append(e)
+    aborted = {e.target["event"] for e in trusted if e.kind == ABORTED}
+    out.aborted = len(aborted & {e.id for e in trusted})
     # in the order they were decided (an event's time is the catalog row's; a backfilled
     # event is written late but carries its row's time), then as written
     out.events = sorted(
-        (e for e in found if e.kind != ABORTED and e.id not in aborted), key=lambda e: (e.ts, e.id)
+        (e for e in trusted if e.kind != ABORTED and e.id not in aborted),
+        key=lambda e: (e.ts, e.id),
     )
     return out
 
 
+def _refuse_without_key(ctx: Context, events: list[Event]) -> None:
+    from registry.audit_chain.keys import key_id
+
+    signed = sorted({e.key_id for e in events if e.key_id is not None})
+    if not signed:
+        return
+    hint = (
+        "put the key's backup where REG_AUDIT_KEY_FILE names (default REG_HOME/audit.key) and "
+        "run the rebuild again; without it a forged event cannot be told from a genuine one"
+    )
+    if ctx.audit_key is None:
+        raise UsageError(
+            f"the journal is signed (key id {', '.join(signed)}) and this registry has no "
+            "audit key: nothing replayed",
+            hint,
+        )
+    if not any(e.mac is not None and signature_problem(e, ctx.audit_key) is None for e in events):
+        raise UsageError(
+            f"no event in the journal is signed with this registry's audit key (key id "
+            f"{key_id(ctx.audit_key)}; the journal's: {', '.join(signed)}): nothing replayed",
+            hint,
+        )
+
+
+def _implausible(e: Event) -> str | None:
+    """What the live command would have refused in this event (None: nothing)."""
+    from policies.loader import PRINCIPAL
+    from registry.refs import check_alias
+    from registry.text import check_reason
+
+    if not EARLIEST <= e.ts <= time.time() + 86_400:
+        return f"its time {e.ts!r} is before 2000 or more than a day ahead"
+    if abs(e.ts - int(e.id.partition("-")[0]) / 1e9) > 1.0:
+        return f"its time {e.ts!r} is not the time its id names"
+    if not PRINCIPAL.fullmatch(e.actor):
+        return "its actor is not a principal name"
+    try:
+        if e.kind == ALIAS:
+            check_alias(e.fact["alias"])
+        if e.kind in (PIN, YANK, DEPRECATE):
+            reason = check_reason(e.fact["reason"], f"{e.kind} reason")
+            if e.kind == YANK and not (reason and reason.strip()):
+                return "a yank without a reason"
+    except UsageError as exc:
+        return exc.message
+    return None
+
+
 def _load(ctx: Context, obj: ObjectInfo) -> Event | str:
-    """The event, or why it is not taken."""
+    """The event, or why it is not taken (its signature is checked by `read`)."""
     if obj.size > MAX_BYTES:
         return f"{obj.size} bytes, over {MAX_BYTES}: not read"
     try:
-        e = parse(_read_capped(ctx, obj.key), obj.key)
+        return parse(_read_capped(ctx, obj.key), obj.key)
     except InvalidDocument as exc:
         return exc.message
     except RegistryError as exc:  # gone since it was listed, or the store failed
         return f"cannot be read: {exc.message}"
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # a reader's gap
         return f"cannot be parsed: {type(exc).__name__}: {str(exc)[:200]}"
-    return signature_problem(e, ctx.audit_key) or e
 
 
 def _read_capped(ctx: Context, key: str) -> bytes:
@@ -156,16 +234,42 @@ def apply_validations(ctx: Context, out: Replay) -> None:
 
 
 def apply_decisions(ctx: Context, out: Replay) -> None:
+    with ctx.catalog.session() as s:  # a catalog with a policy keeps its own
+        has_policy = s.exec(select(PolicyDocument.id).limit(1)).first() is not None
     for e in out.events:
         if e.kind == POLICY:
-            _one(ctx, out, e, [e], _policy)
+            if has_policy:
+                out.current[POLICY] += 1
+            else:
+                _one(ctx, out, e, [e], _policy)
+    yanked: dict[tuple[str, int], float] = {}
     for e in out.events:
-        if e.kind == ALIAS:
+        if e.kind == YANK:
+            yanked.setdefault((e.target["model"], e.target["version"]), e.ts)
+    for model, moves in _grouped(out.events, (ALIAS,), ("model",), _last):
+        del model
+        lost = moves[0].target["model"] in out.models or all(
+            (m.target["model"], m.target["version"]) in out.releases for m in moves
+        )
+        for e in moves:
+            if not lost:
+                out.current[ALIAS] += 1
+                continue
+            since = yanked.get((e.target["model"], e.target["version"]))
+            if since is not None and since <= e.ts:
+                out.skip(e.key, f"{e.describe()}: the release was yanked before it")
+                continue
             _one(ctx, out, e, [e], _alias)
     for last, group in _grouped(out.events, (YANK, DEPRECATE), ("model", "version"), _strongest):
-        _one(ctx, out, last, group, _status)
+        if (last.target["model"], last.target["version"]) in out.releases:
+            _one(ctx, out, last, group, _status)
+        else:
+            out.current.update(e.kind for e in group)
     for last, group in _grouped(out.events, (PIN, UNPIN), ("project", "run", "step"), _last):
-        _one(ctx, out, last, group, _pin)
+        if tuple(last.target[k] for k in ("project", "run", "step")) in out.checkpoints:
+            _one(ctx, out, last, group, _pin)
+        else:
+            out.current.update(e.kind for e in group)
 
 
 def _grouped(
@@ -184,11 +288,11 @@ def _last(group: list[Event]) -> Event:
 
 def _strongest(group: list[Event]) -> Event:
     yanks = [e for e in group if e.kind == YANK]
-    return (yanks or group)[-1]
+    return (yanks or group)[0 if yanks else -1]  # the first yank: it is final
 
 
 def _one(ctx: Context, out: Replay, e: Event, group: list[Event], apply: Any) -> None:
-    """Apply `e` (standing for `group`) in its own transaction; count every event of the group."""
+    """Apply `e` (standing for `group`) in its own transaction; the others are superseded."""
     try:
         with ctx.catalog.session(write=not out.dry_run) as s:
             result = apply(s, e, out)
@@ -201,9 +305,12 @@ def _one(ctx: Context, out: Replay, e: Event, group: list[Event], apply: Any) ->
         for each in group:
             out.skip(each.key, f"{each.describe()}: the catalog refused it: {text}")
         return
-    counter = out.replayed if result == REPLAYED else out.current
-    for each in group:
-        counter[each.kind] += 1
+    if result == REPLAYED:
+        out.replayed[e.kind] += 1
+        out.unsigned += e.mac is None
+    else:
+        out.current[e.kind] += 1
+    out.superseded.update(each.kind for each in group if each is not e)
 
 
 def _checkpoint(s: Session, t: dict[str, Any]) -> Checkpoint:
@@ -241,10 +348,11 @@ def _validation(s: Session, e: Event, out: Replay) -> str:
         ),
         None,
     )
+    lost = (t["project"], t["run"], t["step"]) in out.checkpoints
     if row is None and out.dry_run:
-        return REPLAYED
+        return REPLAYED if lost else CURRENT
     result = CURRENT
-    if row is None:
+    if row is None and lost:  # a checkpoint the catalog kept keeps its own validations
         row = Validation(
             checkpoint_id=ckpt.id or 0,
             passed=f["passed"],
@@ -266,7 +374,7 @@ def _validation(s: Session, e: Event, out: Replay) -> str:
         s.add(row)
         s.flush()
         result = REPLAYED
-    if not out.dry_run:
+    if row is not None and not out.dry_run:
         out.validations[(t["project"], t["run"], t["step"], f["validation_id"])] = row.id or 0
     return result
 
@@ -296,6 +404,8 @@ def _policy(s: Session, e: Event, out: Replay) -> str:
 
 def _alias(s: Session, e: Event, out: Replay) -> str:
     model, release = _release(s, e.target)
+    if release.status == YANKED:
+        raise Skip("the release is yanked: an alias cannot point at it")
     name = e.fact["alias"]
     history = s.exec(
         select(AliasEvent).where(

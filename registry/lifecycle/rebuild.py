@@ -11,10 +11,13 @@ What else lived only in the catalog (validations, applied policies and their gra
 deprecations and yanks, pins) comes back from the journal (`journal/`, registry.journal): each
 decision was written there before the catalog committed it. After the checkpoints, the
 validations are replayed (so that a restored release links the validation its release.json
-names), then the releases, then the other decisions; `events_replayed` and `events_current`
-count them by kind, `events_skipped` names each event not taken and why (malformed, unsigned or
-forged where the registry has an audit key, or its target gone). Only the audit log cannot come
-back, and is reported as such.
+names), then the releases, then the other decisions. Only what this rebuild re-created takes
+a decision from the journal (registry.journal.replay): for every row the catalog kept, the
+catalog is the truth. `events_replayed`, `events_current` and `events_superseded` count the
+events by kind, `events_unsigned` the replayed ones no key signed, `events_skipped` names each
+event not taken and why (malformed, implausible, unsigned or forged where the registry has an
+audit key, or its target gone). A signed journal is not replayed without its key. Only the
+audit log cannot come back, and is reported as such.
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         "releases_added": [],
         "skipped": [],
     }
+    # read first: a journal that must not be replayed (signed, and no key) stops the rebuild
+    # before it changes anything
+    decisions = journal.read(ctx, dry_run=dry_run)
     for obj in ctx.store.list(CHECKPOINTS):
         if obj.key.endswith("/" + MANIFEST):
             manifest = _read_manifest(ctx, obj.key, out)
             if manifest is not None:
-                _checkpoint(ctx, obj.key, manifest, out, dry_run)
-    decisions = journal.read(ctx, dry_run=dry_run)
+                _checkpoint(ctx, obj.key, manifest, out, dry_run, decisions)
     journal.apply_validations(ctx, decisions)
     for obj in ctx.store.list(RELEASES):
         if obj.key.endswith("/" + RELEASE_DOCUMENT):
@@ -172,6 +177,7 @@ def _checkpoint(
     read: tuple[Manifest, str, str | None],
     out: dict[str, Any],
     dry_run: bool,
+    decisions: journal.Replay,
 ) -> None:
     manifest, digest, version = read
     with ctx.catalog.session(write=not dry_run) as s:
@@ -185,6 +191,7 @@ def _checkpoint(
             s.rollback()  # registered, or a push that is still committing it
             return
         out["checkpoints_added"].append(str(manifest.ref))
+        decisions.checkpoints.add((manifest.project, manifest.run, manifest.step))
         if dry_run:
             s.rollback()
             return
@@ -219,6 +226,7 @@ def _release(
             model = Model(name=doc.model, created_at=_ts(doc.created_at))
             s.add(model)
             s.flush()
+            decisions.models.add(doc.model)
         existing = s.exec(
             select(Release).where(Release.model_id == model.id, Release.version == doc.version)
         ).first()
@@ -228,6 +236,7 @@ def _release(
             s.rollback()  # registered, or a promotion that is still committing it
             return
         out["releases_added"].append(doc.release)
+        decisions.releases.add((doc.model, doc.version))
         if dry_run:
             s.rollback()
             return
