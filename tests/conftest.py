@@ -158,6 +158,18 @@ def reg(catalog_url: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+def filled(cpu_policy, ckpts):  # type: ignore[no-untyped-def]
+    """A registry (SQLite, local store) holding r@step2, r@step4 and tiny:v1 made from step 4."""
+    from registry import Registry
+
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="tiny")
+        yield reg
+
+
+@pytest.fixture
 def cli():  # type: ignore[no-untyped-def]
     """Run `reg` as a user does: a subprocess; returns (exit code, stdout, stderr)."""
 

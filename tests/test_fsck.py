@@ -9,8 +9,6 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-import pytest
-
 from registry import Registry
 from tests import test_s3
 
@@ -24,15 +22,6 @@ def _store() -> Path:
 
 def _kinds(out: dict) -> list[tuple[str, str]]:  # type: ignore[type-arg]
     return sorted((p["kind"], p["key"] or p["target"]) for p in out["problems"])
-
-
-@pytest.fixture
-def filled(cpu_policy, ckpts):  # type: ignore[no-untyped-def]
-    with Registry() as reg:
-        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
-        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
-        reg.promote("r@step4", model="tiny")
-        yield reg
 
 
 def test_a_sound_registry_is_clean_and_full_hashes_every_byte(filled, cli):

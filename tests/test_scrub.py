@@ -22,15 +22,6 @@ from registry.lifecycle.scrub import Throttle, parse_rate
 from tests.conftest import ROOT
 
 
-@pytest.fixture
-def filled(cpu_policy, ckpts):  # type: ignore[no-untyped-def]
-    with Registry() as reg:
-        reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
-        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
-        reg.promote("r@step4", model="tiny")
-        yield reg
-
-
 def _damage(ref_dir: str) -> str:
     shard = sorted((Path(os.environ["REG_HOME"]) / "store" / ref_dir).glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
