@@ -610,7 +610,7 @@ def test_replay_refuses_what_the_live_commands_refuse(cpu_policy, ckpts, cli, cl
             ("pin", pin, {"reason": "a\x1b[2Jb"}, None, "tester"),
             ("pin", pin, {"reason": "x"}, 1e300, "tester"),
             ("pin", pin, {"reason": "x"}, base / 1e9 - 5, "tester"),
-            ("pin", pin, {"reason": "x"}, None, "no one"),
+            ("pin", pin, {"reason": "x"}, None, " admin"),
             ("deprecate", alias, {"reason": "r" * 501}, None, "tester"),
         ]
         for n, (kind, target, fact, ts, actor) in enumerate(cases):
@@ -642,7 +642,7 @@ def test_replay_refuses_what_the_live_commands_refuse(cpu_policy, ckpts, cli, cl
         "holds control characters",
         "is before 2000 or more than a day ahead",
         "is not the time its id names",
-        "its actor is not a principal name",
+        "its actor is not a usable user name",
         "501 characters",
     ):
         assert text in reasons, text

@@ -177,7 +177,7 @@ def _refuse_without_key(ctx: Context, events: list[Event]) -> None:
 
 def _implausible(e: Event) -> str | None:
     """What the live command would have refused in this event (None: nothing)."""
-    from policies.loader import PRINCIPAL
+    from registry.config import checked_user
     from registry.refs import check_alias
     from registry.text import check_reason
 
@@ -185,9 +185,9 @@ def _implausible(e: Event) -> str | None:
         return f"its time {e.ts!r} is before 2000 or more than a day ahead"
     if abs(e.ts - int(e.id.partition("-")[0]) / 1e9) > 1.0:
         return f"its time {e.ts!r} is not the time its id names"
-    if not PRINCIPAL.fullmatch(e.actor):
-        return "its actor is not a principal name"
     try:
+        # as an identity is checked where it is taken (REG_USER, a login, a token's principal)
+        checked_user(e.actor, "its actor")
         if e.kind == ALIAS:
             check_alias(e.fact["alias"])
         if e.kind in (PIN, YANK, DEPRECATE):
