@@ -8,7 +8,11 @@ under `audit/` write-once for everyone (admins included: an anchor is evidence a
 holds the database, and the server writes each with If-None-Match). The decision journal under
 `journal/` (registry.journal) is the same: written once, by whoever may make a decision (trainers
 and up; the server, behind `reg server`), and never deleted, since a rebuild of the catalog
-replays it.
+replays it. It stays writable by trainers and up, not admins alone: in embedded mode each client
+journals its own decisions, so an admin-only journal would refuse every trainer's pin and
+validation and every releaser's alias move, deprecation and promotion that validates. The cost,
+stated in README: an unkeyed rebuild trusts every writer of `journal/` (into a lost catalog
+only); a deployment that does not trust its store writers runs `reg server`, which signs.
 """
 
 from __future__ import annotations
