@@ -72,9 +72,9 @@ def main() -> None:
         if cycles:
             cycle = sorted(cycles)[len(cycles) // 2]
             print(
-                f"one `reg ls` process: {spawn:.2f}s; 3 of them (kill, check, rerun) "
-                f"{3 * spawn:.2f}s before any work, against a median whole forked cycle of "
-                f"{cycle:.2f}s"
+                f"one `reg ls` process (the lightest command; push, promote and the drain import "
+                f"more): {spawn:.2f}s, 3 of them (kill, check, rerun) {3 * spawn:.2f}s before any "
+                f"work; a whole forked cycle: median {cycle:.2f}s"
             )
     finally:
         rm(work)
