@@ -33,9 +33,8 @@ def advise(
     """Checkpoint economics of a run from what it paid: C_eff, RTO, failures, the optimum
     interval (Young, Daly, availability), waste, regret and one sentence of advice."""
     from registry.errors import UsageError
-    from registry.timeutil import positive_duration
 
-    mtbf_s = positive_duration(mtbf, "--mtbf", "24h") if mtbf is not None else None
+    mtbf_s = _mtbf(mtbf) if mtbf is not None else None
     if gpus is not None and gpus < 1:
         raise UsageError(f"--gpus must be a positive integer, got {gpus}")
     if plot is not None and plot.suffix.lower() != ".svg":
@@ -52,6 +51,24 @@ def advise(
         print(f"plot: {plot}")
 
 
+def _mtbf(text: str) -> float:
+    """--mtbf: a positive duration up to MAX_MTBF_S; the error suggests only what it takes."""
+    import math
+
+    from policies.loader import parse_duration
+    from registry.errors import UsageError
+    from registry.lifecycle.economics.advise import MAX_MTBF_S
+
+    problem = "--mtbf must be a duration from 1s to 100 years, like '24h', '90m' or '30d'"
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        raise UsageError(f"{problem}, got {text!r}") from None
+    if not 0 < seconds <= MAX_MTBF_S or not math.isfinite(seconds):
+        raise UsageError(f"{problem}, got {text!r}")
+    return seconds
+
+
 def recovery(
     run: str = typer.Argument(..., help="Run name."),
     project: str = typer.Option("default", "--project", help="Project name."),
@@ -59,7 +76,13 @@ def recovery(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Deprecated: use `reg advise` (this alias goes in the next release)."""
-    advise(run, project, None, mtbf, False, None, json_output)
+    mtbf_s = _mtbf(mtbf) if mtbf is not None else None
+    with open_registry() as reg:
+        out = reg.recovery(run, project=project, mtbf_s=mtbf_s)
+    if json_output:
+        emit_json(out)  # the new document with the old keys (advice: a list) for this release
+    else:
+        render(out | {"advice": out.get("advice_sentence") or ""})
     # After the output, so that an error stays one line.
     note("`reg recovery` is deprecated and goes in the next release: use `reg advise`")
 
@@ -167,6 +190,14 @@ def render(out: dict[str, Any]) -> None:
                 f"lost {event['lost_steps']} steps ({h(event['lost_s'])})",
             )
         )
+    for event in fail.get("other_losses") or []:
+        rows.append(
+            (
+                f"  {event['kind']} (not a failure)",
+                f"reached step {event['reached_step']}, restored {event['restored_step']}: "
+                f"lost {event['lost_steps']} steps ({h(event['lost_s'])})",
+            )
+        )
     if fail.get("rate_per_gpu_hour") is not None:
         conf = f"{fail['confidence']:.0%}"
         rows.append(
@@ -178,6 +209,14 @@ def render(out: dict[str, Any]) -> None:
             )
         )
     rows.append(("MTBF of the job", f"{h(fail.get('mtbf_s'))} [{fail.get('mtbf_source')}]"))
+    if fail.get("mtbf_low_s") is not None:
+        high = fail.get("mtbf_high_s")
+        rows.append(
+            (
+                f"MTBF range ({fail['confidence']:.0%})",
+                f"{h(fail['mtbf_low_s'])} to " + (h(high) if high is not None else "unbounded"),
+            )
+        )
     if interval.get("current_s") is not None:
         every = interval.get("current_steps")
         rows.append(
@@ -227,21 +266,21 @@ def render(out: dict[str, Any]) -> None:
             )
         )
         m = sim.get("measured_gaps")
-        rows.append(
-            (
-                "Monte Carlo, measured gaps",
-                "no failure gaps measured yet"
-                if not m
-                else f"waste {m.get('current_fraction', 0):.2%} now, "
-                f"{m['advised_fraction']:.2%} at the optimum ({m['gaps']} gaps, median "
-                f"{h(m['gap_median_s'])})"
-                + (
-                    "; 100%: no gap covers a restart and a segment"
-                    if m["advised_fraction"] >= 1.0
-                    else ""
-                ),
+        if not m:
+            measured = "no failure gaps measured yet"
+        elif m.get("skipped"):
+            measured = str(m["skipped"])
+        else:
+            now = m.get("current_fraction")
+            measured = (
+                (f"waste {now:.2%} now, " if now is not None else "")
+                + f"{m['advised_fraction']:.2%} at the optimum ({m['gaps']} gaps, median "
+                f"{h(m['gap_median_s'])}, and a failure-free tail of {h(m['censored_s'])})"
             )
-        )
+            capped = max(m.get("advised_capped_share") or 0, m.get("current_capped_share") or 0)
+            if capped:
+                measured += f"; {capped:.1%} of trials never got through (left out)"
+        rows.append(("Monte Carlo, measured gaps", measured))
     for name, value in rows:
         table.add_row(Text(name), Text(value))  # no rich markup: "[source]" is text
     console = Console(file=sys.stdout, width=max(100, Console().width))

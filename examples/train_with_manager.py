@@ -101,6 +101,7 @@ def main() -> None:
         losses[step] = float(mean) / dist.get_world_size()
         manager.step_done(step)
         if step == args.kill_at:
+            manager.flush()  # the step reached is known (heartbeats go out in the background)
             _record(args, rank, losses)
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -422,8 +422,10 @@ class Registry:
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> dict[str, Any]:
-        """Deprecated (one release): `advise`."""
-        return self.advise(run, project=project, mtbf_s=mtbf_s)
+        """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
+        from registry.lifecycle.economics import advise
+
+        return advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
 
     def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""

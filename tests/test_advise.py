@@ -51,6 +51,8 @@ def _attempt(
     manager.wait()  # the last save committed: what a crash finds is deterministic
     if close:
         manager.close()
+    else:
+        manager.flush()  # the last heartbeat reached the registry before the crash
     return start, manager
 
 
@@ -80,7 +82,12 @@ def test_a_crash_is_a_failure_with_its_lost_work_and_a_planned_restart_is_not(cl
         (11, 8, 3),
         (14, 12, 2),
     ]
-    assert fail["lost_steps"] == 5 and all(e["lost_s"] > 0 for e in fail["events"])
+    # A planned restart and a resume lose work too (not failures): 17 -> 16 and 21 -> 20.
+    assert [(e["kind"], e["lost_steps"]) for e in fail["other_losses"]] == [
+        ("planned", 1),
+        ("resume", 1),
+    ]
+    assert fail["lost_steps"] == 7 and all(e["lost_s"] > 0 for e in fail["events"])
     assert fail["exposure_gpu_hours"] > 0 and fail["rate_low"] < fail["rate_per_gpu_hour"]
     assert fail["rate_per_gpu_hour"] < fail["rate_high"]
     assert fail["mtbf_source"] == "measured: the run's failures"
@@ -91,7 +98,8 @@ def test_a_crash_is_a_failure_with_its_lost_work_and_a_planned_restart_is_not(cl
     assert out["interval"]["advised_s"] == pytest.approx(out["interval"]["availability_s"])
     sim = out["simulation"]
     assert sim["exponential"]["difference_pct"] < 5
-    assert sim["measured_gaps"]["gaps"] == 2
+    assert sim["measured_gaps"]["gaps"] == 2 and sim["measured_gaps"]["censored_gaps"] == 1
+    assert sim["measured_gaps"]["advised_capped_share"] == 0
     assert out["advice"].startswith(("Checkpoint", "Keep"))
 
 

@@ -471,7 +471,10 @@ class RemoteRegistry(Registry):
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> dict[str, Any]:
-        return self.advise(run, project=project, mtbf_s=mtbf_s)
+        params: dict[str, Any] = {"run": run, "project": project}
+        if mtbf_s is not None:
+            params["mtbf_s"] = mtbf_s
+        return dict(self.client.call("GET", "/recovery", params=params))
 
     def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
         body = {"project": project, "run": run}

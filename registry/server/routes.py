@@ -431,10 +431,10 @@ def advise(
 def recovery(
     run: str, project: str = "default", mtbf_s: float | None = Query(None), ctx: Context = CTX
 ) -> dict[str, Any]:
-    """Deprecated for one release: `/advise`."""
+    """Deprecated for one release: `/advise`, with the old keys of `reg recovery --json`."""
     from registry.lifecycle.economics import advise
 
-    return advise(ctx, run, project=project, mtbf_s=mtbf_s)
+    return advise(ctx, run, project=project, mtbf_s=mtbf_s, legacy=True)
 
 
 @router.post("/runs/restart")

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import IntegrityError, NotFound, UsageError
+from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import SharedClaim
 from registry.refs import CheckpointRef, parse_checkpoint_ref
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from registry.training.store_writer import ObjectSink, Written
 
 SERVER_LEASE_S = 120.0  # a server claim is held by no server process: rank 0 renews it
+HEARTBEAT_TIMEOUT_S = 5.0  # one heartbeat request (sent off the training loop)
 
 
 class EmbeddedBackend:
@@ -181,7 +182,21 @@ class ServerBackend:
         self.registry.client.call("POST", "/checkpoints/pulled", body=body)
 
     def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
-        return self.registry.heartbeat(ref.run, project=ref.project, **figures)
+        """One heartbeat with a short timeout (the client's own read timeout is hours long):
+        a server that does not answer costs the job a dropped beat, never a stuck thread."""
+        import httpx
+
+        from registry.remote.client import error_from
+
+        client = self.registry.client
+        body = {"project": ref.project, "run": ref.run, **figures}
+        try:
+            response = client.http.post("/runs/heartbeat", json=body, timeout=HEARTBEAT_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise RegistryError(f"heartbeat: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise error_from(response)
+        return dict(response.json())
 
     def plan_restart(self, ref: CheckpointRef) -> None:
         self.registry.plan_restart(ref.run, project=ref.project)

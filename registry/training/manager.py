@@ -30,7 +30,10 @@ each save and at close, rank 0 reports the last step reached and the time at ris
 previous report, so a restore after a crash knows the work the failure lost (the steps since
 the restored checkpoint, to the last heartbeat). `restore(planned=True)` says this restart was
 planned (not a failure); `close()` says the attempt ended, so the next restore is not one
-either. A heartbeat that fails is warned about once and never stops training.
+either. Heartbeats (and the restore's record) go out from a background daemon thread with a
+short timeout, never from inside `save()`: one still in flight when the next is due is dropped
+(its time counts in the next), and whatever a heartbeat raises is warned about once and never
+reaches the training loop. `heartbeat_s` is at least 1 s.
 """
 
 from __future__ import annotations
@@ -48,11 +51,17 @@ from registry.refs import CheckpointRef
 from registry.training import ranks
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from concurrent.futures import Future
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
     from registry.training.backends import EmbeddedBackend, ServerBackend
     from registry.training.store_writer import Written
+
+
+HEARTBEAT_FLOOR_S = 1.0  # heartbeats no more often than this
+BEAT_JOIN_S = 10.0  # close() and flush() wait this long for a heartbeat in flight
+_now: Callable[[], float] = time.monotonic  # the step-timing clock (a test's fake clock)
 
 
 class CheckpointManager:
@@ -80,15 +89,17 @@ class CheckpointManager:
         self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
         self._saved_any = False  # a run exists once a save committed (or a restore found one)
         # Step timings (rank 0): issue 18's C_eff and heartbeats.
-        self.heartbeat_s = heartbeat_s
-        self._flushed_at = time.monotonic()  # the time at risk is counted from here
+        self.heartbeat_s = max(HEARTBEAT_FLOOR_S, float(heartbeat_s))
+        self._flushed_at = _now()  # the time at risk is counted from here
         self._last_step: int | None = None
-        self._last_step_time: float | None = None
-        self._in_save = 0.0  # loop time spent in save() since the previous step_done
+        self._last_step_time: float | None = None  # when the step being timed started
         self._clean: deque[float] = deque(maxlen=256)  # step times with no save in flight
         self._tracking: list[_Track] = []  # background saves whose slowdown is measured
         self._finished: dict[str, dict[str, float]] = {}  # for the next heartbeat
         self._heartbeat_warned = False
+        self._beat_due = False  # a save happened: the next step_done reports the step reached
+        self._beat_thread: threading.Thread | None = None
+        self._beat_lock = threading.Lock()
 
     @property
     def registry(self) -> Registry:
@@ -127,7 +138,10 @@ class CheckpointManager:
         try:
             return self._save(state, step, metrics, async_, per_rank, entered)
         finally:
-            self._in_save += time.monotonic() - entered
+            # The next step is timed from here: neither the save itself nor what the loop did
+            # between step_done and save (eval, logging) counts as the save's interference.
+            self._last_step_time = _now()
+            self._beat_due = True  # the step reached goes out with the next step_done
 
     def _save(
         self,
@@ -146,7 +160,6 @@ class CheckpointManager:
         self.wait()  # one save in flight: the previous one commits (or raises) first
         if pending is not None:  # the loop blocked on it: part of that save's cost
             self._track_done(pending, blocked=time.monotonic() - entered)
-        self._record_restore()
         started = time.monotonic()
         # What one rank finds wrong stops every rank, before anything is claimed: a rank that
         # raised alone would leave the others waiting in DCP's collectives.
@@ -161,8 +174,6 @@ class CheckpointManager:
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
-        if ranks.current_rank() == 0:
-            self._heartbeat()  # the step reached, with the save (its cost counts the call)
         save = _Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
             self.backend.sink(shared),
@@ -288,17 +299,19 @@ class CheckpointManager:
 
     def first_step_done(self) -> None:
         """Call after the first training step that follows `restore`: the restore's record
-        gets `first_step_seconds` (from the end of the load to now)."""
+        gets `first_step_seconds` (from the end of the load to now) and goes out (rank 0, from
+        the heartbeat thread)."""
         if self._restore is not None and "first_step_seconds" not in self._restore.phases:
             self._restore.phases["first_step_seconds"] = round(
                 time.monotonic() - self._restore.ended, 4
             )
-        self._record_restore()
+        if ranks.current_rank() != 0:
+            self._restore = None  # rank 0 records it
+        elif self._restore is not None:
+            self._send_beat(_now())
 
-    def _record_restore(self) -> None:
-        restore, self._restore = self._restore, None
-        if restore is None or ranks.current_rank() != 0:
-            return
+    def _record_restore(self, restore: _Restore) -> None:
+        """Rank 0, on the heartbeat thread (or at close): the restore's record."""
         if restore.planned:
             self.backend.plan_restart(restore.ref)
         self.backend.restored(restore.ref, ranks.world_size(), restore.phases)
@@ -306,17 +319,17 @@ class CheckpointManager:
     # -- step timings and heartbeats (issue 18) ------------------------------------------------
     def step_done(self, step: int) -> None:
         """Training step `step` is done (call on every rank, after the optimizer step). Cheap:
-        rank 0 keeps the step's time in memory; a heartbeat goes out every `heartbeat_s`."""
+        rank 0 keeps the step's time in memory; a heartbeat goes out every `heartbeat_s`, from
+        a background thread."""
+        at = _now()
         if self._restore is not None:
             self.first_step_done()
         if ranks.current_rank() != 0:
             return
-        at = time.monotonic()
-        before, self._last_step_time = self._last_step_time, at
+        before = self._last_step_time
         self._last_step = step
-        in_save, self._in_save = self._in_save, 0.0
         if before is not None:
-            took = max(0.0, at - before - in_save)
+            took = max(0.0, at - before)
             if self._tracking:
                 for track in self._tracking:
                     track.during.append(took)
@@ -325,8 +338,9 @@ class CheckpointManager:
         for track in list(self._tracking):
             if track.save.future is None or track.save.future.done():
                 self._track_done(track.save)
-        if at - self._flushed_at >= self.heartbeat_s:
-            self._heartbeat()
+        if self._beat_due or self._restore is not None or at - self._flushed_at >= self.heartbeat_s:
+            self._send_beat(at)
+        self._last_step_time = _now()  # after the bookkeeping: the next step starts here
 
     def _track_done(self, save: _Save, blocked: float = 0.0) -> None:
         """A background save finished: its slowdown of the steps it overlapped, for the next
@@ -342,34 +356,78 @@ class CheckpointManager:
                 extra = sum(d - baseline for d in track.during)
                 figures["baseline_step_seconds"] = round(baseline, 6)
                 figures["interference_seconds"] = round(max(0.0, extra), 4)
-            self._finished[str(track.step)] = figures
+            with self._beat_lock:
+                self._finished[str(track.step)] = figures
 
-    def _heartbeat(self, *, ended: bool = False) -> None:
-        """Rank 0: the last step reached and the time at risk since the last heartbeat."""
-        self._record_restore()  # a restore is classified before the new attempt reports
-        at = time.monotonic()
-        saves = dict(self._finished)
+    def _beat_in_flight(self) -> bool:
+        return self._beat_thread is not None and self._beat_thread.is_alive()
+
+    def _send_beat(self, at: float, *, ended: bool = False, wait: bool = False) -> None:
+        """Rank 0: the last step reached and the time at risk since the last heartbeat (with a
+        restore's record first), from a background thread. Dropped while one is in flight."""
+        from registry.lifecycle.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
+
+        if self._beat_in_flight():
+            return
         try:
-            got = self.backend.heartbeat(
-                CheckpointRef(self.project, self.run, None),
-                step=self._last_step,
-                seconds=at - self._flushed_at,
-                world_size=ranks.world_size(),
-                step_seconds=statistics.median(self._clean) if self._clean else None,
-                saves=saves,
-                ended=ended,
+            restore, self._restore = self._restore, None
+            self._beat_due = False
+            with self._beat_lock:
+                keys = sorted(self._finished, key=int)[:MAX_SAVES]  # the rest: the next beat
+                saves = {k: self._finished[k] for k in keys}
+            figures: dict[str, Any] = {
+                "step": self._last_step,
+                # a beat after a long outage says at most this much (else it is refused forever)
+                "seconds": min(max(0.0, at - self._flushed_at), MAX_HEARTBEAT_SECONDS),
+                "world_size": ranks.world_size(),
+                "step_seconds": statistics.median(self._clean) if self._clean else None,
+                "saves": saves,
+                "ended": ended,
+            }
+            thread = threading.Thread(
+                target=self._beat,
+                args=(restore, figures, at, keys),
+                name=f"reg-heartbeat-{self.run}",
+                daemon=True,
             )
-        except RegistryError as exc:
-            if not self._heartbeat_warned:
-                import warnings
+            self._beat_thread = thread
+            thread.start()
+            if wait:
+                thread.join(BEAT_JOIN_S)
+        except Exception as exc:  # nothing from a heartbeat reaches the training loop
+            self._warn(exc)
 
-                self._heartbeat_warned = True
-                warnings.warn(f"reg: a heartbeat of {self.run} failed: {exc}", stacklevel=3)
+    def _beat(
+        self, restore: _Restore | None, figures: dict[str, Any], at: float, keys: list[str]
+    ) -> None:
+        try:
+            if restore is not None:
+                self._record_restore(restore)
+            got = self.backend.heartbeat(CheckpointRef(self.project, self.run, None), **figures)
+        except Exception as exc:
+            self._warn(exc)
             return
         if got.get("recorded"):  # else no run yet: the time keeps counting to the next one
-            self._flushed_at = at
-            for key in saves:
-                self._finished.pop(key, None)
+            with self._beat_lock:
+                self._flushed_at = max(self._flushed_at, at)
+                for key in keys:
+                    self._finished.pop(key, None)
+
+    def _warn(self, exc: Exception) -> None:
+        if not self._heartbeat_warned:
+            import warnings
+
+            self._heartbeat_warned = True
+            warnings.warn(f"reg: a heartbeat of {self.run} failed: {exc}", stacklevel=2)
+
+    def flush(self) -> None:
+        """Rank 0: send a heartbeat now and wait for it (a bounded wait): e.g. before a job
+        stops itself. Never raises."""
+        if ranks.current_rank() != 0 or not self._saved_any:
+            return
+        if self._beat_thread is not None:
+            self._beat_thread.join(BEAT_JOIN_S)
+        self._send_beat(_now(), wait=True)
 
     def close(self, status: str | None = "finished") -> None:
         """Wait for the save in flight, record a pending restore, say the run ended with
@@ -379,9 +437,12 @@ class CheckpointManager:
             self.wait()
             if pending is not None and ranks.current_rank() == 0:
                 self._track_done(pending)
-            self._record_restore()
-            if ranks.current_rank() == 0 and self._saved_any:
-                self._heartbeat(ended=status != "failed")  # a failed job's next restore fails
+            if ranks.current_rank() == 0 and (self._saved_any or self._restore is not None):
+                if self._beat_thread is not None:
+                    self._beat_thread.join(BEAT_JOIN_S)
+                # a failed job's next restore is a failure
+                self._send_beat(_now(), ended=status != "failed", wait=True)
+            self._restore = None
             if status is not None and ranks.current_rank() == 0 and self._saved_any:
                 self.registry.finish_run(self.run, project=self.project, status=status)
         finally:

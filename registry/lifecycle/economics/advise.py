@@ -24,7 +24,9 @@ from registry.refs import CheckpointRef, check_name
 if TYPE_CHECKING:
     from registry.context import Context
 
-ASSUMED_MTBF_S = 86400.0  # when nothing was measured and no --mtbf was given
+ASSUMED_MTBF_S = 86400.0  # the prior: no failure measured, no --mtbf, no --fleet failures
+MIN_GAPS = 2  # failures needed to resample their gaps
+MAX_MTBF_S = 100 * 365.25 * 86400.0  # --mtbf up to 100 years
 CONFIDENCE = 0.90
 NEAR = 0.2  # an interval within 20% of the optimum is "near" it (waste is flat there)
 
@@ -38,13 +40,19 @@ def advise(
     mtbf_s: float | None = None,
     fleet: bool = False,
     trials: int = 2000,
+    legacy: bool = False,
 ) -> dict[str, Any]:
+    """The run's economics. `legacy`: also the keys `reg recovery --json` had (one release)."""
     check_name(run, "run name")
     check_name(project, "project name")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         raise UsageError(f"--gpus must be a positive integer, got {gpus}")
-    if mtbf_s is not None and not 0 < mtbf_s < math.inf:
-        raise UsageError(f"--mtbf must be a positive, finite duration, got {mtbf_s}s")
+    if mtbf_s is not None and (
+        isinstance(mtbf_s, bool)
+        or not isinstance(mtbf_s, int | float)
+        or not 0 < mtbf_s <= MAX_MTBF_S
+    ):
+        raise UsageError(f"--mtbf must be a duration from 1s to 100 years, got {mtbf_s}s")
     ctx.authorize_read(project=project)
     label = CheckpointRef(project, run, None).run_label
     with ctx.catalog.session() as s:
@@ -59,8 +67,42 @@ def advise(
             ).all()
             pool += [gather(s, project, other) for other in others]
     if not facts.checkpoints:
-        raise NotFound(f"{label} has no committed checkpoints", "reg push-ckpt registers one")
-    return _compose(label, facts, pool, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet, trials=trials)
+        raise NotFound(f"{label} has no saved checkpoints", "reg push-ckpt registers one")
+    out = _compose(label, facts, pool, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet, trials=trials)
+    return recovery_keys(out, facts) if legacy else out
+
+
+def recovery_keys(out: dict[str, Any], facts: RunFacts) -> dict[str, Any]:
+    """`reg recovery --json`'s old keys, mapped from the new document, for one release (then
+    `reg recovery` goes): save_cost_seconds (C_eff), transfer_rate_bytes_per_second (pushes'
+    upload rate), restore_seconds and rto_seconds (RTO), observed_interval_seconds,
+    mtbf_seconds, optimal_interval_seconds (the advised one), overheads, expected losses, and
+    `advice` as a list (the sentence; the new document's string is `advice_sentence`)."""
+    rates = [c.bytes / c.upload_seconds for c in facts.checkpoints if c.upload_seconds]
+    c, rto = out["c_eff"], out.get("rto") or {}
+    interval, waste = out.get("interval") or {}, out.get("waste") or {}
+    cost, best, now = c.get("median_s"), interval.get("advised_s"), interval.get("current_s")
+    old: dict[str, Any] = {
+        "save_cost_seconds": cost,
+        "transfer_rate_bytes_per_second": _r(statistics.median(rates)) if rates else None,
+        "restore_seconds": rto.get("median_s"),
+        "rto_seconds": rto.get("median_s"),
+        "observed_interval_seconds": now,
+        "mtbf_seconds": out["failures"].get("mtbf_s"),
+    }
+    if cost is not None and best:
+        old |= {
+            "optimal_interval_seconds": best,
+            "overhead_at_optimal": _r(cost / best),
+            "expected_loss_at_optimal_seconds": waste.get("lost_per_failure_advised_s"),
+        }
+        if now:
+            old |= {
+                "overhead_now": _r(cost / now),
+                "expected_loss_now_seconds": waste.get("lost_per_failure_now_s"),
+            }
+    sentence = out.pop("advice")
+    return out | old | {"advice_sentence": sentence, "advice": [sentence] if sentence else []}
 
 
 def _compose(
@@ -80,6 +122,7 @@ def _compose(
     tau_now, every, tau_source = facts.interval()
     step_s = facts.run.step_seconds
     failures = facts.failures()
+    losses = facts.losses()
     out: dict[str, Any] = {
         "run": label,
         "gpus": n_gpus,
@@ -101,21 +144,14 @@ def _compose(
         "failures": {
             "count": len(failures),
             "planned_restarts": facts.planned(),
-            "lost_steps": sum(f.lost_steps for f in failures),
-            "events": [
-                {
-                    "restored_step": f.restored_step,
-                    "reached_step": f.reached_step,
-                    "lost_steps": f.lost_steps,
-                    "lost_s": _r(f.lost_seconds),
-                }
-                for f in failures
-            ],
+            "lost_steps": sum(f.lost_steps for f in losses),
+            "events": [_event(f) for f in failures],
+            "other_losses": [_event(f) for f in losses if f.kind != "failure"],
         },
         "interval": {"current_s": _r(tau_now), "current_steps": every, "source": tau_source},
         "advice": "",
     }
-    mtbf, rate_doc = _mtbf(pool, n_gpus, mtbf_s, fleet)
+    mtbf, rate_doc = choose_mtbf(pool, n_gpus, mtbf_s, fleet=fleet)
     out["failures"] |= rate_doc
     if not c_eff:
         out["advice"] = "no checkpoint cost measured yet: save from the training loop first"
@@ -155,12 +191,31 @@ def _compose(
     return out
 
 
-def _mtbf(
-    pool: list[RunFacts], gpus: int, mtbf_s: float | None, fleet: bool
+def _event(f: Any) -> dict[str, Any]:
+    return {
+        "kind": f.kind,
+        "restored_step": f.restored_step,
+        "reached_step": f.reached_step,
+        "lost_steps": f.lost_steps,
+        "lost_s": _r(f.lost_seconds),
+    }
+
+
+def choose_mtbf(
+    pool: list[RunFacts], gpus: int, mtbf_s: float | None, *, fleet: bool
 ) -> tuple[float, dict[str, Any]]:
-    """The job's MTBF (seconds) and how it was estimated."""
-    n = sum(len(f.failures()) for f in pool)
-    gpu_hours = sum(f.gpu_seconds() for f in pool) / 3600.0
+    """The job's MTBF (seconds) and how it was chosen: --mtbf; else the measured failures (the
+    pooled runs' with --fleet when they have any, else the run's own) when there are some in
+    some exposure; else the prior ASSUMED_MTBF_S. With no failure the
+    confidence bound on the rate is shown as a range, never used as the advice: it shrinks
+    with every clean hour's lack of data and would always say "checkpoint more often".
+    `reg advise` and the MLflow metric (`facts.summary`) both choose here."""
+    own = pool[:1]
+    n_pool = sum(len(f.failures()) for f in pool)
+    h_pool = sum(f.gpu_seconds() for f in pool) / 3600.0
+    n_own = sum(len(f.failures()) for f in own)
+    h_own = sum(f.gpu_seconds() for f in own) / 3600.0
+    n, gpu_hours = (n_pool, h_pool) if fleet else (n_own, h_own)
     doc: dict[str, Any] = {
         "pooled_runs": len(pool) if fleet else 1,
         "exposure_gpu_hours": _r(gpu_hours, 6),
@@ -175,24 +230,27 @@ def _mtbf(
             "rate_per_gpu_hour": _r(rate.point, 6),
             "rate_low": _r(rate.low, 6),
             "rate_high": _r(rate.high, 6),
+            # the MTBF the data allow, at CONFIDENCE (the high end is None with no failure)
             "mtbf_high_s": _r(model.mtbf_of(rate.low, gpus)),
             "mtbf_low_s": _r(model.mtbf_of(rate.high, gpus)),
         }
     if mtbf_s is not None:
         return mtbf_s, doc | {"mtbf_s": mtbf_s, "mtbf_source": "--mtbf"}
-    if gpu_hours > 0 and n > 0:
+    if n > 0 and gpu_hours > 0:
         m = model.mtbf_of(n / gpu_hours, gpus)
         where = "the project's runs pooled" if fleet else "the run's failures"
         return m, doc | {"mtbf_s": _r(m), "mtbf_source": f"measured: {where}"}
-    if gpu_hours > 0:
-        m = float(doc["mtbf_low_s"])
-        return m, doc | {
-            "mtbf_s": _r(m),
-            "mtbf_source": f"no failure yet: the {CONFIDENCE:.0%} bound on the failure rate",
-        }
+    why = (
+        f"no failure yet in {gpu_hours:.3g} GPU-hours"
+        if n == 0
+        else f"{n} failure(s) in only {gpu_hours:.3g} GPU-hours"
+    )
+    bound = doc.get("mtbf_low_s")
+    seen = f"; the {CONFIDENCE:.0%} bound puts the MTBF above {human(bound)}" if bound else ""
     return ASSUMED_MTBF_S, doc | {
         "mtbf_s": ASSUMED_MTBF_S,
-        "mtbf_source": "assumed (no heartbeat exposure measured; give --mtbf)",
+        "mtbf_source": f"assumed: the prior {human(ASSUMED_MTBF_S)} ({why}{seen}; "
+        "give --mtbf, or --fleet to pool the project's runs)",
     }
 
 
@@ -220,19 +278,32 @@ def _simulate(
         "measured_gaps": None,
     }
     gaps = [g / gpus for f in pool for g in f.gaps_gpu_seconds()]  # this job's wall seconds
-    if gaps:
-        draw = simulate.resampled(gaps, 0)
-        measured: dict[str, Any] = {
+    tails = [f.censored_gpu_seconds() / gpus for f in pool]
+    tails = [t for t in tails if t > 0]
+    if len(gaps) < MIN_GAPS:
+        out["measured_gaps"] = {
             "gaps": len(gaps),
-            "gap_median_s": _r(statistics.median(gaps)),
-            "advised_fraction": _r(simulate.waste(best, cost, rto, draw, trials=trials), 6),
+            "skipped": f"too few failures to resample ({len(gaps)}; needs {MIN_GAPS})",
         }
-        if tau_now:
-            draw = simulate.resampled(gaps, 0)
-            measured["current_fraction"] = _r(
-                simulate.waste(tau_now, cost, rto, draw, trials=trials), 6
-            )
-        out["measured_gaps"] = measured
+        return out
+    sim = simulate.run(
+        best, cost, rto, simulate.resampled(gaps, 0, censored_s=tails), trials=trials
+    )
+    measured: dict[str, Any] = {
+        "gaps": len(gaps),
+        "censored_gaps": len(tails),
+        "censored_s": _r(sum(tails)),
+        "gap_median_s": _r(statistics.median(gaps)),
+        "advised_fraction": _r(sim.fraction, 6),
+        "advised_capped_share": _r(sim.capped_share, 6),
+    }
+    if tau_now:
+        now = simulate.run(
+            tau_now, cost, rto, simulate.resampled(gaps, 0, censored_s=tails), trials=trials
+        )
+        measured["current_fraction"] = _r(now.fraction, 6)
+        measured["current_capped_share"] = _r(now.capped_share, 6)
+    out["measured_gaps"] = measured
     return out
 
 

@@ -1,5 +1,9 @@
 """What the catalog knows about a run's checkpoint economics, gathered in one session, and the
-figures derived from it (C_eff, RTO by phase, the current interval, failures and exposure)."""
+figures derived from it (C_eff, RTO by phase, the current interval, failures and exposure).
+
+Checkpoints that retention collected since (deleting, deleted) still count for the interval and
+the save costs: they were paid for. `checkpoints` is every saved one; `committed` the live ones.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col, select
 
-from registry.catalog.models import COMMITTED, Checkpoint, CheckpointRestore, Run, Validation
+from registry.catalog.models import (
+    COMMITTED,
+    DELETED,
+    DELETING,
+    Checkpoint,
+    CheckpointRestore,
+    Run,
+    Validation,
+)
 from registry.lifecycle.economics import model
 
 if TYPE_CHECKING:
@@ -24,6 +36,7 @@ class Failure:
     reached_step: int
     gpu_seconds: float | None  # the run's exposure when it failed
     step_seconds: float | None
+    kind: str = "failure"  # or a restore that lost work without failing: resume, planned, retry
 
     @property
     def lost_steps(self) -> int:
@@ -38,7 +51,7 @@ class Failure:
 class RunFacts:
     project: str
     run: Run
-    checkpoints: list[Checkpoint] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # saved, collected or not
     restores: list[tuple[int, CheckpointRestore]] = field(default_factory=list)  # (step, row)
     validation_seconds: list[float] = field(default_factory=list)
 
@@ -133,18 +146,30 @@ class RunFacts:
         return None, None, "unknown (fewer than two checkpoints)"
 
     # -- failures -------------------------------------------------------------------------------
+    @property
+    def committed(self) -> list[Checkpoint]:
+        return [c for c in self.checkpoints if c.state == COMMITTED]
+
     def failures(self) -> list[Failure]:
-        return [
-            Failure(
-                r.created_at,
-                step,
-                int(r.reached_step or step),
-                r.gpu_seconds,
-                r.step_seconds or self.run.step_seconds,
-            )
-            for step, r in self.restores
-            if r.kind == "failure"
-        ]
+        return [f for f in self.losses() if f.kind == "failure"]
+
+    def losses(self) -> list[Failure]:
+        """Every restore that was a failure or lost work (reached past the restored step)."""
+        out = []
+        for step, r in self.restores:
+            reached = int(r.reached_step if r.reached_step is not None else step)
+            if r.kind == "failure" or (r.kind != "start" and reached > step):
+                out.append(
+                    Failure(
+                        r.created_at,
+                        step,
+                        reached,
+                        r.gpu_seconds,
+                        r.step_seconds or self.run.step_seconds,
+                        str(r.kind),
+                    )
+                )
+        return out
 
     def planned(self) -> int:
         return sum(1 for _, r in self.restores if r.kind == "planned")
@@ -163,13 +188,21 @@ class RunFacts:
             before = f.gpu_seconds
         return out
 
+    def censored_gpu_seconds(self) -> float:
+        """The failure-free tail: exposure since the last failure (or since the start)."""
+        last = max((f.gpu_seconds or 0.0 for f in self.failures()), default=0.0)
+        return max(0.0, self.gpu_seconds() - last)
+
 
 def gather(s: Session, project: str, run: Run) -> RunFacts:
     facts = RunFacts(project, run)
     facts.checkpoints = list(
         s.exec(
             select(Checkpoint)
-            .where(Checkpoint.run_id == run.id, Checkpoint.state == COMMITTED)
+            .where(
+                Checkpoint.run_id == run.id,
+                col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
+            )
             .order_by(col(Checkpoint.step))
         ).all()
     )
@@ -194,7 +227,10 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
 
 
 def summary(facts: RunFacts) -> dict[str, float]:
-    """The figures mirrored to MLflow: C_eff, RTO and the advised interval (when measured)."""
+    """The figures mirrored to MLflow: C_eff, RTO and the advised interval, chosen as
+    `reg advise RUN` (no flags) chooses it."""
+    from registry.lifecycle.economics.advise import choose_mtbf
+
     c_eff, _, _, _ = facts.costs()
     rto = facts.rto()
     out: dict[str, float] = {}
@@ -202,12 +238,9 @@ def summary(facts: RunFacts) -> dict[str, float]:
         out["c_eff_s"] = round(statistics.median(c_eff), 4)
     if rto:
         out["rto_s"] = round(float(rto["median_s"]), 4)
-    gpu_hours = facts.gpu_seconds() / 3600.0
-    n = len(facts.failures())
-    if c_eff and n and gpu_hours > 0:
-        gpus = max(1, _world(facts))
-        mtbf = model.mtbf_of(n / gpu_hours, gpus)
-        out["advised_interval_s"] = round(model.optimal(out["c_eff_s"], mtbf), 2)
+    if c_eff:
+        mtbf, _ = choose_mtbf([facts], max(1, _world(facts)), None, fleet=False)
+        out["advised_interval_s"] = round(model.optimal(statistics.median(c_eff), mtbf), 2)
     return out
 
 

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 HOURS_PER_DAY = 24.0
+SERIES_BELOW = 1e-8  # C/M below this: optimal() is u = sqrt(2x) - 2x/3 (relative error ~x)
 
 
 def young(cost_s: float, mtbf_s: float) -> float:
@@ -76,12 +77,16 @@ def waste(tau_s: float, cost_s: float, rto_s: float, mtbf_s: float) -> float:
 
 def optimal(cost_s: float, mtbf_s: float) -> float:
     """The interval that maximises availability: the root u = tau/M in (0, 1) of
-    (1 - u) e^u = e^(-C/M) (decreasing in u on (0, 1)), by bisection."""
-    target = math.exp(-cost_s / mtbf_s)
+    (1 - u) e^u = e^(-C/M) (decreasing in u on (0, 1)), by bisection; for tiny C/M the series
+    u = sqrt(2C/M) - 2C/(3M)."""
+    x = cost_s / mtbf_s
+    if x < SERIES_BELOW:  # the bisection cannot resolve 1 - x here: the series is exact enough
+        return mtbf_s * (math.sqrt(2.0 * x) - 2.0 * x / 3.0)
+    # (1 - u) e^u = e^-x  <=>  -log(1 - u) - u = x, increasing in u (log1p keeps small u exact)
     lo, hi = 0.0, 1.0
     for _ in range(200):
         mid = (lo + hi) / 2.0
-        if (1.0 - mid) * math.exp(mid) > target:
+        if -math.log1p(-mid) - mid < x:
             lo = mid
         else:
             hi = mid

@@ -8,8 +8,14 @@ is classified when it is recorded.
   that checkpoint's `save_costs`: `interference_seconds`, `c_eff_seconds`, ...).
 - `plan_restart`: the next restore of the run is planned, not a failure.
 - `classify`: a restore is a `start` (the run never reported a step), `planned`, a `resume` (the
-  previous attempt closed), or a `failure` (the job died: the step it had reached is kept, with
-  the run's exposure then, for lost work and failure gaps).
+  previous attempt closed: finished, or killed by SIGTERM/Ctrl-C), a `failure` (the job died
+  after it advanced past the step its previous restore loaded), or a `retry` (it died again
+  before advancing: a crash loop is one failure, not one per restore). Every kind keeps the
+  step the run had reached, with the run's exposure then: lost work is counted wherever the
+  reached step is past the restored one (a preemption loses work too).
+- Inputs are bounded (steps < 2^63, ASCII digits; world size <= 1e6) and a heartbeat's time at
+  risk is clamped to the server's time since the run's previous report plus a slack: a bad
+  input is a 400, never a 500, and no trainer can add a week of exposure per call.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ if TYPE_CHECKING:
 
 MAX_HEARTBEAT_SECONDS = 7 * 86400.0  # one heartbeat's time at risk (a week without one: a bug)
 MAX_SAVES = 64  # finished background saves one heartbeat reports
+MAX_STEP = 2**63 - 1
+MAX_WORLD_SIZE = 1_000_000
+CLOCK_SLACK_S = 600.0  # a heartbeat's time at risk may exceed the server's clock by this much
+ECONOMICS_EVERY_S = 300.0  # MLflow's economics from heartbeats: at most this often per run
+_emitted: dict[tuple[str, str], float] = {}  # (project, run) -> when its economics last went out
 SAVE_FIELDS = ("interference_seconds", "blocked_seconds", "baseline_step_seconds", "steps_during")
 
 
@@ -57,8 +68,11 @@ def record_heartbeat(
         if row is None:
             return {"recorded": False}
         at = now()
+        since = row.last_step_at if row.last_step_at is not None else row.created_at
+        seconds = min(seconds, max(0.0, at - since) + CLOCK_SLACK_S)
         if step is not None:
-            row.last_step, row.last_step_at = int(step), at
+            row.last_step = int(step)
+        row.last_step_at = at  # the previous report, for the next heartbeat's clamp
         row.train_seconds = (row.train_seconds or 0.0) + seconds
         row.gpu_seconds = (row.gpu_seconds or 0.0) + seconds * world_size
         if step_seconds is not None:
@@ -66,9 +80,24 @@ def record_heartbeat(
         row.attempt_ended_at = at if ended else None
         s.add(row)
         merged = _merge_saves(s, row, saves or {})
-        if merged or ended:
+        if ended:
+            ctx.audit(s, "heartbeat-ended", f"{project}/{run}", step=step)
+        if ended or (merged and _due(project, run)):
             emit_economics(ctx, s, project, run, row)
-    return {"recorded": True, "saves": merged}
+    return {"recorded": True, "saves": merged, "seconds": round(seconds, 4)}
+
+
+def _due(project: str, run: str) -> bool:
+    """Whether the run's economics (a full gather) may go out again from a heartbeat."""
+    import time
+
+    key, clock = (project, run), time.monotonic()
+    if clock - _emitted.get(key, -math.inf) < ECONOMICS_EVERY_S:
+        return False
+    if len(_emitted) > 10_000:
+        _emitted.clear()
+    _emitted[key] = clock
+    return True
 
 
 def plan_restart(ctx: Context, project: str, run: str) -> dict[str, Any]:
@@ -96,13 +125,16 @@ def classify(session: Session, run: Run, restored_step: int, restore: Checkpoint
     at = now()
     if run.last_step is None:
         restore.kind = "start"
-    elif run.restart_planned_at is not None:
-        restore.kind = "planned"
-    elif run.attempt_ended_at is not None:
-        restore.kind = "resume"
     else:
-        restore.kind = "failure"
-        restore.reached_step = run.last_step
+        restore.reached_step = run.last_step  # every kind: a preemption loses work too
+        if run.restart_planned_at is not None:
+            restore.kind = "planned"
+        elif run.attempt_ended_at is not None:
+            restore.kind = "resume"
+        elif run.last_step > _previous_restored_step(session, run):
+            restore.kind = "failure"
+        else:
+            restore.kind = "retry"  # died again before advancing: the same failure
     restore.train_seconds = run.train_seconds
     restore.gpu_seconds = run.gpu_seconds
     restore.step_seconds = run.step_seconds
@@ -111,11 +143,26 @@ def classify(session: Session, run: Run, restored_step: int, restore: Checkpoint
     session.add(run)
 
 
+def _previous_restored_step(session: Session, run: Run) -> int:
+    """The step the run's previous restore loaded (-1: none)."""
+    from sqlmodel import col, select
+
+    from registry.catalog.models import Checkpoint, CheckpointRestore
+
+    step = session.exec(
+        select(Checkpoint.step)
+        .join(CheckpointRestore, col(Checkpoint.id) == col(CheckpointRestore.checkpoint_id))
+        .where(Checkpoint.run_id == run.id, col(CheckpointRestore.kind).is_not(None))
+        .order_by(col(CheckpointRestore.id).desc())
+    ).first()
+    return -1 if step is None else int(step)
+
+
 def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> list[int]:
     """Each finished background save's slowdown, merged into its checkpoint's save_costs."""
-    from sqlmodel import select
+    from sqlmodel import col, select
 
-    from registry.catalog.models import COMMITTED, Checkpoint
+    from registry.catalog.models import COMMITTED, DELETED, DELETING, Checkpoint
 
     merged = []
     for key, figures in sorted(saves.items()):
@@ -123,7 +170,7 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
             select(Checkpoint).where(
                 Checkpoint.run_id == run.id,
                 Checkpoint.step == int(key),
-                Checkpoint.state == COMMITTED,
+                col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
             )
         ).first()
         if ckpt is None or not isinstance(ckpt.save_costs, dict):
@@ -165,11 +212,17 @@ def _check(
         if not (math.isfinite(value) and 0 <= value <= high):
             raise UsageError(f"{what} must be between 0 and {high:g}")
 
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise UsageError("step must be a non-negative integer")
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP
+    ):
+        raise UsageError(f"step must be an integer from 0 to {MAX_STEP}")
     number(seconds, "seconds", MAX_HEARTBEAT_SECONDS)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError("world_size must be a positive integer")
+    if (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, int)
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+    ):
+        raise UsageError(f"world_size must be an integer from 1 to {MAX_WORLD_SIZE}")
     if step_seconds is not None:
         number(step_seconds, "step_seconds", MAX_HEARTBEAT_SECONDS)
     if saves is None:
@@ -177,8 +230,12 @@ def _check(
     if not isinstance(saves, dict) or len(saves) > MAX_SAVES:
         raise UsageError(f"saves must be an object of at most {MAX_SAVES} steps")
     for key, figures in saves.items():
-        if not (isinstance(key, str) and key.isdigit()) or not isinstance(figures, dict):
-            raise UsageError("saves maps a step (digits) to its figures")
+        if (
+            not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19)
+            or int(key) > MAX_STEP
+            or not isinstance(figures, dict)
+        ):
+            raise UsageError(f"saves maps a step (ASCII digits, at most {MAX_STEP}) to its figures")
         for name, value in figures.items():
             if name not in SAVE_FIELDS:
                 raise UsageError(

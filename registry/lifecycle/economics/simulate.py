@@ -5,14 +5,15 @@ loses the segment in progress (the work since the last completed checkpoint) and
 by a restart of R, itself at risk; the segment is then run again. Failure gaps are drawn either
 from an exponential distribution of mean M (the analytic model's assumption: the simulation
 then checks the formulas) or resampled, with replacement, from the gaps the job really saw
-between failures (a renewal process: what the run would really see). Seeded: the same inputs
-give the same figures. A job that cannot finish a segment (every measured gap shorter than a
-restart plus a segment) wastes everything: 1.0.
+between failures (a renewal process: what the run would really see), the run's failure-free
+tail counted as survival. Seeded: the same inputs give the same figures. A trial that cannot
+finish a segment (MAX_ROUNDS failures in a row) is left out and counted: `capped_share`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Draw = Callable[[int], Any]  # n -> n failure gaps (a numpy array)
@@ -26,14 +27,42 @@ def exponential(mtbf_s: float, seed: int = 0) -> Draw:
     return lambda n: rng.exponential(mtbf_s, n)
 
 
-def resampled(gaps_s: Sequence[float], seed: int = 0) -> Draw:
+def resampled(gaps_s: Sequence[float], seed: int = 0, *, censored_s: Sequence[float] = ()) -> Draw:
+    """Failure gaps drawn with replacement from the measured ones. `censored_s`: failure-free
+    stretches that ended without a failure (the run's time since its last failure): drawing
+    one counts it as survival and draws again, so a clean tail lengthens the gaps (the
+    renewal analogue of the exposure / failures estimate) instead of being dropped."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    pool = np.asarray([g for g in gaps_s if g > 0], dtype=float)
-    if pool.size == 0:
+    done = np.asarray([g for g in gaps_s if g > 0], dtype=float)
+    if done.size == 0:
         raise ValueError("resampled needs at least one positive gap")
-    return lambda n: rng.choice(pool, n, replace=True)
+    tail = np.asarray([g for g in censored_s if g > 0], dtype=float)
+    values = np.concatenate([done, tail])
+    is_censored = np.concatenate([np.zeros(done.size, bool), np.ones(tail.size, bool)])
+
+    def draw(n: int) -> Any:
+        pick = rng.integers(0, values.size, n)
+        out = values[pick].copy()
+        open_ = is_censored[pick]
+        for _ in range(MAX_ROUNDS):  # a censored draw survives it, then draws again
+            if not open_.any():
+                break
+            idx = np.flatnonzero(open_)
+            pick = rng.integers(0, values.size, idx.size)
+            out[idx] += values[pick]
+            open_[idx] = is_censored[pick]
+        return out
+
+    return draw
+
+
+@dataclass(frozen=True)
+class Simulated:
+    fraction: float  # the waste over the trials that finished
+    capped_share: float  # trials that hit MAX_ROUNDS (no progress: their gaps never cover a
+    # restart and a segment), left out of `fraction`; 1.0 when every trial did (fraction 1.0)
 
 
 def waste(
@@ -45,21 +74,36 @@ def waste(
     trials: int = 2000,
     segments: int = 200,
 ) -> float:
-    """The simulated waste: 1 - kept work / wall time, over every trial together."""
+    """The simulated waste: 1 - kept work / wall time, over the trials that finished."""
+    return run(tau_s, cost_s, rto_s, draw, trials=trials, segments=segments).fraction
+
+
+def run(
+    tau_s: float,
+    cost_s: float,
+    rto_s: float,
+    draw: Draw,
+    *,
+    trials: int = 2000,
+    segments: int = 200,
+) -> Simulated:
+    """The simulated waste and the share of trials that made no progress (hit the cap)."""
     import numpy as np
 
     if tau_s <= 0:
-        return 1.0
+        return Simulated(1.0, 0.0)
     length = tau_s + cost_s
     wall = np.zeros(trials)
+    stuck = np.zeros(trials, dtype=bool)
     until_failure = draw(trials)  # time left until each trial's next failure
     for _ in range(segments):
-        todo = np.ones(trials, dtype=bool)  # the trials whose segment is not done yet
+        todo = ~stuck  # the trials whose segment is not done yet
         rounds = 0
         while todo.any():
             rounds += 1
             if rounds > MAX_ROUNDS:
-                return 1.0  # no progress: the gaps never cover a restart and a segment
+                stuck |= todo  # no progress: the gaps never cover a restart and a segment
+                break
             idx = np.flatnonzero(todo)
             left = until_failure[idx]
             ok = left >= length
@@ -72,18 +116,23 @@ def waste(
                 break
             wall[failed] += until_failure[failed]  # the work lost
             until_failure[failed] = draw(failed.size)
-            if not _restart(failed, rto_s, wall, until_failure, draw):
-                return 1.0
-    kept = tau_s * segments * trials
-    return float(1.0 - kept / wall.sum())
+            never = _restart(failed, rto_s, wall, until_failure, draw)
+            stuck[never] = True
+            todo[never] = False
+    finished = ~stuck
+    capped = float(stuck.mean())
+    if not finished.any():
+        return Simulated(1.0, capped)
+    kept = tau_s * segments * int(finished.sum())
+    return Simulated(float(1.0 - kept / wall[finished].sum()), capped)
 
 
-def _restart(idx: Any, rto_s: float, wall: Any, until_failure: Any, draw: Draw) -> bool:
-    """A restart of R for each trial in idx; one that fails starts over. False: some never
-    get through."""
+def _restart(idx: Any, rto_s: float, wall: Any, until_failure: Any, draw: Draw) -> Any:
+    """A restart of R for each trial in idx; one that fails starts over. The trials that never
+    got through (after MAX_ROUNDS tries)."""
     for _ in range(MAX_ROUNDS):
         if not idx.size:
-            return True
+            return idx
         left = until_failure[idx]
         ok = left >= rto_s
         good = idx[ok]
@@ -93,4 +142,4 @@ def _restart(idx: Any, rto_s: float, wall: Any, until_failure: Any, draw: Draw) 
         wall[bad] += until_failure[bad]
         until_failure[bad] = draw(bad.size)
         idx = bad
-    return not idx.size
+    return idx
