@@ -257,6 +257,7 @@ def drain(
         return {"applied": 0, "pending": pending_count(catalog), "skipped": "another drain runs"}
     applied, error = 0, None
     try:
+        settings.home.mkdir(parents=True, exist_ok=True)  # the catalog may live elsewhere
         os.chdir(settings.home)  # MLflow's SQLite store writes ./mlruns: keep it here
         mirror = Mirror(settings, catalog)
     except Exception as exc:  # MLflow not importable or unreachable at start-up, and the like

@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -180,7 +183,8 @@ def download(
         check_key(prefix + f.path)
     dest = Path(dest).absolute()
     _check_dest(dest)
-    temp = dest.parent / f".{dest.name}.reg-pull-{uuid.uuid4().hex[:8]}"
+    _sweep_dead_pulls(dest)
+    temp = dest.parent / f".{dest.name}.{_PULL_TEMP}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir(parents=True)
     if progress:
         progress.start(f"pull {label}", sum(f.size for f in files))
@@ -219,6 +223,32 @@ def download(
         if progress:
             progress.finish()
     return dest
+
+
+_PULL_TEMP = "reg-pull"
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def _sweep_dead_pulls(dest: Path) -> None:
+    """What a pull into `dest` killed on this host left beside it (its temp folder names the
+    host and the pid): removed when that process is gone. Another host's, or a live one's,
+    is left alone."""
+    pattern = re.compile(
+        rf"\.{re.escape(dest.name)}\.{_PULL_TEMP}-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}"
+    )
+    with contextlib.suppress(OSError):
+        for entry in dest.parent.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match is None or entry.is_symlink() or not entry.is_dir():
+                continue
+            pid = int(match.group(1))
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or not ours to signal): leave it
+            except ProcessLookupError:
+                shutil.rmtree(entry, ignore_errors=True)
+            except PermissionError:
+                continue
 
 
 def _check_dest(dest: Path) -> None:

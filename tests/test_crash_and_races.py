@@ -4,6 +4,7 @@ half-visible."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -175,3 +176,23 @@ def test_many_files_do_not_exhaust_file_descriptors(ckpts, tmp_path, cli):
     assert res.returncode == 0, res.stderr
     with Registry() as reg:
         assert len(reg.show("many@step1")["files"]) == 603 and reg.verify("many@step1")["ok"]
+
+
+def test_a_pull_sweeps_what_a_killed_pull_left_beside_its_destination(reg, ckpts, tmp_path):
+    """A pull killed mid-download leaves its temp folder (named for host and pid); the next
+    pull into that place removes it once that process is gone, and leaves a live one's."""
+    import socket
+
+    reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    left = tmp_path / f".restore.reg-pull-{host}-{dead.pid}-0123abcd"
+    live = tmp_path / f".restore.reg-pull-{host}-{os.getpid()}-4567cdef"
+    other = tmp_path / f".restore.reg-pull-elsewhere-{dead.pid}-89abcdef"
+    for folder in (left, live, other):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"partial")
+    reg.pull("r@step2", tmp_path / "restore")
+    assert not left.exists() and live.exists() and other.exists()
+    assert reg.verify("r@step2")["ok"] and (tmp_path / "restore" / ".metadata").exists()

@@ -356,3 +356,17 @@ def test_an_event_that_can_never_apply_can_be_set_aside(policy, ckpts, cli):
     with Registry() as reg:
         audit = reg.audit_log(action="mlflow-skip")
     assert [e["target"] for e in audit] == ["MLflow event #2"]
+
+
+def test_a_drain_needs_no_reg_home_on_disk(tmp_path, monkeypatch):
+    """With the catalog and store elsewhere, REG_HOME may not exist yet: the drain makes it."""
+    home = tmp_path / "not-yet"
+    monkeypatch.setenv("REG_HOME", str(home))
+    monkeypatch.setenv("REG_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("REG_STORE_URL", f"file://{tmp_path / 'store'}")
+    with Registry() as reg:
+        reg.list_checkpoints()
+        assert not home.exists()
+        result = drain(reg.catalog, reg.settings, 60)
+    assert result.get("error") is None, result
+    assert home.is_dir()
