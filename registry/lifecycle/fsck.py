@@ -123,9 +123,10 @@ class Snapshot:
     objects: dict[str, ObjectInfo]
     artifacts: dict[str, Artifact]  # by prefix
     places: set[str] = field(default_factory=set)  # prefixes that hold at least one object
+    targets: dict[str, Artifact] = field(default_factory=dict)  # by ref or release name
 
     def by_target(self, target: str) -> Artifact | None:
-        return next((a for a in self.artifacts.values() if a.target == target), None)
+        return self.targets.get(target)
 
 
 def fsck(
@@ -206,7 +207,7 @@ def snapshot(ctx: Context, project: str | None) -> Snapshot:
             k: o for k, o in objects.items() if not k.startswith(RELEASES) or _place(k) in mine
         }
     places = {p for p in map(_place, objects) if p is not None}
-    return Snapshot(objects, artifacts, places)
+    return Snapshot(objects, artifacts, places, {a.target: a for a in artifacts.values()})
 
 
 def _checkpoints(s: Session, project: str | None) -> Iterable[Artifact]:
