@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import PG_URL, pg_available
+
 ROOT = Path(__file__).resolve().parent.parent.parent
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 OPS = ("push", "pull", "promote", "alias", "gc", "rebuild", "mlflow")
 SERVER_OPS = ("push", "pull", "promote", "alias")
@@ -877,16 +878,6 @@ def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], str]:
             break
         time.sleep(0.1)
     raise RuntimeError(f"moto server did not start: {(work / 'moto.log').read_text()[-2000:]}")
-
-
-def pg_available() -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", 5432), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def preload(with_mlflow: bool) -> None:
