@@ -25,6 +25,7 @@ from registry.lifecycle.economics import model, simulate
 from registry.lifecycle.economics.facts import RunFacts, summary
 from registry.training import CheckpointManager
 from registry.training import manager as manager_mod
+from registry.training import saves as saves_mod
 from tests.test_advise import _attempt
 
 advise_mod = importlib.import_module("registry.lifecycle.economics.advise")
@@ -148,7 +149,7 @@ def test_heartbeats_never_block_or_break_the_training_loop() -> None:
     assert len(m._backend.beats) == 1  # type: ignore[union-attr]
 
     broken = _manager(_Backend(fail=True), heartbeat_s=1.0)
-    broken._restore = manager_mod._Restore(
+    broken._restore = saves_mod.RestoreRecord(
         __import__("registry.refs", fromlist=["CheckpointRef"]).CheckpointRef("default", "fake", 4),
         {"total_seconds": 1.0},
         False,
@@ -188,7 +189,7 @@ def test_a_known_interference_is_measured_back_without_eval_or_the_save(monkeypa
     def fake_save(state, step, metrics, async_, per_rank, entered):  # type: ignore[no-untyped-def]
         clock.t += 0.5  # the stall
         save = SimpleNamespace(future=future)
-        m._tracking.append(manager_mod._Track(save, step))  # type: ignore[arg-type]
+        m._tracking.append(saves_mod.Track(save, step))  # type: ignore[arg-type]
 
     monkeypatch.setattr(m, "_save", fake_save)
     for step in range(1, 11):

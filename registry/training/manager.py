@@ -38,7 +38,6 @@ reaches the training loop. `heartbeat_s` is at least 1 s.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import threading
 import time
@@ -49,14 +48,13 @@ from registry.api import Registry
 from registry.errors import NotFound, RegistryError
 from registry.refs import CheckpointRef
 from registry.training import ranks
+from registry.training.saves import RestoreRecord, Save, Track, checked
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from concurrent.futures import Future
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
     from registry.training.backends import EmbeddedBackend, ServerBackend
-    from registry.training.store_writer import Written
 
 
 HEARTBEAT_FLOOR_S = 1.0  # heartbeats no more often than this
@@ -83,9 +81,9 @@ class CheckpointManager:
         self.thread_count = thread_count
         self._registry = registry
         self._backend: EmbeddedBackend | ServerBackend | None = None
-        self._pending: _Save | None = None
+        self._pending: Save | None = None
         self._async_group: Any = None
-        self._restore: _Restore | None = None
+        self._restore: RestoreRecord | None = None
         self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
         self._saved_any = False  # a run exists once a save committed (or a restore found one)
         # Step timings (rank 0): issue 18's C_eff and heartbeats.
@@ -94,7 +92,7 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_step_time: float | None = None  # when the step being timed started
         self._clean: deque[float] = deque(maxlen=256)  # step times with no save in flight
-        self._tracking: list[_Track] = []  # background saves whose slowdown is measured
+        self._tracking: list[Track] = []  # background saves whose slowdown is measured
         self._finished: dict[str, dict[str, float]] = {}  # for the next heartbeat
         self._heartbeat_warned = False
         self._beat_due = False  # a save happened: the next step_done reports the step reached
@@ -174,7 +172,7 @@ class CheckpointManager:
         ref = CheckpointRef(self.project, self.run, step)
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
-        save = _Save(self, shared, started, metrics, async_)
+        save = Save(self, shared, started, metrics, async_)
         writer = StoreWriter(
             self.backend.sink(shared),
             shared.prefix,
@@ -184,11 +182,11 @@ class CheckpointManager:
         save.hold()
         try:
             if not async_:
-                _checked(lambda: dcp.save(state, storage_writer=writer))
+                checked(lambda: dcp.save(state, storage_writer=writer))
                 save.staged(time.monotonic() - started)
                 return save.result(sync=True)
             group = self._group()
-            future = _checked(
+            future = checked(
                 lambda: dcp.async_save(state, storage_writer=writer, process_group=group)
             )
         except BaseException:
@@ -198,7 +196,7 @@ class CheckpointManager:
         save.future = future
         self._pending = save
         if ranks.current_rank() == 0:
-            self._tracking.append(_Track(save, step))
+            self._tracking.append(Track(save, step))
         return None
 
     def wait(self) -> dict[str, Any] | None:
@@ -208,7 +206,7 @@ class CheckpointManager:
             return None
         assert save.future is not None
         try:
-            _checked(save.future.result)
+            checked(save.future.result)
         except BaseException:
             save.release(failed=True)
             raise
@@ -270,9 +268,7 @@ class CheckpointManager:
         except RegistryError as exc:
             problem = exc
         ranks.agree(problem)
-        _checked(
-            lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()), "restore"
-        )
+        checked(lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()), "restore")
         for cls in loaded:
             assert per_rank is not None
             per_rank[cls] = full[cls][f"rank_{ranks.current_rank()}"]
@@ -292,7 +288,7 @@ class CheckpointManager:
             "bytes": float(reader.bytes_read),
         }
         ref = CheckpointRef(self.project, self.run, step)
-        self._restore = _Restore(ref, ranks.gather_max(phases), planned)
+        self._restore = RestoreRecord(ref, ranks.gather_max(phases), planned)
         if ranks.current_rank() == 0:
             self.backend.resumed(ref)  # at once: retention keeps the step the run resumed from
         return step
@@ -310,7 +306,7 @@ class CheckpointManager:
         elif self._restore is not None:
             self._send_beat(_now())
 
-    def _record_restore(self, restore: _Restore) -> None:
+    def _record_restore(self, restore: RestoreRecord) -> None:
         """Rank 0, on the heartbeat thread (or at close): the restore's record."""
         if restore.planned:
             self.backend.plan_restart(restore.ref)
@@ -342,7 +338,7 @@ class CheckpointManager:
             self._send_beat(at)
         self._last_step_time = _now()  # after the bookkeeping: the next step starts here
 
-    def _track_done(self, save: _Save, blocked: float = 0.0) -> None:
+    def _track_done(self, save: Save, blocked: float = 0.0) -> None:
         """A background save finished: its slowdown of the steps it overlapped, for the next
         heartbeat (against the median of the steps no save overlapped)."""
         for track in [t for t in self._tracking if t.save is save]:
@@ -398,7 +394,7 @@ class CheckpointManager:
             self._warn(exc)
 
     def _beat(
-        self, restore: _Restore | None, figures: dict[str, Any], at: float, keys: list[str]
+        self, restore: RestoreRecord | None, figures: dict[str, Any], at: float, keys: list[str]
     ) -> None:
         try:
             if restore is not None:
@@ -464,116 +460,3 @@ class CheckpointManager:
             import warnings
 
             warnings.warn(f"closing {self.project}/{self.run} failed: {exc}", stacklevel=2)
-
-
-class _Restore:
-    def __init__(self, ref: CheckpointRef, phases: dict[str, float], planned: bool) -> None:
-        self.ref, self.phases = ref, {k: round(v, 4) for k, v in phases.items()}
-        self.planned = planned
-        self.ended = time.monotonic()
-
-
-class _Track:
-    """A background save in flight (rank 0) and the step times it overlapped."""
-
-    def __init__(self, save: _Save, step: int) -> None:
-        self.save, self.step = save, step
-        self.during: list[float] = []
-
-
-class _Save:
-    """One save: its claim (renewed by rank 0 until the save ends), when it started, what it
-    staged, and the committed result (rank 0's, shared with every rank by `result`)."""
-
-    def __init__(
-        self,
-        manager: CheckpointManager,
-        shared: SharedClaim,
-        started: float,
-        metrics: dict[str, float] | None,
-        async_: bool,
-    ) -> None:
-        self.manager, self.shared, self.started = manager, shared, started
-        self.metrics, self.async_ = metrics, async_
-        self.future: Future[Any] | None = None
-        self.stall: float | None = None
-        self._stall_known = threading.Event()
-        self._heartbeat: Any = None
-        self.committed: dict[str, Any] | None = None
-
-    def hold(self) -> None:
-        if ranks.current_rank() != 0:
-            return
-        from registry.catalog.leases import Heartbeat
-        from registry.training.backends import SERVER_LEASE_S
-
-        backend, shared = self.manager.backend, self.shared
-        self._heartbeat = Heartbeat(lambda: backend.renew(shared), SERVER_LEASE_S / 4)
-        self._heartbeat.__enter__()
-
-    def release(self, *, failed: bool) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.__exit__(None, None, None)
-            self._heartbeat = None
-        if failed and ranks.current_rank() == 0:
-            with contextlib.suppress(RegistryError):  # the save's own error matters more
-                self.manager.backend.give_up(self.shared)
-
-    def staged(self, seconds: float) -> None:
-        self.stall = seconds
-        self._stall_known.set()
-
-    def commit(self, written: Written) -> None:
-        """Rank 0, in DCP's finish (a background thread for an async save)."""
-        from registry import faults
-
-        faults.point("save-written")
-        persist = time.monotonic() - self.started
-        if self.async_:
-            self._stall_known.wait(timeout=600)
-        stall = self.stall if self.async_ and self.stall is not None else persist
-        costs = {
-            "async": self.async_,
-            "stall_seconds": round(stall, 4),
-            "persist_seconds": round(persist, 4),
-            "bytes": sum(f.size for f in written.files),
-            "world_size": ranks.world_size(),
-            "ranks": written.rank_costs(),
-        }
-        self.committed = self.manager.backend.commit(
-            self.shared, written, ranks.world_size(), self.metrics, costs
-        )
-
-    def result(self, *, sync: bool) -> dict[str, Any]:
-        """Every rank: the committed view (rank 0's, broadcast for a synchronous save; an
-        async save's `wait()` returns rank 0's there and a short view elsewhere)."""
-        self.release(failed=False)
-        if sync:
-            got: list[Any] = [self.committed]
-            ranks.broadcast(got)
-            return dict(got[0] or {})
-        if self.committed is not None:
-            return self.committed
-        return {"ref": str(self.shared.ref), "state": "committed"}
-
-
-def _checked(call: Any, what: str = "save") -> Any:
-    """DCP's own errors are a BaseException (`CheckpointException`) carrying each rank's; the
-    registry's error of the first failing rank is raised as it is (one line for the user)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        return call()
-    except CheckpointException as exc:
-        for _, failure in sorted(exc.failures.items()):
-            error = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(error, RegistryError):
-                raise error from None
-        first = next(iter(exc.failures.values()), None)
-        cause = first[0] if isinstance(first, tuple) else first
-        raise RegistryError(
-            f"the checkpoint {what} failed on rank(s) {sorted(exc.failures)}: {cause}",
-            "nothing was committed; the step can be saved again"
-            if what == "save"
-            else "the state may be partly loaded: restore again before training",
-        ) from exc
