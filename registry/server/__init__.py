@@ -8,7 +8,7 @@ catalog or the store.
     app.py          the FastAPI application: state, middleware, errors, health, metrics
     auth.py         token -> Principal -> Context, per request
     requests.py     the token first, then a bounded JSON body (idle limit, parsed off the loop)
-    routes.py       the JSON endpoints: one per `Registry` method
+    routes.py       the JSON endpoints: one per `Registry` method (admin_routes.py: the admin ones)
     data.py         the data path: a push streamed in, files of readable artifacts read out
     upload.py       a push's framed byte stream -> a private directory the server scans itself
     metrics.py      Prometheus counters and histograms
