@@ -35,14 +35,16 @@ import os
 import signal
 import time
 
-_ARMED = os.environ.get("REG_FAULT")
+# A test in this process arms a point by setting _ARMED; otherwise REG_FAULT is read at each
+# point (not at import: a process forked after the import, with its own environment, obeys it).
+_ARMED: str | None = None
 PAUSE_LIMIT_S = 120.0
 _paused: set[str] = set()
 
 
 def point(name: str, path: object = None) -> None:
     """Reach point `name` (`path`: the file being written there, named by an injected OSError)."""
-    armed = _ARMED
+    armed = _ARMED or os.environ.get("REG_FAULT")
     if armed is None or not armed.startswith(name):
         return
     if armed == name:

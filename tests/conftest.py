@@ -1,21 +1,26 @@
 """Shared fixtures: a clean environment per test, real checkpoints from torchrun, real catalogs.
 
 Checkpoints are written once per test session by real `torchrun` processes (gloo, CPU, FSDP2)
-at world size 2 and 3. The catalog fixture runs each test on SQLite and on the PostgreSQL server
+at world size 2 and 3, shared read-only by every xdist worker (tests/sharing.py: a test that
+writes to one fails). The catalog fixture runs each test on SQLite and on the PostgreSQL server
 on 127.0.0.1:5432 (database `test`, a fresh schema per test).
+
+The hooks below order the session for two workers (the torture run first, the `exclusive` tests
+last), keep the exclusive tests apart from every other test, and print what the expensive
+set-ups cost.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import PG_URL, Ckpts, Trained, pg_available, train
+from tests.sharing import build_once
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,10 +41,13 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
     """Real FSDP2 checkpoints: ws2 (steps 2, 4) and ws3 (step 3), with full weights beside."""
-    base = tmp_path_factory.mktemp("ckpts")
-    return Ckpts(
-        ws2=train(base / "ws2", nproc=2, steps=4, every=2),
-        ws3=train(base / "ws3", nproc=3, steps=3, every=3),
+    return build_once(
+        tmp_path_factory,
+        "ckpts",
+        lambda base: Ckpts(
+            ws2=train(base / "ws2", nproc=2, steps=4, every=2),
+            ws3=train(base / "ws3", nproc=3, steps=3, every=3),
+        ),
     )
 
 
@@ -72,11 +80,16 @@ def s3_env(moto_server, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture(scope="session")
 def bad_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
     """A checkpoint whose last step has a NaN weight, and a weights-only one (ws=2)."""
-    base = tmp_path_factory.mktemp("bad")
-    return {
-        "nan": train(base / "nan", nproc=2, steps=2, every=2, extra=("--poison", "nan")),
-        "weights_only": train(base / "wo", nproc=2, steps=2, every=2, extra=("--weights-only",)),
-    }
+    return build_once(
+        tmp_path_factory,
+        "bad_ckpts",
+        lambda base: {
+            "nan": train(base / "nan", nproc=2, steps=2, every=2, extra=("--poison", "nan")),
+            "weights_only": train(
+                base / "wo", nproc=2, steps=2, every=2, extra=("--weights-only",)
+            ),
+        },
+    )
 
 
 LAYOUTS = ("torchtitan", "lightning", "stateful")
@@ -86,19 +99,22 @@ LAYOUTS = ("torchtitan", "lightning", "stateful")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
     """Real ws=2 checkpoints in each trainer's shape (examples/train_tiny.py --layout), and a
     torchtitan model-only one (its last step)."""
-    base = tmp_path_factory.mktemp("layouts")
-    out = {
-        name: train(base / name, nproc=2, steps=2, every=2, extra=("--layout", name))
-        for name in LAYOUTS
-    }
-    out["model-only"] = train(
-        base / "model-only",
-        nproc=2,
-        steps=2,
-        every=2,
-        extra=("--layout", "torchtitan", "--weights-only"),
-    )
-    return out
+
+    def build(base: Path) -> dict[str, Trained]:
+        out = {
+            name: train(base / name, nproc=2, steps=2, every=2, extra=("--layout", name))
+            for name in LAYOUTS
+        }
+        out["model-only"] = train(
+            base / "model-only",
+            nproc=2,
+            steps=2,
+            every=2,
+            extra=("--layout", "torchtitan", "--weights-only"),
+        )
+        return out
+
+    return build_once(tmp_path_factory, "layouts", build)
 
 
 @pytest.fixture
@@ -112,12 +128,16 @@ def cpu_policy(monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """A ~200 MB ws=2 checkpoint (model + AdamW), big enough to kill a push midway."""
-    return train(
-        tmp_path_factory.mktemp("big") / "ws2",
-        nproc=2,
-        steps=1,
-        every=1,
-        env_extra={"TINY_DIM": "1024", "TINY_LAYERS": "2"},
+    return build_once(
+        tmp_path_factory,
+        "big_ckpt",
+        lambda base: train(
+            base / "ws2",
+            nproc=2,
+            steps=1,
+            every=1,
+            env_extra={"TINY_DIM": "1024", "TINY_LAYERS": "2"},
+        ),
     )
 
 
@@ -171,20 +191,16 @@ def filled(cpu_policy, ckpts):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def cli():  # type: ignore[no-untyped-def]
-    """Run `reg` as a user does: a subprocess; returns (exit code, stdout, stderr)."""
+    """Run `reg` as a user does: a process of its own, in the test's environment; returns
+    (exit code, stdout, stderr). Forked from this worker's warm zygote (tests/zygote.py), so
+    it skips the 1-3 s of imports, not the process."""
+    from tests.zygote import zygote
 
     def run(
         *args: str, env: dict[str, str] | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess[str]:
         full_env = dict(os.environ, **(env or {}))
-        return subprocess.run(
-            [sys.executable, "-m", "cli", *map(str, args)],
-            cwd=ROOT,
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return zygote().run([*map(str, args)], env=full_env, cwd=ROOT, timeout=timeout)
 
     return run
 
@@ -228,3 +244,137 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pyte
         monkeypatch.setenv(key, value)
     yield Deployment(server)
     server.stop()
+
+
+# -- the session's order, exclusive tests, and what set-up cost --------------------------------
+def _rank(item: pytest.Item) -> int:
+    """0: the torture run (minutes, on one worker while the other takes the rest); 2: the
+    exclusive tests (they wait for the machine to themselves: last, when little else runs);
+    1: the rest, in file order."""
+    if item.get_closest_marker("exclusive"):
+        return 2
+    return 0 if item.get_closest_marker("long") else 1
+
+
+# Fixtures that start a process or a server (torchrun, `reg`, reg server, S3, PostgreSQL,
+# MLflow): a test that uses one, or is marked `process`, is not in the quick lane.
+PROCESS_FIXTURES = frozenset(
+    {
+        "ckpts",
+        "bad_ckpts",
+        "layouts",
+        "big_ckpt",
+        "hf_trained",
+        "variants",
+        "cli",
+        "reg_server",
+        "deployment",
+        "moto_server",
+        "s3_env",
+        "pg_cluster",
+        "roles",
+    }
+)
+
+
+SERVER_PARAMS = frozenset({"postgres", "s3", "s3pg", "remote", "server"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="only the tests that start no process and no server (scripts/test --quick)",
+    )
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return bool(
+        item.get_closest_marker("process")
+        or item.get_closest_marker("postgres")
+        or PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        # a backend chosen by parameter (getfixturevalue inside the fixture): PostgreSQL, S3
+        or (callspec is not None and SERVER_PARAMS.intersection(map(str, callspec.params.values())))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--quick"):
+        slow = [item for item in items if starts_processes(item)]
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not starts_processes(item)]
+    items.sort(key=_rank)  # stable: the same order on every xdist worker
+
+
+@pytest.fixture(autouse=True)
+def quick_lane_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """In the quick lane a test that starts a process after all fails, saying how to mark it."""
+    if not request.config.getoption("--quick"):
+        yield
+        return
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        pytest.fail(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.process, or add its "
+            "fixture to PROCESS_FIXTURES in tests/conftest.py",
+            pytrace=False,
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    from tests.sharing import ExclusiveLock, session_root
+
+    lock = ExclusiveLock(session_root(item.config._tmp_path_factory))  # type: ignore[attr-defined]
+    with lock.hold(item.get_closest_marker("exclusive") is not None):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def shared_fixtures_stay_read_only():  # type: ignore[no-untyped-def]
+    """A test that changed a tree the session shares (tests/sharing.py) fails, naming it."""
+    from tests.sharing import unchanged_shared_trees
+
+    yield
+    problem = unchanged_shared_trees()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.sharing import SETUP_TIMES
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints it
+        workeroutput["setup_times"] = [list(t) for t in SETUP_TIMES]
+
+
+_WORKER_SETUP: list[tuple[str, str, str, float]] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    worker = node.gateway.id
+    for name, how, seconds in node.workeroutput.get("setup_times", []):
+        _WORKER_SETUP.append((worker, name, how, seconds))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    from tests.sharing import SETUP_TIMES
+
+    rows = _WORKER_SETUP or [("main", *t) for t in SETUP_TIMES]
+    if not rows:
+        return
+    terminalreporter.section("expensive set-up (once per session or per worker)")
+    built = sum(s for _, _, how, s in rows if how == "built")
+    waited = sum(s for _, _, how, s in rows if how != "built")
+    for worker, name, how, seconds in sorted(rows, key=lambda r: -r[3]):
+        verb = "built" if how == "built" else "waited for the shared copy"
+        terminalreporter.write_line(f"{seconds:8.1f}s  {worker:>5}  {name}: {verb}")
+    terminalreporter.write_line(f"{built:8.1f}s  building, {waited:.1f}s waiting, in all")

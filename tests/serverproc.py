@@ -7,14 +7,14 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.zygote import Child, zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_POLICY = ROOT / "examples" / "cpu-policy.toml"
@@ -77,7 +77,7 @@ class RegServer:
     home: Path
     port: int = field(default_factory=free_port)
     admin_token: str = ""
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Child | None = None
     log: Path | None = None
     tokens: dict[str, str] = field(default_factory=dict)
 
@@ -86,13 +86,8 @@ class RegServer:
         return f"http://127.0.0.1:{self.port}"
 
     def init(self) -> RegServer:
-        out = subprocess.run(
-            [sys.executable, "-m", "cli", "server", "init", "--admin", "admin", "--json"],
-            cwd=ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        out = zygote().run(
+            ["server", "init", "--admin", "admin", "--json"], env=self.env, cwd=ROOT, timeout=120
         )
         assert out.returncode == 0, out.stderr
         self.admin_token = json.loads(out.stdout)["token"]
@@ -102,14 +97,14 @@ class RegServer:
     def start(self, *extra: str) -> RegServer:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log = self.home / f"server-{self.port}.log"
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli", "server", "--port", str(self.port), *extra],
-                cwd=ROOT,
-                env=self.env,
-                stdout=log,
-                stderr=log,
-            )
+        self.log.touch()
+        self.proc = zygote().spawn(
+            ["server", "--port", str(self.port), *extra],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=self.log,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -173,6 +173,7 @@ def test_mtbf_override_fleet_and_the_cli(clean_env: Path, cli, tmp_path: Path):
     assert res.returncode == 0 and "planned" in res.stdout
 
 
+@pytest.mark.process
 def test_economics_are_mirrored_to_mlflow(clean_env: Path):
     from mlflow import MlflowClient
 

@@ -779,6 +779,7 @@ def test_empty_seals_verify_link_and_anchor(catalog_url, cli):
         ]
 
 
+@pytest.mark.exclusive
 def test_a_quiet_registry_with_a_running_sealer_stays_clean(sealed):
     """A leader cycling with short intervals: some activity, then nothing; at any time the
     newest seal and anchor are younger than the bound (2s here), and verify is clean."""
@@ -802,6 +803,7 @@ def test_a_quiet_registry_with_a_running_sealer_stays_clean(sealed):
     assert out["newest_anchor"]["seq"] >= out["head"]["seq"] - 1
 
 
+@pytest.mark.exclusive
 def test_a_real_server_heartbeats_and_a_stopped_one_is_named(catalog_url, tmp_path, cli):
     """`reg server` with REG_AUDIT_SEAL_EVERY=0.2s, REG_AUDIT_ANCHOR_EVERY=0.5s: after the
     activity stops it keeps writing empty seals and anchors, and verify with a 2s bound stays

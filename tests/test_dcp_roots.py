@@ -56,6 +56,7 @@ def test_roots_that_are_refused(paths: list[str], message: str) -> None:
         check_roots("ckpt", paths)
 
 
+@pytest.mark.process
 def test_several_roots_push_validate_promote_and_pull_as_one(
     catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,15 +12,19 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import Trained, train
+from tests.sharing import build_once
 
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
-    base = tmp_path_factory.mktemp("variants")
-    return {
-        writer: train(base / writer, nproc=2, steps=1, every=1, extra=("--writer", writer))
-        for writer in ("safetensors", "zstd", "hf")
-    }
+    return build_once(
+        tmp_path_factory,
+        "dcp_variants",
+        lambda base: {
+            writer: train(base / writer, nproc=2, steps=1, every=1, extra=("--writer", writer))
+            for writer in ("safetensors", "zstd", "hf")
+        },
+    )
 
 
 @pytest.mark.parametrize(

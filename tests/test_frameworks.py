@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests import helpers
+from tests.sharing import build_once
 
 STEPS, SAVE_AT = 6, 3
 
@@ -60,22 +61,20 @@ def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
     return dict(json.loads(losses.read_text()))
 
 
-_RUNS: dict[str, Run] = {}
-
-
 def trained(framework: str, factory: pytest.TempPathFactory) -> Run:
-    """The framework's uninterrupted run, trained once per session (skipped, with the reason,
-    when the framework is not installed)."""
+    """The framework's uninterrupted run, trained once per session and shared read-only by
+    every worker (skipped, with the reason, when the framework is not installed)."""
     module, where = FRAMEWORKS[framework]
     pytest.importorskip(module, reason=f"{module} is not installed (the frameworks extra)")
-    if framework not in _RUNS:
-        base = factory.mktemp(framework)
+
+    def build(base: Path) -> Run:
         model = base / "model.pt"
         done = torchrun(
             framework, base / "a", "--save-at", str(SAVE_AT), "--export-model", str(model)
         )
-        _RUNS[framework] = Run(framework, base / "a" / where, done["losses"], model)
-    return _RUNS[framework]
+        return Run(framework, base / "a" / where, done["losses"], model)
+
+    return build_once(factory, f"framework-{framework}", build)
 
 
 @pytest.fixture(params=sorted(FRAMEWORKS))

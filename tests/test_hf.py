@@ -21,6 +21,7 @@ import pytest
 
 from registry.formats.hf_folder import completeness, rewrite_config
 from tests import helpers
+from tests.sharing import build_once
 
 STEPS = 2
 MODELS = ("llama_tied", "llama_untied", "gpt2_tied", "gpt2_untied")
@@ -31,16 +32,20 @@ CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 def hf_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every model's step-2 checkpoint, full weights and config.json, from one torchrun."""
     pytest.importorskip("transformers", reason="transformers is not installed (frameworks extra)")
-    out = tmp_path_factory.mktemp("hf") / "out"
     models = [a for m in MODELS for a in ("--model", m)]
-    helpers.torchrun(
-        "examples.train_hf",
-        2,
-        ["--out", str(out), "--steps", str(STEPS), *models],
-        clean=out,
-        env_extra={"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"},
-    )
-    return out
+
+    def build(base: Path) -> Path:
+        out = base / "out"
+        helpers.torchrun(
+            "examples.train_hf",
+            2,
+            ["--out", str(out), "--steps", str(STEPS), *models],
+            clean=out,
+            env_extra={"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"},
+        )
+        return out
+
+    return build_once(tmp_path_factory, "hf_trained", build)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,7 @@ def test_replays_are_idempotent(policy, ckpts):
     assert len(client.get_metric_history(run_id, "val_loss")) == 2
 
 
+@pytest.mark.exclusive
 def test_mlflow_outage_loses_nothing(policy, ckpts, monkeypatch, cli):
     good = os.environ["MLFLOW_TRACKING_URI"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
@@ -358,6 +359,7 @@ def test_an_event_that_can_never_apply_can_be_set_aside(policy, ckpts, cli):
     assert [e["target"] for e in audit] == ["MLflow event #2"]
 
 
+@pytest.mark.process
 def test_a_drain_needs_no_reg_home_on_disk(tmp_path, monkeypatch):
     """With the catalog and store elsewhere, REG_HOME may not exist yet: the drain makes it."""
     home = tmp_path / "not-yet"

@@ -288,6 +288,7 @@ READS = {  # every POST of MLflow's API that only reads
 }
 
 
+@pytest.mark.process
 def test_every_mlflow_write_is_refused_by_the_login():
     """Every route of MLflow's API that can change something is refused for everyone (with a
     path parameter shaped like a search, too); only the searches pass."""

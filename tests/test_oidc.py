@@ -507,6 +507,7 @@ def test_a_single_key_jwks_matches_a_jwt_without_kid(idp, tmp_path):
 # -- configuration -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [

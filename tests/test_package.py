@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +43,7 @@ def _imported(*args: str) -> set[str]:
     return {name.split(".")[0] for name in lines}
 
 
+@pytest.mark.process
 def test_help_and_ls_do_not_import_heavy_dependencies():
     assert _imported("--help") & set(HEAVY) == set()
     _imported("ls")  # the first command creates and migrates the catalog

@@ -12,6 +12,7 @@ from bench.server_load import load
 from tests.serverproc import RegServer, server_env, team_policy
 
 
+@pytest.mark.exclusive
 def test_bounded_load_run_loses_nothing(reg_server, ckpts):
     """16 clients for a few seconds: no error beyond expected conflicts, no lost update."""
     tokens = [reg_server.token("admin")] * 16

@@ -134,6 +134,7 @@ raise SystemExit("not killed")
 """
 
 
+@pytest.mark.process
 def test_a_killed_background_save_leaves_nothing_visible(clean_env: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(KILLED)],
@@ -230,6 +231,7 @@ def _wide_checkpoint(store: Any, prefix: str) -> list[Any]:
     return files
 
 
+@pytest.mark.exclusive
 def test_the_commit_of_4096_ranks_is_a_few_queries(reg: Registry) -> None:
     """Budget: at most 30 SQL statements whatever the world size (the file rows go in as one
     batched insert; measured 13-14) and 10 s on this 2-core machine (measured 1.1-1.3 s), on

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from registry import Registry
@@ -49,6 +50,7 @@ def _assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+@pytest.mark.process
 def test_save_and_resume_across_world_sizes(tmp_path: Path) -> None:
     _job(2, "--run-name", "mgr", "--steps", "2", "--report", str(tmp_path / "first.json"))
     first = json.loads((tmp_path / "first.json").read_text())
@@ -114,6 +116,7 @@ def test_four_ranks_write_to_s3_without_local_files_and_three_restore_exactly(
     assert "dataloader: the state of rank(s) 3 is not loaded (world size 3 now)" in notes
 
 
+@pytest.mark.process
 def test_exact_resume_after_every_rank_is_killed(tmp_path: Path) -> None:
     """Train 5 steps straight; train again to step 3 with async saves and SIGKILL every rank;
     restore and continue to 5: the same losses bit for bit (per-rank data generators and

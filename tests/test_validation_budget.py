@@ -22,6 +22,9 @@ import pytest
 from tests import helpers, tamper
 from tests.conftest import ROOT
 
+# Peak-memory measurements: nothing else runs beside them (tests/sharing.py).
+pytestmark = pytest.mark.exclusive
+
 MiB = 2**20
 WORKERS = 2
 READ_PIECES = 2 * 8 * MiB * WORKERS  # a piece being hashed and the next, per worker

@@ -27,8 +27,8 @@ from registry.errors import Conflict, ObjectExists, RegistryError, UsageError
 from registry.refs import CheckpointRef
 from registry.server.auth import context_for
 from registry.server.requests import (
-    IDLE_S,
     authed_body,
+    idle_s,
     idle_limited,
     json_body,
     opt_text,
@@ -138,7 +138,7 @@ async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str
 
     def produce(write: Any) -> None:
         while True:
-            chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result(IDLE_S * 2)
+            chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result(idle_s() * 2)
             if chunk is _END:
                 return
             if chunk is _ABORT:

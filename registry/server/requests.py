@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 
 MAX_JSON_BYTES = 1 << 20  # JSON request bodies; a push streams, a promotion's extras get more
 MAX_PROMOTE_BYTES = 64 << 20
-# A request body that stops arriving for this long is abandoned (REG_SERVER_IDLE_TIMEOUT).
-IDLE_S = float(os.environ.get("REG_SERVER_IDLE_TIMEOUT", "60"))
+
+
+def idle_s() -> float:
+    """How long a request body may stop arriving before it is abandoned
+    (REG_SERVER_IDLE_TIMEOUT, default 60 s); read when used, not at import."""
+    return float(os.environ.get("REG_SERVER_IDLE_TIMEOUT", "60"))
 
 
 async def authed_body(
@@ -35,7 +39,7 @@ async def authed_body(
 
 async def json_body(request: Request, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
     """The request's JSON object, refused past `limit` bytes before it is all read, or when
-    the client stops sending for IDLE_S; parsed off the event loop."""
+    the client stops sending for idle_s(); parsed off the event loop."""
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > limit):
         raise UsageError(f"request body over {limit} bytes", "send less")
@@ -62,17 +66,18 @@ def _parse_json(data: bytes) -> dict[str, Any]:
 
 
 async def idle_limited(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`stream`, cut off (exit 1) when no byte arrives for IDLE_S: a client that stops sending
+    """`stream`, cut off (exit 1) when no byte arrives for idle_s(): a client that stops sending
     holds no connection, memory or upload for long."""
+    limit = idle_s()
     iterator = stream.__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(iterator.__anext__(), IDLE_S)
+            chunk = await asyncio.wait_for(iterator.__anext__(), limit)
         except StopAsyncIteration:
             return
         except TimeoutError:
             raise RegistryError(
-                f"the client sent nothing for {IDLE_S:.0f}s; request abandoned", "send again"
+                f"the client sent nothing for {limit:.0f}s; request abandoned", "send again"
             ) from None
         yield chunk
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import boto3
+import pytest
 
 from registry.storage import open_store
 from registry.storage.local import TEMP_DIR, LocalStore
@@ -23,6 +24,7 @@ def _named_temp_store(tmp_path: Path) -> LocalStore:
     return store
 
 
+@pytest.mark.process
 def test_a_killed_writer_leaves_no_named_file_with_o_tmpfile(tmp_path):
     code = (
         "import os, signal, sys\n"

@@ -31,6 +31,7 @@ BUDGET_S = float(os.environ.get("TORTURE_BUDGET_S", "540"))
 MIN_PER_OP = int(os.environ.get("TORTURE_MIN_PER_OP", "50"))  # over the backends, in the budget
 
 
+@pytest.mark.long
 @pytest.mark.timeout(BUDGET_S + 360)  # the budget, the final checks, the session's checkpoints
 def test_killed_operations_leave_every_invariant_standing(ckpts, tmp_path):
     if not pg_available():

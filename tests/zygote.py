@@ -1,0 +1,349 @@
+"""A warm `reg` for the tests: a process that has imported the CLI and the registry once and
+forks a child per command.
+
+A `reg` command pays 1-3 s of start-up before it does anything (the interpreter, SQLAlchemy,
+pydantic, typer, torch, FastAPI), and the suite runs about a thousand of them. Each pytest
+worker starts one zygote (`python -m tests.zygote`, in the worker's own environment and
+before any test changed it), which imports what a command imports and then waits. For every
+command it forks a child that takes the test's environment (the whole of it: `os.environ` is
+replaced), working directory, standard streams (files the test reads back) and arguments, and
+runs `cli.main.main()`, which ends the process with the command's exit code. The child is a
+separate process as a subprocess is, with its own stdout, stderr, exit code and signals; what
+it does not do again is import. No thread runs in the zygote when it forks (checked at start).
+
+What must still run in a fresh interpreter (start-up itself: `python -X importtime`, an
+environment read before `main()` runs) uses `subprocess` directly.
+
+Protocol: the worker writes one JSON request per line to the zygote's stdin (`spawn`: argv,
+env, cwd, stdin/stdout/stderr paths, new_session) and reads JSON lines back: `{"ready": pid}`
+once, `{"id", "pid"}` per spawn, `{"exit": pid, "code"}` when a child ends (the code as
+`subprocess` gives it: negative for a signal). On EOF the zygote terminates what it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_SETTINGS = ("REG_", "AWS_", "MLFLOW_")
+
+# What a command imports (lazily, in the CLI): imported here once, before the first fork.
+WARM = (
+    "cli.main",
+    "registry",
+    "registry.api",
+    "registry.catalog.engine",
+    "registry.catalog.models",
+    "registry.storage.local",
+    "registry.storage.s3",
+    "registry.formats.dcp",
+    "registry.lifecycle.checkpoints",
+    "registry.lifecycle.promotion",
+    "registry.lifecycle.validation",
+    "registry.server.run",
+    "registry.remote",
+    "alembic.command",
+    "sqlmodel",
+    "psycopg",
+    "boto3",
+    "httpx",
+    "fastapi",
+    "uvicorn",
+    "safetensors.torch",
+    "torch",
+    "torch.distributed.checkpoint",
+)
+
+
+# -- the zygote ---------------------------------------------------------------------------------
+def _warm() -> None:
+    import importlib
+
+    for name in WARM:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:  # a fork would copy a lock some thread holds
+        raise SystemExit(f"tests.zygote: threads running after the imports: {threads}")
+
+
+def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
+    """In the forked child: become the command, run it, never return."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in channel:
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if req.get("new_session"):
+            os.setsid()
+        for fd, path, flags in (
+            (0, req.get("stdin") or os.devnull, os.O_RDONLY),
+            (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        ):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = ["reg", *req["argv"]]
+        from cli.main import main
+
+        main()  # exits the process itself (os._exit) with the command's code
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    # The requests and answers get fds of their own; 0 and 1 become /dev/null and stderr, so a
+    # stray print here cannot corrupt the channel.
+    inbox, outbox = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    _warm()
+    out = os.fdopen(outbox, "w", buffering=1)
+
+    def send(msg: dict[str, Any]) -> None:
+        out.write(json.dumps(msg) + "\n")
+
+    # A child's end wakes the loop: SIGCHLD writes a byte to `wake_r` (set_wakeup_fd).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    channel = (inbox, outbox, wake_r, wake_w)
+    children: set[int] = set()
+    send({"ready": os.getpid()})
+    pending = b""
+    while True:
+        try:
+            ready, _, _ = select.select([inbox, wake_r], [], [], 5)
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if inbox not in ready:
+            continue
+        data = os.read(inbox, 1 << 16)
+        if not data:  # the worker is gone: so is everything it started
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(req, channel)
+            children.add(pid)
+            send({"id": req["id"], "pid": pid})
+
+
+# -- the worker's side --------------------------------------------------------------------------
+class Child:
+    """A command the zygote forked: the part of `subprocess.Popen` the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
+        self._zygote = zygote
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    def __init__(self) -> None:
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            # Imported under no registry settings: what a module reads at import must not be
+            # a test's (each child gets its own environment whole).
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith(_SETTINGS)},
+                "PYTHONPATH": str(ROOT),
+            },
+        )
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._in, self._out = self._proc.stdin, self._proc.stdout
+        first = self._out.readline()
+        if not first:
+            raise RuntimeError(f"tests.zygote did not start ({self._proc.wait()})")
+        self.startup_s = time.monotonic() - started
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._spawned: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._next = 0
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._out:
+            msg = json.loads(line)
+            with self._changed:
+                if "exit" in msg:
+                    self._exits[msg["exit"]] = msg["code"]
+                else:
+                    self._spawned[msg["id"]] = msg["pid"]
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def spawn(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: Path,
+        stdout: Path,
+        stderr: Path,
+        stdin: Path | None = None,
+        new_session: bool = False,
+    ) -> Child:
+        with self._lock:
+            self._next += 1
+            rid = self._next
+            req = {
+                "id": rid,
+                "argv": argv,
+                "env": env,
+                "cwd": str(cwd),
+                "stdin": str(stdin) if stdin else None,
+                "stdout": str(stdout),
+                "stderr": str(stderr),
+                "new_session": new_session,
+            }
+            self._in.write((json.dumps(req) + "\n").encode())
+            self._in.flush()
+        with self._changed:
+            if not self._changed.wait_for(lambda: rid in self._spawned or not self.alive(), 30):
+                raise RuntimeError("tests.zygote did not answer a spawn in 30 s")
+            if rid not in self._spawned:
+                raise RuntimeError("tests.zygote ended")
+            pid = self._spawned.pop(rid)
+        return Child(self, pid, ["reg", *argv])
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or not self.alive(), timeout)
+            if pid not in self._exits and not self.alive():
+                raise RuntimeError("tests.zygote ended while its child ran")
+            return self._exits.get(pid)
+
+    def run(
+        self, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """`subprocess.run(["reg", *argv], capture_output=True, text=True, timeout=...)`."""
+        with tempfile.TemporaryDirectory(prefix="reg-cmd-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            child = self.spawn(argv, env=env, cwd=cwd, stdout=out, stderr=err)
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(30)
+                raise subprocess.TimeoutExpired(
+                    child.args, timeout, out.read_bytes(), err.read_bytes()
+                ) from None
+            return subprocess.CompletedProcess(
+                child.args, code, _text(out.read_bytes()), _text(err.read_bytes())
+            )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._in.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+def _text(data: bytes) -> str:
+    """As `subprocess.run(text=True)` decodes (universal newlines)."""
+    return data.decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+_ZYGOTE: Zygote | None = None
+
+
+def zygote() -> Zygote:
+    """This worker's zygote, started on first use (and again if it died)."""
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        _ZYGOTE = Zygote()
+    return _ZYGOTE
+
+
+def close() -> None:
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+        _ZYGOTE = None
+
+
+if __name__ == "__main__":
+    serve()
