@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PG_URL, Ckpts, Trained, pg_available, train
-from tests.sharing import build_once
+from tests.sharing import ExclusiveLock, build_once, session_root
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -248,12 +248,12 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pyte
 
 # -- the session's order, exclusive tests, and what set-up cost --------------------------------
 def _rank(item: pytest.Item) -> int:
-    """0: the torture run (minutes, on one worker while the other takes the rest); 2: the
-    exclusive tests (they wait for the machine to themselves: last, when little else runs);
-    1: the rest, in file order."""
+    """0: the exclusive tests, back to back (the other worker waits meanwhile: at the start,
+    where nothing long is running that they would wait for); 1: the torture run (minutes on one
+    worker, while the other takes the rest); 2: the rest, in file order."""
     if item.get_closest_marker("exclusive"):
-        return 2
-    return 0 if item.get_closest_marker("long") else 1
+        return 0
+    return 1 if item.get_closest_marker("long") else 2
 
 
 # Fixtures that start a process or a server (torchrun, `reg`, reg server, S3, PostgreSQL,
@@ -327,12 +327,17 @@ def quick_lane_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
     yield
 
 
+_LOCK: list[ExclusiveLock] = []
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
-    from tests.sharing import ExclusiveLock, session_root
-
-    lock = ExclusiveLock(session_root(item.config._tmp_path_factory))  # type: ignore[attr-defined]
-    with lock.hold(item.get_closest_marker("exclusive") is not None):
+    """Every test, its set-up included (a session fixture's build), under the machine lock."""
+    if not _LOCK:
+        _LOCK.append(ExclusiveLock(session_root(item.config._tmp_path_factory)))  # type: ignore[attr-defined]
+    exclusive = item.get_closest_marker("exclusive") is not None
+    then = nextitem is not None and nextitem.get_closest_marker("exclusive") is not None
+    with _LOCK[0].hold(exclusive, then):
         yield
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from tests import helpers, tamper
 from tests.conftest import ROOT
+from tests.sharing import build_once
 
 # Peak-memory measurements: nothing else runs beside them (tests/sharing.py).
 pytestmark = pytest.mark.exclusive
@@ -44,13 +45,21 @@ def make(out: Path, gib: float, dim: int, *extra: str) -> Path:
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 260 MiB: 1024x1024 float32 layers and their AdamW state, and one 1 MiB weight
     saved as a transposed view (a chunk that cannot stream: it is held whole)."""
-    return make(tmp_path_factory.mktemp("big") / "ckpt", 0.25, 1024, "--transposed", "512")
+    return build_once(
+        tmp_path_factory,
+        "budget-big",
+        lambda base: make(base / "ckpt", 0.25, 1024, "--transposed", "512"),
+    )
 
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 40 MiB with a NaN as the very last element of the last rank's last weight."""
-    return make(tmp_path_factory.mktemp("nan") / "ckpt", 0.04, 512, "--poison-last")
+    return build_once(
+        tmp_path_factory,
+        "budget-poisoned",
+        lambda base: make(base / "ckpt", 0.04, 512, "--poison-last"),
+    )
 
 
 def size_of(directory: Path) -> int:

@@ -101,6 +101,7 @@ def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        tempfile.tempdir = None  # TMPDIR is the test's now
         sys.argv = ["reg", *req["argv"]]
         from cli.main import main
 

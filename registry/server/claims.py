@@ -28,8 +28,8 @@ from registry.refs import CheckpointRef
 from registry.server.auth import context_for
 from registry.server.requests import (
     authed_body,
-    idle_s,
     idle_limited,
+    idle_s,
     json_body,
     opt_text,
     text,
