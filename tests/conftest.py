@@ -55,8 +55,10 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
 def moto_server():  # type: ignore[no-untyped-def]
     """One S3-compatible server (moto) for the session, on a free port on 127.0.0.1."""
     from tests.s3server import MotoServer
+    from tests.sharing import timed
 
-    server = MotoServer().start()
+    with timed("moto S3 server (per worker)"):
+        server = MotoServer().start()
     yield server
     server.stop()
 
@@ -380,6 +382,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
     built = sum(s for _, _, how, s in rows if how == "built")
     waited = sum(s for _, _, how, s in rows if how != "built")
     for worker, name, how, seconds in sorted(rows, key=lambda r: -r[3]):
-        verb = "built" if how == "built" else "waited for the shared copy"
-        terminalreporter.write_line(f"{seconds:8.1f}s  {worker:>5}  {name}: {verb}")
+        if how == "built" or seconds >= 1:  # a wait: while another worker built it
+            verb = "built" if how == "built" else "waited while another worker built it"
+            terminalreporter.write_line(f"{seconds:8.1f}s  {worker:>5}  {name}: {verb}")
     terminalreporter.write_line(f"{built:8.1f}s  building, {waited:.1f}s waiting, in all")

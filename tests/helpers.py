@@ -83,13 +83,14 @@ def torchrun(
     keep: Path | None = None,
     env_extra: dict[str, str] | None = None,
     attempts: int = 3,
-    timeout: float = 240,
+    timeout: float = 150,
     killed: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m <module>` on nproc gloo processes under torchrun, retried from scratch.
 
     gloo on a 2-core machine now and then aborts a rank during start-up, or (seen in CI) hangs
-    a collective forever: each attempt has its own time limit, after which the whole process
+    a collective forever: each attempt has its own time limit (150 s: the longest job here
+    takes about 30 s on a loaded machine), after which the whole process
     group (torchrun and its workers) is killed, and the next attempt starts on a clean `clean`
     directory. `keep`: a directory (say REG_HOME, with a SQLite catalog) every attempt starts
     from as it was before the first, so a job that committed its work and then aborted in

@@ -79,18 +79,14 @@ def build_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
 SETUP_TIMES: list[tuple[str, str, float]] = []
 
 
-def timed_setup(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """A context manager that records how long an expensive per-worker set-up took."""
-
-    @contextlib.contextmanager
-    def timer() -> Iterator[None]:
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            SETUP_TIMES.append((name, "built", time.monotonic() - started))
-
-    return timer
+@contextlib.contextmanager
+def timed(name: str) -> Iterator[None]:
+    """Record how long a per-worker set-up (a server, the zygote) took, for the summary."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        SETUP_TIMES.append((name, "built", time.monotonic() - started))
 
 
 def _walk(path: Path) -> Iterator[Path]:

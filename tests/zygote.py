@@ -73,6 +73,9 @@ def _warm() -> None:
     for name in WARM:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    from tests.torture.harness import warm_s3_models
+
+    warm_s3_models()
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:  # a fork would copy a lock some thread holds
         raise SystemExit(f"tests.zygote: threads running after the imports: {threads}")
@@ -246,6 +249,9 @@ class Zygote:
                 if "exit" in msg:
                     self._exits[msg["exit"]] = msg["code"]
                 else:
+                    # The zygote reports a child's end before it can fork another with the
+                    # same pid: an end recorded for this pid belongs to an earlier child.
+                    self._exits.pop(msg["pid"], None)
                     self._spawned[msg["id"]] = msg["pid"]
                 self._changed.notify_all()
         with self._changed:
@@ -289,11 +295,12 @@ class Zygote:
         return Child(self, pid, ["reg", *argv])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code once it ended (taken: a later child may reuse the pid)."""
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits or not self.alive(), timeout)
             if pid not in self._exits and not self.alive():
                 raise RuntimeError("tests.zygote ended while its child ran")
-            return self._exits.get(pid)
+            return self._exits.pop(pid, None)
 
     def run(
         self, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float
@@ -335,7 +342,10 @@ def zygote() -> Zygote:
     """This worker's zygote, started on first use (and again if it died)."""
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.alive():
-        _ZYGOTE = Zygote()
+        from tests.sharing import timed
+
+        with timed("reg zygote (per worker)"):
+            _ZYGOTE = Zygote()
     return _ZYGOTE
 
 

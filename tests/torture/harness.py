@@ -910,6 +910,15 @@ def preload(with_mlflow: bool) -> None:
 
         import registry.mlflow_mirror  # noqa: F401
     sqlalchemy.orm.configure_mappers()
+    warm_s3_models()
+
+
+def warm_s3_models() -> None:
+    """botocore's S3 model and endpoint rules, parsed once here: a forked child's client is then
+    made in milliseconds (registry/storage/s3_client.py keeps one data loader a process)."""
+    from registry.storage.s3_client import new_client
+
+    new_client()
 
 
 def warm_up(work: Path, src: Path) -> None:
