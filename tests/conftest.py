@@ -275,6 +275,10 @@ PROCESS_FIXTURES = frozenset(
         "s3_env",
         "pg_cluster",
         "roles",
+        "file_server",
+        "tiny_ckpt",
+        "big",
+        "poisoned",
     }
 )
 
@@ -309,24 +313,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_rank)  # stable: the same order on every xdist worker
 
 
-@pytest.fixture(autouse=True)
-def quick_lane_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """In the quick lane a test that starts a process after all fails, saying how to mark it."""
+@pytest.fixture(scope="session", autouse=True)
+def quick_lane_starts_no_process(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """In the quick lane, a test or fixture (of any scope) that starts a process after all
+    fails, saying how to mark it."""
     if not request.config.getoption("--quick"):
         yield
         return
 
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         pytest.fail(
-            f"{request.node.nodeid} starts a process: mark it @pytest.mark.process, or add its "
-            "fixture to PROCESS_FIXTURES in tests/conftest.py",
+            "the quick lane starts no process: mark the test @pytest.mark.process, or add the "
+            "fixture that starts it to PROCESS_FIXTURES in tests/conftest.py",
             pytrace=False,
         )
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
-    monkeypatch.setattr(os, "posix_spawn", refuse)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse)
+        yield
 
 
 _LOCK: list[ExclusiveLock] = []

@@ -652,6 +652,7 @@ def test_a_plain_http_jwks_url_is_accepted_only_on_loopback(tmp_path):
 # -- which claim names the principal: unverified email, prefix, required claims ------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("catalog_url", ["sqlite"], indirect=True)
 def test_an_unverified_email_names_no_one(idp, jwks_file, catalog_url, tmp_path):
     """REG_OIDC_CLAIM=email: an address the user typed in (email_verified false or absent) is a
