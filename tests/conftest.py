@@ -5,9 +5,10 @@ at world size 2 and 3, shared read-only by every xdist worker (tests/sharing.py:
 writes to one fails). The catalog fixture runs each test on SQLite and on the PostgreSQL server
 on 127.0.0.1:5432 (database `test`, a fresh schema per test).
 
-The hooks below order the session for two workers (the torture run first, the `exclusive` tests
-last), keep the exclusive tests apart from every other test, and print what the expensive
-set-ups cost.
+The hooks below order the session for two workers (the `exclusive` tests first and back to
+back, then the torture run, then the rest), keep the exclusive tests apart from every other
+test, keep the quick lane (`--quick`) free of processes, and print what the expensive set-ups
+cost.
 """
 
 from __future__ import annotations

@@ -20,11 +20,12 @@ import contextlib
 import fcntl
 import os
 import pickle
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
@@ -63,8 +64,6 @@ def build_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
         else:
             if path.exists():  # a build that failed half-way
                 _make_writable(path)
-                import shutil
-
                 shutil.rmtree(path)
             path.mkdir()
             value = build(path)
@@ -201,7 +200,7 @@ class ExclusiveLock:
             self._held = None
 
 
-def unchanged_shared_trees() -> Any:
+def unchanged_shared_trees() -> str | None:
     """For conftest: the failure message when a test changed a shared tree, else None."""
     changes = SHARED.changes()
     if not changes:
