@@ -5,7 +5,7 @@ every invariant checked after each kill and after the rerun (tests/torture/harne
 Bounded by count and time: TORTURE_KILLS kills per operation on each backend (default
 `local=35,s3pg=15,server=15`: 50 per operation over the two embedded backends, 65 for the four a
 client does through reg server; the S3+PostgreSQL cycle costs about 3x the local one),
-round-robin within TORTURE_BUDGET_S seconds (default 900, set-up included; the counts end it
+round-robin within TORTURE_BUDGET_S seconds (default 1200, set-up included; the counts end it
 sooner: 13 minutes in a CI run where the other xdist worker ran the rest of the suite beside
 it, which CPU-bound kill cycles feel), and each operation must reach TORTURE_MIN_PER_OP
 (default 50) kills in all. TORTURE_SEED replays a run; a failure
@@ -29,7 +29,7 @@ from tests.helpers import pg_available
 from tests.torture.harness import OPS, format_report
 
 KILLS = os.environ.get("TORTURE_KILLS", "local=35,s3pg=15,server=15")
-BUDGET_S = float(os.environ.get("TORTURE_BUDGET_S", "900"))
+BUDGET_S = float(os.environ.get("TORTURE_BUDGET_S", "1200"))
 MIN_PER_OP = int(os.environ.get("TORTURE_MIN_PER_OP", "50"))  # over the backends, in the budget
 
 
