@@ -362,7 +362,10 @@ def shared_fixtures_stay_read_only():  # type: ignore[no-untyped-def]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import zygote
     from tests.sharing import SETUP_TIMES
+
+    zygote.close()  # this worker's zygote, and any reg server a test left running from it
 
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller prints it

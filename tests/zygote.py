@@ -3,8 +3,9 @@ forks a child per command.
 
 A `reg` command pays 1-3 s of start-up before it does anything (the interpreter, SQLAlchemy,
 pydantic, typer, torch, FastAPI), and the suite runs about a thousand of them. Each pytest
-worker starts one zygote (`python -m tests.zygote`, in the worker's own environment and
-before any test changed it), which imports what a command imports and then waits. For every
+worker starts one zygote (`python -m tests.zygote`) on its first command, in the worker's
+environment less every REG_*, AWS_* and MLFLOW_* setting, which imports what a command imports
+and then waits; it stops, with what it started, when the session ends. For every
 command it forks a child that takes the test's environment (the whole of it: `os.environ` is
 replaced), working directory, standard streams (files the test reads back) and arguments, and
 runs `cli.main.main()`, which ends the process with the command's exit code. The child is a
@@ -70,12 +71,11 @@ WARM = (
 def _warm() -> None:
     import importlib
 
-    for name in WARM:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-    from tests.torture.harness import warm_s3_models
+    for name in WARM:  # every one a dependency of reg: a missing one is an error here
+        importlib.import_module(name)
+    from registry.storage.s3_client import new_client
 
-    warm_s3_models()
+    new_client()  # botocore's S3 model parsed once: a child's client is made in milliseconds
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:  # a fork would copy a lock some thread holds
         raise SystemExit(f"tests.zygote: threads running after the imports: {threads}")
