@@ -926,6 +926,9 @@ def test_the_server_runs_the_mlflow_drain(cli, ckpts, tmp_path, catalog_url):
         "REG_MLFLOW": "on",
         "MLFLOW_TRACKING_URI": tracking,
     }
+    # The tracking store is made (MLflow migrates a new SQLite file on first use) before the
+    # server's drain and this test's polling can both be first to use it and migrate it at once.
+    MlflowClient(tracking_uri=tracking).search_experiments()
     server = RegServer(env, tmp_path / "h").init().start()
     try:
         server.apply_policy(team_policy())
