@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import pytest
 
 from registry.catalog.engine import HEAD_REVISION
 from tests.helpers import PG_URL, pg_available
+from tests.zygote import run_reg
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = PG_URL.replace("+psycopg", "")
@@ -107,14 +107,7 @@ class Roles:
 def reg_cli(*args: str, url: str, home: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REG_", "AWS_", "MLFLOW_"))}
     env.update(REG_CATALOG_URL=url, REG_HOME=str(home or ROOT / ".no-such-reg-home"))
-    return subprocess.run(
-        [sys.executable, "-m", "cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_reg(*args, env=env, timeout=120)
 
 
 def _one_line(res: subprocess.CompletedProcess[str]) -> str:

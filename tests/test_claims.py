@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import Ckpts, split_as_nodes
+from tests.zygote import Running
 
 
 def _ok(res: Any) -> str:
@@ -166,31 +167,17 @@ def test_two_commits_of_one_claim_record_the_manifest_that_is_stored(
     """Launchers that commit from every node: one commit wins, the other finds the claim
     gone, and the catalog's manifest digest is the stored MANIFEST.json's."""
     import hashlib
-    import os
-    import subprocess
-    import sys
 
     from registry import Registry
-    from tests.helpers import ROOT
 
     a, b = split_as_nodes(ckpts, tmp_path)
     with Registry() as reg:
         token = reg.claim_checkpoint("multi", 7)["claim"]
         reg.push_checkpoint_part(a, claim=token, run="multi", step=7)
         reg.push_checkpoint_part(b, claim=token, run="multi", step=7)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "cli", "commit-ckpt", "--claim", token],
-            cwd=ROOT,
-            env=dict(os.environ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    procs = [Running(("commit-ckpt", "--claim", token), None) for _ in range(2)]
     codes = sorted(p.wait(timeout=120) for p in procs)
-    assert codes[0] == 0 and codes[1] in (3, 5), [p.stderr.read() for p in procs]
+    assert codes[0] == 0 and codes[1] in (3, 5), [p.err() for p in procs]
     with Registry() as reg:
         shown = reg.show("multi@step7")
     stored = tmp_path / "reg-home" / "store" / "ckpt" / "default" / "multi" / "step-7"

@@ -15,19 +15,11 @@ import pytest
 
 from registry import Registry
 from registry.errors import NotFound
-from tests.conftest import ROOT
+from tests.zygote import Running
 
 
-def _reg_process(*args: str, fault: str | None = None) -> subprocess.Popen[str]:
-    env = dict(os.environ, **({"REG_FAULT": fault} if fault else {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli", *args],
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def _reg_process(*args: str, fault: str | None = None) -> Running:
+    return Running(args, dict(os.environ, **({"REG_FAULT": fault} if fault else {})))
 
 
 @pytest.mark.parametrize("fault", ["push-published", "push-manifest"])
@@ -37,7 +29,7 @@ def test_push_killed_before_commit_leaves_nothing_visible_and_push_again_complet
     src = big_ckpt.step_dir(1)
     step_dir = Path(os.environ["REG_HOME"]) / "store" / "ckpt" / "default" / "big" / "step-1"
     proc = _reg_process("push-ckpt", str(src), "--run", "big", "--step", "1", fault=fault)
-    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stderr.read()
+    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.err()
     # The files are in the store, under a claim nobody holds; no reader sees them.
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(
         [f.name for f in src.iterdir()] + (["MANIFEST.json"] if fault == "push-manifest" else [])
@@ -61,7 +53,7 @@ def test_racing_pushes_of_different_content_have_one_winner(catalog_url, ckpts, 
         name: _reg_process("push-ckpt", str(src), "--run", "race", "--step", "7")
         for name, src in sources.items()
     }
-    results = {name: (p.wait(timeout=300), p.stderr.read()) for name, p in procs.items()}
+    results = {name: (p.wait(timeout=300), p.err()) for name, p in procs.items()}
     codes = sorted(rc for rc, _ in results.values())
     assert codes == [0, 5], results
     loser = next(name for name, (rc, _) in results.items() if rc == 5)

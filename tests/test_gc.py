@@ -15,6 +15,7 @@ import pytest
 from registry import Registry
 from registry.errors import Collected, Conflict, PolicyError
 from tests.conftest import ROOT
+from tests.zygote import run_reg
 
 AGGRESSIVE = (
     '[retention]\nkeep_last = 1\nttl = "0s"\norphan_grace = "0s"\n'
@@ -106,13 +107,7 @@ def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog
     with Registry() as reg:
         for step in range(1, 5):
             reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=step)
-    proc = subprocess.run(
-        [sys.executable, "-m", "cli", "gc"],
-        cwd=ROOT,
-        env=dict(os.environ, REG_FAULT="gc-marked"),
-        capture_output=True,
-        timeout=300,
-    )
+    proc = run_reg("gc", env=dict(os.environ, REG_FAULT="gc-marked"))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     store = Path(os.environ["REG_HOME"]) / "store" / "ckpt" / "default" / "big"
     with Registry() as reg:
@@ -202,7 +197,7 @@ def test_gc_racing_pushes_and_a_promotion(aggressive, catalog_url, ckpts):
     )
     gcs = []
     while pusher.poll() is None:
-        done = subprocess.run([sys.executable, "-m", "cli", "gc"], cwd=ROOT, capture_output=True)
+        done = run_reg("gc")
         gcs.append((done.returncode, done.stderr))
     assert pusher.returncode == 0, pusher.stderr.read()
     with Registry() as reg:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 
 from registry import Registry
 from registry.mlflow_mirror import drain
-from tests.conftest import ROOT
+from tests.zygote import run_reg
 
 POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'
 
@@ -194,12 +192,8 @@ def test_versions_keep_reg_numbers_when_mirrored_out_of_order(policy, ckpts):
     with Registry() as reg:
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
-    died = subprocess.run(
-        [sys.executable, "-m", "cli", "promote", "r@step2", "--model", "m"],
-        cwd=ROOT,
-        env=dict(os.environ, REG_FAULT="promote-documented"),
-        capture_output=True,
-        text=True,
+    died = run_reg(
+        "promote", "r@step2", "--model", "m", env=dict(os.environ, REG_FAULT="promote-documented")
     )
     assert died.returncode == -signal.SIGKILL, died.stderr
     with Registry() as reg:

@@ -11,8 +11,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -24,6 +22,7 @@ from tests.conftest import ROOT
 from tests.helpers import start_ui
 from tests.test_mlflow_ui import CHROMIUM, FLAGS
 from tests.test_mlflow_ui import _open as _open_once
+from tests.zygote import run_reg
 
 GRANTS = """
 [promotion]
@@ -54,13 +53,7 @@ def ui(tmp_path, monkeypatch, ckpts):
     policy.write_text(GRANTS)
     monkeypatch.setenv("REG_POLICY", str(policy))
     monkeypatch.setenv("REG_USER", "admin")
-    init = subprocess.run(
-        [sys.executable, "-m", "cli", "server", "init", "--admin", "admin", "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    init = run_reg("server", "init", "--admin", "admin", "--json", timeout=120)
     assert init.returncode == 0, init.stderr
     with Registry() as reg:
         for project, model in (("team-a", "tiny-a"), ("team-b", "other-b")):

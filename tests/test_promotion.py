@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from registry.errors import (
 )
 from tests import tamper
 from tests.conftest import ROOT
+from tests.zygote import Running, run_reg
 
 FACTORY = "examples.tiny_model:build_model"
 
@@ -312,15 +311,8 @@ def test_unknown_models_versions_and_aliases(cpu_policy, reg, ckpts):
         reg.set_alias("tiny", "latest", "v1")
 
 
-def _promote_process(*args: str, fault: str | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli", "promote", *args],
-        cwd=ROOT,
-        env=dict(os.environ, **({"REG_FAULT": fault} if fault else {})),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def _promote_process(*args: str, fault: str | None = None) -> Running:
+    return Running(("promote", *args), dict(os.environ, **({"REG_FAULT": fault} if fault else {})))
 
 
 def test_concurrent_promotions_get_distinct_versions(cpu_policy, catalog_url, ckpts):
@@ -330,7 +322,7 @@ def test_concurrent_promotions_get_distinct_versions(cpu_policy, catalog_url, ck
         for step in (2, 4):  # validations first, so the race is over version allocation
             reg.validate(f"r@step{step}", device="cpu")
     procs = [_promote_process(f"r@step{s}", "--model", "tiny", "--json") for s in (2, 4)]
-    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    outs = [(p.wait(timeout=300), p.out(), p.err()) for p in procs]
     assert [rc for rc, _, _ in outs] == [0, 0], outs
     versions = sorted(json.loads(out)["version"] for _, out, _ in outs)
     assert versions == [1, 2]
@@ -346,7 +338,7 @@ def test_promotion_killed_before_commit_then_rerun_completes_same_version(
         reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=1)
         reg.validate("big@step1", device="cpu")
     proc = _promote_process("big@step1", "--model", "big", fault=fault)
-    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stderr.read()
+    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.err()
     with Registry() as reg:
         assert reg.store.head("release/big/v1/model.safetensors") is not None  # written, unseen
         assert reg.releases() == []
@@ -403,16 +395,11 @@ def test_a_rerun_adopts_leftovers_only_when_their_bytes_match(cpu_policy, catalo
         _push(reg, ckpts.ws2, 4)
         reg.validate("r@step4", device="cpu")
     proc = _promote_process("r@step4", "--model", "tiny", fault="promote-consolidated")
-    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stderr.read()
+    assert proc.wait(timeout=300) == -signal.SIGKILL, proc.err()
     with Registry() as reg:
         tamper.flip_byte(reg.store, "release/tiny/v1/model.safetensors")
         with pytest.raises(Conflict, match="release/tiny/v1/model.safetensors exists with other"):
             reg.promote("r@step4", model="tiny")
         assert reg.releases() == []
-    res = subprocess.run(
-        [sys.executable, "-m", "cli", "promote", "r@step4", "--model", "tiny"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    res = run_reg("promote", "r@step4", "--model", "tiny")
     assert res.returncode == 5 and res.stderr.count("\n") == 1, res.stderr

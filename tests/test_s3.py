@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +17,8 @@ from safetensors.torch import load_file
 
 from registry import Registry
 from registry.errors import RegistryError
-from tests.conftest import ROOT
 from tests.s3server import FaultyProxy
+from tests.zygote import Running
 
 
 def _bucket_of(url: str) -> str:
@@ -109,17 +107,8 @@ def test_two_promotions_racing_on_s3(s3_env, cpu_policy, ckpts):
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
             reg.validate(f"r@step{step}", device="cpu")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "cli", "promote", f"r@step{s}", "--model", "tiny", "--json"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for s in (2, 4)
-    ]
-    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    procs = [Running(("promote", f"r@step{s}", "--model", "tiny", "--json"), None) for s in (2, 4)]
+    outs = [(p.wait(timeout=300), p.out(), p.err()) for p in procs]
     assert [rc for rc, _, _ in outs] == [0, 0], outs
     assert sorted(json.loads(o)["version"] for _, o, _ in outs) == [1, 2]
     with Registry() as reg:

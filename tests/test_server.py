@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.serverproc import team_policy
+from tests.zygote import run_reg
 
 # What a validator's passing report holds at least (Attempt.from_json refuses less).
 PASSED_CHECKS = [
@@ -282,16 +283,8 @@ def test_a_viewer_cannot_apply_a_policy_or_lock_admins_out(cli, reg_server, tmp_
 
 
 def test_server_init_names_an_admin_of_the_policy_in_force(reg_server):
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "server", "init", "--admin", "vera"],
-        env=reg_server.env,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-    )
+    out = run_reg("server", "init", "--admin", "vera", env=reg_server.env)
     assert out.returncode == 2 and "vera is not an admin" in out.stderr
 
 

@@ -349,6 +349,43 @@ def zygote() -> Zygote:
     return _ZYGOTE
 
 
+def run_reg(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run([python, "-m", "cli", *args], capture_output=True, text=True)` in the
+    test's environment (or `env`, whole), forked from this worker's zygote."""
+    return zygote().run(
+        list(args), env=dict(os.environ if env is None else env), cwd=ROOT, timeout=timeout
+    )
+
+
+class Running:
+    """A `reg` command started from the zygote, as `subprocess.Popen(..., stdout=PIPE,
+    stderr=PIPE, text=True)` is used where the output is read once it ended: `wait`, `poll`,
+    signals, then `out()` and `err()`."""
+
+    def __init__(self, args: tuple[str, ...], env: dict[str, str] | None) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="reg-cmd-")
+        self._out, self._err = Path(self._dir.name, "stdout"), Path(self._dir.name, "stderr")
+        full = dict(os.environ if env is None else env)
+        self.child = zygote().spawn([*args], env=full, cwd=ROOT, stdout=self._out, stderr=self._err)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.child.wait(timeout)
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def send_signal(self, sig: int) -> None:
+        self.child.send_signal(sig)
+
+    def out(self) -> str:
+        return _text(self._out.read_bytes())
+
+    def err(self) -> str:
+        return _text(self._err.read_bytes())
+
+
 def close() -> None:
     global _ZYGOTE
     if _ZYGOTE is not None:

@@ -906,11 +906,11 @@ def preload(with_mlflow: bool) -> None:
     import tests.serverproc  # noqa: F401
 
     if with_mlflow:
-        import mlflow  # noqa: F401
+        import mlflow
 
         # The tracking and model-registry stores a drain opens: importing them (alembic, their
         # ORM models) was 1.5 s of each mlflow child's 2 s.
-        import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
+        import mlflow.store.model_registry.sqlalchemy_store
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
         import registry.mlflow_mirror  # noqa: F401
