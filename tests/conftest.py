@@ -13,7 +13,6 @@ cost.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import uuid
@@ -252,9 +251,9 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pyte
 
 # -- the session's order, exclusive tests, and what set-up cost --------------------------------
 def _rank(item: pytest.Item) -> int:
-    """0: the exclusive tests (at the start, where nothing long is running that their calls
-    would wait for); 1: the torture run (minutes on one worker, while the others take the
-    rest); 2: the rest, in file order."""
+    """0: the exclusive tests, back to back (the other worker waits meanwhile: at the start,
+    where nothing long is running that they would wait for); 1: the torture run (minutes on one
+    worker, while the other takes the rest); 2: the rest, in file order."""
     if item.get_closest_marker("exclusive"):
         return 0
     return 1 if item.get_closest_marker("long") else 2
@@ -340,44 +339,14 @@ def quick_lane_starts_no_process(request: pytest.FixtureRequest):  # type: ignor
 _LOCK: list[ExclusiveLock] = []
 
 
-def _machine_lock(item: pytest.Item) -> ExclusiveLock:
-    if not _LOCK:
-        _LOCK.append(ExclusiveLock(session_root(item.config._tmp_path_factory)))  # type: ignore[attr-defined]
-    return _LOCK[0]
-
-
-def _exclusive(item: pytest.Item) -> bool:
-    return item.get_closest_marker("exclusive") is not None
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
-    """An ordinary test holds the machine lock shared for its whole run, set-up (a session
-    fixture's build) and teardown included. An exclusive test holds it shared for its set-up
-    and teardown and alone only for its call: its fixtures are built while other tests run,
-    and what it measures runs with none beside it."""
-    if _exclusive(item):
-        yield
-        return
-    with _machine_lock(item).hold(False):
-        yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item: pytest.Item):  # type: ignore[no-untyped-def]
-    with _machine_lock(item).hold(False) if _exclusive(item) else contextlib.nullcontext():
-        yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
-    with _machine_lock(item).hold(True) if _exclusive(item) else contextlib.nullcontext():
-        yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
-    with _machine_lock(item).hold(False) if _exclusive(item) else contextlib.nullcontext():
+    """Every test, its set-up included (a session fixture's build), under the machine lock."""
+    if not _LOCK:
+        _LOCK.append(ExclusiveLock(session_root(item.config._tmp_path_factory)))  # type: ignore[attr-defined]
+    exclusive = item.get_closest_marker("exclusive") is not None
+    then = nextitem is not None and nextitem.get_closest_marker("exclusive") is not None
+    with _LOCK[0].hold(exclusive, then):
         yield
 
 

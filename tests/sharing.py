@@ -156,32 +156,48 @@ SHARED = SharedTrees()
 
 class ExclusiveLock:
     """A readers-writer lock over the whole machine, with writer priority, from two flock(2)
-    files in the session's shared directory: `gate` (taken briefly by every ordinary holder,
-    held by an exclusive one while it waits and runs, so no new holder starts meanwhile) and
-    `machine` (shared by ordinary holders, exclusive for an exclusive one, so it waits for the
-    running ones)."""
+    files in the session's shared directory: `gate` (taken briefly by every test, held by an
+    exclusive one for its whole run, so no new test starts meanwhile) and `machine` (shared by
+    ordinary tests, exclusive for an exclusive one, so it waits for the running ones). A run of
+    exclusive tests back to back keeps both for the whole run: no other test slips in between
+    (and makes the next one wait for it)."""
 
     def __init__(self, root: Path) -> None:
         self.gate = root / "exclusive.gate"
         self.machine = root / "exclusive.machine"
+        self._held: tuple[int, int] | None = None  # (gate fd, machine fd) of an exclusive run
 
     def _open(self, path: Path) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
     @contextlib.contextmanager
-    def hold(self, exclusive: bool) -> Iterator[None]:
+    def hold(self, exclusive: bool, next_exclusive: bool) -> Iterator[None]:
+        if exclusive:
+            if self._held is None:
+                gate, machine = self._open(self.gate), self._open(self.machine)
+                fcntl.flock(gate, fcntl.LOCK_EX)
+                fcntl.flock(machine, fcntl.LOCK_EX)
+                self._held = (gate, machine)
+            try:
+                yield
+            finally:
+                if not next_exclusive:
+                    self.release()
+            return
+        self.release()
         machine = self._open(self.machine)
         try:
-            if exclusive:
-                with _flock(self.gate, fcntl.LOCK_EX):
-                    fcntl.flock(machine, fcntl.LOCK_EX)
-                    yield
-            else:
-                with _flock(self.gate, fcntl.LOCK_EX):
-                    fcntl.flock(machine, fcntl.LOCK_SH)
-                yield
+            with _flock(self.gate, fcntl.LOCK_EX):
+                fcntl.flock(machine, fcntl.LOCK_SH)
+            yield
         finally:
             os.close(machine)
+
+    def release(self) -> None:
+        if self._held is not None:
+            for fd in self._held:
+                os.close(fd)
+            self._held = None
 
 
 def unchanged_shared_trees() -> str | None:

@@ -54,7 +54,7 @@ def test_a_build_runs_once_and_its_files_lose_their_write_bits(
 
 def test_an_exclusive_holder_keeps_ordinary_tests_out(tmp_path: Path) -> None:
     lock = ExclusiveLock(tmp_path)
-    with lock.hold(exclusive=True):
+    with lock.hold(exclusive=True, next_exclusive=False):
         fd = os.open(lock.machine, os.O_RDWR)
         try:
             with pytest.raises(BlockingIOError):  # an ordinary test could not start now
