@@ -6,7 +6,7 @@ Bounded by count and time: TORTURE_KILLS kills per operation on each backend (de
 `local=35,s3pg=15,server=15`: 50 per operation over the two embedded backends, 65 for the four a
 client does through reg server; the S3+PostgreSQL cycle costs about 3x the local one),
 round-robin within TORTURE_BUDGET_S seconds (default 1200, set-up included; the counts end it
-sooner: 13 minutes in a CI run where the other xdist worker ran the rest of the suite beside
+sooner: 11 minutes in a CI run where two other xdist workers ran the rest of the suite beside
 it, which CPU-bound kill cycles feel), and each operation must reach TORTURE_MIN_PER_OP
 (default 50) kills in all. TORTURE_SEED replays a run; a failure
 prints its seed and, for each violation, the operation, the iteration, the moment of the kill
