@@ -197,13 +197,12 @@ def cli():  # type: ignore[no-untyped-def]
     """Run `reg` as a user does: a process of its own, in the test's environment; returns
     (exit code, stdout, stderr). Forked from this worker's warm zygote (tests/zygote.py), so
     it skips the 1-3 s of imports, not the process."""
-    from tests.zygote import zygote
+    from tests.zygote import run_reg
 
     def run(
         *args: str, env: dict[str, str] | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess[str]:
-        full_env = dict(os.environ, **(env or {}))
-        return zygote().run([*map(str, args)], env=full_env, cwd=ROOT, timeout=timeout)
+        return run_reg(*map(str, args), env=dict(os.environ, **(env or {})), timeout=timeout)
 
     return run
 

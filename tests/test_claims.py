@@ -175,7 +175,7 @@ def test_two_commits_of_one_claim_record_the_manifest_that_is_stored(
         token = reg.claim_checkpoint("multi", 7)["claim"]
         reg.push_checkpoint_part(a, claim=token, run="multi", step=7)
         reg.push_checkpoint_part(b, claim=token, run="multi", step=7)
-    procs = [Running(("commit-ckpt", "--claim", token), None) for _ in range(2)]
+    procs = [Running(("commit-ckpt", "--claim", token)) for _ in range(2)]
     codes = sorted(p.wait(timeout=120) for p in procs)
     assert codes[0] == 0 and codes[1] in (3, 5), [p.err() for p in procs]
     with Registry() as reg:

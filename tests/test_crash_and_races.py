@@ -19,7 +19,7 @@ from tests.zygote import Running
 
 
 def _reg_process(*args: str, fault: str | None = None) -> Running:
-    return Running(args, dict(os.environ, **({"REG_FAULT": fault} if fault else {})))
+    return Running(args, fault=fault)
 
 
 @pytest.mark.parametrize("fault", ["push-published", "push-manifest"])

@@ -107,7 +107,7 @@ def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog
     with Registry() as reg:
         for step in range(1, 5):
             reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=step)
-    proc = run_reg("gc", env=dict(os.environ, REG_FAULT="gc-marked"))
+    proc = run_reg("gc", fault="gc-marked")
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     store = Path(os.environ["REG_HOME"]) / "store" / "ckpt" / "default" / "big"
     with Registry() as reg:

@@ -192,9 +192,7 @@ def test_versions_keep_reg_numbers_when_mirrored_out_of_order(policy, ckpts):
     with Registry() as reg:
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
-    died = run_reg(
-        "promote", "r@step2", "--model", "m", env=dict(os.environ, REG_FAULT="promote-documented")
-    )
+    died = run_reg("promote", "r@step2", "--model", "m", fault="promote-documented")
     assert died.returncode == -signal.SIGKILL, died.stderr
     with Registry() as reg:
         assert reg.promote("r@step4", model="m")["version"] == 2

@@ -312,7 +312,7 @@ def test_unknown_models_versions_and_aliases(cpu_policy, reg, ckpts):
 
 
 def _promote_process(*args: str, fault: str | None = None) -> Running:
-    return Running(("promote", *args), dict(os.environ, **({"REG_FAULT": fault} if fault else {})))
+    return Running(("promote", *args), fault=fault)
 
 
 def test_concurrent_promotions_get_distinct_versions(cpu_policy, catalog_url, ckpts):

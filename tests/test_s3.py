@@ -107,7 +107,7 @@ def test_two_promotions_racing_on_s3(s3_env, cpu_policy, ckpts):
         for step in (2, 4):
             reg.push_checkpoint(ckpts.ws2.step_dir(step), run="r", step=step)
             reg.validate(f"r@step{step}", device="cpu")
-    procs = [Running(("promote", f"r@step{s}", "--model", "tiny", "--json"), None) for s in (2, 4)]
+    procs = [Running(("promote", f"r@step{s}", "--model", "tiny", "--json")) for s in (2, 4)]
     outs = [(p.wait(timeout=300), p.out(), p.err()) for p in procs]
     assert [rc for rc, _, _ in outs] == [0, 0], outs
     assert sorted(json.loads(o)["version"] for _, o, _ in outs) == [1, 2]

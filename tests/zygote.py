@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -306,20 +307,17 @@ class Zygote:
         self, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         """`subprocess.run(["reg", *argv], capture_output=True, text=True, timeout=...)`."""
-        with tempfile.TemporaryDirectory(prefix="reg-cmd-") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            child = self.spawn(argv, env=env, cwd=cwd, stdout=out, stderr=err)
-            try:
-                code = child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(30)
-                raise subprocess.TimeoutExpired(
-                    child.args, timeout, out.read_bytes(), err.read_bytes()
-                ) from None
-            return subprocess.CompletedProcess(
-                child.args, code, _text(out.read_bytes()), _text(err.read_bytes())
-            )
+        cmd = Running(argv, env, cwd=cwd, via=self)
+        try:
+            code = cmd.wait(timeout)
+        except subprocess.TimeoutExpired:
+            cmd.child.kill()
+            cmd.child.wait(30)
+            raise subprocess.TimeoutExpired(cmd.child.args, timeout, cmd.out(), cmd.err()) from None
+        try:
+            return subprocess.CompletedProcess(cmd.child.args, code, cmd.out(), cmd.err())
+        finally:
+            cmd.close()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -350,25 +348,40 @@ def zygote() -> Zygote:
 
 
 def run_reg(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str, env: dict[str, str] | None = None, fault: str | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """`subprocess.run([python, "-m", "cli", *args], capture_output=True, text=True)` in the
-    test's environment (or `env`, whole), forked from this worker's zygote."""
-    return zygote().run(
-        list(args), env=dict(os.environ if env is None else env), cwd=ROOT, timeout=timeout
-    )
+    """`subprocess.run([python, "-m", "cli", *args], capture_output=True, text=True)`, forked
+    from this worker's zygote; `env` and `fault` as for `Running`."""
+    return zygote().run(list(args), env=_command_env(env, fault), cwd=ROOT, timeout=timeout)
+
+
+def _command_env(env: dict[str, str] | None, fault: str | None) -> dict[str, str]:
+    full = dict(os.environ if env is None else env)
+    if fault:
+        full["REG_FAULT"] = fault  # registry/faults.py: the command dies at that point
+    return full
 
 
 class Running:
     """A `reg` command started from the zygote, as `subprocess.Popen(..., stdout=PIPE,
     stderr=PIPE, text=True)` is used where the output is read once it ended: `wait`, `poll`,
-    signals, then `out()` and `err()`."""
+    signals, then `out()` and `err()`. `env`: the whole environment (default: the test's);
+    `fault`: a crash point (REG_FAULT) armed in it."""
 
-    def __init__(self, args: tuple[str, ...], env: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        *,
+        fault: str | None = None,
+        cwd: Path = ROOT,
+        via: Zygote | None = None,
+    ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="reg-cmd-")
         self._out, self._err = Path(self._dir.name, "stdout"), Path(self._dir.name, "stderr")
-        full = dict(os.environ if env is None else env)
-        self.child = zygote().spawn([*args], env=full, cwd=ROOT, stdout=self._out, stderr=self._err)
+        self.child = (via or zygote()).spawn(
+            list(args), env=_command_env(env, fault), cwd=cwd, stdout=self._out, stderr=self._err
+        )
 
     def wait(self, timeout: float | None = None) -> int:
         return self.child.wait(timeout)
@@ -384,6 +397,9 @@ class Running:
 
     def err(self) -> str:
         return _text(self._err.read_bytes())
+
+    def close(self) -> None:
+        self._dir.cleanup()
 
 
 def close() -> None:
