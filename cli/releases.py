@@ -142,6 +142,8 @@ def promote(
     print(f"  {out.get('uri', '')}")
     for key, change in ((out.get("hf_config") or {}).get("rewritten") or {}).items():
         print(f"  config.json {key}: {change['from']!r} -> {change['to']!r}")
+    if out.get("code_extras"):
+        print(f"  code (policy allow_code_extras): {', '.join(out['code_extras'])}")
 
 
 def _hf_warning(out: dict[str, Any]) -> str | None:

@@ -170,6 +170,9 @@ def _key_path(path: str) -> str:
 class ReleasePolicy(_Model):
     object_lock: Literal["GOVERNANCE", "COMPLIANCE", "off"] = "GOVERNANCE"
     lock_days: int = Field(default=3650, ge=1, le=36500)  # S3 allows 100 years
+    # Extras that are code (modeling_*.py, auto_map in a config): refused unless true; a
+    # release made with some records them (registry/formats/extras.py has the rule).
+    allow_code_extras: bool = False
 
 
 PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")

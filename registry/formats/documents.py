@@ -15,11 +15,17 @@ here and keeps reading the older ones:
   reg.release/3                   `hf_config`: the extra config.json as given (its sha256) and
                                   the keys promotion rewrote in the release's copy, each
                                   {from, to}; written only when it rewrote one (else /2)
+  reg.release/4                   `code_extras`: the extras that are code (modeling_*.py, a
+                                  config naming auto_map), released under the policy's
+                                  `[release] allow_code_extras`; `hf_config` as in /3 or null;
+                                  written only when there are some, so an older reg refuses
+                                  the document rather than serve code unannounced
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -209,7 +215,13 @@ class HfConfigRecord:
 class ReleaseDocument:
     FORMAT: ClassVar[str] = "reg.release/2"
     FORMAT_HF: ClassVar[str] = "reg.release/3"  # with `hf_config`
-    READS: ClassVar[tuple[str, ...]] = ("reg.release/1", "reg.release/2", "reg.release/3")
+    FORMAT_CODE: ClassVar[str] = "reg.release/4"  # with `code_extras` (and `hf_config` or null)
+    READS: ClassVar[tuple[str, ...]] = (
+        "reg.release/1",
+        "reg.release/2",
+        "reg.release/3",
+        "reg.release/4",
+    )
 
     model: str
     version: int
@@ -221,14 +233,19 @@ class ReleaseDocument:
     created_at: str
     created_by: str
     hf_config: HfConfigRecord | None = None
+    code_extras: tuple[str, ...] = ()  # file names, sorted: code released on purpose
 
     @property
     def release(self) -> str:
         return f"{self.model}:v{self.version}"
 
     def to_bytes(self) -> bytes:
+        if self.code_extras:
+            form = self.FORMAT_CODE
+        else:
+            form = self.FORMAT if self.hf_config is None else self.FORMAT_HF
         document: dict[str, Any] = {
-            "format": self.FORMAT if self.hf_config is None else self.FORMAT_HF,
+            "format": form,
             "release": self.release,
             "model": self.model,
             "version": self.version,
@@ -251,19 +268,23 @@ class ReleaseDocument:
             "created_at": self.created_at,
             "created_by": self.created_by,
         }
-        if self.hf_config is not None:
-            document["hf_config"] = self.hf_config.to_json()
+        if self.hf_config is not None or self.code_extras:
+            document["hf_config"] = None if self.hf_config is None else self.hf_config.to_json()
+        if self.code_extras:
+            document["code_extras"] = list(self.code_extras)
         return json.dumps(document, indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> ReleaseDocument:
         r = StrictReader(where)
         doc = r.document(data, cls.READS)
-        with_hf = doc["format"] == cls.FORMAT_HF
+        with_code = doc["format"] == cls.FORMAT_CODE
+        with_hf = doc["format"] == cls.FORMAT_HF or with_code
         r.keys(
             doc,
             "format release model version files source validation dtype tied created_at created_by"
-            + (" hf_config" if with_hf else ""),
+            + (" hf_config" if with_hf else "")
+            + (" code_extras" if with_code else ""),
         )
         versioned = doc["format"] != "reg.release/1"
         source = r.mapping(doc["source"], "source", "ref manifest_sha256 world_size")
@@ -293,13 +314,30 @@ class ReleaseDocument:
             tied=r.string_map(doc["tied"], "tied"),
             created_at=r.timestamp(doc["created_at"], "created_at"),
             created_by=r.text(doc["created_by"], "created_by"),
-            hf_config=_hf_config(r, doc["hf_config"]) if with_hf else None,
+            hf_config=(
+                _hf_config(r, doc["hf_config"])
+                if with_hf and (doc["hf_config"] is not None or not with_code)
+                else None
+            ),
         )
+        if with_code:
+            out = dataclasses.replace(out, code_extras=_code_extras(r, doc["code_extras"], out))
         if doc["release"] != out.release:
             raise r.error(
                 "release", f"says {doc['release']!r}, model and version say {out.release}"
             )
         return out
+
+
+def _code_extras(r: StrictReader, value: Any, document: ReleaseDocument) -> tuple[str, ...]:
+    names = r.string_list(value, "code_extras")
+    files = {f.path for f in document.files}
+    if not names or names != sorted(set(names)):
+        raise r.error("code_extras", "is not a sorted list of distinct names")
+    for name in names:
+        if name not in files:
+            raise r.error("code_extras", f"names {name!r}, which is not one of the files")
+    return tuple(names)
 
 
 def _hf_config(r: StrictReader, value: Any) -> HfConfigRecord:

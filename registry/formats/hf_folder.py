@@ -77,13 +77,21 @@ def parse_object(data: bytes, label: str) -> dict[str, Any]:
 
 def parse_config(data: bytes, label: str) -> dict[str, Any]:
     """A config.json a release will hold, read strictly (UsageError, one line, for anything
-    else): at most MAX_DOCUMENT bytes of UTF-8 without a BOM, a JSON object without duplicate
-    keys, non-finite numbers (NaN, Infinity) or lone surrogate escapes. Each of those reads
-    differently, or not at all, in other JSON readers (and the release's copy is rewritten with
-    ensure_ascii=False, which cannot encode a lone surrogate)."""
+    else): at most MAX_DOCUMENT bytes, a JSON object read by `parse_strict`."""
     hint = "give the config.json that save_pretrained wrote"
     if len(data) > MAX_DOCUMENT:
         raise UsageError(f"{label} is {len(data)} bytes, over {MAX_DOCUMENT}: not a config", hint)
+    doc = parse_strict(data, label, hint)
+    if not isinstance(doc, dict):
+        raise UsageError(f"{label} is JSON but not an object (a {type(doc).__name__})", hint)
+    return doc
+
+
+def parse_strict(data: bytes, label: str, hint: str) -> Any:
+    """A JSON document read strictly (UsageError, one line, for anything else): UTF-8 without
+    a BOM, no duplicate keys, non-finite numbers (NaN, Infinity) or lone surrogate escapes.
+    Each of those reads differently, or not at all, in other JSON readers (and a config.json's
+    release copy is rewritten with ensure_ascii=False, which cannot encode a lone surrogate)."""
     if data.startswith(b"\xef\xbb\xbf"):
         raise UsageError(f"{label} starts with a UTF-8 byte order mark", "save it without one")
     try:
@@ -98,8 +106,6 @@ def parse_config(data: bytes, label: str) -> dict[str, Any]:
         raise UsageError(f"{label}: {exc}", hint) from None
     except (ValueError, RecursionError) as exc:
         raise UsageError(f"{label} is not valid JSON ({_first_line(exc)})", hint) from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"{label} is JSON but not an object (a {type(doc).__name__})", hint)
     if (bad := _lone_surrogate(doc)) is not None:
         raise UsageError(f"{label}: {bad} holds a lone surrogate escape, not text", hint)
     return doc

@@ -113,6 +113,7 @@ def _with_hf(ctx: Context, out: dict[str, Any]) -> dict[str, Any]:
     except RegistryError as exc:
         out["hf"] = {"complete": False, "missing": [], "notes": [str(exc)]}
         out.setdefault("hf_config", None)
+        out.setdefault("code_extras", None)  # not known: the release could not be read back
     return out
 
 

@@ -95,9 +95,11 @@ def hf_record(rewrite: ConfigRewrite | None) -> HfConfigRecord | None:
 
 
 def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
-    """`hf` (complete, missing, notes) and `hf_config` (what promotion rewrote, or None) of a
-    stored release: the file names come from the catalog; config.json, tokenizer_config.json
-    and release.json are read and verified against their recorded sha256."""
+    """`hf` (complete, missing, notes), `hf_config` (what promotion rewrote, or None) and
+    `code_extras` (the extras that are code, released under the policy's allow_code_extras) of
+    a stored release: the file names come from the catalog; config.json, tokenizer_config.json
+    and release.json are read and verified against their recorded sha256 (`code_extras` comes
+    from release.json, the catalog's record when that cannot be read)."""
     prefix = release_prefix(view.model.name, view.row.version)
     records = {f.path: f for f in view.files}
     label = view.name
@@ -114,7 +116,12 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
 
     config, tokenizer = small(records.get(CONFIG)), small(records.get(TOKENIZER_CONFIG))
     found = completeness(records, config, tokenizer)
-    out: dict[str, Any] = {"hf": found.to_json(), "hf_config": None}
+    recorded = view.row.options.get("code_extras") if isinstance(view.row.options, dict) else None
+    out: dict[str, Any] = {
+        "hf": found.to_json(),
+        "hf_config": None,
+        "code_extras": list(recorded or []),
+    }
     if view.row.sha256:
         document = FileRecord(
             RELEASE_DOCUMENT,
@@ -131,6 +138,7 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
             else:
                 record = parsed.hf_config
                 out["hf_config"] = None if record is None else record.to_json()
+                out["code_extras"] = list(parsed.code_extras)
     if damaged:
         out["hf"].update(complete=False, notes=[*found.notes, *damaged])
     return out

@@ -43,6 +43,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 class Extra:
     path: Path
     sha256: str
+    code: str | None = None  # what code it is, when the policy allowed code extras
 
     @property
     def name(self) -> str:
@@ -70,12 +71,19 @@ class PromotionPlan:
     options: dict[str, Any] = field(init=False)
     options_key: str = field(init=False)
 
+    @property
+    def code_extras(self) -> tuple[str, ...]:
+        """The extras that are code (registry/formats/extras.py), sorted by name."""
+        return tuple(sorted(e.name for e in self.extras if e.code is not None))
+
     def __post_init__(self) -> None:
-        options = {
+        options: dict[str, Any] = {
             "dtype": self.dtype,
             "max_shard_bytes": self.max_shard_bytes,
             "extras": {e.name: e.sha256 for e in self.extras},
         }
+        if self.code_extras:  # released on purpose under [release] allow_code_extras
+            options["code_extras"] = list(self.code_extras)
         # What else decides the release's tensors, written only when not the default so the
         # releases made before these options keep their key.
         if self.resume.model_path != "model":
@@ -126,7 +134,7 @@ def plan_promotion(
         raise UsageError(f"unknown --dtype {dtype!r}", "use bf16, fp16 or fp32")
     ctx.authorize("promote", project=ref.project, model=model, target=f"{ref} -> {model}")
     max_bytes = _shard_bytes(max_shard_size)
-    checked = _check_extras(extras)
+    checked = _check_extras(extras, allow_code=ctx.policy.release.allow_code_extras)
     hf_config = plan_config(checked, dtype, model_factory)  # an invalid config.json: refused
     _, ckpt, files = resolve(ctx, ref)
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
@@ -162,7 +170,11 @@ def _shard_bytes(text: str) -> int:
     return size
 
 
-def _check_extras(extras: list[Path]) -> tuple[Extra, ...]:
+def _check_extras(extras: list[Path], *, allow_code: bool) -> tuple[Extra, ...]:
+    """Each extra judged by its content (registry/formats/extras.py): pickles, weights and
+    unknown binary data refused; code refused unless the policy allows it."""
+    from registry.formats.extras import CODE, judge
+
     out: list[Extra] = []
     reserved = {RELEASE_DOCUMENT, MANIFEST, INDEX}  # MANIFEST.json: a pulled folder's document
     for given in extras:
@@ -172,8 +184,31 @@ def _check_extras(extras: list[Path]) -> tuple[Extra, ...]:
         if p.name in {e.name for e in out} or p.name in reserved or p.name.endswith(".safetensors"):
             raise UsageError(f"--extra {p}: the name {p.name} is taken or reserved")
         check_name(p.name, "extra file name")
-        out.append(Extra(p, hashlib.sha256(p.read_bytes()).hexdigest()))
+        data = p.read_bytes()
+        # Named by its file name alone: through reg server the path is the server's own.
+        label = f"--extra {p.name}"
+        judged = judge(p.name, data, label)
+        if judged.kind == CODE and not allow_code:
+            raise UsageError(
+                f"{label} is code ({judged.why}): the policy refuses code in releases",
+                "leave it out, or allow code on purpose: [release] allow_code_extras = true in "
+                "the policy, recorded on the release",
+            )
+        if judged.kind != CODE and not judged.accepted:
+            what = f"a pickle ({judged.why})" if judged.kind == "pickle" else judged.why
+            raise UsageError(f"{label} is {what}", _REFUSED[judged.kind])
+        code = judged.why if judged.kind == CODE else None
+        out.append(Extra(p, hashlib.sha256(data).hexdigest(), code))
     return tuple(out)
+
+
+_REFUSED = {  # the hint of each refused kind
+    "pickle": "leave it out: loading a pickle can run any code, and no policy allows one in a "
+    "release",
+    "weights": "leave it out",
+    "binary": "extras are JSON configs, tokenizer files (tokenizer.json, vocab, merges, "
+    "sentencepiece tokenizer.model) and text",
+}
 
 
 # -- gates --------------------------------------------------------------------------------------

@@ -424,4 +424,5 @@ def _document(
         created_at=iso(created_at) or "",
         created_by=created_by,
         hf_config=hf_record(plan.hf_config),
+        code_extras=plan.code_extras,
     )
