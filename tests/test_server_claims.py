@@ -198,3 +198,69 @@ def test_a_writer_whose_claim_changed_leaves_nothing_in_the_new_attempts_way(
     )
     assert fresh.status_code == 200, fresh.text
     assert fresh.json()["size"] == 4
+
+
+def _left_in(step: Path) -> list[str]:
+    """What a step's prefix holds beside the claim's own record."""
+    return sorted(
+        p.relative_to(step).as_posix()
+        for p in step.rglob("*")
+        if not p.name.startswith(".reg-claim")
+    )
+
+
+def test_a_path_segment_too_long_for_a_file_name_is_a_400(reg_server: Any) -> None:
+    """Checked before the filesystem is touched, with push's rules: at most 255 bytes a
+    segment, 1,024 characters, 32 segments; the usual error body, nothing left on disk."""
+    token = _claim(reg_server, "alice", 5)
+    url = f"{reg_server.url}/v1/claims/{token}/files/"
+    auth = {"authorization": f"Bearer {reg_server.token('alice')}"}
+    with _direct(reg_server) as reg:
+        store = Path(reg.settings.store_url.removeprefix("file://"))
+    step = store / "ckpt" / "team-a" / "h" / "step-5"
+    for bad, why in (
+        ("x" * 300, "a segment of 300 bytes, over 255"),
+        ("sub/" + "y" * 256, "a segment of 256 bytes, over 255"),
+        ("/".join(["d"] * 33), "33 segments, over 32"),
+        ("/".join(["e" * 200] * 6), "paths at most 1024 characters"),  # dcp_scan's check
+    ):
+        got = httpx.put(url + bad, content=b"bytes", headers=auth)
+        assert got.status_code == 400, (bad[:40], got.status_code, got.text)
+        body = got.json()
+        assert body["exit_code"] == 2 and body["type"] and body["hint"], body
+        assert why in f"{body['message']} ({body['hint']})", body
+        assert "team-a/h@step5" in body["message"], body
+        assert _left_in(step) == [], bad[:40]
+    assert not [p for p in (store / ".tmp").rglob("*") if p.is_file()]
+    ok = httpx.put(url + "sub/" + "z" * 255, content=b"bytes", headers=auth)
+    assert ok.status_code == 200, ok.text
+    assert _left_in(step) == ["sub", "sub/" + "z" * 255]
+
+
+def test_a_name_the_store_cannot_hold_is_a_400_not_a_500(catalog_url: str, tmp_path: Path) -> None:
+    """A store root deep enough that a path within the rules passes PATH_MAX: the
+    filesystem's ENAMETOOLONG is the client's error (400), not the server's (500)."""
+    from tests.serverproc import RegServer, server_env, team_policy
+
+    root = tmp_path / "store"
+    while len(str(root)) < 3300:
+        root = root / ("s" * 200)
+    root.mkdir(parents=True)
+    home = tmp_path / "server-home"
+    server = RegServer(server_env(home, catalog_url, root.as_uri()), home)
+    server.init().start()
+    try:
+        server.apply_policy(team_policy())
+        token = _claim(server, "alice", 6)
+        path = "/".join(["n" * 200] * 4)
+        got = httpx.put(
+            f"{server.url}/v1/claims/{token}/files/{path}",
+            content=b"bytes",
+            headers={"authorization": f"Bearer {server.token('alice')}"},
+        )
+        assert got.status_code == 400, got.text
+        body = got.json()
+        assert body["exit_code"] == 2 and "too long a name for the store" in body["message"]
+        assert "Traceback" not in server.log_text()
+    finally:
+        server.stop()

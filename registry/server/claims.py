@@ -14,6 +14,7 @@ reads `.metadata` and the head of every shard from the store itself.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
 import time
@@ -106,10 +107,17 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
     from registry.formats.dcp_scan import check_path, is_reserved
     from registry.lifecycle.checkpoints import shared
+    from registry.server.upload import MAX_DEPTH, MAX_PATH, MAX_SEGMENT, path_problem
 
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(shared.find, ctx, token)
     check_path(str(held.ref), path)
+    if (why := path_problem(path)) is not None:  # before a directory or file is made
+        raise UsageError(
+            f"{held.ref}: {path[:80]!r} is not a plain relative file path ({why})",
+            f"names of at most {MAX_SEGMENT} bytes, paths of at most {MAX_PATH} characters "
+            f"and {MAX_DEPTH} segments",
+        )
     if is_reserved(path):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
     slots = _uploads()
@@ -157,6 +165,13 @@ async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str
             raise Conflict(
                 f"{held.ref}: {path} collides with a file or directory already written",
                 "give each file its own path",
+            ) from None
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            raise UsageError(  # a name the store's filesystem cannot hold: the client's to fix
+                f"{held.ref}: {path[:80]!r} is too long a name for the store",
+                "use shorter file names",
             ) from None
 
     putting = loop.run_in_executor(_POOL, store)

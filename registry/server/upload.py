@@ -29,6 +29,7 @@ MAX_FILES = 100_000
 MAX_FILE_SIZE = 1 << 50
 MAX_PATH = 1024
 MAX_DEPTH = 32  # path segments; a DCP checkpoint is flat, HF-style ones a level or two
+MAX_SEGMENT = 255  # bytes of one path segment: NAME_MAX of every common filesystem
 MAX_DIRECTORIES = 10_000
 WRITEBACK_EVERY = 64 << 20
 
@@ -112,17 +113,31 @@ def _declared(entry: object) -> Declared:
 
 def _checked_path(path: str) -> str:
     """A relative path of plain names: nothing that could leave the upload directory."""
-    parts = path.split("/")
-    bad = (
-        not path
-        or len(path) > MAX_PATH
-        or len(parts) > MAX_DEPTH
-        or not path.isprintable()
-        or any(p in ("", ".", "..") or len(p.encode()) > 255 for p in parts)
-    )
-    if bad:
-        raise UsageError(f"push header: {path[:80]!r} is not a plain relative file path")
+    why = path_problem(path)
+    if why is not None:
+        raise UsageError(f"push header: {path[:80]!r} is not a plain relative file path ({why})")
     return path
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` is not a relative path of plain names the server may create a file at (in
+    its upload directory or a local store), checked before the filesystem is touched; None when
+    it is one. A push's files and a claim's uploads are held to the same rules."""
+    parts = path.split("/")
+    if not path:
+        return "empty"
+    if len(path) > MAX_PATH:
+        return f"{len(path)} characters, over {MAX_PATH}"
+    if len(parts) > MAX_DEPTH:
+        return f"{len(parts)} segments, over {MAX_DEPTH}"
+    if not path.isprintable():
+        return "a control character"
+    for p in parts:
+        if p in ("", ".", ".."):
+            return "an empty, . or .. segment"
+        if len(p.encode()) > MAX_SEGMENT:
+            return f"a segment of {len(p.encode())} bytes, over {MAX_SEGMENT}"
+    return None
 
 
 def _check_tree(paths: list[str]) -> None:
