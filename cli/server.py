@@ -147,7 +147,7 @@ def login(
 
     token = sys.stdin.readline().strip() if token_stdin else getpass.getpass("token: ").strip()
     settings = Settings.from_env()
-    client = Client(url, token)
+    client = Client(url, token, allow_http=settings.allow_http)
     try:
         who = client.call("GET", "/whoami")
     finally:

@@ -29,6 +29,7 @@ _FILE_KEYS = {
     "policy",
     "user",
     "url",
+    "allow_http",
     "audit_key_file",
     *_OIDC_KEYS,
 }
@@ -48,6 +49,9 @@ class Settings:
     workers: int = 4
     url: str | None = None  # REG_URL: remote mode, through reg server (DESIGN §9)
     token: str | None = None  # REG_TOKEN, else the one `reg login` stored for `url`
+    # REG_ALLOW_HTTP=1 (allow_http = true): an http:// REG_URL to a host that is not loopback,
+    # which sends the token in cleartext; refused without it (`check_cleartext`)
+    allow_http: bool = False
     # REG_AUDIT_KEY_FILE: the audit log's HMAC key (`registry.audit_chain`); None: audit.key
     # under REG_HOME. Only reg server (and an operator on its host) can read it.
     audit_key_file: Path | None = None
@@ -88,11 +92,16 @@ class Settings:
         user, source = _identity(env, file_values)
         url = (env.get("REG_URL") or file_values.get("url") or "").rstrip("/") or None
         token = env.get("REG_TOKEN") or (_logged_in(home, url) if url else None)
+        if env.get("REG_ALLOW_HTTP"):
+            allow_http = _flag("REG_ALLOW_HTTP", env["REG_ALLOW_HTTP"])
+        else:
+            allow_http = _flag("allow_http in config.toml", file_values.get("allow_http", ""))
         oidc = {k: pick(f"REG_{k.upper()}", k, "") or None for k in _OIDC_KEYS}
         audit_key = pick("REG_AUDIT_KEY_FILE", "audit_key_file", "")
         return cls(
             url=url,
             token=token,
+            allow_http=allow_http,
             home=home,
             catalog_url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
             store_url=pick("REG_STORE_URL", "store_url", (home / "store").as_uri()),
@@ -113,6 +122,51 @@ class Settings:
             oidc_principal_prefix=oidc["oidc_principal_prefix"],
             oidc_require=oidc["oidc_require"],
         )
+
+
+def _flag(source: str, value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    raise UsageError(f"{source} is {value[:40]!r}, not a yes or no", "use 1 or 0 (true or false)")
+
+
+def check_cleartext(url: str, allow_http: bool) -> None:
+    """Refuse a plain http:// server URL whose host is not loopback (the bearer token would
+    cross the network in cleartext) unless `allow_http` (REG_ALLOW_HTTP) says it is meant.
+    The host is judged by its text, never resolved: a name that resolves to loopback today
+    may not tomorrow, so only `localhost`, 127.0.0.0/8 and ::1 pass without the setting."""
+    from registry.text import redact_url
+
+    if url.lower().startswith("http://") and not allow_http and not loopback_url(url):
+        raise UsageError(
+            f"refusing {redact_url(url)}: plain http would send the bearer token in cleartext "
+            "to a host that is not loopback",
+            "use https://, or set REG_ALLOW_HTTP=1 or allow_http = true in config.toml where "
+            "the network is trusted",
+        )
+
+
+def loopback_url(url: str) -> bool:
+    """The URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1, and IPv4-mapped
+    ::ffff:127.x)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def _identity(env: dict[str, str], file_values: dict[str, str]) -> tuple[str, str]:

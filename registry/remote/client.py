@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from registry import errors
+from registry.config import check_cleartext
 from registry.errors import PermissionDenied, RegistryError, Unauthenticated, UsageError
 from registry.text import redact_url
 
@@ -22,11 +23,16 @@ LONG_READ_S = 6 * 3600.0  # a promotion or a GC answers when it is done
 
 
 class Client:
-    def __init__(self, url: str, token: str | None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, token: str | None, *, allow_http: bool = False, timeout_s: float = 30.0
+    ) -> None:
+        """Nothing goes over the network here; a URL that would carry the token in cleartext
+        (http:// to a host that is not loopback) is refused unless `allow_http`."""
         if not url.startswith(("http://", "https://")):
             raise UsageError(
                 f"REG_URL={redact_url(url)} is not an http(s) URL", "e.g. https://reg.example.com"
             )
+        check_cleartext(url, allow_http)
         self.url = url.rstrip("/")
         if not token:
             raise Unauthenticated(

@@ -38,7 +38,9 @@ class RemoteRegistry(Registry):
                 "drop user=..., or use the embedded mode",
             )
         assert self.settings.url is not None
-        self.client = Client(self.settings.url, self.settings.token)
+        self.client = Client(
+            self.settings.url, self.settings.token, allow_http=self.settings.allow_http
+        )
         self._whoami: dict[str, Any] | None = None
         self._data: dict[str, Any] | None = None
 
