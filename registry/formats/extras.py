@@ -149,28 +149,49 @@ def code_reference(doc: Any) -> str | None:
     """The first place a parsed JSON document names code (see the module's rule), for a
     message ("its auto_map", "auto_map in a.b", "a.b names the Python file 'x.py'"); None when
     it names none."""
-    for path, key, value in _members(doc):
+    for trail, key, value in _members(doc):
         if key in CODE_KEYS:
-            return f"its {key}" if not path else f"{key} in {_shown(path)}"
-        if isinstance(value, str) and _PYTHON_FILE.fullmatch(value):
-            where = f"{path}.{key}" if path else key
+            return f"its {key}" if trail is None else f"{key} in {_shown(_path(trail))}"
+        if _names_python_file(value):
+            where = _path((trail, key))
             return f"{_shown(where)} names the Python file {_shown(value)!r}"
     return None
 
 
-def _members(doc: Any) -> Iterator[tuple[str, str, Any]]:
-    """(path of the object, key, value) of every object member at any depth, without recursion
-    (a parsed document may be nested as deeply as the parser allowed)."""
-    stack: list[tuple[str, Any]] = [("", doc)]
+def _names_python_file(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and (value.endswith(".py") or ".py:" in value)  # most strings end here, cheaply
+        and _PYTHON_FILE.fullmatch(value) is not None
+    )
+
+
+Trail = tuple[Any, str | int] | None  # (the parent's trail, this key or index): built lazily
+
+
+def _members(doc: Any) -> Iterator[tuple[Trail, str, Any]]:
+    """(trail of the object, key, value) of every object member at any depth, without
+    recursion (a parsed document may be nested as deeply as the parser allowed)."""
+    stack: list[tuple[Any, Trail]] = [(doc, None)]
     while stack:
-        path, value = stack.pop()
+        value, trail = stack.pop()
         if isinstance(value, dict):
             for key, item in value.items():
-                yield path, key, item
-                if isinstance(item, dict | list):
-                    stack.append((f"{path}.{key}" if path else key, item))
+                yield trail, key, item
+                if isinstance(item, (dict, list)):
+                    stack.append((item, (trail, key)))
         elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            for i, item in enumerate(value):
+                if isinstance(item, (dict, list)):
+                    stack.append((item, (trail, i)))
+
+
+def _path(trail: Trail) -> str:
+    parts: list[str] = []
+    while trail is not None:
+        trail, step = trail
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return "".join(reversed(parts)).removeprefix(".")
 
 
 def _shown(path: str) -> str:
