@@ -1,4 +1,4 @@
-"""Admin commands: gc, fsck, audit, storage init, catalog rebuild|migrate|grants."""
+"""Admin commands: gc, fsck, audit, storage init, catalog rebuild|migrate|grants|sign."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def register(app: typer.Typer) -> None:
     catalog_app.command("rebuild")(catalog_rebuild)
     catalog_app.command("migrate")(catalog_migrate)
     catalog_app.command("grants")(catalog_grants)
+    catalog_app.command("sign")(catalog_sign)
 
 
 def catalog_migrate(
@@ -94,6 +95,40 @@ def catalog_grants(
         f"(revision {out['revision']}): {len(out['tables'])} table(s), "
         f"{len(out['sequences'])} sequence(s)"
     )
+
+
+def catalog_sign(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be signed."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Sign the policy documents, attested validations and model owners written before signed
+    facts, each checked against the audit log first (admin; on the server's host, with its
+    audit key). Example: `reg catalog sign --dry-run`, then `reg catalog sign`."""
+    from registry import Registry
+    from registry.config import Settings
+    from registry.errors import UsageError
+    from registry.lifecycle.fact_signing import sign_catalog
+
+    settings = Settings.from_env()
+    if settings.remote:
+        raise UsageError(
+            "reg catalog sign runs on the server's host, not through the server",
+            "unset REG_URL; run it with the server's settings and REG_AUDIT_KEY_FILE",
+        )
+    with Registry(settings) as reg:
+        out = sign_catalog(reg.context, dry_run=dry_run)
+    if json_output:
+        emit_json(out)
+        return
+    verb = "would sign" if dry_run else "signed"
+    for kind, targets in out["signed"].items():
+        print(
+            f"{verb} {len(targets)} {kind} row(s)" + (f": {', '.join(targets)}" if targets else "")
+        )
+    if out["policy_event"]:
+        print(f"recorded policy-sign for {out['policy_event']}: it is in force behind the server")
+    for r in out["refused"]:
+        note(f"not signed: {r['target']}: {r['reason']}")
 
 
 def catalog_rebuild(

@@ -3,7 +3,10 @@
 Roles are ordered viewer < trainer < releaser < admin; each adds actions to the one below.
 `validator` stands beside them: it reads and attests validations (through `reg server`, only a
 validator's validation passes the GPU gate); admin includes it. A grant gives one role to
-principals on project globs (checkpoints) and model globs (releases). Admin grants are
+principals on project globs (checkpoints) and model globs (releases). A grant that leaves
+`models` out covers the models its projects own: a model belongs to the project it was first
+released from, so a releaser of team-b cannot publish into, move the aliases of or deprecate
+team-a's model unless a grant names that model explicitly. Admin grants are
 registry-wide: one scoped to some projects or models is no grant at all (`scoped_admin_grants`
 names them; `policy apply` refuses them). No grants at all is single-user mode: everyone is
 admin.
@@ -69,7 +72,7 @@ def gives(role: str, needed: str) -> bool:
 
 def is_scoped_admin(grant: Grant) -> bool:
     """An admin grant limited to some projects or models: registry-wide or nothing."""
-    return grant.role == "admin" and (grant.projects != ["*"] or grant.models != ["*"])
+    return grant.role == "admin" and (grant.projects != ["*"] or grant.models not in (None, ["*"]))
 
 
 def scoped_admin_grants(grants: Sequence[Grant]) -> list[str]:
@@ -86,12 +89,20 @@ def _matches(globs: list[str], name: str | None) -> bool:
     return name is None or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
-def _covers(grant: Grant, needed: str, project: str | None, model: str | None) -> bool:
+def _covers(grant: Grant, project: str | None, model: str | None, model_owner: str | None) -> bool:
     """Does a grant's scope cover the target? A scoped admin grant covers nothing: an admin of
-    one project is not an admin of the registry (and could otherwise promote itself)."""
-    if is_scoped_admin(grant):
+    one project is not an admin of the registry (and could otherwise promote itself). Without
+    a `models` list a grant covers the models its projects own; a model whose owner is not
+    known (None) only by a grant on every project."""
+    if is_scoped_admin(grant) or not _matches(grant.projects, project):
         return False
-    return _matches(grant.projects, project) and _matches(grant.models, model)
+    if model is None:
+        return True
+    if grant.models is not None:
+        return _matches(grant.models, model)
+    if model_owner is None:
+        return grant.projects == ["*"]
+    return _matches(grant.projects, model_owner)
 
 
 def check(
@@ -101,12 +112,16 @@ def check(
     *,
     project: str | None = None,
     model: str | None = None,
+    model_owner: str | None = None,
 ) -> Decision:
-    """Allow `principal` to do `action` on the project and/or model named, under a policy whose
-    grants are `grants` (none at all: single-user mode)?"""
+    """Allow `principal` to do `action` on the project and/or model named (owned by project
+    `model_owner`, None where unknown), under a policy whose grants are `grants` (none at all:
+    single-user mode)?"""
     if not grants:
         return Decision(True, SINGLE_USER)
-    return check_grants(grants, principal, action, project=project, model=model)
+    return check_grants(
+        grants, principal, action, project=project, model=model, model_owner=model_owner
+    )
 
 
 def check_grants(
@@ -116,13 +131,14 @@ def check_grants(
     *,
     project: str | None = None,
     model: str | None = None,
+    model_owner: str | None = None,
 ) -> Decision:
     """Does one of `grants` allow it? No grant, no access (single-user mode is `check`'s)."""
     needed = ACTIONS[action]
     for grant in grants:
         if principal not in grant.principals or not gives(grant.role, needed):
             continue
-        if _covers(grant, needed, project, model):
+        if _covers(grant, project, model, model_owner):
             return Decision(True, f"granted {grant.role} on {_scope(grant)}")
     scope = (
         ", ".join(
@@ -132,9 +148,12 @@ def check_grants(
         )
         or "the registry"
     )
+    if model and model_owner and model_owner != project:
+        scope += f" (owned by project {model_owner})"
     article = "an" if needed[0] in "aeiou" else "a"
     return Decision(False, f"needs {article} {needed} grant covering {scope}")
 
 
 def _scope(grant: Grant) -> str:
-    return f"projects {','.join(grant.projects)} / models {','.join(grant.models)}"
+    models = "theirs" if grant.models is None else ",".join(grant.models)
+    return f"projects {','.join(grant.projects)} / models {models}"

@@ -17,16 +17,24 @@ only); a deployment that does not trust its store writers runs `reg server`, whi
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from typing import Any
 
 from policies.access import gives, is_scoped_admin
-from policies.loader import AccessPolicy
+from policies.loader import AccessPolicy, Grant
 
 
 def bucket_policy(
-    access: AccessPolicy, bucket: str, prefix: str = ""
+    access: AccessPolicy,
+    bucket: str,
+    prefix: str = "",
+    owners: Mapping[str, str | None] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """(policy document, principals left out because they have no ARN)."""
+    """(policy document, principals left out because they have no ARN). `owners` (model ->
+    the project that owns it) places the models of a grant that leaves `models` out: a bucket
+    policy cannot follow ownership, so it lists the models owned today (export again after a
+    new model's first release)."""
     base = f"arn:aws:s3:::{bucket}/{prefix.strip('/') + '/' if prefix.strip('/') else ''}"
     statements: list[dict[str, Any]] = []
     missing: list[str] = []
@@ -47,7 +55,7 @@ def bucket_policy(
         (admins if grant.role == "admin" else non_admins).update(arns)
         who = {"AWS": sorted(arns)}
         projects = [f"{base}ckpt/{g}/*" for g in grant.projects]
-        models = [f"{base}release/{g}/*" for g in grant.models]
+        models = [f"{base}release/{g}/*" for g in _model_globs(grant, owners or {})]
         if grant.role == "admin":
             statements.append(
                 {
@@ -175,3 +183,16 @@ def bucket_policy(
         }
     )
     return {"Version": "2012-10-17", "Statement": statements}, sorted(set(missing))
+
+
+def _model_globs(grant: Grant, owners: Mapping[str, str | None]) -> list[str]:
+    """The model globs a grant covers: its own list, else the models its projects own."""
+    if grant.models is not None:
+        return grant.models
+    if grant.projects == ["*"]:
+        return ["*"]
+    return sorted(
+        model
+        for model, owner in owners.items()
+        if owner is not None and any(fnmatch.fnmatchcase(owner, g) for g in grant.projects)
+    )

@@ -182,7 +182,9 @@ class Grant(_Model):
     principals: list[str]
     role: Literal["viewer", "trainer", "releaser", "admin", "validator"]
     projects: list[str] = Field(default_factory=lambda: ["*"])
-    models: list[str] = Field(default_factory=lambda: ["*"])
+    # None (the key left out): the models its projects own (a model belongs to the project it
+    # was first released from); only an explicit list crosses projects.
+    models: list[str] | None = None
 
     @field_validator("principals")
     @classmethod
@@ -196,8 +198,8 @@ class Grant(_Model):
 
     @field_validator("projects", "models")
     @classmethod
-    def _globs(cls, v: list[str]) -> list[str]:
-        for g in v:
+    def _globs(cls, v: list[str] | None) -> list[str] | None:
+        for g in v or ():
             if not g or not re.fullmatch(r"[A-Za-z0-9._*?-]+", g):
                 raise ValueError(f"invalid glob {g!r}: use names with * and ? only")
             fnmatch.translate(g)

@@ -80,8 +80,11 @@ class Context:
         model: str | None = None,
         target: str = "",
     ) -> None:
-        """Raise PermissionDenied, and audit the denial, unless the principal may do it."""
-        decision = self.principal.authorize(action, project=project, model=model)
+        """Raise PermissionDenied, and audit the denial, unless the principal may do it. A
+        model is judged by the project that owns it (a model not created yet: `project`, whose
+        promotion would create it)."""
+        owner = self.model_owner(model, new=project) if model is not None else None
+        decision = self.principal.authorize(action, project=project, model=model, model_owner=owner)
         if decision.allowed:
             return
         what = target or project or model or ""
@@ -92,6 +95,54 @@ class Context:
             decision.reason + " (ask an admin to add it to the policy)",
         )
 
+    def model_owner(self, model: str, *, new: str | None = None) -> str | None:
+        """The project that owns `model`; `new` where there is no such model yet. Behind the
+        server only a signed owner counts (`registry.signed_facts`): an unsigned or forged
+        one is unknown (None), which only grants on every project cover."""
+        from sqlmodel import select
+
+        from registry.catalog.models import Model
+
+        if self.principal.single_user:
+            return None  # decided without it
+        with self.catalog.session() as s:
+            row = s.exec(select(Model).where(Model.name == model)).first()
+            if row is None:
+                return new
+            return self.trusted_owner(s, row)
+
+    def trusted_owner(self, session: Session, row: Any) -> str | None:
+        """`row.project` (a Model row) where this Context may rely on it."""
+        if not self.server or row.project is None:
+            return row.project  # type: ignore[no-any-return]
+        from registry.signed_facts import model_is_signed
+
+        if self.audit_key is not None and model_is_signed(session, self.audit_key, row):
+            return row.project  # type: ignore[no-any-return]
+        _log_unsigned_model(row.name)
+        return None
+
     def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
         target = f"project {project}" if project else f"model {model}" if model else "registry"
         self.authorize("read", project=project, model=model, target=target)
+
+
+_WARNED: set[str] = set()
+
+
+def _log_unsigned_model(name: str) -> None:
+    import json
+    import logging
+
+    if name not in _WARNED:
+        _WARNED.add(name)
+        logging.getLogger("reg.policy").warning(
+            json.dumps(
+                {
+                    "model": name,
+                    "owner": "ignored",
+                    "message": f"model {name}'s owner is unsigned or forged: only grants on "
+                    "every project, or naming the model, cover it (reg catalog sign)",
+                }
+            )
+        )

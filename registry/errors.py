@@ -14,7 +14,8 @@
     │   ├── ObjectExists                   put-if-absent found an object already there
     │   └── CatalogLocked                  another process holds the catalog
     ├── IntegrityError             exit 1  a stored file is missing, truncated or fails its digest
-    │   └── InvalidDocument                a stored MANIFEST.json or release.json that does not read
+    │   ├── InvalidDocument                a stored MANIFEST.json or release.json that does not read
+    │   └── UnprovenFact                   a catalog row the server decides from fails its signature
     ├── ValidationFailed           exit 1  restore validation did not pass
     └── GateNotMet                 exit 1  a promotion gate of the policy is not satisfied
 
@@ -99,6 +100,11 @@ class IntegrityError(RegistryError):
 
 class InvalidDocument(IntegrityError):
     pass
+
+
+class UnprovenFact(IntegrityError):
+    """Behind the server: the policy in force (or another signed fact) cannot be proven, so the
+    server refuses to decide rather than decide from a row anyone could have written."""
 
 
 class ValidationFailed(RegistryError):

@@ -103,10 +103,24 @@ class AccessSync:
 
     # -- what reg says -------------------------------------------------------------------------
     def _policy(self) -> Any:
+        """The policy in force; on the server's host (the audit key readable) the proven one,
+        as the server decides with (`registry.proven_policy`): a forged row grants no read."""
+        from registry.audit_chain import keys
         from registry.policy_source import EffectivePolicy
 
-        return EffectivePolicy.load(
-            self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
+        key = keys.optional(self.settings.audit_key_path)
+        if key is None:
+            return EffectivePolicy.load(
+                self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
+            )
+        from registry.storage import open_store
+
+        return EffectivePolicy.for_server(
+            self.catalog,
+            open_store(self.settings.store_url),
+            key,
+            policy_path=self.settings.policy_path,
+            home=self.settings.home,
         )
 
     def _mirrored(self) -> tuple[dict[str, str], dict[str, tuple[str, str | None]]]:
@@ -146,9 +160,13 @@ class AccessSync:
         projects: dict[str, str],
         models: dict[str, tuple[str, str | None]],
     ) -> Wanted:
+        from registry.audit_chain import keys
         from registry.principal import Principal
+        from registry.signed_facts import model_owners
 
         principal = Principal.under(name, "token", self._policy())
+        with self.catalog.session() as s:
+            owners = model_owners(s, keys.optional(self.settings.audit_key_path))
         if principal.single_user:
             principal = Principal(name, "token", ())  # as behind reg server: no grant, no access
         experiments: dict[str, str] = {}
@@ -157,7 +175,7 @@ class AccessSync:
             if principal.can_read(project=project):
                 experiments[exp_id] = READ
         for model, (rm_name, releases_exp) in models.items():
-            if principal.can_read(model=model):
+            if principal.can_read(model=model, model_owner=owners.get(model)):
                 registered[rm_name] = READ
                 if releases_exp is not None:
                     experiments[releases_exp] = READ

@@ -28,12 +28,36 @@ if TYPE_CHECKING:
         RetentionPolicy,
     )
     from registry.catalog.engine import Catalog
+    from registry.storage.base import BaseStore
 
 
 class EffectivePolicy:
     def __init__(self, text: str, source: str) -> None:
         self.text = text
         self.source = source  # where it came from, for people: a path or "catalog policy vN"
+
+    @classmethod
+    def for_server(
+        cls,
+        catalog: Catalog,
+        store: BaseStore,
+        key: bytes,
+        *,
+        policy_path: Path | None,
+        home: Path,
+    ) -> EffectivePolicy:
+        """The policy in force behind `reg server`: the newest one proven applied by an admin
+        (signed, sealed and anchored: `registry.proven_policy`), never merely the newest row.
+        UnprovenFact when the catalog's policy cannot be proven: the server then decides
+        nothing. Until any policy is applied, the local file, as `load`."""
+        from registry.proven_policy import in_force
+
+        found = in_force(catalog, store, key)
+        if found.error is not None:
+            raise found.error
+        if found.version is None:
+            return cls._local(policy_path, home)
+        return cls(found.text, found.source)
 
     @classmethod
     def load(cls, catalog: Catalog, *, policy_path: Path | None, home: Path) -> EffectivePolicy:
@@ -54,6 +78,11 @@ class EffectivePolicy:
                     stacklevel=3,
                 )
             return cls(applied[1], f"catalog policy v{applied[0]} (applied by {applied[2]})")
+        return cls._local(policy_path, home)
+
+    @classmethod
+    def _local(cls, policy_path: Path | None, home: Path) -> EffectivePolicy:
+        local = policy_path or home / "policy.toml"
         path = policy_path or (local if local.exists() else DEFAULT_POLICY_PATH)
         try:
             return cls(Path(path).read_text(), str(path))

@@ -42,12 +42,20 @@ class Principal:
         return cls(name, authenticated_by, mine, credential=credential)
 
     def authorize(
-        self, action: str, *, project: str | None = None, model: str | None = None
+        self,
+        action: str,
+        *,
+        project: str | None = None,
+        model: str | None = None,
+        model_owner: str | None = None,
     ) -> Decision:
-        """May this principal do `action` on the project and/or model named?"""
+        """May this principal do `action` on the project and/or model named (owned by project
+        `model_owner`; None: unknown)?"""
         if self.single_user:
             return Decision(True, SINGLE_USER)
-        return check_grants(self.grants, self.name, action, project=project, model=model)
+        return check_grants(
+            self.grants, self.name, action, project=project, model=model, model_owner=model_owner
+        )
 
     def may_anywhere(self, action: str) -> bool:
         """Could any project or model allow `action`? (A cheap first check before reading a
@@ -59,5 +67,11 @@ class Principal:
         needed = ACTIONS[action]
         return any(gives(g.role, needed) and not is_scoped_admin(g) for g in self.grants)
 
-    def can_read(self, *, project: str | None = None, model: str | None = None) -> bool:
-        return self.authorize("read", project=project, model=model).allowed
+    def can_read(
+        self,
+        *,
+        project: str | None = None,
+        model: str | None = None,
+        model_owner: str | None = None,
+    ) -> bool:
+        return self.authorize("read", project=project, model=model, model_owner=model_owner).allowed

@@ -55,8 +55,43 @@ ROLE_OF = {"bob": "viewer", "alice": "trainer", "carol": "releaser", "dave": "ad
 @pytest.mark.parametrize("action", sorted(ACTIONS))
 def test_every_role_and_action_in_scope(principal, action):
     allowed = gives(ROLE_OF[principal], ACTIONS[action])
-    in_scope = check(grants(), principal, action, project="team-a", model="tiny-lm")
+    in_scope = check(
+        grants(), principal, action, project="team-a", model="tiny-lm", model_owner="team-a"
+    )
     assert in_scope.allowed == allowed, in_scope.reason
+
+
+@pytest.mark.parametrize(
+    ("principal", "project", "model", "owner", "allowed"),
+    [
+        # models left out: the models its projects own, nothing else
+        ("alice", "team-a", "tiny-lm", "team-a", True),
+        ("alice", "team-a", "tiny-lm", "team-b", False),  # team-b's model from team-a's ckpt
+        ("alice", None, "tiny-lm", "team-b", False),  # an alias move, a deprecation
+        ("alice", None, "tiny-lm", None, False),  # owner unknown (unsigned behind the server)
+        # an explicit models list crosses projects
+        ("carol", "team-b", "tiny-x", "team-a", True),
+        ("carol", "team-b", "llama", "team-b", False),
+        # every project: every owner, even an unknown one
+        ("dave", None, "anything", None, True),
+    ],
+)
+def test_a_grant_without_models_covers_the_models_its_projects_own(
+    principal, project, model, owner, allowed
+):
+    decision = check(
+        grants(),
+        principal,
+        "promote" if project else "alias",
+        project=project,
+        model=model,
+        model_owner=owner,
+    )
+    if principal == "alice":  # a trainer: allowed here means the scope matched
+        decision = check(
+            grants(), principal, "read", project=project, model=model, model_owner=owner
+        )
+    assert decision.allowed == allowed, decision.reason
 
 
 @pytest.mark.parametrize(

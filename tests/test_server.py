@@ -245,18 +245,9 @@ def test_scoped_admin_grants_are_refused_and_count_for_nothing(
     policy.write_text(scoped)
     res = cli("policy", "apply", policy)
     assert res.returncode == 2 and "registry-wide" in _one_line(res)
-    # One applied by an older reg (straight into the catalog): treated as no grant.
-    from registry.catalog.engine import Catalog
-    from registry.catalog.models import PolicyDocument
-
-    catalog = Catalog(catalog_url)
-    with catalog.session(write=True) as s:
-        s.add(
-            PolicyDocument(
-                version=99, text=scoped, sha256="0" * 64, applied_at=0.0, applied_by="old-reg"
-            )
-        )
-    catalog.dispose()
+    # One applied by an older reg (signed by the server, without today's checks): in force,
+    # and its scoped admin grant is treated as no grant.
+    _apply_as_an_older_reg(reg_server, catalog_url, scoped, version=99)
     res = cli("policy", "check")
     assert res.returncode == 0 and "carol" in res.stderr and "grants nothing" in res.stderr
     escalate = tmp_path / "escalate.toml"
@@ -609,7 +600,7 @@ def test_a_policy_without_grants_never_makes_token_holders_admins(
     reg_server.token("vera")  # minted while the team policy holds
     res = cli("policy", "apply", bare)
     assert res.returncode == 2 and "every token holder an admin" in _one_line(res)
-    # One in the catalog anyway (an older reg applied it): no grant, no access, for anyone.
+    # A row written into the catalog around the server is no policy at all: ignored.
     from registry.catalog.engine import Catalog
     from registry.catalog.models import PolicyDocument
 
@@ -625,6 +616,11 @@ def test_a_policy_without_grants_never_makes_token_holders_admins(
             )
         )
     catalog.dispose()
+    assert cli("gc", "--dry-run", env=_as(reg_server, "admin")).returncode == 0
+    assert cli("token", "create", "admin", env=_as(reg_server, "vera")).returncode == 4
+    # Applied for real (signed with the server's key, its apply event sealed and anchored),
+    # as an older reg could: in force, and still no grant, no access, for anyone.
+    _apply_as_an_older_reg(reg_server, catalog_url, bare.read_text(), version=51)
     for who, args in (
         ("vera", ["token", "create", "admin"]),
         ("admin", ["gc", "--dry-run"]),
@@ -632,6 +628,44 @@ def test_a_policy_without_grants_never_makes_token_holders_admins(
     ):
         res = cli(*args, env=_as(reg_server, who))
         assert res.returncode == 4, (who, args, res.stderr)
+
+
+def _apply_as_an_older_reg(server, catalog_url: str, text: str, *, version: int) -> None:
+    """A policy row, its signature and its signed apply event, written with the server's key
+    and sealed and anchored at once: what an apply through the server leaves, without the
+    checks of today's apply."""
+    import hashlib
+
+    from registry import audit, signed_facts
+    from registry.audit_chain import keys
+    from registry.audit_chain.service import seal_now
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import PolicyDocument
+    from registry.config import Settings
+    from registry.storage import open_store
+
+    key = keys.read(server.home / "audit.key")
+    catalog = Catalog(catalog_url)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    with catalog.session(write=True) as s:
+        row = PolicyDocument(
+            version=version, text=text, sha256=digest, applied_at=1.0, applied_by="old-reg"
+        )
+        s.add(row)
+        s.flush()
+        content = signed_facts.policy_content(row)
+        signed_facts.sign(s, key, signed_facts.POLICY, row.id, content, signed_by="old-reg")
+        audit.record(
+            s,
+            "old-reg",
+            "policy-apply",
+            f"policy v{version}",
+            audit_key=key,
+            sha256=digest,
+            version=version,
+        )
+    seal_now(catalog, open_store(Settings.from_env(server.env).store_url), key)
+    catalog.dispose()
 
 
 def test_nothing_is_read_or_parsed_for_a_caller_without_a_token(reg_server):

@@ -15,7 +15,9 @@ from registry.audit_chain.verify import verify_chain
 from registry.errors import UsageError
 
 if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
     from registry.context import Context
+    from registry.storage.base import BaseStore
 
 
 def _key(ctx: Context, what: str) -> bytes:
@@ -61,10 +63,40 @@ def verify(
     ):
         if value is not None and not 0 < value < float("inf"):
             raise UsageError(f"{flag} must be a positive, finite duration", "e.g. 15m")
-    return verify_chain(
+    key = _key(ctx, "verifying")
+    out = verify_chain(
         ctx.catalog,
         ctx.store,
-        _key(ctx, "verifying"),
+        key,
         max_unsealed_age_s=max_unsealed_age_s,
         max_anchor_age_s=max_anchor_age_s,
     )
+    # The signed facts beside the log: a policy, validation or owner the server would ignore
+    # (or a policy it cannot prove) is a problem of the history too.
+    from registry.fact_findings import fact_problems
+
+    with ctx.catalog.session() as s:
+        problems = fact_problems(s, ctx.store, key)
+    out["problems"] += problems
+    out["facts"] = {"problems": len(problems)}
+    out["ok"] = not out["problems"]
+    return out
+
+
+def seal_now(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any] | None:
+    """Seal what is pending and anchor the head at once, with no lease (as `seal`, unaudited):
+    a policy just applied (or signed) is then provably in force when the command returns,
+    instead of after the sealer's next cycle and anchor (`registry.proven_policy`). The
+    caller's work is committed: a failure here is logged, and the scheduled sealer retries."""
+    import logging
+
+    from registry.errors import RegistryError
+
+    try:
+        seal_pending(catalog, key)
+        with catalog.session() as s:
+            head = anchor_head(s)
+        return anchors.write(store, key, head) if head is not None else None
+    except RegistryError as exc:
+        logging.getLogger("reg.audit").warning("sealing now failed: %s", exc.message)
+        return None

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
     from sqlmodel import Session
 
-HEAD_REVISION = "0014"
+HEAD_REVISION = "0015"
 MIGRATIONS = Path(__file__).with_name("migrations")
 _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
 

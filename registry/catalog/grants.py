@@ -36,6 +36,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "audit_seal": READ_APPEND,  # the HMAC chain's anchors (migration 0006)
     "alias_event": READ_APPEND,
     "policy_document": READ_APPEND,
+    "fact_mac": READ_APPEND,  # signatures of policies, validations, model owners (0015)
     # Written once, read after: nothing in the code updates them.
     "project": READ_APPEND,
     "model": READ_APPEND,

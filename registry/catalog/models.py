@@ -229,6 +229,9 @@ class Model(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True, max_length=128)
     created_at: float
+    # The project that owns it: the one it was first released from (migration 0015; NULL where
+    # unknown). Behind the server it counts only with a valid signature (`signed_facts`).
+    project: str | None = Field(default=None, max_length=128)
 
 
 class Release(ClaimColumns, table=True):
@@ -353,6 +356,22 @@ class PolicyDocument(SQLModel, table=True):
     sha256: str = Field(max_length=64)
     applied_at: float
     applied_by: str
+
+
+class FactMac(SQLModel, table=True):
+    """A signature of a row the server decides from (a policy document, a validation, a
+    model's owner): an HMAC under the audit key over the row's id and content
+    (`registry.signed_facts`). Append-only (triggers, migration 0015); a row may have several,
+    and one that verifies is enough."""
+
+    __tablename__ = "fact_mac"
+    __table_args__ = (Index("ix_fact_mac_kind_row", "kind", "row_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str = Field(max_length=16)  # policy | validation | model
+    row_id: int = Field(sa_type=BigInteger)
+    mac: str = Field(max_length=64)
+    signed_at: float
+    signed_by: str
 
 
 class Lease(SQLModel, table=True):

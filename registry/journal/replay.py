@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, select
 
+from registry import audit, signed_facts
 from registry.catalog import queries
 from registry.catalog.models import (
     DELETED,
@@ -99,6 +100,10 @@ class Replay:
     checkpoints: set[tuple[str, str, int]] = field(default_factory=set)
     releases: set[tuple[str, int]] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
+    # With the audit key, what replay writes that the server decides from is signed
+    # (`registry.signed_facts`), by whoever runs the rebuild.
+    audit_key: bytes | None = field(default=None, repr=False)
+    actor: str = ""
 
     def skip(self, key: str, reason: str) -> None:
         self.skipped.append({"event": key, "reason": reason})
@@ -122,7 +127,7 @@ def read(ctx: Context, *, dry_run: bool) -> Replay:
     """Every event in the store that may be replayed (read `ctx.workers` at a time). A journal
     with signed events and no key to check them is refused whole (UsageError), before anything
     is changed: replaying it unchecked would take whatever a store writer added."""
-    out = Replay(dry_run)
+    out = Replay(dry_run, audit_key=ctx.audit_key, actor=ctx.actor)
     found: list[Event] = []
     objects = list(ctx.store.list(JOURNAL))
     with ThreadPoolExecutor(max_workers=max(1, ctx.workers)) as pool:
@@ -373,6 +378,18 @@ def _validation(s: Session, e: Event, out: Replay) -> str:
         )
         s.add(row)
         s.flush()
+        if out.audit_key is not None and row.attested:
+            content = signed_facts.validation_content(
+                row, signed_facts.subject_of(s, row.checkpoint_id)
+            )
+            signed_facts.sign(
+                s,
+                out.audit_key,
+                signed_facts.VALIDATION,
+                row.id or 0,
+                content,
+                signed_by=out.actor,
+            )
         result = REPLAYED
     if row is not None and not out.dry_run:
         out.validations[(t["project"], t["run"], t["step"], f["validation_id"])] = row.id or 0
@@ -394,11 +411,29 @@ def _policy(s: Session, e: Event, out: Replay) -> str:
         raise Skip(f"the policy does not read: {exc.message}") from None
     if out.dry_run:
         return REPLAYED
-    s.add(
-        PolicyDocument(
-            version=version, text=text, sha256=digest, applied_at=e.ts, applied_by=e.actor
-        )
+    row = PolicyDocument(
+        version=version, text=text, sha256=digest, applied_at=e.ts, applied_by=e.actor
     )
+    s.add(row)
+    if out.audit_key is not None and e.mac is not None:
+        # A policy the server signed in the journal is in force behind it again once signed
+        # and named by an apply event the chain seals (registry.proven_policy).
+        s.flush()
+        content = signed_facts.policy_content(row)
+        signed_facts.sign(
+            s, out.audit_key, signed_facts.POLICY, row.id or 0, content, signed_by=out.actor
+        )
+        audit.record(
+            s,
+            out.actor,
+            "policy-apply",
+            f"policy v{version}",
+            audit_key=out.audit_key,
+            sha256=digest,
+            version=version,
+            replayed=True,
+            applied_by=e.actor,
+        )
     return REPLAYED
 
 

@@ -14,6 +14,10 @@ artifact; fsck checks every one and what lies between them:
     tombstone-objects     objects left under a checkpoint that was collected
     unfinished-promotion  a reserved release version whose promotion is gone (promoting again
                           finishes it)
+    policy-*, validation-*, model-*, signature-forged
+                          where the audit key is at hand (the server, its host), for the whole
+                          registry: a fact the server decides from that does not prove itself
+                          (`registry.fact_findings`)
 
 A finding is `sweepable` when it is a leftover of interrupted work, not damage and not something
 a person must look at: the registry is `clean` when every finding is. `repair` (fsck_repair.py)
@@ -162,6 +166,14 @@ def _run(
 ) -> dict[str, Any]:
     snap = snapshot(ctx, project)
     findings, hashed = check(ctx, snap, full=full, sample=sample, progress=progress)
+    if project is None and ctx.audit_key is not None:  # where the key is: the signed facts
+        from registry.fact_findings import fact_problems
+
+        with ctx.catalog.session() as s:
+            findings += [
+                Finding(p["kind"], p["target"], None, p["message"], sweepable=False)
+                for p in fact_problems(s, ctx.store, ctx.audit_key)
+            ]
     out: dict[str, Any] = {
         "project": project,
         "full": full,

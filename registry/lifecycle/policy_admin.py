@@ -12,6 +12,8 @@ from sqlmodel import select
 
 from policies.loader import Policy, load_policy_file, parse_policy
 from policies.resume import resume_overrides
+from registry import signed_facts
+from registry.audit_chain.service import seal_now
 from registry.catalog.models import PolicyDocument
 from registry.errors import PolicyError, UsageError
 from registry.journal.event import POLICY
@@ -47,16 +49,26 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
     with ctx.catalog.session(write=True) as s:
         version = (s.exec(select(func.max(PolicyDocument.version))).one() or 0) + 1
         applied = now()
-        s.add(
-            PolicyDocument(
-                version=version, text=text, sha256=digest, applied_at=applied, applied_by=ctx.actor
-            )
+        row = PolicyDocument(
+            version=version, text=text, sha256=digest, applied_at=applied, applied_by=ctx.actor
         )
+        s.add(row)
+        s.flush()
+        if ctx.audit_key is not None:  # the server (or its host): signed, proven in force
+            signed_facts.sign(
+                s,
+                ctx.audit_key,
+                signed_facts.POLICY,
+                row.id or 0,
+                signed_facts.policy_content(row),
+                signed_by=ctx.actor,
+            )
         ctx.audit(
             s,
             "policy-apply",
             f"policy v{version}",
             sha256=digest,
+            version=version,
             grants=len(parsed.access.grants),
         )
         changed = emit_changes(ctx, s, ctx.policy.resume, parsed.resume)
@@ -65,6 +77,8 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         journal_record(
             ctx, s, POLICY, {"version": version}, {"text": text, "sha256": digest}, ts=applied
         )
+    if ctx.audit_key is not None:  # in force now, not after the sealer's next anchor
+        seal_now(ctx.catalog, ctx.store, ctx.audit_key)
     return {
         "version": version,
         "sha256": digest,
@@ -137,4 +151,8 @@ def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], lis
         bucket, prefix = url.netloc, url.path.strip("/")
     else:
         bucket, _, prefix = bucket.partition("/")
-    return bucket_policy(ctx.policy.access, bucket, prefix)
+    from registry.signed_facts import model_owners
+
+    with ctx.catalog.session() as s:
+        owners = model_owners(s, ctx.audit_key if ctx.server else None)
+    return bucket_policy(ctx.policy.access, bucket, prefix, owners)

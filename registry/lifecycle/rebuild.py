@@ -100,6 +100,10 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                 releases=len(out["releases_added"]),
                 events=replayed or None,
             )
+    if not dry_run and ctx.audit_key is not None and replayed:
+        from registry.audit_chain.service import seal_now
+
+        seal_now(ctx.catalog, ctx.store, ctx.audit_key)  # a replayed policy is in force now
     return out
 
 
@@ -223,9 +227,23 @@ def _release(
     with ctx.catalog.session(write=not dry_run) as s:
         model = s.exec(select(Model).where(Model.name == doc.model)).first()
         if model is None:
-            model = Model(name=doc.model, created_at=_ts(doc.created_at))
+            # Owned by the project of its first release found (key order: v1 comes first).
+            model = Model(
+                name=doc.model, created_at=_ts(doc.created_at), project=doc.source.ref.project
+            )
             s.add(model)
             s.flush()
+            if ctx.audit_key is not None and not dry_run:
+                from registry.signed_facts import MODEL, model_content, sign
+
+                sign(
+                    s,
+                    ctx.audit_key,
+                    MODEL,
+                    model.id or 0,
+                    model_content(model),
+                    signed_by=ctx.actor,
+                )
             decisions.models.add(doc.model)
         existing = s.exec(
             select(Release).where(Release.model_id == model.id, Release.version == doc.version)

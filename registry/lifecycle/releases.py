@@ -102,7 +102,8 @@ def stored_files(view: ReleaseView) -> list[FileRecord]:
 def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]]:
     if model is not None:
         check_name(model, "model name")
-        if not ctx.principal.can_read(model=model):  # as if it did not exist: names leak
+        owner = ctx.model_owner(model)
+        if not ctx.principal.can_read(model=model, model_owner=owner):  # names leak
             raise NotFound(f"model {model} not found", "reg releases lists the models you may read")
     with ctx.catalog.session() as s:
         stmt = (
@@ -116,11 +117,14 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
         rows = s.exec(stmt).all()
         if model is not None and not rows:
             resolve_release(s, ReleaseRef(model, version=1))  # raises a helpful NotFound
-        return [
-            ReleaseView.load(s, m, r).to_json()
-            for m, r in rows
-            if ctx.principal.can_read(model=m.name)
-        ]
+        owners: dict[str, str | None] = {}
+        out = []
+        for m, r in rows:
+            if m.name not in owners:
+                owners[m.name] = None if ctx.principal.single_user else ctx.trusted_owner(s, m)
+            if ctx.principal.can_read(model=m.name, model_owner=owners[m.name]):
+                out.append(ReleaseView.load(s, m, r).to_json())
+        return out
 
 
 def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:

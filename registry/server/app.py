@@ -23,6 +23,7 @@ from registry.errors import (
     PermissionDenied,
     RegistryError,
     Unauthenticated,
+    UnprovenFact,
     UsageError,
 )
 from registry.server import metrics
@@ -58,6 +59,8 @@ def _status(exc: RegistryError) -> int:
         return 409
     if isinstance(exc, UsageError):
         return 400
+    if isinstance(exc, UnprovenFact):
+        return 503  # the server cannot decide: its catalog was written around it
     return 422
 
 
@@ -150,6 +153,7 @@ def _route_label(request: Request) -> str:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    from registry.audit_chain import keys as audit_keys
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
     from registry.server import admin_routes, claims, data, presigned, routes
@@ -157,9 +161,12 @@ def create_app(settings: Settings) -> FastAPI:
     from registry.storage import open_store
 
     catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    key = audit_keys.for_server(settings.audit_key_path)
 
     def release_lock() -> tuple[str, int]:
-        policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
+        policy = EffectivePolicy.for_server(
+            catalog, store, key, policy_path=settings.policy_path, home=settings.home
+        )
         return policy.release.object_lock, policy.release.lock_days
 
     store = open_store(settings.store_url, release_lock=release_lock)

@@ -40,8 +40,13 @@ def context_for(request: Request) -> Context:
     state: ServerState = request.app.state.reg
     token = bearer(request)
     name, how, credential = _identify(state, request, token)
-    policy = EffectivePolicy.load(
-        state.catalog, policy_path=state.settings.policy_path, home=state.settings.home
+    key = audit_keys.for_server(state.settings.audit_key_path)
+    policy = EffectivePolicy.for_server(
+        state.catalog,
+        state.store,
+        key,
+        policy_path=state.settings.policy_path,
+        home=state.settings.home,
     )
     principal = Principal.under(name, how, policy, credential=credential)
     if principal.single_user:
@@ -58,7 +63,7 @@ def context_for(request: Request) -> Context:
         events=Outbox(state.settings),
         workers=state.settings.workers,
         server=True,
-        audit_key=audit_keys.for_server(state.settings.audit_key_path),  # signs its events
+        audit_key=key,  # signs its events and facts
     )
     request.state.events = ctx.events
     return ctx

@@ -123,8 +123,15 @@ class Background:
         )
         if token is None:
             return None
-        policy = EffectivePolicy.load(
-            state.catalog, policy_path=state.settings.policy_path, home=state.settings.home
+        key = keys.for_server(state.settings.audit_key_path)
+        # Retention rules decide deletions: only the proven policy (a forged row could say
+        # ttl = "0s").
+        policy = EffectivePolicy.for_server(
+            state.catalog,
+            state.store,
+            key,
+            policy_path=state.settings.policy_path,
+            home=state.settings.home,
         )
         # The schedule acts for the server itself, registry-wide: an admin by construction.
         events = Outbox(state.settings)
@@ -136,7 +143,7 @@ class Background:
             events=events,
             workers=state.settings.workers,
             server=True,
-            audit_key=keys.for_server(state.settings.audit_key_path),
+            audit_key=key,
         )
         try:
             result = run_gc(ctx)

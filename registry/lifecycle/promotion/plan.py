@@ -238,7 +238,9 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
             s.exec(select(Validation).where(Validation.checkpoint_id == plan.checkpoint.id)).all()
         )
     if ctx.server:  # identities are proven here: only what a validator attested counts
-        rows = [v for v in rows if v.attested]
+        from registry.signed_facts import attested_validations
+
+        rows = attested_validations(ctx, str(plan.source), rows)
     rows = [v for v in rows if _same_names(v, plan)]
     records = [ValidationRecord(v.id or 0, v.passed, v.device, v.mode, _probed(v)) for v in rows]
     usable = usable_validation(policy, records)

@@ -91,10 +91,12 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
                 refuse_colliding_model(s, plan.model)
                 try:
                     with s.begin_nested():
-                        s.add(Model(name=plan.model, created_at=now()))
+                        _create_model(ctx, s, plan)
                 except DBIntegrityError:
                     pass  # a concurrent promotion created it
                 continue
+            if not _may_publish_into(ctx, s, plan, model):
+                break  # authorized as a new model, and another project's promotion made it
             if not ctx.catalog.is_sqlite:
                 # Promotions of one model take turns from here to commit, so a twin's pending
                 # row is seen before a version is allocated (READ COMMITTED would let two both
@@ -120,9 +122,36 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
             created = _allocate(ctx, s, plan, model, validation)
             if created is not None:
                 return created
-    raise Conflict(
-        f"could not allocate a version of {plan.model}: too many concurrent promotions", "retry"
-    )
+    else:
+        raise Conflict(
+            f"could not allocate a version of {plan.model}: too many concurrent promotions",
+            "retry",
+        )
+    # Outside the write transaction: the denial is audited in a transaction of its own.
+    ctx.authorize("promote", project=plan.source.project, model=plan.model, target=str(plan.source))
+    raise Conflict(f"{plan.model} was created by another promotion meanwhile", "retry")
+
+
+def _create_model(ctx: Context, session: Any, plan: PromotionPlan) -> None:
+    """The model, owned by the project it is first released from; signed where the key is."""
+    from registry.signed_facts import MODEL, model_content, sign
+
+    row = Model(name=plan.model, created_at=now(), project=plan.source.project)
+    session.add(row)
+    session.flush()
+    if ctx.audit_key is not None:
+        sign(session, ctx.audit_key, MODEL, row.id or 0, model_content(row), signed_by=ctx.actor)
+
+
+def _may_publish_into(ctx: Context, session: Any, plan: PromotionPlan, model: Model) -> bool:
+    """The promotion was authorized before the model existed (as its owner-to-be); a model that
+    another project's promotion created meanwhile is judged by its real owner."""
+    if model.project == plan.source.project or ctx.principal.single_user:
+        return True
+    owner = ctx.trusted_owner(session, model)
+    return ctx.principal.authorize(
+        "promote", project=plan.source.project, model=plan.model, model_owner=owner
+    ).allowed
 
 
 def _take_over(

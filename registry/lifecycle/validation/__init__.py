@@ -452,6 +452,15 @@ def record(
         )
         s.add(row)
         s.flush()
+        if ctx.audit_key is not None:  # the server's gate counts only signed validations
+            from registry import signed_facts
+
+            content = signed_facts.validation_content(
+                row, signed_facts.subject_of(s, row.checkpoint_id)
+            )
+            signed_facts.sign(
+                s, ctx.audit_key, signed_facts.VALIDATION, row.id or 0, content, signed_by=ctx.actor
+            )
         ctx.audit(
             s,
             "validate",

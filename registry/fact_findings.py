@@ -1,0 +1,122 @@
+"""Which facts the server decides from do not prove themselves (`registry.signed_facts`): what
+`reg audit verify` and `reg fsck` report, where the audit key is at hand.
+
+    policy-unsigned      a policy document without a signature
+    policy-forged        ... whose signature does not verify, or whose text is not its digest
+    policy-unproven      the policy in force cannot be established (its sealed apply event names
+                         a row that is missing, unsigned or another document): the server decides
+                         nothing until it is restored or re-applied
+    validation-unsigned  an attested validation without a signature
+    validation-forged    ... whose signature does not verify (the row, or its checkpoint, changed)
+    model-unsigned       a model's owner without a signature
+    model-forged         ... whose signature does not verify
+    signature-forged     a signature row that verifies for no row
+
+Rows from before signed facts are `*-unsigned` until `reg catalog sign` (run on the server's
+host, with the key) checks and signs them. Unattested validations (an embedded registry's) and
+models without an owner decide nothing behind the server and are not reported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import Session, col, select
+
+from registry import signed_facts as facts
+from registry.audit_chain.macs import same
+from registry.catalog.models import (
+    Checkpoint,
+    FactMac,
+    Model,
+    PolicyDocument,
+    Project,
+    Run,
+    Validation,
+)
+from registry.proven_policy import prove
+
+if TYPE_CHECKING:
+    from registry.storage.base import BaseStore
+
+
+def fact_problems(session: Session, store: BaseStore, key: bytes) -> list[dict[str, Any]]:
+    """[{kind, target, message}] for every fact that does not prove itself."""
+    signatures: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for row in session.exec(select(FactMac)):
+        signatures[(row.kind, row.row_id)].append(row.mac)
+    out: list[dict[str, Any]] = []
+    used: set[tuple[str, int]] = set()
+
+    def judge(kind: str, row_id: int, content: dict[str, Any] | None, target: str) -> None:
+        found = signatures.get((kind, row_id), [])
+        used.add((kind, row_id))
+        if content is not None and any(
+            same(m, facts.mac(key, kind, row_id, content)) for m in found
+        ):
+            return
+        why = (
+            "has no signature: written around the server, or before signed facts (reg catalog "
+            "sign checks and signs those)"
+            if not found and content is not None
+            else "has no valid signature: the row (or what it names) was changed, or the "
+            "signature forged"
+        )
+        state = "unsigned" if not found and content is not None else "forged"
+        out.append({"kind": f"{kind}-{state}", "target": target, "message": f"{target} {why}"})
+
+    for p in session.exec(select(PolicyDocument)):
+        content = facts.policy_content(p) if facts.policy_intact(p) else None
+        judge(facts.POLICY, p.id or 0, content, f"policy v{p.version}")
+    subjects = _subjects(session)
+    for v in session.exec(select(Validation).where(col(Validation.attested))):
+        subject = subjects.get(v.checkpoint_id, {"checkpoint_id": v.checkpoint_id})
+        ref = f"{subject.get('project')}/{subject.get('run')}@step{subject.get('step')}"
+        content = facts.validation_content(v, subject)
+        judge(facts.VALIDATION, v.id or 0, content, f"validation {v.id} of {ref}")
+    for m in session.exec(select(Model).where(col(Model.project).is_not(None))):
+        judge(facts.MODEL, m.id or 0, facts.model_content(m), f"model {m.name} (owner {m.project})")
+    for (kind, row_id), macs_ in signatures.items():
+        if (kind, row_id) not in used and not _unjudged(session, kind, row_id):
+            out.append(
+                {
+                    "kind": "signature-forged",
+                    "target": f"{kind} {row_id}",
+                    "message": f"{len(macs_)} signature(s) of {kind} {row_id}, which is no "
+                    "such row",
+                }
+            )
+    in_force = prove(session, store, key)
+    if in_force.error is not None:
+        out.append(
+            {"kind": "policy-unproven", "target": "policy", "message": in_force.error.message}
+        )
+    return out
+
+
+def _subjects(session: Session) -> dict[int, dict[str, Any]]:
+    """Checkpoint id -> what a validation signature names of it, for every attested one."""
+    rows = session.exec(
+        select(Checkpoint, Run.name, Project.name)
+        .join(Run, col(Run.id) == Checkpoint.run_id)
+        .join(Project, col(Project.id) == Run.project_id)
+        .where(
+            col(Checkpoint.id).in_(select(Validation.checkpoint_id).where(col(Validation.attested)))
+        )
+    )
+    return {
+        c.id: {"project": p, "run": r, "step": c.step, "manifest_sha256": c.manifest_sha256}
+        for c, r, p in rows
+        if c.id is not None
+    }
+
+
+def _unjudged(session: Session, kind: str, row_id: int) -> bool:
+    """A signature of a row that exists but decides nothing (an unattested validation, a model
+    without owner): not a forgery."""
+    if kind == facts.VALIDATION:
+        return session.get(Validation, row_id) is not None
+    if kind == facts.MODEL:
+        return session.get(Model, row_id) is not None
+    return False

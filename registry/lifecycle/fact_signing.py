@@ -1,0 +1,169 @@
+"""`reg catalog sign`: the upgrade of a registry whose rows predate signed facts (issue 32).
+
+Behind the server, a policy document, an attested validation or a model's owner counts only
+with a signature under the audit key (`registry.signed_facts`); rows written before this reg
+have none, so the server decides nothing (policy) or ignores them (validations, owners) until
+an admin, on the server's host with the key, runs this once. It signs only what the registry's
+own history vouches for, and names the rest:
+
+- a policy document whose `policy-apply` audit event names its version and digest;
+- an attested validation whose `validate` audit event names it, attested, by its recorder;
+- a model owner equal to the project of the model's first release.
+
+Then, if no sealed apply event proves the newest signed policy yet (events from before the audit
+key were refused by the sealer), a signed `policy-sign` event names it, and the log is sealed
+and anchored at once, so the server proves it on its next request. Audited (`catalog-sign`);
+running it again signs nothing twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import Session, col, select
+
+from registry import signed_facts as facts
+from registry.audit_chain.keys import AuditKeyMissing
+from registry.audit_chain.service import seal_now
+from registry.catalog.models import (
+    AuditEvent,
+    Checkpoint,
+    Model,
+    PolicyDocument,
+    Project,
+    Release,
+    Run,
+    Validation,
+)
+from registry.errors import UsageError
+from registry.proven_policy import apply_events, prove
+
+if TYPE_CHECKING:
+    from registry.context import Context
+
+
+def sign_catalog(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
+    """{signed: {policy, validation, model: [targets]}, refused: [{target, reason}],
+    policy_event, dry_run}."""
+    ctx.authorize("catalog", target="catalog sign")
+    if ctx.server:
+        raise UsageError(
+            "reg catalog sign runs on the server's host, not through the server",
+            "unset REG_URL; run it with the server's settings and REG_AUDIT_KEY_FILE",
+        )
+    key = ctx.audit_key
+    if key is None:
+        raise AuditKeyMissing(
+            "reg catalog sign needs the server's audit key, which this process cannot read",
+            "run it on the server's host (REG_AUDIT_KEY_FILE names the key file)",
+        )
+    signed: dict[str, list[str]] = {facts.POLICY: [], facts.VALIDATION: [], facts.MODEL: []}
+    refused: list[dict[str, str]] = []
+    policy_event: str | None = None
+    with ctx.catalog.session(write=not dry_run) as s:
+        for kind, row_id, content, target, problem in _unsigned(s, key):
+            if problem is not None:
+                refused.append({"target": target, "reason": problem})
+                continue
+            signed[kind].append(target)
+            if not dry_run:
+                facts.sign(s, key, kind, row_id, content, signed_by=ctx.actor)
+        if not dry_run:
+            s.flush()
+            newest = _newest_signed_policy(s, key)
+            if newest is not None and prove(s, ctx.store, key).version != newest.version:
+                policy_event = f"policy v{newest.version}"
+                ctx.audit(
+                    s,
+                    "policy-sign",
+                    policy_event,
+                    sha256=newest.sha256,
+                    version=newest.version,
+                    applied_by=newest.applied_by,
+                )
+            counts = {kind: len(v) for kind, v in signed.items()}
+            ctx.audit(s, "catalog-sign", "catalog", refused=len(refused) or None, **counts)
+    if not dry_run:
+        seal_now(ctx.catalog, ctx.store, key)
+    return {"signed": signed, "refused": refused, "policy_event": policy_event, "dry_run": dry_run}
+
+
+def _unsigned(s: Session, key: bytes) -> list[tuple[str, int, dict[str, Any], str, str | None]]:
+    """(kind, id, content, target, why not: None to sign) of every unsigned fact."""
+    out: list[tuple[str, int, dict[str, Any], str, str | None]] = []
+    policies = {p.id: p for p in s.exec(select(PolicyDocument)) if p.id is not None}
+    has = facts.signatures_of(s, facts.POLICY, policies)
+    applied = {(version, digest) for _, version, digest in apply_events(s)}
+    for pid, p in sorted(policies.items()):
+        if pid in has:
+            continue  # signed (or forged: fact_findings names it; never signed over)
+        target = f"policy v{p.version}"
+        problem = (
+            "its text is not its recorded digest"
+            if not facts.policy_intact(p)
+            else None
+            if (p.version, p.sha256) in applied
+            else "no policy-apply event of the audit log names this version and digest"
+        )
+        out.append((facts.POLICY, pid, facts.policy_content(p), target, problem))
+    validations = {
+        v.id: v for v in s.exec(select(Validation).where(col(Validation.attested))) if v.id
+    }
+    has = facts.signatures_of(s, facts.VALIDATION, validations)
+    recorded = _validate_events(s)
+    for vid, v in sorted(validations.items()):
+        if vid in has:
+            continue
+        subject = facts.subject_of(s, v.checkpoint_id)
+        target = f"validation {vid}"
+        problem = (
+            None
+            if recorded.get(vid) == v.created_by
+            else "no attested validate event of the audit log names it and its recorder"
+        )
+        out.append((facts.VALIDATION, vid, facts.validation_content(v, subject), target, problem))
+    models = {m.id: m for m in s.exec(select(Model)) if m.id and m.project is not None}
+    has = facts.signatures_of(s, facts.MODEL, models)
+    for mid, m in sorted(models.items()):
+        if mid in has:
+            continue
+        first = _first_release_project(s, mid)
+        problem = (
+            None
+            if first == m.project
+            else f"its owner {m.project} is not the project of its first release ({first})"
+        )
+        out.append((facts.MODEL, mid, facts.model_content(m), f"model {m.name}", problem))
+    return out
+
+
+def _validate_events(s: Session) -> dict[int, str]:
+    """Validation id -> the actor of the attested `validate` event that recorded it."""
+    out: dict[int, str] = {}
+    for e in s.exec(select(AuditEvent).where(AuditEvent.action == "validate")):
+        details = e.details if isinstance(e.details, dict) else {}
+        vid = details.get("validation_id")
+        if isinstance(vid, int) and details.get("attested") and e.outcome in ("allowed", "failed"):
+            out.setdefault(vid, e.actor)
+    return out
+
+
+def _first_release_project(s: Session, model_id: int) -> str | None:
+    found = s.exec(
+        select(Project.name)
+        .join(Run, col(Run.project_id) == Project.id)
+        .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
+        .join(Release, col(Release.source_checkpoint_id) == Checkpoint.id)
+        .where(Release.model_id == model_id)
+        .order_by(col(Release.version))
+        .limit(1)
+    ).first()
+    return found
+
+
+def _newest_signed_policy(s: Session, key: bytes) -> PolicyDocument | None:
+    rows = list(s.exec(select(PolicyDocument).order_by(col(PolicyDocument.version).desc())))
+    good = facts.signed_ids(
+        s, key, facts.POLICY, {p.id: facts.policy_content(p) for p in rows if p.id}
+    )
+    return next((p for p in rows if p.id in good and facts.policy_intact(p)), None)
