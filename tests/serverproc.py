@@ -94,7 +94,9 @@ class RegServer:
         self.tokens["admin"] = self.admin_token
         return self
 
-    def start(self, *extra: str) -> RegServer:
+    def start(self, *extra: str, nofile: int | None = None) -> RegServer:
+        """Start it; `nofile`: its descriptor limit (set before its first connection, as a
+        systemd unit's LimitNOFILE would)."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.log = self.home / f"server-{self.port}.log"
         self.log.touch()
@@ -105,6 +107,10 @@ class RegServer:
             stdout=self.log,
             stderr=self.log,
         )
+        if nofile is not None:
+            import resource
+
+            resource.prlimit(self.proc.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -67,6 +67,19 @@ def audit_ready(settings: Settings) -> None:
     intervals()
 
 
+def _connection_limits() -> None:
+    """A bad REG_SERVER_HEADER_TIMEOUT or REG_SERVER_MAX_CONNECTIONS stops the start in one
+    line, not the first connection."""
+    from registry.errors import UsageError
+    from registry.server.guard import header_timeout_s, max_connections
+
+    try:
+        header_timeout_s()
+        max_connections()
+    except ValueError as exc:
+        raise UsageError(str(exc), "unset it, or give a positive number") from None
+
+
 def factory() -> FastAPI:
     """For `uvicorn --factory registry.server.run:factory` and `--workers N`."""
     import os
@@ -99,6 +112,7 @@ def serve(
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
     config_from(settings)  # a partial or unsafe OIDC setting stops the start here, in one line
     audit_ready(settings)
+    _connection_limits()
     if gc_every is not None:
         os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
     handler = logging.StreamHandler(sys.stderr)
@@ -117,4 +131,6 @@ def serve(
         log_config=None,
         access_log=False,
         server_header=False,
+        # A header deadline and a connection cap below the descriptor limit (slowloris).
+        http="registry.server.guard:GuardedProtocol",
     )
