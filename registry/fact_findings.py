@@ -10,6 +10,10 @@
     validation-forged    ... whose signature does not verify (the row, or its checkpoint, changed)
     model-unsigned       a model's owner without a signature
     model-forged         ... whose signature does not verify
+    deletion-unsigned    a checkpoint marked `deleting` without GC's signature: the server does
+                         not carry it out (embedded `reg gc` on the host does, or a person
+                         sets it back)
+    deletion-forged      ... whose signature does not verify
     signature-forged     a signature row that verifies for no row
 
 Rows from before signed facts are `*-unsigned` until `reg catalog sign` (run on the server's
@@ -27,6 +31,7 @@ from sqlmodel import Session, col, select
 from registry import signed_facts as facts
 from registry.audit_chain.macs import same
 from registry.catalog.models import (
+    DELETING,
     Checkpoint,
     FactMac,
     Model,
@@ -75,6 +80,10 @@ def fact_problems(session: Session, store: BaseStore, key: bytes) -> list[dict[s
         ref = f"{subject.get('project')}/{subject.get('run')}@step{subject.get('step')}"
         content = facts.validation_content(v, subject)
         judge(facts.VALIDATION, v.id or 0, content, f"validation {v.id} of {ref}")
+    for c in session.exec(select(Checkpoint).where(Checkpoint.state == DELETING)):
+        subject = facts.subject_of(session, c.id or 0)
+        ref = f"{subject.get('project')}/{subject.get('run')}@step{subject.get('step')}"
+        judge(facts.DELETION, c.id or 0, facts.deletion_content(c, subject), f"deletion of {ref}")
     for m in session.exec(select(Model).where(col(Model.project).is_not(None))):
         judge(facts.MODEL, m.id or 0, facts.model_content(m), f"model {m.name} (owner {m.project})")
     for (kind, row_id), macs_ in signatures.items():
@@ -119,4 +128,6 @@ def _unjudged(session: Session, kind: str, row_id: int) -> bool:
         return session.get(Validation, row_id) is not None
     if kind == facts.MODEL:
         return session.get(Model, row_id) is not None
+    if kind == facts.DELETION:  # a deletion GC finished (the row is `deleted` now)
+        return session.get(Checkpoint, row_id) is not None
     return False

@@ -5,6 +5,8 @@ under its audit key, as tokens (`registry.tokens`) and audit events (`registry.a
     validation  a recorded validation: the GPU gate (its checkpoint's ref and manifest digest,
                 device, checks, model path, who and when)
     model       a model's owner: which project's grants cover it (`policies.access`)
+    deletion    GC's mark on a checkpoint it is deleting: what lets the server finish a deletion
+                an interrupted GC left (a mark written around it would delete any checkpoint)
 
 Each signature is a row of the append-only `fact_mac` table: HMAC-SHA256(key, "reg.fact/1\\n" +
 canonical JSON of {kind, id, content}). It names the signed row's id, so a signature cannot be
@@ -37,8 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reg.policy")
 
-POLICY, VALIDATION, MODEL = "policy", "validation", "model"
-KINDS = (POLICY, VALIDATION, MODEL)
+POLICY, VALIDATION, MODEL, DELETION = "policy", "validation", "model", "deletion"
+KINDS = (POLICY, VALIDATION, MODEL, DELETION)
 _IN = 500  # ids per IN (...) query
 
 
@@ -84,6 +86,22 @@ def validation_content(row: Validation, subject: Mapping[str, Any]) -> dict[str,
             "driver": row.driver,
         }
     )
+
+
+def deletion_content(row: Checkpoint, subject: Mapping[str, Any]) -> dict[str, Any]:
+    """What a deletion mark's signature covers: the checkpoint (`subject_of`) and the mark."""
+    return {
+        "checkpoint": dict(subject),
+        "deleted_at": row.deleted_at,
+        "deleted_by": row.deleted_by,
+        "delete_reason": row.delete_reason,
+    }
+
+
+def deletion_is_signed(session: Session, key: bytes, row: Checkpoint) -> bool:
+    assert row.id is not None
+    content = deletion_content(row, subject_of(session, row.id))
+    return row.id in signed_ids(session, key, DELETION, {row.id: content})
 
 
 def subject_of(session: Session, checkpoint_id: int) -> dict[str, Any]:

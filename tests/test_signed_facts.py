@@ -335,3 +335,40 @@ def test_catalog_sign_checks_and_signs_a_registry_from_before_signed_facts(
         assert res.returncode == 2 and "server's host" in _one_line(res)
     finally:
         server.stop()
+
+
+# -- deletions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_deletion_mark_written_as_the_runtime_role_deletes_nothing(
+    cli,
+    ckpts,
+    roles,  # noqa: F811
+    runtime_server,
+):
+    """GC finishes deletions an interrupted run left `deleting`: behind the server only the
+    marks its own GC signed, or a forged mark would delete any unpinned checkpoint (the
+    database refuses marking a pinned one)."""
+    server, db = runtime_server
+    admin, alice = server.client_env("admin"), server.client_env("alice")
+    for step in (2, 4):
+        _push(cli, ckpts, alice, step=step)
+    _as_runtime(
+        roles, db,
+        "UPDATE checkpoint SET state = 'deleting', deleted_by = 'admin', deleted_at = %s,"
+        " delete_reason = 'expired' WHERE step = 2",
+        time.time(),
+    )  # fmt: skip
+    res = cli("gc", "--json", env=admin)
+    out = json.loads(res.stdout)
+    assert any("deletion mark is unsigned or forged" in e for e in out["errors"]), out
+    with _connect(roles.owner, db) as conn:
+        state = conn.execute("SELECT state FROM checkpoint WHERE step = 2").fetchone()[0]
+    assert state == "deleting"  # left as it is, bytes and all
+    assert cli("verify", "team-a/r@step4", env=admin).returncode == 0
+    stored = list((server.home / "store" / "ckpt" / "team-a" / "r" / "step-2").iterdir())
+    assert any(p.name == "MANIFEST.json" for p in stored), stored
+    res = cli("fsck", "--json", env=admin)
+    found = {(p["kind"], p["target"]) for p in json.loads(res.stdout)["problems"]}
+    assert res.returncode == 1 and ("deletion-unsigned", "deletion of team-a/r@step2") in found

@@ -18,7 +18,7 @@ from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
-from registry import events, faults
+from registry import events, faults, signed_facts
 from registry.catalog import claims, leases
 from registry.catalog.models import (
     COMMITTED,
@@ -281,6 +281,19 @@ def _mark_deleting(ctx: Context, batch: list[Decision]) -> set[int]:
             row.deleted_by, row.deleted_at = ctx.actor, now()
             s.add(row)
             marked.add(row.id or 0)
+            if ctx.audit_key is not None:  # the server finishes only the marks it signed
+                s.flush()
+                content = signed_facts.deletion_content(
+                    row, signed_facts.subject_of(s, row.id or 0)
+                )
+                signed_facts.sign(
+                    s,
+                    ctx.audit_key,
+                    signed_facts.DELETION,
+                    row.id or 0,
+                    content,
+                    signed_by=ctx.actor,
+                )
     return marked
 
 
@@ -305,7 +318,15 @@ def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> t
 
 
 def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
-    """Delete a checkpoint's objects, then leave the tombstone (a row marked `deleting`)."""
+    """Delete a checkpoint's objects, then leave the tombstone (a row marked `deleting`).
+    Behind the server only a mark GC signed is carried out: one written into the catalog
+    around it is reported and left (`registry.signed_facts`)."""
+    if ctx.server and not _mark_is_signed(ctx, ref):
+        errors.append(
+            f"{ref}: its deletion mark is unsigned or forged (not made by this server's GC): "
+            "left as it is (reg fsck names it)"
+        )
+        return 0
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     freed, done = delete_prefix(ctx, prefix, str(ref), errors)
     if not done:
@@ -331,6 +352,21 @@ def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> in
                 reason=row.delete_reason,
             )
     return freed
+
+
+def _mark_is_signed(ctx: Context, ref: CheckpointRef) -> bool:
+    with ctx.catalog.session() as s:
+        row = s.exec(
+            select(Checkpoint)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(Project.name == ref.project, Run.name == ref.run, Checkpoint.step == ref.step)
+        ).first()
+        return (
+            row is not None
+            and ctx.audit_key is not None
+            and signed_facts.deletion_is_signed(s, ctx.audit_key, row)
+        )
 
 
 def finish_interrupted(ctx: Context, errors: list[str]) -> int:
