@@ -372,3 +372,31 @@ def test_a_deletion_mark_written_as_the_runtime_role_deletes_nothing(
     res = cli("fsck", "--json", env=admin)
     found = {(p["kind"], p["target"]) for p in json.loads(res.stdout)["problems"]}
     assert res.returncode == 1 and ("deletion-unsigned", "deletion of team-a/r@step2") in found
+
+
+@pytest.mark.postgres
+def test_key_paths_rewritten_in_the_catalog_do_not_decide_the_resume_gate(
+    cli,
+    ckpts,
+    roles,  # noqa: F811
+    runtime_server,
+):
+    """Resumability is decided from the key paths; behind the server a promotion proves the
+    recorded ones against the stored .metadata (its digest checked) before the gate."""
+    server, db = runtime_server
+    alice, rel = server.client_env("alice"), server.client_env("rel")
+    _push(cli, ckpts, alice, step=2)
+    with _connect(roles.owner, db) as conn:
+        keys, sidecars = conn.execute("SELECT keys, sidecars FROM key_set").fetchone()
+        keys = sorted([*keys, "lr_scheduler.last_epoch"])
+        body = json.dumps({"keys": keys, "sidecars": sidecars}, separators=(",", ":"))
+        conn.execute("ALTER TABLE key_set DISABLE TRIGGER USER")
+        conn.execute(
+            "UPDATE key_set SET keys = %s::json, sha256 = %s",
+            (json.dumps(keys), hashlib.sha256(body.encode()).hexdigest()),
+        )
+        conn.execute("ALTER TABLE key_set ENABLE TRIGGER USER")
+        conn.commit()
+    res = cli("promote", "team-a/r@step2", "--model", "tiny-a", env=rel)
+    line = _one_line(res)
+    assert res.returncode == 1 and "not those of its stored .metadata" in line, line

@@ -253,6 +253,17 @@ def facts_of_checkpoint(
     them, read from its `.metadata` (proven against the catalog's sha256), and recorded when
     `record` (commands that write anyway: validate, promote; reads never take the write lock)."""
     facts = recorded_facts(ctx, ref, ckpt)
+    if facts is not None and record and ctx.server:
+        # Behind the server the key paths decide a gate (resumability), and their rows could
+        # have been written around it: proven again from the stored, digest-checked .metadata.
+        from registry.errors import IntegrityError
+
+        stored = from_stored_metadata(ctx, ref, ckpt, files)
+        if stored.sha256 != facts.sha256:
+            raise IntegrityError(
+                f"{ref}: the catalog's key paths are not those of its stored .metadata",
+                "the catalog was changed outside reg: run `reg audit verify` and tell an admin",
+            )
     if facts is not None:
         return facts
     facts = from_stored_metadata(ctx, ref, ckpt, files)
