@@ -263,6 +263,7 @@ def test_a_crash_loop_is_one_failure_and_a_preemption_loses_work(clean_env: Path
 
 
 def test_heartbeat_inputs_are_bounded_and_seconds_clamped(clean_env: Path):
+    started = time.time()
     _attempt("hb", 5)
     ok = {"step": 5, "seconds": 1.0, "world_size": 1}
     with Registry() as reg:
@@ -276,7 +277,8 @@ def test_heartbeat_inputs_are_bounded_and_seconds_clamped(clean_env: Path):
             with pytest.raises(UsageError):
                 reg.heartbeat("hb", **(ok | bad))
         got = reg.heartbeat("hb", **(ok | {"seconds": 6 * 86400.0}))
-        assert got["recorded"] and got["seconds"] <= 700  # the server's clock + slack
+        # the registry's clock since the run's previous report, no slack (issue 32)
+        assert got["recorded"] and got["seconds"] <= time.time() - started
         reg.heartbeat("hb", **ok, ended=True)
         assert any(e["action"] == "heartbeat-ended" for e in reg.audit_log())
 

@@ -3,9 +3,21 @@ is classified when it is recorded.
 
 - A heartbeat (`CheckpointManager.step_done`, flushed every `heartbeat_s`, at each save and at
   close): the last step reached, the time at risk since the previous heartbeat (added to the
-  run's `train_seconds`, and x world size to `gpu_seconds`), the median step time, and for
-  each background save that finished, the slowdown of the steps it overlapped (merged into
-  that checkpoint's `save_costs`: `interference_seconds`, `c_eff_seconds`, ...).
+  run's `train_seconds`, and x the run's world size to `gpu_seconds`), the median step time,
+  and for each background save that finished, the slowdown of the steps it overlapped (merged
+  into that checkpoint's `save_costs`: `interference_seconds`, `c_eff_seconds`, ...).
+- Exposure cannot grow faster than wall time: a heartbeat adds at most the time the
+  registry's clock moved since the run's previous report (its previous recorded heartbeat or
+  restore; its creation before either), and that report time only moves forward, so a run's
+  `train_seconds` never exceeds the wall time since it was created, however many heartbeats
+  arrive (a burst adds the burst's duration). Reports are serialized per run (the row is
+  locked), so two at once do not both count the same stretch.
+- The world size is the registry's, never the heartbeat's: the newest saved checkpoint's
+  (committed, or collected since; at most MAX_WORLD_SIZE). A heartbeat's `world_size` is still
+  accepted and bounds-checked (older clients send it) and otherwise ignored. Until the run
+  has a saved checkpoint no world size is known: the heartbeat is not recorded
+  (`recorded: false`) and the job keeps its time for the next one, which the clock then bounds
+  by the time since the run's creation. (A pending claim records no world size.)
 - `plan_restart`: the next restore of the run is planned, not a failure.
 - `classify`: a restore is a `start` (the run never reported a step), `planned`, a `resume` (the
   previous attempt closed: finished, or killed by SIGTERM/Ctrl-C), a `failure` (the job died
@@ -13,9 +25,8 @@ is classified when it is recorded.
   before advancing: a crash loop is one failure, not one per restore). Every kind keeps the
   step the run had reached, with the run's exposure then: lost work is counted wherever the
   reached step is past the restored one (a preemption loses work too).
-- Inputs are bounded (steps < 2^63, ASCII digits; world size <= 1e6) and a heartbeat's time at
-  risk is clamped to the server's time since the run's previous report plus a slack: a bad
-  input is a 400, never a 500, and no trainer can add a week of exposure per call.
+- Inputs are bounded (steps < 2^63, ASCII digits; world size <= 1e6): a bad input is a 400,
+  never a 500.
 """
 
 from __future__ import annotations
@@ -39,7 +50,6 @@ MAX_HEARTBEAT_SECONDS = 7 * 86400.0  # one heartbeat's time at risk (a week with
 MAX_SAVES = 64  # finished background saves one heartbeat reports
 MAX_STEP = 2**63 - 1
 MAX_WORLD_SIZE = 1_000_000
-CLOCK_SLACK_S = 600.0  # a heartbeat's time at risk may exceed the server's clock by this much
 ECONOMICS_EVERY_S = 300.0  # MLflow's economics from heartbeats: at most this often per run
 _emitted: dict[tuple[str, str], float] = {}  # (project, run) -> when its economics last went out
 SAVE_FIELDS = ("interference_seconds", "blocked_seconds", "baseline_step_seconds", "steps_during")
@@ -52,29 +62,34 @@ def record_heartbeat(
     *,
     step: int | None,
     seconds: float,
-    world_size: int,
+    world_size: int | None = None,
     step_seconds: float | None = None,
     saves: dict[str, dict[str, float]] | None = None,
     ended: bool = False,
 ) -> dict[str, Any]:
-    """Add one heartbeat to `project/run` (trainer). `recorded: false` when the run does not
-    exist yet (no save committed): the job keeps its figures for the next heartbeat."""
+    """Add one heartbeat to `project/run` (trainer). `recorded: false` when the run has no
+    saved checkpoint yet (it does not exist, or its first save is not committed): the job keeps
+    its figures for the next heartbeat. `world_size` is checked and ignored (the module's
+    docstring says why); the answer says the one used."""
     check_name(project, "project name")
     check_name(run, "run name")
     _check(step, seconds, world_size, step_seconds, saves)
     ctx.authorize("push", project=project, target=f"{project}/{run}")
     with ctx.catalog.session(write=True) as s:
-        row = queries.find_run(s, project, run)
+        row = _locked_run(s, project, run)
         if row is None:
             return {"recorded": False}
-        at = now()
+        world = known_world_size(s, row)
+        if world is None:
+            return {"recorded": False}
+        at = now()  # after the lock: a report that waited for it sees the one before it
         since = row.last_step_at if row.last_step_at is not None else row.created_at
-        seconds = min(seconds, max(0.0, at - since) + CLOCK_SLACK_S)
+        seconds = min(seconds, max(0.0, at - since))
         if step is not None:
             row.last_step = int(step)
-        row.last_step_at = at  # the previous report, for the next heartbeat's clamp
+        row.last_step_at = max(since, at)  # never back: a clock behind another adds nothing
         row.train_seconds = (row.train_seconds or 0.0) + seconds
-        row.gpu_seconds = (row.gpu_seconds or 0.0) + seconds * world_size
+        row.gpu_seconds = (row.gpu_seconds or 0.0) + seconds * world
         if step_seconds is not None:
             row.step_seconds = step_seconds
         row.attempt_ended_at = at if ended else None
@@ -84,7 +99,42 @@ def record_heartbeat(
             ctx.audit(s, "heartbeat-ended", f"{project}/{run}", step=step)
         if ended or (merged and _due(project, run)):
             emit_economics(ctx, s, project, run, row)
-    return {"recorded": True, "saves": merged, "seconds": round(seconds, 4)}
+    return {"recorded": True, "saves": merged, "seconds": round(seconds, 4), "world_size": world}
+
+
+def _locked_run(s: Session, project: str, run: str) -> Run | None:
+    """The run's row, locked until the session ends (PostgreSQL; SQLite's write transactions
+    already take turns): heartbeats of one run are added one after the other."""
+    from sqlmodel import select
+
+    from registry.catalog.models import Project, Run
+
+    return s.exec(
+        select(Run)
+        .join(Project)
+        .where(Project.name == project, Run.name == run)
+        .with_for_update(of=Run)
+    ).first()
+
+
+def known_world_size(s: Session, run: Run) -> int | None:
+    """The world size the registry knows `run` at: its newest saved checkpoint's (committed,
+    or collected since), at most MAX_WORLD_SIZE; None before its first commit."""
+    from sqlmodel import col, select
+
+    from registry.catalog.models import COMMITTED, DELETED, DELETING, Checkpoint
+
+    world = s.exec(
+        select(Checkpoint.world_size)
+        .where(
+            Checkpoint.run_id == run.id,
+            col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
+            col(Checkpoint.world_size) > 0,
+        )
+        .order_by(col(Checkpoint.step).desc())
+        .limit(1)
+    ).first()
+    return None if world is None else min(int(world), MAX_WORLD_SIZE)
 
 
 def _due(project: str, run: str) -> bool:
@@ -138,7 +188,8 @@ def classify(session: Session, run: Run, restored_step: int, restore: Checkpoint
     restore.train_seconds = run.train_seconds
     restore.gpu_seconds = run.gpu_seconds
     restore.step_seconds = run.step_seconds
-    run.last_step, run.last_step_at = restored_step, at
+    run.last_step = restored_step
+    run.last_step_at = at if run.last_step_at is None else max(run.last_step_at, at)
     run.restart_planned_at = run.attempt_ended_at = None
     session.add(run)
 
@@ -202,7 +253,7 @@ def emit_economics(ctx: Context, s: Session, project: str, run: str, row: Run) -
 def _check(
     step: int | None,
     seconds: float,
-    world_size: int,
+    world_size: int | None,
     step_seconds: float | None,
     saves: dict[str, dict[str, float]] | None,
 ) -> None:
@@ -217,7 +268,7 @@ def _check(
     ):
         raise UsageError(f"step must be an integer from 0 to {MAX_STEP}")
     number(seconds, "seconds", MAX_HEARTBEAT_SECONDS)
-    if (
+    if world_size is not None and (
         isinstance(world_size, bool)
         or not isinstance(world_size, int)
         or not 1 <= world_size <= MAX_WORLD_SIZE
