@@ -33,10 +33,11 @@ def advise(
     """Checkpoint economics of a run from what it paid: C_eff, RTO, failures, the optimum
     interval (Young, Daly, availability), waste, regret and one sentence of advice."""
     from registry.errors import UsageError
+    from registry.lifecycle.economics.advise import MAX_GPUS
 
     mtbf_s = _mtbf(mtbf) if mtbf is not None else None
-    if gpus is not None and gpus < 1:
-        raise UsageError(f"--gpus must be a positive integer, got {gpus}")
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS:
+        raise UsageError(f"--gpus must be an integer from 1 to {MAX_GPUS}, got {gpus}")
     if plot is not None and plot.suffix.lower() != ".svg":
         raise UsageError(f"--plot writes SVG: name the file *.svg, not {plot.name}")
     with open_registry() as reg:
@@ -52,19 +53,20 @@ def advise(
 
 
 def _mtbf(text: str) -> float:
-    """--mtbf: a positive duration up to MAX_MTBF_S; the error suggests only what it takes."""
+    """--mtbf: a duration from MIN_MTBF_S to MAX_MTBF_S; the error suggests only what it
+    takes."""
     import math
 
     from policies.loader import parse_duration
     from registry.errors import UsageError
-    from registry.lifecycle.economics.advise import MAX_MTBF_S
+    from registry.lifecycle.economics.advise import MAX_MTBF_S, MIN_MTBF_S
 
     problem = "--mtbf must be a duration from 1s to 100 years, like '24h', '90m' or '30d'"
     try:
         seconds = parse_duration(text)
     except ValueError:
         raise UsageError(f"{problem}, got {text!r}") from None
-    if not 0 < seconds <= MAX_MTBF_S or not math.isfinite(seconds):
+    if not MIN_MTBF_S <= seconds <= MAX_MTBF_S or not math.isfinite(seconds):
         raise UsageError(f"{problem}, got {text!r}")
     return seconds
 
@@ -124,7 +126,7 @@ def _plot(out: dict[str, Any], path: Path) -> None:
             f"{out['run']}: nothing measured to plot", "save from the training loop first"
         )
     document = svg(
-        cost_s=float(c["median_s"]),
+        cost_s=float(waste.get("cost_s") or c["median_s"]),  # the model's (a floor for ~0)
         rto_s=float((out.get("rto") or {}).get("median_s") or 0.0),
         mtbf_s=float(waste["mtbf_s"]),
         gpus=int(out["gpus"]),

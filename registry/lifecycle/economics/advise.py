@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 ASSUMED_MTBF_S = 86400.0  # the prior: no failure measured, no --mtbf, no --fleet failures
 MIN_GAPS = 2  # failures needed to resample their gaps
+MIN_MTBF_S = 1.0  # --mtbf from 1 s (a measured one may be shorter: the model takes any M > 0)
 MAX_MTBF_S = 100 * 365.25 * 86400.0  # --mtbf up to 100 years
+MAX_GPUS = 1_000_000  # --gpus up to this (a heartbeat's world size has the same bound)
+MIN_COST_S = 1e-4  # C_eff is recorded to 0.1 ms: the model takes a smaller one (0 too) as this
 CONFIDENCE = 0.90
 NEAR = 0.2  # an interval within 20% of the optimum is "near" it (waste is flat there)
 
@@ -45,12 +48,14 @@ def advise(
     """The run's economics. `legacy`: also the keys `reg recovery --json` had (one release)."""
     check_name(run, "run name")
     check_name(project, "project name")
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise UsageError(f"--gpus must be a positive integer, got {gpus}")
+    if gpus is not None and (
+        isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS
+    ):
+        raise UsageError(f"--gpus must be an integer from 1 to {MAX_GPUS}, got {gpus}")
     if mtbf_s is not None and (
         isinstance(mtbf_s, bool)
         or not isinstance(mtbf_s, int | float)
-        or not 0 < mtbf_s <= MAX_MTBF_S
+        or not MIN_MTBF_S <= mtbf_s <= MAX_MTBF_S  # NaN fails it too
     ):
         raise UsageError(f"--mtbf must be a duration from 1s to 100 years, got {mtbf_s}s")
     ctx.authorize_read(project=project)
@@ -157,6 +162,9 @@ def _compose(
         out["advice"] = "no checkpoint cost measured yet: save from the training loop first"
         return out
     cost = statistics.median(c_eff)
+    if cost < MIN_COST_S:  # an optimum of 0 s (and divisions by it) for a cost of 0
+        out["c_eff"]["model_floor_s"] = MIN_COST_S
+        cost = MIN_COST_S
     r = float(rto["median_s"]) if rto else 0.0
     best = model.optimal(cost, mtbf)
     out["interval"] |= {
@@ -164,12 +172,13 @@ def _compose(
         "daly_s": _r(model.daly(cost, mtbf)),
         "availability_s": _r(best),
         "advised_s": _r(best),
-        "advised_steps": max(1, round(best / step_s)) if step_s else None,
+        "advised_steps": _steps(best, step_s),
     }
     waste = {
         "model": "Daly's full model: Poisson failures of mean M at any time; a failure loses the "
         "work since the last completed checkpoint plus a restart R (also at risk)",
         "mtbf_s": _r(mtbf),
+        "cost_s": _r(cost),
         "advised_fraction": _r(model.waste(best, cost, r, mtbf), 6),
         "availability_advised": _r(model.availability(best, cost, r, mtbf), 6),
         "lost_per_failure_advised_s": _r(model.lost_per_failure(best, cost, r, mtbf)),
@@ -236,8 +245,9 @@ def choose_mtbf(
         }
     if mtbf_s is not None:
         return mtbf_s, doc | {"mtbf_s": mtbf_s, "mtbf_source": "--mtbf"}
-    if n > 0 and gpu_hours > 0:
-        m = model.mtbf_of(n / gpu_hours, gpus)
+    # 0 s when the exposure is too small for a float to divide by (then as with none)
+    m = model.mtbf_of(n / gpu_hours, gpus) if n > 0 and gpu_hours > 0 else 0.0
+    if m > 0:
         where = "the project's runs pooled" if fleet else "the run's failures"
         return m, doc | {"mtbf_s": _r(m), "mtbf_source": f"measured: {where}"}
     why = (
@@ -318,7 +328,8 @@ def _sentence(
     gpus: int,
 ) -> str:
     basis = f"C_eff {human(cost)}, RTO {human(rto)}, MTBF {human(mtbf)}"
-    steps = f" (every {max(1, round(best / step_s))} steps)" if step_s else ""
+    every = _steps(best, step_s)
+    steps = f" (every {every} steps)" if every else ""
     if not tau_now:
         return f"Checkpoint every {human(best)}{steps} ({basis})."
     if abs(tau_now / best - 1.0) <= NEAR:
@@ -335,6 +346,14 @@ def _sentence(
         f"that saves {regret:.3g} GPU-hours a day on {gpus} GPU(s), and the expected loss per "
         f"failure goes from {human(lost_now)} to {human(lost_best)} ({basis})."
     )
+
+
+def _steps(seconds: float, step_s: float | None) -> int | None:
+    """An interval in training steps (at least 1); None without a (usable) step time."""
+    if not step_s:
+        return None
+    steps = seconds / step_s
+    return max(1, round(steps)) if math.isfinite(steps) else None
 
 
 def human(seconds: float) -> str:

@@ -8,6 +8,7 @@ the save costs: they were paid for. `checkpoints` is every saved one; `committed
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,10 +70,11 @@ class RunFacts:
                     c_eff.append(float(row.upload_seconds))
                 continue
             stalls.append(stall)
-            if _num(costs.get("c_eff_seconds")) is not None:  # type: ignore[union-attr]
+            total = _num(costs.get("c_eff_seconds"))  # type: ignore[union-attr]
+            if total is not None:
                 measured += 1
-                c_eff.append(float(costs["c_eff_seconds"]))  # type: ignore[index]
-                extra.append(c_eff[-1] - stall)
+                c_eff.append(total)
+                extra.append(total - stall)
             elif costs.get("async"):  # type: ignore[union-attr]
                 unmeasured += 1  # a background save no step times were reported around
                 c_eff.append(stall)
@@ -252,6 +254,12 @@ def _world(facts: RunFacts) -> int:
 
 
 def _num(value: object) -> float | None:
+    """A recorded figure as a float; None unless a finite number >= 0 (an integer too large
+    for a float, which a reported save_costs may hold, included)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 HOURS_PER_DAY = 24.0
 SERIES_BELOW = 1e-8  # C/M below this: optimal() is u = sqrt(2x) - 2x/3 (relative error ~x)
+EXP_MAX = 700.0  # math.exp overflows a float just above 709
 
 
 def young(cost_s: float, mtbf_s: float) -> float:
@@ -66,9 +67,11 @@ def availability(tau_s: float, cost_s: float, rto_s: float, mtbf_s: float) -> fl
     if tau_s <= 0:
         return 0.0
     try:
-        return tau_s / segment_time(tau_s, cost_s, rto_s, mtbf_s)
+        segment = segment_time(tau_s, cost_s, rto_s, mtbf_s)
     except OverflowError:
         return 0.0
+    # (tau + C)/M so small that e^that - 1 underflows: no failure strikes, T is tau + C
+    return tau_s / (segment if segment > 0 else tau_s + cost_s)
 
 
 def waste(tau_s: float, cost_s: float, rto_s: float, mtbf_s: float) -> float:
@@ -82,11 +85,13 @@ def optimal(cost_s: float, mtbf_s: float) -> float:
     x = cost_s / mtbf_s
     if x < SERIES_BELOW:  # the bisection cannot resolve 1 - x here: the series is exact enough
         return mtbf_s * (math.sqrt(2.0 * x) - 2.0 * x / 3.0)
-    # (1 - u) e^u = e^-x  <=>  -log(1 - u) - u = x, increasing in u (log1p keeps small u exact)
+    # (1 - u) e^u = e^-x  <=>  -log(1 - u) - u = x, increasing in u (log1p keeps small u exact).
+    # Once C/M passes ~36, u is 1 - e^-(x+1): within an ulp of 1, where the midpoint rounds to
+    # 1.0 and log1p(-1) has no value; the left side is infinite there (the root lies below).
     lo, hi = 0.0, 1.0
     for _ in range(200):
         mid = (lo + hi) / 2.0
-        if -math.log1p(-mid) - mid < x:
+        if mid < 1.0 and -math.log1p(-mid) - mid < x:
             lo = mid
         else:
             hi = mid
@@ -97,7 +102,12 @@ def lost_per_failure(tau_s: float, cost_s: float, rto_s: float, mtbf_s: float) -
     """Expected work lost per failure (time since the last completed checkpoint) plus R."""
     length = tau_s + cost_s
     x = length / mtbf_s
-    since = length / 2.0 if x < 1e-6 else mtbf_s - length / math.expm1(x)
+    if x < 1e-6:
+        since = length / 2.0
+    elif x > EXP_MAX:  # e^x overflows: length / (e^x - 1) is below an ulp of M
+        since = mtbf_s
+    else:
+        since = mtbf_s - length / math.expm1(x)
     return since + rto_s
 
 
