@@ -165,3 +165,23 @@ def test_the_plot_is_svg_with_both_intervals_marked():
     assert root.tag.endswith("svg")
     text = "".join(root.itertext())
     assert "advised 28.7min" in text and "current 2h" in text and "GPU-hours/day" in text
+
+
+def test_a_simulation_is_bounded_whatever_the_gaps():
+    """Gaps shorter than a restart made one `reg advise` (a viewer's request to the server)
+    run for minutes: the simulation stops at MAX_STEPS vectorised steps, leaves the trials it
+    did not finish out (counted) and keeps its figures sound."""
+    calls = 0
+    inner = simulate.resampled([1.0, 2.0], seed=1, censored_s=[10.0])
+
+    def counted(n):
+        nonlocal calls
+        calls += 1
+        return inner(n)
+
+    out = simulate.run(60.0, 1.0, 5.0, counted, trials=2000, segments=200)
+    assert calls <= simulate.MAX_STEPS + 2
+    assert 0.0 <= out.fraction <= 1.0 and 0.0 < out.capped_share <= 1.0
+    # An input the bound does not reach gives what it gave before.
+    calm = simulate.run(60.0, 1.0, 5.0, simulate.resampled([1.0, 1.0], seed=1, censored_s=[200.0]))
+    assert calm.capped_share == 0.0 and calm.fraction == pytest.approx(0.1009, abs=1e-3)

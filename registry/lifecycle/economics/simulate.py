@@ -7,7 +7,11 @@ from an exponential distribution of mean M (the analytic model's assumption: the
 then checks the formulas) or resampled, with replacement, from the gaps the job really saw
 between failures (a renewal process: what the run would really see), the run's failure-free
 tail counted as survival. Seeded: the same inputs give the same figures. A trial that cannot
-finish a segment (MAX_ROUNDS failures in a row) is left out and counted: `capped_share`.
+finish a segment (MAX_ROUNDS failures in a row) is left out and counted: `capped_share`. The
+whole simulation is bounded too (MAX_STEPS vectorised steps, a few seconds at most): gaps
+shorter than a restart made one `reg advise` run for minutes, a request any viewer can send to
+the server; a trial still in a segment at the bound is left out and counted the same way, and
+the others count the segments they completed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 Draw = Callable[[int], Any]  # n -> n failure gaps (a numpy array)
 MAX_ROUNDS = 1000  # failures in a row before a segment (or a restart) is taken as impossible
+MAX_STEPS = 50_000  # vectorised steps in one run (segments, failures and restarts together)
 
 
 def exponential(mtbf_s: float, seed: int = 0) -> Draw:
@@ -94,14 +99,17 @@ def run(
         return Simulated(1.0, 0.0)
     length = tau_s + cost_s
     wall = np.zeros(trials)
+    completed = np.zeros(trials)  # segments each trial got through
     stuck = np.zeros(trials, dtype=bool)
     until_failure = draw(trials)  # time left until each trial's next failure
+    budget = [MAX_STEPS]
     for _ in range(segments):
         todo = ~stuck  # the trials whose segment is not done yet
         rounds = 0
         while todo.any():
             rounds += 1
-            if rounds > MAX_ROUNDS:
+            budget[0] -= 1
+            if rounds > MAX_ROUNDS or budget[0] < 0:
                 stuck |= todo  # no progress: the gaps never cover a restart and a segment
                 break
             idx = np.flatnonzero(todo)
@@ -110,28 +118,36 @@ def run(
             done = idx[ok]
             wall[done] += length
             until_failure[done] -= length
+            completed[done] += 1
             todo[done] = False
             failed = idx[~ok]
             if failed.size == 0:
                 break
             wall[failed] += until_failure[failed]  # the work lost
             until_failure[failed] = draw(failed.size)
-            never = _restart(failed, rto_s, wall, until_failure, draw)
+            never = _restart(failed, rto_s, wall, until_failure, draw, budget)
             stuck[never] = True
             todo[never] = False
+        if budget[0] < 0:  # the bound: what has not finished its segments is left out
+            break
     finished = ~stuck
     capped = float(stuck.mean())
     if not finished.any():
         return Simulated(1.0, capped)
-    kept = tau_s * segments * int(finished.sum())
+    kept = tau_s * float(completed[finished].sum())
     return Simulated(float(1.0 - kept / wall[finished].sum()), capped)
 
 
-def _restart(idx: Any, rto_s: float, wall: Any, until_failure: Any, draw: Draw) -> Any:
+def _restart(
+    idx: Any, rto_s: float, wall: Any, until_failure: Any, draw: Draw, budget: list[int]
+) -> Any:
     """A restart of R for each trial in idx; one that fails starts over. The trials that never
-    got through (after MAX_ROUNDS tries)."""
+    got through (after MAX_ROUNDS tries, or when the run's budget of steps is spent)."""
     for _ in range(MAX_ROUNDS):
         if not idx.size:
+            return idx
+        budget[0] -= 1
+        if budget[0] < 0:
             return idx
         left = until_failure[idx]
         ok = left >= rto_s
