@@ -101,6 +101,41 @@ def checked_dims(value: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
+def packed(numbers: tuple[int, ...] | int) -> bytes:
+    """Checked numbers (0..2^63) as a dict key. An int hashes to itself (a tuple of ints, to a
+    function of theirs that anyone can compute), so a file can pick numbers that share one
+    probe path of a dict, and each insertion then walks past all the others; bytes hash with
+    the process's secret key."""
+    if isinstance(numbers, int):
+        return numbers.to_bytes(8, "little")
+    return b"".join(n.to_bytes(8, "little") for n in numbers)
+
+
+MAX_SAME_HASH = 16
+
+
+class HashCount:
+    """The keys of one dict, counted by hash: more than MAX_SAME_HASH sharing one is refused.
+    DCP keys storage_data by MetadataIndex, which hashes its fqn (text: salted, so no file can
+    aim where its keys land) with its offsets (numbers: not salted). Keys of one fqn can still
+    be made to hash alike (an offset with a 0 lets the other dimensions take any values equal
+    modulo 2^61-1), and n of them cost n^2 comparisons."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.counts: dict[bytes, int] = {}
+
+    def check(self, key: Any) -> Any:
+        found = hash(key).to_bytes(8, "little", signed=True)
+        count = self.counts[found] = self.counts.get(found, 0) + 1
+        if count > MAX_SAME_HASH:
+            raise InvalidCheckpoint(
+                f".metadata: over {MAX_SAME_HASH} {self.where} keys share one hash",
+                "the file is corrupt or crafted",
+            )
+        return key
+
+
 def checked_path(value: Any) -> str:
     """A storage location: text, or the path object an older torch pickled."""
     return checked_text(str(value) if isinstance(value, PurePath) else value, "a relative path")
@@ -127,7 +162,7 @@ def inventory(metadata: Any) -> Inventory:
 
 
 def _inventory(metadata: Any) -> Inventory:
-    ranges: dict[str, dict[int, ChunkRange]] = {}
+    ranges: dict[str, dict[bytes, ChunkRange]] = {}  # fqn -> packed chunk index -> range
     files: set[str] = set()
     transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -139,7 +174,8 @@ def _inventory(metadata: Any) -> Inventory:
         for descriptor in getattr(info, "transform_descriptors", None) or ():
             transforms.add(checked_text(descriptor, "a transform"))
         position = index.index if index.index is not None else 0
-        ranges.setdefault(fqn, {})[checked_int(position, f"the chunk index of {fqn}")] = ChunkRange(
+        position = checked_int(position, f"the chunk index of {fqn}")
+        ranges.setdefault(fqn, {})[packed(position)] = ChunkRange(
             checked_dims(index.offset or (), f"the chunk offsets of {fqn}"),
             (),
             path,
@@ -152,7 +188,7 @@ def _inventory(metadata: Any) -> Inventory:
     for fqn, meta in metadata.state_dict_metadata.items():
         checked_text(fqn, "an fqn")
         stored = ranges.get(fqn, {})
-        by_offsets = {r.offsets: r for r in stored.values()}  # one lookup per chunk: linear
+        by_offsets = {packed(r.offsets): r for r in stored.values()}  # a lookup per chunk
         if hasattr(meta, "chunks"):
             dtype = dtype_name(meta.properties.dtype)
             itemsize = DTYPE_SIZES.get(dtype)  # from the table, never from the file
@@ -165,7 +201,7 @@ def _inventory(metadata: Any) -> Inventory:
             for i, chunk in enumerate(meta.chunks):
                 offsets = checked_dims(chunk.offsets, f"a chunk offset of {fqn}")
                 sizes = checked_dims(chunk.sizes, f"a chunk size of {fqn}")
-                found = by_offsets.get(offsets) or stored.get(i)
+                found = by_offsets.get(packed(offsets)) or stored.get(packed(i))
                 if found is None:
                     raise InvalidCheckpoint(
                         f".metadata lists chunk {i} of {fqn} with no storage location",
@@ -205,7 +241,7 @@ def cover_problem(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRange]) ->
     boxes = [c for c in chunks if math.prod(c.sizes)]
     # Sweep the dimension the chunks are split along most (rows for FSDP, columns for a
     # column-parallel shard), comparing only chunks whose extents there meet.
-    d = max(range(len(shape)), key=lambda i: len({c.offsets[i] for c in boxes}))
+    d = max(range(len(shape)), key=lambda i: len({packed(c.offsets[i]) for c in boxes}))
     boxes.sort(key=lambda c: (c.offsets[d], c.sizes[d]))
     active: list[ChunkRange] = []
     budget = 64 * len(boxes) + 4096  # pair tests: DCP's layouts need about one per chunk

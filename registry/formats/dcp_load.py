@@ -28,7 +28,7 @@ from torch.futures import Future
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
-from registry.formats.torch_archive import LayoutUnpickler, plain_layout
+from registry.formats.torch_archive import check_archive, plain_layout, read_layout
 from registry.formats.torch_zip import Region, canonical
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class ChunkSource(Protocol):
 
 def load_chunk(data: bytes, where: str) -> torch.Tensor:
     try:
+        check_archive(data)  # nothing that would make torch's unpickler quadratic
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise IntegrityError(
@@ -56,6 +57,7 @@ def load_chunk(data: bytes, where: str) -> torch.Tensor:
 
 def load_object(data: bytes, where: str) -> Any:
     try:
+        check_archive(data)  # nothing that would make torch's unpickler quadratic
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         if "weights_only" in str(exc) or "Unsupported global" in str(exc):
@@ -187,7 +189,7 @@ def stored_tensor_view(data: Any, dtype: str, sizes: tuple[int, ...]) -> torch.T
     plain tensor (the one reading validation checked, `canonical`); None: load it with torch."""
     try:
         found = canonical(Region(data, 0, b""))
-        layout = plain_layout(LayoutUnpickler(io.BytesIO(found.pickle)).load(), dtype, sizes)
+        layout = plain_layout(read_layout(found.pickle)[0], dtype, sizes)
     except Exception:  # not canonical, or a data.pkl that is no plain layout: torch decides
         return None
     if layout is None or layout.key != found.key or found.byteorder not in (None, b"little"):

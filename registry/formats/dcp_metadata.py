@@ -3,7 +3,9 @@
 `.metadata` is a pickle, and torch's own `FileSystemReader.read_metadata` is a plain
 `pickle.load`: a crafted file runs code. `load_metadata` uses an unpickler that resolves only the
 globals a real DCP `.metadata` references and refuses anything else, so nothing outside that
-allowlist is ever imported or called.
+allowlist is ever imported or called. Parsing costs time linear in the file's length whatever
+it holds (`CheckedUnpickler`): no memo index, dict key or reference to a big container can make
+it quadratic.
 
 The stream never reaches a real class either. Every allowed global resolves to a stand-in made
 for this one load (a fresh subclass of a plain attribute holder, or a fresh function), so a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -55,19 +58,153 @@ _ALLOWED_CLASSES = {
 }
 
 
-class _SafeUnpickler(pickle._Unpickler):
-    """Resolves allowlisted globals only, each to a stand-in made for this load.
+# The work a stream may ask of an unpickler, per byte of it (see `CheckedUnpickler.spend`).
+WORK_PER_BYTE = 2
+WORK_FLOOR = 1 << 16
+# How far past the memo's size a memo index may point (see `CheckedUnpickler`).
+MEMO_SLACK = 64
+_SIZED = {str, bytes, bytearray, tuple, list, dict, set, frozenset}
 
-    Python's own unpickler, not the C one: its memo is a dict, so a crafted `LONG_BINPUT` with
-    an index near 2^32 costs one entry, where the C unpickler grows an array to that index
-    (gigabytes, seconds) - parsing stays linear in the file's size. It is about 6x slower
-    (9 ms instead of 1.4 ms for a 31 KB metadata). BUILD is allowed on the stand-in instances
-    only: never on a stand-in function or a container."""
+
+class CheckedUnpickler(pickle._Unpickler):
+    """Python's own unpickler, with the work any stream can ask of it bounded by its length.
+
+    Python's, not the C one: a crafted `LONG_BINPUT` with an index near 2^32 makes the C
+    unpickler grow its memo array to that index (gigabytes, seconds). It is 3 to 6 times slower
+    (40 us instead of 12 for a chunk's layout). Against streams that are short but cost the
+    square of their length or more:
+      - a memo index must be at most MEMO_SLACK past the memo's size (picklers number their
+        memo 0, 1, 2, ...): an int hashes to itself, so indices chosen to share one probe path
+        of the memo dict (distinct small ones will do) would make each insertion walk past all
+        the others; indices below the dict's table size each land in a slot of their own;
+      - every dict key and set member goes through `checked_key` before it is hashed, for the
+        same reason (subclasses say which values may be keys);
+      - a call or BUILD is charged the size of what it is handed (`spend`): a container reached
+        again through the memo costs its whole size each time, so a 1 MB stream could hand one
+        list of 100,000 items to 100,000 calls. More than WORK_PER_BYTE per byte is refused
+        (DCP's own `.metadata` needs about 0.3).
+    """
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+        self.source = io.BytesIO(data)
+        super().__init__(self.source)
+        self._work = WORK_PER_BYTE * len(data) + WORK_FLOOR
+
+    def checked_key(self, value: Any, target: Any) -> Any:
+        """`value`, if it may be a key or member of `target` (the dict or set it goes into)."""
+        if type(value) is str:  # hashed with the process's secret key: no stream can aim it
+            return value
+        raise pickle.UnpicklingError(f"{type(value).__name__} as a key or set member")
+
+    def spend(self, value: Any) -> None:
+        """Charge 1 plus `value`'s length and, for a tuple or list, its items' lengths (paid
+        for before they are walked)."""
+        work = self._work - 1
+        if type(value) in _SIZED:
+            work -= len(value)
+            if work >= 0 and type(value) in (tuple, list):
+                for item in value:
+                    if type(item) in _SIZED:
+                        work -= len(item)
+        self._work = work
+        if work < 0:
+            raise pickle.UnpicklingError(
+                f"the stream asks for more than {WORK_PER_BYTE} steps of work per byte"
+            )
+
+    def memo_index(self, index: int) -> int:
+        held = len(self.memo)  # type: ignore[attr-defined]
+        if not 0 <= index < held + MEMO_SLACK:
+            raise pickle.UnpicklingError(
+                f"memo index {index} out of sequence (the memo holds {held})"
+            )
+        return index
+
+    def _load_put(self) -> None:
+        index = self.memo_index(int(self.readline()[:-1]))  # type: ignore[attr-defined]
+        self.memo[index] = self.stack[-1]  # type: ignore[attr-defined]
+
+    def _load_long_binput(self) -> None:
+        (index,) = struct.unpack("<I", self.read(4))  # type: ignore[attr-defined]
+        self.memo[self.memo_index(index)] = self.stack[-1]  # type: ignore[attr-defined]
+
+    def _load_reduce(self) -> None:
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        pickle._Unpickler.load_reduce(self)  # type: ignore[attr-defined]
+
+    def _load_newobj(self) -> None:
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
+
+    def _load_newobj_ex(self) -> None:
+        self.spend(self.stack[-2])  # type: ignore[attr-defined]
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
+
+    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+        self.spend(args)
+        pickle._Unpickler._instantiate(self, klass, args)  # type: ignore[attr-defined]
+
+    def _load_build(self) -> None:
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        target: dict[Any, Any] = {}
+        for i in range(0, len(items), 2):
+            target[self.checked_key(items[i], target)] = items[i + 1]
+        self.append(target)  # type: ignore[attr-defined]
+
+    def _load_setitem(self) -> None:
+        stack = self.stack  # type: ignore[attr-defined]
+        value, key = stack.pop(), stack.pop()
+        target = stack[-1]
+        target[self.checked_key(key, target)] = value
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        target = self.stack[-1]  # type: ignore[attr-defined]
+        for i in range(0, len(items), 2):
+            target[self.checked_key(items[i], target)] = items[i + 1]
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        target = self.stack[-1]  # type: ignore[attr-defined]
+        for item in items:
+            target.add(self.checked_key(item, target))
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        members: set[Any] = set()
+        for item in items:
+            members.add(self.checked_key(item, members))
+        self.append(frozenset(members))  # type: ignore[attr-defined]
+
+    dispatch[pickle.PUT[0]] = _load_put  # type: ignore[assignment]
+    dispatch[pickle.LONG_BINPUT[0]] = _load_long_binput  # type: ignore[assignment]
+    dispatch[pickle.REDUCE[0]] = _load_reduce  # type: ignore[assignment]
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj  # type: ignore[assignment]
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex  # type: ignore[assignment]
+    dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]
+    dispatch[pickle.DICT[0]] = _load_dict  # type: ignore[assignment]
+    dispatch[pickle.SETITEM[0]] = _load_setitem  # type: ignore[assignment]
+    dispatch[pickle.SETITEMS[0]] = _load_setitems  # type: ignore[assignment]
+    dispatch[pickle.ADDITEMS[0]] = _load_additems  # type: ignore[assignment]
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset  # type: ignore[assignment]
+
+
+class _SafeUnpickler(CheckedUnpickler):
+    """Resolves allowlisted globals only, each to a stand-in made for this load. BUILD is
+    allowed on the stand-in instances only: never on a stand-in function or a container. Keys
+    are names and stand-ins (see `_key`)."""
+
+    dispatch = dict(CheckedUnpickler.dispatch)
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
         self._made: dict[tuple[str, str], Any] = {}
 
     def _load_build(self) -> None:
@@ -78,39 +215,14 @@ class _SafeUnpickler(pickle._Unpickler):
                 "checkpoint never does; refused",
                 "the file is corrupt or crafted: do not load it with torch either",
             )
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+        CheckedUnpickler._load_build(self)
 
     dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]
 
-    # Dict keys and set members are checked before they are hashed (see `_key`).
-    def _load_dict(self) -> None:
-        items = self.pop_mark()  # type: ignore[attr-defined]
-        self.append({_key(items[i]): items[i + 1] for i in range(0, len(items), 2)})  # type: ignore[attr-defined]
-
-    def _load_setitem(self) -> None:
-        stack = self.stack  # type: ignore[attr-defined]
-        value, key = stack.pop(), stack.pop()
-        stack[-1][_key(key)] = value
-
-    def _load_setitems(self) -> None:
-        items = self.pop_mark()  # type: ignore[attr-defined]
-        target = self.stack[-1]  # type: ignore[attr-defined]
-        for i in range(0, len(items), 2):
-            target[_key(items[i])] = items[i + 1]
-
-    def _load_additems(self) -> None:
-        items = self.pop_mark()  # type: ignore[attr-defined]
-        self.stack[-1].update(_key(v) for v in items)  # type: ignore[attr-defined]
-
-    def _load_frozenset(self) -> None:
-        items = self.pop_mark()  # type: ignore[attr-defined]
-        self.append(frozenset(_key(v) for v in items))  # type: ignore[attr-defined]
-
-    dispatch[pickle.DICT[0]] = _load_dict  # type: ignore[assignment]
-    dispatch[pickle.SETITEM[0]] = _load_setitem  # type: ignore[assignment]
-    dispatch[pickle.SETITEMS[0]] = _load_setitems  # type: ignore[assignment]
-    dispatch[pickle.ADDITEMS[0]] = _load_additems  # type: ignore[assignment]
-    dispatch[pickle.FROZENSET[0]] = _load_frozenset  # type: ignore[assignment]
+    def checked_key(self, value: Any, target: Any) -> Any:
+        if value is None or isinstance(value, str | _LightObject | _LightDtype):
+            return value
+        return _key(value)  # refused
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in DTYPE_SIZES:
@@ -259,12 +371,15 @@ _CONTAINERS: dict[tuple[str, str], Any] = {
 
 
 def _key(value: Any) -> Any:
-    """What may be hashed as a dict key or set member: names, numbers, stand-in instances (hashed
-    by identity). A tuple key is refused: hashing one built from shared references costs time
+    """What may be hashed as a dict key or set member: names (hashed with the process's secret
+    key) and stand-in instances (hashed by identity), which is all DCP keys its dicts by. A
+    number is refused: its hash is its value, so a file can give thousands of keys one hash
+    (multiples of 2^61-1) or one probe path, and each insertion then walks past all the
+    others. A tuple is refused too: hashing one built from shared references costs time
     exponential in its depth, and a deep one crashes the interpreter."""
-    if value is None or isinstance(value, str | int | _LightObject | _LightDtype):
+    if value is None or isinstance(value, str | _LightObject | _LightDtype):
         return value
-    raise pickle.UnpicklingError(f"a {type(value).__name__} as a key or set member")
+    raise pickle.UnpicklingError(f"{type(value).__name__} as a key or set member")
 
 
 def _stand_in(key: tuple[str, str]) -> Any:
@@ -275,10 +390,10 @@ def _stand_in(key: tuple[str, str]) -> Any:
         container = _CONTAINERS[key]
 
         def build(*args: Any) -> Any:  # set(iterable), OrderedDict(pairs): keys checked first
-            items = list(args[0]) if args else []
+            items = args[0] if args else ()
             if container is dict:
-                return {_key(k): v for k, v in items}
-            return container(_key(v) for v in items)
+                return {k if type(k) is str else _key(k): v for k, v in items}
+            return container(v if type(v) is str else _key(v) for v in items)
 
         return build
     if key == ("torch", "Size"):

@@ -141,10 +141,17 @@ class _Metadata:  # DCP's Metadata
 def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
     """Every field is checked before it is used, and before anything from the file is hashed
     as a dict key: a crafted offset (a deep or self-sharing tuple) hashes for ever."""
-    from registry.formats.dcp import checked_dims, checked_int, checked_path, checked_text
+    from registry.formats.dcp import (
+        HashCount,
+        checked_dims,
+        checked_int,
+        checked_path,
+        checked_text,
+    )
     from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
     out = _Metadata()
+    hashes = HashCount("storage_data")  # an index hashes its offsets
     index_type: Any = _Index
     info_type: Any = _Info
     if not light:
@@ -165,7 +172,7 @@ def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
                         offset = checked_dims(offset, f"a chunk offset of {fqn}")
                     if position is not None:
                         position = checked_int(position, f"the chunk index of {fqn}")
-                out.storage_data[index_type(fqn, offset, position)] = info_type(
+                out.storage_data[hashes.check(index_type(fqn, offset, position))] = info_type(
                     f"{root}/{checked_path(info.relative_path)}",
                     checked_int(info.offset, f"the storage offset of {fqn}"),
                     checked_int(info.length, f"the storage length of {fqn}"),

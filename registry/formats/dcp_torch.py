@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from registry.errors import InvalidCheckpoint
-from registry.formats.dcp import checked_dims, checked_int, checked_path, checked_text
+from registry.formats.dcp import HashCount, checked_dims, checked_int, checked_path, checked_text
 from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
@@ -31,12 +31,13 @@ def to_torch(light: Any) -> dcp.Metadata:
 def _metadata(light: Any) -> dcp.Metadata:
     state = _mapping(getattr(light, "state_dict_metadata", None), "state_dict_metadata")
     storage = _mapping(getattr(light, "storage_data", None) or {}, "storage_data")
+    hashes = HashCount("storage_data")  # torch's MetadataIndex hashes its offsets
     return dcp.Metadata(
         state_dict_metadata={checked_text(k, "an fqn"): _item(k, v) for k, v in state.items()},
         planner_data=_plain(
             getattr(light, "planner_data", None), "planner_data", [16 * len(state) + 10_000]
         ),
-        storage_data={_index(k): _storage(v) for k, v in storage.items()},
+        storage_data={hashes.check(_index(k)): _storage(v) for k, v in storage.items()},
         storage_meta=_storage_meta(getattr(light, "storage_meta", None)),
         version=_optional_text(getattr(light, "version", None), "version"),
     )

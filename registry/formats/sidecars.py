@@ -12,6 +12,9 @@ trusting them:
     compressed (a 3 MB deflated record inflates to gigabytes), and its pickle no larger than
     `MAX_PICKLE` and naming no global longer than `MAX_GLOBAL` characters (torch's refusal
     message is searched by a regex that is quadratic in the name);
+  - nor may its pickle make torch's unpickler do more than linear work (`check_pickle`: dict
+    keys crafted to share a hash or a probe path, memo indices likewise, one container handed
+    on again and again through the memo);
   - a file over `MAX_BYTES` is not read.
 
 A read file becomes entries of the checkpoint's sidecar list (pure strings, recorded in the
@@ -33,6 +36,7 @@ from typing import Any
 
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
+from registry.formats.torch_archive import Unbounded, check_pickle
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_PICKLE = 8 * 1024 * 1024
@@ -134,9 +138,13 @@ def precheck(data: bytes) -> None:
         if record.file_size > MAX_PICKLE:
             raise Unreadable(f"its pickle is over {MAX_PICKLE >> 20} MiB")
         try:
-            _check_globals(archive.read(record))
+            pickled = archive.read(record)
+            _check_globals(pickled)
+            check_pickle(pickled)
         except Unreadable:
             raise
+        except Unbounded as exc:
+            raise Unreadable(f"its pickle would cost torch.load too much: {exc}") from None
         except Exception:
             raise Unreadable("its pickle does not parse") from None
 

@@ -12,19 +12,25 @@ storage, the bytes `torch.load` would read.
 Memory: about 1 MiB at most, whatever the chunk's size. A chunk it cannot stream (a view with an
 offset or strides, a compressed record) raises `NotStreamable` before any storage byte is handed
 on; the caller then holds it whole (`head` has every byte so far) and loads it with torch.
+
+Whatever is handed to torch.load (a chunk held whole, a byte item, a sidecar) first passes
+`check_archive` or `check_pickle`: nothing in it may make torch's unpickler, which is pure Python
+and builds plain dicts, do more than linear work.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import math
 import pickle
 import struct
-from dataclasses import dataclass
+import zipfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import IntegrityError
-from registry.formats.dcp_metadata import DTYPE_SIZES
+from registry.formats.dcp_metadata import DTYPE_SIZES, MEMO_SLACK, CheckedUnpickler
 from registry.formats.torch_zip import LOCAL_HEADER, NotCanonical, Region, canonical
 
 _ALIASES = {"double", "float", "half", "long", "int", "short"}
@@ -47,6 +53,7 @@ LEGACY_STORAGES = {
 ITEMSIZE = {name: size for name, size in DTYPE_SIZES.items() if name not in _ALIASES}
 HEAD_MAX = 1 << 20  # the bytes before a tensor's storage: data.pkl and three tiny records
 TAIL_MAX = 1 << 20  # after it: two tiny records and the central directory
+LAYOUT_MAX = 1 << 16  # a plain tensor's data.pkl: about 160 bytes
 
 
 class _Rebuild:
@@ -67,8 +74,9 @@ class _Dtype(str):
     """A dtype named in data.pkl (only ever a name)."""
 
 
-class LayoutUnpickler(pickle.Unpickler):
-    """Unpickles `data.pkl` of a one-tensor archive into inert values: never a callable."""
+class LayoutUnpickler(CheckedUnpickler):
+    """Unpickles `data.pkl` of a one-tensor archive into inert values: never a callable, and no
+    key but a name (a plain tensor's pickle has none)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -82,7 +90,7 @@ class LayoutUnpickler(pickle.Unpickler):
         if module == "torch" and name in ITEMSIZE:
             return _Dtype(name)
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return _empty_dict
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     references = 0
@@ -98,6 +106,19 @@ class LayoutUnpickler(pickle.Unpickler):
         if self.references != 1:
             raise pickle.UnpicklingError(f"{self.references} storage references, not one")
         return obj
+
+
+def _empty_dict(*args: Any) -> dict[Any, Any]:
+    """OrderedDict() as a plain tensor's pickle calls it (its backward hooks: none)."""
+    if args:
+        raise pickle.UnpicklingError("an OrderedDict built from arguments")
+    return {}
+
+
+def read_layout(pickled: bytes) -> tuple[Any, int]:
+    """What the first LAYOUT_MAX bytes of `pickled` unpickle to, and the pickle's length."""
+    unpickler = LayoutUnpickler(pickled[:LAYOUT_MAX])
+    return unpickler.load(), unpickler.source.tell()
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,18 +251,17 @@ class ArchiveStream:
         if not name.endswith("data.pkl"):
             raise NotStreamable(f"{self.where}: the archive does not start with data.pkl")
         root = name[: -len("data.pkl")]
-        source = io.BytesIO(head[start:])
         try:
-            obj = LayoutUnpickler(source).load()
+            obj, length = read_layout(bytes(head[start : start + LAYOUT_MAX]))
         except Exception as exc:  # truncated so far, or not a layout (whatever a pickle raises)
-            if len(head) < min(self.length, HEAD_MAX):
+            if len(head) < min(self.length, HEAD_MAX, start + LAYOUT_MAX):
                 return False  # try again with more bytes
             raise NotStreamable(f"{self.where}: data.pkl: {type(exc).__name__}") from None
         layout = plain_layout(obj, self.dtype, self.sizes)
         if layout is None:
             raise NotStreamable(f"{self.where}: not a plain contiguous tensor")
-        self._pickle = bytes(head[start : start + source.tell()])
-        at = start + source.tell()
+        self._pickle = bytes(head[start : start + length])
+        at = start + length
         target = f"{root}data/{layout.key}"
         while (at := head.find(b"PK\x03\x04", at)) >= 0:
             header = _local_header(head, at)
@@ -299,3 +319,237 @@ def _local_header(buf: bytearray, at: int) -> tuple[str, int] | None:
     if len(buf) < start:
         return None
     return bytes(buf[at + 30 : at + 30 + name_len]).decode("utf-8", "replace"), start
+
+
+# -- what torch.load may be handed ----------------------------------------------------------
+# torch.load(weights_only=True) unpickles with torch's own pure-Python unpickler into plain
+# dicts, so a pickle of 1 MB can cost it minutes: dict keys that share one hash (ints that are
+# multiples of 2^61-1, floats equal to them, tuples of them) or one probe path (distinct small
+# ints chosen for it), memo indices chosen the same way, and containers reached again through
+# the memo and handed to call after call. `check_pickle` reads the stream first, building
+# only the containers whose keys torch would hash, and refuses those.
+
+MAX_OTHER_KEYS = 2048  # per pickle: keys that are neither names nor whole numbers in sequence
+MAX_KEY_DEPTH = 32  # a key's tuples inside tuples
+
+
+class Unbounded(pickle.UnpicklingError):
+    """A pickle torch.load would take more than linear time over (one line)."""
+
+
+def check_archive(data: bytes) -> None:
+    """Every data.pkl of the torch.save archive `data` passes `check_pickle` (Unbounded or
+    whatever a malformed zip or pickle raises, otherwise)."""
+    if bytes(data[:4]) != b"PK\x03\x04":  # torch.load reads anything else as a bare pickle
+        raise Unbounded("not a torch.save zip archive")
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    for record in archive.infolist():
+        if record.filename.rsplit("/", 1)[-1] == "data.pkl":
+            check_pickle(archive.read(record))
+
+
+def check_pickle(pickled: bytes) -> None:
+    """Refuse (Unbounded) a pickle on which torch.load(weights_only=True) would do more than
+    linear work; anything torch would refuse anyway may raise something else."""
+    _TorchLoadBounds(pickled).load()
+
+
+class _TorchLoadBounds(CheckedUnpickler):
+    """Reads a pickle as torch's weights_only unpickler would, with every global an inert
+    stand-in (`_Global`), and charges it what torch's unpickler will spend:
+      - dict keys and set members (`checked_key`): a name is free (hashed with the process's
+        secret key); a whole number k is free while k < (the numbers before it in that dict,
+        less its other keys) + MEMO_SLACK, as an optimizer's state numbers its parameters 0,
+        1, 2, ...: a dict's table has over 1.5 slots per key, so such numbers stay below its
+        size and each lands in a slot of its own (an int hashes to itself). Any other key (any
+        other number, a float, a tuple, a tensor, None) counts towards MAX_OTHER_KEYS per pickle,
+        which bounds their collisions to a constant, and costs the work of hashing it (a tuple
+        is hashed whole every time, and one of shared references holds exponentially many);
+      - memo indices and the size of what calls are handed, as for every CheckedUnpickler;
+      - the containers torch builds from an argument (OrderedDict, Counter, set) are built
+        here too, key by key, and so is what `_rebuild_from_type_v2` calls and BUILD's dict
+        state (into the object's own dict)."""
+
+    dispatch = dict(CheckedUnpickler.dispatch)
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.encoding = "utf-8"  # torch.load's: SHORT_BINSTRING is text
+        self._others = 0
+        self._bounds: dict[int, tuple[Any, _Bounds]] = {}  # id(container) -> it, its bounds
+        self._attrs: dict[int, tuple[Any, dict[Any, Any]]] = {}  # id(object) -> it, its dict
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _compat_pickle.NAME_MAPPING:  # as torch maps Python 2's names
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        return _Global(self, module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Made(1)
+
+    def checked_key(self, value: Any, target: Any) -> Any:
+        kind = type(value)
+        if kind is str:
+            return value
+        held = self._bounds.get(id(target))
+        if held is None:
+            held = self._bounds[id(target)] = (target, _Bounds())
+        bounds = held[1]
+        if kind is int or kind is bool or (kind is float and value.is_integer()):
+            number = int(value)  # a float equal to a whole number hashes and compares as it
+            if 0 <= number < bounds.numbers - bounds.others + MEMO_SLACK:
+                seen = bounds.seen
+                if number >= len(seen):
+                    seen.extend(bytes(number + 1 - len(seen)))
+                if not seen[number]:
+                    seen[number] = 1
+                    bounds.numbers += 1
+                return value
+        bounds.others += 1
+        self._others += 1
+        if self._others > MAX_OTHER_KEYS:
+            raise Unbounded(
+                f"over {MAX_OTHER_KEYS} keys that are neither names nor whole numbers in sequence"
+            )
+        self.charge(_hash_work(value, self._work + 1))
+        return value
+
+    def charge(self, work: int) -> None:
+        self._work -= work
+        if self._work < 0:
+            raise Unbounded("the stream asks for more work than its length allows")
+
+    def spend(self, value: Any) -> None:
+        try:
+            super().spend(value)
+        except pickle.UnpicklingError as exc:
+            raise Unbounded(str(exc)) from None
+
+    def memo_index(self, index: int) -> int:
+        try:
+            return super().memo_index(index)
+        except pickle.UnpicklingError as exc:
+            raise Unbounded(str(exc)) from None
+
+    def fill(self, target: Any, source: Any, pairs: bool) -> Any:
+        """`target` (a dict or set) filled as torch fills one from `source`, key by key."""
+        if not isinstance(source, dict | str | list | tuple):
+            raise pickle.UnpicklingError(f"a container built from a {type(source).__name__}")
+        keys: Any = source
+        if pairs and isinstance(source, list | tuple):  # OrderedDict([(key, value), ...])
+            if not all(type(p) in (tuple, list) and len(p) == 2 for p in source):
+                raise pickle.UnpicklingError("an OrderedDict built from other than pairs")
+            keys = (p[0] for p in source)
+        add = target.add if isinstance(target, set) else target.setdefault
+        for key in keys:
+            add(key if type(key) is str else self.checked_key(key, target))
+        return target
+
+    def set_state(self, target: Any, state: Any) -> None:
+        """BUILD's dict state (or a (state, slotstate) pair) into `target`'s own dict."""
+        held = self._attrs.get(id(target))
+        if held is None:
+            held = self._attrs[id(target)] = (target, {})
+        attrs = held[1]
+        for part in state if type(state) is tuple and len(state) == 2 else (state,):
+            if isinstance(part, dict):
+                for key in part:
+                    attrs[self.checked_key(key, attrs)] = None
+
+    def _load_build(self) -> None:
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        state = self.stack.pop()  # type: ignore[attr-defined]
+        self.set_state(self.stack[-1], state)  # type: ignore[attr-defined]
+
+    def _load_newobj(self) -> None:
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        self.stack.pop()  # type: ignore[attr-defined]
+        self.append(self.stack.pop().new())  # type: ignore[attr-defined]
+
+    def _load_newobj_ex(self) -> None:
+        self.spend(self.stack[-2])  # type: ignore[attr-defined]
+        self.spend(self.stack[-1])  # type: ignore[attr-defined]
+        del self.stack[-2:]  # type: ignore[attr-defined]
+        self.append(self.stack.pop().new())  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj  # type: ignore[assignment]
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex  # type: ignore[assignment]
+
+
+@dataclass(slots=True)
+class _Bounds:
+    """One dict's or set's keys so far: which whole numbers, how many, how many others."""
+
+    seen: bytearray = field(default_factory=bytearray)
+    numbers: int = 0
+    others: int = 0
+
+
+class _Made:
+    """What torch builds by calling a global: opaque here; `work` is what hashing it may cost
+    (torch.Size hashes every dimension)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: int) -> None:
+        self.work = work
+
+
+class _Global:
+    """A global the stream names, called or instantiated as torch would, building nothing but
+    the containers whose keys torch hashes."""
+
+    def __init__(self, owner: _TorchLoadBounds, module: str, name: str) -> None:
+        self.owner, self.name = owner, f"{module}.{name}"
+
+    def new(self) -> Any:  # NEWOBJ: cls.__new__(cls, *args) leaves a container empty
+        if self.name in ("collections.OrderedDict", "collections.Counter"):
+            return {}
+        if self.name == "builtins.set":
+            return set()
+        return _Made(1)
+
+    def __call__(self, *args: Any) -> Any:
+        owner, name = self.owner, self.name
+        if name in ("collections.OrderedDict", "collections.Counter", "builtins.set"):
+            if not args:
+                return self.new()
+            return owner.fill(self.new(), args[0], pairs=name == "collections.OrderedDict")
+        if name == "builtins.bytearray" and args and type(args[0]) is int:
+            owner.charge(max(args[0], 0))  # bytearray(n) allocates n bytes
+        if name == "torch._tensor._rebuild_from_type_v2" and len(args) == 4:
+            func, _, func_args, state = args  # torch calls func(*func_args), sets the state
+            owner.spend(func_args)
+            made = func(*func_args) if isinstance(func, _Global) else _Made(1)
+            owner.set_state(made, state)
+            return made
+        return _Made(1 + sum(len(a) for a in args if type(a) in (tuple, list, str)))
+
+
+def _hash_work(value: Any, cap: int) -> int:
+    """The work of hashing `value` once (tuples are hashed whole, every time: a tuple of shared
+    references counts every path), at most about `cap`. A key nested deeper than MAX_KEY_DEPTH
+    is refused: hashing recurses in C, and a deep one crashes the interpreter."""
+    sizes: dict[int, int] = {}
+
+    def work(node: Any, depth: int) -> int:
+        if type(node) is _Made:
+            return int(node.work)
+        if type(node) is not tuple:
+            return 1
+        if depth > MAX_KEY_DEPTH:
+            raise Unbounded(f"a key nested over {MAX_KEY_DEPTH} deep")
+        known = sizes.get(id(node))
+        if known is None:
+            known = 1
+            for item in node:
+                known += work(item, depth + 1)
+                if known > cap:
+                    break
+            sizes[id(node)] = known
+        return known
+
+    return work(value, 0)
