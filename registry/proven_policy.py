@@ -35,6 +35,7 @@ from sqlmodel import Session, col, select
 
 from registry.audit_chain import anchors, macs
 from registry.audit_chain.keys import key_id
+from registry.audit_chain.sealer import events_by_id
 from registry.catalog.models import AuditEvent, AuditSeal, PolicyDocument
 from registry.errors import RegistryError, UnprovenFact
 from registry.signed_facts import POLICY, policy_content, policy_intact, signed_ids
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("reg.policy")
 APPLY_ACTIONS = ("policy-apply", "policy-sign")
 _TARGET = re.compile(r"policy v([0-9]{1,18})")
-_IN = 500
 
 
 @dataclass(frozen=True)
@@ -226,32 +226,18 @@ def sealed_and_anchored(
 def _seal_verifies(session: Session, key: bytes, seal: AuditSeal) -> bool:
     ids = macs.expand(macs.decode_ranges(seal.event_ids))
     entries: list[tuple[int, str]] = []
-    for start in range(0, len(ids), _IN):
-        chunk = ids[start : start + _IN]
-        rows = session.exec(
-            select(AuditEvent).where(col(AuditEvent.id).in_(chunk)).order_by(col(AuditEvent.id))
-        )
-        for row in rows:
-            assert row.id is not None
-            content = macs.event_content(row)
-            if row.mac is None:
-                entries.append((row.id, macs.unsigned_entry(content)))
-            elif macs.same(row.mac, macs.event_mac(key, content)):
-                entries.append((row.id, row.mac))
-            else:
-                return False
+    for row in events_by_id(session, ids):
+        assert row.id is not None
+        content = macs.event_content(row)
+        if row.mac is None:
+            entries.append((row.id, macs.unsigned_entry(content)))
+        elif macs.same(row.mac, macs.event_mac(key, content)):
+            entries.append((row.id, row.mac))
+        else:
+            return False
     if [i for i, _ in entries] != ids:
         return False  # an event of the seal is gone
-    expected = macs.seal_mac(
-        key,
-        seq=seal.seq,
-        prev_mac=seal.prev_mac,
-        key_id=seal.key_id,
-        sealed_at=seal.sealed_at,
-        total=seal.total,
-        entries=entries,
-    )
-    return macs.same(expected, seal.mac)
+    return macs.same(macs.seal_row_mac(key, seal, entries), seal.mac)
 
 
 def _anchored_at_or_after(session: Session, store: BaseStore, key: bytes, seq: int) -> str | None:

@@ -67,23 +67,16 @@ def validation_content(row: Validation, subject: Mapping[str, Any]) -> dict[str,
     """What a validation signature covers: everything the gate and release.json read, and the
     checkpoint it validated by ref and manifest digest (`subject_of`), so the row cannot be
     pointed at another checkpoint, or at this one's row after a different push."""
+    from registry.journal.write import validation_fact
+
+    fact = validation_fact(row)  # its columns, as the journal records them
+    del fact["validation_id"]  # the signature names the row by id already
     return normalized(
         {
+            **fact,
             "checkpoint": dict(subject),
-            "passed": row.passed,
-            "device": row.device,
-            "device_name": row.device_name,
-            "torch_version": row.torch_version,
-            "world_size": row.world_size,
-            "seconds": row.seconds,
-            "phases": row.phases,
-            "checks": row.checks,
             "created_at": row.created_at,
             "created_by": row.created_by,
-            "attested": row.attested,
-            "model_path": row.model_path,
-            "mode": row.mode,
-            "driver": row.driver,
         }
     )
 

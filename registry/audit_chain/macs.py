@@ -75,6 +75,19 @@ def seal_mac(
     return mac.hexdigest()
 
 
+def seal_row_mac(key: bytes, seal: Any, entries: Sequence[tuple[int, str]]) -> str:
+    """`seal_mac` of a stored seal row (its seq, link, key id, time and total) over `entries`."""
+    return seal_mac(
+        key,
+        seq=seal.seq,
+        prev_mac=seal.prev_mac,
+        key_id=seal.key_id,
+        sealed_at=seal.sealed_at,
+        total=seal.total,
+        entries=entries,
+    )
+
+
 def anchor_mac(key: bytes, doc: dict[str, Any]) -> str:
     body = {k: v for k, v in doc.items() if k != "anchor_mac"}
     return hmac.new(key, b"reg.audit.anchor/1\n" + canonical(body), hashlib.sha256).hexdigest()

@@ -21,6 +21,7 @@ go into the genesis seal (seq 1) only, and only below its first signed event.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -151,29 +152,33 @@ def _take(
     taken: list[tuple[int, str]] = []
     history = 0
     history_open = genesis  # unsigned history goes into the genesis seal, before any signed
+    for row in events_by_id(s, ids):
+        assert row.id is not None
+        content = macs.event_content(row)
+        if row.mac is None:
+            if history_open:
+                taken.append((row.id, macs.unsigned_entry(content)))
+                history += 1
+            else:
+                _refuse(refused, row.id, "unsigned (written without the audit key)")
+            continue
+        if not macs.same(row.mac, macs.event_mac(key, content)):
+            _refuse(refused, row.id, "its MAC does not verify")
+            continue
+        history_open = False
+        taken.append((row.id, row.mac))
+        if len(taken) - history >= BATCH:
+            return taken
+    return taken
+
+
+def events_by_id(s: Session, ids: list[int]) -> Iterator[AuditEvent]:
+    """The events of `ids` (ascending) in id order, read _IN at a time."""
     for start in range(0, len(ids), _IN):
         chunk = ids[start : start + _IN]
-        rows = s.exec(
+        yield from s.exec(
             select(AuditEvent).where(col(AuditEvent.id).in_(chunk)).order_by(col(AuditEvent.id))
         )
-        for row in rows:
-            assert row.id is not None
-            content = macs.event_content(row)
-            if row.mac is None:
-                if history_open:
-                    taken.append((row.id, macs.unsigned_entry(content)))
-                    history += 1
-                else:
-                    _refuse(refused, row.id, "unsigned (written without the audit key)")
-                continue
-            if not macs.same(row.mac, macs.event_mac(key, content)):
-                _refuse(refused, row.id, "its MAC does not verify")
-                continue
-            history_open = False
-            taken.append((row.id, row.mac))
-            if len(taken) - history >= BATCH:
-                return taken
-    return taken
 
 
 def _refuse(refused: dict[int, str], event_id: int, why: str) -> None:

@@ -261,15 +261,7 @@ class Walk:
         if missing:
             return
         entries = [(i, self.entries[i]) for i in ids]
-        mac = macs.seal_mac(
-            self.key,
-            seq=seal.seq,
-            prev_mac=seal.prev_mac,
-            key_id=seal.key_id,
-            sealed_at=seal.sealed_at,
-            total=seal.total,
-            entries=entries,
-        )
+        mac = macs.seal_row_mac(self.key, seal, entries)
         if macs.same(mac, seal.mac) and mismatched:
             self.report.add("seal-forged", f"seal {seal.seq}'s tags were altered", seal=seal.seq)
         elif not macs.same(mac, seal.mac) and not mismatched:

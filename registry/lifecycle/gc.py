@@ -332,12 +332,7 @@ def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> in
     if not done:
         return freed
     with ctx.catalog.session(write=True) as s:
-        row = s.exec(
-            select(Checkpoint)
-            .join(Run, col(Run.id) == Checkpoint.run_id)
-            .join(Project, col(Project.id) == Run.project_id)
-            .where(Project.name == ref.project, Run.name == ref.run, Checkpoint.step == ref.step)
-        ).first()
+        row = _row_of(s, ref)
         if row is not None and row.state == DELETING:
             row.state = DELETED
             s.add(row)
@@ -354,14 +349,18 @@ def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> in
     return freed
 
 
+def _row_of(s: Session, ref: CheckpointRef) -> Checkpoint | None:
+    return s.exec(
+        select(Checkpoint)
+        .join(Run, col(Run.id) == Checkpoint.run_id)
+        .join(Project, col(Project.id) == Run.project_id)
+        .where(Project.name == ref.project, Run.name == ref.run, Checkpoint.step == ref.step)
+    ).first()
+
+
 def _mark_is_signed(ctx: Context, ref: CheckpointRef) -> bool:
     with ctx.catalog.session() as s:
-        row = s.exec(
-            select(Checkpoint)
-            .join(Run, col(Run.id) == Checkpoint.run_id)
-            .join(Project, col(Project.id) == Run.project_id)
-            .where(Project.name == ref.project, Run.name == ref.run, Checkpoint.step == ref.step)
-        ).first()
+        row = _row_of(s, ref)
         return (
             row is not None
             and ctx.audit_key is not None

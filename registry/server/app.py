@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from registry.catalog.engine import Catalog
     from registry.config import Settings
+    from registry.policy_source import EffectivePolicy
     from registry.server.oidc import OidcVerifier
     from registry.storage.base import BaseStore
 
@@ -46,6 +47,26 @@ class ServerState:
     catalog: Catalog
     store: BaseStore
     oidc: OidcVerifier | None = None  # bearer JWTs accepted beside reg tokens (REG_OIDC_*)
+
+    @property
+    def key(self) -> bytes:
+        """The audit key this server signs with (read once per process)."""
+        from registry.audit_chain import keys
+
+        return keys.for_server(self.settings.audit_key_path)
+
+    def policy(self) -> EffectivePolicy:
+        """The policy in force, as proven (`registry.proven_policy`): never merely the newest
+        row. UnprovenFact when it cannot be established."""
+        from registry.policy_source import EffectivePolicy
+
+        return EffectivePolicy.for_server(
+            self.catalog,
+            self.store,
+            self.key,
+            policy_path=self.settings.policy_path,
+            home=self.settings.home,
+        )
 
 
 def _status(exc: RegistryError) -> int:

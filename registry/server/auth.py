@@ -31,23 +31,14 @@ def bearer(request: Request) -> str:
 
 def context_for(request: Request) -> Context:
     """The Context of this request: the verified principal under the policy in force now."""
-    from registry.audit_chain import keys as audit_keys
     from registry.context import Context
     from registry.events import Outbox
-    from registry.policy_source import EffectivePolicy
     from registry.principal import Principal
 
     state: ServerState = request.app.state.reg
     token = bearer(request)
     name, how, credential = _identify(state, request, token)
-    key = audit_keys.for_server(state.settings.audit_key_path)
-    policy = EffectivePolicy.for_server(
-        state.catalog,
-        state.store,
-        key,
-        policy_path=state.settings.policy_path,
-        home=state.settings.home,
-    )
+    policy = state.policy()
     principal = Principal.under(name, how, policy, credential=credential)
     if principal.single_user:
         # A policy without grants is single-user mode embedded; behind the server it would make
@@ -63,7 +54,7 @@ def context_for(request: Request) -> Context:
         events=Outbox(state.settings),
         workers=state.settings.workers,
         server=True,
-        audit_key=key,  # signs its events and facts
+        audit_key=state.key,  # signs its events and facts
     )
     request.state.events = ctx.events
     return ctx

@@ -108,12 +108,10 @@ class Background:
 
     def run_gc_cycle(self) -> dict[str, object] | None:
         """One scheduled GC, if this replica leads this interval; None if another does."""
-        from registry.audit_chain import keys
         from registry.catalog import leases
         from registry.context import Context
         from registry.events import Outbox
         from registry.lifecycle.gc import run_gc
-        from registry.policy_source import EffectivePolicy
         from registry.principal import Principal
 
         state = self.state
@@ -123,16 +121,9 @@ class Background:
         )
         if token is None:
             return None
-        key = keys.for_server(state.settings.audit_key_path)
         # Retention rules decide deletions: only the proven policy (a forged row could say
         # ttl = "0s").
-        policy = EffectivePolicy.for_server(
-            state.catalog,
-            state.store,
-            key,
-            policy_path=state.settings.policy_path,
-            home=state.settings.home,
-        )
+        policy = state.policy()
         # The schedule acts for the server itself, registry-wide: an admin by construction.
         events = Outbox(state.settings)
         ctx = Context(
@@ -143,7 +134,7 @@ class Background:
             events=events,
             workers=state.settings.workers,
             server=True,
-            audit_key=key,
+            audit_key=state.key,
         )
         try:
             result = run_gc(ctx)
