@@ -400,3 +400,37 @@ def test_key_paths_rewritten_in_the_catalog_do_not_decide_the_resume_gate(
     res = cli("promote", "team-a/r@step2", "--model", "tiny-a", env=rel)
     line = _one_line(res)
     assert res.returncode == 1 and "not those of its stored .metadata" in line, line
+
+
+@pytest.mark.postgres
+def test_a_pin_or_resume_point_cleared_as_the_runtime_role_still_protects(
+    cli,
+    ckpts,
+    roles,  # noqa: F811
+    runtime_server,
+    tmp_path,
+):
+    """Pins and resume points are rows the server updates, so the runtime role can clear them;
+    behind the server GC keeps what the signed audit log says is pinned or resumed from."""
+    server, db = runtime_server
+    admin, alice = server.client_env("admin"), server.client_env("alice")
+    for run in ("r", "s"):
+        for step in (2, 4):
+            _push(cli, ckpts, alice, step=step, run=run)
+    assert cli("pin", "team-a/r@step2", "--reason", "keep", env=alice).returncode == 0
+    assert cli("pull", "team-a/s@step2", tmp_path / "resume", env=alice).returncode == 0
+    _as_runtime(roles, db, "UPDATE checkpoint SET pinned = false, pin_reason = NULL")
+    _as_runtime(roles, db, "UPDATE run SET resumed_from_step = NULL")
+    ttl = tmp_path / "ttl.toml"
+    ttl.write_text(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
+    assert cli("policy", "apply", ttl, env=admin).returncode == 0
+    plan = json.loads(cli("gc", "--dry-run", "--json", env=admin).stdout)
+    doomed = {d["ref"] for d in plan["decisions"] if d["action"] == "delete"}
+    assert doomed == {"team-a/r@step2", "team-a/s@step2"}  # what the rows alone would say
+    out = json.loads(cli("gc", "--json", env=admin).stdout)
+    errors = " ".join(out["errors"])
+    assert "team-a/r@step2: kept: pinned in the signed audit log" in errors, out
+    assert "team-a/s@step2: kept: its run resumed from it" in errors, out
+    listed = {c["ref"] for c in json.loads(cli("ls", "--json", env=alice).stdout)}
+    assert listed == {f"team-a/{run}@step{step}" for run in "rs" for step in (2, 4)}
+    assert out["freed_bytes"] == 0

@@ -233,7 +233,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         doomed = [d for d in decisions if d.action == DELETE]
         for start in range(0, len(doomed), BATCH):
             batch = doomed[start : start + BATCH]
-            marked = _mark_deleting(ctx, batch)
+            marked = _mark_deleting(ctx, batch, out["errors"])
             faults.point("gc-marked")
             for d in batch:
                 if d.id not in marked:
@@ -254,14 +254,28 @@ def _note_skip(out: dict[str, Any], ref: str) -> None:
             d["action"], d["reason"] = "keep", "kept: protected since the plan was made"
 
 
-def _mark_deleting(ctx: Context, batch: list[Decision]) -> set[int]:
-    """Mark a batch `deleting`, skipping any that became protected since planning."""
+def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> set[int]:
+    """Mark a batch `deleting`, skipping any that became protected since planning, and, behind
+    the server, any the signed audit log protects whatever its row says (an error names it)."""
     with ctx.catalog.session(write=True) as s:
         protections = _protections(s)
+        logged: dict[str, str] = {}
+        if ctx.server and ctx.audit_key is not None:
+            from registry.lifecycle.logged_protections import protected_by_log
+
+            logged = protected_by_log(s, ctx.audit_key, [d.ref for d in batch])
+            for d in batch:
+                if d.ref in logged:
+                    errors.append(
+                        f"{d.ref}: kept: {logged[d.ref]}, though the catalog's row says not "
+                        "(changed outside reg: reg audit verify, then tell an admin)"
+                    )
         ids = [
             d.id
             for d in batch
-            if d.id not in protections.held and d.id not in protections.release_sources
+            if d.id not in protections.held
+            and d.id not in protections.release_sources
+            and d.ref not in logged
         ]
         reasons = {d.id: d.reason for d in batch}
         marked = set()
