@@ -243,10 +243,14 @@ def _seal_verifies(session: Session, key: bytes, seal: AuditSeal) -> bool:
 def _anchored_at_or_after(session: Session, store: BaseStore, key: bytes, seq: int) -> str | None:
     """None when an anchor of seq >= `seq` verifies and matches the catalog's seal there; else
     why not. Anchors are keyed by their 12-digit seq: the prefixes widen digit by digit, so the
-    first anchors after `seq` are found without listing them all."""
+    first anchors after `seq` are found without listing them all, and never wider than the
+    prefix `seq` shares with the chain's head (no anchor lies beyond it)."""
     digits = f"{seq:012d}"
+    head = session.exec(select(AuditSeal.seq).order_by(col(AuditSeal.seq).desc())).first()
+    top = f"{head or seq:012d}"
+    shared = next((i for i, (a, b) in enumerate(zip(digits, top, strict=True)) if a != b), 12)
     tried: set[str] = set()
-    for width in range(11, -1, -1):
+    for width in range(11, min(shared, 11) - 1, -1):
         found = []
         for info in store.list(anchors.PREFIX + digits[:width]):
             if info.key in tried:
