@@ -71,7 +71,10 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     with cat.session(write=True) as s:
         audit.record(s, "alice", "push", "r@step1")
     _migrate(cat, "0002", down=True)
-    added = ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
+    added = (
+        ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
+        | ADDED_BY_0015
+    )  # fmt: skip
     assert _triggers(cat) == guards - added
     _migrate(cat, "head")
     assert cat.current_revision() == HEAD_REVISION and _triggers(cat) == guards
@@ -104,6 +107,7 @@ ADDED_BY_0010 = {
     "key_set_guard",
     "checkpoint_keys_guard",
 }
+ADDED_BY_0015 = {"fact_mac_no_update", "fact_mac_no_delete", "fact_mac_append_only"}
 ADDED_BY_0008 = {
     "checkpoint_state_moves",
     "checkpoint_pinned_kept",
