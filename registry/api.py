@@ -93,8 +93,16 @@ class Registry:
             from registry.policy_source import EffectivePolicy
             from registry.principal import Principal
 
-            policy = EffectivePolicy.load(
-                self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
+            # Where this process can read the server's key (its host's operator) it signs
+            # what it writes, so it decides under the proven policy, as the server does.
+            key = keys.optional(self.settings.audit_key_path)
+            path, home = self.settings.policy_path, self.settings.home
+            policy = (
+                EffectivePolicy.load(self.catalog, policy_path=path, home=home)
+                if key is None
+                else EffectivePolicy.on_host(
+                    self.catalog, self.store, key, policy_path=path, home=home
+                )
             )
             if self._events is None:
                 self._events = Outbox(self.settings)
@@ -105,8 +113,7 @@ class Registry:
                 principal=Principal.under(*self._identity, policy),
                 events=self._events,
                 workers=self.settings.workers,
-                # Signed where this process can read the server's key (its host's operator).
-                audit_key=keys.optional(self.settings.audit_key_path),
+                audit_key=key,
             )
         return self._context
 

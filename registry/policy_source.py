@@ -60,6 +60,34 @@ class EffectivePolicy:
         return cls(found.text, found.source)
 
     @classmethod
+    def on_host(
+        cls,
+        catalog: Catalog,
+        store: BaseStore,
+        key: bytes,
+        *,
+        policy_path: Path | None,
+        home: Path,
+    ) -> EffectivePolicy:
+        """An embedded process that holds the audit key (the server's host) decides as the
+        server does, under the proven policy: it signs what it decides, and the server will
+        trust that. When the catalog's policy cannot be proven, under this host's own file
+        (`REG_POLICY`, else the shipped default), with a warning: never under a row anyone
+        could have written, and the operator can still restore it (`reg policy apply`,
+        `reg catalog sign`)."""
+        from registry.errors import UnprovenFact
+
+        try:
+            return cls.for_server(catalog, store, key, policy_path=policy_path, home=home)
+        except UnprovenFact as exc:
+            warnings.warn(
+                f"{exc.message}; this host decides under its own policy file instead",
+                stacklevel=3,
+            )
+            local = cls._local(policy_path, home)
+            return cls(local.text, f"{local.source} (the catalog's policy is unproven)")
+
+    @classmethod
     def load(cls, catalog: Catalog, *, policy_path: Path | None, home: Path) -> EffectivePolicy:
         local = policy_path or home / "policy.toml"
         with catalog.dbapi() as (conn, _):

@@ -35,7 +35,7 @@ from sqlmodel import Session, col, select
 
 from registry.audit_chain import anchors, macs
 from registry.audit_chain.keys import key_id
-from registry.audit_chain.sealer import events_by_id
+from registry.audit_chain.sealer import seal_verifies
 from registry.catalog.models import AuditEvent, AuditSeal, PolicyDocument
 from registry.errors import RegistryError, UnprovenFact
 from registry.signed_facts import POLICY, policy_content, policy_intact, signed_ids
@@ -120,9 +120,18 @@ def prove(session: Session, store: BaseStore, key: bytes) -> InForce:
     pending = False
     for event, version, digest in events:
         proof = sealed_and_anchored(session, store, key, event)
-        if isinstance(proof, str):
-            pending |= proof.startswith("not sealed") or proof.startswith("not anchored")
-            ignored.append(f"policy v{version}: its {event.action} event {event.id} is {proof}")
+        if proof.tampered:  # an apply event the chain cannot vouch for: decide nothing
+            return InForce(
+                error=UnprovenFact(
+                    f"the policy in force cannot be established: policy v{version}'s "
+                    f"{event.action} event {event.id} is {proof.why}",
+                    "the audit chain was altered: reg audit verify names what changed",
+                ),
+                ignored=tuple(ignored),
+            )
+        if proof.seq is None:
+            pending |= proof.waiting
+            ignored.append(f"policy v{version}: its {event.action} event {event.id} is {proof.why}")
             continue
         row = by_version.get(version)
         problem = (
@@ -138,7 +147,7 @@ def prove(session: Session, store: BaseStore, key: bytes) -> InForce:
             return InForce(
                 error=UnprovenFact(
                     f"the policy in force cannot be established: policy v{version}, applied "
-                    f"in audit event {event.id} (sealed in seal {proof}), is {problem}",
+                    f"in audit event {event.id} (sealed in seal {proof.seq}), is {problem}",
                     "restore the catalog's policy_document row, or re-apply the policy on the "
                     "server's host with its key (reg policy apply FILE); reg audit verify "
                     "names what changed",
@@ -156,7 +165,7 @@ def prove(session: Session, store: BaseStore, key: bytes) -> InForce:
             version=row.version,
             text=row.text,
             applied_by=row.applied_by,
-            seal=proof,
+            seal=proof.seq,
             ignored=tuple(ignored),
             pending=pending,
         )
@@ -193,51 +202,72 @@ def apply_events(session: Session) -> list[tuple[AuditEvent, int, str]]:
     return out
 
 
+@dataclass(frozen=True)
+class SealProof:
+    """Where an event stands in the audit chain: `seq` of the verified seal holding it (and
+    anchored at or after it), else why not; `waiting` when time will tell (not sealed or not
+    anchored yet), `tampered` when only a seal that does not verify covers it."""
+
+    seq: int | None = None
+    why: str = ""
+    waiting: bool = False
+    tampered: bool = False
+
+
+def sealed(session: Session, key: bytes, event: AuditEvent) -> SealProof:
+    """The verified seal (seq >= 1, this key) that holds `event`. A seal row that covers it and
+    does not verify makes it `tampered` unless a verified one holds it too."""
+    assert event.id is not None
+    covering = [
+        s
+        for s in session.exec(
+            select(AuditSeal)
+            .where(
+                col(AuditSeal.seq) >= 1,
+                col(AuditSeal.low) <= event.id,
+                col(AuditSeal.high) >= event.id,
+            )
+            .order_by(col(AuditSeal.seq))
+        )
+        if _covers(s, event.id)
+    ]
+    for seal in covering:
+        if seal.key_id == key_id(key) and seal_verifies(session, key, seal):
+            return SealProof(seal.seq)
+    if covering:
+        return SealProof(
+            why=f"in seal {covering[0].seq}, which does not verify (reg audit verify names why)",
+            tampered=True,
+        )
+    signed = event.mac is not None and macs.same(
+        event.mac, macs.event_mac(key, macs.event_content(event))
+    )
+    # Only a signed event will ever be sealed: a forged or unsigned one keeps nothing waiting.
+    return SealProof(why="not sealed yet" if signed else "unsigned or forged", waiting=signed)
+
+
 def sealed_and_anchored(
     session: Session, store: BaseStore, key: bytes, event: AuditEvent
-) -> int | str:
-    """The seq of the verified seal holding `event`, anchored at or after it; else why not."""
-    assert event.id is not None
-    candidates = session.exec(
-        select(AuditSeal)
-        .where(col(AuditSeal.low) <= event.id, col(AuditSeal.high) >= event.id)
-        .order_by(col(AuditSeal.seq))
-    )
-    seal = next(
-        (
-            s
-            for s in candidates
-            if event.id in macs.Covered(macs.decode_ranges(s.event_ids) if s.event_ids else [])
-        ),
-        None,
-    )
-    if seal is None:
-        return "not sealed yet"
-    if seal.key_id != key_id(key):
-        return f"sealed in seal {seal.seq} under another key ({seal.key_id})"
-    if not _seal_verifies(session, key, seal):
-        return f"in seal {seal.seq}, which does not verify (reg audit verify names why)"
-    anchored = _anchored_at_or_after(session, store, key, seal.seq)
+) -> SealProof:
+    """`sealed`, and anchored at or after its seal."""
+    proof = sealed(session, key, event)
+    if proof.seq is None:
+        return proof
+    anchored = _anchored_at_or_after(session, store, key, proof.seq)
     if anchored is not None:
-        return f"sealed in seal {seal.seq} but {anchored}"
-    return seal.seq
+        return SealProof(
+            why=f"sealed in seal {proof.seq} but {anchored}",
+            waiting=anchored == "not anchored yet",
+        )
+    return proof
 
 
-def _seal_verifies(session: Session, key: bytes, seal: AuditSeal) -> bool:
-    ids = macs.expand(macs.decode_ranges(seal.event_ids))
-    entries: list[tuple[int, str]] = []
-    for row in events_by_id(session, ids):
-        assert row.id is not None
-        content = macs.event_content(row)
-        if row.mac is None:
-            entries.append((row.id, macs.unsigned_entry(content)))
-        elif macs.same(row.mac, macs.event_mac(key, content)):
-            entries.append((row.id, row.mac))
-        else:
-            return False
-    if [i for i, _ in entries] != ids:
-        return False  # an event of the seal is gone
-    return macs.same(macs.seal_row_mac(key, seal, entries), seal.mac)
+def _covers(seal: AuditSeal, event_id: int) -> bool:
+    try:
+        ranges = macs.decode_ranges(seal.event_ids) if seal.event_ids else []
+    except ValueError:
+        return False
+    return event_id in macs.Covered(ranges)
 
 
 def _anchored_at_or_after(session: Session, store: BaseStore, key: bytes, seq: int) -> str | None:
@@ -281,6 +311,6 @@ def _anchor_matches(session: Session, store: BaseStore, key: bytes, at: int, nam
 
 
 def _log_once(line: str) -> None:
-    if line not in _LOGGED:
+    if line not in _LOGGED and len(_LOGGED) < 10_000:  # bounded: rows are anyone's to add
         _LOGGED.add(line)
         log.warning(json.dumps({"policy": "ignored", "message": line}))

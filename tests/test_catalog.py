@@ -107,7 +107,13 @@ ADDED_BY_0010 = {
     "key_set_guard",
     "checkpoint_keys_guard",
 }
-ADDED_BY_0015 = {"fact_mac_no_update", "fact_mac_no_delete", "fact_mac_append_only"}
+ADDED_BY_0015 = {
+    "fact_mac_no_update",
+    "fact_mac_no_delete",
+    "fact_mac_append_only",
+    "audit_seal_next_link",
+    "run_name_kept",
+}
 ADDED_BY_0008 = {
     "checkpoint_state_moves",
     "checkpoint_pinned_kept",

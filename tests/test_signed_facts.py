@@ -288,17 +288,23 @@ def test_catalog_sign_checks_and_signs_a_registry_from_before_signed_facts(
     assert cli("promote", "team-a/r@step2", "--model", "tiny-a", env=host).returncode == 0
     server = RegServer(env, home).init()  # the audit key; the policy has grants: kept
     # A forged policy row beside them: the sign refuses it (no apply event names it).
+    # And one with an apply event inserted beside it: by hand, so neither signed nor sealed.
+    from registry import audit
     from registry.catalog.engine import Catalog
     from registry.catalog.models import PolicyDocument
 
     catalog = Catalog(catalog_url)
+    forged = team_policy('\n[[access.grants]]\nprincipals = ["mallory"]\nrole = "admin"\n')
     with catalog.session(write=True) as s:
-        s.add(
-            PolicyDocument(
-                version=2, text="[retention]\n", sha256=hashlib.sha256(b"[retention]\n")
-                .hexdigest(), applied_at=time.time(), applied_by="nobody",
-            )
-        )  # fmt: skip
+        for version, text in ((2, "[retention]\n"), (3, forged)):
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            s.add(
+                PolicyDocument(
+                    version=version, text=text, sha256=digest, applied_at=time.time(),
+                    applied_by="admin",
+                )
+            )  # fmt: skip
+        audit.record(s, "admin", "policy-apply", "policy v3", sha256=digest, version=3)
     catalog.dispose()
     server.start()
     try:
@@ -311,7 +317,7 @@ def test_catalog_sign_checks_and_signs_a_registry_from_before_signed_facts(
         assert dry["signed"]["policy"] == ["policy v1"] and dry["signed"]["model"] == [
             "model tiny-a"
         ]
-        assert [r["target"] for r in dry["refused"]] == ["policy v2"]
+        assert [r["target"] for r in dry["refused"]] == ["policy v2", "policy v3"]
         res = cli("catalog", "sign", "--json", env=host)
         assert res.returncode == 0, res.stderr
         out = json.loads(res.stdout)
@@ -410,27 +416,132 @@ def test_a_pin_or_resume_point_cleared_as_the_runtime_role_still_protects(
     runtime_server,
     tmp_path,
 ):
-    """Pins and resume points are rows the server updates, so the runtime role can clear them;
-    behind the server GC keeps what the signed audit log says is pinned or resumed from."""
+    """Pins, resume points and a release's yank are rows the server updates, so the runtime
+    role can clear or set them; behind the server GC keeps what the signed audit log says is
+    pinned, resumed from or the source of a release not really yanked. A copy of an old signed
+    unpin under a new id (the owner, with the uid index dropped) is not newer than the pin."""
     server, db = runtime_server
-    admin, alice = server.client_env("admin"), server.client_env("alice")
-    for run in ("r", "s"):
+    admin, alice, rel = (server.client_env(w) for w in ("admin", "alice", "rel"))
+    for run in ("r", "s", "t"):
         for step in (2, 4):
             _push(cli, ckpts, alice, step=step, run=run)
-    assert cli("pin", "team-a/r@step2", "--reason", "keep", env=alice).returncode == 0
+    for verb in ("pin", "unpin", "pin"):
+        extra = ["--reason", "keep"] if verb == "pin" else []
+        assert cli(verb, "team-a/r@step2", *extra, env=alice).returncode == 0
     assert cli("pull", "team-a/s@step2", tmp_path / "resume", env=alice).returncode == 0
+    assert cli("promote", "team-a/t@step2", "--model", "tiny-t", env=rel).returncode == 0
     _as_runtime(roles, db, "UPDATE checkpoint SET pinned = false, pin_reason = NULL")
     _as_runtime(roles, db, "UPDATE run SET resumed_from_step = NULL")
+    _as_runtime(roles, db, "UPDATE release SET status = 'yanked'")
+    with _connect(roles.owner, db) as conn:
+        conn.execute("DROP INDEX ix_audit_event_uid")
+        conn.execute(
+            "INSERT INTO audit_event (ts, actor, action, target, outcome, details, uid, mac)"
+            " SELECT ts, actor, action, target, outcome, details, uid, mac FROM audit_event"
+            " WHERE action = 'unpin'"
+        )
+        conn.commit()
     ttl = tmp_path / "ttl.toml"
     ttl.write_text(team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n'))
     assert cli("policy", "apply", ttl, env=admin).returncode == 0
     plan = json.loads(cli("gc", "--dry-run", "--json", env=admin).stdout)
     doomed = {d["ref"] for d in plan["decisions"] if d["action"] == "delete"}
-    assert doomed == {"team-a/r@step2", "team-a/s@step2"}  # what the rows alone would say
+    # what the rows alone would say, but for the release's source, kept as not really yanked
+    assert doomed == {"team-a/r@step2", "team-a/s@step2"}
+    kept = {d["ref"]: d["reason"] for d in plan["decisions"] if d["action"] == "keep"}
+    assert "tiny-t:v1" in kept["team-a/t@step2"], kept
     out = json.loads(cli("gc", "--json", env=admin).stdout)
     errors = " ".join(out["errors"])
     assert "team-a/r@step2: kept: pinned in the signed audit log" in errors, out
     assert "team-a/s@step2: kept: its run resumed from it" in errors, out
     listed = {c["ref"] for c in json.loads(cli("ls", "--json", env=alice).stdout)}
-    assert listed == {f"team-a/{run}@step{step}" for run in "rs" for step in (2, 4)}
+    assert listed == {f"team-a/{run}@step{step}" for run in "rst" for step in (2, 4)}
     assert out["freed_bytes"] == 0
+
+
+@pytest.mark.postgres
+def test_the_runtime_role_can_neither_rename_a_run_nor_write_a_seal_out_of_the_chain(
+    cli,
+    ckpts,
+    roles,  # noqa: F811
+    runtime_server,
+):
+    """A store prefix is built from names: a renamed run with a decoy in its place would point
+    GC at another run's objects. A seal row below the chain (seq 0) would be taken as covering
+    the events it names. The database refuses both."""
+    import psycopg
+
+    server, db = runtime_server
+    _push(cli, ckpts, server.client_env("alice"), step=2)
+    with pytest.raises(psycopg.errors.RaiseException, match="keeps its name"):
+        _as_runtime(roles, db, "UPDATE run SET name = 'decoy'")
+    with pytest.raises(psycopg.errors.RaiseException, match="next link"):
+        _as_runtime(
+            roles, db,
+            "INSERT INTO audit_seal (seq, key_id, prev_mac, mac, event_ids, tags, count, total,"
+            " low, high, sealed_at) VALUES (0, 'x', repeat('0', 64), repeat('0', 64), '1', '', 1,"
+            " 1, 1, 1, 0)",
+        )  # fmt: skip
+
+
+@pytest.mark.postgres
+def test_a_seal_row_written_as_the_next_link_stops_sealing_and_an_apply_says_so(
+    cli,
+    roles,  # noqa: F811
+    runtime_server,
+    tmp_path,
+):
+    """The next link is the one seal row the database accepts from anyone: one that does not
+    verify is never extended (the events it names would never be sealed), and a policy
+    applied meanwhile is recorded but reported not in force, never silently ignored; its
+    apply event lies under a seal that does not verify, so the server then decides nothing
+    (denied service, loudly) rather than keep the older policy."""
+    server, db = runtime_server
+    admin = server.client_env("admin")
+    _as_runtime(
+        roles, db,
+        "INSERT INTO audit_seal (seq, key_id, prev_mac, mac, event_ids, tags, count, total, low,"
+        " high, sealed_at) SELECT s.seq + 1, s.key_id, s.mac, repeat('f', 64),"
+        " (SELECT max(id) + 1 FROM audit_event) || '-' || (SELECT max(id) + 1000 FROM"
+        " audit_event), '', 1000, s.total + 1000, (SELECT max(id) + 1 FROM audit_event),"
+        " (SELECT max(id) + 1000 FROM audit_event), 0 FROM audit_seal s"
+        " ORDER BY s.seq DESC LIMIT 1",
+    )  # fmt: skip
+    newer = tmp_path / "newer.toml"
+    newer.write_text(team_policy("\n[retention]\nkeep_last = 9\n"))
+    res = cli("policy", "apply", newer, env=admin)
+    line = _one_line(res)
+    assert res.returncode == 1 and "recorded but not in force" in line, line
+    assert "does not verify" in line, line
+    res = cli("ls", env=admin)
+    line = _one_line(res)
+    assert res.returncode == 1 and "cannot be established" in line and "does not verify" in line
+    res = cli("audit", "verify", "--json", env={**server.env, "REG_USER": "admin"})
+    assert res.returncode == 1 and json.loads(res.stdout)["problems"]
+
+
+@pytest.mark.postgres
+def test_the_host_with_the_key_decides_under_the_proven_policy_too(
+    cli,
+    ckpts,
+    roles,  # noqa: F811
+    runtime_server,
+):
+    """An operator's embedded command on the server's host signs what it decides, so it must
+    not decide under a row anyone could have written (a forged ttl = "0s")."""
+    server, db = runtime_server
+    alice = server.client_env("alice")
+    for step in (2, 4):
+        _push(cli, ckpts, alice, step=step)
+    text = team_policy('\n[retention]\nkeep_last = 1\nttl = "0s"\n')
+    _as_runtime(
+        roles, db,
+        "INSERT INTO policy_document (version, text, sha256, applied_at, applied_by)"
+        " VALUES (99, %s, %s, %s, 'admin')",
+        text, hashlib.sha256(text.encode()).hexdigest(), time.time(),
+    )  # fmt: skip
+    host = {**server.env, "REG_USER": "admin"}
+    res = cli("gc", "--json", env=host)
+    assert res.returncode == 0, res.stderr
+    assert not [d for d in json.loads(res.stdout)["decisions"] if d["action"] == "delete"]
+    assert len(json.loads(cli("ls", "--json", env=alice).stdout)) == 2

@@ -90,6 +90,7 @@ def seal_pending(catalog: Catalog, key: bytes, *, full: bool = False) -> SealRun
         with catalog.session() as s:
             last = head(s)
             check_key(last, key)
+            check_head(s, key, last)
             ids = _candidates(s, full=full)
             ids = [i for i in ids if i not in run.refused]
             if not ids:
@@ -114,6 +115,7 @@ def heartbeat(catalog: Catalog, key: bytes, *, every_s: float) -> int | None:
     with catalog.session() as s:
         last = head(s)
         check_key(last, key)
+        check_head(s, key, last)
     if last is not None and now() - last.sealed_at < every_s:
         return None
     seq = (last.seq if last else 0) + 1
@@ -122,7 +124,7 @@ def heartbeat(catalog: Catalog, key: bytes, *, every_s: float) -> int | None:
 
 def _candidates(s: Session, *, full: bool) -> list[int]:
     """Ids of events no seal holds (in id order)."""
-    high = s.exec(select(func.max(AuditSeal.high))).one() or 0
+    high = s.exec(select(func.max(AuditSeal.high)).where(col(AuditSeal.seq) >= 1)).one() or 0
     newer = list(
         s.exec(select(AuditEvent.id).where(col(AuditEvent.id) > high).order_by(col(AuditEvent.id)))
     )
@@ -136,7 +138,9 @@ def _candidates(s: Session, *, full: bool) -> list[int]:
     if older:
         rows = s.exec(
             select(AuditSeal.event_ids).where(
-                col(AuditSeal.low) <= older[-1], col(AuditSeal.high) >= older[0]
+                col(AuditSeal.seq) >= 1,
+                col(AuditSeal.low) <= older[-1],
+                col(AuditSeal.high) >= older[0],
             )
         )
         covered = macs.Covered(r for text in rows for r in macs.decode_ranges(text))
@@ -181,6 +185,56 @@ def events_by_id(s: Session, ids: list[int]) -> Iterator[AuditEvent]:
         )
 
 
+MAX_SEAL_EVENTS = 10_000_000  # a seal row claiming more was not written by a sealer
+
+
+def seal_verifies(session: Session, key: bytes, seal: AuditSeal) -> bool:
+    """Does the seal row's MAC verify over the events it holds as they are now (each signed
+    event's own MAC checked too)? False for any row a sealer did not write: its ranges must
+    parse, add up to its count and stay within MAX_SEAL_EVENTS before anything is read."""
+    try:
+        ranges = macs.decode_ranges(seal.event_ids) if seal.event_ids else []
+    except ValueError:
+        return False
+    if sum(high - low + 1 for low, high in ranges) != seal.count or seal.count > MAX_SEAL_EVENTS:
+        return False
+    ids = macs.expand(ranges)
+    entries: list[tuple[int, str]] = []
+    for row in events_by_id(session, ids):
+        assert row.id is not None
+        content = macs.event_content(row)
+        if row.mac is None:
+            entries.append((row.id, macs.unsigned_entry(content)))
+        elif macs.same(row.mac, macs.event_mac(key, content)):
+            entries.append((row.id, row.mac))
+        else:
+            return False
+    if [i for i, _ in entries] != ids:
+        return False  # an event of the seal is gone
+    return macs.same(macs.seal_row_mac(key, seal, entries), seal.mac)
+
+
+class HeadNotVerified(UsageError):
+    exit_code = 1
+
+
+_VERIFIED_HEADS: set[tuple[int, str]] = set()  # (seq, mac) of heads this process proved
+
+
+def check_head(session: Session, key: bytes, seal: AuditSeal | None) -> None:
+    """Extend only a head that verifies: a seal row written around the sealer (the database is
+    anyone's to insert into) would otherwise carry the chain on, and the events its ranges
+    name would never be sealed. Each head is proven once per process."""
+    if seal is None or (seal.seq, seal.mac) in _VERIFIED_HEADS:
+        return
+    if not seal_verifies(session, key, seal):
+        raise HeadNotVerified(
+            f"the audit chain's head, seal {seal.seq}, does not verify: not extended",
+            "reg audit verify names what changed; sealing stays stopped until it is restored",
+        )
+    _VERIFIED_HEADS.add((seal.seq, seal.mac))
+
+
 def _refuse(refused: dict[int, str], event_id: int, why: str) -> None:
     refused[event_id] = why
     log.warning("audit event %s not sealed: %s", event_id, why)
@@ -200,20 +254,21 @@ def _append(
             if (current.seq if current else 0) != seq - 1:
                 return False
             sealed_at = now()
+            mac = macs.seal_mac(
+                key,
+                seq=seq,
+                prev_mac=prev,
+                key_id=kid,
+                sealed_at=sealed_at,
+                total=total,
+                entries=taken,
+            )
             s.add(
                 AuditSeal(
                     seq=seq,
                     key_id=kid,
                     prev_mac=prev,
-                    mac=macs.seal_mac(
-                        key,
-                        seq=seq,
-                        prev_mac=prev,
-                        key_id=kid,
-                        sealed_at=sealed_at,
-                        total=total,
-                        entries=taken,
-                    ),
+                    mac=mac,
                     event_ids=macs.encode_ranges(ids),
                     tags=macs.tags_of(taken),
                     count=len(taken),
@@ -225,4 +280,5 @@ def _append(
             )
     except DBIntegrityError:
         return False
+    _VERIFIED_HEADS.add((seq, mac))  # written here: the next cycle need not prove it
     return True

@@ -170,6 +170,7 @@ class Catalog:
                     redact(f"cannot open catalog {self.url!r}: {exc}"), "check REG_CATALOG_URL"
                 ) from exc
             _wait_for_reconnects(pg, _reconnect_wait())
+            event.listen(pg, "connect", _exact_floats)
             return pg
         engine = create_engine(self.url, creator=self._sqlite_connect)
 
@@ -315,6 +316,19 @@ def _reconnect_wait() -> float:
             f"REG_CATALOG_RECONNECT={os.environ['REG_CATALOG_RECONNECT']!r} is not a number "
             "of seconds"
         ) from None
+
+
+def _exact_floats(dbapi_connection: Any, record: Any) -> None:
+    """Floats read back exactly as written, whatever the server's or the role's
+    `extra_float_digits` (0 rounds to 15 digits, the default before PostgreSQL 12): times are
+    inside what audit events and signed facts sign, and a rounded one would fail every
+    signature (an honest registry denied)."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET extra_float_digits = 3")
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
 
 
 def _wait_for_reconnects(engine: Engine, wait_s: float) -> None:

@@ -4,16 +4,20 @@ Behind the server, a policy document, an attested validation or a model's owner 
 with a signature under the audit key (`registry.signed_facts`); rows written before this reg
 have none, so the server decides nothing (policy) or ignores them (validations, owners) until
 an admin, on the server's host with the key, runs this once. It signs only what the registry's
-own history vouches for, and names the rest:
+own history vouches for, and names the rest. An audit event vouches only when it is authentic:
+signed with the key (its MAC verifies), or, from before the key, sealed in a seal that verifies
+(the genesis seal); an event inserted into the table by hand is neither.
 
-- a policy document whose `policy-apply` audit event names its version and digest;
-- an attested validation whose `validate` audit event names it, attested, by its recorder;
-- a model owner equal to the project of the model's first release.
+- a policy document whose authentic `policy-apply` event names its version and digest;
+- an attested validation whose authentic `validate` event names it, attested, by its recorder;
+- a model owner equal to the project of the checkpoint its first version was promoted from,
+  as that version's authentic `promote` event names it.
 
-Then, if no sealed apply event proves the newest signed policy yet (events from before the audit
-key were refused by the sealer), a signed `policy-sign` event names it, and the log is sealed
-and anchored at once, so the server proves it on its next request. Audited (`catalog-sign`);
-running it again signs nothing twice.
+It seals what is pending first (the history from before the key vouches once it is in the
+genesis seal). Then, if no sealed apply event proves the newest signed policy yet (events
+from before the audit key were refused by the sealer), a signed `policy-sign` event names it,
+and the log is sealed and anchored at once, so the server proves it on its next request.
+Audited (`catalog-sign`); running it again signs nothing twice.
 """
 
 from __future__ import annotations
@@ -23,20 +27,18 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from registry import signed_facts as facts
+from registry.audit_chain import macs
 from registry.audit_chain.keys import AuditKeyMissing
 from registry.audit_chain.service import seal_now
 from registry.catalog.models import (
     AuditEvent,
-    Checkpoint,
     Model,
     PolicyDocument,
-    Project,
-    Release,
-    Run,
     Validation,
 )
-from registry.errors import UsageError
-from registry.proven_policy import apply_events, prove
+from registry.errors import RegistryError, UsageError
+from registry.proven_policy import apply_events, prove, sealed
+from registry.refs import parse_checkpoint_ref
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -57,6 +59,9 @@ def sign_catalog(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
             "reg catalog sign needs the server's audit key, which this process cannot read",
             "run it on the server's host (REG_AUDIT_KEY_FILE names the key file)",
         )
+    # The history from before the key vouches once it is sealed: seal what is pending first,
+    # as the server's sealer would within seconds (no fact changes by it).
+    seal_now(ctx.catalog, ctx.store, key)
     signed: dict[str, list[str]] = {facts.POLICY: [], facts.VALIDATION: [], facts.MODEL: []}
     refused: list[dict[str, str]] = []
     policy_event: str | None = None
@@ -93,7 +98,7 @@ def _unsigned(s: Session, key: bytes) -> list[tuple[str, int, dict[str, Any], st
     out: list[tuple[str, int, dict[str, Any], str, str | None]] = []
     policies = {p.id: p for p in s.exec(select(PolicyDocument)) if p.id is not None}
     has = facts.signatures_of(s, facts.POLICY, policies)
-    applied = {(version, digest) for _, version, digest in apply_events(s)}
+    applied = {(v, digest) for e, v, digest in apply_events(s) if _authentic(s, key, e)}
     for pid, p in sorted(policies.items()):
         if pid in has:
             continue  # signed (or forged: fact_findings names it; never signed over)
@@ -110,7 +115,7 @@ def _unsigned(s: Session, key: bytes) -> list[tuple[str, int, dict[str, Any], st
         v.id: v for v in s.exec(select(Validation).where(col(Validation.attested))) if v.id
     }
     has = facts.signatures_of(s, facts.VALIDATION, validations)
-    recorded = _validate_events(s)
+    recorded = _validate_events(s, key)
     for vid, v in sorted(validations.items()):
         if vid in has:
             continue
@@ -127,38 +132,54 @@ def _unsigned(s: Session, key: bytes) -> list[tuple[str, int, dict[str, Any], st
     for mid, m in sorted(models.items()):
         if mid in has:
             continue
-        first = _first_release_project(s, mid)
+        first = _first_promoted_from(s, key, m.name)
         problem = (
             None
             if first == m.project
-            else f"its owner {m.project} is not the project of its first release ({first})"
+            else f"its owner {m.project} is not the project its v1 was promoted from, as an "
+            f"authentic promote event says ({first or 'none found'})"
         )
         out.append((facts.MODEL, mid, facts.model_content(m), f"model {m.name}", problem))
     return out
 
 
-def _validate_events(s: Session) -> dict[int, str]:
-    """Validation id -> the actor of the attested `validate` event that recorded it."""
+def _authentic(s: Session, key: bytes, event: AuditEvent) -> bool:
+    """Signed with the key, or sealed in a verified seal (history from before the key)."""
+    if event.mac is not None:
+        return macs.same(event.mac, macs.event_mac(key, macs.event_content(event)))
+    return sealed(s, key, event).seq is not None
+
+
+def _validate_events(s: Session, key: bytes) -> dict[int, str]:
+    """Validation id -> the actor of the authentic attested `validate` event that recorded it."""
     out: dict[int, str] = {}
     for e in s.exec(select(AuditEvent).where(AuditEvent.action == "validate")):
         details = e.details if isinstance(e.details, dict) else {}
         vid = details.get("validation_id")
-        if isinstance(vid, int) and details.get("attested") and e.outcome in ("allowed", "failed"):
-            out.setdefault(vid, e.actor)
+        if (
+            isinstance(vid, int)
+            and details.get("attested")
+            and e.outcome in ("allowed", "failed")
+            and vid not in out
+            and _authentic(s, key, e)
+        ):
+            out[vid] = e.actor
     return out
 
 
-def _first_release_project(s: Session, model_id: int) -> str | None:
-    found = s.exec(
-        select(Project.name)
-        .join(Run, col(Run.project_id) == Project.id)
-        .join(Checkpoint, col(Checkpoint.run_id) == Run.id)
-        .join(Release, col(Release.source_checkpoint_id) == Checkpoint.id)
-        .where(Release.model_id == model_id)
-        .order_by(col(Release.version))
-        .limit(1)
-    ).first()
-    return found
+def _first_promoted_from(s: Session, key: bytes, model: str) -> str | None:
+    """The project of the checkpoint `model`:v1 came from, by its authentic promote event."""
+    for e in s.exec(
+        select(AuditEvent).where(AuditEvent.action == "promote", AuditEvent.target == f"{model}:v1")
+    ):
+        details = e.details if isinstance(e.details, dict) else {}
+        source = details.get("source")
+        if isinstance(source, str) and _authentic(s, key, e):
+            try:
+                return parse_checkpoint_ref(source).project
+            except RegistryError:
+                return None
+    return None
 
 
 def _newest_signed_policy(s: Session, key: bytes) -> PolicyDocument | None:

@@ -50,7 +50,11 @@ BATCH = 200
 
 
 def _records(
-    session: Session, *, project: str | None = None, run: str | None = None
+    session: Session,
+    *,
+    project: str | None = None,
+    run: str | None = None,
+    key: bytes | None = None,
 ) -> tuple[list[CheckpointRecord], Protections]:
     """Committed checkpoints (all, one project's, or one run's) and what protects them, read in
     one transaction."""
@@ -83,15 +87,24 @@ def _records(
         )
         for cid, step, committed, created, nbytes, pinned, metrics, r, p in rows
     ]
-    return records, _protections(session)
+    return records, _protections(session, key)
 
 
-def _protections(session: Session) -> Protections:
-    sources = session.exec(
-        select(Release.source_checkpoint_id, Model.name, Release.version)
-        .join(Model, col(Model.id) == Release.model_id)
-        .where(col(Release.status).notin_([YANKED]))
+def _protections(session: Session, key: bytes | None = None) -> Protections:
+    """What keeps checkpoints from retention. With `key` (behind the server) a yanked
+    release still protects its source unless a signed yank event says it was yanked: the
+    runtime role can set the status by hand (never back)."""
+    rows = session.exec(
+        select(Release.source_checkpoint_id, Model.name, Release.version, Release.status).join(
+            Model, col(Model.id) == Release.model_id
+        )
     ).all()
+    yanked = {f"{m}:v{v}" for _, m, v, status in rows if status == YANKED}
+    if key is not None and yanked:
+        from registry.lifecycle.logged_protections import signed_targets
+
+        yanked = signed_targets(session, key, ("yank",), sorted(yanked))
+    sources = [(c, m, v) for c, m, v, _ in rows if f"{m}:v{v}" not in yanked]
     resumed = session.exec(
         select(Project.name, Run.name, Run.resumed_from_step)
         .join(Project, col(Project.id) == Run.project_id)
@@ -211,8 +224,9 @@ def acquire(ctx: Context) -> str:
 
 def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     ctx.authorize("gc", target="retention")
+    key = ctx.audit_key if ctx.server else None
     with ctx.catalog.session() as s:
-        records, protections = _records(s)
+        records, protections = _records(s, key=key)
     decisions = plan(records, ctx.policy.retention, now(), protections)
     out: dict[str, Any] = {
         "applied": not dry_run,
@@ -258,7 +272,7 @@ def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> se
     """Mark a batch `deleting`, skipping any that became protected since planning, and, behind
     the server, any the signed audit log protects whatever its row says (an error names it)."""
     with ctx.catalog.session(write=True) as s:
-        protections = _protections(s)
+        protections = _protections(s, ctx.audit_key if ctx.server else None)
         logged: dict[str, str] = {}
         if ctx.server and ctx.audit_key is not None:
             from registry.lifecycle.logged_protections import protected_by_log

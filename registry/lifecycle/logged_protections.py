@@ -1,6 +1,6 @@
 """Behind the server, the protections GC reads from catalog rows that the server updates in
-place (a checkpoint's pin, a run's resume point) are checked against the signed audit log
-before anything is deleted (issue 32).
+place (a checkpoint's pin, a run's resume point, a release's yank) are checked against the
+signed audit log before anything is deleted (issue 32).
 
 Whoever can write the catalog around the server could unpin a checkpoint or clear a run's resume
 point, and the next GC would collect it under the retention rules. The audit log holds every
@@ -37,34 +37,55 @@ def protected_by_log(session: Session, key: bytes, refs: Sequence[str]) -> dict[
         )
         for e in _signed(session, key, ("resume",), chunk):
             ref = parse_checkpoint_ref(e.target)
-            if not _newer_push_after(session, key, ref, e.id or 0):
+            if not _newer_push_after(session, key, ref, e.ts):
                 out.setdefault(e.target, "its run resumed from it (signed audit log)")
+    return out
+
+
+def signed_targets(
+    session: Session, key: bytes, actions: tuple[str, ...], targets: Sequence[str]
+) -> set[str]:
+    """The targets among `targets` that a signed event of one of `actions` names."""
+    out: set[str] = set()
+    for start in range(0, len(targets), _IN):
+        out.update(
+            e.target for e in _signed(session, key, actions, list(targets[start : start + _IN]))
+        )
     return out
 
 
 def _signed(
     session: Session, key: bytes, actions: tuple[str, ...], targets: list[str]
 ) -> list[AuditEvent]:
+    """The signed events, in the order of their signed times (an event's row id is not signed:
+    a copy of an old event under a new id must not count as newer); a uid seen twice (a copy)
+    counts once."""
     rows = session.exec(
-        select(AuditEvent)
-        .where(
+        select(AuditEvent).where(
             col(AuditEvent.action).in_(actions),
             AuditEvent.outcome == "allowed",
             col(AuditEvent.target).in_(targets),
         )
-        .order_by(col(AuditEvent.id))
     )
-    return [e for e in rows if macs.same(e.mac, macs.event_mac(key, macs.event_content(e)))]
+    seen: set[str] = set()
+    out = []
+    for e in sorted(rows, key=lambda e: (e.ts, e.id or 0)):
+        if e.uid in seen or not macs.same(e.mac, macs.event_mac(key, macs.event_content(e))):
+            continue
+        seen.add(e.uid or "")
+        out.append(e)
+    return out
 
 
-def _newer_push_after(session: Session, key: bytes, resumed: CheckpointRef, after: int) -> bool:
-    """A signed push of a newer step of the run, after the resume event (which lifts it)."""
+def _newer_push_after(session: Session, key: bytes, resumed: CheckpointRef, after: float) -> bool:
+    """A signed push of a newer step of the run, signed as later than the resume (which lifts
+    the protection)."""
     prefix = resumed.run_label + "@step"
     rows = session.exec(
         select(AuditEvent).where(
             AuditEvent.action == "push",
             AuditEvent.outcome == "allowed",
-            col(AuditEvent.id) > after,
+            col(AuditEvent.ts) > after,
             col(AuditEvent.target).startswith(prefix, autoescape=True),
         )
     )

@@ -79,6 +79,7 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         )
     if ctx.audit_key is not None:  # in force now, not after the sealer's next anchor
         seal_now(ctx.catalog, ctx.store, ctx.audit_key)
+        _in_force_now(ctx, version)
     return {
         "version": version,
         "sha256": digest,
@@ -90,6 +91,27 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         "resume_undecided": len(undecided(ctx)),
         "warnings": resume_overrides(parsed.resume),
     }
+
+
+def _in_force_now(ctx: Context, version: int) -> None:
+    """The applied version is the proven one (`registry.proven_policy`); else the apply is
+    recorded but decides nothing, and the admin must hear it (a seal row written around the
+    sealer can keep its event from being sealed)."""
+    from registry.errors import UnprovenFact
+    from registry.proven_policy import in_force
+
+    assert ctx.audit_key is not None
+    found = in_force(ctx.catalog, ctx.store, ctx.audit_key)
+    if found.version == version:
+        return
+    why = next(
+        (line for line in found.ignored if line.startswith(f"policy v{version}:")),
+        found.error.message if found.error else "its apply event is not sealed and anchored",
+    )
+    raise UnprovenFact(
+        f"policy v{version} is recorded but not in force: {why}",
+        "reg audit verify names what keeps the audit chain from sealing it",
+    )
 
 
 def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:

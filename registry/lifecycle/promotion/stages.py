@@ -146,9 +146,11 @@ def _create_model(ctx: Context, session: Any, plan: PromotionPlan) -> None:
 def _may_publish_into(ctx: Context, session: Any, plan: PromotionPlan, model: Model) -> bool:
     """The promotion was authorized before the model existed (as its owner-to-be); a model that
     another project's promotion created meanwhile is judged by its real owner."""
-    if model.project == plan.source.project or ctx.principal.single_user:
+    if ctx.principal.single_user:
         return True
     owner = ctx.trusted_owner(session, model)
+    if owner == plan.source.project:
+        return True
     return ctx.principal.authorize(
         "promote", project=plan.source.project, model=plan.model, model_owner=owner
     ).allowed

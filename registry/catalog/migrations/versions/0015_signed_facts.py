@@ -11,6 +11,13 @@ audit key, like tokens (0009) and audit events (0006).
   Filled here from each model's first release; models without a release stay NULL (owner
   unknown: only a grant on every project, or naming the model, covers them).
 
+- `audit_seal`: a seal is inserted only as the chain's next link (seq = the head's + 1, at
+  least 1, prev_mac = the head's MAC): a row written around the sealer cannot sit below the
+  chain (seq 0 or less, taken as covering events it never sealed) or far above it.
+- `run`: a run's name and project never change (the code never renames one): a store prefix is
+  built from names, and a renamed run with a decoy in its place would point GC at another
+  run's objects.
+
 Plain ADD COLUMN: a batch rebuild would drop SQLite's guard triggers.
 
 Revision ID: 0015
@@ -33,6 +40,16 @@ _OWNER = (
 )
 
 
+_NOT_NEXT = (
+    "NEW.seq < 1 OR NEW.seq <> (SELECT COALESCE(MAX(seq), 0) + 1 FROM audit_seal)"
+    " OR NEW.prev_mac <> COALESCE((SELECT mac FROM audit_seal ORDER BY seq DESC LIMIT 1),"
+    " '0000000000000000000000000000000000000000000000000000000000000000')"
+)
+_NOT_NEXT_MESSAGE = "a seal is only ever the chain''s next link"
+_RENAMED = "NEW.name <> OLD.name OR NEW.project_id <> OLD.project_id"
+_RENAMED_MESSAGE = "a run keeps its name and project"
+
+
 def upgrade() -> None:
     op.create_table(
         "fact_mac",
@@ -52,13 +69,47 @@ def upgrade() -> None:
                 f"CREATE TRIGGER fact_mac_no_{verb.lower()} BEFORE {verb} ON fact_mac "
                 f"BEGIN SELECT RAISE(ABORT, 'fact_mac is append-only: {verb} refused'); END"
             )
+        op.execute(
+            f"CREATE TRIGGER audit_seal_next_link BEFORE INSERT ON audit_seal WHEN {_NOT_NEXT} "
+            f"BEGIN SELECT RAISE(ABORT, '{_NOT_NEXT_MESSAGE}'); END"
+        )
+        op.execute(
+            f"CREATE TRIGGER run_name_kept BEFORE UPDATE ON run WHEN {_RENAMED} "
+            f"BEGIN SELECT RAISE(ABORT, '{_RENAMED_MESSAGE}'); END"
+        )
         return
     op.execute(
         "CREATE TRIGGER fact_mac_append_only BEFORE UPDATE OR DELETE ON fact_mac "
         "FOR EACH ROW EXECUTE FUNCTION reg_append_only()"
+    )
+    op.execute(
+        "CREATE OR REPLACE FUNCTION reg_audit_seal_next_link() RETURNS trigger LANGUAGE plpgsql "
+        f"AS $$ BEGIN IF {_NOT_NEXT} THEN RAISE EXCEPTION '{_NOT_NEXT_MESSAGE}'; END IF; "
+        "RETURN NEW; END $$"
+    )
+    op.execute(
+        "CREATE TRIGGER audit_seal_next_link BEFORE INSERT ON audit_seal "
+        "FOR EACH ROW EXECUTE FUNCTION reg_audit_seal_next_link()"
+    )
+    op.execute(
+        "CREATE OR REPLACE FUNCTION reg_run_name_kept() RETURNS trigger LANGUAGE plpgsql "
+        f"AS $$ BEGIN IF {_RENAMED} THEN RAISE EXCEPTION '{_RENAMED_MESSAGE}'; END IF; "
+        "RETURN NEW; END $$"
+    )
+    op.execute(
+        "CREATE TRIGGER run_name_kept BEFORE UPDATE ON run "
+        "FOR EACH ROW EXECUTE FUNCTION reg_run_name_kept()"
     )
 
 
 def downgrade() -> None:
     op.drop_table("fact_mac")  # its triggers go with it
     op.execute("ALTER TABLE model DROP COLUMN project")
+    if op.get_bind().dialect.name == "sqlite":
+        op.execute("DROP TRIGGER IF EXISTS audit_seal_next_link")
+        op.execute("DROP TRIGGER IF EXISTS run_name_kept")
+        return
+    op.execute("DROP TRIGGER IF EXISTS audit_seal_next_link ON audit_seal")
+    op.execute("DROP FUNCTION IF EXISTS reg_audit_seal_next_link()")
+    op.execute("DROP TRIGGER IF EXISTS run_name_kept ON run")
+    op.execute("DROP FUNCTION IF EXISTS reg_run_name_kept()")
