@@ -18,11 +18,47 @@ def free_port() -> int:
 
 
 class MotoServer:
+    """moto's threaded server, with S3's one guarantee that moto lacks: conditional writes are
+    atomic. moto checks `If-None-Match: *` and then stores, unlocked, so two concurrent PutObject
+    (or CompleteMultipartUpload) of one key could both succeed (seen in CI: 2 winners of 8).
+    AWS S3 lets exactly one win and answers the rest 412; requests carrying `If-None-Match`
+    are serialised here so that the emulator does the same. (Issue 34 moves the S3 tests to
+    SeaweedFS, and asks that reg stay correct on a store where two completes can both win.)"""
+
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
         self.port = free_port()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server._server_entry = self._serve  # type: ignore[method-assign]
+
+    def _serve(self) -> None:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        conditional = threading.Lock()
+
+        def atomic_conditional_writes(environ, start_response):  # type: ignore[no-untyped-def]
+            if "HTTP_IF_NONE_MATCH" not in environ:
+                return app(environ, start_response)
+            with conditional:
+                return list(app(environ, start_response))
+
+        moto = self._server
+        moto._server = make_server(
+            "127.0.0.1",
+            self.port,
+            atomic_conditional_writes,
+            True,
+            request_handler=MotoRequestHandler,
+        )
+        moto._server_ready_event.set()
+        moto._server.serve_forever()
 
     @property
     def url(self) -> str:
