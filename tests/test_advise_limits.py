@@ -19,6 +19,7 @@ from registry.lifecycle.economics import model
 from registry.lifecycle.economics.facts import RunFacts, summary
 from registry.lifecycle.economics.plot import svg
 from tests.test_advise import _attempt
+from tests.test_advise_review import failure, saved_every_100
 
 advise_mod = importlib.import_module("registry.lifecycle.economics.advise")
 
@@ -43,33 +44,8 @@ def _facts(cost: float, *, step_s: float | None = 1.0, failures: int = 0) -> Run
     """A run saved every 100 steps at C_eff `cost`, restores of 5 s; `failures` failures, each
     after 1 GPU-second (a measured MTBF below 1 s with --gpus)."""
     run = SimpleNamespace(step_seconds=step_s, last_step=1000, gpu_seconds=2.0, name="m")
-    ckpts = [
-        SimpleNamespace(
-            step=s,
-            state="committed",
-            world_size=1,
-            bytes=1000,
-            upload_seconds=None,
-            committed_at=float(s),
-            created_at=float(s),
-            save_costs={"async": True, "stall_seconds": cost, "c_eff_seconds": cost},
-        )
-        for s in range(100, 1100, 100)
-    ]
-    restores = [
-        (
-            100 * i,
-            SimpleNamespace(
-                kind="failure",
-                reached_step=100 * i + 50,
-                created_at=float(i),
-                gpu_seconds=float(i),
-                step_seconds=step_s,
-                phases={"fetch_seconds": 5.0},
-            ),
-        )
-        for i in range(1, failures + 1)
-    ]
+    ckpts = saved_every_100(cost, cost)
+    restores = [failure(100 * i, 100 * i + 50, float(i), step_s) for i in range(1, failures + 1)]
     facts = RunFacts("default", run)  # type: ignore[arg-type]
     facts.checkpoints, facts.restores = ckpts, restores  # type: ignore[assignment]
     return facts

@@ -33,10 +33,9 @@ advise_mod = importlib.import_module("registry.lifecycle.economics.advise")
 # -- 1. a clean run: the prior MTBF, the bound as a range; MLflow agrees -------------------------
 
 
-def _facts(name: str, *, gpu_s: float, failures: list[tuple[int, int, float]] = ()) -> RunFacts:
-    """A run saved every 100 steps of 1 s, C_eff 10 s; failures: (restored, reached, gpu_s)."""
-    run = SimpleNamespace(step_seconds=1.0, last_step=1000, gpu_seconds=gpu_s, name=name)
-    ckpts = [
+def saved_every_100(stall_s: float, c_eff_s: float) -> list[SimpleNamespace]:
+    """Checkpoints at steps 100..1000, each with these save costs."""
+    return [
         SimpleNamespace(
             step=s,
             state="committed",
@@ -45,24 +44,32 @@ def _facts(name: str, *, gpu_s: float, failures: list[tuple[int, int, float]] = 
             upload_seconds=None,
             committed_at=float(s),
             created_at=float(s),
-            save_costs={"async": True, "stall_seconds": 2.0, "c_eff_seconds": 10.0},
+            save_costs={"async": True, "stall_seconds": stall_s, "c_eff_seconds": c_eff_s},
         )
         for s in range(100, 1100, 100)
     ]
-    restores = [
-        (
-            restored,
-            SimpleNamespace(
-                kind="failure",
-                reached_step=reached,
-                created_at=at,
-                gpu_seconds=at,
-                step_seconds=1.0,
-                phases={"fetch_seconds": 5.0},
-            ),
-        )
-        for restored, reached, at in failures
-    ]
+
+
+def failure(
+    restored: int, reached: int, at: float, step_s: float | None = 1.0
+) -> tuple[int, SimpleNamespace]:
+    """A failure restore from step `restored`, after the run reached `reached`, at `at`
+    (seconds and GPU-seconds); 5 s to fetch."""
+    return restored, SimpleNamespace(
+        kind="failure",
+        reached_step=reached,
+        created_at=at,
+        gpu_seconds=at,
+        step_seconds=step_s,
+        phases={"fetch_seconds": 5.0},
+    )
+
+
+def _facts(name: str, *, gpu_s: float, failures: list[tuple[int, int, float]] = ()) -> RunFacts:
+    """A run saved every 100 steps of 1 s, C_eff 10 s; failures: (restored, reached, gpu_s)."""
+    run = SimpleNamespace(step_seconds=1.0, last_step=1000, gpu_seconds=gpu_s, name=name)
+    ckpts = saved_every_100(2.0, 10.0)
+    restores = [failure(*f) for f in failures]
     facts = RunFacts("default", run)  # type: ignore[arg-type]
     facts.checkpoints, facts.restores = ckpts, restores  # type: ignore[assignment]
     return facts
