@@ -26,7 +26,15 @@ def _bucket_of(url: str) -> str:
 
 
 def _client(moto_server):
-    return boto3.client("s3", endpoint_url=moto_server.url)
+    """A client of the test server that depends on no AWS_* setting (nor on what an earlier test
+    left in boto3's default session)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=moto_server.url,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
 
 
 def _same(reg, ref, src, dest):
@@ -117,13 +125,12 @@ def test_two_promotions_racing_on_s3(s3_env, cpu_policy, ckpts):
 
 @pytest.fixture
 def locked_bucket(moto_server, monkeypatch):
-    client = _client(moto_server)
-    bucket = f"reg-lock-{uuid.uuid4().hex[:10]}"
-    client.create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    bucket = f"reg-lock-{uuid.uuid4().hex[:10]}"
+    _client(moto_server).create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
     monkeypatch.setenv("REG_STORE_URL", f"s3://{bucket}")
     return bucket
 
