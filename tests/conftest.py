@@ -64,9 +64,35 @@ def moto_server():  # type: ignore[no-untyped-def]
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real S3 server (SeaweedFS, SigV4 and checksums enforced) for the session, per worker,
+    on free ports on 127.0.0.1, in a directory of its own."""
+    from tests.s3server import SeaweedServer
+    from tests.sharing import timed
+
+    with timed("SeaweedFS S3 server (per worker)"):
+        server = SeaweedServer(tmp_path_factory.mktemp("seaweed")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def s3_env(moto_server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket and the AWS_* environment pointing at the test server; returns the URL."""
+def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the real S3 server and the AWS_* environment pointing at it, with its
+    credentials; returns the store URL."""
+    for name, value in s3_server.credentials().items():
+        monkeypatch.setenv(name, value)
+    bucket = f"reg-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/reg"
+    monkeypatch.setenv("REG_STORE_URL", url)
+    return url
+
+
+@pytest.fixture
+def moto_env(moto_server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`s3_env` on moto, for the tests that need what SeaweedFS lacks (each says why)."""
     import boto3
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
@@ -272,6 +298,8 @@ PROCESS_FIXTURES = frozenset(
         "reg_server",
         "deployment",
         "moto_server",
+        "moto_env",
+        "s3_server",
         "s3_env",
         "pg_cluster",
         "roles",

@@ -463,17 +463,10 @@ def test_the_server_refuses_to_start_without_a_key(tmp_path, cli):
 # -- anchors on S3 --------------------------------------------------------------------------------
 
 
-def test_anchors_on_s3_are_write_once_and_compliance_locked(moto_server, monkeypatch):
-    import boto3
-
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": moto_server.url,
-    }.items():
+def test_anchors_on_s3_are_write_once_and_compliance_locked(s3_server, monkeypatch):
+    for k, v in s3_server.credentials().items():
         monkeypatch.setenv(k, v)
-    s3 = boto3.client("s3", endpoint_url=moto_server.url)
+    s3 = s3_server.client()
     bucket = f"reg-lock-{os.urandom(4).hex()}"
     s3.create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
     monkeypatch.setenv("REG_STORE_URL", f"s3://{bucket}/reg")

@@ -9,7 +9,6 @@ import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import boto3
 import pytest
 import torch
 from safetensors.torch import load as safetensors_load
@@ -25,16 +24,10 @@ def _bucket_of(url: str) -> str:
     return url.removeprefix("s3://").split("/", 1)[0]
 
 
-def _client(moto_server):
+def _client(s3_server):
     """A client of the test server that depends on no AWS_* setting (nor on what an earlier test
     left in boto3's default session)."""
-    return boto3.client(
-        "s3",
-        endpoint_url=moto_server.url,
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    return s3_server.client()
 
 
 def _same(reg, ref, src, dest):
@@ -43,7 +36,7 @@ def _same(reg, ref, src, dest):
         assert (dest / f.name).read_bytes() == f.read_bytes()
 
 
-def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp_path, moto_server):
+def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp_path, s3_server):
     with Registry() as reg:
         out = reg.push_checkpoint(
             ckpts.ws2.step_dir(4), run="r", step=4, metrics={"probe_loss": ckpts.ws2.probe_loss(4)}
@@ -63,8 +56,7 @@ def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp
     assert set(weights) == set(full) - {"lm_head.weight"}  # tied to embed.weight, as HF does
     assert all(torch.equal(weights[k], full[k]) for k in weights)
     keys = {
-        o["Key"]
-        for o in _client(moto_server).list_objects_v2(Bucket=_bucket_of(s3_env))["Contents"]
+        o["Key"] for o in _client(s3_server).list_objects_v2(Bucket=_bucket_of(s3_env))["Contents"]
     }
     assert "reg/ckpt/default/r/step-4/MANIFEST.json" in keys
     assert "reg/release/tiny/v1/release.json" in keys
@@ -86,10 +78,10 @@ def test_multipart_files_keep_their_sha256(s3_env, big_ckpt, tmp_path):
         _same(reg, "big@step1", big_ckpt.step_dir(1), tmp_path / "b")
 
 
-def test_tampered_object_on_s3_is_detected(s3_env, ckpts, moto_server, tmp_path):
+def test_tampered_object_on_s3_is_detected(s3_env, ckpts, s3_server, tmp_path):
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
-    client = _client(moto_server)
+    client = _client(s3_server)
     key = "reg/ckpt/default/r/step-2/__0_0.distcp"
     data = bytearray(client.get_object(Bucket=_bucket_of(s3_env), Key=key)["Body"].read())
     data[100] ^= 0xFF
@@ -124,19 +116,17 @@ def test_two_promotions_racing_on_s3(s3_env, cpu_policy, ckpts):
 
 
 @pytest.fixture
-def locked_bucket(moto_server, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+def locked_bucket(s3_server, monkeypatch):
+    for name, value in s3_server.credentials().items():
+        monkeypatch.setenv(name, value)
     bucket = f"reg-lock-{uuid.uuid4().hex[:10]}"
-    _client(moto_server).create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
+    _client(s3_server).create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
     monkeypatch.setenv("REG_STORE_URL", f"s3://{bucket}")
     return bucket
 
 
 def test_object_lock_versioned_deletes_and_storage_init(
-    locked_bucket, tmp_path, monkeypatch, ckpts, moto_server
+    locked_bucket, tmp_path, monkeypatch, ckpts, s3_server
 ):
     policy = tmp_path / "p.toml"
     policy.write_text(
@@ -145,7 +135,7 @@ def test_object_lock_versioned_deletes_and_storage_init(
         "lock_days = 1\n"
     )
     monkeypatch.setenv("REG_POLICY", str(policy))
-    client = _client(moto_server)
+    client = _client(s3_server)
     with Registry() as reg:
         init = reg.storage_init()
         assert init["versioning"] is True and init["object_lock"] is True
@@ -167,10 +157,10 @@ def test_object_lock_versioned_deletes_and_storage_init(
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, tmp_path, seed):
+def test_push_under_injected_faults(s3_env, big_ckpt, s3_server, monkeypatch, tmp_path, seed):
     """10% of requests fail (500, 503 SlowDown, dropped connections): retries carry the push
     through, and a request that succeeded but lost its answer is recognised, not redone."""
-    proxy = FaultyProxy(moto_server.port, fault_rate=0.10, seed=seed).start()
+    proxy = FaultyProxy(s3_server.port, fault_rate=0.10, seed=seed).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         monkeypatch.setenv("REG_S3_RETRY_MODE", "standard")
@@ -180,16 +170,16 @@ def test_push_under_injected_faults(s3_env, big_ckpt, moto_server, monkeypatch, 
         assert proxy.requests > 20 and proxy.faults > 0
     finally:
         proxy.stop()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
     with Registry() as reg:
         assert reg.verify("f@step4")["ok"]
         _same(reg, "f@step4", src, tmp_path / "back")
 
 
 def test_push_through_a_dead_endpoint_fails_cleanly_and_pushing_again_completes(
-    s3_env, ckpts, moto_server, monkeypatch
+    s3_env, ckpts, s3_server, monkeypatch
 ):
-    proxy = FaultyProxy(moto_server.port, fault_rate=1.0, seed=3, kinds=("503",)).start()
+    proxy = FaultyProxy(s3_server.port, fault_rate=1.0, seed=3, kinds=("503",)).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         monkeypatch.setenv("REG_S3_RETRY_MODE", "standard")
@@ -198,7 +188,7 @@ def test_push_through_a_dead_endpoint_fails_cleanly_and_pushing_again_completes(
             reg.push_checkpoint(ckpts.ws2.step_dir(2), run="f", step=2)
     finally:
         proxy.stop()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     with Registry() as reg:
         assert reg.list_checkpoints() == []
@@ -247,9 +237,9 @@ def _versions(client, bucket: str, key: str) -> list[str]:
 
 
 def test_every_object_version_is_recorded_in_documents_and_catalog(
-    locked_registry, locked_bucket, moto_server
+    locked_registry, locked_bucket, s3_server
 ):
-    client = _client(moto_server)
+    client = _client(s3_server)
     manifest = json.loads(
         client.get_object(Bucket=locked_bucket, Key="ckpt/default/r/step-4/MANIFEST.json")[
             "Body"
@@ -282,9 +272,9 @@ def test_every_object_version_is_recorded_in_documents_and_catalog(
 
 
 def test_a_tampered_or_deleted_release_object_is_restored_from_its_locked_version(
-    locked_registry, locked_bucket, moto_server, tmp_path, cli
+    locked_registry, locked_bucket, s3_server, tmp_path, cli
 ):
-    client = _client(moto_server)
+    client = _client(s3_server)
     key = "release/tiny/v1/model.safetensors"
     original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()
     # Anyone with PutObject can stack a new version on top of a locked one.
@@ -306,11 +296,11 @@ def test_a_tampered_or_deleted_release_object_is_restored_from_its_locked_versio
 
 
 def test_promotion_reads_the_recorded_versions_not_a_newer_object(
-    locked_registry, locked_bucket, moto_server, ckpts
+    locked_registry, locked_bucket, s3_server, ckpts
 ):
     """A shard overwritten after the push: promotion reads the version the manifest recorded,
     and the release holds exactly the trained weights."""
-    client = _client(moto_server)
+    client = _client(s3_server)
     key = "ckpt/default/r/step-4/__0_0.distcp"
     body = bytearray(client.get_object(Bucket=locked_bucket, Key=key)["Body"].read())
     body[len(body) // 2] ^= 0xFF
@@ -324,8 +314,8 @@ def test_promotion_reads_the_recorded_versions_not_a_newer_object(
     assert all(torch.equal(weights[k], full[k]) for k in weights)
 
 
-def test_storage_init_keeps_other_rules_and_is_idempotent(s3_env, moto_server):
-    client = _client(moto_server)
+def test_storage_init_keeps_other_rules_and_is_idempotent(s3_env, s3_server):
+    client = _client(s3_server)
     bucket = _bucket_of(s3_env)
     theirs = {
         "ID": "other-team-expire-logs",
@@ -357,13 +347,13 @@ def test_storage_init_keeps_other_rules_and_is_idempotent(s3_env, moto_server):
 
 
 def test_repair_of_an_object_too_big_for_one_copy_uses_a_part_copy(
-    locked_registry, locked_bucket, moto_server, monkeypatch
+    locked_registry, locked_bucket, s3_server, monkeypatch
 ):
     """Above 5 GB S3 copies part by part; the limit is lowered so the test takes that path."""
     from registry.storage import s3
 
     monkeypatch.setattr(s3, "MAX_COPY", 1)
-    client = _client(moto_server)
+    client = _client(s3_server)
     key = "release/tiny/v1/model.safetensors"
     original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()
     client.delete_object(Bucket=locked_bucket, Key=key)

@@ -21,7 +21,7 @@ the killed operation is run again to completion, and the checker runs once more:
     sweepable problems, where the registry has it (see `catalog_store_problems`);
   - rerunning the killed command completes, and its artifact is then visible and verifies.
 
-Backends: `local` (local store + SQLite), `s3pg` (S3 on a moto server over HTTP + PostgreSQL on
+Backends: `local` (local store + SQLite), `s3pg` (S3 on SeaweedFS over HTTP + PostgreSQL on
 127.0.0.1:5432) and `server` (a client through `reg server`, itself on a local store + SQLite).
 Campaigns (one per backend and operation) run round-robin, one kill each per round, until their
 counts or the time budget. Every random choice comes from one seed per (backend, operation); a
@@ -41,7 +41,6 @@ import select
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import PG_URL, pg_available
+from tests.s3server import SeaweedServer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -793,18 +793,18 @@ class LocalBackend(Backend):
 
 
 class S3PgBackend(Backend):
-    def __init__(self, work: Path, moto_url: str) -> None:
+    def __init__(self, work: Path, s3: dict[str, str]) -> None:
         self.schemas: list[str] = []
         self.bucket = f"torture-{uuid.uuid4().hex[:10]}"
-        env = base_env(work) | {
-            "REG_HOME": str(work / "s3pg" / "home"),
-            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 's3pg' / 'mlflow.db'}",
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": moto_url,
-            "REG_STORE_URL": f"s3://{self.bucket}/reg",
-        }
+        env = (
+            base_env(work)
+            | s3
+            | {
+                "REG_HOME": str(work / "s3pg" / "home"),
+                "MLFLOW_TRACKING_URI": f"sqlite:///{work / 's3pg' / 'mlflow.db'}",
+                "REG_STORE_URL": f"s3://{self.bucket}/reg",
+            }
+        )
         super().__init__("s3pg", env, None)
         self.env["REG_CATALOG_URL"] = self.fresh_catalog("main")
         self.cleanup.append(self.drop_schemas)
@@ -854,30 +854,6 @@ def create_bucket(arg: dict[str, Any]) -> Any:
         Bucket=arg["bucket"]
     )
     return True
-
-
-def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from tests.s3server import free_port
-
-    port = free_port()
-    log = open(work / "moto.log", "wb")  # noqa: SIM115 - held by the server's lifetime
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return proc, url
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise RuntimeError(f"moto server did not start: {(work / 'moto.log').read_text()[-2000:]}")
 
 
 def preload(with_mlflow: bool) -> None:
@@ -1016,7 +992,7 @@ def run_torture(
         "campaigns": {},
         "skipped": {},
     }
-    moto: subprocess.Popen[bytes] | None = None
+    s3_server: SeaweedServer | None = None
     live: list[Backend] = []
     campaigns: list[Campaign] = []
     try:
@@ -1030,8 +1006,8 @@ def run_torture(
             if name == "local":
                 backend = LocalBackend(work)
             elif name == "s3pg":
-                moto, moto_url = start_moto(work)
-                backend = S3PgBackend(work, moto_url)
+                s3_server = SeaweedServer(work / "seaweed").start()
+                backend = S3PgBackend(work, s3_server.credentials())
                 out = fork_call(backend.child_env(), create_bucket, {"bucket": backend.bucket})  # type: ignore[attr-defined]
                 if out.status != 0:
                     raise RuntimeError(out.error)
@@ -1086,9 +1062,8 @@ def run_torture(
             for fn in backend.cleanup:
                 with contextlib.suppress(Exception):
                     fn()
-        if moto is not None:
-            os.killpg(moto.pid, signal.SIGKILL)
-            moto.wait()
+        if s3_server is not None:
+            s3_server.stop()
     report["wall_s"] = time.monotonic() - started
     report["violations"] = sum(len(c["violations"]) for c in report["campaigns"].values())
     return report

@@ -62,7 +62,7 @@ def _check_everything_visible_verifies(phase: str) -> None:
 
 @pytest.mark.parametrize(("rate", "attempts"), RATES, ids=[f"{r:.0%}" for r, _ in RATES])
 def test_operations_through_a_faulty_s3(
-    rate, attempts, s3_env, moto_server, ckpts, big_ckpt, cpu_policy, monkeypatch, tmp_path
+    rate, attempts, s3_env, s3_server, ckpts, big_ckpt, cpu_policy, monkeypatch, tmp_path
 ):
     policy = tmp_path / "policy.toml"
     policy.write_text(cpu_policy.read_text() + RETENTION)
@@ -72,7 +72,7 @@ def test_operations_through_a_faulty_s3(
     monkeypatch.setattr("registry.storage.s3.part_size_for", lambda size: 5 * 1024 * 1024)
     must_complete = rate <= 0.10
     proxy = FaultyProxy(
-        moto_server.port, rate, seed=int(rate * 1000), kinds=KINDS, slow_s=0.3
+        s3_server.port, rate, seed=int(rate * 1000), kinds=KINDS, slow_s=0.3
     ).start()
 
     def through_proxy() -> None:
@@ -80,7 +80,7 @@ def test_operations_through_a_faulty_s3(
         monkeypatch.setenv("AWS_MAX_ATTEMPTS", str(attempts))
 
     def direct() -> None:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
         monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
 
     big, small = big_ckpt.step_dir(1), ckpts.ws2
@@ -162,7 +162,7 @@ def test_operations_through_a_faulty_s3(
         assert [r["release"] for r in reg.releases("tiny")] == ["tiny:v1"], summary
 
 
-def test_bodies_cut_short_are_read_again_and_never_returned_wrong(s3_env, moto_server, monkeypatch):
+def test_bodies_cut_short_are_read_again_and_never_returned_wrong(s3_env, s3_server, monkeypatch):
     """A quarter of the replies cut short: ranged reads, streams (resumed at their offset) and the
     store's re-hash still return exactly the stored bytes."""
     import os
@@ -171,7 +171,7 @@ def test_bodies_cut_short_are_read_again_and_never_returned_wrong(s3_env, moto_s
 
     data = os.urandom(12 * 1024 * 1024 + 123)
     open_store(s3_env).put_bytes("ckpt/p/r/step-1/blob", data)
-    proxy = FaultyProxy(moto_server.port, 0.25, seed=7, kinds=("truncate",)).start()
+    proxy = FaultyProxy(s3_server.port, 0.25, seed=7, kinds=("truncate",)).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         store = open_store(s3_env)

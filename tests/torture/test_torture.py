@@ -1,5 +1,5 @@
 """The bounded torture run (issue 17): registry operations SIGKILLed at random moments and at
-named crash points, on local+SQLite, S3 (moto over HTTP)+PostgreSQL and through `reg server`,
+named crash points, on local+SQLite, S3 (SeaweedFS over HTTP)+PostgreSQL and through `reg server`,
 every invariant checked after each kill and after the rerun (tests/torture/harness.py).
 
 Bounded by count and time: TORTURE_KILLS kills per operation on each backend (default
