@@ -169,6 +169,10 @@ class SeaweedServer:
             "-admin.ui=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            # Each bucket is a collection with volumes of its own, and the default cap (64
+            # volumes) ran out after 63 buckets in one test session: "no free volumes left",
+            # an InternalError for every write after it.
+            "-volume.max=2000",
             f"-s3.localSocket={self.root / 's3.sock'}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
             *(f"{flag}={port}" for flag, port in ports.items()),
