@@ -90,22 +90,6 @@ def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:
     return url
 
 
-@pytest.fixture
-def moto_env(moto_server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`s3_env` on moto, for the tests that need what SeaweedFS lacks (each says why)."""
-    import boto3
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
-    bucket = f"reg-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_server.url).create_bucket(Bucket=bucket)
-    url = f"s3://{bucket}/reg"
-    monkeypatch.setenv("REG_STORE_URL", url)
-    return url
-
-
 @pytest.fixture(scope="session")
 def bad_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
     """A checkpoint whose last step has a NaN weight, and a weights-only one (ws=2)."""
@@ -298,7 +282,6 @@ PROCESS_FIXTURES = frozenset(
         "reg_server",
         "deployment",
         "moto_server",
-        "moto_env",
         "s3_server",
         "s3_env",
         "pg_cluster",
