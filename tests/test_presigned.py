@@ -39,8 +39,8 @@ def reg_on_s3(s3_server, catalog_url: str, tmp_path: Path, monkeypatch: pytest.M
 
 @pytest.fixture
 def reg_on_moto(moto_server, catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The same on moto, which checks no presigned signature nor signed checksum: for the one
-    test that needs a store that lets other bytes than declared land."""
+    """The same on moto, which checks no presigned signature nor signed checksum: for the two
+    tests that need a store that lets other bytes than declared land."""
     aws = {
         "AWS_ACCESS_KEY_ID": "test",
         "AWS_SECRET_ACCESS_KEY": "test",
