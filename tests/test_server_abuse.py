@@ -47,6 +47,7 @@ def _open(s: socket.socket) -> bool:
         return False
 
 
+@pytest.mark.process  # reg server
 def test_slow_connections_are_cut_while_a_normal_client_and_the_sealer_keep_working(tmp_path):
     home = tmp_path / "server-home"
     env = server_env(home, f"sqlite:///{home / 'catalog.db'}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from registry import Registry
 from registry.config import Settings
@@ -237,6 +238,7 @@ def test_a_path_segment_too_long_for_a_file_name_is_a_400(reg_server: Any) -> No
     assert _left_in(step) == ["sub", "sub/" + "z" * 255]
 
 
+@pytest.mark.process  # reg server
 def test_a_name_the_store_cannot_hold_is_a_400_not_a_500(catalog_url: str, tmp_path: Path) -> None:
     """A store root deep enough that a path within the rules passes PATH_MAX: the
     filesystem's ENAMETOOLONG is the client's error (400), not the server's (500)."""
