@@ -239,9 +239,7 @@ def sealed(session: Session, key: bytes, event: AuditEvent) -> SealProof:
             why=f"in seal {covering[0].seq}, which does not verify (reg audit verify names why)",
             tampered=True,
         )
-    signed = event.mac is not None and macs.same(
-        event.mac, macs.event_mac(key, macs.event_content(event))
-    )
+    signed = macs.event_signed(key, event)
     # Only a signed event will ever be sealed: a forged or unsigned one keeps nothing waiting.
     return SealProof(why="not sealed yet" if signed else "unsigned or forged", waiting=signed)
 

@@ -45,6 +45,11 @@ def event_mac(key: bytes, content: dict[str, Any]) -> str:
     return hmac.new(key, b"reg.audit.event/1\n" + canonical(content), hashlib.sha256).hexdigest()
 
 
+def event_signed(key: bytes, row: Any) -> bool:
+    """Does the audit event row carry a MAC that verifies under `key`?"""
+    return row.mac is not None and same(row.mac, event_mac(key, event_content(row)))
+
+
 def unsigned_entry(content: dict[str, Any]) -> str:
     return hashlib.sha256(b"reg.audit.unsigned/1\n" + canonical(content)).hexdigest()
 

@@ -253,31 +253,21 @@ def _append(
             current = head(s)
             if (current.seq if current else 0) != seq - 1:
                 return False
-            sealed_at = now()
-            mac = macs.seal_mac(
-                key,
+            seal = AuditSeal(
                 seq=seq,
-                prev_mac=prev,
                 key_id=kid,
-                sealed_at=sealed_at,
+                prev_mac=prev,
+                mac="",
+                event_ids=macs.encode_ranges(ids),
+                tags=macs.tags_of(taken),
+                count=len(taken),
                 total=total,
-                entries=taken,
+                low=ids[0] if ids else 0,  # an empty seal (a heartbeat): 0, 0
+                high=ids[-1] if ids else 0,
+                sealed_at=now(),
             )
-            s.add(
-                AuditSeal(
-                    seq=seq,
-                    key_id=kid,
-                    prev_mac=prev,
-                    mac=mac,
-                    event_ids=macs.encode_ranges(ids),
-                    tags=macs.tags_of(taken),
-                    count=len(taken),
-                    total=total,
-                    low=ids[0] if ids else 0,  # an empty seal (a heartbeat): 0, 0
-                    high=ids[-1] if ids else 0,
-                    sealed_at=sealed_at,
-                )
-            )
+            seal.mac = mac = macs.seal_row_mac(key, seal, taken)
+            s.add(seal)
     except DBIntegrityError:
         return False
     _VERIFIED_HEADS.add((seq, mac))  # written here: the next cycle need not prove it

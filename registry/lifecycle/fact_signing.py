@@ -146,7 +146,7 @@ def _unsigned(s: Session, key: bytes) -> list[tuple[str, int, dict[str, Any], st
 def _authentic(s: Session, key: bytes, event: AuditEvent) -> bool:
     """Signed with the key, or sealed in a verified seal (history from before the key)."""
     if event.mac is not None:
-        return macs.same(event.mac, macs.event_mac(key, macs.event_content(event)))
+        return macs.event_signed(key, event)
     return sealed(s, key, event).seq is not None
 
 

@@ -222,11 +222,16 @@ def acquire(ctx: Context) -> str:
     return token
 
 
+def _log_key(ctx: Context) -> bytes | None:
+    """The key the signed audit log is checked with: behind the server only (an embedded
+    registry's catalog is its owner's own)."""
+    return ctx.audit_key if ctx.server else None
+
+
 def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     ctx.authorize("gc", target="retention")
-    key = ctx.audit_key if ctx.server else None
     with ctx.catalog.session() as s:
-        records, protections = _records(s, key=key)
+        records, protections = _records(s, key=_log_key(ctx))
     decisions = plan(records, ctx.policy.retention, now(), protections)
     out: dict[str, Any] = {
         "applied": not dry_run,
@@ -271,13 +276,14 @@ def _note_skip(out: dict[str, Any], ref: str) -> None:
 def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> set[int]:
     """Mark a batch `deleting`, skipping any that became protected since planning, and, behind
     the server, any the signed audit log protects whatever its row says (an error names it)."""
+    key = _log_key(ctx)
     with ctx.catalog.session(write=True) as s:
-        protections = _protections(s, ctx.audit_key if ctx.server else None)
+        protections = _protections(s, key)
         logged: dict[str, str] = {}
-        if ctx.server and ctx.audit_key is not None:
+        if key is not None:
             from registry.lifecycle.logged_protections import protected_by_log
 
-            logged = protected_by_log(s, ctx.audit_key, [d.ref for d in batch])
+            logged = protected_by_log(s, key, [d.ref for d in batch])
             for d in batch:
                 if d.ref in logged:
                     errors.append(

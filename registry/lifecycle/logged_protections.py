@@ -70,7 +70,7 @@ def _signed(
     seen: set[str] = set()
     out = []
     for e in sorted(rows, key=lambda e: (e.ts, e.id or 0)):
-        if e.uid in seen or not macs.same(e.mac, macs.event_mac(key, macs.event_content(e))):
+        if e.uid in seen or not macs.event_signed(key, e):
             continue
         seen.add(e.uid or "")
         out.append(e)
@@ -91,10 +91,6 @@ def _newer_push_after(session: Session, key: bytes, resumed: CheckpointRef, afte
     )
     for e in rows:
         step = e.target[len(prefix) :]
-        if (
-            step.isdigit()
-            and int(step) > (resumed.step or 0)
-            and macs.same(e.mac, macs.event_mac(key, macs.event_content(e)))
-        ):
+        if step.isdigit() and int(step) > (resumed.step or 0) and macs.event_signed(key, e):
             return True
     return False
