@@ -73,6 +73,15 @@ class MotoServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def credentials(self) -> dict[str, str]:
+        """The AWS_* settings that reach it (moto takes any key)."""
+        return {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.url,
+        }
+
     def start(self) -> MotoServer:
         self._server.start()
         return self

@@ -215,7 +215,7 @@ def test_a_live_claim_is_not_a_leftover_and_an_uncataloged_checkpoint_is_kept(fi
 def test_repair_restores_damage_from_recorded_versions_on_s3(
     s3_env, locked_registry, locked_bucket, s3_server, cli
 ):
-    client = test_s3._client(s3_server)
+    client = s3_server.client()
     manifest = json.loads(
         client.get_object(Bucket=locked_bucket, Key="ckpt/default/r/step-4/MANIFEST.json")[
             "Body"

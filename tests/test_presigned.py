@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
+from botocore.exceptions import ClientError
 
 from registry.lifecycle.checkpoints.presigned import URL_TTL_S
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S
@@ -41,13 +42,9 @@ def reg_on_s3(s3_server, catalog_url: str, tmp_path: Path, monkeypatch: pytest.M
 def reg_on_moto(moto_server, catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """The same on moto, which checks no presigned signature nor signed checksum: for the two
     tests that need a store that lets other bytes than declared land."""
-    aws = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": moto_server.url,
-    }
-    yield from _reg_server_on(moto_server, aws, catalog_url, tmp_path, monkeypatch)
+    yield from _reg_server_on(
+        moto_server, moto_server.credentials(), catalog_url, tmp_path, monkeypatch
+    )
 
 
 def _reg_server_on(
@@ -447,8 +444,8 @@ def _exists(server: RegServer, doc: dict[str, Any], path: str) -> bool:
     key = f"reg/ckpt/{doc['ref'].replace('@step', '/step-')}/{path}"
     try:
         server.s3.head_object(Bucket=server.bucket, Key=key)  # type: ignore[attr-defined]
-    except Exception as exc:
-        if "404" in str(exc) or "Not Found" in str(exc):
+    except ClientError as exc:
+        if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
             return False
         raise
     return True

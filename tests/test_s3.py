@@ -24,12 +24,6 @@ def _bucket_of(url: str) -> str:
     return url.removeprefix("s3://").split("/", 1)[0]
 
 
-def _client(s3_server):
-    """A client of the test server that depends on no AWS_* setting (nor on what an earlier test
-    left in boto3's default session)."""
-    return s3_server.client()
-
-
 def _same(reg, ref, src, dest):
     reg.pull(ref, dest)
     for f in src.iterdir():
@@ -56,7 +50,7 @@ def test_push_validate_promote_pull_release_on_s3(s3_env, cpu_policy, ckpts, tmp
     assert set(weights) == set(full) - {"lm_head.weight"}  # tied to embed.weight, as HF does
     assert all(torch.equal(weights[k], full[k]) for k in weights)
     keys = {
-        o["Key"] for o in _client(s3_server).list_objects_v2(Bucket=_bucket_of(s3_env))["Contents"]
+        o["Key"] for o in s3_server.client().list_objects_v2(Bucket=_bucket_of(s3_env))["Contents"]
     }
     assert "reg/ckpt/default/r/step-4/MANIFEST.json" in keys
     assert "reg/release/tiny/v1/release.json" in keys
@@ -81,7 +75,7 @@ def test_multipart_files_keep_their_sha256(s3_env, big_ckpt, tmp_path):
 def test_tampered_object_on_s3_is_detected(s3_env, ckpts, s3_server, tmp_path):
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
-    client = _client(s3_server)
+    client = s3_server.client()
     key = "reg/ckpt/default/r/step-2/__0_0.distcp"
     data = bytearray(client.get_object(Bucket=_bucket_of(s3_env), Key=key)["Body"].read())
     data[100] ^= 0xFF
@@ -120,7 +114,7 @@ def locked_bucket(s3_server, monkeypatch):
     for name, value in s3_server.credentials().items():
         monkeypatch.setenv(name, value)
     bucket = f"reg-lock-{uuid.uuid4().hex[:10]}"
-    _client(s3_server).create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
+    s3_server.client().create_bucket(Bucket=bucket, ObjectLockEnabledForBucket=True)
     monkeypatch.setenv("REG_STORE_URL", f"s3://{bucket}")
     return bucket
 
@@ -135,7 +129,7 @@ def test_object_lock_versioned_deletes_and_storage_init(
         "lock_days = 1\n"
     )
     monkeypatch.setenv("REG_POLICY", str(policy))
-    client = _client(s3_server)
+    client = s3_server.client()
     with Registry() as reg:
         init = reg.storage_init()
         assert init["versioning"] is True and init["object_lock"] is True
@@ -239,7 +233,7 @@ def _versions(client, bucket: str, key: str) -> list[str]:
 def test_every_object_version_is_recorded_in_documents_and_catalog(
     locked_registry, locked_bucket, s3_server
 ):
-    client = _client(s3_server)
+    client = s3_server.client()
     manifest = json.loads(
         client.get_object(Bucket=locked_bucket, Key="ckpt/default/r/step-4/MANIFEST.json")[
             "Body"
@@ -274,7 +268,7 @@ def test_every_object_version_is_recorded_in_documents_and_catalog(
 def test_a_tampered_or_deleted_release_object_is_restored_from_its_locked_version(
     locked_registry, locked_bucket, s3_server, tmp_path, cli
 ):
-    client = _client(s3_server)
+    client = s3_server.client()
     key = "release/tiny/v1/model.safetensors"
     original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()
     # Anyone with PutObject can stack a new version on top of a locked one.
@@ -300,7 +294,7 @@ def test_promotion_reads_the_recorded_versions_not_a_newer_object(
 ):
     """A shard overwritten after the push: promotion reads the version the manifest recorded,
     and the release holds exactly the trained weights."""
-    client = _client(s3_server)
+    client = s3_server.client()
     key = "ckpt/default/r/step-4/__0_0.distcp"
     body = bytearray(client.get_object(Bucket=locked_bucket, Key=key)["Body"].read())
     body[len(body) // 2] ^= 0xFF
@@ -315,7 +309,7 @@ def test_promotion_reads_the_recorded_versions_not_a_newer_object(
 
 
 def test_storage_init_keeps_other_rules_and_is_idempotent(s3_env, s3_server):
-    client = _client(s3_server)
+    client = s3_server.client()
     bucket = _bucket_of(s3_env)
     theirs = {
         "ID": "other-team-expire-logs",
@@ -353,7 +347,7 @@ def test_repair_of_an_object_too_big_for_one_copy_uses_a_part_copy(
     from registry.storage import s3
 
     monkeypatch.setattr(s3, "MAX_COPY", 1)
-    client = _client(s3_server)
+    client = s3_server.client()
     key = "release/tiny/v1/model.safetensors"
     original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()
     client.delete_object(Bucket=locked_bucket, Key=key)
