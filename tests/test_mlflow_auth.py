@@ -205,10 +205,11 @@ def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
             shutil.copy(shot, ROOT / "docs" / shot.name)
 
 
-def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_path, monkeypatch):
+def test_an_s3_store_is_served_with_the_servers_credentials(
+    s3_env, s3_server, ckpts, tmp_path, monkeypatch
+):
     """No grants (one person): no login. The release bytes are copied inside the bucket, served
     by the MLflow server with its own credentials (the client has none), and removed on a yank."""
-    import boto3
     import mlflow
 
     policy = tmp_path / "policy.toml"
@@ -220,7 +221,7 @@ def test_an_s3_store_is_served_with_the_servers_credentials(s3_env, ckpts, tmp_p
         assert drain(reg.catalog, reg.settings, 120)["pending"] == 0
         stored = Path(reg.pull_release("m:v1", tmp_path / "pulled")["dest"])
     bucket = s3_env.removeprefix("s3://").split("/")[0]
-    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    s3 = s3_server.client()  # its own credentials, not whatever boto3's default session cached
 
     def served() -> list[str]:
         found = s3.list_objects_v2(Bucket=bucket, Prefix="reg/mlflow-artifacts/")

@@ -207,9 +207,6 @@ class S3Store(BaseStore):
                     ChecksumCRC32=base64.b64encode(crc.to_bytes(4, "big")).decode(),
                     ChecksumType="FULL_OBJECT",
                 )
-                self._retain(full_key, completed.get("VersionId"), immutable)
-                self._record_version(key, completed.get("VersionId"))
-                return size, digest.hexdigest()
             except ClientError as exc:
                 self._abort(full_key, upload_id)
                 code = error_code(exc)
@@ -221,7 +218,31 @@ class S3Store(BaseStore):
             except BaseException:
                 self._abort(full_key, upload_id)
                 raise
+            self.confirm_completed(key, completed)
+            self._retain(full_key, completed.get("VersionId"), immutable)
+            self._record_version(key, completed.get("VersionId"))
+            return size, digest.hexdigest()
         raise Conflict(f"{key}: concurrent writes kept conflicting", "retry")
+
+    def confirm_completed(self, key: str, completed: dict[str, Any]) -> None:
+        """Do not take a successful conditional complete as proof that the key holds our bytes:
+        some stores let two concurrent `CompleteMultipartUpload ... If-None-Match: *` of one key
+        both succeed (SeaweedFS 4.48 does), the later replacing the earlier. The key must hold
+        what we completed (our version on a versioned bucket, our ETag elsewhere); if it holds
+        another, we lost the race: ObjectExists, as the 412 of a strict store (the caller
+        compares digests, and replaces the object only while it holds the step's claim).
+
+        A rival complete landing after this check is the claim protocol's to prevent: one live
+        holder writes a step (DESIGN §3). On a versioned bucket even that cannot mislead a
+        reader: the manifest records our version, and every read asks for it."""
+        version = completed.get("VersionId")
+        head = self.head_response(key)
+        if version and version != "null":
+            ours = head is not None and head.get("VersionId") == version
+        else:
+            ours = head is not None and head.get("ETag") == completed.get("ETag")
+        if not ours:
+            raise ObjectExists(key)
 
     def _upload_part(
         self, full_key: str, upload_id: str, number: int, data: bytes, progress: Progress

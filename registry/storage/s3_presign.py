@@ -99,11 +99,13 @@ class Presigner:
         )
         return str(out["UploadId"])
 
-    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> str | None:
         """Complete the upload of `key` from exactly the expected parts (size, sha256 each), as
-        S3 lists them, with If-None-Match: *. A part that is missing, of another size, or with
-        another checksum is refused (IntegrityError) and nothing is assembled; an upload that is
-        gone (completed already) is NotFound, an object already there ObjectExists."""
+        S3 lists them, with If-None-Match: *; the version it created on a versioned bucket. A
+        part that is missing, of another size, or with another checksum is refused
+        (IntegrityError) and nothing is assembled; an upload that is gone (completed already)
+        is NotFound, an object already there (or another complete's, landed over ours on a
+        store where both succeed) ObjectExists."""
         listed = self._parts(key, upload_id)
         if len(listed) != len(parts):
             raise IntegrityError(
@@ -124,7 +126,7 @@ class Presigner:
                     f"{key}: part {number} holds other bytes than declared", "push again"
                 )
             done.append({"PartNumber": number, "ETag": got["ETag"], "ChecksumSHA256": checksum})
-        self.store.call(
+        completed = self.store.call(
             key,
             lambda: self.store.client.complete_multipart_upload(
                 Bucket=self.store.bucket,
@@ -134,6 +136,9 @@ class Presigner:
                 IfNoneMatch="*",
             ),
         )
+        self.store.confirm_completed(key, completed)
+        version = completed.get("VersionId")
+        return str(version) if version and version != "null" else None
 
     def _parts(self, key: str, upload_id: str) -> dict[int, dict[str, Any]]:
         pages = self.store.client.get_paginator("list_parts").paginate(
@@ -149,9 +154,12 @@ class Presigner:
     def abort(self, key: str, upload_id: str) -> None:
         self.store.abort_multipart(self.store.full_key(key), upload_id)
 
-    def head(self, key: str) -> tuple[int, str | None, str | None] | None:
-        """(size, version id, S3's sha256 checksum if it keeps one) of `key`, or None."""
-        out = self.store.head_response(key, checksum=True)
+    def head(
+        self, key: str, version: str | None = None
+    ) -> tuple[int, str | None, str | None] | None:
+        """(size, version id, S3's sha256 checksum if it keeps one) of `key` (that version of
+        it), or None."""
+        out = self.store.head_response(key, version=version, checksum=True)
         if out is None:
             return None
         version = out.get("VersionId")

@@ -850,9 +850,9 @@ def create_bucket(arg: dict[str, Any]) -> Any:
     import boto3
 
     arg["started"]()
-    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).create_bucket(
-        Bucket=arg["bucket"]
-    )
+    # A session of its own: boto3's default one keeps the credentials it first resolved.
+    s3 = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    s3.create_bucket(Bucket=arg["bucket"])
     return True
 
 

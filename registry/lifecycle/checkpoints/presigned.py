@@ -385,9 +385,12 @@ def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> li
 
     def one(f: DeclaredFile) -> Stored:
         key = prefix + f.path
+        created = None
         if f.upload_id and f.path not in plan.reused:
-            _complete_multipart(presigner, key, f)
-        found = presigner.head(key)
+            created = _complete_multipart(presigner, key, f)
+        # The version this request created, if it did: on a store where a second complete of
+        # the key can also succeed, the current version may be someone else's.
+        found = presigner.head(key, created)
         if found is None:
             raise IntegrityError(f"{f.path} was not uploaded", "push again")
         size, version, checksum = found
@@ -403,13 +406,14 @@ def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> li
         return sorted(pool.map(one, plan.files), key=lambda s: s.key)
 
 
-def _complete_multipart(presigner: Presigner, key: str, f: DeclaredFile) -> None:
-    """Assemble `f` from exactly its declared parts; done already is fine (the caller checks
-    the object S3 then holds)."""
+def _complete_multipart(presigner: Presigner, key: str, f: DeclaredFile) -> str | None:
+    """Assemble `f` from exactly its declared parts: the version created (versioned buckets).
+    Done already is fine (the caller checks the object S3 then holds)."""
     assert f.upload_id is not None and f.parts is not None
     sizes = part_sizes(f.size) or []
     with contextlib.suppress(ObjectExists, NotFound):  # completed by an earlier request
-        presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
+        return presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
+    return None
 
 
 def _proven_reader(ctx: Context, prefix: str, plan: Plan) -> Callable[[str], bytes]:

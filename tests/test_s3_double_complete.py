@@ -1,0 +1,175 @@
+"""reg on a store where two conditional completes of one key can both succeed.
+
+S3 promises that of two `CompleteMultipartUpload ... If-None-Match: *` of one key exactly one
+wins; SeaweedFS 4.48 lets both win now and then when they race (the later replacing the
+earlier). reg does not rely on the promise: after each complete the key must hold what was
+completed (`S3Store.confirm_completed`), a writer that finds another's bytes there replaces them
+only while it holds the step's claim, and on a versioned bucket the manifest records the
+version each file was written as. These tests make the race deterministic: a client wrapper
+lands a rival's complete right after reg's, sent without If-None-Match so the real server
+(SeaweedFS, SigV4 enforced) takes it as the racing store would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from registry import Registry
+from registry.errors import Conflict, ObjectExists
+from registry.storage.s3 import S3Store
+from registry.storage.s3_client import new_client
+from tests.zygote import Running
+
+SHARD = "__0_0.distcp"
+
+
+class RivalLandsAfter:
+    """A boto3 client whose first CompleteMultipartUpload of a key ending in `suffix` is
+    followed at once by a rival's complete of `rival` bytes at the same key; both succeed.
+    `before_rival` runs first (a test takes the claim away there)."""
+
+    def __init__(
+        self, suffix: str, rival: bytes, before_rival: Callable[[], None] | None = None
+    ) -> None:
+        self._client, self._suffix, self._rival = new_client(), suffix, rival
+        self._before_rival = before_rival
+        self.landed: dict[str, Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def complete_multipart_upload(self, **kwargs: Any) -> Any:
+        out = self._client.complete_multipart_upload(**kwargs)
+        if self.landed is None and kwargs["Key"].endswith(self._suffix):
+            if self._before_rival is not None:
+                self._before_rival()
+            self.landed = self._rival_complete(kwargs["Bucket"], kwargs["Key"])
+        return out
+
+    def _rival_complete(self, bucket: str, key: str) -> dict[str, Any]:
+        c = self._client
+        upload = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        part = c.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=self._rival
+        )
+        return dict(
+            c.complete_multipart_upload(  # no If-None-Match: the racing store let it through
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload,
+                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+            )
+        )
+
+
+@pytest.fixture(params=["unversioned", "versioned"])
+def bucket_kind(request: pytest.FixtureRequest, s3_env: str, s3_server: Any) -> str:
+    if request.param == "versioned":
+        s3_server.client().put_bucket_versioning(
+            Bucket=s3_env.removeprefix("s3://").split("/")[0],
+            VersioningConfiguration={"Status": "Enabled"},
+        )
+    return str(request.param)
+
+
+def _store(url: str, client: Any) -> S3Store:
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    return S3Store(bucket, prefix, client)
+
+
+def test_a_complete_a_rival_landed_over_is_not_taken_as_written(bucket_kind, s3_env, tmp_path):
+    ours, rival = b"o" * (9 << 20), b"rival bytes"
+    (tmp_path / "f").write_bytes(ours)
+    key = "ckpt/p/r/step-1/" + SHARD
+    store = _store(s3_env, RivalLandsAfter(SHARD, rival))
+    with pytest.raises(ObjectExists):
+        store.put_file(key, tmp_path / "f")
+    assert store.get_bytes(key) == rival  # nothing claims the key holds ours
+
+
+def test_a_push_raced_by_a_rival_complete_commits_its_own_bytes(
+    bucket_kind, s3_env, big_ckpt, tmp_path
+):
+    """The pusher holds the claim: the rival's object is a stale writer's, replaced."""
+    src = big_ckpt.step_dir(1)
+    with Registry() as reg:
+        racer = RivalLandsAfter(SHARD, b"stale writer's bytes")
+        reg.store._client = racer  # type: ignore[attr-defined]
+        out = reg.push_checkpoint(src, run="r", step=1)
+        assert racer.landed is not None  # the race happened
+        assert out["state"] == "committed"
+        assert reg.verify("r@step1")["ok"]
+        reg.pull("r@step1", tmp_path / "back")
+    shard = f"ckpt/default/r/step-1/{SHARD}"
+    assert (tmp_path / "back" / SHARD).read_bytes() == (src / SHARD).read_bytes()
+    current = _store(s3_env, new_client()).get_bytes(shard)
+    assert hashlib.sha256(current).digest() == hashlib.sha256((src / SHARD).read_bytes()).digest()
+
+
+def test_a_writer_that_lost_its_claim_leaves_the_rivals_object_alone(bucket_kind, s3_env, big_ckpt):
+    """The other way round: the step was taken over while our complete was in flight, and
+    the new holder's complete landed after ours. We find another's bytes at the key, may not
+    replace them (the claim is gone), and fail without committing."""
+    from registry.catalog.models import PENDING, Checkpoint
+
+    with Registry() as reg:
+
+        def take_the_claim() -> None:
+            with reg.catalog.session(write=True) as s:
+                s.exec(
+                    update(Checkpoint)
+                    .where(Checkpoint.state == PENDING)  # type: ignore[arg-type]
+                    .values(claim_token=uuid.uuid4().hex, claim_host="elsewhere", claim_pid=1)
+                )
+
+        racer = RivalLandsAfter(SHARD, b"the new holder's bytes", take_the_claim)
+        reg.store._client = racer  # type: ignore[attr-defined]
+        with pytest.raises(Conflict, match="lost the claim"):
+            reg.push_checkpoint(big_ckpt.step_dir(1), run="r", step=1)
+        assert racer.landed is not None
+        assert reg.store.get_bytes(f"ckpt/default/r/step-1/{SHARD}") == b"the new holder's bytes"
+        assert reg.list_checkpoints() == []
+
+
+def test_concurrent_pushes_of_multipart_files_commit_once(s3_env, big_ckpt, tmp_path: Path):
+    """Three processes push the same ~200 MB step at once: one commits; the others are told
+    who holds it (exit 5) or, arriving after the commit, find the same content (exit 0)."""
+    src = big_ckpt.step_dir(1)
+    procs = [
+        Running(("push-ckpt", str(src), "--run", "r", "--step", "1", "--json")) for _ in range(3)
+    ]
+    outs = [(p.wait(timeout=600), p.out(), p.err()) for p in procs]
+    assert all(rc in (0, 5) for rc, _, _ in outs), outs
+    committed = [json.loads(o) for rc, o, _ in outs if rc == 0]
+    assert [c["unchanged"] for c in committed].count(False) == 1, outs
+    assert all("is being pushed by" in e for rc, _, e in outs if rc == 5), outs
+    with Registry() as reg:
+        assert reg.verify("r@step1")["ok"]
+        reg.pull("r@step1", tmp_path / "back")
+    for f in src.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_a_presigned_upload_a_rival_completed_over_is_not_taken_as_assembled(bucket_kind, s3_env):
+    """The server assembles a presigned push's multipart files itself: the same check."""
+    import httpx
+
+    from registry.storage.s3_presign import Presigner
+
+    data = b"p" * (1 << 20)
+    key = "ckpt/p/r/step-2/" + SHARD
+    presigner = Presigner(_store(s3_env, RivalLandsAfter(SHARD, b"rival")))
+    upload = presigner.create_multipart(key)
+    digest = hashlib.sha256(data).hexdigest()
+    signed = presigner.part_url(key, upload, 1, len(data), digest)
+    assert httpx.put(signed.url, content=data, headers=signed.headers).status_code == 200
+    with pytest.raises(ObjectExists):
+        presigner.complete(key, upload, [(len(data), digest)])
