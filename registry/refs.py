@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from registry.errors import MalformedRef
+from registry.errors import MalformedRef, UsageError
+from registry.text import inert
 
 DEFAULT_PROJECT = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -135,3 +136,22 @@ def _checkpoint_ref(text: str, name: str, at: str, project: str | None) -> Check
             "steps are written stepN with N a whole number, e.g. @step9000",
         )
     return CheckpointRef(proj, run, int(match.group(1)))
+
+
+MAX_REASON = 500  # characters in a pin, yank or deprecation reason
+
+
+def check_reason(reason: str | None, what: str = "reason") -> str | None:
+    """A free-text reason as recorded: one printable line of at most MAX_REASON characters."""
+    if reason is None:
+        return None
+    if len(reason) > MAX_REASON:
+        raise UsageError(
+            f"the {what} is {len(reason)} characters", f"keep it to {MAX_REASON} or fewer"
+        )
+    if not reason.isprintable():
+        raise UsageError(
+            f"the {what} {inert(reason[:60])!r} holds control characters",
+            "write it on one line, printable characters only",
+        )
+    return reason

@@ -3,8 +3,6 @@
 - `inert`: control characters (C0, C1, DEL, and every other non-printable code point such as
   bidirectional overrides) escaped as `\\xNN` / `\\uNNNN`, so a crafted name or reason cannot move
   the cursor, rewrite a line or hide text.
-- `check_reason`: a free-text reason (pin, deprecate, yank) is one printable line of bounded
-  length.
 - `redact_url`: the password (or a token used as the user) in a URL's userinfo replaced by
   `***`; `redact` does it for every URL inside a message.
 """
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-MAX_REASON = 500
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
@@ -29,23 +26,6 @@ def inert(text: str) -> str:
         else:
             out.append(f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
     return "".join(out)
-
-
-def check_reason(reason: str | None, what: str = "reason") -> str | None:
-    from registry.errors import UsageError  # errors imports this module
-
-    if reason is None:
-        return None
-    if len(reason) > MAX_REASON:
-        raise UsageError(
-            f"the {what} is {len(reason)} characters", f"keep it to {MAX_REASON} or fewer"
-        )
-    if not reason.isprintable():
-        raise UsageError(
-            f"the {what} {inert(reason[:60])!r} holds control characters",
-            "write it on one line, printable characters only",
-        )
-    return reason
 
 
 _SECRET_PARAMETER = re.compile(

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from registry.lifecycle.economics import model
-from registry.lifecycle.economics.facts import RunFacts, summary
+from registry.lifecycle.economics.advise import summary
+from registry.lifecycle.economics.facts import RunFacts
 from registry.lifecycle.economics.plot import svg
 from tests.test_advise import _attempt
 from tests.test_advise_review import failure, saved_every_100

@@ -22,7 +22,8 @@ import pytest
 from registry import Registry
 from registry.errors import UsageError
 from registry.lifecycle.economics import model, simulate
-from registry.lifecycle.economics.facts import RunFacts, summary
+from registry.lifecycle.economics.advise import summary
+from registry.lifecycle.economics.facts import RunFacts
 from registry.training import CheckpointManager
 from registry.training import manager as manager_mod
 from registry.training import saves as saves_mod

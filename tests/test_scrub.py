@@ -193,7 +193,7 @@ def test_a_viewer_checks_without_writing(filled, tmp_path, monkeypatch):
 
 
 def test_a_collected_checkpoint_is_not_recorded_damaged(filled):
-    from registry.lifecycle.scrub import record
+    from registry.lifecycle.verify import record
 
     db = sqlite3.connect(Path(os.environ["REG_HOME"]) / "catalog.db")
     with db:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from registry.text import check_reason, inert, redact, redact_url
+from registry.refs import check_reason
+from registry.text import inert, redact, redact_url
 
 
 def test_inert_escapes_every_control_character():

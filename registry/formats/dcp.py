@@ -15,9 +15,49 @@ from pathlib import PurePath
 from typing import Any
 
 from registry.errors import InvalidCheckpoint
-from registry.formats.dcp_metadata import DTYPE_SIZES, STRUCTURE_ERRORS
 
 METADATA = ".metadata"
+# What reading a stand-in of the wrong structure raises (a field of the wrong type, missing, too
+# deep): callers turn it into one InvalidCheckpoint line.
+STRUCTURE_ERRORS = (
+    AttributeError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RecursionError,
+)
+# Bytes per element of each dtype a checkpoint may name (torch's names and aliases).
+DTYPE_SIZES = {
+    "float64": 8,
+    "double": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "long": 8,
+    "int32": 4,
+    "int": 4,
+    "int16": 2,
+    "short": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "complex32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
 
 # -- inventory --------------------------------------------------------------------------------
 

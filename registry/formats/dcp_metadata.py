@@ -25,19 +25,9 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, UnsafeMetadata
+from registry.formats.dcp import DTYPE_SIZES
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# What reading a stand-in of the wrong structure raises (a field of the wrong type, missing, too
-# deep): callers turn it into one InvalidCheckpoint line.
-STRUCTURE_ERRORS = (
-    AttributeError,
-    TypeError,
-    ValueError,
-    KeyError,
-    IndexError,
-    OverflowError,
-    RecursionError,
-)
 _ALLOWED_CLASSES = {
     (_DCP_METADATA, "Metadata"),
     (_DCP_METADATA, "TensorStorageMetadata"),
@@ -270,35 +260,6 @@ def load_metadata(data: bytes, *, light: bool = False) -> Any:
 
 
 # Stand-ins for light parsing: enough structure for the inventory, nothing that runs code.
-DTYPE_SIZES = {
-    "float64": 8,
-    "double": 8,
-    "float32": 4,
-    "float": 4,
-    "float16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "long": 8,
-    "int32": 4,
-    "int": 4,
-    "int16": 2,
-    "short": 2,
-    "int8": 1,
-    "uint8": 1,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-    "bool": 1,
-    "complex64": 8,
-    "complex128": 16,
-    "complex32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-}
 
 
 class _LightDtype:

@@ -142,13 +142,13 @@ def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
     """Every field is checked before it is used, and before anything from the file is hashed
     as a dict key: a crafted offset (a deep or self-sharing tuple) hashes for ever."""
     from registry.formats.dcp import (
+        STRUCTURE_ERRORS,
         HashCount,
         checked_dims,
         checked_int,
         checked_path,
         checked_text,
     )
-    from registry.formats.dcp_metadata import STRUCTURE_ERRORS
 
     out = _Metadata()
     hashes = HashCount("storage_data")  # an index hashes its offsets

@@ -15,8 +15,14 @@ from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from registry.errors import InvalidCheckpoint
-from registry.formats.dcp import HashCount, checked_dims, checked_int, checked_path, checked_text
-from registry.formats.dcp_metadata import STRUCTURE_ERRORS
+from registry.formats.dcp import (
+    STRUCTURE_ERRORS,
+    HashCount,
+    checked_dims,
+    checked_int,
+    checked_path,
+    checked_text,
+)
 
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import IntegrityError
-from registry.formats.dcp_metadata import DTYPE_SIZES, MEMO_SLACK, CheckedUnpickler
+from registry.formats.dcp import DTYPE_SIZES
+from registry.formats.dcp_metadata import MEMO_SLACK, CheckedUnpickler
 from registry.formats.torch_zip import LOCAL_HEADER, NotCanonical, Region, canonical
 
 _ALIASES = {"double", "float", "half", "long", "int", "short"}

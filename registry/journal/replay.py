@@ -183,8 +183,7 @@ def _refuse_without_key(ctx: Context, events: list[Event]) -> None:
 def _implausible(e: Event) -> str | None:
     """What the live command would have refused in this event (None: nothing)."""
     from registry.config import checked_user
-    from registry.refs import check_alias
-    from registry.text import check_reason
+    from registry.refs import check_alias, check_reason
 
     if not EARLIEST <= e.ts <= time.time() + 86_400:
         return f"its time {e.ts!r} is before 2000 or more than a day ahead"

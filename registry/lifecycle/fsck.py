@@ -35,7 +35,6 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
@@ -68,6 +67,23 @@ from registry.layout import (
     parse_release_key,
     release_prefix,
 )
+from registry.lifecycle.fsck_findings import (
+    DAMAGE,
+    DIGEST,
+    INVALID_KEY,
+    MISSING,
+    SIZE,
+    STALE_CLAIM,
+    TOMBSTONE_OBJECTS,
+    UNCATALOGED,
+    UNFINISHED_DELETION,
+    UNFINISHED_PROMOTION,
+    UNLISTED,
+    Artifact,
+    Finding,
+    Snapshot,
+)
+from registry.lifecycle.fsck_repair import repair as run_repair
 from registry.progress import Counter
 from registry.refs import CheckpointRef, check_name
 from registry.storage.base import check_key
@@ -76,61 +92,8 @@ from registry.timeutil import iso, now
 if TYPE_CHECKING:
     from registry.context import Context
     from registry.progress import Progress
-    from registry.storage.base import ObjectInfo
 
-MISSING, SIZE, DIGEST = "missing-object", "size-mismatch", "sha256-mismatch"
-UNLISTED, INVALID_KEY, UNCATALOGED = "unlisted-object", "invalid-key", "uncataloged"
-STALE_CLAIM, UNFINISHED_DELETION = "stale-claim", "unfinished-deletion"
-TOMBSTONE_OBJECTS, UNFINISHED_PROMOTION = "tombstone-objects", "unfinished-promotion"
-DAMAGE = (MISSING, SIZE, DIGEST)
 DEFAULT_SAMPLE = 32  # data files hashed per fsck without `full` (documents are always hashed)
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    kind: str
-    target: str  # the checkpoint ref or release name it concerns (a place, for no row)
-    key: str | None  # the object, where one is concerned
-    detail: str
-    sweepable: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(slots=True, eq=False)  # one per row: compared and hashed by identity
-class Artifact:
-    """A catalog row with the files it lists (documents included), under `prefix`."""
-
-    target: str
-    prefix: str
-    row: Checkpoint | Release
-    files: list[FileRecord] = field(default_factory=list)
-
-    @property
-    def release(self) -> bool:
-        return isinstance(self.row, Release)
-
-    @property
-    def state(self) -> str:
-        return self.row.status if isinstance(self.row, Release) else self.row.state
-
-    @property
-    def committed(self) -> bool:
-        """A committed checkpoint, or a release that left `pending` (active, deprecated,
-        yanked): what readers rely on."""
-        return self.state != RELEASE_PENDING if self.release else self.state == COMMITTED
-
-
-@dataclass(slots=True)
-class Snapshot:
-    objects: dict[str, ObjectInfo]
-    artifacts: dict[str, Artifact]  # by prefix
-    places: set[str] = field(default_factory=set)  # prefixes that hold at least one object
-    targets: dict[str, Artifact] = field(default_factory=dict)  # by ref or release name
-
-    def by_target(self, target: str) -> Artifact | None:
-        return self.targets.get(target)
 
 
 def fsck(
@@ -189,8 +152,6 @@ def _run(
         "damaged": any(f.kind in DAMAGE for f in findings),
     }
     if repair:
-        from registry.lifecycle.fsck_repair import repair as run_repair
-
         repaired, left = run_repair(ctx, snap, findings)
         out.update(
             repaired=repaired,

@@ -32,7 +32,7 @@ from registry.errors import RegistryError
 from registry.formats.documents import FileRecord
 from registry.layout import parse_checkpoint_key
 from registry.lifecycle import gc
-from registry.lifecycle.fsck import (
+from registry.lifecycle.fsck_findings import (
     DAMAGE,
     INVALID_KEY,
     STALE_CLAIM,

@@ -158,7 +158,7 @@ def verify(
 ) -> dict[str, Any]:
     """Re-hash the stored release, release.json included; `repair` restores damaged files from
     their recorded (locked) versions."""
-    from registry.lifecycle.scrub import verify_files
+    from registry.lifecycle.verify import verify_files
 
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
@@ -292,7 +292,7 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
 def set_status(
     ctx: Context, ref: ReleaseRef, status: str, reason: str | None = None
 ) -> dict[str, Any]:
-    from registry.text import check_reason
+    from registry.refs import check_reason
 
     action = {DEPRECATED: "deprecate", YANKED: "yank"}[status]
     reason = check_reason(reason, f"{action} reason")

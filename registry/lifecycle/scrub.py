@@ -1,11 +1,5 @@
-"""`reg verify [--repair]` and scrubs (`reg verify --all`): re-hash an artifact's stored files
-against the catalog's records, and on a versioned bucket restore each damaged one from the
-version its record names (after proving that version still holds the recorded bytes). Repair is
-an admin action, audited, and holds the GC lease (never beside a GC or `reg fsck --repair`).
-
-Every complete re-hash is recorded on the artifact's row (`verified_at`, `verify_findings`),
-shown by `reg show` and mirrored to MLflow; findings are audited. A scrub re-hashes every
-committed checkpoint and release, the longest unverified first, within a bandwidth budget.
+"""Scrubs (`reg verify --all`): every committed checkpoint and release re-hashed through
+`verify.py`, the longest unverified first, within a bandwidth budget, one scrub at a time.
 """
 
 from __future__ import annotations
@@ -14,12 +8,10 @@ import math
 import re
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import col, select
 
-from registry import events
 from registry.catalog import queries
 from registry.catalog.models import (
     COMMITTED,
@@ -33,127 +25,15 @@ from registry.catalog.models import (
 from registry.errors import Conflict, RegistryError, UsageError
 from registry.layout import (
     checkpoint_prefix,
-    parse_checkpoint_key,
-    parse_release_key,
     release_prefix,
 )
+from registry.lifecycle.verify import record, row_at, verify_files
 from registry.refs import CheckpointRef
-from registry.timeutil import now
-from registry.transfer import repair_stored, verify_stored
 
 if TYPE_CHECKING:
     from registry.context import Context
     from registry.formats.documents import FileRecord
     from registry.progress import Progress
-
-
-def verify_files(
-    ctx: Context,
-    prefix: str,
-    files: list[FileRecord],
-    *,
-    name: str,
-    scope: dict[str, str],
-    repair: bool,
-    immutable: bool,
-    progress: Progress | None,
-) -> dict[str, Any]:
-    """The verify report of one artifact (`name`, its files under `prefix`); `scope` is the
-    project or model the repair is authorized on. The outcome is recorded on its row."""
-    problems = verify_stored(
-        ctx.store, prefix, files, label=f"verify {name}", workers=ctx.workers, progress=progress
-    )
-    out: dict[str, Any] = {
-        "ok": not problems,
-        "files": len(files),
-        "bytes": sum(f.size for f in files),
-        "problems": [p.to_json() for p in problems],
-    }
-    if repair:
-        out["repaired"] = []
-    if repair and problems:
-        ctx.authorize("repair", target=name, **scope)
-        from registry.catalog import leases
-        from registry.lifecycle import gc
-
-        with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
-            repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)
-        with ctx.catalog.session(write=True) as s:
-            ctx.audit(s, "repair", name, repaired=repaired, left=len(left))
-        after = verify_stored(
-            ctx.store,
-            prefix,
-            [f for f in files if f.path in set(repaired)],
-            label=f"verify {name}",
-            workers=ctx.workers,
-        )
-        out.update(
-            ok=not left and not after,
-            repaired=[p for p in repaired if p not in {a.path for a in after}],
-            problems=[p.to_json() for p in [*left, *after]],
-        )
-    if ctx.principal.authorize("scrub").allowed:  # a viewer's check is its own, not a record
-        record(ctx, prefix, name, out["problems"])
-    return out
-
-
-def record(ctx: Context, prefix: str, name: str, problems: list[dict[str, str]]) -> None:
-    """`verified_at` and the findings on the artifact's row while it is still committed; a new
-    verdict is audited and told to MLflow. A failed write is a warning: the report stands."""
-    try:
-        _record(ctx, prefix, name, problems)
-    except RegistryError as exc:
-        warnings.warn(f"could not record the verification of {name}: {exc}", stacklevel=2)
-
-
-def _record(ctx: Context, prefix: str, name: str, problems: list[dict[str, str]]) -> None:
-    at = now()
-    with ctx.catalog.session(write=True) as s:
-        row = _row_at(s, prefix)
-        if row is None:
-            return  # collected or never committed meanwhile: nothing to say of it
-        before = row.verify_findings
-        row.verified_at, row.verify_findings = at, problems
-        s.add(row)
-        if isinstance(row, Checkpoint):
-            ckpt = parse_checkpoint_key(prefix)
-            assert ckpt is not None
-            fields = {"project": ckpt[0], "run": ckpt[1], "step": ckpt[2], "ref": name}
-            ctx.events.emit(s, events.CHECKPOINT_VERIFIED, **fields, at=at, damaged=len(problems))
-        else:
-            rel = parse_release_key(prefix)
-            assert rel is not None
-            ctx.events.emit(s, events.RELEASE_VERIFIED, model=rel[0], version=rel[1], at=at)
-        if problems and problems != before:  # a new verdict, not the same one again
-            ctx.audit(s, "verify", name, "failed", problems=problems[:20], count=len(problems))
-        elif not problems and before:
-            ctx.audit(s, "verify", name, note="every file matches its record again")
-
-
-def _row_at(s: Session, prefix: str) -> Checkpoint | Release | None:
-    """The committed checkpoint or the release (not pending) stored under `prefix`."""
-    ckpt = parse_checkpoint_key(prefix)
-    if ckpt is not None:
-        project, run, step, _ = ckpt
-        return s.exec(
-            select(Checkpoint)
-            .join(Run, col(Run.id) == Checkpoint.run_id)
-            .join(Project, col(Project.id) == Run.project_id)
-            .where(
-                Project.name == project,
-                Run.name == run,
-                Checkpoint.step == step,
-                Checkpoint.state == COMMITTED,
-            )
-        ).first()
-    rel = parse_release_key(prefix)
-    if rel is None:
-        return None
-    return s.exec(
-        select(Release)
-        .join(Model, col(Model.id) == Release.model_id)
-        .where(Model.name == rel[0], Release.version == rel[1], Release.status != RELEASE_PENDING)
-    ).first()
 
 
 # -- scrubs -----------------------------------------------------------------------------------
@@ -327,7 +207,7 @@ def _files_now(ctx: Context, prefix: str) -> list[FileRecord] | None:
     from registry.lifecycle.views import ReleaseView
 
     with ctx.catalog.session() as s:
-        row = _row_at(s, prefix)
+        row = row_at(s, prefix)
         if row is None:
             return None
         if isinstance(row, Checkpoint):
@@ -346,6 +226,6 @@ def _rehashed_if_reported(ctx: Context, prefix: str, name: str) -> None:
     from registry.lifecycle.checkpoints.read import rehashed
 
     with ctx.catalog.session() as s:
-        row = _row_at(s, prefix)
+        row = row_at(s, prefix)
     if isinstance(row, Checkpoint) and row.digests_reported_by is not None:
         rehashed(ctx, row.id or 0, name)

@@ -136,7 +136,7 @@ def verify(
 ) -> dict[str, Any]:
     """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged.
     `repair` restores damaged files from their recorded versions (versioned buckets)."""
-    from registry.lifecycle.scrub import verify_files
+    from registry.lifecycle.verify import verify_files
 
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
@@ -177,7 +177,7 @@ def set_pin(
     ctx: Context, ref: CheckpointRef, pinned: bool, reason: str | None = None
 ) -> dict[str, Any]:
     from registry.journal.write import record as journal_record
-    from registry.text import check_reason
+    from registry.refs import check_reason
 
     reason = check_reason(reason, "pin reason")
     action = "pin" if pinned else "unpin"

@@ -218,7 +218,7 @@ def choose_mtbf(
     some exposure; else the prior ASSUMED_MTBF_S. With no failure the
     confidence bound on the rate is shown as a range, never used as the advice: it shrinks
     with every clean hour's lack of data and would always say "checkpoint more often".
-    `reg advise` and the MLflow metric (`facts.summary`) both choose here."""
+    `reg advise` and the MLflow metric (`summary`) both choose here."""
     own = pool[:1]
     n_pool = sum(len(f.failures()) for f in pool)
     h_pool = sum(f.gpu_seconds() for f in pool) / 3600.0
@@ -384,3 +384,26 @@ def _r(value: float | None, digits: int = 4) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return round(value, digits)
+
+
+def summary(facts: RunFacts) -> dict[str, float]:
+    """The figures mirrored to MLflow: C_eff, RTO and the advised interval, chosen as
+    `reg advise RUN` (no flags) chooses it."""
+    c_eff, _, _, _ = facts.costs()
+    rto = facts.rto()
+    out: dict[str, float] = {}
+    if c_eff:
+        out["c_eff_s"] = round(statistics.median(c_eff), 4)
+    if rto:
+        out["rto_s"] = round(float(rto["median_s"]), 4)
+    if c_eff:
+        mtbf, _ = choose_mtbf([facts], max(1, _world(facts)), None, fleet=False)
+        out["advised_interval_s"] = round(model.optimal(statistics.median(c_eff), mtbf), 2)
+    return out
+
+
+def _world(facts: RunFacts) -> int:
+    for row in reversed(facts.checkpoints):
+        if row.world_size:
+            return int(row.world_size)
+    return 1

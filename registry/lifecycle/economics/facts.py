@@ -24,7 +24,6 @@ from registry.catalog.models import (
     Run,
     Validation,
 )
-from registry.lifecycle.economics import model
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -226,31 +225,6 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
         if v.seconds
     ]
     return facts
-
-
-def summary(facts: RunFacts) -> dict[str, float]:
-    """The figures mirrored to MLflow: C_eff, RTO and the advised interval, chosen as
-    `reg advise RUN` (no flags) chooses it."""
-    from registry.lifecycle.economics.advise import choose_mtbf
-
-    c_eff, _, _, _ = facts.costs()
-    rto = facts.rto()
-    out: dict[str, float] = {}
-    if c_eff:
-        out["c_eff_s"] = round(statistics.median(c_eff), 4)
-    if rto:
-        out["rto_s"] = round(float(rto["median_s"]), 4)
-    if c_eff:
-        mtbf, _ = choose_mtbf([facts], max(1, _world(facts)), None, fleet=False)
-        out["advised_interval_s"] = round(model.optimal(statistics.median(c_eff), mtbf), 2)
-    return out
-
-
-def _world(facts: RunFacts) -> int:
-    for row in reversed(facts.checkpoints):
-        if row.world_size:
-            return int(row.world_size)
-    return 1
 
 
 def _num(value: object) -> float | None:
