@@ -1,131 +1,49 @@
-"""`Registry`: the one object a Python user (and the CLI) works through.
+"""`Registry`: the one object a Python user (and the CLI) works through, and its contract.
 
-It builds a `Context` from local settings (the embedded mode of DESIGN §9) and delegates every
-call to the lifecycle functions; access checks live there, in the library, not in the CLI. The
-catalog and the store are opened lazily, so a command pays only for what it touches; the
-Context is built on first use and rebuilt after `apply_policy`.
-
-With `REG_URL` set, `Registry()` is a `registry.remote.registry.RemoteRegistry`: the same
-methods, run by `reg server` under the identity of a token.
+`Registry(settings)` opens the registry the settings name: the embedded one
+(`registry.local.LocalRegistry`, which opens the catalog and the store itself, DESIGN §9), or with
+`REG_URL` set the one behind `reg server` (`registry.remote.registry.RemoteRegistry`, the same
+methods run by the server under the identity of a token). Both subclass `Registry`, so mypy
+checks every method of each against the signatures here; `tests/test_contract.py` checks that
+neither leaves one out. The implementations are named, not imported, here (as fsspec names its
+filesystems): the contract depends on neither, and opening one imports only it.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from registry.config import Settings
-from registry.refs import (
-    CheckpointRef,
-    ReleaseRef,
-    parse_checkpoint_ref,
-    parse_ref,
-    parse_release_ref,
-)
 
 if TYPE_CHECKING:
-    from registry.catalog.engine import Catalog
-    from registry.context import Context
-    from registry.events import Outbox
     from registry.policy_source import EffectivePolicy
     from registry.progress import Progress
-    from registry.storage.base import BaseStore
+    from registry.refs import CheckpointRef, ReleaseRef
 
 
 class Registry:
+    """What a registry does, embedded or remote; `Registry(...)` returns the one the settings
+    name. Every method raises the errors of `registry.errors` (one line, an exit code)."""
+
+    IMPLEMENTATIONS: ClassVar[dict[str, str]] = {
+        "local": "registry.local:LocalRegistry",
+        "remote": "registry.remote.registry:RemoteRegistry",
+    }
     settings: Settings
 
     def __new__(cls, settings: Settings | None = None, *, user: str | None = None) -> Registry:
         settings = settings or Settings.from_env()
-        kind = cls
-        if cls is Registry and settings.remote:
-            from registry.remote.registry import RemoteRegistry
-
-            kind = RemoteRegistry
+        kind: type[Registry] = cls
+        if cls is Registry:
+            module, _, name = cls.IMPLEMENTATIONS[
+                "remote" if settings.remote else "local"
+            ].partition(":")
+            kind = getattr(importlib.import_module(module), name)
         registry = super().__new__(kind)
         registry.settings = settings  # read once: __init__ keeps it
         return registry
-
-    def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
-        self.settings = settings or self.settings
-        if user is not None:
-            self._identity = (user, "caller")
-        else:
-            self._identity = (self.settings.user, self.settings.user_source)
-        self._catalog: Catalog | None = None
-        self._store: BaseStore | None = None
-        self._context: Context | None = None
-        self._events: Outbox | None = None
-
-    # -- parts ---------------------------------------------------------------------------------
-    @property
-    def user(self) -> str:
-        return self._identity[0]
-
-    @property
-    def catalog(self) -> Catalog:
-        if self._catalog is None:
-            from registry.catalog.engine import Catalog
-
-            self._catalog = Catalog(
-                self.settings.catalog_url, busy_timeout_s=self.settings.busy_timeout_s
-            )
-        return self._catalog
-
-    @property
-    def store(self) -> BaseStore:
-        if self._store is None:
-            from registry.storage import open_store
-
-            def release_lock() -> tuple[str, int]:  # Object Lock for release objects
-                rules = self.context.policy.release
-                return rules.object_lock, rules.lock_days
-
-            self._store = open_store(self.settings.store_url, release_lock=release_lock)
-        return self._store
-
-    @property
-    def context(self) -> Context:
-        if self._context is None:
-            from registry.audit_chain import keys
-            from registry.context import Context
-            from registry.events import Outbox
-            from registry.policy_source import EffectivePolicy
-            from registry.principal import Principal
-
-            # Where this process can read the server's key (its host's operator) it signs
-            # what it writes, so it decides under the proven policy, as the server does.
-            key = keys.optional(self.settings.audit_key_path)
-            path, home = self.settings.policy_path, self.settings.home
-            policy = (
-                EffectivePolicy.load(self.catalog, policy_path=path, home=home)
-                if key is None
-                else EffectivePolicy.on_host(
-                    self.catalog, self.store, key, policy_path=path, home=home
-                )
-            )
-            if self._events is None:
-                self._events = Outbox(self.settings)
-            self._context = Context(
-                catalog=self.catalog,
-                store=self.store,
-                policy=policy,
-                principal=Principal.under(*self._identity, policy),
-                events=self._events,
-                workers=self.settings.workers,
-                audit_key=key,
-            )
-        return self._context
-
-    @property
-    def policy(self) -> EffectivePolicy:
-        return self.context.policy
-
-    def close(self) -> None:
-        if self._events is not None:
-            self._events.flush()
-        if self._catalog is not None:
-            self._catalog.dispose()
 
     def __enter__(self) -> Registry:
         return self
@@ -133,15 +51,20 @@ class Registry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- access ----------------------------------------------------------------------------------
-    def authorize(
-        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
-    ) -> None:
-        """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
-        self.context.authorize(action, project=project, model=model, target=target)
+    # -- parts ---------------------------------------------------------------------------------
+    @property
+    def user(self) -> str:
+        """Who this registry acts as: the caller's name embedded, the token's principal remote."""
+        raise NotImplementedError
 
-    def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
-        self.context.authorize_read(project=project, model=model)
+    @property
+    def policy(self) -> EffectivePolicy:
+        """The policy in force (retention, access, promotion, resume)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush what is pending and let go of connections (a `with` block calls it)."""
+        raise NotImplementedError
 
     # -- checkpoints -----------------------------------------------------------------------------
     def push_checkpoint(
@@ -159,28 +82,13 @@ class Registry:
     ) -> dict[str, Any]:
         """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
         instead of detecting it from its keys."""
-        from registry.lifecycle.checkpoints.push import push
-
-        return push(
-            self.context,
-            Path(src),
-            run=run,
-            step=step,
-            project=project,
-            world_size=world_size,
-            metrics=metrics,
-            progress=progress,
-            notes=notes,
-            layout=layout,
-        ).to_json()
+        raise NotImplementedError
 
     def claim_checkpoint(
         self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
     ) -> dict[str, Any]:
         """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
-        from registry.lifecycle.checkpoints import claimed
-
-        return claimed.claim(self.context, CheckpointRef(project, run, step), lease_s)
+        raise NotImplementedError
 
     def push_checkpoint_part(
         self,
@@ -193,10 +101,7 @@ class Registry:
         progress: Progress | None = None,
     ) -> dict[str, Any]:
         """Copy one node's files of a claimed step (`claim` is its token)."""
-        from registry.lifecycle.checkpoints import claimed
-
-        ref = CheckpointRef(project, run, step)
-        return claimed.push_part(self.context, Path(src), claim, ref, progress=progress)
+        raise NotImplementedError
 
     def commit_claimed(
         self,
@@ -208,40 +113,23 @@ class Registry:
         save_costs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Commit a claimed step once every file its .metadata names was pushed."""
-        from registry.lifecycle.checkpoints import claimed
-
-        return claimed.commit(
-            self.context,
-            claim,
-            world_size=world_size,
-            metrics=metrics,
-            layout=layout,
-            save_costs=save_costs,
-        )
+        raise NotImplementedError
 
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
     ) -> list[dict[str, Any]]:
-        from registry.lifecycle.checkpoints.listing import list_checkpoints
-
-        return list_checkpoints(self.context, run, project, include_deleted=include_deleted)
+        """Checkpoints, newest first, of one run or project or all (`reg ls`)."""
+        raise NotImplementedError
 
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
-        parsed = parse_ref(ref) if isinstance(ref, str) else ref
-        if isinstance(parsed, ReleaseRef):
-            from registry.lifecycle import releases
-
-            return releases.show(self.context, parsed)
-        from registry.lifecycle.checkpoints import read
-
-        return read.show(self.context, parsed)
+        """One checkpoint or release, with its files and facts (`reg show`)."""
+        raise NotImplementedError
 
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.read import pull
-
-        return pull(self.context, _ckpt(ref), Path(dest), progress=progress)
+        """Copy a checkpoint's files into `dest`, each checked against its sha256 (`reg pull`)."""
+        raise NotImplementedError
 
     def verify(
         self,
@@ -250,14 +138,9 @@ class Registry:
         repair: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        parsed = parse_ref(ref) if isinstance(ref, str) else ref
-        if isinstance(parsed, ReleaseRef):
-            from registry.lifecycle import releases
-
-            return releases.verify(self.context, parsed, repair=repair, progress=progress)
-        from registry.lifecycle.checkpoints import read
-
-        return read.verify(self.context, parsed, repair=repair, progress=progress)
+        """Re-hash an artifact's stored files against their records; `repair` restores damaged
+        ones from their recorded versions (admin)."""
+        raise NotImplementedError
 
     def scrub(
         self,
@@ -268,28 +151,21 @@ class Registry:
     ) -> dict[str, Any]:
         """Re-hash every committed checkpoint and release (admin), the longest unverified first,
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
-        from registry.lifecycle.scrub import scrub
-
-        return scrub(self.context, rate=rate, limit=limit, progress=progress)
+        raise NotImplementedError
 
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.read import set_pin
-
-        return set_pin(self.context, _ckpt(ref), True, reason)
+        """Keep a checkpoint from retention until unpinned."""
+        raise NotImplementedError
 
     def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.read import set_pin
-
-        return set_pin(self.context, _ckpt(ref), False)
+        """Let retention decide about a pinned checkpoint again."""
+        raise NotImplementedError
 
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
     ) -> dict[str, Any]:
         """The training job of `run` (`project/run` or `run`) ended with `status`."""
-        from registry.lifecycle.runs import finish_run, split_run
-
-        project_name, run_name = split_run(run, project)
-        return finish_run(self.context, project_name, run_name, status)
+        raise NotImplementedError
 
     # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
@@ -310,12 +186,7 @@ class Registry:
         size (default: a fraction of the device's free memory); `world_size` > 1 restores the
         model as the factory module's parallelize shards it (and the optimizer with
         `with_optimizer`)."""
-        from registry.lifecycle.validation import Request, validate
-
-        request = Request(
-            device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
-        )
-        return validate(self.context, _ckpt(ref), request, progress=progress)
+        raise NotImplementedError
 
     def promote(
         self,
@@ -335,58 +206,34 @@ class Registry:
         """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
         stripped from the release's names after the layout's own prefix; `allow_unclassified`
         leaves tensors no resume class claims out of the release (else it is refused)."""
-        from registry.lifecycle.promotion import promote
-
-        return promote(
-            self.context,
-            _ckpt(ref),
-            model=model,
-            alias=alias,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            extras=[Path(p) for p in extras or []],
-            model_factory=model_factory,
-            progress=progress,
-            layout=layout,
-            allow_unclassified=allow_unclassified,
-            strip_prefix=strip_prefix,
-        )
+        raise NotImplementedError
 
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:
-        from registry.lifecycle.releases import list_releases
-
-        return list_releases(self.context, model)
+        """Release versions, of one model or all (`reg releases`)."""
+        raise NotImplementedError
 
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
-        from registry.lifecycle.releases import pull
-
-        return pull(self.context, _release(ref), Path(dest), progress=progress)
+        """Copy a release's files into `dest`, each checked against its sha256."""
+        raise NotImplementedError
 
     def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
-        from registry.lifecycle.releases import set_alias
-
-        return set_alias(self.context, model, alias, version)
+        """Point `alias` (e.g. prod) at version `version` of `model`."""
+        raise NotImplementedError
 
     def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
-        from registry.catalog.models import DEPRECATED
-        from registry.lifecycle.releases import set_status
-
-        return set_status(self.context, _release(ref), DEPRECATED)
+        """Mark a release deprecated: still pulled, no longer advised."""
+        raise NotImplementedError
 
     def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
-        from registry.catalog.models import YANKED
-        from registry.lifecycle.releases import set_status
-
-        return set_status(self.context, _release(ref), YANKED, reason)
+        """Withdraw a release: it is no longer pulled by alias, and its bytes may go."""
+        raise NotImplementedError
 
     # -- administration --------------------------------------------------------------------------
     def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
-        from registry.lifecycle.gc import run_gc
-
-        return run_gc(self.context, dry_run=dry_run)
+        raise NotImplementedError
 
     def fsck(
         self,
@@ -398,18 +245,11 @@ class Registry:
         progress: Progress | None = None,
     ) -> dict[str, Any]:
         """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
-        from registry.lifecycle.fsck import fsck
-
-        ctx = self.context
-        return fsck(
-            ctx, project=project, full=full, sample=sample, repair=repair, progress=progress
-        )
+        raise NotImplementedError
 
     def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Re-create missing catalog rows from the store's documents (admin)."""
-        from registry.lifecycle.rebuild import rebuild
-
-        return rebuild(self.context, dry_run=dry_run)
+        raise NotImplementedError
 
     def advise(
         self,
@@ -422,107 +262,67 @@ class Registry:
     ) -> dict[str, Any]:
         """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""
-        from registry.lifecycle.economics import advise
-
-        return advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+        raise NotImplementedError
 
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> dict[str, Any]:
         """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
-        from registry.lifecycle.economics import advise
-
-        return advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
+        raise NotImplementedError
 
     def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""
-        from registry.lifecycle.economics.records import plan_restart
-
-        return plan_restart(self.context, project, run)
+        raise NotImplementedError
 
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
         """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
-        from registry.lifecycle.economics.records import record_heartbeat
-
-        return record_heartbeat(self.context, project, run, **figures)
+        raise NotImplementedError
 
     def storage_init(self) -> dict[str, Any]:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
-        from registry.lifecycle.admin import storage_init
-
-        return storage_init(self.context)
+        raise NotImplementedError
 
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
     ) -> list[dict[str, Any]]:
-        from registry.lifecycle.admin import audit_log
-
-        return audit_log(self.context, since=since, actor=actor, action=action)
+        """Audit events, oldest first, filtered by time, actor and action."""
+        raise NotImplementedError
 
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
     ) -> dict[str, Any]:
         """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
-        from registry.audit_chain.service import verify
-
-        return verify(
-            self.context, max_unsealed_age_s=max_unsealed_age_s, max_anchor_age_s=max_anchor_age_s
-        )
+        raise NotImplementedError
 
     def audit_seal(self) -> dict[str, Any]:
         """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
-        from registry.audit_chain.service import seal
-
-        return seal(self.context)
+        raise NotImplementedError
 
     def policy_show(self) -> dict[str, Any]:
-        from registry.lifecycle.policy_admin import show
-
-        return show(self.context)
+        """The policy document in force and where it comes from."""
+        raise NotImplementedError
 
     def apply_policy(self, path: str | Path) -> dict[str, Any]:
-        from registry.lifecycle.policy_admin import apply
-
-        out = apply(self.context, Path(path))
-        self._context = None  # the next call runs under the applied policy
-        return out
+        """Make the policy file at `path` the one in force (admin; signed and sealed)."""
+        raise NotImplementedError
 
     def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
-        from registry.lifecycle.policy_admin import export
-
-        return export(self.context, bucket)
+        """The policy as an S3 bucket policy (prefix-scoped writes), and its notes."""
+        raise NotImplementedError
 
     def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
         """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
-        from registry.lifecycle import token_admin
-
-        return token_admin.create(self.context, principal, expires_s=expires_s)
+        raise NotImplementedError
 
     def list_tokens(self) -> list[dict[str, Any]]:
-        from registry.lifecycle import token_admin
-
-        return token_admin.listing(self.context)
+        """The API tokens issued (never their secrets)."""
+        raise NotImplementedError
 
     def revoke_token(self, token_id: str) -> dict[str, Any]:
-        from registry.lifecycle import token_admin
-
-        return token_admin.revoke(self.context, token_id)
+        """Revoke API token `token_id`: it authenticates nothing from now on."""
+        raise NotImplementedError
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""
-        from registry.mlflow_mirror import drain, skip_event
-        from registry.text import redact_url
-
-        self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))
-        skipped = skip_event(self.context, skip) if skip is not None else None
-        out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
-        return out | ({"skipped": skipped} if skipped else {})
-
-
-def _release(ref: str | ReleaseRef) -> ReleaseRef:
-    return parse_release_ref(ref) if isinstance(ref, str) else ref
-
-
-def _ckpt(ref: str | CheckpointRef) -> CheckpointRef:
-    return parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+        raise NotImplementedError

@@ -30,7 +30,10 @@ HEARTBEAT_TIMEOUT_S = 5.0  # one heartbeat request (sent off the training loop)
 
 class EmbeddedBackend:
     def __init__(self, registry: Registry) -> None:
-        self.registry = registry
+        from registry.local import LocalRegistry  # the embedded side only: opened already
+
+        assert isinstance(registry, LocalRegistry)
+        self.registry: LocalRegistry = registry
 
     def prepare(self) -> None:
         self.registry.store  # noqa: B018  # opened now: an unreachable store fails here

@@ -1,0 +1,510 @@
+"""`LocalRegistry`: the embedded registry (DESIGN §9), what `Registry()` opens without `REG_URL`.
+
+It builds a `Context` from local settings and delegates every call to the lifecycle functions;
+access checks live there, in the library, not in the CLI. The catalog and the store are opened
+lazily, so a command pays only for what it touches; the Context is built on first use and
+rebuilt after `apply_policy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.api import Registry
+from registry.config import Settings
+from registry.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    parse_checkpoint_ref,
+    parse_ref,
+    parse_release_ref,
+)
+
+if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
+    from registry.context import Context
+    from registry.events import Outbox
+    from registry.policy_source import EffectivePolicy
+    from registry.progress import Progress
+    from registry.storage.base import BaseStore
+
+
+class LocalRegistry(Registry):
+    """The embedded registry: this process opens the catalog and the store itself (DESIGN §9,
+    one person, or the server's own side of `reg server`)."""
+
+    def __init__(self, settings: Settings | None = None, *, user: str | None = None) -> None:
+        self.settings = settings or self.settings
+        if user is not None:
+            self._identity = (user, "caller")
+        else:
+            self._identity = (self.settings.user, self.settings.user_source)
+        self._catalog: Catalog | None = None
+        self._store: BaseStore | None = None
+        self._context: Context | None = None
+        self._events: Outbox | None = None
+
+    # -- parts ---------------------------------------------------------------------------------
+    @property
+    def user(self) -> str:
+        return self._identity[0]
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            from registry.catalog.engine import Catalog
+
+            self._catalog = Catalog(
+                self.settings.catalog_url, busy_timeout_s=self.settings.busy_timeout_s
+            )
+        return self._catalog
+
+    @property
+    def store(self) -> BaseStore:
+        if self._store is None:
+            from registry.storage import open_store
+
+            def release_lock() -> tuple[str, int]:  # Object Lock for release objects
+                rules = self.context.policy.release
+                return rules.object_lock, rules.lock_days
+
+            self._store = open_store(self.settings.store_url, release_lock=release_lock)
+        return self._store
+
+    @property
+    def context(self) -> Context:
+        if self._context is None:
+            from registry.audit_chain import keys
+            from registry.context import Context
+            from registry.events import Outbox
+            from registry.policy_source import EffectivePolicy
+            from registry.principal import Principal
+
+            # Where this process can read the server's key (its host's operator) it signs
+            # what it writes, so it decides under the proven policy, as the server does.
+            key = keys.optional(self.settings.audit_key_path)
+            path, home = self.settings.policy_path, self.settings.home
+            policy = (
+                EffectivePolicy.load(self.catalog, policy_path=path, home=home)
+                if key is None
+                else EffectivePolicy.on_host(
+                    self.catalog, self.store, key, policy_path=path, home=home
+                )
+            )
+            if self._events is None:
+                self._events = Outbox(self.settings)
+            self._context = Context(
+                catalog=self.catalog,
+                store=self.store,
+                policy=policy,
+                principal=Principal.under(*self._identity, policy),
+                events=self._events,
+                workers=self.settings.workers,
+                audit_key=key,
+            )
+        return self._context
+
+    @property
+    def policy(self) -> EffectivePolicy:
+        return self.context.policy
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.flush()
+        if self._catalog is not None:
+            self._catalog.dispose()
+
+    # -- access ----------------------------------------------------------------------------------
+    def authorize(
+        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
+    ) -> None:
+        """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
+        self.context.authorize(action, project=project, model=model, target=target)
+
+    def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
+        self.context.authorize_read(project=project, model=model)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def push_checkpoint(
+        self,
+        src: str | Path,
+        *,
+        run: str,
+        step: int,
+        project: str = "default",
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        progress: Progress | None = None,
+        notes: list[str] | None = None,
+        layout: str | None = None,
+    ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
+        instead of detecting it from its keys."""
+        from registry.lifecycle.checkpoints.push import push
+
+        return push(
+            self.context,
+            Path(src),
+            run=run,
+            step=step,
+            project=project,
+            world_size=world_size,
+            metrics=metrics,
+            progress=progress,
+            notes=notes,
+            layout=layout,
+        ).to_json()
+
+    def claim_checkpoint(
+        self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
+    ) -> dict[str, Any]:
+        """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
+        from registry.lifecycle.checkpoints import claimed
+
+        return claimed.claim(self.context, CheckpointRef(project, run, step), lease_s)
+
+    def push_checkpoint_part(
+        self,
+        src: str | Path,
+        *,
+        claim: str,
+        run: str,
+        step: int,
+        project: str = "default",
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Copy one node's files of a claimed step (`claim` is its token)."""
+        from registry.lifecycle.checkpoints import claimed
+
+        ref = CheckpointRef(project, run, step)
+        return claimed.push_part(self.context, Path(src), claim, ref, progress=progress)
+
+    def commit_claimed(
+        self,
+        claim: str,
+        *,
+        world_size: int | None = None,
+        metrics: dict[str, float] | None = None,
+        layout: str | None = None,
+        save_costs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Commit a claimed step once every file its .metadata names was pushed."""
+        from registry.lifecycle.checkpoints import claimed
+
+        return claimed.commit(
+            self.context,
+            claim,
+            world_size=world_size,
+            metrics=metrics,
+            layout=layout,
+            save_costs=save_costs,
+        )
+
+    def list_checkpoints(
+        self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
+    ) -> list[dict[str, Any]]:
+        from registry.lifecycle.checkpoints.listing import list_checkpoints
+
+        return list_checkpoints(self.context, run, project, include_deleted=include_deleted)
+
+    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
+        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        if isinstance(parsed, ReleaseRef):
+            from registry.lifecycle import releases
+
+            return releases.show(self.context, parsed)
+        from registry.lifecycle.checkpoints import read
+
+        return read.show(self.context, parsed)
+
+    def pull(
+        self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
+        from registry.lifecycle.checkpoints.read import pull
+
+        return pull(self.context, _ckpt(ref), Path(dest), progress=progress)
+
+    def verify(
+        self,
+        ref: str | CheckpointRef | ReleaseRef,
+        *,
+        repair: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        if isinstance(parsed, ReleaseRef):
+            from registry.lifecycle import releases
+
+            return releases.verify(self.context, parsed, repair=repair, progress=progress)
+        from registry.lifecycle.checkpoints import read
+
+        return read.verify(self.context, parsed, repair=repair, progress=progress)
+
+    def scrub(
+        self,
+        *,
+        rate: float | None = None,
+        limit: int | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Re-hash every committed checkpoint and release (admin), the longest unverified first,
+        at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
+        from registry.lifecycle.scrub import scrub
+
+        return scrub(self.context, rate=rate, limit=limit, progress=progress)
+
+    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
+        from registry.lifecycle.checkpoints.read import set_pin
+
+        return set_pin(self.context, _ckpt(ref), True, reason)
+
+    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
+        from registry.lifecycle.checkpoints.read import set_pin
+
+        return set_pin(self.context, _ckpt(ref), False)
+
+    def finish_run(
+        self, run: str, *, project: str | None = None, status: str = "finished"
+    ) -> dict[str, Any]:
+        """The training job of `run` (`project/run` or `run`) ended with `status`."""
+        from registry.lifecycle.runs import finish_run, split_run
+
+        project_name, run_name = split_run(run, project)
+        return finish_run(self.context, project_name, run_name, status)
+
+    # -- validation, promotion, releases ---------------------------------------------------------
+    def validate(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        device: str = "auto",
+        world_size: int = 1,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+        layout: str | None = None,
+        strip_prefix: str | None = None,
+        memory_budget: str | None = None,
+        with_optimizer: bool = False,
+    ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
+        names too (after the layout's prefix) for the model factory's check; `memory_budget` a
+        size (default: a fraction of the device's free memory); `world_size` > 1 restores the
+        model as the factory module's parallelize shards it (and the optimizer with
+        `with_optimizer`)."""
+        from registry.lifecycle.validation import Request, validate
+
+        request = Request(
+            device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
+        )
+        return validate(self.context, _ckpt(ref), request, progress=progress)
+
+    def promote(
+        self,
+        ref: str | CheckpointRef,
+        *,
+        model: str,
+        alias: str | None = None,
+        dtype: str | None = None,
+        max_shard_size: str = "5GB",
+        extras: list[str | Path] | None = None,
+        model_factory: str | None = None,
+        progress: Progress | None = None,
+        layout: str | None = None,
+        allow_unclassified: bool = False,
+        strip_prefix: str | None = None,
+    ) -> dict[str, Any]:
+        """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
+        stripped from the release's names after the layout's own prefix; `allow_unclassified`
+        leaves tensors no resume class claims out of the release (else it is refused)."""
+        from registry.lifecycle.promotion import promote
+
+        return promote(
+            self.context,
+            _ckpt(ref),
+            model=model,
+            alias=alias,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            extras=[Path(p) for p in extras or []],
+            model_factory=model_factory,
+            progress=progress,
+            layout=layout,
+            allow_unclassified=allow_unclassified,
+            strip_prefix=strip_prefix,
+        )
+
+    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
+        from registry.lifecycle.releases import list_releases
+
+        return list_releases(self.context, model)
+
+    def pull_release(
+        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+    ) -> dict[str, Any]:
+        from registry.lifecycle.releases import pull
+
+        return pull(self.context, _release(ref), Path(dest), progress=progress)
+
+    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
+        from registry.lifecycle.releases import set_alias
+
+        return set_alias(self.context, model, alias, version)
+
+    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
+        from registry.catalog.models import DEPRECATED
+        from registry.lifecycle.releases import set_status
+
+        return set_status(self.context, _release(ref), DEPRECATED)
+
+    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
+        from registry.catalog.models import YANKED
+        from registry.lifecycle.releases import set_status
+
+        return set_status(self.context, _release(ref), YANKED, reason)
+
+    # -- administration --------------------------------------------------------------------------
+    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
+        from registry.lifecycle.gc import run_gc
+
+        return run_gc(self.context, dry_run=dry_run)
+
+    def fsck(
+        self,
+        project: str | None = None,
+        *,
+        repair: bool = False,
+        full: bool = False,
+        sample: int = 32,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
+        from registry.lifecycle.fsck import fsck
+
+        ctx = self.context
+        return fsck(
+            ctx, project=project, full=full, sample=sample, repair=repair, progress=progress
+        )
+
+    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """Re-create missing catalog rows from the store's documents (admin)."""
+        from registry.lifecycle.rebuild import rebuild
+
+        return rebuild(self.context, dry_run=dry_run)
+
+    def advise(
+        self,
+        run: str,
+        *,
+        project: str = "default",
+        gpus: int | None = None,
+        mtbf_s: float | None = None,
+        fleet: bool = False,
+    ) -> dict[str, Any]:
+        """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
+        intervals (Young, Daly, the availability optimum), waste, regret, advice."""
+        from registry.lifecycle.economics import advise
+
+        return advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+
+    def recovery(
+        self, run: str, *, project: str = "default", mtbf_s: float | None = None
+    ) -> dict[str, Any]:
+        """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
+        from registry.lifecycle.economics import advise
+
+        return advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
+
+    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
+        """The next restore of `run` is a planned restart, not a failure (trainer)."""
+        from registry.lifecycle.economics.records import plan_restart
+
+        return plan_restart(self.context, project, run)
+
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+        """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
+        from registry.lifecycle.economics.records import record_heartbeat
+
+        return record_heartbeat(self.context, project, run, **figures)
+
+    def storage_init(self) -> dict[str, Any]:
+        """Check the store and set lifecycle rules (S3); create the root (local)."""
+        from registry.lifecycle.admin import storage_init
+
+        return storage_init(self.context)
+
+    def audit_log(
+        self, *, since: float | None = None, actor: str | None = None, action: str | None = None
+    ) -> list[dict[str, Any]]:
+        from registry.lifecycle.admin import audit_log
+
+        return audit_log(self.context, since=since, actor=actor, action=action)
+
+    def audit_verify(
+        self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
+    ) -> dict[str, Any]:
+        """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
+        from registry.audit_chain.service import verify
+
+        return verify(
+            self.context, max_unsealed_age_s=max_unsealed_age_s, max_anchor_age_s=max_anchor_age_s
+        )
+
+    def audit_seal(self) -> dict[str, Any]:
+        """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
+        from registry.audit_chain.service import seal
+
+        return seal(self.context)
+
+    def policy_show(self) -> dict[str, Any]:
+        from registry.lifecycle.policy_admin import show
+
+        return show(self.context)
+
+    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+        from registry.lifecycle.policy_admin import apply
+
+        out = apply(self.context, Path(path))
+        self._context = None  # the next call runs under the applied policy
+        return out
+
+    def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
+        from registry.lifecycle.policy_admin import export
+
+        return export(self.context, bucket)
+
+    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
+        """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
+        from registry.lifecycle import token_admin
+
+        return token_admin.create(self.context, principal, expires_s=expires_s)
+
+    def list_tokens(self) -> list[dict[str, Any]]:
+        from registry.lifecycle import token_admin
+
+        return token_admin.listing(self.context)
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        from registry.lifecycle import token_admin
+
+        return token_admin.revoke(self.context, token_id)
+
+    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
+        """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
+        `skip`: first set that pending event aside (audited)."""
+        from registry.mlflow_mirror import drain, skip_event
+        from registry.text import redact_url
+
+        self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))
+        skipped = skip_event(self.context, skip) if skip is not None else None
+        out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
+        return out | ({"skipped": skipped} if skipped else {})
+
+
+def _release(ref: str | ReleaseRef) -> ReleaseRef:
+    return parse_release_ref(ref) if isinstance(ref, str) else ref
+
+
+def _ckpt(ref: str | CheckpointRef) -> CheckpointRef:
+    return parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
