@@ -1,4 +1,5 @@
-"""Admin commands: gc, fsck, audit, storage init, catalog rebuild|migrate|grants|sign."""
+"""Admin commands: gc, fsck, audit, storage init, and catalog administration (rebuild, migrate,
+grants, sign, backfill-journal)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def register(app: typer.Typer) -> None:
     catalog_app.command("migrate")(catalog_migrate)
     catalog_app.command("grants")(catalog_grants)
     catalog_app.command("sign")(catalog_sign)
+    catalog_app.command("backfill-journal")(catalog_backfill_journal)
 
 
 def catalog_migrate(
@@ -129,6 +131,39 @@ def catalog_sign(
         print(f"recorded policy-sign for {out['policy_event']}: it is in force behind the server")
     for r in out["refused"]:
         note(f"not signed: {r['target']}: {r['reason']}")
+
+
+def catalog_backfill_journal(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be written."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Journal what the catalog decided before it had a journal (admin; once, after upgrading
+    a registry from before the journal): policies, validations, aliases, yanks, deprecations
+    and pins, each with its row's time and author, so `reg catalog rebuild` can replay them.
+    Idempotent. Runs where the catalog is: embedded, or on the server's host."""
+    from registry import Registry
+    from registry.config import Settings
+    from registry.errors import UsageError
+    from registry.journal.backfill import backfill
+
+    settings = Settings.from_env()
+    if settings.remote:
+        raise UsageError(
+            "reg catalog backfill-journal runs where the catalog is, not through the server",
+            "unset REG_URL; run it with the server's settings",
+        )
+    with Registry(settings) as reg:
+        out = backfill(reg.context, dry_run=dry_run)
+    if json_output:
+        emit_json(out)
+        return
+    written = out["events_written"]
+    kinds = ", ".join(f"{kind} {n}" for kind, n in written.items())
+    print(
+        f"{'would write' if dry_run else 'wrote'} {sum(written.values())} journal event(s)"
+        + (f": {kinds}" if kinds else "")
+        + f"; {out['already_journaled']} decision(s) already journaled"
+    )
 
 
 def catalog_rebuild(

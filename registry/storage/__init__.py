@@ -17,10 +17,10 @@ from registry.storage.base import BaseStore, ObjectInfo, PutResult, Swept
 
 __all__ = ["BaseStore", "ObjectInfo", "PutResult", "Swept", "open_store"]
 
-# scheme -> (module, class, what to install when the import fails)
+# scheme -> (module, class), imported when a store of that scheme is opened
 _SCHEMES = {
-    "s3": ("registry.storage.s3", "S3Store", "pip install boto3"),
-    "memory": ("registry.storage.memory", "MemoryStore", ""),
+    "s3": ("registry.storage.s3", "S3Store"),
+    "memory": ("registry.storage.memory", "MemoryStore"),
 }
 
 
@@ -46,12 +46,13 @@ def open_store(url: str, *, release_lock: Callable[[], tuple[str, int]] | None =
             f"unsupported store URL {url!r}",
             "use file:///path, s3://bucket/prefix or memory://name in REG_STORE_URL",
         )
-    module_name, class_name, install = _SCHEMES[parsed.scheme]
+    module_name, class_name = _SCHEMES[parsed.scheme]
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ImportError as exc:  # every backend's packages are reg's own dependencies
         raise UsageError(
-            f"the {parsed.scheme} store needs a missing package: {exc}", install
+            f"the {parsed.scheme} store cannot be loaded: {exc}",
+            "the installation is incomplete; reinstall reg (pip install --force-reinstall)",
         ) from exc
     cls = getattr(module, class_name)
     if parsed.scheme == "s3":
