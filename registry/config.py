@@ -6,21 +6,23 @@ Embedded defaults need no server: a SQLite catalog and a local object store unde
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from registry.errors import UsageError
 
 _OIDC_KEYS = (
-    "oidc_issuer",
-    "oidc_audience",
-    "oidc_jwks",
-    "oidc_claim",
-    "oidc_algorithms",
-    "oidc_principal_prefix",
-    "oidc_require",
+    "issuer",
+    "audience",
+    "jwks",
+    "claim",
+    "algorithms",
+    "principal_prefix",
+    "require",
 )
 _FILE_KEYS = {
     "catalog_url",
@@ -31,38 +33,282 @@ _FILE_KEYS = {
     "url",
     "allow_http",
     "audit_key_file",
-    *_OIDC_KEYS,
+    *(f"oidc_{k}" for k in _OIDC_KEYS),
 }
 LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
 
 
+def _var(env: str, default: str, meaning: str, *, file: str | None = None) -> Any:
+    """A setting's documentation: its variable, its default as written, what it means, and its
+    config.toml key (README's configuration table is made from these: `reference()`)."""
+    return {"env": env, "default": default, "meaning": meaning, "file": file}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CatalogSettings:
+    url: str = field(
+        metadata=_var(
+            "REG_CATALOG_URL",
+            "`sqlite:///$REG_HOME/catalog.db`",
+            "any SQLAlchemy URL; PostgreSQL: `postgresql+psycopg://user@host/db`",
+            file="catalog_url",
+        )
+    )
+    busy_timeout_s: float = field(
+        default=30.0,
+        metadata=_var("REG_BUSY_TIMEOUT", "`30`", "seconds to wait for a locked SQLite catalog"),
+    )
+    reconnect_s: float = field(
+        default=30.0,
+        metadata=_var(
+            "REG_CATALOG_RECONNECT",
+            "`30`",
+            "PostgreSQL: seconds a command that had reached the catalog waits for it to come "
+            "back after a restart or failover (a catalog never reached fails at once)",
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerSettings:
+    """`reg server`'s own: read when it starts (each worker process reads the same)."""
+
+    header_timeout_s: float = field(
+        default=15.0,
+        metadata=_var(
+            "REG_SERVER_HEADER_TIMEOUT",
+            "`15`",
+            "`reg server`: seconds a connection has to send a request's headers (slowloris)",
+        ),
+    )
+    max_connections: int | None = field(
+        default=None,
+        metadata=_var(
+            "REG_SERVER_MAX_CONNECTIONS",
+            "min(1000, `ulimit -n` - 128)",
+            "`reg server`: connections at once; one more evicts the longest waiting for headers",
+        ),
+    )
+    idle_timeout_s: float = field(
+        default=60.0,
+        metadata=_var(
+            "REG_SERVER_IDLE_TIMEOUT",
+            "`60`",
+            "`reg server`: seconds a request body may stop arriving before it is abandoned",
+        ),
+    )
+    uploads: int = field(
+        default=32,
+        metadata=_var(
+            "REG_SERVER_UPLOADS",
+            "`32`",
+            "`reg server`: file uploads received at once; one more waits (2 minutes at most)",
+        ),
+    )
+    seal_every_s: float = field(
+        default=10.0,
+        metadata=_var(
+            "REG_AUDIT_SEAL_EVERY",
+            "`10s`",
+            "`reg server`: how often the audit chain is sealed",
+        ),
+    )
+    anchor_every_s: float = field(
+        default=300.0,
+        metadata=_var(
+            "REG_AUDIT_ANCHOR_EVERY",
+            "`5m`",
+            "`reg server`: how often the chain's head is anchored in the store",
+        ),
+    )
+    gc_every_s: float | None = field(
+        default=None,
+        metadata=_var(
+            "REG_SERVER_GC_EVERY",
+            "off",
+            "`reg server`: run GC this often (`30m`, `6h`; `reg server --gc-every` sets it)",
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class S3Settings:
+    max_attempts: int = field(
+        default=10,
+        metadata=_var(
+            "AWS_MAX_ATTEMPTS",
+            "`10`",
+            "S3 attempts per request, with backoff (fewer where a dead endpoint should be "
+            "reported quickly); endpoint and credentials: `AWS_ENDPOINT_URL` and the other "
+            "`AWS_*` variables and profiles",
+        ),
+    )
+    retry_mode: str = field(
+        default="adaptive",
+        metadata=_var("REG_S3_RETRY_MODE", "`adaptive`", "botocore's retry mode (`standard`)"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OidcSettings:
+    """OIDC bearer JWTs accepted by reg server (checked by registry/server/oidc.py)."""
+
+    issuer: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_ISSUER",
+            "",
+            "`reg server`: accept the identity provider's JWTs (issuer, audience and JWKS: all "
+            "three, or none)",
+            file="oidc_issuer",
+        ),
+    )
+    audience: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_AUDIENCE", "", "the `aud` the tokens must carry", file="oidc_audience"
+        ),
+    )
+    jwks: str | None = field(
+        default=None,
+        metadata=_var("REG_OIDC_JWKS", "", "a JWKS file or an https URL", file="oidc_jwks"),
+    )
+    claim: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_CLAIM", "`sub`", "the claim naming the principal", file="oidc_claim"
+        ),
+    )
+    algorithms: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_ALGORITHMS",
+            "the asymmetric ones",
+            "comma-separated signature algorithms accepted",
+            file="oidc_algorithms",
+        ),
+    )
+    principal_prefix: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_PRINCIPAL_PREFIX",
+            "",
+            "prepended to the claim (e.g. `oidc-`)",
+            file="oidc_principal_prefix",
+        ),
+    )
+    require: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_OIDC_REQUIRE",
+            "",
+            "comma-separated `claim=value` pairs that must all match",
+            file="oidc_require",
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class Settings:
-    home: Path
-    catalog_url: str
-    store_url: str
-    mlflow_tracking_uri: str
-    policy_path: Path | None = None
-    user: str = field(default_factory=getpass.getuser)
+    """Every setting, read once (`from_env`): the environment over `REG_HOME/config.toml` over
+    the defaults. Its repr hides the token and any password in a URL."""
+
+    home: Path = field(
+        metadata=_var(
+            "REG_HOME",
+            "`~/.reg`",
+            "holds `catalog.db`, `store/`, `mlflow.db`, `policy.toml`, `config.toml`",
+        )
+    )
+    catalog: CatalogSettings
+    store_url: str = field(
+        metadata=_var(
+            "REG_STORE_URL",
+            "`file://$REG_HOME/store`",
+            "`file:///path`, `s3://bucket/prefix`, or `memory://NAME` (inside one Python "
+            "process only, nothing kept: for tests through the Python API; the CLI refuses it)",
+            file="store_url",
+        )
+    )
+    mlflow_tracking_uri: str = field(
+        metadata=_var(
+            "MLFLOW_TRACKING_URI",
+            "`sqlite:///$REG_HOME/mlflow.db`",
+            "where the mirror writes",
+            file="mlflow_tracking_uri",
+        )
+    )
+    policy_path: Path | None = field(
+        default=None,
+        metadata=_var(
+            "REG_POLICY",
+            "`$REG_HOME/policy.toml`, else the shipped default",
+            "policy document (until one is applied to the catalog)",
+            file="policy",
+        ),
+    )
+    user: str = field(
+        default_factory=getpass.getuser,
+        metadata=_var(
+            "REG_USER",
+            "the OS login name",
+            "who you are to the access policy and the audit log (embedded mode: asserted by "
+            "whoever runs the command, not proven; ignored with `REG_URL`)",
+            file="user",
+        ),
+    )
     user_source: str = "OS login"  # where `user` came from: REG_USER, config.toml, OS login
-    busy_timeout_s: float = 30.0
-    workers: int = 4
-    url: str | None = None  # REG_URL: remote mode, through reg server (DESIGN §9)
-    token: str | None = None  # REG_TOKEN, else the one `reg login` stored for `url`
-    # REG_ALLOW_HTTP=1 (allow_http = true): an http:// REG_URL to a host that is not loopback,
-    # which sends the token in cleartext; refused without it (`check_cleartext`)
-    allow_http: bool = False
-    # REG_AUDIT_KEY_FILE: the audit log's HMAC key (`registry.audit_chain`); None: audit.key
-    # under REG_HOME. Only reg server (and an operator on its host) can read it.
-    audit_key_file: Path | None = None
-    # OIDC bearer JWTs accepted by reg server (checked by registry/server/oidc.py): REG_OIDC_*
-    oidc_issuer: str | None = None
-    oidc_audience: str | None = None
-    oidc_jwks: str | None = None  # a JWKS file or an http(s) URL
-    oidc_claim: str | None = None  # the claim naming the principal (None: sub)
-    oidc_algorithms: str | None = None  # comma-separated (None: the asymmetric defaults)
-    oidc_principal_prefix: str | None = None  # prepended to the claim (e.g. oidc-)
-    oidc_require: str | None = None  # comma-separated claim=value pairs that must all match
+    workers: int = field(default=4, metadata=_var("REG_WORKERS", "`4`", "parallel file transfers"))
+    url: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_URL",
+            "",
+            "remote mode: every command goes to `reg server` at this URL (DESIGN §9)",
+            file="url",
+        ),
+    )
+    token: str | None = field(
+        default=None,
+        metadata=_var(
+            "REG_TOKEN",
+            "the one `reg login` saved for `REG_URL`",
+            "the bearer token of remote mode (`REG_HOME/login.json`, 0600)",
+        ),
+    )
+    allow_http: bool = field(
+        default=False,
+        metadata=_var(
+            "REG_ALLOW_HTTP",
+            "`0`",
+            "`1`: allow an `http://` `REG_URL` (or `reg login` URL) to a host that is not "
+            "loopback, which sends the token in cleartext; refused otherwise (exit 2, before "
+            "any connection). `localhost`, 127.0.0.0/8 and `::1` are always allowed; the host "
+            "is judged as written, never resolved",
+            file="allow_http",
+        ),
+    )
+    audit_key_file: Path | None = field(
+        default=None,
+        metadata=_var(
+            "REG_AUDIT_KEY_FILE",
+            "`$REG_HOME/audit.key`",
+            "`reg server`: the audit log's HMAC key (`reg server init` creates it); only the "
+            "server and an operator on its host can read it",
+            file="audit_key_file",
+        ),
+    )
+    mlflow_drain: bool = field(
+        default=True,
+        metadata=_var(
+            "REG_MLFLOW",
+            "`on`",
+            "`off`: no automatic drain to MLflow after a command (events still queue)",
+        ),
+    )
+    server: ServerSettings = field(default_factory=ServerSettings)
+    s3: S3Settings = field(default_factory=S3Settings)
+    oidc: OidcSettings = field(default_factory=OidcSettings)
 
     @property
     def remote(self) -> bool:
@@ -71,6 +317,18 @@ class Settings:
     @property
     def audit_key_path(self) -> Path:
         return self.audit_key_file or self.home / "audit.key"
+
+    def __repr__(self) -> str:
+        from registry.text import redact_url
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["token"] = None if self.token is None else "***"
+        for name in ("store_url", "mlflow_tracking_uri", "url"):
+            if shown[name]:
+                shown[name] = redact_url(str(shown[name]))
+        catalog = replace(self.catalog, url=redact_url(self.catalog.url))
+        shown["catalog"] = catalog
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -82,13 +340,6 @@ class Settings:
             return env.get(env_key) or file_values.get(file_key) or default
 
         policy = pick("REG_POLICY", "policy", "")
-        try:
-            busy = float(env.get("REG_BUSY_TIMEOUT", "30"))
-            workers = int(env.get("REG_WORKERS", "4"))
-        except ValueError as exc:
-            raise UsageError(
-                f"bad number in environment: {exc}", "REG_BUSY_TIMEOUT and REG_WORKERS are numbers"
-            ) from exc
         user, source = _identity(env, file_values)
         url = (env.get("REG_URL") or file_values.get("url") or "").rstrip("/") or None
         token = env.get("REG_TOKEN") or (_logged_in(home, url) if url else None)
@@ -96,14 +347,18 @@ class Settings:
             allow_http = _flag("REG_ALLOW_HTTP", env["REG_ALLOW_HTTP"])
         else:
             allow_http = _flag("allow_http in config.toml", file_values.get("allow_http", ""))
-        oidc = {k: pick(f"REG_{k.upper()}", k, "") or None for k in _OIDC_KEYS}
         audit_key = pick("REG_AUDIT_KEY_FILE", "audit_key_file", "")
+        number = _Numbers(env)
         return cls(
             url=url,
             token=token,
             allow_http=allow_http,
             home=home,
-            catalog_url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
+            catalog=CatalogSettings(
+                url=pick("REG_CATALOG_URL", "catalog_url", f"sqlite:///{home / 'catalog.db'}"),
+                busy_timeout_s=number.seconds("REG_BUSY_TIMEOUT", 30.0),
+                reconnect_s=number.seconds("REG_CATALOG_RECONNECT", 30.0),
+            ),
             store_url=pick("REG_STORE_URL", "store_url", (home / "store").as_uri()),
             mlflow_tracking_uri=pick(
                 "MLFLOW_TRACKING_URI", "mlflow_tracking_uri", f"sqlite:///{home / 'mlflow.db'}"
@@ -111,17 +366,95 @@ class Settings:
             policy_path=Path(policy).expanduser() if policy else None,
             user=user,
             user_source=source,
-            busy_timeout_s=busy,
-            workers=max(1, workers),
+            workers=max(1, number.whole("REG_WORKERS", 4)),
             audit_key_file=Path(audit_key).expanduser().absolute() if audit_key else None,
-            oidc_issuer=oidc["oidc_issuer"],
-            oidc_audience=oidc["oidc_audience"],
-            oidc_jwks=oidc["oidc_jwks"],
-            oidc_claim=oidc["oidc_claim"],
-            oidc_algorithms=oidc["oidc_algorithms"],
-            oidc_principal_prefix=oidc["oidc_principal_prefix"],
-            oidc_require=oidc["oidc_require"],
+            mlflow_drain=env.get("REG_MLFLOW", "on").lower() not in ("off", "0", "false", "no"),
+            server=_server(env, number),
+            s3=S3Settings(
+                max_attempts=max(1, number.whole("AWS_MAX_ATTEMPTS", 10)),
+                retry_mode=env.get("REG_S3_RETRY_MODE") or "adaptive",
+            ),
+            oidc=OidcSettings(
+                **{k: pick(f"REG_OIDC_{k.upper()}", f"oidc_{k}", "") or None for k in _OIDC_KEYS}
+            ),
         )
+
+
+class _Numbers:
+    """Numbers from the environment; a bad one is one line naming the variable."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def seconds(self, name: str, default: float, *, most: float = 10**9) -> float:
+        text = self.env.get(name) or ""
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= most:
+            raise UsageError(
+                f"{name}={text[:40]!r} is not a number of seconds", f"give 0 to {most:g}"
+            )
+        return value
+
+    def whole(self, name: str, default: int) -> int:
+        text = self.env.get(name) or ""
+        if not text:
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(
+                f"{name}={text[:40]!r} is not a whole number", "unset it, or give a number"
+            ) from None
+
+
+def _server(env: dict[str, str], number: _Numbers) -> ServerSettings:
+    from registry.timeutil import positive_duration
+
+    header = number.seconds("REG_SERVER_HEADER_TIMEOUT", 15.0, most=3600)
+    if header == 0:
+        raise UsageError("REG_SERVER_HEADER_TIMEOUT is 0", "give 1 to 3600 seconds")
+    connections = number.whole("REG_SERVER_MAX_CONNECTIONS", 0) or None
+    if connections is not None and connections < 1:
+        raise UsageError(
+            f"REG_SERVER_MAX_CONNECTIONS must be at least 1, got {connections}",
+            "unset it, or give a positive number",
+        )
+    gc_every = env.get("REG_SERVER_GC_EVERY")
+    seal = positive_duration(env.get("REG_AUDIT_SEAL_EVERY") or "10s", "REG_AUDIT_SEAL_EVERY")
+    anchor = positive_duration(
+        env.get("REG_AUDIT_ANCHOR_EVERY") or "5m", "REG_AUDIT_ANCHOR_EVERY", "5m"
+    )
+    return ServerSettings(
+        header_timeout_s=header,
+        max_connections=connections,
+        idle_timeout_s=number.seconds("REG_SERVER_IDLE_TIMEOUT", 60.0),
+        uploads=max(1, number.whole("REG_SERVER_UPLOADS", 32)),
+        seal_every_s=seal,
+        anchor_every_s=anchor,
+        gc_every_s=positive_duration(gc_every, "REG_SERVER_GC_EVERY") if gc_every else None,
+    )
+
+
+def reference() -> str:
+    """README's configuration table, made from the settings' own documentation."""
+    rows = ["| variable | config.toml | default | meaning |", "|---|---|---|---|"]
+
+    def walk(kind: type) -> None:
+        for f in fields(kind):
+            if "env" in f.metadata:
+                m = f.metadata
+                key = f"`{m['file']}`" if m["file"] else ""
+                rows.append(f"| `{m['env']}` | {key} | {m['default']} | {m['meaning']} |")
+            elif isinstance(f.type, str) and f.type.endswith("Settings"):
+                walk(globals()[f.type])
+
+    walk(Settings)
+    return "\n".join(rows) + "\n"
 
 
 def _flag(source: str, value: str) -> bool:

@@ -55,9 +55,7 @@ class LocalRegistry(Registry):
         if self._catalog is None:
             from registry.catalog.engine import Catalog
 
-            self._catalog = Catalog(
-                self.settings.catalog_url, busy_timeout_s=self.settings.busy_timeout_s
-            )
+            self._catalog = Catalog.of(self.settings.catalog)
         return self._catalog
 
     @property
@@ -69,7 +67,9 @@ class LocalRegistry(Registry):
                 rules = self.context.policy.release
                 return rules.object_lock, rules.lock_days
 
-            self._store = open_store(self.settings.store_url, release_lock=release_lock)
+            self._store = open_store(
+                self.settings.store_url, release_lock=release_lock, s3=self.settings.s3
+            )
         return self._store
 
     @property

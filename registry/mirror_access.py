@@ -117,7 +117,7 @@ class AccessSync:
 
         return EffectivePolicy.for_server(
             self.catalog,
-            open_store(self.settings.store_url),
+            open_store(self.settings.store_url, s3=self.settings.s3),
             key,
             policy_path=self.settings.policy_path,
             home=self.settings.home,

@@ -105,7 +105,7 @@ def _registry() -> tuple[Any, Any, bytes]:
             from registry.config import Settings
 
             settings = Settings.from_env()
-            catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+            catalog = Catalog.of(settings.catalog)
             key = keys.for_server(settings.audit_key_path)
             _state.update(settings=settings, catalog=catalog, key=key)
         return _state["settings"], _state["catalog"], _state["key"]

@@ -12,12 +12,8 @@ from registry.config import Settings
 DRAIN_BUDGET_S = 30
 
 
-def enabled(env: dict[str, str] | None = None) -> bool:
-    return (env or os.environ).get("REG_MLFLOW", "on").lower() not in ("off", "0", "false", "no")
-
-
 def spawn_drain(settings: Settings) -> None:
-    if not enabled():
+    if not settings.mlflow_drain:
         return
     log = settings.home / "mlflow-drain.log"
     try:

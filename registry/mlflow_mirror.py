@@ -52,7 +52,7 @@ class Mirror:
 
         self.settings = settings
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
-        self.store = open_store(settings.store_url)
+        self.store = open_store(settings.store_url, s3=settings.s3)
         self.releases = ReleaseMirror(self.client, catalog, self.store, self.run)
         self._experiments: dict[str, str] = {}
         self._runs: dict[tuple[str, str], str] = {}
@@ -390,7 +390,7 @@ def main() -> None:
     from registry.config import Settings
 
     settings = Settings.from_env()
-    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    catalog = Catalog.of(settings.catalog)
     try:
         result = drain(catalog, settings, args.budget)
     finally:

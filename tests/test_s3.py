@@ -344,9 +344,9 @@ def test_repair_of_an_object_too_big_for_one_copy_uses_a_part_copy(
     locked_registry, locked_bucket, s3_server, monkeypatch
 ):
     """Above 5 GB S3 copies part by part; the limit is lowered so the test takes that path."""
-    from registry.storage import s3
+    from registry.storage import s3_bucket
 
-    monkeypatch.setattr(s3, "MAX_COPY", 1)
+    monkeypatch.setattr(s3_bucket, "MAX_COPY", 1)
     client = s3_server.client()
     key = "release/tiny/v1/model.safetensors"
     original = client.get_object(Bucket=locked_bucket, Key=key)["Body"].read()

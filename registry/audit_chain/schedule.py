@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -55,15 +54,12 @@ def bounds(env: dict[str, str] | None = None) -> tuple[float, float]:
 
 
 def intervals(env: dict[str, str] | None = None) -> tuple[float, float]:
-    """(seal every, anchor every) in seconds, from the environment; a bad value is one line."""
-    from registry.timeutil import positive_duration
+    """(seal every, anchor every) in seconds: the settings' (REG_AUDIT_SEAL_EVERY,
+    REG_AUDIT_ANCHOR_EVERY); a bad value is one line."""
+    from registry.config import Settings
 
-    env = dict(os.environ if env is None else env)
-    seal = positive_duration(env.get("REG_AUDIT_SEAL_EVERY") or "10s", "REG_AUDIT_SEAL_EVERY")
-    anchor = positive_duration(
-        env.get("REG_AUDIT_ANCHOR_EVERY") or "5m", "REG_AUDIT_ANCHOR_EVERY", "5m"
-    )
-    return seal, anchor
+    server = Settings.from_env(env).server
+    return server.seal_every_s, server.anchor_every_s
 
 
 class SealSchedule:

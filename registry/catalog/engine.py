@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
     from sqlmodel import Session
 
+    from registry.config import CatalogSettings
+
 HEAD_REVISION = "0015"
 MIGRATIONS = Path(__file__).with_name("migrations")
 _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
@@ -44,11 +46,17 @@ _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
 
 class Catalog:
     def __init__(
-        self, url: str, *, busy_timeout_s: float = 30.0, ensure_schema: bool = True
+        self,
+        url: str,
+        *,
+        busy_timeout_s: float = 30.0,
+        reconnect_s: float = 30.0,
+        ensure_schema: bool = True,
     ) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         self.busy_timeout_s = busy_timeout_s
+        self.reconnect_s = max(0.0, reconnect_s)
         self._engine: Engine | None = None
         self.sqlite_path = url.split("///", 1)[-1] if self.is_sqlite else None
         if self.sqlite_path and self.sqlite_path != ":memory:":
@@ -59,6 +67,16 @@ class Catalog:
         if ensure_schema:
             with self._translate_errors():
                 self._ensure_schema()
+
+    @classmethod
+    def of(cls, settings: CatalogSettings, *, ensure_schema: bool = True) -> Catalog:
+        """The catalog the settings name."""
+        return cls(
+            settings.url,
+            busy_timeout_s=settings.busy_timeout_s,
+            reconnect_s=settings.reconnect_s,
+            ensure_schema=ensure_schema,
+        )
 
     def describe(self) -> str:
         if self.is_sqlite:
@@ -169,7 +187,7 @@ class Catalog:
                 raise RegistryError(
                     redact(f"cannot open catalog {self.url!r}: {exc}"), "check REG_CATALOG_URL"
                 ) from exc
-            _wait_for_reconnects(pg, _reconnect_wait())
+            _wait_for_reconnects(pg, self.reconnect_s)
             event.listen(pg, "connect", _exact_floats)
             return pg
         engine = create_engine(self.url, creator=self._sqlite_connect)
@@ -306,16 +324,6 @@ class Catalog:
                 conn.commit()
         finally:
             _WRITE.reset(token)
-
-
-def _reconnect_wait() -> float:
-    try:
-        return max(0.0, float(os.environ.get("REG_CATALOG_RECONNECT") or 30))
-    except ValueError:
-        raise RegistryError(
-            f"REG_CATALOG_RECONNECT={os.environ['REG_CATALOG_RECONNECT']!r} is not a number "
-            "of seconds"
-        ) from None
 
 
 def _exact_floats(dbapi_connection: Any, record: Any) -> None:

@@ -113,9 +113,7 @@ def _owner_catalog(settings: Settings, command: str) -> Catalog:
             f"reg catalog {command} runs on the database itself, not through reg server",
             "unset REG_URL and set REG_CATALOG_URL to the owner role's URL",
         )
-    return Catalog(
-        settings.catalog_url, busy_timeout_s=settings.busy_timeout_s, ensure_schema=False
-    )
+    return Catalog.of(settings.catalog, ensure_schema=False)
 
 
 def apply(catalog: Catalog, role: str, *, dry_run: bool = False) -> dict[str, Any]:

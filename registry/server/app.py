@@ -47,6 +47,7 @@ class ServerState:
     catalog: Catalog
     store: BaseStore
     oidc: OidcVerifier | None = None  # bearer JWTs accepted beside reg tokens (REG_OIDC_*)
+    uploads: Any = None  # claims.UploadSlots, made at the first upload
 
     @property
     def key(self) -> bytes:
@@ -181,7 +182,7 @@ def create_app(settings: Settings) -> FastAPI:
     from registry.server.oidc import verifier_from
     from registry.storage import open_store
 
-    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    catalog = Catalog.of(settings.catalog)
     key = audit_keys.for_server(settings.audit_key_path)
 
     def release_lock() -> tuple[str, int]:
@@ -190,7 +191,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         return policy.release.object_lock, policy.release.lock_days
 
-    store = open_store(settings.store_url, release_lock=release_lock)
+    store = open_store(settings.store_url, release_lock=release_lock, s3=settings.s3)
     app = FastAPI(
         title="reg server",
         summary="Checkpoint and release-model registry: the trusted process of a shared registry",

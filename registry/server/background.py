@@ -59,13 +59,13 @@ class Background:
     def _housekeeping_loop(self) -> None:
         """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
         requests' upload directories are removed."""
-        from registry.mirror_spawn import enabled, spawn_drain
+        from registry.mirror_spawn import spawn_drain
         from registry.mlflow_mirror import pending_count
 
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
                 self.sweep_uploads()
-                if enabled() and pending_count(self.state.catalog):
+                if self.state.settings.mlflow_drain and pending_count(self.state.catalog):
                     spawn_drain(self.state.settings)
             except Exception:
                 log.exception("housekeeping failed")

@@ -37,7 +37,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
     checked_user(admin, "--admin")
     created = keys.create(settings.audit_key_path)
     key = keys.read(settings.audit_key_path)
-    catalog = Catalog(settings.catalog_url, busy_timeout_s=settings.busy_timeout_s)
+    catalog = Catalog.of(settings.catalog)
     try:
         policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
         applied = None
@@ -50,7 +50,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
             ctx = Context(
                 catalog=catalog,
                 # the policy (its grants) goes to the store's journal, as every apply does
-                store=open_store(settings.store_url),
+                store=open_store(settings.store_url, s3=settings.s3),
                 policy=policy,
                 principal=Principal.under(admin, f"reg server init by {operator}", policy),
                 events=Outbox(settings),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -41,21 +40,29 @@ MAX_FILE = 1 << 44  # 16 TiB: far above any shard
 MIN_RATE = 64 * 1024  # bytes/s a body must keep up after its first minute
 
 
-# Uploads run on a pool of their own, never the request threadpool every request needs; a PUT
-# waits at most UPLOAD_WAIT_S for a slot, then the client is told to retry.
-def _slots_setting() -> int:
-    value = os.environ.get("REG_SERVER_UPLOADS", "32")
-    return max(1, int(value)) if value.isdigit() else 32
-
-
-UPLOAD_SLOTS = _slots_setting()
 UPLOAD_WAIT_S = 120.0
-_POOL = ThreadPoolExecutor(max_workers=UPLOAD_SLOTS, thread_name_prefix="reg-upload")
-_SLOTS: dict[int, asyncio.Semaphore] = {}  # one per event loop (a semaphore binds to one)
 
 
-def _uploads() -> asyncio.Semaphore:
-    return _SLOTS.setdefault(id(asyncio.get_running_loop()), asyncio.Semaphore(UPLOAD_SLOTS))
+class UploadSlots:
+    """The file uploads the server receives at once (REG_SERVER_UPLOADS): they run on a pool
+    of their own, never the request threadpool every request needs; a PUT waits at most
+    UPLOAD_WAIT_S for a slot, then the client is told to retry."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="reg-upload")
+        self._slots: dict[int, asyncio.Semaphore] = {}  # one per event loop (it binds to one)
+
+    def slots(self) -> asyncio.Semaphore:
+        loop = id(asyncio.get_running_loop())
+        return self._slots.setdefault(loop, asyncio.Semaphore(self.count))
+
+
+def _uploads(request: Request) -> UploadSlots:
+    state = request.app.state.reg
+    if state.uploads is None:
+        state.uploads = UploadSlots(state.settings.server.uploads)
+    return state.uploads  # type: ignore[no-any-return]
 
 
 MAX_COSTS_BYTES = 4 << 20  # a 4,096-rank save's per-rank costs are ~0.5 MiB
@@ -120,20 +127,23 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
         )
     if is_reserved(path):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
-    slots = _uploads()
+    uploads = _uploads(request)
+    slots = uploads.slots()
     try:
         await asyncio.wait_for(slots.acquire(), UPLOAD_WAIT_S)
     except TimeoutError:
         raise RegistryError(
-            f"the server is busy: {UPLOAD_SLOTS} uploads in flight", "retry in a moment"
+            f"the server is busy: {uploads.count} uploads in flight", "retry in a moment"
         ) from None
     try:
-        return await _receive(ctx, held, path, request)
+        return await _receive(ctx, held, path, request, uploads.pool)
     finally:
         slots.release()
 
 
-async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str, Any]:
+async def _receive(
+    ctx: Any, held: Any, path: str, request: Request, pool: ThreadPoolExecutor
+) -> dict[str, Any]:
     """The request's body into the store (on the upload pool's thread), without polling: the
     store's thread takes each chunk from an asyncio queue through the event loop. A body that
     arrives slower than MIN_RATE after its first minute is cut off."""
@@ -141,12 +151,13 @@ async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str
     from registry.transfer import Stored
 
     loop = asyncio.get_running_loop()
+    idle = idle_s(request)
     chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
     key = held.prefix + path
 
     def produce(write: Any) -> None:
         while True:
-            chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result(idle_s() * 2)
+            chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result(idle * 2)
             if chunk is _END:
                 return
             if chunk is _ABORT:
@@ -174,7 +185,7 @@ async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str
                 "use shorter file names",
             ) from None
 
-    putting = loop.run_in_executor(_POOL, store)
+    putting = loop.run_in_executor(pool, store)
 
     async def offer(item: Any) -> bool:
         """Queue `item` for the store's thread; False once that thread has ended."""
@@ -187,7 +198,7 @@ async def _receive(ctx: Any, held: Any, path: str, request: Request) -> dict[str
 
     received, started = 0, time.monotonic()
     try:
-        async for chunk in idle_limited(request.stream()):
+        async for chunk in idle_limited(request):
             received += len(chunk)
             if received > MAX_FILE:
                 raise UsageError(f"{path} is over {MAX_FILE} bytes")

@@ -35,7 +35,7 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
     from registry.server import metrics
 
     ctx = await run_in_threadpool(context_for, request)
-    stream = idle_limited(request.stream()).__aiter__()
+    stream = idle_limited(request).__aiter__()
     buffer = bytearray()
 
     async def fill(n: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 if TYPE_CHECKING:
     import asyncio
+
+    from registry.config import ServerSettings
 
 log = logging.getLogger("reg.server")
 RESERVED_FDS = 128  # beside the connections: pool, store files, logs, the sealer, the drain
@@ -47,31 +48,12 @@ _BUSY = (
 LOG_EVERY_S = 10.0  # closed connections are logged as a count, at most this often
 
 
-def _number(name: str, default: str, kind: type[float] | type[int]) -> float:
-    text = os.environ.get(name, default)
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {text[:40]!r}") from None
-
-
-def header_timeout_s() -> float:
-    value = _number("REG_SERVER_HEADER_TIMEOUT", "15", float)
-    if not 0 < value <= 3600:
-        raise ValueError(f"REG_SERVER_HEADER_TIMEOUT must be 0 to 3600 seconds, got {value}")
-    return value
-
-
-def max_connections() -> int:
-    """The cap (REG_SERVER_MAX_CONNECTIONS, else from the descriptor limit); read when used."""
+def limits(server: ServerSettings) -> tuple[float, int]:
+    """(header deadline, connection cap): the settings', the cap by default from the descriptor
+    limit (checked when the settings are read: a bad value stops the start in one line)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     fit = 1000 if soft == resource.RLIM_INFINITY else max(8, min(1000, soft - RESERVED_FDS))
-    if os.environ.get("REG_SERVER_MAX_CONNECTIONS") is None:
-        return fit
-    value = int(_number("REG_SERVER_MAX_CONNECTIONS", "", int))
-    if value < 1:
-        raise ValueError(f"REG_SERVER_MAX_CONNECTIONS must be at least 1, got {value}")
-    return value
+    return server.header_timeout_s, server.max_connections or fit
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -86,8 +68,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if GuardedProtocol._limits is None:
-            GuardedProtocol._limits = (header_timeout_s(), max_connections())
+        if GuardedProtocol._limits is None:  # once per worker process, from its settings
+            from registry.config import Settings
+
+            GuardedProtocol._limits = limits(Settings.from_env().server)
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
 

@@ -49,18 +49,18 @@ def config_from(settings: Settings) -> OidcConfig | None:
     """The OIDC configuration of `settings`; None when it is off. A partial or unsafe one is a
     UsageError naming the setting, so the server refuses to start rather than refuse JWTs."""
     named = {
-        "REG_OIDC_ISSUER": settings.oidc_issuer,
-        "REG_OIDC_AUDIENCE": settings.oidc_audience,
-        "REG_OIDC_JWKS": settings.oidc_jwks,
+        "REG_OIDC_ISSUER": settings.oidc.issuer,
+        "REG_OIDC_AUDIENCE": settings.oidc.audience,
+        "REG_OIDC_JWKS": settings.oidc.jwks,
     }
     present = [k for k, v in named.items() if v]
     extras = [
         k
         for k, v in {
-            "REG_OIDC_CLAIM": settings.oidc_claim,
-            "REG_OIDC_ALGORITHMS": settings.oidc_algorithms,
-            "REG_OIDC_PRINCIPAL_PREFIX": settings.oidc_principal_prefix,
-            "REG_OIDC_REQUIRE": settings.oidc_require,
+            "REG_OIDC_CLAIM": settings.oidc.claim,
+            "REG_OIDC_ALGORITHMS": settings.oidc.algorithms,
+            "REG_OIDC_PRINCIPAL_PREFIX": settings.oidc.principal_prefix,
+            "REG_OIDC_REQUIRE": settings.oidc.require,
         }.items()
         if v
     ]
@@ -78,7 +78,7 @@ def config_from(settings: Settings) -> OidcConfig | None:
             "set REG_OIDC_ISSUER, REG_OIDC_AUDIENCE and REG_OIDC_JWKS together, or none of them",
         )
     issuer, audience, jwks = (str(v).strip() for v in named.values())
-    claim = (settings.oidc_claim or "sub").strip()
+    claim = (settings.oidc.claim or "sub").strip()
     if not _CLAIM.fullmatch(claim):
         raise UsageError(f"REG_OIDC_CLAIM={claim[:64]!r} is not a claim name", "e.g. sub, email")
     config = OidcConfig(
@@ -86,9 +86,9 @@ def config_from(settings: Settings) -> OidcConfig | None:
         audience,
         jwks,
         claim,
-        _algorithms(settings.oidc_algorithms),
-        _prefix(settings.oidc_principal_prefix),
-        _require(settings.oidc_require),
+        _algorithms(settings.oidc.algorithms),
+        _prefix(settings.oidc.principal_prefix),
+        _require(settings.oidc.require),
     )
     if jwks.startswith("http://") and not _loopback(jwks):
         raise UsageError(

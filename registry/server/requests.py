@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +21,10 @@ MAX_JSON_BYTES = 1 << 20  # JSON request bodies; a push streams, a promotion's e
 MAX_PROMOTE_BYTES = 64 << 20
 
 
-def idle_s() -> float:
-    """How long a request body may stop arriving before it is abandoned
-    (REG_SERVER_IDLE_TIMEOUT, default 60 s); read when used, not at import."""
-    return float(os.environ.get("REG_SERVER_IDLE_TIMEOUT", "60"))
+def idle_s(request: Request) -> float:
+    """How long a request body may stop arriving before it is abandoned (the server's
+    settings: REG_SERVER_IDLE_TIMEOUT)."""
+    return float(request.app.state.reg.settings.server.idle_timeout_s)
 
 
 async def authed_body(
@@ -44,7 +43,7 @@ async def json_body(request: Request, limit: int = MAX_JSON_BYTES) -> dict[str, 
     if size is not None and (not size.isdigit() or int(size) > limit):
         raise UsageError(f"request body over {limit} bytes", "send less")
     data = bytearray()
-    async for chunk in idle_limited(request.stream()):
+    async for chunk in idle_limited(request):
         data += chunk
         if len(data) > limit:
             raise UsageError(f"request body over {limit} bytes", "send less")
@@ -65,11 +64,11 @@ def _parse_json(data: bytes) -> dict[str, Any]:
     return doc
 
 
-async def idle_limited(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`stream`, cut off (exit 1) when no byte arrives for idle_s(): a client that stops sending
-    holds no connection, memory or upload for long."""
-    limit = idle_s()
-    iterator = stream.__aiter__()
+async def idle_limited(request: Request) -> AsyncIterator[bytes]:
+    """The request's body, cut off (exit 1) when no byte arrives for idle_s(): a client that
+    stops sending holds no connection, memory or upload for long."""
+    limit = idle_s(request)
+    iterator = request.stream().__aiter__()
     while True:
         try:
             chunk = await asyncio.wait_for(iterator.__anext__(), limit)

@@ -32,7 +32,7 @@ class JsonLines(logging.Formatter):
         return json.dumps(out)
 
 
-def build_app(gc_every_s: float | None = None) -> FastAPI:
+def build_app() -> FastAPI:
     """The app for this host's settings, with its background work tied to its lifespan."""
     from registry.config import Settings
     from registry.server.app import create_app
@@ -45,7 +45,7 @@ def build_app(gc_every_s: float | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         app.state.reg.catalog.current_revision()  # migrate (or fail) before the first request
-        background = Background(app.state.reg, gc_every_s)
+        background = Background(app.state.reg, settings.server.gc_every_s)
         background.start()
         try:
             yield
@@ -67,25 +67,10 @@ def audit_ready(settings: Settings) -> None:
     intervals()
 
 
-def _connection_limits() -> None:
-    """A bad REG_SERVER_HEADER_TIMEOUT or REG_SERVER_MAX_CONNECTIONS stops the start in one
-    line, not the first connection."""
-    from registry.errors import UsageError
-    from registry.server.guard import header_timeout_s, max_connections
-
-    try:
-        header_timeout_s()
-        max_connections()
-    except ValueError as exc:
-        raise UsageError(str(exc), "unset it, or give a positive number") from None
-
-
 def factory() -> FastAPI:
     """For `uvicorn --factory registry.server.run:factory` and `--workers N`."""
-    import os
 
-    every = os.environ.get("REG_SERVER_GC_EVERY_S")
-    return build_app(float(every) if every else None)
+    return build_app()
 
 
 def serve(
@@ -112,9 +97,10 @@ def serve(
         raise UsageError("reg server serves this host's catalog: unset REG_URL")
     config_from(settings)  # a partial or unsafe OIDC setting stops the start here, in one line
     audit_ready(settings)
-    _connection_limits()
     if gc_every is not None:
-        os.environ["REG_SERVER_GC_EVERY_S"] = str(positive_duration(gc_every, "--gc-every"))
+        # The setting the flag stands for, in the environment every worker reads its settings
+        # from (uvicorn starts them from an import string: no arguments reach them).
+        os.environ["REG_SERVER_GC_EVERY"] = str(positive_duration(gc_every, "--gc-every"))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=logging.INFO, handlers=[handler])

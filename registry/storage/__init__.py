@@ -10,10 +10,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from registry.errors import UsageError
 from registry.storage.base import BaseStore, ObjectInfo, PutResult, Swept
+
+if TYPE_CHECKING:
+    from registry.config import S3Settings
 
 __all__ = ["BaseStore", "ObjectInfo", "PutResult", "Swept", "open_store"]
 
@@ -24,9 +28,15 @@ _SCHEMES = {
 }
 
 
-def open_store(url: str, *, release_lock: Callable[[], tuple[str, int]] | None = None) -> BaseStore:
+def open_store(
+    url: str,
+    *,
+    release_lock: Callable[[], tuple[str, int]] | None = None,
+    s3: S3Settings | None = None,
+) -> BaseStore:
     """The store at `url`. `release_lock` gives the Object Lock (mode, days) for release
-    objects, asked only when one is written to a store that supports locking (S3)."""
+    objects, asked only when one is written to a store that supports locking (S3); `s3`: the
+    S3 client's retries (else read from the environment when the first request is made)."""
     parsed = urlparse(url)
     if "@" in parsed.netloc:
         from registry.text import redact_url
@@ -56,7 +66,7 @@ def open_store(url: str, *, release_lock: Callable[[], tuple[str, int]] | None =
         ) from exc
     cls = getattr(module, class_name)
     if parsed.scheme == "s3":
-        store: BaseStore = cls.from_url(url, release_lock=release_lock)
+        store: BaseStore = cls.from_url(url, release_lock=release_lock, settings=s3)
     else:
         store = cls.from_url(url)
     return store

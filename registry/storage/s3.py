@@ -18,7 +18,6 @@ import base64
 import builtins
 import contextlib
 import datetime as dt
-import functools
 import hashlib
 import os
 import random
@@ -28,7 +27,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -45,10 +44,19 @@ from registry.storage.base import (
     check_key,
 )
 from registry.storage.parts import MIN_PART, file_parts, part_size_for, stream_parts
-from registry.storage.s3_client import error_code, new_client, retryable, translate
+from registry.storage.s3_bucket import Bucket
+from registry.storage.s3_client import (
+    content_type,
+    error_code,
+    new_client,
+    retryable,
+    translate,
+)
+
+if TYPE_CHECKING:
+    from registry.config import S3Settings
 
 IN_FLIGHT = 4  # parts in memory per upload
-MAX_COPY = 5 * 1024**3  # the largest object CopyObject copies in one request
 PART_RETRIES = 4
 
 
@@ -60,33 +68,38 @@ class S3Store(BaseStore):
         client: Any = None,
         *,
         release_lock: Callable[[], tuple[str, int]] | None = None,
+        settings: S3Settings | None = None,
     ) -> None:
         self.bucket = bucket
+        self.settings = settings
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self._client = client
         self._client_lock = threading.Lock()
         self._release_lock = release_lock
-        self._bucket_lock: bool | None = None
-        self._versioned: bool | None = None
+        self.admin = Bucket(self)
         self._written: dict[str, str] = {}  # key -> the version our put of it created
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reg-s3")
 
     @classmethod
     def from_url(
-        cls, url: str, *, release_lock: Callable[[], tuple[str, int]] | None = None
+        cls,
+        url: str,
+        *,
+        release_lock: Callable[[], tuple[str, int]] | None = None,
+        settings: S3Settings | None = None,
     ) -> S3Store:
         parsed = urlparse(url)
         if not parsed.netloc:
             raise UsageError(f"bad S3 URL {url!r}", "write s3://bucket/prefix")
-        return cls(parsed.netloc, parsed.path, release_lock=release_lock)
+        return cls(parsed.netloc, parsed.path, release_lock=release_lock, settings=settings)
 
     @property
     def client(self) -> Any:
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    self._client = new_client()
+                    self._client = new_client(self.settings)
         return self._client
 
     # -- keys ----------------------------------------------------------------------------------
@@ -96,6 +109,10 @@ class S3Store(BaseStore):
     def full_key(self, key: str) -> str:
         """The bucket key of a store key (checked)."""
         return self._key(check_key(key))
+
+    def full_prefix(self, prefix: str) -> str:
+        """The bucket key prefix of a store prefix (`ckpt/`: every checkpoint)."""
+        return self._key(prefix)
 
     def _describe(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
@@ -113,8 +130,8 @@ class S3Store(BaseStore):
                 # S3 recomputes this and refuses the PUT if the bytes it received differ.
                 ChecksumAlgorithm="SHA256",
                 ChecksumSHA256=base64.b64encode(sha.digest()).decode(),
-                ContentType=_content_type(key),
-                **self._lock_args(immutable),
+                ContentType=content_type(key),
+                **self.lock_args(immutable),
             ),
         )
         self._record_version(key, out.get("VersionId"))
@@ -171,8 +188,8 @@ class S3Store(BaseStore):
                     Key=full_key,
                     ChecksumAlgorithm="CRC32",
                     ChecksumType="FULL_OBJECT",
-                    ContentType=_content_type(key),
-                    **self._lock_args(immutable),
+                    ContentType=content_type(key),
+                    **self.lock_args(immutable),
                 ),
             )["UploadId"]
             digest, crc, size, done = hashlib.sha256(), 0, 0, []
@@ -219,7 +236,7 @@ class S3Store(BaseStore):
                 self._abort(full_key, upload_id)
                 raise
             self.confirm_completed(key, completed)
-            self._retain(full_key, completed.get("VersionId"), immutable)
+            self.retain(full_key, completed.get("VersionId"), immutable)
             self._record_version(key, completed.get("VersionId"))
             return size, digest.hexdigest()
         raise Conflict(f"{key}: concurrent writes kept conflicting", "retry")
@@ -275,11 +292,11 @@ class S3Store(BaseStore):
         with contextlib.suppress(ClientError, BotoCoreError):
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
 
-    def _retain(self, full_key: str, version_id: str | None, immutable: bool) -> None:
+    def retain(self, full_key: str, version_id: str | None, immutable: bool) -> None:
         """Set the retention explicitly after a multipart upload: some S3-compatible servers
         ignore the lock headers of CreateMultipartUpload (moto does), and on AWS this only
         repeats what the headers set."""
-        args = self._lock_args(immutable)
+        args = self.lock_args(immutable)
         if not args:
             return
         extra = {"VersionId": version_id} if version_id else {}
@@ -296,91 +313,6 @@ class S3Store(BaseStore):
             ),
         )
 
-    def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
-        self.copy_within(key, key, version=version, immutable=immutable)
-
-    def copy_within(
-        self,
-        source_key: str,
-        key: str,
-        *,
-        version: str | None = None,
-        immutable: bool = False,
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        """Copy `source_key` (at `version`, else its current one) onto `key`, in the bucket:
-        no byte passes through this process. `metadata`: the copy's user metadata."""
-        full_key = self._key(check_key(key))
-        source = {"Bucket": self.bucket, "Key": self._key(check_key(source_key))}
-        if version is not None:
-            source["VersionId"] = version
-        head = self._head(source_key, version)
-        if head is None:
-            raise NotFound(f"{source_key} (version {version or 'current'}) is gone")
-        args: dict[str, Any] = {
-            "ContentType": _content_type(key),
-            "MetadataDirective": "REPLACE",
-            "ChecksumAlgorithm": "SHA256",
-            "Metadata": metadata or {},
-        }
-        if head.size <= MAX_COPY:
-            out = self._call(
-                key,
-                lambda: self.client.copy_object(
-                    Bucket=self.bucket, Key=full_key, CopySource=source, **args
-                ),
-            )
-            created = out.get("VersionId")
-        else:  # S3 copies objects over 5 GB part by part
-            created = self._copy_parts(key, source, head.size, metadata or {})
-        # The lock is set on the new version afterwards, as after a multipart upload (only on
-        # the version this copy created: with no id reported, nothing is locked).
-        if created:
-            self._retain(full_key, created, immutable)
-
-    def _copy_parts(
-        self, key: str, source: dict[str, str], size: int, metadata: dict[str, str]
-    ) -> str | None:
-        """UploadPartCopy of `source` onto `key`; the version the completion created (exactly
-        that one gets the lock, never one a concurrent writer put meanwhile)."""
-        full_key = self._key(key)
-        upload_id = self._call(
-            key,
-            lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=full_key, ContentType=_content_type(key), Metadata=metadata
-            ),
-        )["UploadId"]
-        part = part_size_for(size)
-        try:
-            done = []
-            for number, start in enumerate(range(0, size, part), start=1):
-                span = f"bytes={start}-{min(size, start + part) - 1}"
-                copy_part = functools.partial(
-                    self.client.upload_part_copy,
-                    Bucket=self.bucket,
-                    Key=full_key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    CopySource=source,
-                    CopySourceRange=span,
-                )
-                out = self._call(key, copy_part)
-                done.append({"PartNumber": number, "ETag": out["CopyPartResult"]["ETag"]})
-            completed = self._call(
-                key,
-                lambda: self.client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=full_key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": done},
-                ),
-            )
-        except BaseException:
-            self._abort(full_key, upload_id)
-            raise
-        version = completed.get("VersionId")
-        return str(version) if version else None
-
     def _record_version(self, key: str, version_id: str | None) -> None:
         if version_id and version_id != "null":
             with self._client_lock:
@@ -390,7 +322,7 @@ class S3Store(BaseStore):
         with self._client_lock:
             return self._written.pop(key, None)
 
-    def _lock_args(self, immutable: bool) -> dict[str, Any]:
+    def lock_args(self, immutable: bool) -> dict[str, Any]:
         if not immutable or self._release_lock is None or not self.bucket_has_lock():
             return {}
         mode, days = self._release_lock()
@@ -398,28 +330,6 @@ class S3Store(BaseStore):
             return {}
         until = dt.datetime.now(dt.UTC) + dt.timedelta(days=days)
         return {"ObjectLockMode": mode, "ObjectLockRetainUntilDate": until}
-
-    def lock_compliance(self, key: str, version: str | None) -> str | None:
-        """A COMPLIANCE retention on `version` of `key` (the audit log's anchors: nobody, the
-        bucket's owner included, deletes or replaces that version until it runs out), for the
-        policy's `[release] lock_days`; None where the bucket has no Object Lock or the policy
-        turned locks off."""
-        args = self._lock_args(immutable=True)
-        if not args:
-            return None
-        until = args["ObjectLockRetainUntilDate"]
-        full = self._key(check_key(key))
-        extra = {"VersionId": version} if version else {}
-        self._call(
-            key,
-            lambda: self.client.put_object_retention(
-                Bucket=self.bucket,
-                Key=full,
-                Retention={"Mode": "COMPLIANCE", "RetainUntilDate": until},
-                **extra,
-            ),
-        )
-        return f"COMPLIANCE until {until.date().isoformat()}"
 
     # -- reads ---------------------------------------------------------------------------------
     def _head(self, key: str, version: str | None) -> ObjectInfo | None:
@@ -623,101 +533,39 @@ class S3Store(BaseStore):
             freed += int(version.get("Size", 0))
         return freed
 
+    def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
+        self.admin.copy_within(key, key, version=version, immutable=immutable)
+
+    def copy_within(
+        self,
+        source_key: str,
+        key: str,
+        *,
+        version: str | None = None,
+        immutable: bool = False,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.admin.copy_within(
+            source_key, key, version=version, immutable=immutable, metadata=metadata
+        )
+
+    def lock_compliance(self, key: str, version: str | None) -> str | None:
+        return self.admin.lock_compliance(key, version)
+
+    # -- bucket (s3_bucket.py) ----------------------------------------------------------------
+    def versioned(self) -> bool:
+        return self.admin.versioned()
+
+    def bucket_has_lock(self) -> bool:
+        return self.admin.has_lock()
+
+    def init(self) -> dict[str, Any]:
+        return self.admin.init()
+
     def sweep_incomplete(
         self, prefix: str, older_than: float, *, skip: Callable[[str], bool] | None = None
     ) -> builtins.list[Swept]:
-        """Abort multipart uploads under `prefix` started more than `older_than` seconds ago
-        (their parts cost storage until then; `reg storage init` also sets a lifecycle rule)."""
-        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        swept: builtins.list[Swept] = []
-        pages = self.client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self.bucket, Prefix=self._key(prefix)
-        )
-        try:
-            uploads = [u for page in pages for u in page.get("Uploads", [])]
-        except (ClientError, BotoCoreError) as exc:
-            raise translate(exc, prefix) from exc
-        for upload in uploads:
-            key = upload["Key"][strip:]
-            if upload["Initiated"] >= cutoff or (skip is not None and skip(key)):
-                continue
-            size = self._parts_size(upload["Key"], upload["UploadId"])
-            self._abort(upload["Key"], upload["UploadId"])
-            swept.append(Swept(f"multipart upload {upload['UploadId']}", key, size))
-        return swept
-
-    def _parts_size(self, full_key: str, upload_id: str) -> int:
-        try:
-            out = self.client.list_parts(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
-        except (ClientError, BotoCoreError):
-            return 0
-        return sum(int(p.get("Size", 0)) for p in out.get("Parts", []))
-
-    # -- bucket --------------------------------------------------------------------------------
-    def versioned(self) -> bool:
-        if self._versioned is None:
-            out = self._call("", lambda: self.client.get_bucket_versioning(Bucket=self.bucket))
-            self._versioned = out.get("Status") in ("Enabled", "Suspended")
-        return self._versioned
-
-    def bucket_has_lock(self) -> bool:
-        if self._bucket_lock is None:
-            try:
-                out = self.client.get_object_lock_configuration(Bucket=self.bucket)
-                self._bucket_lock = (
-                    out.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
-                )
-            except ClientError:
-                self._bucket_lock = False
-        return self._bucket_lock
-
-    def init(self) -> dict[str, Any]:
-        """Check the bucket and merge reg's lifecycle rule into the bucket's (`reg storage
-        init`): rules of other teams and tools stay as they are; reg's own (named by ID, one per
-        registry prefix) are replaced, so running init again changes nothing.
-
-        No rule expires noncurrent versions: reg deletes every version itself (GC), and a
-        noncurrent version exists only when someone put other bytes over a recorded one; that
-        recorded version is what reads by version and `reg verify --repair` need."""
-        self._call("", lambda: self.client.head_bucket(Bucket=self.bucket))
-        versioned, locked = self.versioned(), self.bucket_has_lock()
-        base = f"{self.prefix}/" if self.prefix else ""
-        ours = _rule_id("reg-abort-incomplete-multipart", self.prefix)
-        rules: list[dict[str, Any]] = [
-            {
-                "ID": ours,
-                "Status": "Enabled",
-                "Filter": {"Prefix": base},
-                "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
-            }
-        ]
-        kept = [r for r in self._lifecycle_rules() if not _is_ours(r, ours, base)]
-        self._call(
-            "",
-            lambda: self.client.put_bucket_lifecycle_configuration(
-                Bucket=self.bucket, LifecycleConfiguration={"Rules": kept + rules}
-            ),
-        )
-        return {
-            "bucket": self.bucket,
-            "prefix": self.prefix,
-            "versioning": versioned,
-            "object_lock": locked,
-            "lifecycle_rules": [r["ID"] for r in rules],
-            "other_lifecycle_rules": [r.get("ID", "") for r in kept],
-        }
-
-    def _lifecycle_rules(self) -> list[dict[str, Any]]:
-        try:
-            out = self.client.get_bucket_lifecycle_configuration(Bucket=self.bucket)
-        except ClientError as exc:
-            if error_code(exc) == "NoSuchLifecycleConfiguration":
-                return []
-            raise translate(exc, "") from exc
-        except BotoCoreError as exc:
-            raise translate(exc, "") from exc
-        return list(out.get("Rules", []))
+        return self.admin.sweep_incomplete(prefix, older_than, skip=skip)
 
     # -- errors --------------------------------------------------------------------------------
     def call(self, key: str, fn: Callable[[], Any]) -> Any:
@@ -733,30 +581,6 @@ class S3Store(BaseStore):
             raise translate(exc, key) from exc
         except BotoCoreError as exc:
             raise translate(exc, key) from exc
-
-
-_LEGACY_RULES = ("reg-abort-incomplete-multipart", "reg-expire-noncurrent-checkpoints")
-
-
-def _rule_id(name: str, prefix: str) -> str:
-    """Rule IDs are at most 255 characters: a long prefix is named by its digest."""
-    if not prefix:
-        return name
-    tag = prefix if len(prefix) <= 200 else hashlib.sha256(prefix.encode()).hexdigest()[:32]
-    return f"{name}:{tag}"
-
-
-def _is_ours(rule: dict[str, Any], ours: str, base: str) -> bool:
-    """This registry's rule, or one an earlier reg wrote for the same prefix (unprefixed IDs,
-    and the noncurrent-version expiry it no longer sets)."""
-    if rule.get("ID") == ours:
-        return True
-    prefix = rule.get("Filter", {}).get("Prefix", rule.get("Prefix"))
-    return rule.get("ID") in _LEGACY_RULES and prefix in (base, f"{base}ckpt/")
-
-
-def _content_type(key: str) -> str:
-    return "application/json" if key.endswith(".json") else "application/octet-stream"
 
 
 def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:

@@ -8,30 +8,30 @@ an exit code); `retryable` says which ones a part upload retries.
 from __future__ import annotations
 
 import functools
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
 from registry.errors import NotFound, RegistryError, UsageError
 
+if TYPE_CHECKING:
+    from registry.config import S3Settings
 
-def new_client() -> Any:
+
+def new_client(settings: S3Settings | None = None) -> Any:
+    """A client with the settings' retries (`None`: the environment's, read now)."""
     import boto3  # here, not at import: opening a store must not cost boto3's import
     from botocore.config import Config
 
-    try:
-        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 10)
-    except ValueError:
-        raise UsageError(
-            f"AWS_MAX_ATTEMPTS={os.environ['AWS_MAX_ATTEMPTS']!r} is not a whole number"
-        ) from None
+    from registry.config import Settings
+
+    s3 = settings or Settings.from_env().s3
     config = Config(
         # AWS_MAX_ATTEMPTS, the SDKs' own setting, lowers the 10 attempts where a dead endpoint
         # should be reported quickly rather than ridden out.
         retries={
-            "mode": os.environ.get("REG_S3_RETRY_MODE", "adaptive"),
-            "max_attempts": max(1, attempts),
+            "mode": s3.retry_mode,
+            "max_attempts": s3.max_attempts,
         },
         max_pool_connections=32,
         s3={"addressing_style": "path"},
@@ -108,3 +108,8 @@ def translate(exc: BaseException, key: str) -> RegistryError:
         f"cannot reach S3 for {key or 'the bucket'}: {exc}",
         "check AWS_ENDPOINT_URL and the network; retry",
     )
+
+
+def content_type(key: str) -> str:
+    """The Content-Type an object is stored with: reg's documents are JSON."""
+    return "application/json" if key.endswith(".json") else "application/octet-stream"
