@@ -109,7 +109,7 @@ def catalog_sign(
     from registry import Registry
     from registry.config import Settings
     from registry.errors import UsageError
-    from registry.lifecycle.fact_signing import sign_catalog
+    from registry.operations.fact_signing import sign_catalog
 
     settings = Settings.from_env()
     if settings.remote:

@@ -32,8 +32,8 @@ def advise(
 ) -> None:
     """Checkpoint economics of a run from what it paid: C_eff, RTO, failures, the optimum
     interval (Young, Daly, availability), waste, regret and one sentence of advice."""
+    from registry.economics.advise import MAX_GPUS
     from registry.errors import UsageError
-    from registry.lifecycle.economics.advise import MAX_GPUS
 
     mtbf_s = _mtbf(mtbf) if mtbf is not None else None
     if gpus is not None and not 1 <= gpus <= MAX_GPUS:
@@ -58,8 +58,8 @@ def _mtbf(text: str) -> float:
     import math
 
     from policies.loader import parse_duration
+    from registry.economics.advise import MAX_MTBF_S, MIN_MTBF_S
     from registry.errors import UsageError
-    from registry.lifecycle.economics.advise import MAX_MTBF_S, MIN_MTBF_S
 
     problem = "--mtbf must be a duration from 1s to 100 years, like '24h', '90m' or '30d'"
     try:
@@ -115,8 +115,8 @@ def restart(
 
 
 def _plot(out: dict[str, Any], path: Path) -> None:
+    from registry.economics.plot import svg
     from registry.errors import RegistryError
-    from registry.lifecycle.economics.plot import svg
 
     c = out.get("c_eff") or {}
     waste = out.get("waste") or {}
@@ -146,7 +146,7 @@ def render(out: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from registry.lifecycle.economics.advise import human
+    from registry.economics.advise import human
 
     def h(value: float | None) -> str:
         return "-" if value is None else human(float(value))

@@ -249,7 +249,7 @@ def verify(
 
 
 def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: bool) -> None:
-    from registry.lifecycle.scrub import parse_rate
+    from registry.operations.scrub import parse_rate
 
     bps = parse_rate(rate) if rate is not None else None
     if every is not None:

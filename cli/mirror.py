@@ -84,7 +84,7 @@ def ui(
 ) -> None:
     """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
     from registry.errors import UsageError
-    from registry.mirror_ui import plan_ui, run_ui
+    from registry.mirror.ui import plan_ui, run_ui
     from registry.text import redact_url
 
     with open_registry() as reg:

@@ -37,7 +37,7 @@ class EventSink(Protocol):
 
 class Outbox:
     """The embedded sink: events go to the outbox table; `flush()`, when the command is done,
-    starts a detached drain if any were written (`registry.mirror_spawn`)."""
+    starts a detached drain if any were written (`registry.mirror.spawn`)."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -52,6 +52,6 @@ class Outbox:
     def flush(self) -> None:
         if self._written:
             self._written = False
-            from registry.mirror_spawn import spawn_drain
+            from registry.mirror.spawn import spawn_drain
 
             spawn_drain(self._settings)

@@ -250,7 +250,7 @@ class LocalRegistry(Registry):
     ) -> dict[str, Any]:
         """Re-hash every committed checkpoint and release (admin), the longest unverified first,
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
-        from registry.lifecycle.scrub import scrub
+        from registry.operations.scrub import scrub
 
         return scrub(self.context, rate=rate, limit=limit, progress=progress)
 
@@ -366,7 +366,7 @@ class LocalRegistry(Registry):
     # -- administration --------------------------------------------------------------------------
     def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
-        from registry.lifecycle.gc import run_gc
+        from registry.operations.gc import run_gc
 
         return run_gc(self.context, dry_run=dry_run)
 
@@ -380,7 +380,7 @@ class LocalRegistry(Registry):
         progress: Progress | None = None,
     ) -> dict[str, Any]:
         """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
-        from registry.lifecycle.fsck import fsck
+        from registry.operations.fsck import fsck
 
         ctx = self.context
         return fsck(
@@ -389,7 +389,7 @@ class LocalRegistry(Registry):
 
     def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Re-create missing catalog rows from the store's documents (admin)."""
-        from registry.lifecycle.rebuild import rebuild
+        from registry.operations.rebuild import rebuild
 
         return rebuild(self.context, dry_run=dry_run)
 
@@ -404,7 +404,7 @@ class LocalRegistry(Registry):
     ) -> dict[str, Any]:
         """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""
-        from registry.lifecycle.economics import advise
+        from registry.economics import advise
 
         return advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
 
@@ -412,32 +412,32 @@ class LocalRegistry(Registry):
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> dict[str, Any]:
         """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
-        from registry.lifecycle.economics import advise
+        from registry.economics import advise
 
         return advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
 
     def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""
-        from registry.lifecycle.economics.records import plan_restart
+        from registry.economics.records import plan_restart
 
         return plan_restart(self.context, project, run)
 
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
         """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
-        from registry.lifecycle.economics.records import record_heartbeat
+        from registry.economics.records import record_heartbeat
 
         return record_heartbeat(self.context, project, run, **figures)
 
     def storage_init(self) -> dict[str, Any]:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
-        from registry.lifecycle.admin import storage_init
+        from registry.operations.admin import storage_init
 
         return storage_init(self.context)
 
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
     ) -> list[dict[str, Any]]:
-        from registry.lifecycle.admin import audit_log
+        from registry.operations.admin import audit_log
 
         return audit_log(self.context, since=since, actor=actor, action=action)
 
@@ -458,42 +458,42 @@ class LocalRegistry(Registry):
         return seal(self.context)
 
     def policy_show(self) -> dict[str, Any]:
-        from registry.lifecycle.policy_admin import show
+        from registry.operations.policy_admin import show
 
         return show(self.context)
 
     def apply_policy(self, path: str | Path) -> dict[str, Any]:
-        from registry.lifecycle.policy_admin import apply
+        from registry.operations.policy_admin import apply
 
         out = apply(self.context, Path(path))
         self._context = None  # the next call runs under the applied policy
         return out
 
     def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
-        from registry.lifecycle.policy_admin import export
+        from registry.operations.policy_admin import export
 
         return export(self.context, bucket)
 
     def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
         """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
-        from registry.lifecycle import token_admin
+        from registry.operations import token_admin
 
         return token_admin.create(self.context, principal, expires_s=expires_s)
 
     def list_tokens(self) -> list[dict[str, Any]]:
-        from registry.lifecycle import token_admin
+        from registry.operations import token_admin
 
         return token_admin.listing(self.context)
 
     def revoke_token(self, token_id: str) -> dict[str, Any]:
-        from registry.lifecycle import token_admin
+        from registry.operations import token_admin
 
         return token_admin.revoke(self.context, token_id)
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""
-        from registry.mlflow_mirror import drain, skip_event
+        from registry.mirror.drain import drain, skip_event
         from registry.text import redact_url
 
         self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from registry.lifecycle.economics import model
-from registry.lifecycle.economics.advise import summary
-from registry.lifecycle.economics.facts import RunFacts
-from registry.lifecycle.economics.plot import svg
+from registry.economics import model
+from registry.economics.advise import summary
+from registry.economics.facts import RunFacts
+from registry.economics.plot import svg
 from tests.test_advise import _attempt
 from tests.test_advise_review import failure, saved_every_100
 
-advise_mod = importlib.import_module("registry.lifecycle.economics.advise")
+advise_mod = importlib.import_module("registry.economics.advise")
 
 
 def test_an_mtbf_below_a_second_is_one_line_and_exit_2(clean_env: Path, cli: Any) -> None:

@@ -1,4 +1,4 @@
-"""The waste model of `reg advise` (registry.lifecycle.economics.model): the issue's worked
+"""The waste model of `reg advise` (registry.economics.model): the issue's worked
 examples, chi-square quantiles against tables, properties of the optimum, and the Monte Carlo
 simulator agreeing with the analytic waste."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from registry.lifecycle.economics import model, simulate
-from registry.lifecycle.economics.plot import svg
+from registry.economics import model, simulate
+from registry.economics.plot import svg
 
 M = 3.09 * 3600  # the issue's MTBF: 3.09 h
 

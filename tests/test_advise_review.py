@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 from registry import Registry
+from registry.economics import model, simulate
+from registry.economics.advise import summary
+from registry.economics.facts import RunFacts
 from registry.errors import UsageError
-from registry.lifecycle.economics import model, simulate
-from registry.lifecycle.economics.advise import summary
-from registry.lifecycle.economics.facts import RunFacts
 from registry.training import CheckpointManager
 from registry.training import manager as manager_mod
 from registry.training import saves as saves_mod
 from tests.test_advise import _attempt
 
-advise_mod = importlib.import_module("registry.lifecycle.economics.advise")
+advise_mod = importlib.import_module("registry.economics.advise")
 
 # -- 1. a clean run: the prior MTBF, the bound as a range; MLflow agrees -------------------------
 
@@ -170,7 +170,7 @@ def test_heartbeats_never_block_or_break_the_training_loop() -> None:
 
 
 def test_heartbeat_floor_and_a_long_outage_are_clamped() -> None:
-    from registry.lifecycle.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
+    from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
 
     assert CheckpointManager("x", heartbeat_s=0).heartbeat_s == 1.0
     backend = _Backend()
@@ -292,7 +292,7 @@ def test_heartbeat_inputs_are_bounded_and_seconds_clamped(clean_env: Path):
 
 
 def test_economics_go_out_at_most_every_few_minutes(monkeypatch) -> None:
-    from registry.lifecycle.economics import records
+    from registry.economics import records
 
     monkeypatch.setattr(records, "_emitted", {})
     assert records._due("p", "r") and not records._due("p", "r") and records._due("p", "s")

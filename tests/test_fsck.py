@@ -177,7 +177,7 @@ def test_a_project_scoped_repair_touches_only_that_project(filled, ckpts, cli):
 
 def test_damage_reported_only_while_it_is_so(filled):
     """A checkpoint committed after the listing, or collected while fsck reads, is no damage."""
-    from registry.lifecycle import fsck
+    from registry.operations import fsck
 
     ctx = filled.context
     snap = fsck.snapshot(ctx, None)

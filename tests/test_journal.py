@@ -277,7 +277,7 @@ def test_a_failed_catalog_commit_is_not_resurrected(cli, tmp_path, clean_env, mo
     second.write_text(POLICY.replace('"alice"', '"alice", "mallory"'))
     with Registry() as reg:
         reg.apply_policy(first)
-    from registry.lifecycle import policy_admin
+    from registry.operations import policy_admin
 
     real_commit, real_record = Session.commit, policy_admin.journal_record
     armed = []

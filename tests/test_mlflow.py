@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.mlflow_mirror import drain
+from registry.mirror.drain import drain
 from tests.zygote import run_reg
 
 POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.mlflow_mirror import drain
+from registry.mirror.drain import drain
 from tests.conftest import ROOT
 from tests.helpers import start_ui
 

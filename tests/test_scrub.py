@@ -18,7 +18,7 @@ import pytest
 
 from registry import Registry
 from registry.errors import UsageError
-from registry.lifecycle.scrub import Throttle, parse_rate
+from registry.operations.scrub import Throttle, parse_rate
 from tests.conftest import ROOT
 
 
@@ -145,7 +145,7 @@ def test_every_repeats_the_scrub_until_sigterm(filled):
 def test_findings_reach_mlflow(filled, monkeypatch):
     from mlflow import MlflowClient
 
-    from registry.mlflow_mirror import drain
+    from registry.mirror.drain import drain
 
     _damage("ckpt/default/r/step-4")
     filled.scrub()

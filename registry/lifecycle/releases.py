@@ -339,7 +339,7 @@ def _stop_serving(ctx: Context, model: str, version: int) -> dict[str, Any]:
     import warnings
 
     from registry.errors import RegistryError
-    from registry.mirror_artifacts import unpublish_everywhere
+    from registry.mirror.artifacts import unpublish_everywhere
 
     try:
         return {"served_files_removed": unpublish_everywhere(ctx.store, model, version)}

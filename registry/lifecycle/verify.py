@@ -66,7 +66,7 @@ def verify_files(
     if repair and problems:
         ctx.authorize("repair", target=name, **scope)
         from registry.catalog import leases
-        from registry.lifecycle import gc
+        from registry.operations import gc
 
         with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
             repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)

@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.post("/gc")
 async def gc(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.gc import run_gc
+    from registry.operations.gc import run_gc
 
     ctx, doc = await authed_body(request)
     return await run_in_threadpool(lambda: run_gc(ctx, dry_run=flag(doc, "dry_run")))
@@ -29,7 +29,7 @@ async def gc(request: Request) -> dict[str, Any]:
 
 @router.post("/fsck")
 async def fsck(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.fsck import fsck as run_fsck
+    from registry.operations.fsck import fsck as run_fsck
 
     ctx, doc = await authed_body(request)
     sample = doc.get("sample", 32)
@@ -48,7 +48,7 @@ async def fsck(request: Request) -> dict[str, Any]:
 
 @router.post("/catalog/rebuild")
 async def rebuild(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.rebuild import rebuild as run_rebuild
+    from registry.operations.rebuild import rebuild as run_rebuild
 
     ctx, doc = await authed_body(request)
     return await run_in_threadpool(lambda: run_rebuild(ctx, dry_run=flag(doc, "dry_run")))
@@ -56,7 +56,7 @@ async def rebuild(request: Request) -> dict[str, Any]:
 
 @router.post("/storage/init")
 def storage_init(ctx: Context = CTX) -> dict[str, Any]:
-    from registry.lifecycle.admin import storage_init as run_init
+    from registry.operations.admin import storage_init as run_init
 
     return run_init(ctx)
 
@@ -68,7 +68,7 @@ def audit_log(
     action: str | None = None,
     ctx: Context = CTX,
 ) -> list[dict[str, Any]]:
-    from registry.lifecycle.admin import audit_log as query
+    from registry.operations.admin import audit_log as query
 
     return query(ctx, since=since, actor=actor, action=action)
 
@@ -94,14 +94,14 @@ def audit_seal(ctx: Context = CTX) -> dict[str, Any]:
 
 @router.get("/policy")
 def policy_show(ctx: Context = CTX) -> dict[str, Any]:
-    from registry.lifecycle.policy_admin import show as run_show
+    from registry.operations.policy_admin import show as run_show
 
     return run_show(ctx)
 
 
 @router.post("/policy")
 async def policy_apply(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.policy_admin import apply_text
+    from registry.operations.policy_admin import apply_text
 
     ctx, doc = await authed_body(request)
     return await run_in_threadpool(
@@ -111,7 +111,7 @@ async def policy_apply(request: Request) -> dict[str, Any]:
 
 @router.get("/policy/export")
 def policy_export(bucket: str | None = None, ctx: Context = CTX) -> dict[str, Any]:
-    from registry.lifecycle.policy_admin import export
+    from registry.operations.policy_admin import export
 
     document, missing = export(ctx, bucket)
     return {"document": document, "missing": missing}
@@ -119,7 +119,7 @@ def policy_export(bucket: str | None = None, ctx: Context = CTX) -> dict[str, An
 
 @router.post("/mlflow/sync")
 async def mlflow_sync(request: Request) -> dict[str, Any]:
-    from registry.mlflow_mirror import drain, skip_event
+    from registry.mirror.drain import drain, skip_event
 
     ctx, doc = await authed_body(request)
     budget = doc.get("budget_s", 300.0)
@@ -141,8 +141,8 @@ async def mlflow_sync(request: Request) -> dict[str, Any]:
 
 @router.post("/scrub")
 async def scrub(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.scrub import check_rate
-    from registry.lifecycle.scrub import scrub as run_scrub
+    from registry.operations.scrub import check_rate
+    from registry.operations.scrub import scrub as run_scrub
 
     ctx, doc = await authed_body(request)
     rate, limit = doc.get("rate"), doc.get("limit")
@@ -163,7 +163,7 @@ async def scrub(request: Request) -> dict[str, Any]:
 
 @router.post("/tokens")
 async def token_create(request: Request) -> dict[str, Any]:
-    from registry.lifecycle import token_admin
+    from registry.operations import token_admin
 
     ctx, doc = await authed_body(request)
     expires = doc.get("expires_s")
@@ -176,13 +176,13 @@ async def token_create(request: Request) -> dict[str, Any]:
 
 @router.get("/tokens")
 def token_list(ctx: Context = CTX) -> list[dict[str, Any]]:
-    from registry.lifecycle import token_admin
+    from registry.operations import token_admin
 
     return token_admin.listing(ctx)
 
 
 @router.delete("/tokens/{token_id}")
 def token_revoke(token_id: str, ctx: Context = CTX) -> dict[str, Any]:
-    from registry.lifecycle import token_admin
+    from registry.operations import token_admin
 
     return token_admin.revoke(ctx, token_id)

@@ -3,7 +3,7 @@ upload directory, sealing the audit log, and, when asked, the GC schedule.
 
 Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
 for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
-GCs apart), the drain holds the drain lease while it runs (`registry.mlflow_mirror`), and one
+GCs apart), the drain holds the drain lease while it runs (`registry.mirror.drain`), and one
 replica at a time seals the audit log (`audit-seal`, `registry.audit_chain.schedule`).
 """
 
@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from registry.lifecycle.token_admin import SERVER_PRINCIPAL
+from registry.operations.token_admin import SERVER_PRINCIPAL
 
 if TYPE_CHECKING:
     from registry.server.app import ServerState
@@ -59,8 +59,8 @@ class Background:
     def _housekeeping_loop(self) -> None:
         """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
         requests' upload directories are removed."""
-        from registry.mirror_spawn import spawn_drain
-        from registry.mlflow_mirror import pending_count
+        from registry.mirror.drain import pending_count
+        from registry.mirror.spawn import spawn_drain
 
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
@@ -111,7 +111,7 @@ class Background:
         from registry.catalog import leases
         from registry.context import Context
         from registry.events import Outbox
-        from registry.lifecycle.gc import run_gc
+        from registry.operations.gc import run_gc
         from registry.principal import Principal
 
         state = self.state

@@ -28,7 +28,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
     from registry.catalog.engine import Catalog
     from registry.context import Context
     from registry.events import Outbox
-    from registry.lifecycle.policy_admin import apply_text
+    from registry.operations.policy_admin import apply_text
     from registry.policy_source import EffectivePolicy
     from registry.principal import Principal
     from registry.storage import open_store

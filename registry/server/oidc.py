@@ -166,7 +166,7 @@ class OidcVerifier:
 
     def _principal(self, payload: dict[str, Any]) -> str:
         from policies.loader import PRINCIPAL
-        from registry.lifecycle.token_admin import SERVER_PRINCIPAL
+        from registry.operations.token_admin import SERVER_PRINCIPAL
 
         for required, value in self.config.require:
             got = payload.get(required, _ABSENT)

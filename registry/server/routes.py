@@ -283,7 +283,7 @@ def advise(
     ctx: Context = CTX,
 ) -> dict[str, Any]:
     """Checkpoint economics (viewer read, as `recovery` was)."""
-    from registry.lifecycle.economics import advise
+    from registry.economics import advise
 
     return advise(ctx, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
 
@@ -293,14 +293,14 @@ def recovery(
     run: str, project: str = "default", mtbf_s: float | None = Query(None), ctx: Context = CTX
 ) -> dict[str, Any]:
     """Deprecated for one release: `/advise`, with the old keys of `reg recovery --json`."""
-    from registry.lifecycle.economics import advise
+    from registry.economics import advise
 
     return advise(ctx, run, project=project, mtbf_s=mtbf_s, legacy=True)
 
 
 @router.post("/runs/restart")
 async def plan_restart(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.economics.records import plan_restart
+    from registry.economics.records import plan_restart
 
     ctx, doc = await authed_body(request)
     return await run_in_threadpool(plan_restart, ctx, text(doc, "project"), text(doc, "run"))
@@ -309,7 +309,7 @@ async def plan_restart(request: Request) -> dict[str, Any]:
 @router.post("/runs/heartbeat")
 async def heartbeat(request: Request) -> dict[str, Any]:
     """A training job's heartbeat (`CheckpointManager`; trainer); checked in the lifecycle."""
-    from registry.lifecycle.economics.records import record_heartbeat
+    from registry.economics.records import record_heartbeat
 
     ctx, doc = await authed_body(request)
     keys = ("step", "seconds", "world_size", "step_seconds", "saves")

@@ -106,7 +106,7 @@ class EmbeddedBackend:
             record_restore(context, ref, world_size, phases)
 
     def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
-        from registry.lifecycle.economics.records import record_heartbeat
+        from registry.economics.records import record_heartbeat
 
         context = self.registry.context
         if not context.principal.authorize("push", project=ref.project).allowed:
@@ -114,7 +114,7 @@ class EmbeddedBackend:
         return record_heartbeat(context, ref.project, ref.run, **figures)
 
     def plan_restart(self, ref: CheckpointRef) -> None:
-        from registry.lifecycle.economics.records import plan_restart
+        from registry.economics.records import plan_restart
 
         context = self.registry.context
         if context.principal.authorize("push", project=ref.project).allowed:

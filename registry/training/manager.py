@@ -361,7 +361,7 @@ class CheckpointManager:
     def _send_beat(self, at: float, *, ended: bool = False, wait: bool = False) -> None:
         """Rank 0: the last step reached and the time at risk since the last heartbeat (with a
         restore's record first), from a background thread. Dropped while one is in flight."""
-        from registry.lifecycle.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
+        from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
 
         if self._beat_in_flight():
             return

@@ -17,7 +17,7 @@ the killed operation is run again to completion, and the checker runs once more:
   - no committed byte lost: every artifact committed before the kill is still listed and
     verifies (`Registry.verify`; the operation's own artifacts and a random sample of the
     ledger after each kill, everything at the end of a campaign);
-  - catalog and store agree: `Registry.fsck()` (registry/lifecycle/fsck.py) reports only
+  - catalog and store agree: `Registry.fsck()` (registry/operations/fsck.py) reports only
     sweepable problems, where the registry has it (see `catalog_store_problems`);
   - rerunning the killed command completes, and its artifact is then visible and verifies.
 
@@ -303,7 +303,7 @@ def child_check(arg: dict[str, Any]) -> Any:
         targets_c: set[str] = set(spec.get("target_ckpts", []))
         targets_r: set[str] = set(spec.get("target_releases", []))
         if spec["op"] == "mlflow" and phase == "rerun":  # before the checks add events
-            from registry.mlflow_mirror import pending_count
+            from registry.mirror.drain import pending_count
 
             if pending := pending_count(direct.catalog):
                 bad.append(f"mlflow: {pending} events still pending after the rerun")
@@ -871,11 +871,11 @@ def preload(with_mlflow: bool) -> None:
     import registry.lifecycle.checkpoints.listing
     import registry.lifecycle.checkpoints.push
     import registry.lifecycle.checkpoints.read
-    import registry.lifecycle.gc
     import registry.lifecycle.promotion
-    import registry.lifecycle.rebuild
     import registry.lifecycle.releases
     import registry.lifecycle.validation
+    import registry.operations.gc
+    import registry.operations.rebuild
     import registry.remote.registry
     import registry.storage.local
     import registry.storage.s3
@@ -889,7 +889,7 @@ def preload(with_mlflow: bool) -> None:
         import mlflow.store.model_registry.sqlalchemy_store
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
-        import registry.mlflow_mirror  # noqa: F401
+        import registry.mirror.drain  # noqa: F401
     sqlalchemy.orm.configure_mappers()
     warm_s3_models()
 

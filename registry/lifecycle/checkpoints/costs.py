@@ -27,7 +27,7 @@ def record_restore(
     ctx: Context, ref: CheckpointRef, world_size: int, phases: dict[str, float]
 ) -> None:
     """One restore of `ref` by the training loop, with its phases (seconds; `bytes` read)."""
-    from registry.lifecycle.economics.records import classify, emit_economics
+    from registry.economics.records import classify, emit_economics
 
     with ctx.catalog.session(write=True) as s:
         run, ckpt = queries.resolve_checkpoint(s, ref)

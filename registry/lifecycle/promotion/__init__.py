@@ -37,7 +37,7 @@ from registry.lifecycle.promotion.stages import (
 )
 from registry.lifecycle.releases import move_alias, uri_of
 from registry.lifecycle.views import ReleaseView
-from registry.mirror_names import refuse_colliding_model
+from registry.mirror.names import refuse_colliding_model
 from registry.refs import CheckpointRef, ReleaseRef
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
-from registry.mirror_names import refuse_colliding_model
+from registry.mirror.names import refuse_colliding_model
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, put_reconciled
 

@@ -10,6 +10,6 @@ restart costs (RTO), how often the job fails, and the checkpoint interval that w
     plot       `reg advise --plot`: expected waste vs interval as SVG
 """
 
-from registry.lifecycle.economics.advise import advise
+from registry.economics.advise import advise
 
 __all__ = ["advise"]

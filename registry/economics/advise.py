@@ -16,9 +16,9 @@ from sqlmodel import select
 
 from registry.catalog import queries
 from registry.catalog.models import Project, Run
+from registry.economics import model, simulate
+from registry.economics.facts import RunFacts, gather
 from registry.errors import NotFound, UsageError
-from registry.lifecycle.economics import model, simulate
-from registry.lifecycle.economics.facts import RunFacts, gather
 from registry.refs import CheckpointRef, check_name
 
 if TYPE_CHECKING:

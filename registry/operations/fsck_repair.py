@@ -31,8 +31,8 @@ from registry.catalog.models import PENDING, SWEEPING, Checkpoint
 from registry.errors import RegistryError
 from registry.formats.documents import FileRecord
 from registry.layout import parse_checkpoint_key
-from registry.lifecycle import gc
-from registry.lifecycle.fsck_findings import (
+from registry.operations import gc
+from registry.operations.fsck_findings import (
     DAMAGE,
     INVALID_KEY,
     STALE_CLAIM,

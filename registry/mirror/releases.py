@@ -1,5 +1,5 @@
 """Releases in MLflow: one registered model per reg model, one model version per reg version
-with the same number, bytes served through MLflow's artifact proxy (`registry.mirror_artifacts`).
+with the same number, bytes served through MLflow's artifact proxy (`registry.mirror.artifacts`).
 
 Every event is answered from the catalog as it is now, not from the event's payload, so a
 replay or a late drain never writes a stale fact. Numbers match because versions are created in
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
 
-from registry import mirror_artifacts
-from registry.mirror_names import mirror_name, releases_experiment
+from registry.mirror import artifacts
+from registry.mirror.names import mirror_name, releases_experiment
 from registry.timeutil import iso
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class ReleaseFacts:
     run: str
     tags: dict[str, str]
     description: str
-    files: tuple[mirror_artifacts.ServedFile, ...]
+    files: tuple[artifacts.ServedFile, ...]
 
 
 class ReleaseMirror:
@@ -83,7 +83,7 @@ class ReleaseMirror:
             kept.append((experiment_id, facts))
             return True
 
-        removed = mirror_artifacts.reconcile(self.store, keep)
+        removed = artifacts.reconcile(self.store, keep)
         for experiment_id, facts in kept:
             self._serve(facts, experiment_id)
         return removed
@@ -134,7 +134,7 @@ class ReleaseMirror:
         facts = self.facts(model, number)
         created = self.client.create_model_version(
             name,
-            source=mirror_artifacts.source_uri(self.experiment(model), model, number),
+            source=artifacts.source_uri(self.experiment(model), model, number),
             run_id=self._run_id(facts.project, facts.run) if facts.project else None,
             tags=facts.tags,
             description=facts.description,
@@ -167,12 +167,12 @@ class ReleaseMirror:
         drain's lease)."""
         model, version = facts.model, facts.version
         if facts.status == "yanked":
-            mirror_artifacts.unpublish_everywhere(self.store, model, version)
+            artifacts.unpublish_everywhere(self.store, model, version)
         elif facts.status != RESERVED:
             where = experiment or self.experiment(model)
-            mirror_artifacts.publish(self.store, where, model, version, facts.files)
+            artifacts.publish(self.store, where, model, version, facts.files)
             if self.facts(model, version).status not in SERVED:
-                mirror_artifacts.unpublish_everywhere(self.store, model, version)
+                artifacts.unpublish_everywhere(self.store, model, version)
 
     def facts(self, model: str, version: int) -> ReleaseFacts:
         """What the catalog says of `model:v<version>` now."""
@@ -196,8 +196,7 @@ class ReleaseMirror:
             view = ReleaseView.load(s, model_row, row)
         validation = view.validation
         served = tuple(
-            mirror_artifacts.ServedFile(f.path, f.size, f.sha256, f.version)
-            for f in stored_files(view)
+            artifacts.ServedFile(f.path, f.size, f.sha256, f.version) for f in stored_files(view)
         )
         uri = self.store.describe(release_prefix(model, version))
         tags = {

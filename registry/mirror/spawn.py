@@ -20,7 +20,7 @@ def spawn_drain(settings: Settings) -> None:
         settings.home.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             subprocess.Popen(
-                [sys.executable, "-m", "registry.mlflow_mirror", "--budget", str(DRAIN_BUDGET_S)],
+                [sys.executable, "-m", "registry.mirror.drain", "--budget", str(DRAIN_BUDGET_S)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,

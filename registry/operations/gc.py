@@ -101,7 +101,7 @@ def _protections(session: Session, key: bytes | None = None) -> Protections:
     ).all()
     yanked = {f"{m}:v{v}" for _, m, v, status in rows if status == YANKED}
     if key is not None and yanked:
-        from registry.lifecycle.logged_protections import signed_targets
+        from registry.operations.logged_protections import signed_targets
 
         yanked = signed_targets(session, key, ("yank",), sorted(yanked))
     sources = [(c, m, v) for c, m, v, _ in rows if f"{m}:v{v}" not in yanked]
@@ -281,7 +281,7 @@ def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> se
         protections = _protections(s, key)
         logged: dict[str, str] = {}
         if key is not None:
-            from registry.lifecycle.logged_protections import protected_by_log
+            from registry.operations.logged_protections import protected_by_log
 
             logged = protected_by_log(s, key, [d.ref for d in batch])
             for d in batch:

@@ -1,13 +1,13 @@
 """`reg ui`: the MLflow server over the mirror's tracking store.
 
 - It serves the release bytes (`--serve-artifacts` from the store's `mlflow-artifacts/`,
-  `registry.mirror_artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
+  `registry.mirror.artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
   returns the weights, on a local or an S3 store, with the server's credentials, never the
   client's.
-- It always runs MLflow's auth app with reg's login function (`registry.mirror_login`): every
+- It always runs MLflow's auth app with reg's login function (`registry.mirror.login`): every
   write through MLflow is refused. On a registry with grants, default permission none, people
   log in with their reg principal and a reg token, and see what reg's grants let them read
-  (`registry.mirror_access`). A registry without grants (one person, embedded) has no one to
+  (`registry.mirror.access`). A registry without grants (one person, embedded) has no one to
   tell apart: no login, on 127.0.0.1 only.
 - Before the server starts, a drain brings MLflow up to date (events, permissions, what is
   served).
@@ -65,9 +65,9 @@ def plan_ui(
 ) -> UiPlan:
     """The MLflow server command and environment; `auth` None: a login when the policy has
     grants."""
-    from registry.mirror_access import AccessSync
-    from registry.mirror_artifacts import destination
-    from registry.mlflow_mirror import drain
+    from registry.mirror.access import AccessSync
+    from registry.mirror.artifacts import destination
+    from registry.mirror.drain import drain
 
     use_auth = has_grants if auth is None else auth
     if use_auth and not settings.audit_key_path.exists():
@@ -112,7 +112,7 @@ def plan_ui(
 
 def _auth_environment(settings: Settings) -> dict[str, str]:
     """The auth app's config (written 0600 under REG_HOME) and the Flask session secret."""
-    from registry.mirror_access import ADMIN_USER, auth_db_uri
+    from registry.mirror.access import ADMIN_USER, auth_db_uri
 
     home = settings.home
     home.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def _auth_environment(settings: Settings) -> dict[str, str]:
         f"admin_username = {ADMIN_USER}\n"
         # The bootstrap admin's password: never given out, and refused by the login anyway.
         f"admin_password = {_secret(home / 'mlflow-admin-password')}\n"
-        "authorization_function = registry.mirror_login:authenticate\n"
+        "authorization_function = registry.mirror.login:authenticate\n"
     )
     _write_private(config, text)
     return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secret}

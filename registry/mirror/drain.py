@@ -12,9 +12,9 @@ external LoggedModel (nothing copied) named like `run42-step9000`, linked to the
 with params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, pin,
 and `reg.resumable` / `reg.missing_state`, which follow a policy change that changes them), and
 the push metrics logged on the run at that step; model -> registered model (names one to one,
-`registry.mirror_names`) plus a `releases/<model>` experiment whose artifacts are the release
+`registry.mirror.names`) plus a `releases/<model>` experiment whose artifacts are the release
 bytes; release -> model version with reg's number, its bytes served by MLflow's artifact proxy
-until it is yanked (`registry.mirror_releases`, `registry.mirror_artifacts`); aliases as set.
+until it is yanked (`registry.mirror.releases`, `registry.mirror.artifacts`); aliases as set.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sqlmodel import col, select
 
 from registry.catalog import leases
 from registry.catalog.models import OutboxEvent
-from registry.mirror_names import mirror_name
+from registry.mirror.names import mirror_name
 from registry.text import redact
 from registry.timeutil import iso, now
 
@@ -47,7 +47,7 @@ class Mirror:
         import mlflow  # noqa: F401 - seconds of import, paid only by the drain
         from mlflow import MlflowClient
 
-        from registry.mirror_releases import ReleaseMirror
+        from registry.mirror.releases import ReleaseMirror
         from registry.storage import open_store
 
         self.settings = settings
@@ -99,10 +99,10 @@ class Mirror:
     def settle(self) -> None:
         """After the events: MLflow's permissions follow reg's grants (when `reg ui` runs the
         auth app), and only active releases are served."""
-        from registry import mirror_access
+        from registry.mirror import access
 
-        if mirror_access.enabled(self.settings):
-            mirror_access.sync_access(self.settings, self.releases.catalog)
+        if access.enabled(self.settings):
+            access.sync_access(self.settings, self.releases.catalog)
         self.releases.reconcile()
 
     # -- events --------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class Mirror:
             )
 
     def on_checkpoint_verified(self, p: dict[str, Any]) -> None:
-        from registry.mirror_releases import verified_tags
+        from registry.mirror.releases import verified_tags
 
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:
@@ -382,7 +382,7 @@ def _note_failure(catalog: Catalog, event_id: int, error: str) -> None:
 
 
 def main() -> None:
-    """The detached drain started after a command (`python -m registry.mlflow_mirror`)."""
+    """The detached drain started after a command (`python -m registry.mirror.drain`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=30.0)
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 permissions kept in step with reg's grants.
 
 Everyone reg knows (a principal a grant names, or one holding a live token) is an MLflow user
-who logs in with a reg token (`registry.mirror_login`); the password MLflow stores for them is
+who logs in with a reg token (`registry.mirror.login`); the password MLflow stores for them is
 random and never given out. Default permission: none. Each gets READ on the experiment of every
 project and on the registered model and releases experiment of every model their grants let
 them read; reg's admins get READ on everything. Nobody gets more: every write through MLflow is
@@ -127,7 +127,7 @@ class AccessSync:
         """Project -> experiment id; model -> (registered model name, releases experiment)."""
         from mlflow.entities import ViewType
 
-        from registry.mirror_names import RELEASES_EXPERIMENT, mirror_name
+        from registry.mirror.names import RELEASES_EXPERIMENT, mirror_name
 
         # Only what the mirror made counts: its name and its tags agree (nobody else writes
         # there: mirror_login refuses every write through MLflow).

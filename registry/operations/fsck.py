@@ -67,7 +67,7 @@ from registry.layout import (
     parse_release_key,
     release_prefix,
 )
-from registry.lifecycle.fsck_findings import (
+from registry.operations.fsck_findings import (
     DAMAGE,
     DIGEST,
     INVALID_KEY,
@@ -83,7 +83,7 @@ from registry.lifecycle.fsck_findings import (
     Finding,
     Snapshot,
 )
-from registry.lifecycle.fsck_repair import repair as run_repair
+from registry.operations.fsck_repair import repair as run_repair
 from registry.progress import Counter
 from registry.refs import CheckpointRef, check_name
 from registry.storage.base import check_key
@@ -111,7 +111,7 @@ def fsck(
     if not repair:
         return _run(ctx, project, full, sample, progress)
     from registry.catalog import leases
-    from registry.lifecycle import gc
+    from registry.operations import gc
 
     ctx.authorize("repair", target="fsck --repair")
     with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):

@@ -240,8 +240,8 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
 
 def emit_economics(ctx: Context, s: Session, project: str, run: str, row: Run) -> None:
     """The run's economics for MLflow (reg.c_eff_s, reg.rto_s, reg.advised_interval_s)."""
-    from registry.lifecycle.economics.advise import summary
-    from registry.lifecycle.economics.facts import gather
+    from registry.economics.advise import summary
+    from registry.economics.facts import gather
 
     s.flush()
     figures = summary(gather(s, project, row))

@@ -7,7 +7,7 @@ principals get a reg token for the UI.
 
 A verified token is remembered for LOGIN_CACHE_S (the MLflow UI sends it with every request):
 a revoked token stops working within that time. Each verification also brings the principal's
-MLflow permissions in step with reg's grants (`registry.mirror_access`).
+MLflow permissions in step with reg's grants (`registry.mirror.access`).
 
 The mirror is read-only for everyone: every write through MLflow (tags, deletes, new
 experiments, models or versions, artifact uploads) is refused here, before MLflow sees it.
@@ -51,7 +51,7 @@ def authenticate() -> Any:
     from flask import Response, request
     from werkzeug.datastructures import Authorization
 
-    from registry.mirror_access import ADMIN_USER, LOCAL_USER
+    from registry.mirror.access import ADMIN_USER, LOCAL_USER
 
     if writes(request.method, request.path):
         return Response("Read-only: reg is the source of truth; change it with reg.\n", 403)
@@ -84,7 +84,7 @@ def verified(user: str, token: str) -> bool:
 
         if verify(catalog, token, audit_key).principal != user:
             return False
-        from registry.mirror_access import sync_access
+        from registry.mirror.access import sync_access
 
         with _sync_lock:
             sync_access(settings, catalog, only=user)

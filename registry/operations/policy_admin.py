@@ -19,7 +19,7 @@ from registry.errors import PolicyError, UsageError
 from registry.journal.event import POLICY
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
-from registry.lifecycle.gc import emit_expiry_changes
+from registry.operations.gc import emit_expiry_changes
 from registry.timeutil import now
 
 if TYPE_CHECKING:

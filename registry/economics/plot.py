@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from registry.lifecycle.economics import model
+from registry.economics import model
 
 W, H = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 40, 60
