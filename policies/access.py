@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the policy models cost pydantic's import; a check needs only their fields
@@ -26,32 +27,57 @@ ROLES = ("viewer", "trainer", "releaser", "admin")
 VALIDATOR = "validator"
 SINGLE_USER = "single-user mode (no grants in the policy)"
 
-ACTIONS: dict[str, str] = {
+class Action(StrEnum):
+    """What a policy grants: each action needs one role (ACTIONS)."""
+
+    READ = "read"
+    PUSH = "push"
+    PIN = "pin"
+    UNPIN = "unpin"
+    VALIDATE = "validate"
+    PROMOTE = "promote"
+    ALIAS = "alias"
+    DEPRECATE = "deprecate"
+    GC = "gc"
+    YANK = "yank"
+    AUDIT = "audit"
+    POLICY = "policy"
+    STORAGE = "storage"
+    MLFLOW_SYNC = "mlflow-sync"
+    CATALOG = "catalog"
+    REPAIR = "repair"
+    FSCK = "fsck"
+    SCRUB = "scrub"
+    TOKEN = "token"
+    ATTEST = "attest"
+
+
+ACTIONS: dict[Action, str] = {
     # viewer
-    "read": "viewer",
+    Action.READ: "viewer",
     # trainer
-    "push": "trainer",
-    "pin": "trainer",
-    "unpin": "trainer",
-    "validate": "trainer",
+    Action.PUSH: "trainer",
+    Action.PIN: "trainer",
+    Action.UNPIN: "trainer",
+    Action.VALIDATE: "trainer",
     # releaser
-    "promote": "releaser",
-    "alias": "releaser",
-    "deprecate": "releaser",
+    Action.PROMOTE: "releaser",
+    Action.ALIAS: "releaser",
+    Action.DEPRECATE: "releaser",
     # admin
-    "gc": "admin",
-    "yank": "admin",
-    "audit": "admin",
-    "policy": "admin",
-    "storage": "admin",
-    "mlflow-sync": "admin",
-    "catalog": "admin",
-    "repair": "admin",
-    "fsck": "admin",
-    "scrub": "admin",
-    "token": "admin",
+    Action.GC: "admin",
+    Action.YANK: "admin",
+    Action.AUDIT: "admin",
+    Action.POLICY: "admin",
+    Action.STORAGE: "admin",
+    Action.MLFLOW_SYNC: "admin",
+    Action.CATALOG: "admin",
+    Action.REPAIR: "admin",
+    Action.FSCK: "admin",
+    Action.SCRUB: "admin",
+    Action.TOKEN: "admin",
     # validator (beside the others; admin includes it)
-    "attest": VALIDATOR,
+    Action.ATTEST: VALIDATOR,
 }
 
 
@@ -108,7 +134,7 @@ def _covers(grant: Grant, project: str | None, model: str | None, model_owner: s
 def check(
     grants: Sequence[Grant],
     principal: str,
-    action: str,
+    action: Action,
     *,
     project: str | None = None,
     model: str | None = None,
@@ -127,7 +153,7 @@ def check(
 def check_grants(
     grants: Sequence[Grant],
     principal: str,
-    action: str,
+    action: Action,
     *,
     project: str | None = None,
     model: str | None = None,

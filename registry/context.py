@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.errors import PermissionDenied
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Context:
 
     def authorize(
         self,
-        action: str,
+        action: Action,
         *,
         project: str | None = None,
         model: str | None = None,
@@ -124,7 +125,7 @@ class Context:
 
     def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
         target = f"project {project}" if project else f"model {model}" if model else "registry"
-        self.authorize("read", project=project, model=model, target=target)
+        self.authorize(Action.READ, project=project, model=model, target=target)
 
 
 _WARNED: set[str] = set()

@@ -5,6 +5,7 @@ all; drained into MLflow after the command, never adding to its latency.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.timeutil import now
@@ -14,19 +15,38 @@ if TYPE_CHECKING:
 
     from registry.config import Settings
 
-CHECKPOINT_COMMITTED = "checkpoint.committed"
-CHECKPOINT_VALIDATED = "checkpoint.validated"
-CHECKPOINT_COLLECTED = "checkpoint.collected"
-RELEASE_CREATED = "release.created"
-ALIAS_MOVED = "release.alias"
-RELEASE_STATUS = "release.status"
-CHECKPOINT_RESUME = "checkpoint.resume"  # a policy change changed a checkpoint's resume verdict
-CHECKPOINT_PROTECTION = "checkpoint.protection"  # pinned or unpinned: its expiry changed
-RUN_FINISHED = "run.finished"  # the training job ended (finished, failed or killed)
-CHECKPOINT_VERIFIED = "checkpoint.verified"  # every stored byte re-hashed (verify, a scrub)
-RELEASE_VERIFIED = "release.verified"
-# The run's checkpoint economics changed (a background save's cost measured, a restore, the end)
-RUN_ECONOMICS = "run.economics"
+
+class EventKind(StrEnum):
+    CHECKPOINT_COMMITTED = "checkpoint.committed"
+    CHECKPOINT_VALIDATED = "checkpoint.validated"
+    CHECKPOINT_COLLECTED = "checkpoint.collected"
+    RELEASE_CREATED = "release.created"
+    ALIAS_MOVED = "release.alias"
+    RELEASE_STATUS = "release.status"
+    CHECKPOINT_RESUME = "checkpoint.resume"  # a policy change changed its resume verdict
+    CHECKPOINT_PROTECTION = "checkpoint.protection"  # pinned or unpinned: its expiry changed
+    RUN_FINISHED = "run.finished"  # the training job ended (finished, failed or killed)
+    CHECKPOINT_VERIFIED = "checkpoint.verified"  # every stored byte re-hashed (verify, a scrub)
+    RELEASE_VERIFIED = "release.verified"
+    # The run's checkpoint economics changed (a background save's cost measured, a restore)
+    RUN_ECONOMICS = "run.economics"
+
+
+# The kinds by name, as emitters write them (`events.CHECKPOINT_COMMITTED`).
+(
+    CHECKPOINT_COMMITTED,
+    CHECKPOINT_VALIDATED,
+    CHECKPOINT_COLLECTED,
+    RELEASE_CREATED,
+    ALIAS_MOVED,
+    RELEASE_STATUS,
+    CHECKPOINT_RESUME,
+    CHECKPOINT_PROTECTION,
+    RUN_FINISHED,
+    CHECKPOINT_VERIFIED,
+    RELEASE_VERIFIED,
+    RUN_ECONOMICS,
+) = EventKind
 
 
 class EventSink(Protocol):

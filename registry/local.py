@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.api import Registry
 from registry.config import Settings
 from registry.refs import (
@@ -117,10 +118,15 @@ class LocalRegistry(Registry):
 
     # -- access ----------------------------------------------------------------------------------
     def authorize(
-        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
+        self,
+        action: Action | str,
+        *,
+        project: str | None = None,
+        model: str | None = None,
+        target: str = "",
     ) -> None:
         """Raise PermissionDenied (and audit the denial) unless the policy allows it."""
-        self.context.authorize(action, project=project, model=model, target=target)
+        self.context.authorize(Action(action), project=project, model=model, target=target)
 
     def authorize_read(self, *, project: str | None = None, model: str | None = None) -> None:
         self.context.authorize_read(project=project, model=model)
@@ -496,7 +502,7 @@ class LocalRegistry(Registry):
         from registry.mirror.drain import drain, skip_event
         from registry.text import redact_url
 
-        self.authorize("mlflow-sync", target=redact_url(self.settings.mlflow_tracking_uri))
+        self.authorize(Action.MLFLOW_SYNC, target=redact_url(self.settings.mlflow_tracking_uri))
         skipped = skip_event(self.context, skip) if skip is not None else None
         out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
         return out | ({"skipped": skipped} if skipped else {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies.access import SINGLE_USER, Decision, check_grants
+from policies.access import SINGLE_USER, Action, Decision, check_grants
 
 if TYPE_CHECKING:
     from policies.loader import Grant
@@ -43,7 +43,7 @@ class Principal:
 
     def authorize(
         self,
-        action: str,
+        action: Action,
         *,
         project: str | None = None,
         model: str | None = None,
@@ -57,7 +57,7 @@ class Principal:
             self.grants, self.name, action, project=project, model=model, model_owner=model_owner
         )
 
-    def may_anywhere(self, action: str) -> bool:
+    def may_anywhere(self, action: Action) -> bool:
         """Could any project or model allow `action`? (A cheap first check before reading a
         large request; the real check names the target.)"""
         from policies.access import ACTIONS, gives, is_scoped_admin
@@ -74,4 +74,6 @@ class Principal:
         model: str | None = None,
         model_owner: str | None = None,
     ) -> bool:
-        return self.authorize("read", project=project, model=model, model_owner=model_owner).allowed
+        return self.authorize(
+            Action.READ, project=project, model=model, model_owner=model_owner
+        ).allowed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.audit_chain import anchors
 from registry.audit_chain.keys import AuditKeyMissing
 from registry.audit_chain.sealer import anchor_head, seal_pending
@@ -32,7 +33,7 @@ def _key(ctx: Context, what: str) -> bytes:
 def seal(ctx: Context) -> dict[str, Any]:
     """Seal every signed event not sealed yet (the whole log is scanned) and anchor the head
     in the store now: {seals, sealed, refused, head, anchor}."""
-    ctx.authorize("audit", target="audit log")
+    ctx.authorize(Action.AUDIT, target="audit log")
     key = _key(ctx, "sealing")
     with ctx.catalog.session(write=True) as s:
         ctx.audit(s, "audit-seal", "audit log")
@@ -56,7 +57,7 @@ def verify(
     """Check the whole log against the key and the anchors: {ok, events, sealed, unsealed,
     seals, anchors, problems: [{kind, message, event?, seal?, anchor?}], ...}. The bounds
     (seconds) default to this process's sealing intervals (`schedule.bounds`)."""
-    ctx.authorize("audit", target="audit log")
+    ctx.authorize(Action.AUDIT, target="audit log")
     for flag, value in (
         ("--max-unsealed-age", max_unsealed_age_s),
         ("--max-anchor-age", max_anchor_age_s),

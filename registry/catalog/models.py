@@ -6,6 +6,7 @@ The catalog is the source of truth for visibility: a checkpoint exists for reade
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import JSON, BigInteger, Column, Index, Text, UniqueConstraint
@@ -16,11 +17,25 @@ from registry.formats.documents import FileRecord
 if TYPE_CHECKING:
     from registry.formats.documents import Manifest
 
-# Checkpoint states (`sweeping`: an abandoned upload whose objects GC is deleting)
-PENDING, COMMITTED, DELETING, DELETED = "pending", "committed", "deleting", "deleted"
-SWEEPING = "sweeping"
-# Release statuses
-RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = "pending", "active", "deprecated", "yanked"
+
+class CheckpointState(StrEnum):
+    PENDING = "pending"  # claimed, being written
+    COMMITTED = "committed"  # visible to readers
+    DELETING = "deleting"  # marked by GC, its objects going
+    DELETED = "deleted"  # collected: a tombstone says when and why
+    SWEEPING = "sweeping"  # an abandoned upload whose objects GC is deleting
+
+
+class ReleaseStatus(StrEnum):
+    PENDING = "pending"  # a version reserved by a promotion in progress
+    ACTIVE = "active"
+    DEPRECATED = "deprecated"
+    YANKED = "yanked"
+
+
+# The states by their short names, as the code reads them (columns hold the strings).
+PENDING, COMMITTED, DELETING, DELETED, SWEEPING = CheckpointState
+RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = ReleaseStatus
 
 
 def _json(default: Any = None) -> Any:

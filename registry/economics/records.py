@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry import events
 from registry.catalog import queries
 from registry.errors import NotFound, UsageError
@@ -74,7 +75,7 @@ def record_heartbeat(
     check_name(project, "project name")
     check_name(run, "run name")
     _check(step, seconds, world_size, step_seconds, saves)
-    ctx.authorize("push", project=project, target=f"{project}/{run}")
+    ctx.authorize(Action.PUSH, project=project, target=f"{project}/{run}")
     with ctx.catalog.session(write=True) as s:
         row = _locked_run(s, project, run)
         if row is None:
@@ -155,7 +156,7 @@ def plan_restart(ctx: Context, project: str, run: str) -> dict[str, Any]:
     check_name(project, "project name")
     check_name(run, "run name")
     target = f"{project}/{run}"
-    ctx.authorize("push", project=project, target=target)
+    ctx.authorize(Action.PUSH, project=project, target=target)
     with ctx.catalog.session(write=True) as s:
         row = queries.find_run(s, project, run)
         if row is None:

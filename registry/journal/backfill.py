@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from registry.catalog.models import (
     COMMITTED,
     DEPRECATED,
@@ -50,7 +51,7 @@ Fact = tuple[str, dict[str, Any], dict[str, Any], float | None, str, tuple[Any, 
 
 
 def backfill(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
-    ctx.authorize("catalog", target="journal backfill")
+    ctx.authorize(Action.CATALOG, target="journal backfill")
     journal = replay.read(ctx, dry_run=True)
     covered = {_identity(e) for e in journal.events} | _pins(journal.events)
     with ctx.catalog.session() as s:

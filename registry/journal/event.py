@@ -28,6 +28,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from registry.audit_chain.macs import canonical, same
@@ -37,9 +38,23 @@ from registry.layout import journal_key, parse_journal_key
 
 FORMAT = "reg.event/1"
 MAX_BYTES = 1024 * 1024
-PIN, UNPIN, YANK, DEPRECATE = "pin", "unpin", "yank", "deprecate"
-ALIAS, POLICY, VALIDATION, ABORTED = "alias", "policy", "validation", "aborted"
-KINDS = (PIN, UNPIN, YANK, DEPRECATE, ALIAS, POLICY, VALIDATION, ABORTED)
+
+
+class JournalKind(StrEnum):
+    """The decisions the journal holds (and `aborted`: a decision whose commit failed)."""
+
+    PIN = "pin"
+    UNPIN = "unpin"
+    YANK = "yank"
+    DEPRECATE = "deprecate"
+    ALIAS = "alias"
+    POLICY = "policy"
+    VALIDATION = "validation"
+    ABORTED = "aborted"
+
+
+PIN, UNPIN, YANK, DEPRECATE, ALIAS, POLICY, VALIDATION, ABORTED = JournalKind
+KINDS = tuple(JournalKind)
 _DOMAIN = b"reg.journal.event/1\n"
 _ID = re.compile(r"[0-9]{20}-[0-9a-f]{32}")
 _VALIDATION_FACT = (

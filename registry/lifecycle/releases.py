@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from registry import events
 from registry.catalog.models import (
     DEPRECATED,
@@ -17,6 +18,7 @@ from registry.catalog.models import (
     AliasEvent,
     Model,
     Release,
+    ReleaseStatus,
 )
 from registry.errors import Conflict, NotFound, UsageError
 from registry.formats.documents import FileRecord
@@ -279,7 +281,7 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
     check_name(model_name, "model name")
     check_alias(alias)
     number = _version_number(version)
-    ctx.authorize("alias", model=model_name, target=f"{model_name}@{alias}")
+    ctx.authorize(Action.ALIAS, model=model_name, target=f"{model_name}@{alias}")
     with ctx.catalog.session(write=True) as s:
         model, release = resolve_release(s, ReleaseRef(model_name, version=number))
         previous = move_alias(ctx, s, model, alias, release)
@@ -290,11 +292,11 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
 
 
 def set_status(
-    ctx: Context, ref: ReleaseRef, status: str, reason: str | None = None
+    ctx: Context, ref: ReleaseRef, status: ReleaseStatus, reason: str | None = None
 ) -> dict[str, Any]:
     from registry.refs import check_reason
 
-    action = {DEPRECATED: "deprecate", YANKED: "yank"}[status]
+    action = {DEPRECATED: Action.DEPRECATE, YANKED: Action.YANK}[status]
     reason = check_reason(reason, f"{action} reason")
     ctx.authorize(action, model=ref.model, target=str(ref))
     if status == YANKED and not (reason and reason.strip()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry import events
 from registry.errors import NotFound, UsageError
 from registry.refs import check_name
@@ -28,7 +29,7 @@ def finish_run(ctx: Context, project: str, run: str, status: str = "finished") -
     if status not in RUN_STATUSES:
         raise UsageError(f"unknown run status {status!r}", "use " + ", ".join(RUN_STATUSES))
     target = f"{project}/{run}"
-    ctx.authorize("push", project=project, target=target)
+    ctx.authorize(Action.PUSH, project=project, target=target)
     with ctx.catalog.session(write=True) as s:
         found = s.exec(
             select(Run).join(Project).where(Project.name == project, Run.name == run)

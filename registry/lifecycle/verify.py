@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from registry import events
 from registry.catalog.models import (
     COMMITTED,
@@ -64,7 +65,7 @@ def verify_files(
     if repair:
         out["repaired"] = []
     if repair and problems:
-        ctx.authorize("repair", target=name, **scope)
+        ctx.authorize(Action.REPAIR, target=name, **scope)
         from registry.catalog import leases
         from registry.operations import gc
 
@@ -84,7 +85,7 @@ def verify_files(
             repaired=[p for p in repaired if p not in {a.path for a in after}],
             problems=[p.to_json() for p in [*left, *after]],
         )
-    if ctx.principal.authorize("scrub").allowed:  # a viewer's check is its own, not a record
+    if ctx.principal.authorize(Action.SCRUB).allowed:  # a viewer's check is its own, not a record
         record(ctx, prefix, name, out["problems"])
     return out
 

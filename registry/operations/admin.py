@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry import audit
 
 if TYPE_CHECKING:
@@ -14,7 +15,7 @@ def storage_init(ctx: Context) -> dict[str, Any]:
     """Check the store and set what it needs: lifecycle rules on S3, the root directory on a
     local store (`reg storage init`)."""
     # Through reg server a denial names no location: the store is the server's business.
-    ctx.authorize("storage", target="the store" if ctx.server else ctx.store.url)
+    ctx.authorize(Action.STORAGE, target="the store" if ctx.server else ctx.store.url)
     out = ctx.store.init()
     with ctx.catalog.session(write=True) as s:
         ctx.audit(
@@ -33,6 +34,6 @@ def audit_log(
     actor: str | None = None,
     action: str | None = None,
 ) -> list[dict[str, Any]]:
-    ctx.authorize("audit", target="audit log")
+    ctx.authorize(Action.AUDIT, target="audit log")
     with ctx.catalog.session() as s:
         return audit.query(s, since=since, actor=actor, action=action)

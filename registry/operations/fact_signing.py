@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from registry import signed_facts as facts
 from registry.audit_chain import macs
 from registry.audit_chain.keys import AuditKeyMissing
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 def sign_catalog(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     """{signed: {policy, validation, model: [targets]}, refused: [{target, reason}],
     policy_event, dry_run}."""
-    ctx.authorize("catalog", target="catalog sign")
+    ctx.authorize(Action.CATALOG, target="catalog sign")
     if ctx.server:
         raise UsageError(
             "reg catalog sign runs on the server's host, not through the server",

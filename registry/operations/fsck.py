@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from registry.catalog import claims
 from registry.catalog.models import (
     COMMITTED,
@@ -107,13 +108,13 @@ def fsck(
 ) -> dict[str, Any]:
     if project is not None:
         check_name(project, "project name")
-    ctx.authorize("fsck", target=f"fsck {project or 'all projects'}")
+    ctx.authorize(Action.FSCK, target=f"fsck {project or 'all projects'}")
     if not repair:
         return _run(ctx, project, full, sample, progress)
     from registry.catalog import leases
     from registry.operations import gc
 
-    ctx.authorize("repair", target="fsck --repair")
+    ctx.authorize(Action.REPAIR, target="fsck --repair")
     with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
         return _run(ctx, project, full, sample, progress, repair=True)
 

@@ -4,16 +4,41 @@ the check (fsck.py) and the repair (fsck_repair.py)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from registry.catalog.models import COMMITTED, RELEASE_PENDING, Checkpoint, Release
 from registry.formats.documents import FileRecord
 from registry.storage.base import ObjectInfo
 
-MISSING, SIZE, DIGEST = "missing-object", "size-mismatch", "sha256-mismatch"
-UNLISTED, INVALID_KEY, UNCATALOGED = "unlisted-object", "invalid-key", "uncataloged"
-STALE_CLAIM, UNFINISHED_DELETION = "stale-claim", "unfinished-deletion"
-TOMBSTONE_OBJECTS, UNFINISHED_PROMOTION = "tombstone-objects", "unfinished-promotion"
+
+class FindingKind(StrEnum):
+    """What `reg fsck` finds (the module doc of fsck.py says what each means)."""
+
+    MISSING = "missing-object"
+    SIZE = "size-mismatch"
+    DIGEST = "sha256-mismatch"
+    UNLISTED = "unlisted-object"
+    INVALID_KEY = "invalid-key"
+    UNCATALOGED = "uncataloged"
+    STALE_CLAIM = "stale-claim"
+    UNFINISHED_DELETION = "unfinished-deletion"
+    TOMBSTONE_OBJECTS = "tombstone-objects"
+    UNFINISHED_PROMOTION = "unfinished-promotion"
+
+
+(
+    MISSING,
+    SIZE,
+    DIGEST,
+    UNLISTED,
+    INVALID_KEY,
+    UNCATALOGED,
+    STALE_CLAIM,
+    UNFINISHED_DELETION,
+    TOMBSTONE_OBJECTS,
+    UNFINISHED_PROMOTION,
+) = FindingKind
 DAMAGE = (MISSING, SIZE, DIGEST)
 
 

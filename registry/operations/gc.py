@@ -17,6 +17,7 @@ from sqlalchemy import and_, delete, or_, update
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
+from policies.access import Action
 from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
 from registry import events, faults, signed_facts
 from registry.catalog import claims, leases
@@ -229,7 +230,7 @@ def _log_key(ctx: Context) -> bytes | None:
 
 
 def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
-    ctx.authorize("gc", target="retention")
+    ctx.authorize(Action.GC, target="retention")
     with ctx.catalog.session() as s:
         records, protections = _records(s, key=_log_key(ctx))
     decisions = plan(records, ctx.policy.retention, now(), protections)

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 from sqlalchemy import func
 from sqlmodel import select
 
+from policies.access import Action
 from policies.loader import Policy, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry import signed_facts
@@ -42,7 +43,7 @@ def apply(ctx: Context, path: Path) -> dict[str, Any]:
 
 def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
     """`apply` of a document already read (`name` says where it came from, for errors)."""
-    ctx.authorize("policy", target=f"policy {name}")
+    ctx.authorize(Action.POLICY, target=f"policy {name}")
     parsed = parse_policy(text, name)  # refused before anything is stored
     _keeps_an_admin(ctx, parsed, name)
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -140,7 +141,7 @@ def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:
             f'{path}: access.grants: no grant has role = "admin"; refused',
             "keep at least one admin grant, or no one could apply the next policy",
         )
-    if not check_grants(grants, ctx.principal.name, "policy").allowed:
+    if not check_grants(grants, ctx.principal.name, Action.POLICY).allowed:
         raise PolicyError(
             f"{path}: access.grants: {ctx.principal.name} (applying it) would no longer be "
             "an admin; refused",
@@ -161,7 +162,7 @@ def show(ctx: Context) -> dict[str, Any]:
 def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
     from policies.export import bucket_policy
 
-    ctx.authorize("policy", target="policy export")
+    ctx.authorize(Action.POLICY, target="policy export")
     prefix = ""
     if bucket is None:
         url = urlparse(ctx.store.url)

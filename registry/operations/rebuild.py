@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
+from policies.access import Action
 from registry.catalog import claims, queries
 from registry.catalog.models import (
     ACTIVE,
@@ -64,7 +65,7 @@ def _ts(text: str) -> float:
 
 
 def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
-    ctx.authorize("catalog", target="catalog rebuild")
+    ctx.authorize(Action.CATALOG, target="catalog rebuild")
     out: dict[str, Any] = {
         "applied": not dry_run,
         "checkpoints_added": [],

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col, select
 
+from policies.access import Action
 from registry.catalog import queries
 from registry.catalog.models import (
     COMMITTED,
@@ -114,7 +115,7 @@ def scrub(
     time (the `scrub` lease). An artifact collected or yanked meanwhile is skipped."""
     from registry.catalog import leases
 
-    ctx.authorize("scrub", target="scrub")
+    ctx.authorize(Action.SCRUB, target="scrub")
     if rate is not None:
         check_rate(rate)
     token, holder = leases.try_acquire(ctx.catalog, SCRUB_LEASE, ctx.actor, SCRUB_LEASE_SECONDS)

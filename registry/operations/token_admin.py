@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from policies.loader import PRINCIPAL
 from registry import tokens
 from registry.errors import UsageError
@@ -25,7 +26,7 @@ def create(ctx: Context, principal: str, *, expires_s: float | None) -> dict[str
         )
     if expires_s is not None and not (math.isfinite(expires_s) and 0 < expires_s <= MAX_EXPIRY_S):
         raise UsageError(f"--expires must be positive and at most {MAX_EXPIRY_S / 86400:.0f} days")
-    ctx.authorize("token", target=f"token for {principal}")
+    ctx.authorize(Action.TOKEN, target=f"token for {principal}")
     token = tokens.mint(
         ctx.catalog, principal, created_by=ctx.actor, expires_s=expires_s, key=ctx.audit_key
     )
@@ -36,12 +37,12 @@ def create(ctx: Context, principal: str, *, expires_s: float | None) -> dict[str
 
 
 def listing(ctx: Context) -> list[dict[str, Any]]:
-    ctx.authorize("token", target="tokens")
+    ctx.authorize(Action.TOKEN, target="tokens")
     return tokens.listing(ctx.catalog)
 
 
 def revoke(ctx: Context, token_id: str) -> dict[str, Any]:
-    ctx.authorize("token", target=f"token {token_id[:32]}")
+    ctx.authorize(Action.TOKEN, target=f"token {token_id[:32]}")
     out = tokens.revoke(ctx.catalog, token_id, revoked_by=ctx.actor)
     with ctx.catalog.session(write=True) as s:
         ctx.audit(s, "token-revoke", f"token {out['id']}", principal=out["principal"])

@@ -108,7 +108,12 @@ class RemoteRegistry(Registry):
 
     # -- access: decided by the server on every request ----------------------------------------
     def authorize(
-        self, action: str, *, project: str | None = None, model: str | None = None, target: str = ""
+        self,
+        action: str,
+        *,
+        project: str | None = None,
+        model: str | None = None,
+        target: str = "",
     ) -> None:
         raise self._server_only("access check")
 

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from policies.access import Action
 from registry.context import Context
 from registry.errors import UsageError
 from registry.server.auth import CTX
@@ -131,7 +132,7 @@ async def mlflow_sync(request: Request) -> dict[str, Any]:
     settings = request.app.state.reg.settings
 
     def work() -> dict[str, Any]:
-        ctx.authorize("mlflow-sync", target="the MLflow mirror")
+        ctx.authorize(Action.MLFLOW_SYNC, target="the MLflow mirror")
         skipped = skip_event(ctx, skip) if skip is not None else None
         out = drain(ctx.catalog, settings, float(budget), wait=True, holder=ctx.actor)
         return out | ({"skipped": skipped} if skipped else {})

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
-    from policies.access import check_grants
+    from policies.access import Action, check_grants
     from registry.audit_chain import keys
     from registry.catalog.engine import Catalog
     from registry.context import Context
@@ -57,7 +57,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 audit_key=key,
             )
             applied = apply_text(ctx, text, "reg server init")
-        elif not check_grants(policy.access.grants, admin, "policy").allowed:
+        elif not check_grants(policy.access.grants, admin, Action.POLICY).allowed:
             raise PolicyError(
                 f"{admin} is not an admin under the policy in force ({policy.source})",
                 "name an admin of that policy, or have an admin add one",

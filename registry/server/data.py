@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from policies.access import Action
 from registry.context import Context
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
@@ -60,7 +61,7 @@ async def push_checkpoint(request: Request) -> dict[str, Any]:
     # Refused before a byte is stored: who may push here, and a well-formed name.
     await run_in_threadpool(
         ctx.authorize,
-        "push",
+        Action.PUSH,
         project=req.project,
         target=f"{req.project}/{req.run}@step{req.step}",
     )
@@ -244,7 +245,7 @@ async def pulled(request: Request) -> dict[str, Any]:
         ctx.authorize_read(project=ref.project)
         _, ckpt, files = resolve(ctx, ref)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
-        if ctx.principal.authorize("push", project=ref.project).allowed:
+        if ctx.principal.authorize(Action.PUSH, project=ref.project).allowed:
             if restore is None:
                 record_resume(ctx, full)
             else:  # a training loop's restore (resumed already), with its phases

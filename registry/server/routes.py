@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from policies.access import Action
 from registry.catalog.leases import HOLD_PREFIX, release, take_hold
 from registry.context import Context
 from registry.errors import UsageError
@@ -122,7 +123,7 @@ async def validation_begin(request: Request) -> dict[str, Any]:
     ref = parse_checkpoint_ref(text(doc, "ref"))
 
     def work() -> dict[str, Any]:
-        ctx.authorize("attest", project=ref.project, target=str(ref))
+        ctx.authorize(Action.ATTEST, project=ref.project, target=str(ref))
         _, ckpt, files = resolve(ctx, ref)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         # Retention keeps it while the validator works (given back with the report, or it
@@ -159,7 +160,7 @@ async def validation_record(request: Request) -> dict[str, Any]:
     hold = doc.get("hold")
 
     def work() -> dict[str, Any]:
-        ctx.authorize("attest", project=ref.project, target=str(ref))
+        ctx.authorize(Action.ATTEST, project=ref.project, target=str(ref))
         _, ckpt, _ = resolve(ctx, ref)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         out = record(ctx, full, ckpt, attempt, attested=True)
@@ -182,8 +183,8 @@ async def promote(request: Request) -> dict[str, Any]:
     from registry.lifecycle.promotion import promote as run_promotion
 
     ctx = await run_in_threadpool(context_for, request)
-    if not ctx.principal.may_anywhere("promote"):  # refused before 64 MiB are read
-        await run_in_threadpool(lambda: ctx.authorize("promote", target="a promotion"))
+    if not ctx.principal.may_anywhere(Action.PROMOTE):  # refused before 64 MiB are read
+        await run_in_threadpool(lambda: ctx.authorize(Action.PROMOTE, target="a promotion"))
     doc = await json_body(request, MAX_PROMOTE_BYTES)
     ref = parse_checkpoint_ref(text(doc, "ref"))
     extras = doc.get("extras") or []
@@ -197,7 +198,7 @@ async def promote(request: Request) -> dict[str, Any]:
     state = request.app.state.reg
     model = text(doc, "model")
     await run_in_threadpool(
-        lambda: ctx.authorize("promote", project=ref.project, model=model, target=str(ref))
+        lambda: ctx.authorize(Action.PROMOTE, project=ref.project, model=model, target=str(ref))
     )
     workdir, lock = private_dir(state.settings.home / "uploads", "promote")
     try:
@@ -258,7 +259,7 @@ async def alias(request: Request) -> dict[str, Any]:
 @router.post("/status")
 async def release_status(request: Request) -> dict[str, Any]:
     """deprecate or yank (status `deprecated` or `yanked`, with a reason for a yank)."""
-    from registry.catalog.models import DEPRECATED, YANKED
+    from registry.catalog.models import DEPRECATED, YANKED, ReleaseStatus
     from registry.lifecycle.releases import set_status
     from registry.refs import parse_release_ref
 
@@ -267,7 +268,8 @@ async def release_status(request: Request) -> dict[str, Any]:
     status = text(doc, "status")
     if status not in (DEPRECATED, YANKED):
         raise UsageError(f"status must be {DEPRECATED} or {YANKED}")
-    return await run_in_threadpool(set_status, ctx, ref, status, opt_text(doc, "reason"))
+    reason = opt_text(doc, "reason")
+    return await run_in_threadpool(set_status, ctx, ref, ReleaseStatus(status), reason)
 
 
 # -- checkpoint economics --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import SharedClaim
@@ -95,21 +96,21 @@ class EmbeddedBackend:
         from registry.lifecycle.checkpoints.read import record_resume
 
         context = self.registry.context
-        if context.principal.authorize("push", project=ref.project).allowed:
+        if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             record_resume(context, ref)
 
     def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
         from registry.lifecycle.checkpoints.costs import record_restore
 
         context = self.registry.context
-        if context.principal.authorize("push", project=ref.project).allowed:
+        if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             record_restore(context, ref, world_size, phases)
 
     def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
         from registry.economics.records import record_heartbeat
 
         context = self.registry.context
-        if not context.principal.authorize("push", project=ref.project).allowed:
+        if not context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             return {"recorded": True}  # a reader's job: nothing to record, nothing to keep
         return record_heartbeat(context, ref.project, ref.run, **figures)
 
@@ -117,7 +118,7 @@ class EmbeddedBackend:
         from registry.economics.records import plan_restart
 
         context = self.registry.context
-        if context.principal.authorize("push", project=ref.project).allowed:
+        if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             plan_restart(context, ref.project, ref.run)
 
 

@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry import faults
 from registry.catalog import claims
 from registry.errors import (
@@ -103,7 +104,7 @@ def begin(
     ref = check_request(project, run, step)
     check_layout(layout)
     checked_metrics = check_metrics(metrics)
-    ctx.authorize("push", project=project, target=str(ref))
+    ctx.authorize(Action.PUSH, project=project, target=str(ref))
     store = _s3(ctx)
     if sum(1 for f in files if f.parts) > MAX_MULTIPART_FILES:
         raise UsageError(f"at most {MAX_MULTIPART_FILES} files over 8 MiB in one push")
@@ -345,7 +346,7 @@ def _claim_of(ctx: Context, ref: CheckpointRef, token: str) -> Claim:
     under that claim (a renewal needs no more; the others read the plan too)."""
     from registry.catalog.models import Checkpoint
 
-    ctx.authorize("push", project=ref.project, target=str(ref))
+    ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
     if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
         raise UsageError("not an upload id", "start the push again")
     with ctx.catalog.session() as s:

@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from policies.access import Action
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
@@ -65,7 +66,7 @@ def push(
     ref = check_request(project, run, step)
     check_layout(layout)
     checked_metrics = check_metrics(metrics or {})
-    ctx.authorize("push", project=project, target=str(ref))
+    ctx.authorize(Action.PUSH, project=project, target=str(ref))
     # A pulled folder is pushed against the manifest it kept. Not in the server: `received` is
     # what a client sent, and a MANIFEST.json there is a reserved name (refused by the scan),
     # never a document to parse (the client checked its own kept manifest before sending).

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
 from registry.errors import IntegrityError
@@ -82,7 +83,7 @@ def pull(
     except IntegrityError:
         still_committed()  # a file gone because GC collected it meanwhile: exit 3, says so
         raise
-    if ctx.principal.authorize("push", project=ref.project).allowed:
+    if ctx.principal.authorize(Action.PUSH, project=ref.project).allowed:
         record_resume(ctx, full)
 
     out = CheckpointView.of(ref.project, ref.run, latest[0], files).to_json()
@@ -180,7 +181,7 @@ def set_pin(
     from registry.refs import check_reason
 
     reason = check_reason(reason, "pin reason")
-    action = "pin" if pinned else "unpin"
+    action = Action.PIN if pinned else Action.UNPIN
     ctx.authorize(action, project=ref.project, target=str(ref))
     with ctx.catalog.session(write=True) as s:
         run, ckpt = queries.resolve_checkpoint(s, ref)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
 from registry.formats.dcp_roots import merged_metadata, metadata_paths
 from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, check_file_set, scan_merged
@@ -84,7 +85,7 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
     check_request(ref.project, ref.run, ref.step or 0)
     if lease_s is not None and not 1 <= lease_s <= MAX_LEASE_S:
         raise UsageError(f"--lease {lease_s:g}s is out of range", "1 second to 7 days")
-    ctx.authorize("push", project=ref.project, target=str(ref))
+    ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
     taken, existing = commit.claim_step(ctx, ref)
     if existing is not None:
         raise Conflict(f"{ref} is already committed", "save under a new step")
@@ -131,7 +132,7 @@ def find(ctx: Context, token: str) -> SharedClaim:
         )
     row, run, project = found
     ref = CheckpointRef(project.name, run.name, row.step)
-    ctx.authorize("push", project=ref.project, target=str(ref))
+    ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
     return SharedClaim(ref, row.id or 0, token)
 
 

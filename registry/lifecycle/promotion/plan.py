@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
 
+from policies.access import Action
 from policies.gates import (
     ValidationRecord,
     device_gate,
@@ -132,7 +133,7 @@ def plan_promotion(
         check_alias(alias)
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}", "use bf16, fp16 or fp32")
-    ctx.authorize("promote", project=ref.project, model=model, target=f"{ref} -> {model}")
+    ctx.authorize(Action.PROMOTE, project=ref.project, model=model, target=f"{ref} -> {model}")
     max_bytes = _shard_bytes(max_shard_size)
     checked = _check_extras(extras, allow_code=ctx.policy.release.allow_code_extras)
     hf_config = plan_config(checked, dtype, model_factory)  # an invalid config.json: refused

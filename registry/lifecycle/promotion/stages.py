@@ -22,6 +22,7 @@ from sqlalchemy import func, text
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import col, select
 
+from policies.access import Action
 from policies.layouts import count_under
 from registry import events, faults
 from registry.catalog import claims
@@ -128,7 +129,9 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
             "retry",
         )
     # Outside the write transaction: the denial is audited in a transaction of its own.
-    ctx.authorize("promote", project=plan.source.project, model=plan.model, target=str(plan.source))
+    ctx.authorize(
+        Action.PROMOTE, project=plan.source.project, model=plan.model, target=str(plan.source)
+    )
     raise Conflict(f"{plan.model} was created by another promotion meanwhile", "retry")
 
 
@@ -152,7 +155,7 @@ def _may_publish_into(ctx: Context, session: Any, plan: PromotionPlan, model: Mo
     if owner == plan.source.project:
         return True
     return ctx.principal.authorize(
-        "promote", project=plan.source.project, model=plan.model, model_owner=owner
+        Action.PROMOTE, project=plan.source.project, model=plan.model, model_owner=owner
     ).allowed
 
 

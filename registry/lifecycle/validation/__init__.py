@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from policies.access import Action
 from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
@@ -111,7 +112,7 @@ def validate(
     from policies.layouts import known_layout
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
 
-    ctx.authorize("validate", project=ref.project, target=str(ref))
+    ctx.authorize(Action.VALIDATE, project=ref.project, target=str(ref))
     request = request.checked()
     if request.world_size > 1 and ctx.store.url.startswith("memory://"):
         raise UsageError(
