@@ -106,18 +106,9 @@ def catalog_sign(
     """Sign the policy documents, attested validations and model owners written before signed
     facts, each checked against the audit log first (admin; on the server's host, with its
     audit key). Example: `reg catalog sign --dry-run`, then `reg catalog sign`."""
-    from registry import Registry
-    from registry.config import Settings
-    from registry.errors import UsageError
     from registry.operations.fact_signing import sign_catalog
 
-    settings = Settings.from_env()
-    if settings.remote:
-        raise UsageError(
-            "reg catalog sign runs on the server's host, not through the server",
-            "unset REG_URL; run it with the server's settings and REG_AUDIT_KEY_FILE",
-        )
-    with Registry(settings) as reg:
+    with _where_the_catalog_is("sign", "and REG_AUDIT_KEY_FILE") as reg:
         out = sign_catalog(reg.context, dry_run=dry_run)
     if json_output:
         emit_json(out)
@@ -141,18 +132,9 @@ def catalog_backfill_journal(
     a registry from before the journal): policies, validations, aliases, yanks, deprecations
     and pins, each with its row's time and author, so `reg catalog rebuild` can replay them.
     Idempotent. Runs where the catalog is: embedded, or on the server's host."""
-    from registry import Registry
-    from registry.config import Settings
-    from registry.errors import UsageError
     from registry.journal.backfill import backfill
 
-    settings = Settings.from_env()
-    if settings.remote:
-        raise UsageError(
-            "reg catalog backfill-journal runs where the catalog is, not through the server",
-            "unset REG_URL; run it with the server's settings",
-        )
-    with Registry(settings) as reg:
+    with _where_the_catalog_is("backfill-journal") as reg:
         out = backfill(reg.context, dry_run=dry_run)
     if json_output:
         emit_json(out)
@@ -164,6 +146,22 @@ def catalog_backfill_journal(
         + (f": {kinds}" if kinds else "")
         + f"; {out['already_journaled']} decision(s) already journaled"
     )
+
+
+def _where_the_catalog_is(command: str, also: str = "") -> Any:
+    """The embedded registry, for a `reg catalog` command that runs on the catalog's host (its
+    work needs the catalog and the store themselves); refused through the server."""
+    from registry import Registry
+    from registry.config import Settings
+    from registry.errors import UsageError
+
+    settings = Settings.from_env()
+    if settings.remote:
+        raise UsageError(
+            f"reg catalog {command} runs on the server's host, not through the server",
+            f"unset REG_URL; run it with the server's settings {also}".rstrip(),
+        )
+    return Registry(settings)
 
 
 def catalog_rebuild(
