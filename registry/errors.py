@@ -12,6 +12,7 @@
     │   └── Unauthenticated                no valid token (reg server)
     ├── Conflict                   exit 5  exists with other content, immutable, or locked
     │   ├── ObjectExists                   put-if-absent found an object already there
+    │   │   └── CompletedOver              our conditional write succeeded, another landed on it
     │   └── CatalogLocked                  another process holds the catalog
     ├── IntegrityError             exit 1  a stored file is missing, truncated or fails its digest
     │   ├── InvalidDocument                a stored MANIFEST.json or release.json that does not read
@@ -88,6 +89,11 @@ class ObjectExists(Conflict):
     def __init__(self, key: str) -> None:
         super().__init__(f"object {key} already exists")
         self.key = key
+
+
+class CompletedOver(ObjectExists):
+    """A conditional complete that succeeded, with another writer's complete landed over it
+    (a store where both can win): to the caller an ObjectExists, as a strict store's 412."""
 
 
 class CatalogLocked(Conflict):

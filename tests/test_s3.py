@@ -66,6 +66,7 @@ def test_cli_on_s3(s3_env, ckpts, cli):
 def test_multipart_files_keep_their_sha256(s3_env, big_ckpt, tmp_path):
     with Registry() as reg:
         out = reg.push_checkpoint(big_ckpt.step_dir(1), run="big", step=1)
+        assert out["reused_files"] == 0  # every complete was confirmed as ours, none re-hashed
         biggest = max(out["files"], key=lambda f: f["size"])
         assert biggest["size"] > 3 * 8 * 1024 * 1024  # several parts
         assert reg.verify("big@step1")["ok"]

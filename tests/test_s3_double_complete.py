@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,8 @@ import pytest
 from sqlalchemy import update
 
 from registry import Registry
-from registry.errors import Conflict, ObjectExists
+from registry.errors import Conflict, IntegrityError, ObjectExists
+from registry.refs import CheckpointRef
 from registry.storage.s3 import S3Store
 from registry.storage.s3_client import new_client
 from tests.zygote import Running
@@ -101,7 +103,8 @@ def test_a_push_raced_by_a_rival_complete_commits_its_own_bytes(
     """The pusher holds the claim: the rival's object is a stale writer's, replaced."""
     src = big_ckpt.step_dir(1)
     with Registry() as reg:
-        racer = RivalLandsAfter(SHARD, b"stale writer's bytes")
+        rival = os.urandom((src / SHARD).stat().st_size)  # the same size: only bytes differ
+        racer = RivalLandsAfter(SHARD, rival)
         reg.store._client = racer  # type: ignore[attr-defined]
         out = reg.push_checkpoint(src, run="r", step=1)
         assert racer.landed is not None  # the race happened
@@ -158,18 +161,74 @@ def test_concurrent_pushes_of_multipart_files_commit_once(s3_env, big_ckpt, tmp_
         assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes()
 
 
-def test_a_presigned_upload_a_rival_completed_over_is_not_taken_as_assembled(bucket_kind, s3_env):
-    """The server assembles a presigned push's multipart files itself: the same check."""
+def _presigned_upload(ctx: Any, src: Path, step: int) -> dict[str, Any]:
+    """Begin a presigned push of `src` as reg server would, and upload every item through its
+    URLs (as `reg push` through the server does); the begin's answer."""
     import httpx
 
-    from registry.storage.s3_presign import Presigner
+    from registry.lifecycle.checkpoints import presigned
+    from registry.lifecycle.checkpoints.upload_plan import DeclaredFile, part_sizes
 
-    data = b"p" * (1 << 20)
-    key = "ckpt/p/r/step-2/" + SHARD
-    presigner = Presigner(_store(s3_env, RivalLandsAfter(SHARD, b"rival")))
-    upload = presigner.create_multipart(key)
-    digest = hashlib.sha256(data).hexdigest()
-    signed = presigner.part_url(key, upload, 1, len(data), digest)
-    assert httpx.put(signed.url, content=data, headers=signed.headers).status_code == 200
-    with pytest.raises(ObjectExists):
-        presigner.complete(key, upload, [(len(data), digest)])
+    files, data = [], {}
+    for path in sorted(p for p in src.iterdir() if p.is_file()):
+        body = data[path.name] = path.read_bytes()
+        parts, at = None, 0
+        if sizes := part_sizes(len(body)):
+            parts = []
+            for size in sizes:
+                parts.append(hashlib.sha256(body[at : at + size]).hexdigest())
+                at += size
+        digest = hashlib.sha256(body).hexdigest()
+        files.append(DeclaredFile(path.name, len(body), digest, parts))
+    doc = presigned.begin(ctx, "default", "r", step, world_size=2, metrics={}, files=files)
+    items, ref = doc["urls"], CheckpointRef("default", "r", step)
+    while len(items) < doc["items"]:
+        items += presigned.urls(ctx, ref, doc["upload"], len(items), 100)["urls"]
+    for item in items:
+        body = data[item["path"]][item["offset"] : item["offset"] + item["size"]]
+        headers = {**item["headers"], "content-length": str(len(body))}
+        assert httpx.put(item["url"], content=body, headers=headers, timeout=120).status_code == 200
+    return doc
+
+
+def test_a_presigned_push_a_rival_completed_over_fails_and_commits_nothing(
+    bucket_kind, s3_env, big_ckpt
+):
+    """The server assembles a presigned push's multipart files itself: the same check, and
+    the push fails (its retry clears the key under the claim) instead of taking the object."""
+    from registry.lifecycle.checkpoints import presigned
+
+    src = big_ckpt.step_dir(1)
+    rival = os.urandom((src / SHARD).stat().st_size)  # the same size: only the bytes differ
+    with Registry() as reg:
+        doc = _presigned_upload(reg.context, src, 1)
+        reg.store._client = RivalLandsAfter(SHARD, rival)  # type: ignore[attr-defined]
+        ref = CheckpointRef("default", "r", 1)
+        with pytest.raises(IntegrityError, match="another write landed on it"):
+            presigned.assemble(reg.context, ref, doc["upload"], SHARD)
+        assert reg.store.head(f"ckpt/default/r/step-1/{SHARD}") is None  # cleared, claim held
+        with pytest.raises(IntegrityError, match=f"{SHARD} was not uploaded"):
+            presigned.complete(reg.context, ref, doc["upload"])
+        assert reg.list_checkpoints() == []
+
+
+def test_a_version_landed_after_a_presigned_assembly_is_refused_at_complete(s3_env, big_ckpt):
+    """The client asks the server to assemble each file as soon as its parts are up; a write
+    that lands on the key after that (a second winner, late) is a second version, and
+    `complete` refuses the push rather than record whichever is current."""
+    from registry.lifecycle.checkpoints import presigned
+
+    bucket, prefix = s3_env.removeprefix("s3://").split("/", 1)
+    client = new_client()
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    src = big_ckpt.step_dir(1)
+    with Registry() as reg:
+        doc = _presigned_upload(reg.context, src, 1)
+        ref = CheckpointRef("default", "r", 1)
+        for path in (SHARD, "__1_0.distcp"):
+            presigned.assemble(reg.context, ref, doc["upload"], path)
+        key = f"{prefix}/ckpt/default/r/step-1/{SHARD}"
+        client.put_object(Bucket=bucket, Key=key, Body=os.urandom((src / SHARD).stat().st_size))
+        with pytest.raises(IntegrityError, match="after it was assembled"):
+            presigned.complete(reg.context, ref, doc["upload"])
+        assert reg.list_checkpoints() == []

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 from botocore.exceptions import BotoCoreError, ClientError
 
 from registry import faults
-from registry.errors import Conflict, NotFound, ObjectExists, UsageError
+from registry.errors import CompletedOver, Conflict, NotFound, ObjectExists, UsageError
 from registry.storage.base import (
     CHUNK,
     BaseStore,
@@ -246,20 +246,26 @@ class S3Store(BaseStore):
         some stores let two concurrent `CompleteMultipartUpload ... If-None-Match: *` of one key
         both succeed (SeaweedFS 4.48 does), the later replacing the earlier. The key must hold
         what we completed (our version on a versioned bucket, our ETag elsewhere); if it holds
-        another, we lost the race: ObjectExists, as the 412 of a strict store (the caller
-        compares digests, and replaces the object only while it holds the step's claim).
+        another, we lost the race: CompletedOver, an ObjectExists as a strict store's 412 (the
+        caller compares digests, and replaces the object only while it holds the step's claim).
+        Where the store reports neither, there is nothing to compare and nothing is refused.
 
-        A rival complete landing after this check is the claim protocol's to prevent: one live
-        holder writes a step (DESIGN §3). On a versioned bucket even that cannot mislead a
-        reader: the manifest records our version, and every read asks for it."""
+        This narrows the race, it does not close it: a rival landing after this check is a
+        writer that lost its claim (stalled past its lease) completing at the same moment. On a
+        versioned bucket even that cannot mislead reg's reads, which ask for the recorded
+        version; on an unversioned one `reg verify` would find it."""
         version = completed.get("VersionId")
         head = self.head_response(key)
-        if version and version != "null":
-            ours = head is not None and head.get("VersionId") == version
+        if head is None:
+            raise CompletedOver(key)  # gone already: whatever is there later is not ours
+        if version and version != "null" and head.get("VersionId"):
+            ours = head["VersionId"] == version
+        elif completed.get("ETag") and head.get("ETag"):
+            ours = _etag(head["ETag"]) == _etag(completed["ETag"])
         else:
-            ours = head is not None and head.get("ETag") == completed.get("ETag")
+            ours = True
         if not ours:
-            raise ObjectExists(key)
+            raise CompletedOver(key)
 
     def _upload_part(
         self, full_key: str, upload_id: str, number: int, data: bytes, progress: Progress
@@ -465,73 +471,12 @@ class S3Store(BaseStore):
         except (ClientError, BotoCoreError) as exc:
             raise translate(exc, prefix) from exc
 
-    # -- deletes -------------------------------------------------------------------------------
+    # -- deletes (s3_bucket.py: every version, where versioned) ------------------------------
     def _delete_many(self, keys: builtins.list[str]) -> tuple[int, dict[str, str]]:
-        """DeleteObjects, 1,000 keys a call; on versioned buckets every version by id."""
-        wanted = {self._key(k): k for k in keys}
-        targets: builtins.list[dict[str, str]] = []
-        sizes: dict[tuple[str, str], int] = {}
-        if self.versioned():
-            for prefix in sorted({full.rsplit("/", 1)[0] + "/" for full in wanted}):
-                pages = self.client.get_paginator("list_object_versions").paginate(
-                    Bucket=self.bucket, Prefix=prefix
-                )
-                for page in pages:
-                    for v in page.get("Versions", []) + page.get("DeleteMarkers", []):
-                        if v["Key"] in wanted:
-                            targets.append({"Key": v["Key"], "VersionId": v["VersionId"]})
-                            sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
-        else:
-            for full, key in wanted.items():
-                head = self._head(key, None)
-                if head is not None:
-                    targets.append({"Key": full})
-                    sizes[(full, "")] = head.size
-        freed, errors = 0, {}
-        for start in range(0, len(targets), 1000):
-            batch = targets[start : start + 1000]
-
-            def call(batch: builtins.list[dict[str, str]] = batch) -> Any:
-                return self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": False}
-                )
-
-            out = self._call("", call)
-            for err in out.get("Errors", []):
-                key = wanted.get(err["Key"], err["Key"])
-                errors[key] = f"{err.get('Code')}: {err.get('Message')}"
-            for done in out.get("Deleted", []):
-                freed += sizes.get((done["Key"], done.get("VersionId", "")), 0)
-        return freed, errors
+        return self.admin.delete_many(keys)
 
     def _delete(self, key: str) -> int:
-        full = self._key(key)
-        if not self.versioned():
-            head = self._head(key, None)
-            if head is None:
-                return 0
-            self._call(key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
-            return head.size
-        # Versioned (Object Lock needs it): a plain delete only adds a marker, so delete every
-        # version and marker of this key by id; the freed bytes are then real.
-        freed = 0
-        out = self._call(
-            key, lambda: self.client.list_object_versions(Bucket=self.bucket, Prefix=full)
-        )
-        for version in out.get("Versions", []) + out.get("DeleteMarkers", []):
-            if version["Key"] != full:
-                continue
-            version_id = str(version["VersionId"])
-
-            def remove(version_id: str = version_id) -> Any:
-                return self.client.delete_object(Bucket=self.bucket, Key=full, VersionId=version_id)
-
-            self._call(
-                key,
-                remove,
-            )
-            freed += int(version.get("Size", 0))
-        return freed
+        return self.admin.delete(key)
 
     def restore_version(self, key: str, version: str, *, immutable: bool = False) -> None:
         self.admin.copy_within(key, key, version=version, immutable=immutable)
@@ -592,6 +537,11 @@ def _completed(number: int, part: dict[str, Any]) -> dict[str, Any]:
 
 def _backoff(attempt: int) -> None:
     time.sleep(min(8.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+
+
+def _etag(value: str) -> str:
+    """An ETag as compared: without its quotes or weak marker."""
+    return value.removeprefix("W/").strip('"')
 
 
 def _version_arg(version: str | None) -> dict[str, str]:

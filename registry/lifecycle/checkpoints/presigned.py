@@ -37,6 +37,7 @@ from policies.access import Action
 from registry import faults
 from registry.catalog import claims
 from registry.errors import (
+    CompletedOver,
     Conflict,
     IntegrityError,
     InvalidCheckpoint,
@@ -383,12 +384,15 @@ def _clear_leftovers(
 def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> list[Stored]:
     """Every file as S3 holds it: multipart uploads completed from exactly their declared
     parts, then each object's size and checksum compared with the plan."""
+    store = presigner.store
 
     def one(f: DeclaredFile) -> Stored:
         key = prefix + f.path
         created = None
         if f.upload_id and f.path not in plan.reused:
             created = _complete_multipart(presigner, key, f)
+            if created is None:  # assembled by an earlier request (or the bucket keeps no versions)
+                _one_version(store, key, f.path)
         # The version this request created, if it did: on a store where a second complete of
         # the key can also succeed, the current version may be someone else's.
         found = presigner.head(key, created)
@@ -409,12 +413,30 @@ def _assemble(ctx: Context, presigner: Presigner, prefix: str, plan: Plan) -> li
 
 def _complete_multipart(presigner: Presigner, key: str, f: DeclaredFile) -> str | None:
     """Assemble `f` from exactly its declared parts: the version created (versioned buckets).
-    Done already is fine (the caller checks the object S3 then holds)."""
+    Done already is fine (the caller checks the object S3 then holds). Another writer's
+    complete landed over ours is not: the caller holds the claim, so the key is cleared (a
+    later `complete` then finds the file not uploaded) and the push fails."""
     assert f.upload_id is not None and f.parts is not None
     sizes = part_sizes(f.size) or []
-    with contextlib.suppress(ObjectExists, NotFound):  # completed by an earlier request
+    try:
         return presigner.complete(key, f.upload_id, list(zip(sizes, f.parts, strict=True)))
-    return None
+    except CompletedOver:
+        presigner.store.delete(key)
+        raise IntegrityError(
+            f"{f.path}: another write landed on it as it was assembled", "push again"
+        ) from None
+    except (ObjectExists, NotFound):  # completed by an earlier request
+        return None
+
+
+def _one_version(store: S3Store, key: str, path: str) -> None:
+    """On a versioned bucket, a file assembled by an earlier request must be the key's only
+    version (`begin` cleared the key): a second one is another writer's, and the current one
+    may be it."""
+    if store.versioned() and len(store.admin.versions(key)) > 1:
+        raise IntegrityError(
+            f"{path}: another write landed on it after it was assembled", "push again"
+        )
 
 
 def _proven_reader(ctx: Context, prefix: str, plan: Plan) -> Callable[[str], bytes]:
