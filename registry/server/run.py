@@ -100,7 +100,8 @@ def serve(
     if gc_every is not None:
         # The setting the flag stands for, in the environment every worker reads its settings
         # from (uvicorn starts them from an import string: no arguments reach them).
-        os.environ["REG_SERVER_GC_EVERY"] = str(positive_duration(gc_every, "--gc-every"))
+        positive_duration(gc_every, "--gc-every")  # a bad one stops the start, naming the flag
+        os.environ["REG_SERVER_GC_EVERY"] = gc_every
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=logging.INFO, handlers=[handler])
