@@ -27,6 +27,7 @@ ROLES = ("viewer", "trainer", "releaser", "admin")
 VALIDATOR = "validator"
 SINGLE_USER = "single-user mode (no grants in the policy)"
 
+
 class Action(StrEnum):
     """What a policy grants: each action needs one role (ACTIONS)."""
 
