@@ -6,7 +6,7 @@ who logs in with a reg token (`registry.mirror.login`); the password MLflow stor
 random and never given out. Default permission: none. Each gets READ on the experiment of every
 project and on the registered model and releases experiment of every model their grants let
 them read; reg's admins get READ on everything. Nobody gets more: every write through MLflow is
-refused at the login (`mirror_login.writes`), admins' included, because reg trusts what the
+refused at the login (`login.writes`), admins' included, because reg trusts what the
 mirror wrote there (which experiment serves a model's bytes, which version number is which).
 No one is an MLflow admin but, on a registry without grants, the one local user. Synced after
 every drain and at each login (the login's principal), so a grant, a revoked token or a new
@@ -130,7 +130,7 @@ class AccessSync:
         from registry.mirror.names import RELEASES_EXPERIMENT, mirror_name
 
         # Only what the mirror made counts: its name and its tags agree (nobody else writes
-        # there: mirror_login refuses every write through MLflow).
+        # there: login.py refuses every write through MLflow).
         projects: dict[str, str] = {}
         releases: dict[str, str] = {}
         for exp in _pages(

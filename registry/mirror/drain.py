@@ -1,4 +1,4 @@
-"""Mirror the catalog into MLflow (with `mirror_releases`, `mirror_access` and `mirror_login`,
+"""Mirror the catalog into MLflow (with `releases`, `access` and `login` beside it,
 the only modules that import mlflow).
 
 The catalog is the source of truth; MLflow is a view. Outbox events are applied in order, each
