@@ -434,7 +434,7 @@ def _since(text: str | None) -> float | None:
     import time
     from datetime import datetime
 
-    from policies.loader import parse_duration
+    from policies.durations import parse_duration
     from registry.errors import UsageError
 
     try:

@@ -57,7 +57,7 @@ def _mtbf(text: str) -> float:
     takes."""
     import math
 
-    from policies.loader import parse_duration
+    from policies.durations import parse_duration
     from registry.economics.advise import MAX_MTBF_S, MIN_MTBF_S
     from registry.errors import UsageError
 

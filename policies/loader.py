@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import math
 import re
 import tomllib
 from pathlib import Path
@@ -18,36 +17,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from policies import DEFAULT_POLICY_PATH
+from policies.durations import NEVER, parse_duration
 from policies.layouts import RESUME_CLASSES
 from registry.errors import PolicyError
 
-NEVER = math.inf
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?i?B|B)?", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1}
 for _i, _p in enumerate("KMGTP", start=1):
     _SIZE_UNITS[f"{_p}B"] = 1000**_i
     _SIZE_UNITS[f"{_p}IB"] = 1024**_i
-
-
-def parse_duration(value: str | int | float) -> float:
-    """Seconds (>= 0, finite); `math.inf` for "never" only."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-        if not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(
-                f"expected a duration >= 0 ('7d', '24h', '0s') or 'never', got {value!r}"
-            )
-        return seconds
-    text = str(value).strip().lower()
-    if text == "never":
-        return NEVER
-    match = _DURATION.fullmatch(text)
-    if not match:
-        raise ValueError(f"expected a duration like '7d', '24h', '0s' or 'never', got {value!r}")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
 def parse_size(value: str | int | None) -> int | None:

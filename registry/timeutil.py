@@ -27,7 +27,7 @@ def human_bytes(n: float) -> str:
 def positive_duration(text: str, flag: str, example: str = "1h") -> float:
     """A command-line duration ("90d", "1h", "30s") that must be positive and finite: seconds,
     or a UsageError naming the flag."""
-    from policies.loader import parse_duration  # pydantic: paid only by commands that parse
+    from policies.durations import parse_duration
     from registry.errors import UsageError
 
     try:

@@ -159,7 +159,10 @@ def run_ui(plan: UiPlan, cwd: Path) -> int:
     def stop(signum: int, _: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C too, explicitly: a `reg ui` started in the background by a shell without job
+    # control inherits SIGINT ignored, and would otherwise outlive the interrupt meant for it.
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, stop) for sig in stops}
     try:
         return server.wait()
     except KeyboardInterrupt:
