@@ -182,13 +182,7 @@ class Bucket:
         # Versioned (Object Lock needs it): a plain delete only adds a marker, so delete every
         # version and marker of this key by id; the freed bytes are then real.
         freed = 0
-        out = self.store.call(
-            key,
-            lambda: self.store.client.list_object_versions(Bucket=self.store.bucket, Prefix=full),
-        )
-        for version in out.get("Versions", []) + out.get("DeleteMarkers", []):
-            if version["Key"] != full:
-                continue
+        for version in self._listed_versions(key):
             version_id = str(version["VersionId"])
 
             def remove(version_id: str = version_id) -> Any:
@@ -202,16 +196,19 @@ class Bucket:
 
     def versions(self, key: str) -> builtins.list[str]:
         """The ids of every version of `key` (delete markers included), newest first."""
-        full = self.store.full_key(key)
+        found = self._listed_versions(key)
+        found.sort(key=lambda v: v["LastModified"], reverse=True)
+        return [str(v["VersionId"]) for v in found]
+
+    def _listed_versions(self, key: str) -> builtins.list[dict[str, Any]]:
+        """ListObjectVersions' entries (versions and delete markers) of exactly `key`."""
+        full = self.store.full_prefix(key)
         out = self.store.call(
             key,
             lambda: self.store.client.list_object_versions(Bucket=self.store.bucket, Prefix=full),
         )
-        found = [
-            v for v in out.get("Versions", []) + out.get("DeleteMarkers", []) if v["Key"] == full
-        ]
-        found.sort(key=lambda v: v["LastModified"], reverse=True)
-        return [str(v["VersionId"]) for v in found]
+        listed = out.get("Versions", []) + out.get("DeleteMarkers", [])
+        return [v for v in listed if v["Key"] == full]
 
     # -- copies inside the bucket, and retention --------------------------------------------
     def copy_within(
