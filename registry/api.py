@@ -5,8 +5,11 @@
 `REG_URL` set the one behind `reg server` (`registry.remote.registry.RemoteRegistry`, the same
 methods run by the server under the identity of a token). Both subclass `Registry`, so mypy
 checks every method of each against the signatures here; `tests/test_contract.py` checks that
-neither leaves one out. The implementations are named, not imported, here (as fsspec names its
-filesystems): the contract depends on neither, and opening one imports only it.
+neither leaves one out. A method's `@http` names its route (`registry.wire`): the remote
+registry's call and the server's endpoint are derived from the signature here.
+
+The implementations are named, not imported, here (as fsspec names its filesystems): the
+contract depends on neither, and opening one imports only it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from registry.config import Settings
+from registry.wire import http
 
 if TYPE_CHECKING:
     from registry.policy_source import EffectivePolicy
@@ -84,6 +88,7 @@ class Registry:
         instead of detecting it from its keys."""
         raise NotImplementedError
 
+    @http("POST", "/claims", names={"lease_s": "lease_seconds"})
     def claim_checkpoint(
         self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
     ) -> dict[str, Any]:
@@ -115,12 +120,14 @@ class Registry:
         """Commit a claimed step once every file its .metadata names was pushed."""
         raise NotImplementedError
 
+    @http("GET", "/checkpoints")
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
     ) -> list[dict[str, Any]]:
         """Checkpoints, newest first, of one run or project or all (`reg ls`)."""
         raise NotImplementedError
 
+    @http("GET", "/show")
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
         """One checkpoint or release, with its files and facts (`reg show`)."""
         raise NotImplementedError
@@ -131,6 +138,7 @@ class Registry:
         """Copy a checkpoint's files into `dest`, each checked against its sha256 (`reg pull`)."""
         raise NotImplementedError
 
+    @http("POST", "/verify")
     def verify(
         self,
         ref: str | CheckpointRef | ReleaseRef,
@@ -142,6 +150,7 @@ class Registry:
         ones from their recorded versions (admin)."""
         raise NotImplementedError
 
+    @http("POST", "/scrub")
     def scrub(
         self,
         *,
@@ -153,14 +162,17 @@ class Registry:
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
         raise NotImplementedError
 
+    @http("POST", "/pin", fixed={"pinned": True})
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
         """Keep a checkpoint from retention until unpinned."""
         raise NotImplementedError
 
+    @http("POST", "/pin", fixed={"pinned": False})
     def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
         """Let retention decide about a pinned checkpoint again."""
         raise NotImplementedError
 
+    @http("POST", "/runs/finish")
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
     ) -> dict[str, Any]:
@@ -208,6 +220,7 @@ class Registry:
         leaves tensors no resume class claims out of the release (else it is refused)."""
         raise NotImplementedError
 
+    @http("GET", "/releases")
     def releases(self, model: str | None = None) -> list[dict[str, Any]]:
         """Release versions, of one model or all (`reg releases`)."""
         raise NotImplementedError
@@ -218,23 +231,28 @@ class Registry:
         """Copy a release's files into `dest`, each checked against its sha256."""
         raise NotImplementedError
 
+    @http("POST", "/alias")
     def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
         """Point `alias` (e.g. prod) at version `version` of `model`."""
         raise NotImplementedError
 
+    @http("POST", "/status", fixed={"status": "deprecated"})
     def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
         """Mark a release deprecated: still pulled, no longer advised."""
         raise NotImplementedError
 
+    @http("POST", "/status", fixed={"status": "yanked"})
     def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
         """Withdraw a release: it is no longer pulled by alias, and its bytes may go."""
         raise NotImplementedError
 
     # -- administration --------------------------------------------------------------------------
+    @http("POST", "/gc")
     def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
         raise NotImplementedError
 
+    @http("POST", "/fsck")
     def fsck(
         self,
         project: str | None = None,
@@ -247,10 +265,12 @@ class Registry:
         """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
         raise NotImplementedError
 
+    @http("POST", "/catalog/rebuild")
     def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
         """Re-create missing catalog rows from the store's documents (admin)."""
         raise NotImplementedError
 
+    @http("GET", "/advise")
     def advise(
         self,
         run: str,
@@ -264,12 +284,14 @@ class Registry:
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""
         raise NotImplementedError
 
+    @http("GET", "/recovery")
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> dict[str, Any]:
         """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
         raise NotImplementedError
 
+    @http("POST", "/runs/restart")
     def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""
         raise NotImplementedError
@@ -278,26 +300,36 @@ class Registry:
         """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
         raise NotImplementedError
 
+    @http("POST", "/storage/init")
     def storage_init(self) -> dict[str, Any]:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
         raise NotImplementedError
 
+    @http("GET", "/audit")
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
     ) -> list[dict[str, Any]]:
         """Audit events, oldest first, filtered by time, actor and action."""
         raise NotImplementedError
 
+    @http(
+        "POST",
+        "/audit/verify",
+        query=True,
+        names={"max_unsealed_age_s": "max_unsealed_age", "max_anchor_age_s": "max_anchor_age"},
+    )
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
     ) -> dict[str, Any]:
         """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
         raise NotImplementedError
 
+    @http("POST", "/audit/seal")
     def audit_seal(self) -> dict[str, Any]:
         """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
         raise NotImplementedError
 
+    @http("GET", "/policy")
     def policy_show(self) -> dict[str, Any]:
         """The policy document in force and where it comes from."""
         raise NotImplementedError
@@ -306,22 +338,27 @@ class Registry:
         """Make the policy file at `path` the one in force (admin; signed and sealed)."""
         raise NotImplementedError
 
+    @http("GET", "/policy/export", result_keys=("document", "missing"))
     def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
         """The policy as an S3 bucket policy (prefix-scoped writes), and its notes."""
         raise NotImplementedError
 
+    @http("POST", "/tokens")
     def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
         """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
         raise NotImplementedError
 
+    @http("GET", "/tokens")
     def list_tokens(self) -> list[dict[str, Any]]:
         """The API tokens issued (never their secrets)."""
         raise NotImplementedError
 
+    @http("DELETE", "/tokens/{token_id}")
     def revoke_token(self, token_id: str) -> dict[str, Any]:
         """Revoke API token `token_id`: it authenticates nothing from now on."""
         raise NotImplementedError
 
+    @http("POST", "/mlflow/sync")
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""

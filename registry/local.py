@@ -46,6 +46,16 @@ class LocalRegistry(Registry):
         self._context: Context | None = None
         self._events: Outbox | None = None
 
+    @classmethod
+    def serving(cls, settings: Settings, context: Context) -> LocalRegistry:
+        """The registry of one `reg server` request: its methods run under `context` (the
+        token's principal, the server's catalog, store and policy). Not to be closed: the
+        catalog is the server's."""
+        registry = cls(settings, user=context.actor)
+        registry._catalog, registry._store = context.catalog, context.store
+        registry._context = context
+        return registry
+
     # -- parts ---------------------------------------------------------------------------------
     @property
     def user(self) -> str:
@@ -499,9 +509,14 @@ class LocalRegistry(Registry):
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""
+        from registry.errors import UsageError
         from registry.mirror.drain import drain, skip_event
         from registry.text import redact_url
 
+        if not 0 < budget_s <= 3600:
+            raise UsageError("the budget must be a number of seconds in (0, 3600]")
+        if skip is not None and skip < 1:
+            raise UsageError("skip must be an event id (a positive integer)")
         self.authorize(Action.MLFLOW_SYNC, target=redact_url(self.settings.mlflow_tracking_uri))
         skipped = skip_event(self.context, skip) if skip is not None else None
         out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)

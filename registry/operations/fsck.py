@@ -56,7 +56,7 @@ from registry.catalog.models import (
     ReleaseFile,
     Run,
 )
-from registry.errors import NotFound, RegistryError
+from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.layout import (
     CHECKPOINTS,
@@ -108,6 +108,8 @@ def fsck(
 ) -> dict[str, Any]:
     if project is not None:
         check_name(project, "project name")
+    if sample < 0:
+        raise UsageError("--sample must be a number of files, 0 or more")
     ctx.authorize(Action.FSCK, target=f"fsck {project or 'all projects'}")
     if not repair:
         return _run(ctx, project, full, sample, progress)

@@ -115,9 +115,11 @@ def scrub(
     time (the `scrub` lease). An artifact collected or yanked meanwhile is skipped."""
     from registry.catalog import leases
 
-    ctx.authorize(Action.SCRUB, target="scrub")
     if rate is not None:
         check_rate(rate)
+    if limit is not None and limit < 1:
+        raise UsageError("--limit must be a number of artifacts, 1 or more")
+    ctx.authorize(Action.SCRUB, target="scrub")
     token, holder = leases.try_acquire(ctx.catalog, SCRUB_LEASE, ctx.actor, SCRUB_LEASE_SECONDS)
     if token is None:
         assert holder is not None

@@ -3,11 +3,18 @@
 Same methods, same dictionaries, same errors as the embedded Registry; identity comes only
 from the token. The client never opens the catalog or the store: pushes stream through the
 server, pulls and validations read through it, and promotion, GC and policy changes run in it.
+
+A contract method that declares its route (`@http`, `registry.wire`) is sent as declared: those
+methods are derived at the end of this module, not written here. What is written here is the
+client's own work: the data path, a validation on this machine's device, a promotion's extras,
+a policy file, a heartbeat's figures.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -17,9 +24,10 @@ from registry.api import Registry
 from registry.config import Settings
 from registry.errors import RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
+from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
 from registry.remote.client import Client
 from registry.remote.reader import RemoteReader
+from registry.wire import Route, routes
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -81,6 +89,13 @@ class RemoteRegistry(Registry):
 
     def whoami(self) -> dict[str, Any]:
         return dict(self.client.call("GET", "/whoami"))
+
+    def call(self, route: Route, arguments: dict[str, Any]) -> Any:
+        """One contract method over HTTP, as its `@http` describes it (`registry.wire`)."""
+        path, sent = route.request(arguments)
+        if route.query:
+            return route.result(self.client.call(route.verb, path, params=sent))
+        return route.result(self.client.call(route.verb, path, body=sent or None))
 
     def _read_urls(
         self, ref: str, listed: list[dict[str, Any]]
@@ -177,12 +192,6 @@ class RemoteRegistry(Registry):
         return out
 
     # -- a checkpoint written by several writers under one claim (issue 15) --------------------
-    def claim_checkpoint(
-        self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
-    ) -> dict[str, Any]:
-        body = {"project": project, "run": run, "step": step, "lease_seconds": lease_s}
-        return dict(self.client.call("POST", "/claims", body=body))
-
     def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]:
         """Keep the claim alive `seconds` more (0: give it up); the claim's ref."""
         from registry.lifecycle.checkpoints.shared import check_token
@@ -243,15 +252,6 @@ class RemoteRegistry(Registry):
     ) -> Callable[[], dict[str, str]] | None:
         return self._read_urls(ref, listed)
 
-    def list_checkpoints(
-        self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
-    ) -> list[dict[str, Any]]:
-        params = {"run": run, "project": project, "include_deleted": include_deleted}
-        return list(self.client.call("GET", "/checkpoints", params=params))
-
-    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
-        return dict(self.client.call("GET", "/show", params={"ref": str(_parsed(ref))}))
-
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
@@ -288,42 +288,6 @@ class RemoteRegistry(Registry):
                 before_publish=still_there,
             )
         return full, where, listing["view"]
-
-    def verify(
-        self,
-        ref: str | CheckpointRef | ReleaseRef,
-        *,
-        repair: bool = False,
-        progress: Progress | None = None,
-    ) -> dict[str, Any]:
-        body = {"ref": str(_parsed(ref)), "repair": repair}
-        return dict(self.client.call("POST", "/verify", body=body))
-
-    def scrub(
-        self,
-        *,
-        rate: float | None = None,
-        limit: int | None = None,
-        progress: Progress | None = None,
-    ) -> dict[str, Any]:
-        body = {"rate": rate, "limit": limit}
-        return dict(self.client.call("POST", "/scrub", body=body))
-
-    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
-        body = {"ref": str(ref), "pinned": True, "reason": reason}
-        return dict(self.client.call("POST", "/pin", body=body))
-
-    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/pin", body={"ref": str(ref), "pinned": False}))
-
-    def finish_run(
-        self, run: str, *, project: str | None = None, status: str = "finished"
-    ) -> dict[str, Any]:
-        from registry.lifecycle.runs import split_run
-
-        project_name, run_name = split_run(run, project)
-        body = {"project": project_name, "run": run_name, "status": status}
-        return dict(self.client.call("POST", "/runs/finish", body=body))
 
     # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
@@ -417,9 +381,6 @@ class RemoteRegistry(Registry):
         }
         return dict(self.client.call("POST", "/promote", body=body))
 
-    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
-        return list(self.client.call("GET", "/releases", params={"model": model}))
-
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
     ) -> dict[str, Any]:
@@ -428,89 +389,10 @@ class RemoteRegistry(Registry):
         out["dest"] = str(where)
         return out
 
-    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
-        body = {"model": model, "alias": alias, "version": version}
-        return dict(self.client.call("POST", "/alias", body=body))
-
-    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
-        body = {"ref": str(ref), "status": "deprecated"}
-        return dict(self.client.call("POST", "/status", body=body))
-
-    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
-        body = {"ref": str(ref), "status": "yanked", "reason": reason}
-        return dict(self.client.call("POST", "/status", body=body))
-
     # -- administration --------------------------------------------------------------------------
-    def fsck(
-        self,
-        project: str | None = None,
-        *,
-        repair: bool = False,
-        full: bool = False,
-        sample: int = 32,
-        progress: Progress | None = None,
-    ) -> dict[str, Any]:
-        body = {"project": project, "repair": repair, "full": full, "sample": sample}
-        return dict(self.client.call("POST", "/fsck", body=body))
-
-    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/gc", body={"dry_run": dry_run}))
-
-    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/catalog/rebuild", body={"dry_run": dry_run}))
-
-    def advise(
-        self,
-        run: str,
-        *,
-        project: str = "default",
-        gpus: int | None = None,
-        mtbf_s: float | None = None,
-        fleet: bool = False,
-    ) -> dict[str, Any]:
-        params: dict[str, Any] = {"run": run, "project": project, "fleet": fleet}
-        if gpus is not None:
-            params["gpus"] = gpus
-        if mtbf_s is not None:
-            params["mtbf_s"] = mtbf_s
-        return dict(self.client.call("GET", "/advise", params=params))
-
-    def recovery(
-        self, run: str, *, project: str = "default", mtbf_s: float | None = None
-    ) -> dict[str, Any]:
-        params: dict[str, Any] = {"run": run, "project": project}
-        if mtbf_s is not None:
-            params["mtbf_s"] = mtbf_s
-        return dict(self.client.call("GET", "/recovery", params=params))
-
-    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
-        body = {"project": project, "run": run}
-        return dict(self.client.call("POST", "/runs/restart", body=body))
-
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
         body = {"project": project, "run": run, **figures}
         return dict(self.client.call("POST", "/runs/heartbeat", body=body))
-
-    def storage_init(self) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/storage/init"))
-
-    def audit_log(
-        self, *, since: float | None = None, actor: str | None = None, action: str | None = None
-    ) -> list[dict[str, Any]]:
-        params = {"since": since, "actor": actor, "action": action}
-        return list(self.client.call("GET", "/audit", params=params))
-
-    def audit_verify(
-        self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
-    ) -> dict[str, Any]:
-        params = {"max_unsealed_age": max_unsealed_age_s, "max_anchor_age": max_anchor_age_s}
-        return dict(self.client.call("POST", "/audit/verify", params=params))
-
-    def audit_seal(self) -> dict[str, Any]:
-        return dict(self.client.call("POST", "/audit/seal"))
-
-    def policy_show(self) -> dict[str, Any]:
-        return dict(self.client.call("GET", "/policy"))
 
     def apply_policy(self, path: str | Path) -> dict[str, Any]:
         from registry.errors import PolicyError
@@ -522,32 +404,27 @@ class RemoteRegistry(Registry):
         body = {"text": text, "name": str(path)}
         return dict(self.client.call("POST", "/policy", body=body))
 
-    def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
-        out = self.client.call("GET", "/policy/export", params={"bucket": bucket})
-        return dict(out["document"]), list(out["missing"])
-
-    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
-        body = {"budget_s": budget_s, "skip": skip}
-        return dict(self.client.call("POST", "/mlflow/sync", body=body))
-
-    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
-        body = {"principal": principal, "expires_s": expires_s}
-        return dict(self.client.call("POST", "/tokens", body=body))
-
-    def list_tokens(self) -> list[dict[str, Any]]:
-        return list(self.client.call("GET", "/tokens"))
-
-    def revoke_token(self, token_id: str) -> dict[str, Any]:
-        from urllib.parse import quote
-
-        return dict(self.client.call("DELETE", f"/tokens/{quote(token_id, safe='')}"))
-
-
-def _parsed(ref: str | CheckpointRef | ReleaseRef) -> CheckpointRef | ReleaseRef:
-    return parse_ref(ref) if isinstance(ref, str) else ref
-
 
 def _record(doc: dict[str, Any]) -> FileRecord:
     return FileRecord(
         doc["path"], int(doc["size"]), doc["sha256"], doc.get("rank"), doc.get("version")
     )
+
+
+def _over_http(route: Route) -> Callable[..., Any]:
+    """The remote method of a contract method that declares its route: its arguments bound as
+    the contract's signature binds them (defaults included), then sent."""
+    contract = getattr(Registry, route.method)
+    signature = inspect.signature(contract)
+
+    @functools.wraps(contract)
+    def method(self: RemoteRegistry, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return self.call(route, bound.arguments)
+
+    return method
+
+
+for _route in routes(Registry):
+    setattr(RemoteRegistry, _route.method, _over_http(_route))

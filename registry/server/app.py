@@ -178,7 +178,7 @@ def create_app(settings: Settings) -> FastAPI:
     from registry.audit_chain import keys as audit_keys
     from registry.catalog.engine import Catalog
     from registry.policy_source import EffectivePolicy
-    from registry.server import admin_routes, claims, data, presigned, routes
+    from registry.server import claims, contract_routes, data, presigned, routes
     from registry.server.oidc import verifier_from
     from registry.storage import open_store
 
@@ -199,7 +199,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.reg = ServerState(settings, catalog, store, verifier_from(settings))
     app.include_router(routes.router, prefix=f"/{API_VERSION}")
-    app.include_router(admin_routes.router, prefix=f"/{API_VERSION}")
+    app.include_router(contract_routes.router, prefix=f"/{API_VERSION}")
     app.include_router(data.router, prefix=f"/{API_VERSION}")
     app.include_router(presigned.router, prefix=f"/{API_VERSION}")
     app.include_router(claims.router, prefix=f"/{API_VERSION}")

@@ -24,7 +24,6 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from registry.errors import Conflict, ObjectExists, RegistryError, UsageError
-from registry.refs import CheckpointRef
 from registry.server.auth import context_for
 from registry.server.requests import (
     authed_body,
@@ -74,19 +73,6 @@ def _number(doc: dict[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise UsageError(f"{key} must be a number")
     return float(value)
-
-
-@router.post("/claims")
-async def claim(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints import claimed
-
-    ctx, doc = await authed_body(request)
-    step = doc.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise UsageError("step must be a whole number")
-    ref = CheckpointRef(text(doc, "project", "default"), text(doc, "run"), step)
-    lease = _number(doc, "lease_seconds", claimed.DEFAULT_LEASE_S)
-    return await run_in_threadpool(claimed.claim, ctx, ref, lease)
 
 
 @router.post("/claims/renew")

@@ -1,7 +1,9 @@
-"""The JSON endpoints of `reg server`: one per `Registry` method (DESIGN §7 names; each answers
-the `--json` output). Each builds the request's Context from its token and calls the same
-lifecycle function as the embedded mode; access checks and audit happen there. The data path
-(push, file reads) is `data.py`.
+"""The JSON endpoints of `reg server` written by hand: those whose client does work of its own
+(a validation run on the validator's device, a promotion's extras, a policy file, a heartbeat's
+figures) and `/whoami`. The other `Registry` methods' endpoints are derived from the contract
+(`contract_routes.py`); the data path (push, file reads) is `data.py`, claims `claims.py`.
+Each builds the request's Context from its token and calls the same lifecycle function as the
+embedded mode; access checks and audit happen there.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import binascii
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from policies.access import Action
 from registry.catalog.leases import HOLD_PREFIX, release, take_hold
 from registry.context import Context
 from registry.errors import UsageError
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
+from registry.refs import CheckpointRef, parse_checkpoint_ref
 from registry.server.auth import CTX, context_for
 from registry.server.requests import MAX_PROMOTE_BYTES, authed_body, flag, json_body, opt_text, text
 from registry.server.upload import private_dir, release_dir
@@ -39,72 +41,6 @@ def whoami(ctx: Context = CTX) -> dict[str, Any]:
         "grants": [g.model_dump(mode="json") for g in ctx.principal.grants],
         "single_user": ctx.principal.single_user,
     }
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
-
-
-@router.get("/checkpoints")
-def list_checkpoints(
-    run: str | None = None,
-    project: str | None = None,
-    include_deleted: bool = False,
-    ctx: Context = CTX,
-) -> list[dict[str, Any]]:
-    from registry.lifecycle.checkpoints.listing import list_checkpoints
-
-    return list_checkpoints(ctx, run, project, include_deleted=include_deleted)
-
-
-@router.get("/show")
-def show(ref: str, ctx: Context = CTX) -> dict[str, Any]:
-    parsed = parse_ref(ref)
-    if isinstance(parsed, ReleaseRef):
-        from registry.lifecycle import releases
-
-        return releases.show(ctx, parsed)
-    from registry.lifecycle.checkpoints import read
-
-    return read.show(ctx, parsed)
-
-
-@router.post("/verify")
-async def verify(request: Request) -> dict[str, Any]:
-    ctx, doc = await authed_body(request)
-    parsed = parse_ref(text(doc, "ref"))
-    repair = flag(doc, "repair")
-
-    def work() -> dict[str, Any]:
-        if isinstance(parsed, ReleaseRef):
-            from registry.lifecycle import releases
-
-            return releases.verify(ctx, parsed, repair=repair)
-        from registry.lifecycle.checkpoints import read
-
-        return read.verify(ctx, parsed, repair=repair)
-
-    return await run_in_threadpool(work)
-
-
-@router.post("/pin")
-async def pin(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.read import set_pin
-
-    ctx, doc = await authed_body(request)
-    ref = parse_checkpoint_ref(text(doc, "ref"))
-    on = doc.get("pinned", True)
-    if not isinstance(on, bool):
-        raise UsageError("pinned must be true or false")
-    return await run_in_threadpool(set_pin, ctx, ref, on, opt_text(doc, "reason"))
-
-
-@router.post("/runs/finish")
-async def finish_run(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.runs import finish_run
-
-    ctx, doc = await authed_body(request)
-    status = opt_text(doc, "status") or "finished"
-    return await run_in_threadpool(finish_run, ctx, text(doc, "project"), text(doc, "run"), status)
 
 
 # -- validation: a validator's report --------------------------------------------------------------
@@ -238,74 +174,7 @@ def _write_extra(workdir: Path, entry: object) -> Path:
     return target
 
 
-@router.get("/releases")
-def releases(model: str | None = None, ctx: Context = CTX) -> list[dict[str, Any]]:
-    from registry.lifecycle.releases import list_releases
-
-    return list_releases(ctx, model)
-
-
-@router.post("/alias")
-async def alias(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.releases import set_alias
-
-    ctx, doc = await authed_body(request)
-    version = doc.get("version")
-    if not isinstance(version, str | int) or isinstance(version, bool):
-        raise UsageError("version must be vK or a number")
-    return await run_in_threadpool(set_alias, ctx, text(doc, "model"), text(doc, "alias"), version)
-
-
-@router.post("/status")
-async def release_status(request: Request) -> dict[str, Any]:
-    """deprecate or yank (status `deprecated` or `yanked`, with a reason for a yank)."""
-    from registry.catalog.models import DEPRECATED, YANKED, ReleaseStatus
-    from registry.lifecycle.releases import set_status
-    from registry.refs import parse_release_ref
-
-    ctx, doc = await authed_body(request)
-    ref = parse_release_ref(text(doc, "ref"))
-    status = text(doc, "status")
-    if status not in (DEPRECATED, YANKED):
-        raise UsageError(f"status must be {DEPRECATED} or {YANKED}")
-    reason = opt_text(doc, "reason")
-    return await run_in_threadpool(set_status, ctx, ref, ReleaseStatus(status), reason)
-
-
 # -- checkpoint economics --------------------------------------------------------------------------
-
-
-@router.get("/advise")
-def advise(
-    run: str,
-    project: str = "default",
-    gpus: int | None = None,
-    mtbf_s: float | None = Query(None),
-    fleet: bool = False,
-    ctx: Context = CTX,
-) -> dict[str, Any]:
-    """Checkpoint economics (viewer read, as `recovery` was)."""
-    from registry.economics import advise
-
-    return advise(ctx, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
-
-
-@router.get("/recovery")
-def recovery(
-    run: str, project: str = "default", mtbf_s: float | None = Query(None), ctx: Context = CTX
-) -> dict[str, Any]:
-    """Deprecated for one release: `/advise`, with the old keys of `reg recovery --json`."""
-    from registry.economics import advise
-
-    return advise(ctx, run, project=project, mtbf_s=mtbf_s, legacy=True)
-
-
-@router.post("/runs/restart")
-async def plan_restart(request: Request) -> dict[str, Any]:
-    from registry.economics.records import plan_restart
-
-    ctx, doc = await authed_body(request)
-    return await run_in_threadpool(plan_restart, ctx, text(doc, "project"), text(doc, "run"))
 
 
 @router.post("/runs/heartbeat")
@@ -321,4 +190,18 @@ async def heartbeat(request: Request) -> dict[str, Any]:
         lambda: record_heartbeat(
             ctx, text(doc, "project"), text(doc, "run"), ended=ended, **figures
         )
+    )
+
+
+# -- policy ----------------------------------------------------------------------------------------
+
+
+@router.post("/policy")
+async def policy_apply(request: Request) -> dict[str, Any]:
+    """`apply_policy`: the client reads its policy file and sends the text."""
+    from registry.operations.policy_admin import apply_text
+
+    ctx, doc = await authed_body(request)
+    return await run_in_threadpool(
+        apply_text, ctx, text(doc, "text"), text(doc, "name", "policy")[:200]
     )
