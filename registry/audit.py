@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from registry.audit_chain.macs import event_mac, normalized
 from registry.catalog.models import AuditEvent
 from registry.timeutil import iso, now
 
@@ -27,8 +28,6 @@ def record(
     """Add the event to the caller's transaction. With the audit key it is signed here (a MAC
     of its own content and a random uid: no shared row, so concurrent writers never wait on
     each other); the sealer chains it later (`registry.audit_chain`)."""
-    from registry.audit_chain.macs import event_mac, normalized
-
     content: dict[str, Any] = {
         "uid": uuid.uuid4().hex if audit_key else None,
         "ts": now(),

@@ -6,14 +6,19 @@ Embedded defaults need no server: a SQLite catalog and a local object store unde
 from __future__ import annotations
 
 import getpass
+import ipaddress
+import json
 import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from registry.errors import UsageError
+from registry.text import redact_url
+from registry.timeutil import positive_duration
 
 _OIDC_KEYS = (
     "issuer",
@@ -319,8 +324,6 @@ class Settings:
         return self.audit_key_file or self.home / "audit.key"
 
     def __repr__(self) -> str:
-        from registry.text import redact_url
-
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["token"] = None if self.token is None else "***"
         for name in ("store_url", "mlflow_tracking_uri", "url"):
@@ -413,8 +416,6 @@ class _Numbers:
 
 
 def _server(env: dict[str, str], number: _Numbers) -> ServerSettings:
-    from registry.timeutil import positive_duration
-
     header = number.seconds("REG_SERVER_HEADER_TIMEOUT", 15.0, most=3600)
     if header == 0:
         raise UsageError("REG_SERVER_HEADER_TIMEOUT is 0", "give 1 to 3600 seconds")
@@ -471,8 +472,6 @@ def check_cleartext(url: str, allow_http: bool) -> None:
     cross the network in cleartext) unless `allow_http` (REG_ALLOW_HTTP) says it is meant.
     The host is judged by its text, never resolved: a name that resolves to loopback today
     may not tomorrow, so only `localhost`, 127.0.0.0/8 and ::1 pass without the setting."""
-    from registry.text import redact_url
-
     if url.lower().startswith("http://") and not allow_http and not loopback_url(url):
         raise UsageError(
             f"refusing {redact_url(url)}: plain http would send the bearer token in cleartext "
@@ -485,9 +484,6 @@ def check_cleartext(url: str, allow_http: bool) -> None:
 def loopback_url(url: str) -> bool:
     """The URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1, and IPv4-mapped
     ::ffff:127.x)."""
-    import ipaddress
-    from urllib.parse import urlsplit
-
     try:
         host = (urlsplit(url).hostname or "").lower()
     except ValueError:
@@ -534,8 +530,6 @@ def _login_name() -> str:
 
 def _logged_in(home: Path, url: str) -> str | None:
     """The token `reg login` stored for `url`, if any (a login for another URL is not used)."""
-    import json
-
     try:
         doc = json.loads((home / LOGIN_FILE).read_text())
     except (OSError, ValueError):

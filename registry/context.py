@@ -18,6 +18,8 @@ store. A Context is frozen: a changed policy or principal is a new Context.
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -132,9 +134,6 @@ _WARNED: set[str] = set()
 
 
 def _log_unsigned_model(name: str) -> None:
-    import json
-    import logging
-
     if name not in _WARNED:
         _WARNED.add(name)
         logging.getLogger("reg.policy").warning(

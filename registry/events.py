@@ -8,6 +8,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from registry.mirror.spawn import spawn_drain
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -72,6 +73,5 @@ class Outbox:
     def flush(self) -> None:
         if self._written:
             self._written = False
-            from registry.mirror.spawn import spawn_drain
 
             spawn_drain(self._settings)

@@ -31,9 +31,12 @@ Unset (always, outside tests) a point costs one comparison.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
+
+from registry.errors import RegistryError
 
 # A test in this process arms a point by setting _ARMED; otherwise REG_FAULT is read at each
 # point (not at import: a process forked after the import, with its own environment, obeys it).
@@ -51,12 +54,8 @@ def point(name: str, path: object = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     kind = armed[len(name) :]
     if kind == ":fail":
-        from registry.errors import RegistryError
-
         raise RegistryError(f"injected failure at {name} (REG_FAULT)")
     if kind == ":enospc":
-        import errno
-
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     if kind == ":pause":
         _pause(name)

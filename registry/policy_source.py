@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policies import DEFAULT_POLICY_PATH
-from registry.errors import PolicyError
+from registry.errors import PolicyError, UnprovenFact
 
 if TYPE_CHECKING:
     from policies.loader import (
@@ -75,8 +75,6 @@ class EffectivePolicy:
         (`REG_POLICY`, else the shipped default), with a warning: never under a row anyone
         could have written, and the operator can still restore it (`reg policy apply`,
         `reg catalog sign`)."""
-        from registry.errors import UnprovenFact
-
         try:
             return cls.for_server(catalog, store, key, policy_path=policy_path, home=home)
         except UnprovenFact as exc:

@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies.access import SINGLE_USER, Action, Decision, check_grants
+from policies.access import (
+    ACTIONS,
+    SINGLE_USER,
+    Action,
+    Decision,
+    check_grants,
+    gives,
+    is_scoped_admin,
+)
 
 if TYPE_CHECKING:
     from policies.loader import Grant
@@ -60,8 +68,6 @@ class Principal:
     def may_anywhere(self, action: Action) -> bool:
         """Could any project or model allow `action`? (A cheap first check before reading a
         large request; the real check names the target.)"""
-        from policies.access import ACTIONS, gives, is_scoped_admin
-
         if self.single_user:
             return True
         needed = ACTIONS[action]

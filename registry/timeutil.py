@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
+from policies.durations import parse_duration
+from registry.errors import UsageError
+
 
 def now() -> float:
     return time.time()
@@ -27,9 +30,6 @@ def human_bytes(n: float) -> str:
 def positive_duration(text: str, flag: str, example: str = "1h") -> float:
     """A command-line duration ("90d", "1h", "30s") that must be positive and finite: seconds,
     or a UsageError naming the flag."""
-    from policies.durations import parse_duration
-    from registry.errors import UsageError
-
     try:
         seconds = parse_duration(text)
     except ValueError as exc:

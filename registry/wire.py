@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from registry.errors import UsageError
 
@@ -179,7 +180,6 @@ class Route:
     # -- the client's side -------------------------------------------------------------------
     def request(self, arguments: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """The path and the wire fields of a call with these (bound) arguments."""
-        from urllib.parse import quote
 
         sent = {f.wire: f.kind.send(arguments[f.arg]) for f in self.fields if f.arg in arguments}
         path = self.path

@@ -116,3 +116,106 @@ def test_reg_has_no_import_cycle():
     assert len(graph) > 150  # every module was read
     assert "registry.lifecycle.verify" in graph["registry.lifecycle.checkpoints.read"]  # in a def
     assert cycles(graph) == []
+
+
+# -- function-level imports: only where start-up time needs them -----------------------------------
+
+# Third-party packages that cost a command's start-up (each 0.1-3 s to import on our machines).
+HEAVY = frozenset(
+    {
+        *("torch", "numpy", "safetensors", "transformers", "mlflow", "flask", "werkzeug"),
+        *("boto3", "botocore", "s3transfer", "httpx", "fastapi", "starlette", "uvicorn"),
+        *("sqlalchemy", "sqlmodel", "alembic", "psycopg", "pydantic", "jwt", "cryptography"),
+        *("prometheus_client", "matplotlib", "typer", "yaml"),
+    }
+)
+# Lazy by design, each as its docstring says: a command imports them and pays only for what it
+# touches (the CLI, the registry objects).
+ENTRY = ("cli", "registry", "registry.api", "registry.local", "registry.remote.registry")
+
+
+def _loads(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """What an import statement runs: our modules with their packages, and third-party tops."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] not in PACKAGES:
+            out.add(parts[0])
+            continue
+        out.update(p for i in range(len(parts)) if (p := ".".join(parts[: i + 1])) in known)
+    return out
+
+
+def _module_level(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    skip = _type_checking_only(tree)
+    return [
+        n
+        for stmt in tree.body
+        if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skip
+    ]
+
+
+def heavy_modules(trees: dict[str, ast.Module]) -> set[str]:
+    """Our modules whose import loads a HEAVY package, at their top or through another."""
+    known = set(trees)
+    loads = {
+        m: set().union(set(), *(_loads(n, known) for n in _module_level(t)))
+        for m, t in trees.items()
+    }
+    heavy = {m for m, found in loads.items() if found & HEAVY}
+    grew = True
+    while grew:
+        before = len(heavy)
+        heavy |= {m for m, found in loads.items() if found & heavy}
+        grew = len(heavy) > before
+    return heavy
+
+
+def deferred_without_reason() -> list[str]:
+    """Function-level imports outside ENTRY that load nothing heavy and say no reason."""
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text()) for m, p in modules.items()}
+    heavy = heavy_modules(trees) | HEAVY
+    found = []
+    for module, tree in trees.items():
+        if module in ENTRY or module.startswith("cli.") or ".migrations." in module:
+            continue
+        lines = modules[module].read_text().splitlines()
+        skip = _type_checking_only(tree)
+        top = {id(n) for n in _module_level(tree)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in skip | top:
+                continue
+            if _loads(node, set(trees)) & heavy:
+                continue
+            said = lines[node.lineno - 1] + (lines[node.lineno - 2] if node.lineno > 1 else "")
+            if "#" not in said:
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_a_function_level_import_is_there_for_start_up_time():
+    """An import sits in a function only where importing it at the top would cost start-up
+    (it loads torch, SQLAlchemy, boto3, MLflow... or a module of ours that does), in the entry
+    modules that are lazy by design, or with a comment saying why; else at the top, where a
+    reader sees what a module depends on."""
+    assert deferred_without_reason() == []
+    trees = {m: ast.parse(p.read_text()) for m, p in _modules().items()}
+    heavy = heavy_modules(trees)
+    assert "registry.catalog.models" in heavy and "registry.formats.dcp_torch" in heavy
+    assert "registry.errors" not in heavy and "registry.refs" not in heavy
+
+
+def test_the_rule_sees_a_light_import_deferred_for_no_reason(tmp_path):
+    tree = ast.parse("def f():\n    from registry import errors\n    import torch\n")
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    known = {"registry", "registry.errors"}
+    assert [_loads(n, known) for n in imports] == [{"registry", "registry.errors"}, {"torch"}]
+    assert heavy_modules({"a": ast.parse("import torch"), "b": ast.parse("import a")}) >= {"a", "b"}

@@ -32,6 +32,7 @@ from registry.audit_chain import anchors
 from registry.audit_chain.sealer import anchor_head, heartbeat, seal_pending
 from registry.catalog import leases
 from registry.catalog.models import AuditEvent, AuditSeal, Lease
+from registry.config import Settings
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -56,8 +57,6 @@ def bounds(env: dict[str, str] | None = None) -> tuple[float, float]:
 def intervals(env: dict[str, str] | None = None) -> tuple[float, float]:
     """(seal every, anchor every) in seconds: the settings' (REG_AUDIT_SEAL_EVERY,
     REG_AUDIT_ANCHOR_EVERY); a bad value is one line."""
-    from registry.config import Settings
-
     server = Settings.from_env(env).server
     return server.seal_every_s, server.anchor_every_s
 

@@ -6,6 +6,7 @@ readable there). A client without it is told to go through the server.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
@@ -13,7 +14,7 @@ from registry.audit_chain import anchors
 from registry.audit_chain.keys import AuditKeyMissing
 from registry.audit_chain.sealer import anchor_head, seal_pending
 from registry.audit_chain.verify import verify_chain
-from registry.errors import UsageError
+from registry.errors import RegistryError, UsageError
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -89,10 +90,6 @@ def seal_now(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any] |
     a policy just applied (or signed) is then provably in force when the command returns,
     instead of after the sealer's next cycle and anchor (`registry.proven_policy`). The
     caller's work is committed: a failure here is logged, and the scheduled sealer retries."""
-    import logging
-
-    from registry.errors import RegistryError
-
     try:
         seal_pending(catalog, key)
         with catalog.session() as s:

@@ -26,6 +26,8 @@ import contextvars
 import fcntl
 import os
 import sqlite3
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -342,9 +344,6 @@ def _exact_floats(dbapi_connection: Any, record: Any) -> None:
 def _wait_for_reconnects(engine: Engine, wait_s: float) -> None:
     """Once a first connection succeeded, a refused new one is retried for `wait_s` seconds:
     the database restarting or failing over, not a wrong URL."""
-    import threading
-    import time
-
     from sqlalchemy import event
 
     reached = threading.Event()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from registry.catalog.engine import Catalog
 from registry.errors import NotFound, PermissionDenied, RegistryError, UsageError
 
 if TYPE_CHECKING:
@@ -106,8 +107,6 @@ def grant(settings: Settings, role: str, *, dry_run: bool = False) -> dict[str, 
 
 
 def _owner_catalog(settings: Settings, command: str) -> Catalog:
-    from registry.catalog.engine import Catalog
-
     if settings.remote:
         raise UsageError(
             f"reg catalog {command} runs on the database itself, not through reg server",

@@ -32,6 +32,7 @@ is classified when it is recorded.
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
@@ -140,8 +141,6 @@ def known_world_size(s: Session, run: Run) -> int | None:
 
 def _due(project: str, run: str) -> bool:
     """Whether the run's economics (a full gather) may go out again from a heartbeat."""
-    import time
-
     key, clock = (project, run), time.monotonic()
     if clock - _emitted.get(key, -math.inf) < ECONOMICS_EVERY_S:
         return False

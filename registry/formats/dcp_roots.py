@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, RegistryError
-from registry.formats.dcp import METADATA
+from registry.formats.dcp import (
+    METADATA,
+    STRUCTURE_ERRORS,
+    HashCount,
+    checked_dims,
+    checked_int,
+    checked_path,
+    checked_text,
+)
+from registry.formats.dcp_metadata import load_metadata
 
 ROOT_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 MAX_ROOTS = 64
@@ -90,8 +99,6 @@ def merged_metadata(parts: Mapping[str, bytes], *, light: bool = False) -> Any:
     """One metadata for the roots whose `.metadata` bytes are `parts` (path -> bytes): the
     root's own when there is one at the top, else the roots merged with prefixed key paths and
     files. `light` as in `load_metadata` (stand-ins, no torch)."""
-    from registry.formats.dcp_metadata import load_metadata
-
     loaded = {}
     for path, data in sorted(parts.items()):
         root = path[: -len(METADATA)].rstrip("/")
@@ -141,15 +148,6 @@ class _Metadata:  # DCP's Metadata
 def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
     """Every field is checked before it is used, and before anything from the file is hashed
     as a dict key: a crafted offset (a deep or self-sharing tuple) hashes for ever."""
-    from registry.formats.dcp import (
-        STRUCTURE_ERRORS,
-        HashCount,
-        checked_dims,
-        checked_int,
-        checked_path,
-        checked_text,
-    )
-
     out = _Metadata()
     hashes = HashCount("storage_data")  # an index hashes its offsets
     index_type: Any = _Index

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from policies.layouts import LAYOUTS
 from registry.formats.strict_json import StrictReader
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.refs import CheckpointRef
@@ -414,8 +415,6 @@ def _tensor_summary(r: StrictReader, value: Any) -> TensorSummary:
 
 
 def _resume(r: StrictReader, value: Any, *, with_keys: bool) -> ResumeRecord:
-    from policies.layouts import LAYOUTS
-
     names = "classes missing resumable unclassified" + (
         " layout keys sidecars" if with_keys else ""
     )

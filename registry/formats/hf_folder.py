@@ -10,6 +10,7 @@ each class's `vocab_files_names` in transformers 5.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Collection
@@ -178,8 +179,6 @@ def rewrite_config(
     `architecture`, `architectures` is `[architecture]`. Every other key and the key order are
     kept; unchanged values leave the bytes exactly as given. The config is read strictly
     (`parse_config`)."""
-    import hashlib
-
     doc = parse_config(data, label)
     wanted: dict[str, Any] = {}
     if dtype is not None:

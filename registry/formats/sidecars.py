@@ -26,6 +26,7 @@ are which resume class.
 
 from __future__ import annotations
 
+import importlib
 import io
 import itertools
 import pickletools
@@ -163,8 +164,6 @@ def _check_globals(data: bytes) -> None:
 
 def _numpy_globals() -> list[Any]:
     """The allowed numpy globals that this numpy has, under the names pickles use."""
-    import importlib
-
     out: list[Any] = []
     for module, name in NUMPY_GLOBALS:
         try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from registry.audit_chain.keys import key_id
 from registry.audit_chain.macs import canonical, same
 from registry.errors import InvalidDocument
 from registry.formats.strict_json import StrictReader
@@ -115,8 +116,6 @@ def sign(body: dict[str, Any], key: bytes) -> str:
 def signature_problem(event: Event, key: bytes | None) -> str | None:
     """Why the event must not be trusted under `key` (None: it may be). Without a key nothing
     can be checked: the registry then trusts its store, as it does for manifests."""
-    from registry.audit_chain.keys import key_id
-
     if key is None:
         return None
     if event.mac is None:

@@ -39,6 +39,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, select
 
 from registry import audit, signed_facts
+from registry.audit_chain.keys import key_id
 from registry.catalog import queries
 from registry.catalog.models import (
     DELETED,
@@ -53,6 +54,7 @@ from registry.catalog.models import (
     Release,
     Validation,
 )
+from registry.config import checked_user
 from registry.errors import InvalidDocument, PolicyError, RegistryError, UsageError
 from registry.journal.event import (
     ABORTED,
@@ -69,6 +71,7 @@ from registry.journal.event import (
     signature_problem,
 )
 from registry.layout import JOURNAL
+from registry.refs import check_alias, check_reason
 from registry.storage.base import ObjectInfo
 
 if TYPE_CHECKING:
@@ -157,8 +160,6 @@ def read(ctx: Context, *, dry_run: bool) -> Replay:
 
 
 def _refuse_without_key(ctx: Context, events: list[Event]) -> None:
-    from registry.audit_chain.keys import key_id
-
     signed = sorted({e.key_id for e in events if e.key_id is not None})
     if not signed:
         return
@@ -182,9 +183,6 @@ def _refuse_without_key(ctx: Context, events: list[Event]) -> None:
 
 def _implausible(e: Event) -> str | None:
     """What the live command would have refused in this event (None: nothing)."""
-    from registry.config import checked_user
-    from registry.refs import check_alias, check_reason
-
     if not EARLIEST <= e.ts <= time.time() + 86_400:
         return f"its time {e.ts!r} is before 2000 or more than a day ahead"
     if abs(e.ts - int(e.id.partition("-")[0]) / 1e9) > 1.0:

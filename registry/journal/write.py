@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event as sa_event
 
+from registry.audit_chain.keys import key_id
 from registry.errors import ObjectExists, RegistryError, UsageError
 from registry.journal.event import ABORTED, MAX_BYTES, Event, sign
 
@@ -100,8 +101,6 @@ def make(
 ) -> Event:
     """The event, signed where there is a key; its id carries the decision's time (a replay
     requires the two to agree)."""
-    from registry.audit_chain.keys import key_id
-
     ns = time.time_ns() if ts is None else int(ts * 1e9)
     made = Event(
         id=f"{ns:020d}-{uuid.uuid4().hex}",

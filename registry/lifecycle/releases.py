@@ -3,6 +3,7 @@ move, and every move is recorded (DESIGN §1, §3)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +21,14 @@ from registry.catalog.models import (
     Release,
     ReleaseStatus,
 )
-from registry.errors import Conflict, NotFound, UsageError
+from registry.errors import Conflict, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
 from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.views import ReleaseView
-from registry.refs import ReleaseRef, check_alias, check_name
+from registry.mirror.artifacts import unpublish_everywhere
+from registry.refs import ReleaseRef, check_alias, check_name, check_reason
 from registry.timeutil import iso, now
 from registry.transfer import download
 
@@ -294,8 +296,6 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
 def set_status(
     ctx: Context, ref: ReleaseRef, status: ReleaseStatus, reason: str | None = None
 ) -> dict[str, Any]:
-    from registry.refs import check_reason
-
     action = {DEPRECATED: Action.DEPRECATE, YANKED: Action.YANK}[status]
     reason = check_reason(reason, f"{action} reason")
     ctx.authorize(action, model=ref.model, target=str(ref))
@@ -338,11 +338,6 @@ def _stop_serving(ctx: Context, model: str, version: int) -> dict[str, Any]:
     """A yank takes the release's bytes out of what `reg ui` serves to MLflow clients at once,
     without waiting for the MLflow drain (which does it again). The yank itself is committed:
     a failure here is a warning and `served_error` in the result; every drain retries."""
-    import warnings
-
-    from registry.errors import RegistryError
-    from registry.mirror.artifacts import unpublish_everywhere
-
     try:
         return {"served_files_removed": unpublish_everywhere(ctx.store, model, version)}
     except (RegistryError, OSError) as exc:

@@ -20,6 +20,13 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from registry.audit_chain import keys
+from registry.mirror.names import RELEASES_EXPERIMENT, mirror_name
+from registry.policy_source import EffectivePolicy
+from registry.principal import Principal
+from registry.storage import open_store
+from registry.timeutil import now
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -64,7 +71,6 @@ class AccessSync:
         from sqlmodel import col, or_, select
 
         from registry.catalog.models import ApiToken
-        from registry.timeutil import now
 
         policy = self._policy()
         named = {p for grant in policy.access.grants for p in grant.principals}
@@ -105,16 +111,11 @@ class AccessSync:
     def _policy(self) -> Any:
         """The policy in force; on the server's host (the audit key readable) the proven one,
         as the server decides with (`registry.proven_policy`): a forged row grants no read."""
-        from registry.audit_chain import keys
-        from registry.policy_source import EffectivePolicy
-
         key = keys.optional(self.settings.audit_key_path)
         if key is None:
             return EffectivePolicy.load(
                 self.catalog, policy_path=self.settings.policy_path, home=self.settings.home
             )
-        from registry.storage import open_store
-
         return EffectivePolicy.for_server(
             self.catalog,
             open_store(self.settings.store_url, s3=self.settings.s3),
@@ -126,8 +127,6 @@ class AccessSync:
     def _mirrored(self) -> tuple[dict[str, str], dict[str, tuple[str, str | None]]]:
         """Project -> experiment id; model -> (registered model name, releases experiment)."""
         from mlflow.entities import ViewType
-
-        from registry.mirror.names import RELEASES_EXPERIMENT, mirror_name
 
         # Only what the mirror made counts: its name and its tags agree (nobody else writes
         # there: login.py refuses every write through MLflow).
@@ -160,8 +159,6 @@ class AccessSync:
         projects: dict[str, str],
         models: dict[str, tuple[str, str | None]],
     ) -> Wanted:
-        from registry.audit_chain import keys
-        from registry.principal import Principal
         from registry.signed_facts import model_owners
 
         principal = Principal.under(name, "token", self._policy())

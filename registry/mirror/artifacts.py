@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from registry.errors import RegistryError
 from registry.layout import RELEASE_DOCUMENT, release_prefix
+from registry.storage.local import LocalStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -52,8 +53,6 @@ class ServedFile:
 def destination(store: BaseStore) -> str | None:
     """The `--artifacts-destination` of the MLflow server for this store; None where MLflow
     cannot reach it (an in-memory store)."""
-    from registry.storage.local import LocalStore
-
     if isinstance(store, LocalStore):
         return (store.root / ARTIFACTS).as_uri()
     url = getattr(store, "url", "")
@@ -76,8 +75,6 @@ def publish(
 ) -> int:
     """Make release `model:v<version>` (its `files`, release.json included) exactly what the
     source serves. Idempotent; returns the bytes stored a second time (S3 copies)."""
-    from registry.storage.local import LocalStore
-
     relative = _relative(experiment_id, model, version)
     if isinstance(store, LocalStore):
         _publish_local(store.root, relative, release_prefix(model, version), files)
@@ -206,8 +203,6 @@ def _publish_copies(
 
 def _served(store: BaseStore) -> list[str]:
     """The served folders, as `<id>/releases/<model>/v<K>` (or anything else found there)."""
-    from registry.storage.local import LocalStore
-
     if isinstance(store, LocalStore):
         base = store.root / ARTIFACTS
         if not base.is_dir():
@@ -225,8 +220,6 @@ def _served(store: BaseStore) -> list[str]:
 
 
 def _remove(store: BaseStore, relative: str) -> int:
-    from registry.storage.local import LocalStore
-
     if isinstance(store, LocalStore):
         folder = store.root / ARTIFACTS / relative
         return _discard(folder) if folder.exists() else 0

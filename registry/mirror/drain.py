@@ -29,8 +29,13 @@ from sqlalchemy import update
 from sqlmodel import col, select
 
 from registry.catalog import leases
+from registry.catalog.engine import Catalog
 from registry.catalog.models import OutboxEvent
+from registry.config import Settings
+from registry.errors import NotFound
+from registry.mirror import access
 from registry.mirror.names import mirror_name
+from registry.storage import open_store
 from registry.text import redact
 from registry.timeutil import iso, now
 
@@ -48,7 +53,6 @@ class Mirror:
         from mlflow import MlflowClient
 
         from registry.mirror.releases import ReleaseMirror
-        from registry.storage import open_store
 
         self.settings = settings
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
@@ -99,8 +103,6 @@ class Mirror:
     def settle(self) -> None:
         """After the events: MLflow's permissions follow reg's grants (when `reg ui` runs the
         auth app), and only active releases are served."""
-        from registry.mirror import access
-
         if access.enabled(self.settings):
             access.sync_access(self.settings, self.releases.catalog)
         self.releases.reconcile()
@@ -342,8 +344,6 @@ class _Stop(Exception):
 def skip_event(ctx: Context, event_id: int) -> dict[str, Any]:
     """Set one pending event aside (admin, audited), so a drain that stops at it goes on; what
     it would have mirrored is not mirrored (a later event about the same object may be)."""
-    from registry.errors import NotFound
-
     with ctx.catalog.session(write=True) as s:
         event = s.get(OutboxEvent, event_id)
         if event is None or event.done_at is not None:
@@ -386,8 +386,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=30.0)
     args = parser.parse_args()
-    from registry.catalog.engine import Catalog
-    from registry.config import Settings
 
     settings = Settings.from_env()
     catalog = Catalog.of(settings.catalog)

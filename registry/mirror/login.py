@@ -29,6 +29,11 @@ import threading
 import time
 from typing import Any
 
+from registry.audit_chain import keys
+from registry.catalog.engine import Catalog
+from registry.config import Settings
+from registry.mirror.access import ADMIN_USER, LOCAL_USER, sync_access
+
 LOGIN_CACHE_S = 30.0
 
 _lock = threading.Lock()
@@ -50,8 +55,6 @@ def authenticate() -> Any:
     """The app's authorization function: a werkzeug Authorization, or a 401/403 response."""
     from flask import Response, request
     from werkzeug.datastructures import Authorization
-
-    from registry.mirror.access import ADMIN_USER, LOCAL_USER
 
     if writes(request.method, request.path):
         return Response("Read-only: reg is the source of truth; change it with reg.\n", 403)
@@ -84,7 +87,6 @@ def verified(user: str, token: str) -> bool:
 
         if verify(catalog, token, audit_key).principal != user:
             return False
-        from registry.mirror.access import sync_access
 
         with _sync_lock:
             sync_access(settings, catalog, only=user)
@@ -100,10 +102,6 @@ def _registry() -> tuple[Any, Any, bytes]:
     that is down now is tried again on the next login)."""
     with _lock:
         if not _state:
-            from registry.audit_chain import keys
-            from registry.catalog.engine import Catalog
-            from registry.config import Settings
-
             settings = Settings.from_env()
             catalog = Catalog.of(settings.catalog)
             key = keys.for_server(settings.audit_key_path)

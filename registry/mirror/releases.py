@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
 
+from registry.layout import release_prefix
 from registry.mirror import artifacts
 from registry.mirror.names import mirror_name, releases_experiment
 from registry.timeutil import iso
@@ -177,7 +178,6 @@ class ReleaseMirror:
     def facts(self, model: str, version: int) -> ReleaseFacts:
         """What the catalog says of `model:v<version>` now."""
         from registry.catalog.models import RELEASE_PENDING, Model, Release
-        from registry.layout import release_prefix
         from registry.lifecycle.releases import stored_files
         from registry.lifecycle.views import ReleaseView
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import signal
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import UsageError
+from registry.mirror.access import ADMIN_USER, AccessSync, auth_db_uri
+from registry.mirror.artifacts import destination
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,8 +68,6 @@ def plan_ui(
 ) -> UiPlan:
     """The MLflow server command and environment; `auth` None: a login when the policy has
     grants."""
-    from registry.mirror.access import AccessSync
-    from registry.mirror.artifacts import destination
     from registry.mirror.drain import drain
 
     use_auth = has_grants if auth is None else auth
@@ -112,8 +113,6 @@ def plan_ui(
 
 def _auth_environment(settings: Settings) -> dict[str, str]:
     """The auth app's config (written 0600 under REG_HOME) and the Flask session secret."""
-    from registry.mirror.access import ADMIN_USER, auth_db_uri
-
     home = settings.home
     home.mkdir(parents=True, exist_ok=True)
     config = home / "mlflow-auth.ini"
@@ -177,8 +176,6 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     """What the server's process runs before exec: ask the kernel to SIGTERM it when `reg ui`
     dies (Linux's PR_SET_PDEATHSIG), and exit if that already happened. `prctl` is looked up
     here, in the parent: the child of a threaded process may only call what is resolved."""
-    import ctypes
-
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):

@@ -10,13 +10,13 @@ from urllib.parse import urlparse
 from sqlalchemy import func
 from sqlmodel import select
 
-from policies.access import Action
+from policies.access import Action, check_grants, scoped_admin_grants
 from policies.loader import Policy, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry import signed_facts
 from registry.audit_chain.service import seal_now
 from registry.catalog.models import PolicyDocument
-from registry.errors import PolicyError, UsageError
+from registry.errors import PolicyError, UnprovenFact, UsageError
 from registry.journal.event import POLICY
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
@@ -98,7 +98,6 @@ def _in_force_now(ctx: Context, version: int) -> None:
     """The applied version is the proven one (`registry.proven_policy`); else the apply is
     recorded but decides nothing, and the admin must hear it (a seal row written around the
     sealer can keep its event from being sealed)."""
-    from registry.errors import UnprovenFact
     from registry.proven_policy import in_force
 
     assert ctx.audit_key is not None
@@ -118,8 +117,6 @@ def _in_force_now(ctx: Context, version: int) -> None:
 def _keeps_an_admin(ctx: Context, policy: Policy, path: str) -> None:
     """A policy with grants must leave someone, and the one applying it, able to administer:
     otherwise no one could ever apply the next policy."""
-    from policies.access import check_grants, scoped_admin_grants
-
     grants = policy.access.grants
     if not grants and ctx.server:
         raise PolicyError(

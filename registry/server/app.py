@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from registry.audit_chain import keys
+from registry.audit_chain import keys as audit_keys
+from registry.catalog.engine import Catalog
 from registry.errors import (
     Conflict,
     NotFound,
@@ -26,7 +29,10 @@ from registry.errors import (
     UnprovenFact,
     UsageError,
 )
+from registry.policy_source import EffectivePolicy
 from registry.server import metrics
+from registry.server.oidc import verifier_from
+from registry.storage import open_store
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -52,15 +58,11 @@ class ServerState:
     @property
     def key(self) -> bytes:
         """The audit key this server signs with (read once per process)."""
-        from registry.audit_chain import keys
-
         return keys.for_server(self.settings.audit_key_path)
 
     def policy(self) -> EffectivePolicy:
         """The policy in force, as proven (`registry.proven_policy`): never merely the newest
         row. UnprovenFact when it cannot be established."""
-        from registry.policy_source import EffectivePolicy
-
         return EffectivePolicy.for_server(
             self.catalog,
             self.store,
@@ -175,12 +177,7 @@ def _route_label(request: Request) -> str:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    from registry.audit_chain import keys as audit_keys
-    from registry.catalog.engine import Catalog
-    from registry.policy_source import EffectivePolicy
     from registry.server import claims, contract_routes, data, presigned, routes
-    from registry.server.oidc import verifier_from
-    from registry.storage import open_store
 
     catalog = Catalog.of(settings.catalog)
     key = audit_keys.for_server(settings.audit_key_path)

@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 
+from registry.audit_chain import keys as audit_keys
+from registry.context import Context
 from registry.errors import Unauthenticated
+from registry.events import Outbox
+from registry.principal import Principal
+from registry.server.oidc import looks_like_jwt
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -31,10 +36,6 @@ def bearer(request: Request) -> str:
 
 def context_for(request: Request) -> Context:
     """The Context of this request: the verified principal under the policy in force now."""
-    from registry.context import Context
-    from registry.events import Outbox
-    from registry.principal import Principal
-
     state: ServerState = request.app.state.reg
     token = bearer(request)
     name, how, credential = _identify(state, request, token)
@@ -62,7 +63,6 @@ def context_for(request: Request) -> Context:
 
 def _identify(state: ServerState, request: Request, token: str) -> tuple[str, str, str]:
     """(principal, how it was proven, credential id) of a reg token or an OIDC JWT."""
-    from registry.server.oidc import looks_like_jwt
     from registry.tokens import PREFIX, split, verify
 
     if not token.startswith(PREFIX) and looks_like_jwt(token):
@@ -80,7 +80,6 @@ def _identify(state: ServerState, request: Request, token: str) -> tuple[str, st
             "log in again with a valid token (reg login, or REG_TOKEN)",
         )
     request.state.token_id = split(token)[0]  # logged even when the token is refused
-    from registry.audit_chain import keys as audit_keys
 
     verified = verify(state.catalog, token, audit_keys.for_server(state.settings.audit_key_path))
     return verified.principal, "token", verified.token_id

@@ -14,7 +14,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from registry.audit_chain import keys
+from registry.context import Context
+from registry.events import Outbox
+from registry.mirror.spawn import spawn_drain
 from registry.operations.token_admin import SERVER_PRINCIPAL
+from registry.principal import Principal
+from registry.server.upload import sweep
 
 if TYPE_CHECKING:
     from registry.server.app import ServerState
@@ -50,8 +56,6 @@ class Background:
     def sweep_uploads(self) -> None:
         """Upload and promotion directories whose request died with its process (SIGKILL, a
         crash): nobody holds their lock any more."""
-        from registry.server.upload import sweep
-
         removed = sweep(self.state.settings.home / "uploads")
         if removed:
             log.info(json.dumps({"swept_uploads": removed}))
@@ -60,7 +64,6 @@ class Background:
         """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
         requests' upload directories are removed."""
         from registry.mirror.drain import pending_count
-        from registry.mirror.spawn import spawn_drain
 
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
@@ -73,7 +76,6 @@ class Background:
     def _audit_loop(self) -> None:
         """Seal the audit events every few seconds and anchor the chain head now and then;
         only the replica holding the lease does (requests only sign their own events)."""
-        from registry.audit_chain import keys
         from registry.audit_chain.schedule import SealSchedule, intervals
 
         every, anchor_every = intervals()
@@ -109,10 +111,7 @@ class Background:
     def run_gc_cycle(self) -> dict[str, object] | None:
         """One scheduled GC, if this replica leads this interval; None if another does."""
         from registry.catalog import leases
-        from registry.context import Context
-        from registry.events import Outbox
         from registry.operations.gc import run_gc
-        from registry.principal import Principal
 
         state = self.state
         assert self.gc_every_s is not None

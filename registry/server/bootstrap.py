@@ -15,23 +15,23 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from policies.access import Action, check_grants
+from registry.audit_chain import keys
+from registry.catalog.engine import Catalog
 from registry.config import checked_user
+from registry.context import Context
 from registry.errors import PolicyError
+from registry.events import Outbox
+from registry.policy_source import EffectivePolicy
+from registry.principal import Principal
+from registry.storage import open_store
 
 if TYPE_CHECKING:
     from registry.config import Settings
 
 
 def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
-    from policies.access import Action, check_grants
-    from registry.audit_chain import keys
-    from registry.catalog.engine import Catalog
-    from registry.context import Context
-    from registry.events import Outbox
     from registry.operations.policy_admin import apply_text
-    from registry.policy_source import EffectivePolicy
-    from registry.principal import Principal
-    from registry.storage import open_store
     from registry.tokens import mint
 
     checked_user(admin, "--admin")

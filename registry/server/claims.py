@@ -24,6 +24,8 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from registry.errors import Conflict, ObjectExists, RegistryError, UsageError
+from registry.formats.dcp_scan import check_path, is_reserved
+from registry.lifecycle.checkpoints import claimed, shared
 from registry.server.auth import context_for
 from registry.server.requests import (
     authed_body,
@@ -33,6 +35,8 @@ from registry.server.requests import (
     opt_text,
     text,
 )
+from registry.server.upload import MAX_DEPTH, MAX_PATH, MAX_SEGMENT, path_problem
+from registry.transfer import Stored
 
 router = APIRouter()
 MAX_FILE = 1 << 44  # 16 TiB: far above any shard
@@ -77,8 +81,6 @@ def _number(doc: dict[str, Any], key: str, default: float) -> float:
 
 @router.post("/claims/renew")
 async def renew(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints import shared
-
     ctx, doc = await authed_body(request)
     seconds = _number(doc, "seconds", 120.0)
     if not 0 <= seconds <= 7 * 86400:
@@ -98,10 +100,6 @@ async def renew(request: Request) -> dict[str, Any]:
 @router.put("/claims/{token}/files/{path:path}")
 async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
-    from registry.formats.dcp_scan import check_path, is_reserved
-    from registry.lifecycle.checkpoints import shared
-    from registry.server.upload import MAX_DEPTH, MAX_PATH, MAX_SEGMENT, path_problem
-
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(shared.find, ctx, token)
     check_path(str(held.ref), path)
@@ -133,9 +131,6 @@ async def _receive(
     """The request's body into the store (on the upload pool's thread), without polling: the
     store's thread takes each chunk from an asyncio queue through the event loop. A body that
     arrives slower than MIN_RATE after its first minute is cut off."""
-    from registry.lifecycle.checkpoints import shared
-    from registry.transfer import Stored
-
     loop = asyncio.get_running_loop()
     idle = idle_s(request)
     chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
@@ -212,7 +207,6 @@ async def _receive(
 
 @router.post("/claims/{token}/commit")
 async def commit(token: str, request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints import claimed, shared
     from registry.lifecycle.checkpoints.costs import check_save_costs
 
     ctx = await run_in_threadpool(context_for, request)

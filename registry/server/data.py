@@ -16,7 +16,8 @@ from policies.access import Action
 from registry.context import Context
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST
+from registry.layout import MANIFEST, checkpoint_prefix, release_prefix
+from registry.lifecycle.checkpoints.push import push
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.remote.push_stream import MAGIC
 from registry.server.auth import CTX, context_for
@@ -32,7 +33,6 @@ WRITE_BATCH = 4 << 20
 async def push_checkpoint(request: Request) -> dict[str, Any]:
     """A push: the framed stream of `upload.py`, received into a private directory, then pushed
     with the embedded code (the server scans and inventories what it received)."""
-    from registry.lifecycle.checkpoints.push import push
     from registry.server import metrics
 
     ctx = await run_in_threadpool(context_for, request)
@@ -145,8 +145,6 @@ def _pullable(
     """(full ref, store prefix, files, view JSON) of what a pull of `ref` downloads, if the
     caller may read it: committed checkpoints, and releases that are not yanked. Without
     `with_view` (each ranged read) the view is empty: nothing is decided or rendered."""
-    from registry.layout import checkpoint_prefix, release_prefix
-
     if isinstance(ref, ReleaseRef):
         from registry.lifecycle.releases import pullable, stored_files
 
@@ -189,7 +187,6 @@ def files(ref: str, ctx: Context = CTX) -> dict[str, Any]:
 def _kept_manifest(ctx: Context, full: str) -> FileRecord | None:
     """A checkpoint's MANIFEST.json as a pull copies it (None for a release: its release.json
     is one of its files already)."""
-    from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.read import kept_manifest, resolve
 
     ref = parse_ref(full)

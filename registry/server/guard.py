@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from registry.config import Settings
+
 if TYPE_CHECKING:
     import asyncio
 
@@ -69,8 +71,6 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if GuardedProtocol._limits is None:  # once per worker process, from its settings
-            from registry.config import Settings
-
             GuardedProtocol._limits = limits(Settings.from_env().server)
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False

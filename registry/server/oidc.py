@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import Unauthenticated
 from registry.server.jwks import FileJwks, JwksSource, JwksUnavailable, UrlJwks
 from registry.server.oidc_config import OidcConfig, config_from
+from registry.timeutil import iso
 
 if TYPE_CHECKING:
     from registry.config import Settings
@@ -228,8 +229,6 @@ def _credential(payload: dict[str, Any], token: str) -> str:
 def _at(token: str, claim: str) -> str:
     """` (exp 2026-01-01T00:00:00Z)` from the (already signature-checked) payload, if any."""
     import jwt
-
-    from registry.timeutil import iso
 
     try:
         payload = jwt.decode(token, options={"verify_signature": False})

@@ -7,10 +7,12 @@ or unsafe setting stops `reg server` with one line (exit 2) rather than seem to 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from registry.errors import UsageError
 from registry.text import redact_url
@@ -107,9 +109,6 @@ def config_from(settings: Settings) -> OidcConfig | None:
 
 
 def _loopback(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
     try:
         host = (urlsplit(url).hostname or "").lower()
     except ValueError:

@@ -19,10 +19,12 @@ from starlette.concurrency import run_in_threadpool
 from registry.context import Context
 from registry.errors import UsageError
 from registry.formats.documents import FileRecord
+from registry.lifecycle.checkpoints.upload_plan import declared_files
 from registry.refs import CheckpointRef, parse_checkpoint_ref
 from registry.server.auth import CTX
 from registry.server.requests import authed_body, opt_text, text
 from registry.server.upload import MAX_HEADER
+from registry.storage.s3_presign import Presigner
 
 router = APIRouter()
 
@@ -41,7 +43,6 @@ def data_path(ctx: Context = CTX) -> dict[str, Any]:
 @router.post("/checkpoints/push/begin")
 async def begin(request: Request) -> dict[str, Any]:
     from registry.lifecycle.checkpoints.presigned import begin as begin_push
-    from registry.lifecycle.checkpoints.upload_plan import declared_files
 
     ctx, doc = await authed_body(request, MAX_HEADER)
     step, world, metrics = doc.get("step"), doc.get("world_size"), doc.get("metrics") or {}
@@ -121,7 +122,6 @@ def read_urls(ctx: Context, prefix: str, files: list[FileRecord]) -> dict[str, s
     """Presigned GETs of each listed file (the version the catalog recorded), for a caller the
     endpoint already authorized; none when the store is not S3 (the server serves reads)."""
     from registry.storage.s3 import S3Store
-    from registry.storage.s3_presign import Presigner
 
     if not isinstance(ctx.store, S3Store):
         return {}

@@ -20,7 +20,8 @@ from policies.access import Action
 from registry.catalog.leases import HOLD_PREFIX, release, take_hold
 from registry.context import Context
 from registry.errors import UsageError
-from registry.refs import CheckpointRef, parse_checkpoint_ref
+from registry.layout import checkpoint_prefix
+from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.server.auth import CTX, context_for
 from registry.server.requests import MAX_PROMOTE_BYTES, authed_body, flag, json_body, opt_text, text
 from registry.server.upload import private_dir, release_dir
@@ -50,7 +51,6 @@ def whoami(ctx: Context = CTX) -> dict[str, Any]:
 async def validation_begin(request: Request) -> dict[str, Any]:
     """A validator is about to validate `ref` on its own device: refused now (and audited)
     unless it may attest; answers what it needs (the checkpoint's files and the policy)."""
-    from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.read import resolve
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
     from registry.server.presigned import read_urls
@@ -158,8 +158,6 @@ async def promote(request: Request) -> dict[str, Any]:
 
 
 def _write_extra(workdir: Path, entry: object) -> Path:
-    from registry.refs import check_name
-
     if not isinstance(entry, dict):
         raise UsageError("an extra is an object {name, data}")
     name = check_name(text(entry, "name"), "extra file name")

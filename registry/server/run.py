@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
+
+from registry.audit_chain import keys
+from registry.config import Settings
+from registry.errors import UsageError
+from registry.server.oidc_config import config_from
+from registry.timeutil import positive_duration
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -34,7 +41,6 @@ class JsonLines(logging.Formatter):
 
 def build_app() -> FastAPI:
     """The app for this host's settings, with its background work tied to its lifespan."""
-    from registry.config import Settings
     from registry.server.app import create_app
     from registry.server.background import Background
 
@@ -60,7 +66,6 @@ def build_app() -> FastAPI:
 def audit_ready(settings: Settings) -> None:
     """No audit key (or a bad sealing interval): no server. Every replica signs with the one
     key file (`reg server init` creates it)."""
-    from registry.audit_chain import keys
     from registry.audit_chain.schedule import intervals
 
     keys.for_server(settings.audit_key_path)
@@ -83,14 +88,7 @@ def serve(
     ssl_keyfile: str | None,
     graceful_s: int,
 ) -> None:
-    import os
-
     import uvicorn
-
-    from registry.config import Settings
-    from registry.errors import UsageError
-    from registry.server.oidc_config import config_from
-    from registry.timeutil import positive_duration
 
     settings = Settings.from_env()
     if settings.remote:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.layouts import check_layout
 from registry.errors import IntegrityError, RegistryError, UsageError
 from registry.remote.push_stream import DIGEST
 
@@ -87,8 +88,6 @@ def parse_header(data: bytes) -> PushRequest:
 
 def _layout(value: object) -> str | None:
     """Refused before a byte is stored, like the names."""
-    from policies.layouts import check_layout
-
     if value is not None and not isinstance(value, str):
         raise UsageError("push header: layout must be a string")
     return check_layout(value)

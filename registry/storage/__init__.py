@@ -15,6 +15,8 @@ from urllib.parse import unquote, urlparse
 
 from registry.errors import UsageError
 from registry.storage.base import BaseStore, ObjectInfo, PutResult, Swept
+from registry.storage.local import LocalStore
+from registry.text import redact_url
 
 if TYPE_CHECKING:
     from registry.config import S3Settings
@@ -39,16 +41,12 @@ def open_store(
     S3 client's retries (else read from the environment when the first request is made)."""
     parsed = urlparse(url)
     if "@" in parsed.netloc:
-        from registry.text import redact_url
-
         raise UsageError(
             f"the store URL {redact_url(url)!r} carries credentials; refused",
             "give S3 credentials through the AWS variables or profile, never in REG_STORE_URL "
             "(it is shown in output, logs and MLflow)",
         )
     if parsed.scheme in ("", "file"):
-        from registry.storage.local import LocalStore
-
         path = unquote(parsed.path) if parsed.scheme == "file" else url
         return LocalStore(Path(path))
     if parsed.scheme not in _SCHEMES:

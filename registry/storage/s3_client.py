@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
+from registry.config import Settings
 from registry.errors import NotFound, RegistryError, UsageError
 
 if TYPE_CHECKING:
@@ -22,8 +23,6 @@ def new_client(settings: S3Settings | None = None) -> Any:
     """A client with the settings' retries (`None`: the environment's, read now)."""
     import boto3  # here, not at import: opening a store must not cost boto3's import
     from botocore.config import Config
-
-    from registry.config import Settings
 
     s3 = settings or Settings.from_env().s3
     config = Config(

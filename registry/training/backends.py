@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
+from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
-from registry.lifecycle.checkpoints.shared import SharedClaim
+from registry.lifecycle.checkpoints.shared import (
+    SharedClaim,
+    claim,
+    commit_written,
+    give_up,
+    is_token,
+)
 from registry.refs import CheckpointRef, parse_checkpoint_ref
 from registry.storage.base import PutResult
 
@@ -40,8 +47,6 @@ class EmbeddedBackend:
         self.registry.store  # noqa: B018  # opened now: an unreachable store fails here
 
     def claim(self, ref: CheckpointRef) -> SharedClaim:
-        from registry.lifecycle.checkpoints.shared import claim
-
         return claim(self.registry.context, ref)
 
     def sink(self, claimed: SharedClaim) -> ObjectSink:
@@ -55,8 +60,6 @@ class EmbeddedBackend:
         claims.renew(self.registry.context.catalog, claimed.catalog_claim())
 
     def give_up(self, claimed: SharedClaim) -> None:
-        from registry.lifecycle.checkpoints.shared import give_up
-
         give_up(self.registry.context, claimed)
 
     def commit(
@@ -67,8 +70,6 @@ class EmbeddedBackend:
         metrics: dict[str, float] | None,
         costs: dict[str, Any],
     ) -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.shared import commit_written
-
         result = commit_written(
             self.registry.context,
             claimed,
@@ -161,7 +162,6 @@ class ServerBackend:
         )
 
     def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
-        from registry.formats.documents import FileRecord
         from registry.remote.reader import RemoteReader
 
         try:
@@ -239,8 +239,6 @@ class ServerSink:
 
 
 def _token(value: object) -> str:
-    from registry.lifecycle.checkpoints.shared import is_token
-
     if not is_token(value):
         raise UsageError("the server answered the claim without a token", "update reg server")
     return str(value)

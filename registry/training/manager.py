@@ -41,13 +41,15 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from registry.api import Registry
 from registry.errors import NotFound, RegistryError
-from registry.refs import CheckpointRef
+from registry.refs import CheckpointRef, check_name
 from registry.training import ranks
+from registry.training.backends import EmbeddedBackend, ServerBackend
 from registry.training.saves import RestoreRecord, Save, Track, checked
 
 if TYPE_CHECKING:
@@ -73,8 +75,6 @@ class CheckpointManager:
         staging: object = None,  # unused since saves write straight into the store
         heartbeat_s: float = 30.0,
     ) -> None:
-        from registry.refs import check_name
-
         check_name(project, "project name")
         check_name(run, "run name")
         self.run, self.project = run, project
@@ -109,8 +109,6 @@ class CheckpointManager:
     def backend(self) -> EmbeddedBackend | ServerBackend:
         """The store itself, or `reg server` when REG_URL is set (every rank alike)."""
         if self._backend is None:
-            from registry.training.backends import EmbeddedBackend, ServerBackend
-
             remote = self.registry.settings.remote
             self._backend = (
                 ServerBackend(self.registry) if remote else EmbeddedBackend(self.registry)
@@ -411,8 +409,6 @@ class CheckpointManager:
 
     def _warn(self, exc: Exception) -> None:
         if not self._heartbeat_warned:
-            import warnings
-
             self._heartbeat_warned = True
             warnings.warn(f"reg: a heartbeat of {self.run} failed: {exc}", stacklevel=2)
 
@@ -457,6 +453,4 @@ class CheckpointManager:
         try:
             self.close("killed" if issubclass(kind, KeyboardInterrupt) else "failed")
         except Exception as exc:
-            import warnings
-
             warnings.warn(f"closing {self.project}/{self.run} failed: {exc}", stacklevel=2)

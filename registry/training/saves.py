@@ -9,9 +9,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from registry import faults
 from registry.errors import RegistryError
 from registry.refs import CheckpointRef
 from registry.training import ranks
+from registry.training.backends import SERVER_LEASE_S
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -60,7 +62,6 @@ class Save:
         if ranks.current_rank() != 0:
             return
         from registry.catalog.leases import Heartbeat
-        from registry.training.backends import SERVER_LEASE_S
 
         backend, shared = self.manager.backend, self.shared
         self._heartbeat = Heartbeat(lambda: backend.renew(shared), SERVER_LEASE_S / 4)
@@ -80,8 +81,6 @@ class Save:
 
     def commit(self, written: Written) -> None:
         """Rank 0, in DCP's finish (a background thread for an async save)."""
-        from registry import faults
-
         faults.point("save-written")
         persist = time.monotonic() - self.started
         if self.async_:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from registry.errors import Conflict, ObjectExists, RegistryError
+from registry.formats.dcp_scan import RANK_FILE
 from registry.formats.documents import FileRecord
 from registry.storage.base import BaseStore, ObjectWriter, PutResult
 
@@ -227,8 +228,6 @@ class _StoreFileSystem(FileSystemBase):
 
 
 def _rank_of(name: str) -> int | None:
-    from registry.formats.dcp_scan import RANK_FILE
-
     match = RANK_FILE.fullmatch(name)
     return int(match.group(1)) if match else None
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.layouts import check_layout
 from registry.errors import IntegrityError, RegistryError, UsageError
 from registry.formats.dcp_scan import open_checked, scan_part
 from registry.lifecycle.checkpoints import shared
@@ -126,8 +127,6 @@ def commit(
 ) -> dict[str, Any]:
     """Commit the claimed step from every part pushed under `token` (`save_costs`: what the
     training loop measured, recorded as it says)."""
-    from policies.layouts import check_layout
-
     check_layout(layout)
     held = shared.find(ctx, token)
     files, records = shared.recorded_parts(ctx, held)

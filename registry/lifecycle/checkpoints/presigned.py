@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
+from policies.layouts import check_layout
 from registry import faults
 from registry.catalog import claims
 from registry.errors import (
@@ -50,11 +51,16 @@ from registry.errors import (
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.layout import checkpoint_prefix, manifest_key
-from registry.lifecycle.checkpoints.push import check_metrics, check_request
+from registry.lifecycle.checkpoints.push import (
+    build_manifest,
+    check_metrics,
+    check_request,
+    world_size_of,
+)
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
 from registry.refs import CheckpointRef
 from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
-from registry.timeutil import now
+from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
@@ -99,7 +105,6 @@ def begin(
     files: list[DeclaredFile],
     layout: str | None = None,
 ) -> dict[str, Any]:
-    from policies.layouts import check_layout
     from registry.lifecycle.checkpoints import commit
 
     ref = check_request(project, run, step)
@@ -192,7 +197,6 @@ def complete(
     ctx: Context, ref: CheckpointRef, token: str, notes: list[str] | None = None
 ) -> PushResult:
     from registry.lifecycle.checkpoints import commit
-    from registry.lifecycle.checkpoints.push import build_manifest, world_size_of
     from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
     claim, plan = _resume(ctx, ref, token)
@@ -482,7 +486,6 @@ def _compare_existing(
     from registry.lifecycle.checkpoints.commit import PushResult
     from registry.lifecycle.checkpoints.resume_facts import resume_json
     from registry.lifecycle.views import CheckpointView
-    from registry.timeutil import iso
 
     with ctx.catalog.session() as s:
         stored = queries.files_of(s, existing.id or 0)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policies.access import Action
+from policies.layouts import check_layout
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
@@ -61,8 +62,6 @@ def push(
     `src` is the server's own private copy of an upload, with each file's size and sha256 as
     it landed: the store may then take the files as they are instead of copying them.
     `layout` forces the checkpoint's layout (policies/layouts.py) instead of detecting it."""
-    from policies.layouts import check_layout
-
     ref = check_request(project, run, step)
     check_layout(layout)
     checked_metrics = check_metrics(metrics or {})

@@ -17,7 +17,7 @@ from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, checkpoint_prefix
 from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.views import CheckpointView
-from registry.refs import CheckpointRef
+from registry.refs import CheckpointRef, check_reason
 from registry.timeutil import now
 from registry.transfer import download
 
@@ -178,7 +178,6 @@ def set_pin(
     ctx: Context, ref: CheckpointRef, pinned: bool, reason: str | None = None
 ) -> dict[str, Any]:
     from registry.journal.write import record as journal_record
-    from registry.refs import check_reason
 
     reason = check_reason(reason, "pin reason")
     action = Action.PIN if pinned else Action.UNPIN

@@ -8,11 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from registry import events
+from registry.errors import RegistryError
 from registry.lifecycle.checkpoints.resume_facts import (
     from_stored_metadata,
     missing_of,
     record_facts,
 )
+from registry.refs import CheckpointRef
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -28,9 +31,7 @@ def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePo
     from sqlalchemy import select as sa_select
     from sqlmodel import Session, col, select
 
-    from registry import events
     from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, KeySet, Project, Run
-    from registry.refs import CheckpointRef
 
     assert isinstance(session, Session)
     if old == new:
@@ -103,7 +104,6 @@ def undecided(ctx: Context) -> list[tuple[CheckpointRef, Checkpoint]]:
     from sqlmodel import col, select
 
     from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, Project, Run
-    from registry.refs import CheckpointRef
 
     with ctx.catalog.session() as s:
         rows = s.exec(
@@ -121,7 +121,6 @@ def record_all(ctx: Context) -> dict[str, Any]:
     its `.metadata` proven against the catalog's sha256 (`reg catalog migrate` runs it): the
     ones that cannot be read are named and keep their push-time verdict until first used."""
     from registry.catalog import queries
-    from registry.errors import RegistryError
 
     recorded, failed = 0, []
     for ref, ckpt in undecided(ctx):

@@ -22,6 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout, detect, known_layout
 from policies.resume import ResumeVerdict, classify, missing_from_heads
+from registry.errors import IntegrityError, RegistryError
+from registry.formats import sidecars
+from registry.formats.dcp import inventory
+from registry.formats.dcp_roots import metadata_paths, stored_metadata
+from registry.formats.documents import ResumeRecord
+from registry.layout import checkpoint_prefix
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -53,8 +59,6 @@ class KeyFacts:
 
     def record(self, policy: ResumePolicy) -> ResumeRecord:
         """For MANIFEST.json: these facts, and the verdict at push for the record."""
-        from registry.formats.documents import ResumeRecord
-
         v = verdict(self, policy)
         return ResumeRecord(
             v.classes, v.missing, v.resumable, v.unclassified, self.layout, self.keys, self.sidecars
@@ -70,9 +74,6 @@ def facts_of(
     """The key paths of a checkpoint's inventory; its sidecars are the files (path -> size)
     that are neither a `.metadata` nor a shard the metadata names, with what reg reads in them
     through `read(path)` (bytes the caller vouches for)."""
-    from registry.formats import sidecars
-    from registry.formats.dcp_roots import metadata_paths
-
     metadata = set(metadata_paths(files))
     beside = [p for p in files if p not in metadata and p not in inv.files]
     entries = tuple(sorted(sidecars.entries(beside, dict(files), read)))
@@ -150,7 +151,6 @@ def resume_json(
     key paths only, without suggestions, no store read; a checkpoint without them answers with
     what was decided at its push, and says so."""
     from registry.catalog.models import COMMITTED
-    from registry.errors import RegistryError
 
     if not full:
         facts = recorded_facts(ctx, ref, ckpt)
@@ -228,7 +228,6 @@ def _existing_set(session: Any, facts: KeyFacts) -> int | None:
     from sqlmodel import select
 
     from registry.catalog.models import KeySet
-    from registry.errors import IntegrityError
 
     row = session.exec(select(KeySet).where(KeySet.sha256 == facts.sha256)).first()
     if row is None:
@@ -277,7 +276,6 @@ def recorded_facts(ctx: Context, ref: CheckpointRef, ckpt: Checkpoint) -> KeyFac
     from sqlmodel import col, select
 
     from registry.catalog.models import CheckpointKeys, KeySet
-    from registry.errors import IntegrityError
 
     with ctx.catalog.session() as s:
         row = s.exec(
@@ -303,8 +301,6 @@ def record_facts(ctx: Context, checkpoint_id: int, facts: KeyFacts) -> bool:
     same): whether they are recorded now."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from registry.errors import RegistryError
-
     try:
         with ctx.catalog.session(write=True) as s:
             save(s, checkpoint_id, facts)
@@ -318,8 +314,6 @@ def proven_reader(
 ) -> Callable[[str], bytes]:
     """Reads a stored file of a checkpoint whole (at its recorded version), refused unless it
     holds the bytes the catalog recorded."""
-    from registry.errors import IntegrityError
-
     records = {f.path: f for f in files}
 
     def read(path: str) -> bytes:
@@ -338,11 +332,6 @@ def proven_reader(
 def from_stored_metadata(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
-    from registry.errors import IntegrityError
-    from registry.formats.dcp import inventory
-    from registry.formats.dcp_roots import metadata_paths, stored_metadata
-    from registry.layout import checkpoint_prefix
-
     records = {f.path: f for f in files}
     prefix = checkpoint_prefix(ref.project, ref.run, ckpt.step)
     if not metadata_paths(records):

@@ -33,10 +33,22 @@ from typing import TYPE_CHECKING, Any
 from policies.access import Action
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
 from registry.formats.dcp_roots import merged_metadata, metadata_paths
-from registry.formats.dcp_scan import CLAIM_RECORD_PREFIX, check_file_set, scan_merged
+from registry.formats.dcp_scan import (
+    CLAIM_RECORD_PREFIX,
+    RANK_FILE,
+    check_file_set,
+    check_path,
+    is_reserved,
+    scan_merged,
+)
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix, manifest_key
-from registry.lifecycle.checkpoints.push import check_metrics, check_request
+from registry.lifecycle.checkpoints.push import (
+    build_manifest,
+    check_metrics,
+    check_request,
+    world_size_of,
+)
 from registry.refs import CheckpointRef
 from registry.timeutil import now
 from registry.transfer import OnMismatch, Stored, put_reconciled
@@ -211,8 +223,6 @@ def recorded_parts(ctx: Context, shared: SharedClaim) -> tuple[list[FileRecord],
 def _parse_part(key: str, data: bytes) -> list[FileRecord]:
     """One part record's files, each field checked: a record is read back from the store, and
     what it says becomes the checkpoint's file list."""
-    from registry.formats.dcp_scan import check_path, is_reserved
-
     bad = IntegrityError(f"{key} is not a part record", "push that part again")
     try:
         doc = json.loads(data)
@@ -264,7 +274,6 @@ def commit_written(
     files). `own_writer`: reg's StoreWriter wrote the shards (no shard is read)."""
     from registry.catalog import claims
     from registry.lifecycle.checkpoints import commit
-    from registry.lifecycle.checkpoints.push import build_manifest, world_size_of
     from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
     ref, prefix = shared.ref, shared.prefix
@@ -371,8 +380,6 @@ def _check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> N
 
 def _check_named_files(ref: CheckpointRef, merged: Any, sizes: dict[str, int]) -> None:
     """Every shard `.metadata` names was recorded; else say which ranks' files are missing."""
-    from registry.formats.dcp_scan import RANK_FILE
-
     named = {str(info.relative_path) for info in merged.storage_data.values()}
     missing = sorted(named - set(sizes))
     if not missing:

@@ -22,6 +22,7 @@ from sqlmodel import col, select
 from registry.catalog import claims
 from registry.catalog.leases import hold
 from registry.catalog.models import ACTIVE, Model, Release
+from registry.errors import RegistryError
 from registry.lifecycle.promotion.plan import (
     PromotionPlan,
     check_resumable,
@@ -101,7 +102,6 @@ def promote(
 def _with_hf(ctx: Context, out: dict[str, Any]) -> dict[str, Any]:
     """`hf` and `hf_config` of the release (as `reg show` has them). The release is made: a
     file that cannot be read back now is a note, not a failed promotion."""
-    from registry.errors import RegistryError
     from registry.lifecycle.promotion.hf import release_hf
     from registry.lifecycle.releases import resolve_release
 

@@ -29,6 +29,7 @@ from registry.formats.safetensors_stream import (
     plan_shards,
     shard_names,
 )
+from registry.transfer import OnMismatch, put_reconciled
 
 if TYPE_CHECKING:
     from registry.formats.dcp_load import ChunkSource
@@ -141,8 +142,6 @@ def _shard_writer(
 def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRecord:
     """Write one release file. One already there is from a killed attempt of this promotion
     (same inputs): adopted only if its bytes are exactly what this run produces."""
-    from registry.transfer import OnMismatch, put_reconciled
-
     done = put_reconciled(
         store, prefix + path, immutable=True, on_mismatch=OnMismatch.CONFLICT, **source
     )

@@ -26,6 +26,7 @@ from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
 from registry.formats.documents import FileRecord
+from registry.formats.extras import CODE, judge
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.consolidate import INDEX
@@ -174,8 +175,6 @@ def _shard_bytes(text: str) -> int:
 def _check_extras(extras: list[Path], *, allow_code: bool) -> tuple[Extra, ...]:
     """Each extra judged by its content (registry/formats/extras.py): pickles, weights and
     unknown binary data refused; code refused unless the policy allows it."""
-    from registry.formats.extras import CODE, judge
-
     out: list[Extra] = []
     reserved = {RELEASE_DOCUMENT, MANIFEST, INDEX}  # MANIFEST.json: a pulled folder's document
     for given in extras:

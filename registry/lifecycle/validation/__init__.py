@@ -30,10 +30,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
+from policies.layouts import check_layout, known_layout
 from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
-from registry.errors import NotFound, RegistryError, UsageError
+from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
 from registry.journal.event import VALIDATION
@@ -46,6 +47,7 @@ from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, l
 from registry.lifecycle.validation.modes import MODES, SHARDED, run_streamed
 from registry.lifecycle.validation.restore import device_name, driver_version, resolve_device
 from registry.refs import CheckpointRef
+from registry.text import inert
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -70,7 +72,6 @@ class Request:
 
     def checked(self) -> Request:
         """Every option checked before any work (usage errors, exit 2); the device resolved."""
-        from policies.layouts import check_layout
         from policies.resume import check_strip_prefix
         from registry.lifecycle.validation.sharded import require_hooks
 
@@ -109,7 +110,6 @@ def validate(
     *,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    from policies.layouts import known_layout
     from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
 
     ctx.authorize(Action.VALIDATE, project=ref.project, target=str(ref))
@@ -165,7 +165,6 @@ def run_checks(
     (None: where its keys show); no catalog access, so a validator reading through `reg
     server` runs the same code."""
     from policies.resume import names_path, suggest
-    from registry.errors import IntegrityError
     from registry.lifecycle.checkpoints.resume_facts import facts_of, proven_reader, verdict
 
     out = Outcome()
@@ -273,8 +272,6 @@ def _finite(value: object) -> TypeGuard[int | float]:
 def _clean_detail(detail: object) -> Any:
     """A check's detail as a report may carry it: text, nothing, or groups of names (tied
     weights); bounded and inert. False for anything else."""
-    from registry.text import inert
-
     if detail is None:
         return None
     if isinstance(detail, str):
@@ -344,8 +341,6 @@ class Attempt:
 
     @classmethod
     def from_json(cls, doc: Any) -> Attempt:
-        from registry.text import inert
-
         def bad(what: str) -> UsageError:
             return UsageError(f"validation report: {what}", "send what reg validate produces")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 import shutil
 import subprocess
 
@@ -26,8 +27,6 @@ def resolve_device(device: str) -> str:
 
 
 def device_name(device: str) -> str:
-    import platform
-
     import torch
 
     if device == "cuda":

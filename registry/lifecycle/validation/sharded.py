@@ -24,6 +24,7 @@ from typing import Any
 
 from registry.errors import UsageError
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
+from registry.storage import open_store
 
 START_ATTEMPTS = 2  # gloo now and then aborts a rank while the group forms on a busy machine
 RANK_TIMEOUT_S = 600
@@ -160,7 +161,6 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
 
     from registry.formats.dcp_load import SafeLoadPlanner, StoreReader
     from registry.lifecycle.validation.checks import run_probe
-    from registry.storage import open_store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: dict[str, Any] = {"seconds": 0.0, "params": {}, "stage": "start"}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import ChunkRange, Inventory, TensorInfo
-from registry.formats.torch_archive import ArchiveStream, NotStreamable
+from registry.formats.torch_archive import ITEMSIZE, ArchiveStream, NotStreamable
 from registry.lifecycle.validation.batches import Batches, OutOfDeviceMemory, Target
 from registry.lifecycle.validation.budget import Budget, out_of_memory
 from registry.progress import Counter
@@ -280,8 +280,6 @@ def _name(key: Any) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    from registry.formats.torch_archive import ITEMSIZE
-
     return ITEMSIZE[dtype]
 
 
