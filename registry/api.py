@@ -25,6 +25,42 @@ if TYPE_CHECKING:
     from registry.policy_source import EffectivePolicy
     from registry.progress import Progress
     from registry.refs import CheckpointRef, ReleaseRef
+    from registry.results import (
+        Advice,
+        AliasMoved,
+        AuditEvent,
+        AuditSealed,
+        AuditVerification,
+        CheckpointDetails,
+        CheckpointFacts,
+        CheckpointPulled,
+        CheckpointPushed,
+        CheckpointSummary,
+        ClaimTaken,
+        FsckReport,
+        GcReport,
+        HeartbeatRecorded,
+        MirrorSynced,
+        PartPushed,
+        PolicyApplied,
+        PolicyInForce,
+        RebuildReport,
+        RecoveryReport,
+        ReleaseDetails,
+        ReleasePromoted,
+        ReleasePulled,
+        ReleaseStatusChanged,
+        ReleaseSummary,
+        RestartPlanned,
+        RunFinished,
+        ScrubReport,
+        StorageReport,
+        TokenCreated,
+        TokenInfo,
+        TokenRevoked,
+        ValidationReport,
+        VerifyReport,
+    )
 
 
 class Registry:
@@ -83,7 +119,7 @@ class Registry:
         progress: Progress | None = None,
         notes: list[str] | None = None,
         layout: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
         instead of detecting it from its keys."""
         raise NotImplementedError
@@ -91,7 +127,7 @@ class Registry:
     @http("POST", "/claims", names={"lease_s": "lease_seconds"})
     def claim_checkpoint(
         self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
-    ) -> dict[str, Any]:
+    ) -> ClaimTaken:
         """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
         raise NotImplementedError
 
@@ -104,7 +140,7 @@ class Registry:
         step: int,
         project: str = "default",
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> PartPushed:
         """Copy one node's files of a claimed step (`claim` is its token)."""
         raise NotImplementedError
 
@@ -116,25 +152,25 @@ class Registry:
         metrics: dict[str, float] | None = None,
         layout: str | None = None,
         save_costs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         """Commit a claimed step once every file its .metadata names was pushed."""
         raise NotImplementedError
 
     @http("GET", "/checkpoints")
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
-    ) -> list[dict[str, Any]]:
+    ) -> list[CheckpointSummary]:
         """Checkpoints, newest first, of one run or project or all (`reg ls`)."""
         raise NotImplementedError
 
     @http("GET", "/show")
-    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
+    def show(self, ref: str | CheckpointRef | ReleaseRef) -> CheckpointDetails | ReleaseDetails:
         """One checkpoint or release, with its files and facts (`reg show`)."""
         raise NotImplementedError
 
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> CheckpointPulled:
         """Copy a checkpoint's files into `dest`, each checked against its sha256 (`reg pull`)."""
         raise NotImplementedError
 
@@ -145,7 +181,7 @@ class Registry:
         *,
         repair: bool = False,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> VerifyReport:
         """Re-hash an artifact's stored files against their records; `repair` restores damaged
         ones from their recorded versions (admin)."""
         raise NotImplementedError
@@ -157,25 +193,25 @@ class Registry:
         rate: float | None = None,
         limit: int | None = None,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> ScrubReport:
         """Re-hash every committed checkpoint and release (admin), the longest unverified first,
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
         raise NotImplementedError
 
     @http("POST", "/pin", fixed={"pinned": True})
-    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
+    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> CheckpointFacts:
         """Keep a checkpoint from retention until unpinned."""
         raise NotImplementedError
 
     @http("POST", "/pin", fixed={"pinned": False})
-    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
+    def unpin(self, ref: str | CheckpointRef) -> CheckpointFacts:
         """Let retention decide about a pinned checkpoint again."""
         raise NotImplementedError
 
     @http("POST", "/runs/finish")
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
-    ) -> dict[str, Any]:
+    ) -> RunFinished:
         """The training job of `run` (`project/run` or `run`) ended with `status`."""
         raise NotImplementedError
 
@@ -192,7 +228,7 @@ class Registry:
         strip_prefix: str | None = None,
         memory_budget: str | None = None,
         with_optimizer: bool = False,
-    ) -> dict[str, Any]:
+    ) -> ValidationReport:
         """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
         names too (after the layout's prefix) for the model factory's check; `memory_budget` a
         size (default: a fraction of the device's free memory); `world_size` > 1 restores the
@@ -214,41 +250,41 @@ class Registry:
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReleasePromoted:
         """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
         stripped from the release's names after the layout's own prefix; `allow_unclassified`
         leaves tensors no resume class claims out of the release (else it is refused)."""
         raise NotImplementedError
 
     @http("GET", "/releases")
-    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
+    def releases(self, model: str | None = None) -> list[ReleaseSummary]:
         """Release versions, of one model or all (`reg releases`)."""
         raise NotImplementedError
 
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> ReleasePulled:
         """Copy a release's files into `dest`, each checked against its sha256."""
         raise NotImplementedError
 
     @http("POST", "/alias")
-    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
+    def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
         """Point `alias` (e.g. prod) at version `version` of `model`."""
         raise NotImplementedError
 
     @http("POST", "/status", fixed={"status": "deprecated"})
-    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
+    def deprecate(self, ref: str | ReleaseRef) -> ReleaseStatusChanged:
         """Mark a release deprecated: still pulled, no longer advised."""
         raise NotImplementedError
 
     @http("POST", "/status", fixed={"status": "yanked"})
-    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
+    def yank(self, ref: str | ReleaseRef, reason: str) -> ReleaseStatusChanged:
         """Withdraw a release: it is no longer pulled by alias, and its bytes may go."""
         raise NotImplementedError
 
     # -- administration --------------------------------------------------------------------------
     @http("POST", "/gc")
-    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+    def gc(self, *, dry_run: bool = False) -> GcReport:
         """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
         raise NotImplementedError
 
@@ -261,12 +297,12 @@ class Registry:
         full: bool = False,
         sample: int = 32,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> FsckReport:
         """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
         raise NotImplementedError
 
     @http("POST", "/catalog/rebuild")
-    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
+    def rebuild_catalog(self, *, dry_run: bool = False) -> RebuildReport:
         """Re-create missing catalog rows from the store's documents (admin)."""
         raise NotImplementedError
 
@@ -279,7 +315,7 @@ class Registry:
         gpus: int | None = None,
         mtbf_s: float | None = None,
         fleet: bool = False,
-    ) -> dict[str, Any]:
+    ) -> Advice:
         """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""
         raise NotImplementedError
@@ -287,28 +323,28 @@ class Registry:
     @http("GET", "/recovery")
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> RecoveryReport:
         """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
         raise NotImplementedError
 
     @http("POST", "/runs/restart")
-    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
+    def plan_restart(self, run: str, *, project: str = "default") -> RestartPlanned:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""
         raise NotImplementedError
 
-    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:
         """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
         raise NotImplementedError
 
     @http("POST", "/storage/init")
-    def storage_init(self) -> dict[str, Any]:
+    def storage_init(self) -> StorageReport:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
         raise NotImplementedError
 
     @http("GET", "/audit")
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[AuditEvent]:
         """Audit events, oldest first, filtered by time, actor and action."""
         raise NotImplementedError
 
@@ -320,21 +356,21 @@ class Registry:
     )
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> AuditVerification:
         """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
         raise NotImplementedError
 
     @http("POST", "/audit/seal")
-    def audit_seal(self) -> dict[str, Any]:
+    def audit_seal(self) -> AuditSealed:
         """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
         raise NotImplementedError
 
     @http("GET", "/policy")
-    def policy_show(self) -> dict[str, Any]:
+    def policy_show(self) -> PolicyInForce:
         """The policy document in force and where it comes from."""
         raise NotImplementedError
 
-    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+    def apply_policy(self, path: str | Path) -> PolicyApplied:
         """Make the policy file at `path` the one in force (admin; signed and sealed)."""
         raise NotImplementedError
 
@@ -344,22 +380,22 @@ class Registry:
         raise NotImplementedError
 
     @http("POST", "/tokens")
-    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
+    def create_token(self, principal: str, *, expires_s: float | None = None) -> TokenCreated:
         """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
         raise NotImplementedError
 
     @http("GET", "/tokens")
-    def list_tokens(self) -> list[dict[str, Any]]:
+    def list_tokens(self) -> list[TokenInfo]:
         """The API tokens issued (never their secrets)."""
         raise NotImplementedError
 
     @http("DELETE", "/tokens/{token_id}")
-    def revoke_token(self, token_id: str) -> dict[str, Any]:
+    def revoke_token(self, token_id: str) -> TokenRevoked:
         """Revoke API token `token_id`: it authenticates nothing from now on."""
         raise NotImplementedError
 
     @http("POST", "/mlflow/sync")
-    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
+    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""
         raise NotImplementedError

@@ -21,6 +21,43 @@ from registry.refs import (
     parse_ref,
     parse_release_ref,
 )
+from registry.results import (
+    Advice,
+    AliasMoved,
+    AuditEvent,
+    AuditSealed,
+    AuditVerification,
+    CheckpointDetails,
+    CheckpointFacts,
+    CheckpointPulled,
+    CheckpointPushed,
+    CheckpointSummary,
+    ClaimTaken,
+    FsckReport,
+    GcReport,
+    HeartbeatRecorded,
+    MirrorSynced,
+    PartPushed,
+    PolicyApplied,
+    PolicyInForce,
+    RebuildReport,
+    RecoveryReport,
+    ReleaseDetails,
+    ReleasePromoted,
+    ReleasePulled,
+    ReleaseStatusChanged,
+    ReleaseSummary,
+    RestartPlanned,
+    RunFinished,
+    ScrubReport,
+    StorageReport,
+    TokenCreated,
+    TokenInfo,
+    TokenRevoked,
+    ValidationReport,
+    VerifyReport,
+    results_of,
+)
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -154,31 +191,35 @@ class LocalRegistry(Registry):
         progress: Progress | None = None,
         notes: list[str] | None = None,
         layout: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
         instead of detecting it from its keys."""
         from registry.lifecycle.checkpoints.push import push
 
-        return push(
-            self.context,
-            Path(src),
-            run=run,
-            step=step,
-            project=project,
-            world_size=world_size,
-            metrics=metrics,
-            progress=progress,
-            notes=notes,
-            layout=layout,
-        ).to_json()
+        return CheckpointPushed.from_json(
+            push(
+                self.context,
+                Path(src),
+                run=run,
+                step=step,
+                project=project,
+                world_size=world_size,
+                metrics=metrics,
+                progress=progress,
+                notes=notes,
+                layout=layout,
+            ).to_json()
+        )
 
     def claim_checkpoint(
         self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
-    ) -> dict[str, Any]:
+    ) -> ClaimTaken:
         """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
         from registry.lifecycle.checkpoints import claimed
 
-        return claimed.claim(self.context, CheckpointRef(project, run, step), lease_s)
+        return ClaimTaken.from_json(
+            claimed.claim(self.context, CheckpointRef(project, run, step), lease_s)
+        )
 
     def push_checkpoint_part(
         self,
@@ -189,12 +230,14 @@ class LocalRegistry(Registry):
         step: int,
         project: str = "default",
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> PartPushed:
         """Copy one node's files of a claimed step (`claim` is its token)."""
         from registry.lifecycle.checkpoints import claimed
 
         ref = CheckpointRef(project, run, step)
-        return claimed.push_part(self.context, Path(src), claim, ref, progress=progress)
+        return PartPushed.from_json(
+            claimed.push_part(self.context, Path(src), claim, ref, progress=progress)
+        )
 
     def commit_claimed(
         self,
@@ -204,42 +247,49 @@ class LocalRegistry(Registry):
         metrics: dict[str, float] | None = None,
         layout: str | None = None,
         save_costs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         """Commit a claimed step once every file its .metadata names was pushed."""
         from registry.lifecycle.checkpoints import claimed
 
-        return claimed.commit(
-            self.context,
-            claim,
-            world_size=world_size,
-            metrics=metrics,
-            layout=layout,
-            save_costs=save_costs,
+        return CheckpointPushed.from_json(
+            claimed.commit(
+                self.context,
+                claim,
+                world_size=world_size,
+                metrics=metrics,
+                layout=layout,
+                save_costs=save_costs,
+            )
         )
 
     def list_checkpoints(
         self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
-    ) -> list[dict[str, Any]]:
+    ) -> list[CheckpointSummary]:
         from registry.lifecycle.checkpoints.listing import list_checkpoints
 
-        return list_checkpoints(self.context, run, project, include_deleted=include_deleted)
+        return results_of(
+            CheckpointSummary,
+            list_checkpoints(self.context, run, project, include_deleted=include_deleted),
+        )
 
-    def show(self, ref: str | CheckpointRef | ReleaseRef) -> dict[str, Any]:
+    def show(self, ref: str | CheckpointRef | ReleaseRef) -> CheckpointDetails | ReleaseDetails:
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if isinstance(parsed, ReleaseRef):
             from registry.lifecycle import releases
 
-            return releases.show(self.context, parsed)
+            return ReleaseDetails.from_json(releases.show(self.context, parsed))
         from registry.lifecycle.checkpoints import read
 
-        return read.show(self.context, parsed)
+        return CheckpointDetails.from_json(read.show(self.context, parsed))
 
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> CheckpointPulled:
         from registry.lifecycle.checkpoints.read import pull
 
-        return pull(self.context, _ckpt(ref), Path(dest), progress=progress)
+        return CheckpointPulled.from_json(
+            pull(self.context, _ckpt(ref), Path(dest), progress=progress)
+        )
 
     def verify(
         self,
@@ -247,15 +297,19 @@ class LocalRegistry(Registry):
         *,
         repair: bool = False,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> VerifyReport:
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if isinstance(parsed, ReleaseRef):
             from registry.lifecycle import releases
 
-            return releases.verify(self.context, parsed, repair=repair, progress=progress)
+            return VerifyReport.from_json(
+                releases.verify(self.context, parsed, repair=repair, progress=progress)
+            )
         from registry.lifecycle.checkpoints import read
 
-        return read.verify(self.context, parsed, repair=repair, progress=progress)
+        return VerifyReport.from_json(
+            read.verify(self.context, parsed, repair=repair, progress=progress)
+        )
 
     def scrub(
         self,
@@ -263,31 +317,31 @@ class LocalRegistry(Registry):
         rate: float | None = None,
         limit: int | None = None,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> ScrubReport:
         """Re-hash every committed checkpoint and release (admin), the longest unverified first,
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
         from registry.operations.scrub import scrub
 
-        return scrub(self.context, rate=rate, limit=limit, progress=progress)
+        return ScrubReport.from_json(scrub(self.context, rate=rate, limit=limit, progress=progress))
 
-    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> dict[str, Any]:
+    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> CheckpointFacts:
         from registry.lifecycle.checkpoints.read import set_pin
 
-        return set_pin(self.context, _ckpt(ref), True, reason)
+        return CheckpointFacts.from_json(set_pin(self.context, _ckpt(ref), True, reason))
 
-    def unpin(self, ref: str | CheckpointRef) -> dict[str, Any]:
+    def unpin(self, ref: str | CheckpointRef) -> CheckpointFacts:
         from registry.lifecycle.checkpoints.read import set_pin
 
-        return set_pin(self.context, _ckpt(ref), False)
+        return CheckpointFacts.from_json(set_pin(self.context, _ckpt(ref), False))
 
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
-    ) -> dict[str, Any]:
+    ) -> RunFinished:
         """The training job of `run` (`project/run` or `run`) ended with `status`."""
         from registry.lifecycle.runs import finish_run, split_run
 
         project_name, run_name = split_run(run, project)
-        return finish_run(self.context, project_name, run_name, status)
+        return RunFinished.from_json(finish_run(self.context, project_name, run_name, status))
 
     # -- validation, promotion, releases ---------------------------------------------------------
     def validate(
@@ -302,7 +356,7 @@ class LocalRegistry(Registry):
         strip_prefix: str | None = None,
         memory_budget: str | None = None,
         with_optimizer: bool = False,
-    ) -> dict[str, Any]:
+    ) -> ValidationReport:
         """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
         names too (after the layout's prefix) for the model factory's check; `memory_budget` a
         size (default: a fraction of the device's free memory); `world_size` > 1 restores the
@@ -313,7 +367,9 @@ class LocalRegistry(Registry):
         request = Request(
             device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
         )
-        return validate(self.context, _ckpt(ref), request, progress=progress)
+        return ValidationReport.from_json(
+            validate(self.context, _ckpt(ref), request, progress=progress)
+        )
 
     def promote(
         self,
@@ -329,62 +385,68 @@ class LocalRegistry(Registry):
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReleasePromoted:
         """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
         stripped from the release's names after the layout's own prefix; `allow_unclassified`
         leaves tensors no resume class claims out of the release (else it is refused)."""
         from registry.lifecycle.promotion import promote
 
-        return promote(
-            self.context,
-            _ckpt(ref),
-            model=model,
-            alias=alias,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            extras=[Path(p) for p in extras or []],
-            model_factory=model_factory,
-            progress=progress,
-            layout=layout,
-            allow_unclassified=allow_unclassified,
-            strip_prefix=strip_prefix,
+        return ReleasePromoted.from_json(
+            promote(
+                self.context,
+                _ckpt(ref),
+                model=model,
+                alias=alias,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                extras=[Path(p) for p in extras or []],
+                model_factory=model_factory,
+                progress=progress,
+                layout=layout,
+                allow_unclassified=allow_unclassified,
+                strip_prefix=strip_prefix,
+            )
         )
 
-    def releases(self, model: str | None = None) -> list[dict[str, Any]]:
+    def releases(self, model: str | None = None) -> list[ReleaseSummary]:
         from registry.lifecycle.releases import list_releases
 
-        return list_releases(self.context, model)
+        return results_of(ReleaseSummary, list_releases(self.context, model))
 
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> ReleasePulled:
         from registry.lifecycle.releases import pull
 
-        return pull(self.context, _release(ref), Path(dest), progress=progress)
+        return ReleasePulled.from_json(
+            pull(self.context, _release(ref), Path(dest), progress=progress)
+        )
 
-    def set_alias(self, model: str, alias: str, version: str | int) -> dict[str, Any]:
+    def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
         from registry.lifecycle.releases import set_alias
 
-        return set_alias(self.context, model, alias, version)
+        return AliasMoved.from_json(set_alias(self.context, model, alias, version))
 
-    def deprecate(self, ref: str | ReleaseRef) -> dict[str, Any]:
+    def deprecate(self, ref: str | ReleaseRef) -> ReleaseStatusChanged:
         from registry.catalog.models import DEPRECATED
         from registry.lifecycle.releases import set_status
 
-        return set_status(self.context, _release(ref), DEPRECATED)
+        return ReleaseStatusChanged.from_json(set_status(self.context, _release(ref), DEPRECATED))
 
-    def yank(self, ref: str | ReleaseRef, reason: str) -> dict[str, Any]:
+    def yank(self, ref: str | ReleaseRef, reason: str) -> ReleaseStatusChanged:
         from registry.catalog.models import YANKED
         from registry.lifecycle.releases import set_status
 
-        return set_status(self.context, _release(ref), YANKED, reason)
+        return ReleaseStatusChanged.from_json(
+            set_status(self.context, _release(ref), YANKED, reason)
+        )
 
     # -- administration --------------------------------------------------------------------------
-    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+    def gc(self, *, dry_run: bool = False) -> GcReport:
         """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
         from registry.operations.gc import run_gc
 
-        return run_gc(self.context, dry_run=dry_run)
+        return GcReport.from_json(run_gc(self.context, dry_run=dry_run))
 
     def fsck(
         self,
@@ -394,20 +456,20 @@ class LocalRegistry(Registry):
         full: bool = False,
         sample: int = 32,
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> FsckReport:
         """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
         from registry.operations.fsck import fsck
 
         ctx = self.context
-        return fsck(
-            ctx, project=project, full=full, sample=sample, repair=repair, progress=progress
+        return FsckReport.from_json(
+            fsck(ctx, project=project, full=full, sample=sample, repair=repair, progress=progress)
         )
 
-    def rebuild_catalog(self, *, dry_run: bool = False) -> dict[str, Any]:
+    def rebuild_catalog(self, *, dry_run: bool = False) -> RebuildReport:
         """Re-create missing catalog rows from the store's documents (admin)."""
         from registry.operations.rebuild import rebuild
 
-        return rebuild(self.context, dry_run=dry_run)
+        return RebuildReport.from_json(rebuild(self.context, dry_run=dry_run))
 
     def advise(
         self,
@@ -417,96 +479,108 @@ class LocalRegistry(Registry):
         gpus: int | None = None,
         mtbf_s: float | None = None,
         fleet: bool = False,
-    ) -> dict[str, Any]:
+    ) -> Advice:
         """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""
         from registry.economics import advise
 
-        return advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+        return Advice.from_json(
+            advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+        )
 
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> RecoveryReport:
         """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
         from registry.economics import advise
 
-        return advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
+        return RecoveryReport.from_json(
+            advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
+        )
 
-    def plan_restart(self, run: str, *, project: str = "default") -> dict[str, Any]:
+    def plan_restart(self, run: str, *, project: str = "default") -> RestartPlanned:
         """The next restore of `run` is a planned restart, not a failure (trainer)."""
         from registry.economics.records import plan_restart
 
-        return plan_restart(self.context, project, run)
+        return RestartPlanned.from_json(plan_restart(self.context, project, run))
 
-    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:
         """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
         from registry.economics.records import record_heartbeat
 
-        return record_heartbeat(self.context, project, run, **figures)
+        return HeartbeatRecorded.from_json(record_heartbeat(self.context, project, run, **figures))
 
-    def storage_init(self) -> dict[str, Any]:
+    def storage_init(self) -> StorageReport:
         """Check the store and set lifecycle rules (S3); create the root (local)."""
         from registry.operations.admin import storage_init
 
-        return storage_init(self.context)
+        return StorageReport.from_json(storage_init(self.context))
 
     def audit_log(
         self, *, since: float | None = None, actor: str | None = None, action: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[AuditEvent]:
         from registry.operations.admin import audit_log
 
-        return audit_log(self.context, since=since, actor=actor, action=action)
+        return results_of(
+            AuditEvent, audit_log(self.context, since=since, actor=actor, action=action)
+        )
 
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> AuditVerification:
         """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
         from registry.audit_chain.service import verify
 
-        return verify(
-            self.context, max_unsealed_age_s=max_unsealed_age_s, max_anchor_age_s=max_anchor_age_s
+        return AuditVerification.from_json(
+            verify(
+                self.context,
+                max_unsealed_age_s=max_unsealed_age_s,
+                max_anchor_age_s=max_anchor_age_s,
+            )
         )
 
-    def audit_seal(self) -> dict[str, Any]:
+    def audit_seal(self) -> AuditSealed:
         """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
         from registry.audit_chain.service import seal
 
-        return seal(self.context)
+        return AuditSealed.from_json(seal(self.context))
 
-    def policy_show(self) -> dict[str, Any]:
+    def policy_show(self) -> PolicyInForce:
         from registry.operations.policy_admin import show
 
-        return show(self.context)
+        return PolicyInForce.from_json(show(self.context))
 
-    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+    def apply_policy(self, path: str | Path) -> PolicyApplied:
         from registry.operations.policy_admin import apply
 
         out = apply(self.context, Path(path))
         self._context = None  # the next call runs under the applied policy
-        return out
+        return PolicyApplied.from_json(out)
 
     def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
         from registry.operations.policy_admin import export
 
         return export(self.context, bucket)
 
-    def create_token(self, principal: str, *, expires_s: float | None = None) -> dict[str, Any]:
+    def create_token(self, principal: str, *, expires_s: float | None = None) -> TokenCreated:
         """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
         from registry.operations import token_admin
 
-        return token_admin.create(self.context, principal, expires_s=expires_s)
+        return TokenCreated.from_json(
+            token_admin.create(self.context, principal, expires_s=expires_s)
+        )
 
-    def list_tokens(self) -> list[dict[str, Any]]:
+    def list_tokens(self) -> list[TokenInfo]:
         from registry.operations import token_admin
 
-        return token_admin.listing(self.context)
+        return results_of(TokenInfo, token_admin.listing(self.context))
 
-    def revoke_token(self, token_id: str) -> dict[str, Any]:
+    def revoke_token(self, token_id: str) -> TokenRevoked:
         from registry.operations import token_admin
 
-        return token_admin.revoke(self.context, token_id)
+        return TokenRevoked.from_json(token_admin.revoke(self.context, token_id))
 
-    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> dict[str, Any]:
+    def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
         """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
         `skip`: first set that pending event aside (audited)."""
         from registry.errors import UsageError
@@ -520,7 +594,7 @@ class LocalRegistry(Registry):
         self.authorize(Action.MLFLOW_SYNC, target=redact_url(self.settings.mlflow_tracking_uri))
         skipped = skip_event(self.context, skip) if skip is not None else None
         out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
-        return out | ({"skipped": skipped} if skipped else {})
+        return MirrorSynced.from_json(out | ({"skipped": skipped} if skipped else {}))
 
 
 def _release(ref: str | ReleaseRef) -> ReleaseRef:

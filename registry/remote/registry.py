@@ -27,6 +27,16 @@ from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
 from registry.remote.client import Client
 from registry.remote.reader import RemoteReader
+from registry.results import (
+    CheckpointPulled,
+    CheckpointPushed,
+    HeartbeatRecorded,
+    PartPushed,
+    PolicyApplied,
+    ReleasePromoted,
+    ReleasePulled,
+    ValidationReport,
+)
 from registry.wire import Route, routes
 
 if TYPE_CHECKING:
@@ -148,7 +158,7 @@ class RemoteRegistry(Registry):
         progress: Progress | None = None,
         notes: list[str] | None = None,
         layout: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         from policies.layouts import check_layout
         from registry.formats.dcp_scan import scan_directory
         from registry.lifecycle.checkpoints.pulled import KeptManifest
@@ -189,7 +199,7 @@ class RemoteRegistry(Registry):
         for n in out.pop("notes", []):
             if notes is not None:
                 notes.append(n)
-        return out
+        return CheckpointPushed.from_json(out)
 
     # -- a checkpoint written by several writers under one claim (issue 15) --------------------
     def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]:
@@ -222,11 +232,11 @@ class RemoteRegistry(Registry):
         step: int,
         project: str = "default",
         progress: Progress | None = None,
-    ) -> dict[str, Any]:
+    ) -> PartPushed:
         from registry.remote.claims import push_part
 
         ref = CheckpointRef(project, run, step)
-        return push_part(self, Path(src), claim, ref, progress)
+        return PartPushed.from_json(push_part(self, Path(src), claim, ref, progress))
 
     def commit_claimed(
         self,
@@ -236,7 +246,7 @@ class RemoteRegistry(Registry):
         metrics: dict[str, float] | None = None,
         layout: str | None = None,
         save_costs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointPushed:
         from registry.lifecycle.checkpoints.shared import check_token
 
         body = {
@@ -245,7 +255,9 @@ class RemoteRegistry(Registry):
             "layout": layout,
             "save_costs": save_costs,
         }
-        return dict(self.client.call("POST", f"/claims/{check_token(claim)}/commit", body=body))
+        return CheckpointPushed.from_json(
+            dict(self.client.call("POST", f"/claims/{check_token(claim)}/commit", body=body))
+        )
 
     def read_urls(
         self, ref: str, listed: list[dict[str, Any]]
@@ -254,13 +266,13 @@ class RemoteRegistry(Registry):
 
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> CheckpointPulled:
         parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
         where = self._download(str(parsed), Path(dest), progress)
         out = dict(self.client.call("POST", "/checkpoints/pulled", body={"ref": where[0]}))
         out["dest"] = str(where[1])
         out["kept"] = "MANIFEST.json" if (where[1] / "MANIFEST.json").is_file() else None
-        return out
+        return CheckpointPulled.from_json(out)
 
     def _download(self, ref: str, dest: Path, progress: Progress | None) -> tuple[str, Path, Any]:
         from registry.transfer import download
@@ -302,7 +314,7 @@ class RemoteRegistry(Registry):
         strip_prefix: str | None = None,
         memory_budget: str | None = None,
         with_optimizer: bool = False,
-    ) -> dict[str, Any]:
+    ) -> ValidationReport:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
         from policies.layouts import check_layout, known_layout
@@ -342,7 +354,9 @@ class RemoteRegistry(Registry):
             )
         attempt = Attempt.of(outcome, request)
         body = {"ref": str(full), "attempt": attempt.to_json(), "hold": begun.get("hold")}
-        return {**self.client.call("POST", "/validations", body=body), **outcome.resume}
+        return ValidationReport.from_json(
+            {**self.client.call("POST", "/validations", body=body), **outcome.resume}
+        )
 
     def promote(
         self,
@@ -358,7 +372,7 @@ class RemoteRegistry(Registry):
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReleasePromoted:
         sent = []
         for given in extras or []:
             p = Path(given)
@@ -379,22 +393,24 @@ class RemoteRegistry(Registry):
             "allow_unclassified": allow_unclassified,
             "strip_prefix": strip_prefix,
         }
-        return dict(self.client.call("POST", "/promote", body=body))
+        return ReleasePromoted.from_json(dict(self.client.call("POST", "/promote", body=body)))
 
     def pull_release(
         self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> dict[str, Any]:
+    ) -> ReleasePulled:
         _, where, view = self._download(str(ref), Path(dest), progress)
         out = dict(view)
         out["dest"] = str(where)
-        return out
+        return ReleasePulled.from_json(out)
 
     # -- administration --------------------------------------------------------------------------
-    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> dict[str, Any]:
+    def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:
         body = {"project": project, "run": run, **figures}
-        return dict(self.client.call("POST", "/runs/heartbeat", body=body))
+        return HeartbeatRecorded.from_json(
+            dict(self.client.call("POST", "/runs/heartbeat", body=body))
+        )
 
-    def apply_policy(self, path: str | Path) -> dict[str, Any]:
+    def apply_policy(self, path: str | Path) -> PolicyApplied:
         from registry.errors import PolicyError
 
         try:
@@ -402,7 +418,7 @@ class RemoteRegistry(Registry):
         except OSError as exc:
             raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
         body = {"text": text, "name": str(path)}
-        return dict(self.client.call("POST", "/policy", body=body))
+        return PolicyApplied.from_json(dict(self.client.call("POST", "/policy", body=body)))
 
 
 def _record(doc: dict[str, Any]) -> FileRecord:

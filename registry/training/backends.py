@@ -159,7 +159,7 @@ class ServerBackend:
         # The server commits from the files it received itself; `written` is not sent.
         return self.registry.commit_claimed(
             claimed.token, world_size=world_size, metrics=metrics, save_costs=costs
-        )
+        ).to_json()
 
     def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
         from registry.remote.reader import RemoteReader

@@ -1,0 +1,72 @@
+"""The results of the release methods: promotion, listing, show, pull, aliases, status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from registry.results.base import Result
+from registry.results.checkpoints import RESULT
+
+
+@RESULT
+class ReleaseSummary(Result):
+    """A release version as `reg releases` lists it."""
+
+    release: str
+    model: str
+    version: int
+    sha256: str
+    files: list[dict[str, Any]]
+    source: str
+    aliases: list[str]
+    status: str
+    status_reason: str | None
+    bytes: int
+    tensor_count: int
+    dtype: str | None
+    tied: list[Any]
+    created_at: str
+    created_by: str
+    validation: dict[str, Any] | None
+    verified: dict[str, Any] | None = None
+
+
+@RESULT
+class ReleasePromoted(ReleaseSummary):
+    """A promotion: the release, where it is, and `existing` when these exact bytes were
+    promoted before (the same version is answered again)."""
+
+    uri: str
+    existing: bool = False
+    hf: dict[str, Any] | None = None
+    hf_config: dict[str, Any] | None = None
+    code_extras: list[str] | None = None
+
+
+@RESULT
+class ReleaseDetails(ReleasePromoted):
+    """Everything known about one release (`reg show MODEL:vK`)."""
+
+    alias_history: list[dict[str, Any]] | None = None
+
+
+@RESULT
+class ReleasePulled(ReleaseSummary):
+    """A release copied out: where its files are now."""
+
+    dest: str
+
+
+@RESULT
+class AliasMoved(ReleaseSummary):
+    """An alias moved to this release; `previous` is the version it pointed at before."""
+
+    alias: str
+    previous: str | None = None
+
+
+@RESULT
+class ReleaseStatusChanged(ReleaseSummary):
+    """A release deprecated or yanked; a yank counts the served copies it removed."""
+
+    served_files_removed: int | None = None
