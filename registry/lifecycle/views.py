@@ -1,5 +1,5 @@
-"""What the library hands back about checkpoints and releases, typed; `to_json()` is the shape
-DESIGN §7 documents for `--json` and the Python API (the same dictionaries)."""
+"""A checkpoint's and a release's catalog rows as the lifecycles read them; `to_json()` is the
+shape DESIGN §7 documents for `--json` (the typed results of `registry.results` read it)."""
 
 from __future__ import annotations
 

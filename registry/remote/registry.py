@@ -1,6 +1,6 @@
 """`RemoteRegistry`: the `Registry` API through `reg server` (`REG_URL`).
 
-Same methods, same dictionaries, same errors as the embedded Registry; identity comes only
+Same methods, same typed results, same errors as the embedded Registry; identity comes only
 from the token. The client never opens the catalog or the store: pushes stream through the
 server, pulls and validations read through it, and promotion, GC and policy changes run in it.
 

@@ -8,7 +8,9 @@ catalog or the store.
     app.py          the FastAPI application: state, middleware, errors, health, metrics
     auth.py         token -> Principal -> Context, per request
     requests.py     the token first, then a bounded JSON body (idle limit, parsed off the loop)
-    routes.py       the JSON endpoints: one per `Registry` method (admin_routes.py: the admin ones)
+    contract_routes.py  the endpoints derived from the contract's `@http` methods (registry/wire.py)
+    routes.py       the hand-written endpoints: validation, promotion, policy, heartbeat, whoami
+    claims.py       shared claims: renew, a file streamed in, commit
     data.py         the data path: a push streamed in, files of readable artifacts read out
     upload.py       a push's framed byte stream -> a private directory the server scans itself
     metrics.py      Prometheus counters and histograms
