@@ -45,14 +45,14 @@ def catalog_migrate(
     and after. Then record the key paths of checkpoints committed before the catalog kept them,
     from each one's .metadata in the store (REG_STORE_URL)."""
     from policies.resume import resume_overrides
-    from registry import Registry
     from registry.catalog import grants
     from registry.config import Settings
     from registry.lifecycle.checkpoints.resume_changes import record_all
+    from registry.local import LocalRegistry
 
     settings = Settings.from_env()
     out = grants.migrate(settings, grant)
-    with Registry(settings) as reg:
+    with LocalRegistry(settings) as reg:  # the catalog's owner migrates it, never through a server
         out["key_paths"] = record_all(reg.context)
         out["warnings"] = resume_overrides(reg.context.policy.resume)
     if json_output:
@@ -306,7 +306,7 @@ def fsck(
             found = out["left"] if repair else out["problems"]
             print("clean" + (": only leftovers of interrupted work" if found else ""))
     if not out["clean"]:
-        _fsck_failed(out, repair, json_output)
+        _fsck_failed(out.to_json(), repair, json_output)
 
 
 def _fsck_failed(out: dict[str, Any], repair: bool, json_output: bool) -> None:

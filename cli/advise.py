@@ -43,11 +43,11 @@ def advise(
     with open_registry() as reg:
         out = reg.advise(run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
     if plot is not None:
-        _plot(out, plot)
+        _plot(out.to_json(), plot)
     if json_output:
         emit_json(out)
     else:
-        render(out)
+        render(out.to_json())
     if plot is not None and not json_output:
         print(f"plot: {plot}")
 
@@ -84,7 +84,7 @@ def recovery(
     if json_output:
         emit_json(out)  # the new document with the old keys (advice: a list) for this release
     else:
-        render(out | {"advice": out.get("advice_sentence") or ""})
+        render(out.to_json() | {"advice": out.advice_sentence or ""})
     # After the output, so that an error stays one line.
     note("`reg recovery` is deprecated and goes in the next release: use `reg advise`")
 

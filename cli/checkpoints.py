@@ -152,7 +152,7 @@ def show(
     if json_output:
         emit_json(out)
         return
-    _print_mapping(out)
+    _print_mapping(out.to_json())
 
 
 def pull(
@@ -257,7 +257,7 @@ def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: 
 
         def cycle() -> dict[str, object]:
             with open_registry() as reg:
-                return reg.scrub(rate=bps, limit=limit)
+                return reg.scrub(rate=bps, limit=limit).to_json()
 
         repeat(every, cycle)
         return

@@ -33,7 +33,7 @@ def sync(
 
     def once() -> dict[str, object]:
         with open_registry() as reg:
-            return reg.mlflow_sync(budget, skip)
+            return reg.mlflow_sync(budget, skip).to_json()
 
     if every is not None:
         from cli.schedule import repeat
@@ -84,11 +84,12 @@ def ui(
 ) -> None:
     """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
     from registry.errors import UsageError
+    from registry.local import LocalRegistry
     from registry.mirror.ui import plan_ui, run_ui
     from registry.text import redact_url
 
     with open_registry() as reg:
-        if reg.settings.remote:
+        if not isinstance(reg, LocalRegistry):
             raise UsageError(
                 "reg ui runs on the registry's own host (it reads the catalog and the store)",
                 "run it where reg server runs, without REG_URL",

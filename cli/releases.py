@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ def promote(
         print(f"  code (policy allow_code_extras): {', '.join(out['code_extras'])}")
 
 
-def _hf_warning(out: dict[str, Any]) -> str | None:
+def _hf_warning(out: Mapping[str, Any]) -> str | None:
     """One line when the release is not a complete Hugging Face model folder."""
     from registry.formats.hf_folder import Completeness
 

@@ -169,9 +169,11 @@ def login(
 
 def whoami(json_output: bool = JSON_OPTION) -> None:
     """Who the registry takes you for: the token's principal (remote) or REG_USER/OS login."""
+    from registry.local import LocalRegistry
+
     with open_registry() as reg:
-        if reg.settings.remote:
-            out = reg.whoami()  # type: ignore[attr-defined]
+        if not isinstance(reg, LocalRegistry):
+            out = reg.whoami()  # type: ignore[attr-defined]  # RemoteRegistry's own method
         else:
             out = {
                 "principal": reg.user,

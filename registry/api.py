@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from registry.config import Settings
 from registry.wire import http
@@ -73,9 +73,9 @@ class Registry:
     }
     settings: Settings
 
-    def __new__(cls, settings: Settings | None = None, *, user: str | None = None) -> Registry:
+    def __new__(cls, settings: Settings | None = None, *, user: str | None = None) -> Self:
         settings = settings or Settings.from_env()
-        kind: type[Registry] = cls
+        kind: type[Self] = cls
         if cls is Registry:
             module, _, name = cls.IMPLEMENTATIONS[
                 "remote" if settings.remote else "local"
@@ -85,7 +85,7 @@ class Registry:
         registry.settings = settings  # read once: __init__ keeps it
         return registry
 
-    def __enter__(self) -> Registry:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,7 +3,9 @@
 It builds a `Context` from local settings and delegates every call to the lifecycle functions;
 access checks live there, in the library, not in the CLI. The catalog and the store are opened
 lazily, so a command pays only for what it touches; the Context is built on first use and
-rebuilt after `apply_policy`.
+rebuilt after `apply_policy`. The lifecycle functions answer in JSON, which each method hands
+back as the contract's typed result (`registry.results`). Each method means what the contract
+(`registry.api.Registry`) documents.
 """
 
 from __future__ import annotations
@@ -192,8 +194,6 @@ class LocalRegistry(Registry):
         notes: list[str] | None = None,
         layout: str | None = None,
     ) -> CheckpointPushed:
-        """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
-        instead of detecting it from its keys."""
         from registry.lifecycle.checkpoints.push import push
 
         return CheckpointPushed.from_json(
@@ -214,7 +214,6 @@ class LocalRegistry(Registry):
     def claim_checkpoint(
         self, run: str, step: int, *, project: str = "default", lease_s: float = 3600.0
     ) -> ClaimTaken:
-        """Claim run@step for writers on several nodes (`push_checkpoint_part`); the token."""
         from registry.lifecycle.checkpoints import claimed
 
         return ClaimTaken.from_json(
@@ -231,7 +230,6 @@ class LocalRegistry(Registry):
         project: str = "default",
         progress: Progress | None = None,
     ) -> PartPushed:
-        """Copy one node's files of a claimed step (`claim` is its token)."""
         from registry.lifecycle.checkpoints import claimed
 
         ref = CheckpointRef(project, run, step)
@@ -248,7 +246,6 @@ class LocalRegistry(Registry):
         layout: str | None = None,
         save_costs: dict[str, Any] | None = None,
     ) -> CheckpointPushed:
-        """Commit a claimed step once every file its .metadata names was pushed."""
         from registry.lifecycle.checkpoints import claimed
 
         return CheckpointPushed.from_json(
@@ -318,8 +315,6 @@ class LocalRegistry(Registry):
         limit: int | None = None,
         progress: Progress | None = None,
     ) -> ScrubReport:
-        """Re-hash every committed checkpoint and release (admin), the longest unverified first,
-        at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
         from registry.operations.scrub import scrub
 
         return ScrubReport.from_json(scrub(self.context, rate=rate, limit=limit, progress=progress))
@@ -337,7 +332,6 @@ class LocalRegistry(Registry):
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
     ) -> RunFinished:
-        """The training job of `run` (`project/run` or `run`) ended with `status`."""
         from registry.lifecycle.runs import finish_run, split_run
 
         project_name, run_name = split_run(run, project)
@@ -357,11 +351,6 @@ class LocalRegistry(Registry):
         memory_budget: str | None = None,
         with_optimizer: bool = False,
     ) -> ValidationReport:
-        """`layout` forces the checkpoint's layout; `strip_prefix` is stripped from the model's
-        names too (after the layout's prefix) for the model factory's check; `memory_budget` a
-        size (default: a fraction of the device's free memory); `world_size` > 1 restores the
-        model as the factory module's parallelize shards it (and the optimizer with
-        `with_optimizer`)."""
         from registry.lifecycle.validation import Request, validate
 
         request = Request(
@@ -386,9 +375,6 @@ class LocalRegistry(Registry):
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
     ) -> ReleasePromoted:
-        """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
-        stripped from the release's names after the layout's own prefix; `allow_unclassified`
-        leaves tensors no resume class claims out of the release (else it is refused)."""
         from registry.lifecycle.promotion import promote
 
         return ReleasePromoted.from_json(
@@ -443,7 +429,6 @@ class LocalRegistry(Registry):
 
     # -- administration --------------------------------------------------------------------------
     def gc(self, *, dry_run: bool = False) -> GcReport:
-        """Apply the retention policy (admin): what is deleted and kept, each with a reason."""
         from registry.operations.gc import run_gc
 
         return GcReport.from_json(run_gc(self.context, dry_run=dry_run))
@@ -457,7 +442,6 @@ class LocalRegistry(Registry):
         sample: int = 32,
         progress: Progress | None = None,
     ) -> FsckReport:
-        """Catalog against store, registry-wide (admin): damage, leftovers, what --repair did."""
         from registry.operations.fsck import fsck
 
         ctx = self.context
@@ -466,7 +450,6 @@ class LocalRegistry(Registry):
         )
 
     def rebuild_catalog(self, *, dry_run: bool = False) -> RebuildReport:
-        """Re-create missing catalog rows from the store's documents (admin)."""
         from registry.operations.rebuild import rebuild
 
         return RebuildReport.from_json(rebuild(self.context, dry_run=dry_run))
@@ -480,8 +463,6 @@ class LocalRegistry(Registry):
         mtbf_s: float | None = None,
         fleet: bool = False,
     ) -> Advice:
-        """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
-        intervals (Young, Daly, the availability optimum), waste, regret, advice."""
         from registry.economics import advise
 
         return Advice.from_json(
@@ -491,7 +472,6 @@ class LocalRegistry(Registry):
     def recovery(
         self, run: str, *, project: str = "default", mtbf_s: float | None = None
     ) -> RecoveryReport:
-        """Deprecated (one release): `advise`, with the old keys of `reg recovery --json`."""
         from registry.economics import advise
 
         return RecoveryReport.from_json(
@@ -499,19 +479,16 @@ class LocalRegistry(Registry):
         )
 
     def plan_restart(self, run: str, *, project: str = "default") -> RestartPlanned:
-        """The next restore of `run` is a planned restart, not a failure (trainer)."""
         from registry.economics.records import plan_restart
 
         return RestartPlanned.from_json(plan_restart(self.context, project, run))
 
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:
-        """A training job's heartbeat (`CheckpointManager` sends it; trainer)."""
         from registry.economics.records import record_heartbeat
 
         return HeartbeatRecorded.from_json(record_heartbeat(self.context, project, run, **figures))
 
     def storage_init(self) -> StorageReport:
-        """Check the store and set lifecycle rules (S3); create the root (local)."""
         from registry.operations.admin import storage_init
 
         return StorageReport.from_json(storage_init(self.context))
@@ -528,7 +505,6 @@ class LocalRegistry(Registry):
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
     ) -> AuditVerification:
-        """Check the audit chain (admin; needs the audit key): {ok, problems, ...}."""
         from registry.audit_chain.service import verify
 
         return AuditVerification.from_json(
@@ -540,7 +516,6 @@ class LocalRegistry(Registry):
         )
 
     def audit_seal(self) -> AuditSealed:
-        """Seal the audit events not sealed yet and anchor the head in the store (admin)."""
         from registry.audit_chain.service import seal
 
         return AuditSealed.from_json(seal(self.context))
@@ -563,7 +538,6 @@ class LocalRegistry(Registry):
         return export(self.context, bucket)
 
     def create_token(self, principal: str, *, expires_s: float | None = None) -> TokenCreated:
-        """A `reg server` token for `principal` (admin), shown once: only its hash is kept."""
         from registry.operations import token_admin
 
         return TokenCreated.from_json(
@@ -581,8 +555,6 @@ class LocalRegistry(Registry):
         return TokenRevoked.from_json(token_admin.revoke(self.context, token_id))
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
-        """Drain pending catalog events into MLflow now (admin), waiting for a running drain;
-        `skip`: first set that pending event aside (audited)."""
         from registry.errors import UsageError
         from registry.mirror.drain import drain, skip_event
         from registry.text import redact_url

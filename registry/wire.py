@@ -23,11 +23,12 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from registry.errors import UsageError
 
+F = TypeVar("F", bound=Callable[..., Any])  # a decorated method keeps its signature for mypy
 LOCAL_ONLY = frozenset({"self", "progress", "notes"})
 
 
@@ -237,13 +238,13 @@ def http(
     names: Mapping[str, str] | None = None,
     fixed: Mapping[str, object] | None = None,
     result_keys: tuple[str, ...] = (),
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+) -> Callable[[F], F]:
     """Declare a contract method's route. `query`: its arguments go in the query string
     (default: for a GET); `names`: wire names of arguments named otherwise; `fixed`: fields
     sent with every call (telling apart two methods of one path); `result_keys`: a tuple result
     travels as an object of these keys."""
 
-    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
+    def mark(method: F) -> F:
         method.__wire__ = (verb, path, query, dict(names or {}), dict(fixed or {}), result_keys)  # type: ignore[attr-defined]
         return method
 
