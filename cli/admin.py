@@ -176,10 +176,9 @@ def catalog_rebuild(
         return
     verb = "would add" if dry_run else "added"
     print(
-        f"{verb} {len(out['checkpoints_added'])} checkpoint(s), "
-        f"{len(out['releases_added'])} release(s)"
+        f"{verb} {len(out.checkpoints_added)} checkpoint(s), {len(out.releases_added)} release(s)"
     )
-    for ref in out["checkpoints_added"] + out["releases_added"]:
+    for ref in out.checkpoints_added + out.releases_added:
         print(f"  {ref}")
     replayed = out.get("events_replayed") or {}
     if replayed or out.get("events_current") or out.get("events_aborted"):
@@ -193,12 +192,12 @@ def catalog_rebuild(
         )
         if out.get("events_unsigned"):
             print(
-                f"{out['events_unsigned']} replayed decision(s) unsigned: trusted as any writer "
+                f"{out.events_unsigned} replayed decision(s) unsigned: trusted as any writer "
                 "of the store's journal/ wrote them (no audit key)"
             )
-    for skipped in out["skipped"]:
+    for skipped in out.skipped:
         print(f"  skipped {inert(skipped)}", file=sys.stderr)
-    print(f"not recoverable from the store: {out['not_recoverable']}")
+    print(f"not recoverable from the store: {out.not_recoverable}")
 
 
 def storage_init(json_output: bool = JSON_OPTION) -> None:
@@ -234,14 +233,14 @@ def gc(
 
     table(
         ["REF", "ACTION", "REASON", "SIZE"],
-        [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])] for d in out["decisions"]],
+        [[d["ref"], d["action"], d["reason"], human_bytes(d["bytes"])] for d in out.decisions],
     )
-    for err in out["errors"]:
+    for err in out.errors:
         print(f"error: {inert(str(err))}", file=sys.stderr)
     verb = "would free" if dry_run else "freed"
     print(
-        f"{verb} {human_bytes(out['freed_bytes'])}"
-        + (f"; swept {len(out['orphans'])} orphan(s)" if out["orphans"] else "")
+        f"{verb} {human_bytes(out.freed_bytes)}"
+        + (f"; swept {len(out.orphans)} orphan(s)" if out.orphans else "")
     )
 
 
@@ -249,10 +248,10 @@ def _gc_cycle() -> dict[str, object]:
     with open_registry() as reg:
         result = reg.gc()
     return {
-        "freed_bytes": result["freed_bytes"],
-        "deleted": sum(d["action"] == "delete" for d in result["decisions"]),
-        "kept": sum(d["action"] == "keep" for d in result["decisions"]),
-        "errors": result["errors"],
+        "freed_bytes": result.freed_bytes,
+        "deleted": sum(d["action"] == "delete" for d in result.decisions),
+        "kept": sum(d["action"] == "keep" for d in result.decisions),
+        "errors": result.errors,
     }
 
 
@@ -279,13 +278,13 @@ def fsck(
     if json_output:
         emit_json(out)
     else:
-        c = out["checked"]
+        c = out.checked
         print(
             f"checked {c['checkpoints']} checkpoint(s), {c['releases']} release(s), "
             f"{c['objects']} object(s) ({human_bytes(c['bytes'])}); hashed {c['hashed_files']} "
             f"file(s) ({human_bytes(c['hashed_bytes'])})"
         )
-        shown = out["left"] if repair else out["problems"]
+        shown = out.left if repair else out.problems
         if shown:
             table(
                 ["KIND", "TARGET", "OBJECT", "DETAIL", "LEFTOVER"],
@@ -302,10 +301,10 @@ def fsck(
             )
         for line in out.get("repaired", []):
             print(f"repaired: {inert(line)}")
-        if out["clean"]:
-            found = out["left"] if repair else out["problems"]
+        if out.clean:
+            found = out.left if repair else out.problems
             print("clean" + (": only leftovers of interrupted work" if found else ""))
-    if not out["clean"]:
+    if not out.clean:
         _fsck_failed(out.to_json(), repair, json_output)
 
 
@@ -348,12 +347,12 @@ def audit(
         ["TS", "ACTOR", "ACTION", "TARGET", "OUTCOME", "DETAILS"],
         [
             [
-                e["ts"],
-                e["actor"],
-                e["action"],
-                e["target"],
-                e["outcome"],
-                json.dumps(e["details"], sort_keys=True) if e["details"] else "",
+                e.ts,
+                e.actor,
+                e.action,
+                e.target,
+                e.outcome,
+                json.dumps(e.details, sort_keys=True) if e.details else "",
             ]
             for e in events
         ],
@@ -389,20 +388,20 @@ def audit_verify(
     if json_output:
         emit_json(out)
     else:
-        for p in out["problems"]:
+        for p in out.problems:
             print(f"{p['kind']}: {inert(p['message'])}")
-        if out["ok"]:
-            oldest = f" (oldest {out['oldest_unsealed']})" if out["oldest_unsealed"] else ""
+        if out.ok:
+            oldest = f" (oldest {out.oldest_unsealed})" if out.oldest_unsealed else ""
             print(
-                f"audit log ok: {out['events']} events, {out['sealed']} sealed in "
-                f"{out['seals']} seals, {out['unsealed']} not sealed yet{oldest}; "
-                f"{out['anchors']} anchor(s) in the store"
+                f"audit log ok: {out.events} events, {out.sealed} sealed in "
+                f"{out.seals} seals, {out.unsealed} not sealed yet{oldest}; "
+                f"{out.anchors} anchor(s) in the store"
             )
-    if not out["ok"]:
+    if not out.ok:
         from registry.errors import IntegrityError
 
         failed = IntegrityError(
-            f"the audit log fails verification: {len(out['problems'])} problem(s)",
+            f"the audit log fails verification: {len(out.problems)} problem(s)",
             "each is named in the output; the catalog was changed outside reg",
         )
         if not json_output:
@@ -418,10 +417,10 @@ def audit_seal(json_output: bool = JSON_OPTION) -> None:
     if json_output:
         emit_json(out)
         return
-    for r in out["refused"]:
+    for r in out.refused:
         print(f"not sealed: event {r['event']}: {r['reason']}", file=sys.stderr)
-    head, anchor = out["head"], out["anchor"]
-    print(f"sealed {out['sealed']} event(s) in {len(out['seals'])} seal(s)")
+    head, anchor = out.head, out.anchor
+    print(f"sealed {out.sealed} event(s) in {len(out.seals)} seal(s)")
     if head is not None and anchor is not None:
         where = "already anchored" if anchor["existing"] else f"anchored at {anchor['key']}"
         lock = f" ({anchor['locked']})" if anchor.get("locked") else ""

@@ -65,24 +65,24 @@ def push_ckpt(
     for n in notes:
         note(n)
     for w in out.get("warnings", []):
-        note(f"{out['ref']}: {w}")
-    if out.get("unclassified"):
-        hint = "; try " + " or ".join(out["suggestions"]) if out.get("suggestions") else ""
-        note(f"{out['ref']}: keys in no resume class: {', '.join(out['unclassified'])}{hint}")
+        note(f"{out.ref}: {w}")
+    if out.unclassified:
+        hint = "; try " + " or ".join(out.suggestions) if out.suggestions else ""
+        note(f"{out.ref}: keys in no resume class: {', '.join(out.unclassified)}{hint}")
     if json_output:
         emit_json(out)
         return
     from registry.timeutil import human_bytes
 
-    if out["unchanged"]:
-        print(f"{out['ref']} already holds this content; nothing copied")
+    if out.unchanged:
+        print(f"{out.ref} already holds this content; nothing copied")
     else:
-        speed = out["bytes"] / out["upload_seconds"] / 1e6 if out["upload_seconds"] else 0
+        speed = out.bytes / out.upload_seconds / 1e6 if out.upload_seconds else 0
         print(
-            f"pushed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])} "
-            f"in {out['upload_seconds']:.1f}s ({speed:.0f} MB/s), world size "
-            f"{out['world_size']}, {out.get('layout')} layout, resumable: "
-            f"{_yes(out['resumable'], out['missing_state'])}"
+            f"pushed {out.ref}: {len(out.files)} files, {human_bytes(out.bytes)} "
+            f"in {out.upload_seconds:.1f}s ({speed:.0f} MB/s), world size "
+            f"{out.world_size}, {out.get('layout')} layout, resumable: "
+            f"{_yes(out.resumable, out.missing_state)}"
         )
 
 
@@ -104,8 +104,8 @@ def _push_part(
     from registry.timeutil import human_bytes
 
     print(
-        f"pushed {len(out['files'])} files ({human_bytes(out['bytes'])}) of {out['ref']} "
-        f"in {out['upload_seconds']:.1f}s; commit with `reg commit-ckpt --claim` once every "
+        f"pushed {len(out.files)} files ({human_bytes(out.bytes)}) of {out.ref} "
+        f"in {out.upload_seconds:.1f}s; commit with `reg commit-ckpt --claim` once every "
         "node has pushed"
     )
 
@@ -128,14 +128,14 @@ def ls(
         ["REF", "WORLD", "SIZE", "FILES", "RESUMABLE", "PINNED", "STATE", "CREATED"],
         [
             [
-                r["ref"],
-                r["world_size"],
-                human_bytes(r["bytes"]),
-                len(r["files"]),
-                _yes(r["resumable"], r["missing_state"]),
-                "yes" if r["pinned"] else "",
-                r["state"],
-                r["created_at"],
+                r.ref,
+                r.world_size,
+                human_bytes(r.bytes),
+                len(r.files),
+                _yes(r.resumable, r.missing_state),
+                "yes" if r.pinned else "",
+                r.state,
+                r.created_at,
             ]
             for r in rows
         ],
@@ -166,8 +166,8 @@ def pull(
     if json_output:
         emit_json(out)
     else:
-        kept = f", {out['kept']} kept for reg verify --dir" if out.get("kept") else ""
-        print(f"pulled {out['ref']} into {out['dest']} ({len(out['files'])} files verified{kept})")
+        kept = f", {out.kept} kept for reg verify --dir" if out.kept else ""
+        print(f"pulled {out.ref} into {out.dest} ({len(out.files)} files verified{kept})")
 
 
 def verify(
@@ -235,14 +235,14 @@ def verify(
         emit_json(out)
     else:
         for path in out.get("repaired", []):
-            print(f"{out.get('ref') or out.get('release')}: {path}: restored from its version")
-        for p in out["problems"]:
-            print(f"{out.get('ref') or out.get('release')}: {p['path']}: {p['problem']}")
-        if out["ok"]:
-            print(f"{out.get('ref') or out.get('release')}: ok, {out['files']} files verified")
-    if not out["ok"]:
+            print(f"{out.ref or out.release}: {path}: restored from its version")
+        for p in out.problems:
+            print(f"{out.ref or out.release}: {p['path']}: {p['problem']}")
+        if out.ok:
+            print(f"{out.ref or out.release}: ok, {out.files} files verified")
+    if not out.ok:
         _damaged(
-            f"{len(out['problems'])} damaged file(s) in {out.get('ref') or out.get('release')}",
+            f"{len(out.problems)} damaged file(s) in {out.ref or out.release}",
             "the stored copy is damaged; restore it from another copy",
             json_output,
         )
@@ -269,16 +269,16 @@ def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: 
         from registry.text import inert
         from registry.timeutil import human_bytes
 
-        for d in out["damaged"]:
+        for d in out.damaged:
             for p in d["problems"]:
                 print(f"{inert(d['target'])}: {inert(p['path'])}: {inert(p['problem'])}")
         print(
-            f"scrubbed {out['artifacts']} artifact(s), {human_bytes(out['bytes'])} in "
-            f"{out['seconds']:.1f}s ({human_bytes(out['bytes_per_second'])}/s)"
+            f"scrubbed {out.artifacts} artifact(s), {human_bytes(out.bytes)} in "
+            f"{out.seconds:.1f}s ({human_bytes(out.bytes_per_second)}/s)"
         )
-    if not out["ok"]:
+    if not out.ok:
         _damaged(
-            f"{len(out['damaged'])} damaged artifact(s)",
+            f"{len(out.damaged)} damaged artifact(s)",
             "`reg verify REF --repair` or `reg fsck --repair` restores recorded versions",
             json_output,
         )
@@ -335,7 +335,7 @@ def pin(
     """Protect a checkpoint from retention."""
     with open_registry() as reg:
         out = reg.pin(ref, reason)
-    emit_json(out) if json_output else print(f"pinned {out['ref']}")
+    emit_json(out) if json_output else print(f"pinned {out.ref}")
 
 
 def finish(
@@ -348,7 +348,7 @@ def finish(
     """Say a run's training job ended: its MLflow run stops showing RUNNING."""
     with open_registry() as reg:
         out = reg.finish_run(run, status=status)
-    emit_json(out) if json_output else print(f"{out['project']}/{out['run']}: {out['status']}")
+    emit_json(out) if json_output else print(f"{out.project}/{out.run}: {out.status}")
 
 
 def unpin(
@@ -357,7 +357,7 @@ def unpin(
     """Remove a pin; retention applies again."""
     with open_registry() as reg:
         out = reg.unpin(ref)
-    emit_json(out) if json_output else print(f"unpinned {out['ref']}")
+    emit_json(out) if json_output else print(f"unpinned {out.ref}")
 
 
 def _yes(flag: bool, missing: list[str]) -> str:

@@ -32,7 +32,7 @@ def claim_ckpt(
     if json_output:
         emit_json(out)
         return
-    print(out["claim"])
+    print(out.claim)
 
 
 def commit_ckpt(
@@ -56,6 +56,6 @@ def commit_ckpt(
     from registry.timeutil import human_bytes
 
     print(
-        f"committed {out['ref']}: {len(out['files'])} files, {human_bytes(out['bytes'])}, "
-        f"world size {out['world_size']}, resumable: {out['resumable']}"
+        f"committed {out.ref}: {len(out.files)} files, {human_bytes(out.bytes)}, "
+        f"world size {out.world_size}, resumable: {out.resumable}"
     )

@@ -31,8 +31,8 @@ def show(json_output: bool = JSON_OPTION) -> None:
     if json_output:
         emit_json(out)
         return
-    print(f"# effective policy: {out['source']}")
-    print(out["document"].rstrip() or "# (the shipped default)")
+    print(f"# effective policy: {out.source}")
+    print(out.document.rstrip() or "# (the shipped default)")
 
 
 def check(
@@ -47,8 +47,8 @@ def check(
     if path is None:
         with open_registry() as reg:
             shown = reg.policy_show()
-        name = shown["source"]
-        policy = parse_policy(shown["document"], name)
+        name = shown.source
+        policy = parse_policy(shown.document, name)
     else:
         name = str(path)
         policy = load_policy_file(path)
@@ -68,14 +68,12 @@ def apply(
         return
     for warning in out.get("warnings", []):
         note(f"warning: {path}: {warning}")
-    print(
-        f"applied policy v{out['version']} ({out['grants']} grant(s), sha256 {out['sha256'][:16]})"
-    )
+    print(f"applied policy v{out.version} ({out.grants} grant(s), sha256 {out.sha256[:16]})")
     if out.get("resume_changed"):
-        print(f"  the resume verdict of {out['resume_changed']} checkpoint(s) changed")
+        print(f"  the resume verdict of {out.resume_changed} checkpoint(s) changed")
     if out.get("resume_undecided"):
         print(
-            f"  {out['resume_undecided']} older checkpoint(s) keep their push-time verdict until "
+            f"  {out.resume_undecided} older checkpoint(s) keep their push-time verdict until "
             "`reg catalog migrate` records their key paths"
         )
 

@@ -71,25 +71,23 @@ def validate(
     if json_output:
         emit_json(out)
     else:
-        for c in out["checks"]:
+        for c in out.checks:
             mark = "ok  " if c["passed"] else "note" if c["name"] in ADVISORY else "FAIL"
             print(f"  {mark} {c['name']:<13} {c['detail']}")
         for s in out.get("suggestions", []):
             print(f"  hint {'':<13} {s}")
-        verdict = "passed" if out["passed"] else "FAILED"
-        driver = f", driver {out['driver']}" if out.get("driver") else ""
+        verdict = "passed" if out.passed else "FAILED"
+        driver = f", driver {out.driver}" if out.driver else ""
         print(
-            f"{out['ref']}: validation {out['validation_id']} {verdict} on {out['device']} "
-            f"({out['device_name']}{driver}), {out['mode']}, restore {out['seconds']:.2f}s at "
-            f"world size {out['world_size']}"
+            f"{out.ref}: validation {out.validation_id} {verdict} on {out.device} "
+            f"({out.device_name}{driver}), {out.mode}, restore {out.seconds:.2f}s at "
+            f"world size {out.world_size}"
         )
-    if not out["passed"]:
+    if not out.passed:
         from registry.errors import ValidationFailed
 
-        failed = next(c for c in out["checks"] if not c["passed"] and c["name"] not in ADVISORY)
-        raise ValidationFailed(
-            f"{out['ref']} failed validation: {failed['name']}: {failed['detail']}"
-        )
+        failed = next(c for c in out.checks if not c["passed"] and c["name"] not in ADVISORY)
+        raise ValidationFailed(f"{out.ref} failed validation: {failed['name']}: {failed['detail']}")
 
 
 def promote(
@@ -130,21 +128,20 @@ def promote(
         )
     warning = _hf_warning(out)
     if warning:
-        note(f"{out['release']}: {warning}")
+        note(f"{out.release}: {warning}")
     if json_output:
         emit_json(out)
         return
-    verb = "already released as" if out["existing"] else "promoted to"
-    aliases = f" ({', '.join('@' + a for a in out['aliases'])})" if out["aliases"] else ""
+    verb = "already released as" if out.existing else "promoted to"
+    aliases = f" ({', '.join('@' + a for a in out.aliases)})" if out.aliases else ""
     print(
-        f"{out['source']} {verb} {out['release']}{aliases}: {len(out['files'])} files, "
-        f"sha256 {out['sha256']}"
+        f"{out.source} {verb} {out.release}{aliases}: {len(out.files)} files, sha256 {out.sha256}"
     )
     print(f"  {out.get('uri', '')}")
-    for key, change in ((out.get("hf_config") or {}).get("rewritten") or {}).items():
+    for key, change in ((out.hf_config or {}).get("rewritten") or {}).items():
         print(f"  config.json {key}: {change['from']!r} -> {change['to']!r}")
-    if out.get("code_extras"):
-        print(f"  code (policy allow_code_extras): {', '.join(out['code_extras'])}")
+    if out.code_extras:
+        print(f"  code (policy allow_code_extras): {', '.join(out.code_extras)}")
 
 
 def _hf_warning(out: Mapping[str, Any]) -> str | None:
@@ -171,12 +168,12 @@ def releases(
         ["RELEASE", "STATUS", "ALIASES", "SOURCE", "VALIDATED ON", "SHA256"],
         [
             [
-                r["release"],
-                r["status"],
-                ",".join(r["aliases"]),
-                r["source"],
-                (r["validation"] or {}).get("device", ""),
-                (r["sha256"] or "")[:16],
+                r.release,
+                r.status,
+                ",".join(r.aliases),
+                r.source,
+                (r.validation or {}).get("device", ""),
+                (r.sha256 or "")[:16],
             ]
             for r in rows
         ],
@@ -192,7 +189,7 @@ def pull_release(
     with open_registry() as reg:
         out = reg.pull_release(ref, dest, progress=progress_for(json_output))
     emit_json(out) if json_output else print(
-        f"pulled {out['release']} into {out['dest']} ({len(out['files'])} files verified)"
+        f"pulled {out.release} into {out.dest} ({len(out.files)} files verified)"
     )
 
 
@@ -206,8 +203,7 @@ def alias_set(
     with open_registry() as reg:
         out = reg.set_alias(name, alias, version)
     emit_json(out) if json_output else print(
-        f"{name}@{alias} -> {out['release']}"
-        + (f" (was {out['previous']})" if out["previous"] else "")
+        f"{name}@{alias} -> {out.release}" + (f" (was {out.previous})" if out.previous else "")
     )
 
 
@@ -217,7 +213,7 @@ def deprecate(
     """Mark a release deprecated (still pullable; bytes never change)."""
     with open_registry() as reg:
         out = reg.deprecate(ref)
-    emit_json(out) if json_output else print(f"{out['release']} is deprecated")
+    emit_json(out) if json_output else print(f"{out.release} is deprecated")
 
 
 def yank(
@@ -228,4 +224,4 @@ def yank(
     """Yank a release (admin): it can no longer be pulled or aliased; bytes stay."""
     with open_registry() as reg:
         out = reg.yank(ref, reason)
-    emit_json(out) if json_output else print(f"{out['release']} is yanked: {reason}")
+    emit_json(out) if json_output else print(f"{out.release} is yanked: {reason}")

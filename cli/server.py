@@ -99,8 +99,8 @@ def token_create(
     if json_output:
         emit_json(out)
         return
-    note(f"token {out['id']} for {out['principal']} (shown once; store it now):")
-    print(out["token"])
+    note(f"token {out.id} for {out.principal} (shown once; store it now):")
+    print(out.token)
 
 
 def token_ls(json_output: bool = JSON_OPTION) -> None:
@@ -114,12 +114,12 @@ def token_ls(json_output: bool = JSON_OPTION) -> None:
         ["ID", "PRINCIPAL", "STATE", "CREATED", "EXPIRES", "LAST USED"],
         [
             [
-                r["id"],
-                r["principal"],
-                r["state"],
-                r["created_at"],
-                r["expires_at"] or "never",
-                r["last_used_at"] or "-",
+                r.id,
+                r.principal,
+                r.state,
+                r.created_at,
+                r.expires_at or "never",
+                r.last_used_at or "-",
             ]
             for r in rows
         ],
@@ -133,7 +133,7 @@ def token_revoke(
     """Revoke a token at once (admin)."""
     with open_registry() as reg:
         out = reg.revoke_token(token_id)
-    emit_json(out) if json_output else print(f"revoked token {out['id']} of {out['principal']}")
+    emit_json(out) if json_output else print(f"revoked token {out.id} of {out.principal}")
 
 
 def login(
