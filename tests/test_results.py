@@ -72,6 +72,12 @@ def test_a_result_is_frozen_and_reads_as_the_mapping_it_was_for_one_release():
         result["absent"]
 
 
+def test_a_result_made_directly_has_the_json_of_its_fields():
+    made = CheckpointPushed(**{**SUMMARY, "unchanged": True}, reused_files=2)
+    assert made.to_json() == {**SUMMARY, "unchanged": True, "reused_files": 2}
+    assert CheckpointPushed.from_json(made.to_json()) == made
+
+
 def test_an_optional_key_absent_stays_absent():
     pushed = CheckpointPushed.from_json({**SUMMARY, "unchanged": False})
     assert pushed.reused_files is None and "reused_files" not in pushed.to_json()

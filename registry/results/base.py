@@ -28,6 +28,16 @@ class Result(Mapping[str, Any]):
     _extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True, repr=False)
     _fields: ClassVar[frozenset[str]] = frozenset()
 
+    def __post_init__(self) -> None:
+        if not self._keys:  # made directly, not read: every field set, in declaration order
+            keys = [
+                f.name
+                for f in dataclasses.fields(self)
+                if not f.name.startswith("_")
+                and (f.name in self.required() or getattr(self, f.name) is not None)
+            ]
+            object.__setattr__(self, "_keys", (*keys, *self._extra))
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._fields = frozenset()  # set once the dataclass decorator has run (`_names`)
