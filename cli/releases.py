@@ -208,11 +208,13 @@ def alias_set(
 
 
 def deprecate(
-    ref: str = typer.Argument(..., help="MODEL:vK."), json_output: bool = JSON_OPTION
+    ref: str = typer.Argument(..., help="MODEL:vK."),
+    reason: str | None = typer.Option(None, "--reason", help="Why (recorded and shown)."),
+    json_output: bool = JSON_OPTION,
 ) -> None:
     """Mark a release deprecated (still pullable; bytes never change)."""
     with open_registry() as reg:
-        out = reg.deprecate(ref)
+        out = reg.deprecate(ref, reason)
     emit_json(out) if json_output else print(f"{out.release} is deprecated")
 
 

@@ -35,6 +35,8 @@ def _default(obj: Any) -> Any:
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if callable(getattr(obj, "to_json", None)):  # a typed result inside another document
+        return _finite(obj.to_json())
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

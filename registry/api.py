@@ -198,7 +198,7 @@ class Registry:
         at most `rate` bytes/s and `limit` artifacts; records and audits what it finds."""
         raise NotImplementedError
 
-    @http("POST", "/pin", fixed={"pinned": True})
+    @http("POST", "/pin", fixed={"pinned": True}, default=True)
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> CheckpointFacts:
         """Keep a checkpoint from retention until unpinned."""
         raise NotImplementedError
@@ -273,8 +273,8 @@ class Registry:
         raise NotImplementedError
 
     @http("POST", "/status", fixed={"status": "deprecated"})
-    def deprecate(self, ref: str | ReleaseRef) -> ReleaseStatusChanged:
-        """Mark a release deprecated: still pulled, no longer advised."""
+    def deprecate(self, ref: str | ReleaseRef, reason: str | None = None) -> ReleaseStatusChanged:
+        """Mark a release deprecated: still pulled, no longer advised (`reason` is recorded)."""
         raise NotImplementedError
 
     @http("POST", "/status", fixed={"status": "yanked"})

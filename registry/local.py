@@ -413,11 +413,12 @@ class LocalRegistry(Registry):
 
         return AliasMoved.from_json(set_alias(self.context, model, alias, version))
 
-    def deprecate(self, ref: str | ReleaseRef) -> ReleaseStatusChanged:
+    def deprecate(self, ref: str | ReleaseRef, reason: str | None = None) -> ReleaseStatusChanged:
         from registry.catalog.models import DEPRECATED
         from registry.lifecycle.releases import set_status
 
-        return ReleaseStatusChanged.from_json(set_status(self.context, _release(ref), DEPRECATED))
+        changed = set_status(self.context, _release(ref), DEPRECATED, reason)
+        return ReleaseStatusChanged.from_json(changed)
 
     def yank(self, ref: str | ReleaseRef, reason: str) -> ReleaseStatusChanged:
         from registry.catalog.models import YANKED
@@ -563,7 +564,10 @@ class LocalRegistry(Registry):
             raise UsageError("the budget must be a number of seconds in (0, 3600]")
         if skip is not None and skip < 1:
             raise UsageError("skip must be an event id (a positive integer)")
-        self.authorize(Action.MLFLOW_SYNC, target=redact_url(self.settings.mlflow_tracking_uri))
+        # Behind reg server a denial names no address of the server's (the caller may not know it)
+        where = self.settings.mlflow_tracking_uri
+        target = "the MLflow mirror" if self.context.server else redact_url(where)
+        self.authorize(Action.MLFLOW_SYNC, target=target)
         skipped = skip_event(self.context, skip) if skip is not None else None
         out = drain(self.catalog, self.settings, budget_s, wait=True, holder=self.context.actor)
         return MirrorSynced.from_json(out | ({"skipped": skipped} if skipped else {}))

@@ -84,7 +84,9 @@ class Flag(Kind):
         return value
 
     def from_query(self, name: str, text: str) -> bool:
-        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        words = dict.fromkeys(("true", "1", "yes", "on", "t", "y"), True) | dict.fromkeys(
+            ("false", "0", "no", "off", "f", "n"), False
+        )
         if text.lower() not in words:
             raise self.refuse(name)
         return words[text.lower()]
@@ -96,11 +98,13 @@ class Whole(Kind):
     def check(self, name: str, value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.refuse(name)
+        if not -(2**63) <= value < 2**63:  # what the catalog's columns hold
+            raise UsageError(f"{name} is out of range")
         return value
 
     def from_query(self, name: str, text: str) -> int:
         try:
-            return int(text.strip())
+            return self.check(name, int(text.strip()))
         except ValueError:
             raise self.refuse(name) from None
 
@@ -135,7 +139,7 @@ class Version(Kind):
         return value
 
     def from_query(self, name: str, text: str) -> str | int:
-        return int(text) if text.isdigit() else text
+        return int(text) if text.isascii() and text.isdigit() else text
 
 
 # The contract's annotations (as written: `from __future__ import annotations` keeps them text).
@@ -172,6 +176,7 @@ class Route:
     fields: tuple[Field, ...]
     query: bool  # arguments in the query string, else a JSON body
     fixed: Mapping[str, object] = field(default_factory=dict)  # sent with every call
+    default: bool = False  # taken when a request of the path leaves the fixed fields out
     result_keys: tuple[str, ...] = ()  # a tuple result travels as an object of these keys
     returns: str = ""  # the contract's return annotation: the typed result of the answer
 
@@ -208,6 +213,13 @@ class Route:
     def arguments(self, doc: Mapping[str, Any], *, from_query: bool) -> dict[str, Any]:
         """The contract's arguments out of a request's fields, each checked by its kind; an
         argument not given takes the contract's default."""
+        if not from_query:  # a misspelt field would be ignored and its default taken: refused
+            known = {f.wire for f in self.fields} | set(self.fixed)
+            unknown = sorted(set(doc) - known)
+            if unknown:
+                raise UsageError(
+                    f"{', '.join(unknown)}: no such field", f"{self.method} takes {sorted(known)}"
+                )
         out: dict[str, Any] = {}
         for f in self.fields:
             if f.wire not in doc:
@@ -215,7 +227,7 @@ class Route:
                     raise UsageError(f"{f.wire} is required")
                 continue
             value = doc[f.wire]
-            if from_query and isinstance(value, str) and f.wire not in self.in_path:
+            if (from_query or f.wire in self.in_path) and isinstance(value, str):
                 out[f.arg] = f.kind.from_query(f.wire, value)
             else:
                 out[f.arg] = f.kind.from_json(f.wire, value)
@@ -237,15 +249,19 @@ def http(
     query: bool | None = None,
     names: Mapping[str, str] | None = None,
     fixed: Mapping[str, object] | None = None,
+    default: bool = False,
     result_keys: tuple[str, ...] = (),
 ) -> Callable[[F], F]:
     """Declare a contract method's route. `query`: its arguments go in the query string
     (default: for a GET); `names`: wire names of arguments named otherwise; `fixed`: fields
-    sent with every call (telling apart two methods of one path); `result_keys`: a tuple result
-    travels as an object of these keys."""
+    sent with every call (telling apart two methods of one path); `default`: this method is the
+    one a request of the path without those fields calls; `result_keys`: a tuple result travels
+    as an object of these keys."""
 
     def mark(method: F) -> F:
-        method.__wire__ = (verb, path, query, dict(names or {}), dict(fixed or {}), result_keys)  # type: ignore[attr-defined]
+        method.__wire__ = (  # type: ignore[attr-defined]
+            (verb, path, query, dict(names or {}), dict(fixed or {}), default, result_keys)
+        )
         return method
 
     return mark
@@ -256,7 +272,7 @@ def route_of(method: Callable[..., Any]) -> Route | None:
     declared = getattr(method, "__wire__", None)
     if declared is None:
         return None
-    verb, path, query, names, fixed, result_keys = declared
+    verb, path, query, names, fixed, default, result_keys = declared
     fields = []
     for name, param in inspect.signature(method).parameters.items():
         if name in LOCAL_ONLY:
@@ -276,6 +292,7 @@ def route_of(method: Callable[..., Any]) -> Route | None:
         tuple(fields),
         verb == "GET" if query is None else query,
         fixed,
+        default,
         result_keys,
         str(inspect.signature(method).return_annotation),
     )

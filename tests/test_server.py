@@ -380,7 +380,9 @@ def test_json_bodies_are_bounded(reg_server):
     [
         ("GET", "/v1/advise", {"run": "r", "gpus": "eight"}, "gpus must be a whole number"),
         ("GET", "/v1/checkpoints", {"include_deleted": "perhaps"}, "include_deleted must be true"),
-        ("POST", "/v1/pin", {"ref": "r@step1"}, "pinned must be true or false"),
+        ("POST", "/v1/pin", {"ref": "r@step1", "pinned": "yes"}, "pinned must be true or false"),
+        ("POST", "/v1/gc", {"dryrun": True}, "dryrun: no such field"),
+        ("POST", "/v1/mlflow/sync", {"skip": 2**70}, "skip is out of range"),
         ("POST", "/v1/status", {"ref": "m:v1", "status": "gone"}, "status must be deprecated"),
         ("POST", "/v1/fsck", {"sample": -1}, "--sample must be a number of files, 0 or more"),
         ("POST", "/v1/scrub", {"limit": 0}, "--limit must be a number of artifacts"),
@@ -388,6 +390,17 @@ def test_json_bodies_are_bounded(reg_server):
         ("POST", "/v1/alias", {"model": "m", "alias": "prod"}, "version is required"),
     ],
 )
+def test_a_refused_mirror_sync_names_no_address_of_the_servers(reg_server):
+    r = httpx.post(
+        f"{reg_server.url}/v1/mlflow/sync",
+        json={"budget_s": 5},
+        headers={"authorization": f"Bearer {reg_server.token('vera')}"},
+        timeout=60,
+    )
+    assert r.status_code == 403 and "the MLflow mirror" in r.json()["message"], r.text
+    assert "://" not in r.json()["message"]
+
+
 def test_a_derived_route_refuses_a_bad_argument_in_one_line(reg_server, verb, path, given, message):
     """Each argument is checked by its contract type before any work: 400, exit 2, the field
     named (not FastAPI's 422 of before, which the client could not turn into a line)."""

@@ -159,3 +159,55 @@ def test_a_method_whose_argument_has_no_wire_kind_is_refused():
 def test_a_caller_side_argument_never_travels():
     for route in routes(Registry):
         assert not {"progress", "notes", "self"} & {f.arg for f in route.fields}, route.method
+
+
+def test_a_misspelt_body_field_is_refused_not_ignored():
+    with pytest.raises(UsageError, match="dryrun: no such field"):
+        _by_method()["gc"].arguments({"dryrun": True}, from_query=False)
+    assert _by_method()["gc"].arguments({"dry_run": True}, from_query=False) == {"dry_run": True}
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("on", True), ("T", True), ("off", False), ("n", False)]
+)
+def test_a_query_flag_takes_the_spellings_of_before(text: str, value: bool):
+    assert _by_method()["advise"].arguments({"run": "r", "fleet": text}, from_query=True) == {
+        "run": "r",
+        "fleet": value,
+    }
+
+
+def test_a_whole_number_past_what_the_catalog_holds_is_refused():
+    with pytest.raises(UsageError, match="skip is out of range"):
+        _by_method()["mlflow_sync"].arguments({"skip": 2**63}, from_query=False)
+    with pytest.raises(UsageError, match="gpus is out of range"):
+        _by_method()["advise"].arguments({"run": "r", "gpus": str(2**64)}, from_query=True)
+
+
+def test_a_version_in_a_query_is_a_number_only_in_ascii_digits():
+    from registry.wire import Version
+
+    assert Version().from_query("version", "12") == 12
+    assert Version().from_query("version", "²") == "²"
+
+
+def test_pin_is_the_default_of_its_path_when_pinned_is_left_out():
+    from registry.server.contract_routes import _pick
+
+    shared = [r for r in routes(Registry) if r.path == "/pin"]
+    assert _pick(shared, {"ref": "r@step1"}).method == "pin"
+    assert _pick(shared, {"ref": "r@step1", "pinned": False}).method == "unpin"
+    with pytest.raises(UsageError, match="pinned must be true or false"):
+        _pick(shared, {"ref": "r@step1", "pinned": 0})
+    status = [r for r in routes(Registry) if r.path == "/status"]
+    with pytest.raises(UsageError, match="status must be deprecated or yanked"):
+        _pick(status, {"ref": "m:v1"})
+
+
+def test_a_run_named_with_its_project_may_not_contradict_the_project_given():
+    from registry.lifecycle.runs import split_run
+
+    assert split_run("team-a/r", "team-a") == ("team-a", "r")
+    assert split_run("r", "team-a") == ("team-a", "r")
+    with pytest.raises(UsageError, match="names project team-b"):
+        split_run("team-b/r", "team-a")

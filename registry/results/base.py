@@ -27,6 +27,7 @@ class Result(Mapping[str, Any]):
     _keys: tuple[str, ...] = dataclasses.field(default=(), kw_only=True, repr=False)
     _extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True, repr=False)
     _fields: ClassVar[frozenset[str]] = frozenset()
+    _required: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if not self._keys:  # made directly, not read: every field set, in declaration order
@@ -72,15 +73,17 @@ class Result(Mapping[str, Any]):
         return cls(**given, _keys=tuple(doc), _extra=extra)
 
     @classmethod
-    def required(cls) -> list[str]:
+    def required(cls) -> tuple[str, ...]:
         """The keys every JSON object of this result has."""
-        return [
-            f.name
-            for f in dataclasses.fields(cls)
-            if not f.name.startswith("_")
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        ]
+        if "_required" not in cls.__dict__:  # once per class: from_json runs per listed row
+            cls._required = tuple(
+                f.name
+                for f in dataclasses.fields(cls)
+                if not f.name.startswith("_")
+                and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING
+            )
+        return cls._required
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object `--json` prints for this result."""

@@ -51,6 +51,9 @@ def _pick(shared: Sequence[Route], doc: dict[str, Any]) -> Route:
         if route.matches(doc):
             return route
     told = next(iter(shared[0].fixed))
+    fallback = [r for r in shared if r.default]
+    if fallback and not any(k in doc for r in shared for k in r.fixed):
+        return fallback[0]  # the field left out: the path's default method (`/pin` pins)
     values = " or ".join(_shown(r.fixed.get(told)) for r in shared)
     raise UsageError(f"{told} must be {values}")
 

@@ -340,7 +340,7 @@ def child_check(arg: dict[str, Any]) -> Any:
                 bad.append(f"verify {ref} raised {type(exc).__name__}: {exc}")
                 continue
             if not report.get("ok"):
-                bad.append(f"verify {ref}: {json.dumps(report, default=str)[:600]}")
+                bad.append(f"verify {ref}: {json.dumps(report.to_json(), default=str)[:600]}")
             try:
                 shown = client.show(ref)
             except Exception as exc:
@@ -479,7 +479,7 @@ def child_setup(arg: dict[str, Any]) -> Any:
         for model, alias, version in arg.get("alias", []):
             reg.set_alias(model, alias, version)
         if arg.get("drain"):
-            out["drain"] = reg.mlflow_sync(budget_s=300)
+            out["drain"] = reg.mlflow_sync(budget_s=300).to_json()
     return out
 
 
