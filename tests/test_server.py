@@ -375,6 +375,17 @@ def test_json_bodies_are_bounded(reg_server):
     assert r.status_code == 400 and "over" in r.json()["message"]
 
 
+def test_a_refused_mirror_sync_names_no_address_of_the_servers(reg_server):
+    r = httpx.post(
+        f"{reg_server.url}/v1/mlflow/sync",
+        json={"budget_s": 5},
+        headers={"authorization": f"Bearer {reg_server.token('vera')}"},
+        timeout=60,
+    )
+    assert r.status_code == 403 and "the MLflow mirror" in r.json()["message"], r.text
+    assert "://" not in r.json()["message"]
+
+
 @pytest.mark.parametrize(
     ("verb", "path", "given", "message"),
     [
@@ -390,17 +401,6 @@ def test_json_bodies_are_bounded(reg_server):
         ("POST", "/v1/alias", {"model": "m", "alias": "prod"}, "version is required"),
     ],
 )
-def test_a_refused_mirror_sync_names_no_address_of_the_servers(reg_server):
-    r = httpx.post(
-        f"{reg_server.url}/v1/mlflow/sync",
-        json={"budget_s": 5},
-        headers={"authorization": f"Bearer {reg_server.token('vera')}"},
-        timeout=60,
-    )
-    assert r.status_code == 403 and "the MLflow mirror" in r.json()["message"], r.text
-    assert "://" not in r.json()["message"]
-
-
 def test_a_derived_route_refuses_a_bad_argument_in_one_line(reg_server, verb, path, given, message):
     """Each argument is checked by its contract type before any work: 400, exit 2, the field
     named (not FastAPI's 422 of before, which the client could not turn into a line)."""

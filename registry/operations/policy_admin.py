@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -25,6 +26,9 @@ from registry.timeutil import now
 
 if TYPE_CHECKING:
     from registry.context import Context
+
+
+IN_FORCE_WAIT_S = 5.0  # how long an apply waits for a concurrent sealer's anchor
 
 
 def check(path: Path) -> Policy:
@@ -79,7 +83,6 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
             ctx, s, POLICY, {"version": version}, {"text": text, "sha256": digest}, ts=applied
         )
     if ctx.audit_key is not None:  # in force now, not after the sealer's next anchor
-        seal_now(ctx.catalog, ctx.store, ctx.audit_key)
         _in_force_now(ctx, version)
     return {
         "version": version,
@@ -101,7 +104,16 @@ def _in_force_now(ctx: Context, version: int) -> None:
     from registry.proven_policy import in_force
 
     assert ctx.audit_key is not None
-    found = in_force(ctx.catalog, ctx.store, ctx.audit_key)
+    # The server's sealer may seal the event between our seal and our anchor (it commits its
+    # seal after we read the head): then the head we anchored is older than the event's seal,
+    # and sealing and anchoring again settles it. Bounded: a chain that cannot seal is named.
+    deadline = time.monotonic() + IN_FORCE_WAIT_S
+    while True:
+        seal_now(ctx.catalog, ctx.store, ctx.audit_key)
+        found = in_force(ctx.catalog, ctx.store, ctx.audit_key)
+        if found.version == version or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     if found.version == version:
         return
     why = next(
