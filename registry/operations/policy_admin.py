@@ -106,20 +106,22 @@ def _in_force_now(ctx: Context, version: int) -> None:
     assert ctx.audit_key is not None
     # The server's sealer may seal the event between our seal and our anchor (it commits its
     # seal after we read the head): then the head we anchored is older than the event's seal,
-    # and sealing and anchoring again settles it. Bounded: a chain that cannot seal is named.
+    # and sealing and anchoring again settles it. Only that waits, and boundedly; an event
+    # that will never be proven (unsigned, forged, a broken chain) is named at once.
     deadline = time.monotonic() + IN_FORCE_WAIT_S
     while True:
         seal_now(ctx.catalog, ctx.store, ctx.audit_key)
         found = in_force(ctx.catalog, ctx.store, ctx.audit_key)
-        if found.version == version or time.monotonic() > deadline:
+        if found.version == version:
+            return
+        why = next(
+            (line for line in found.ignored if line.startswith(f"policy v{version}:")),
+            found.error.message if found.error else "its apply event is not sealed and anchored",
+        )
+        waiting = why.endswith(("not anchored yet", "not sealed yet"))
+        if not waiting or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    if found.version == version:
-        return
-    why = next(
-        (line for line in found.ignored if line.startswith(f"policy v{version}:")),
-        found.error.message if found.error else "its apply event is not sealed and anchored",
-    )
     raise UnprovenFact(
         f"policy v{version} is recorded but not in force: {why}",
         "reg audit verify names what keeps the audit chain from sealing it",

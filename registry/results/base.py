@@ -26,8 +26,8 @@ class Result(Mapping[str, Any]):
 
     _keys: tuple[str, ...] = dataclasses.field(default=(), kw_only=True, repr=False)
     _extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True, repr=False)
-    _fields: ClassVar[frozenset[str]] = frozenset()
-    _required: ClassVar[tuple[str, ...]] = ()
+    _fields: ClassVar[frozenset[str]]  # set per class on first use (`_names`, `required`)
+    _required: ClassVar[tuple[str, ...]]
 
     def __post_init__(self) -> None:
         if not self._keys:  # made directly, not read: every field set, in declaration order
@@ -39,13 +39,9 @@ class Result(Mapping[str, Any]):
             ]
             object.__setattr__(self, "_keys", (*keys, *self._extra))
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._fields = frozenset()  # set once the dataclass decorator has run (`_names`)
-
     @classmethod
     def _names(cls) -> frozenset[str]:
-        if not cls._fields:
+        if "_fields" not in cls.__dict__:  # once per class: from_json runs per listed row
             cls._fields = frozenset(
                 f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")
             )
@@ -75,7 +71,7 @@ class Result(Mapping[str, Any]):
     @classmethod
     def required(cls) -> tuple[str, ...]:
         """The keys every JSON object of this result has."""
-        if "_required" not in cls.__dict__:  # once per class: from_json runs per listed row
+        if "_required" not in cls.__dict__:  # once per class, as `_names`
             cls._required = tuple(
                 f.name
                 for f in dataclasses.fields(cls)
@@ -87,14 +83,16 @@ class Result(Mapping[str, Any]):
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object `--json` prints for this result."""
-        names = self._names()
-        return {k: getattr(self, k) if k in names else self._extra[k] for k in self._keys}
+        return {k: self._value(k) for k in self._keys}
+
+    def _value(self, key: str) -> Any:
+        return getattr(self, key) if key in self._names() else self._extra[key]
 
     # -- the read-only mapping of before (one release) -----------------------------------------
     def __getitem__(self, key: str) -> Any:
         if key not in self._keys:
             raise KeyError(key)
-        return getattr(self, key) if key in self._names() else self._extra[key]
+        return self._value(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
