@@ -281,3 +281,53 @@ def test_a_chunk_layout_too_irregular_to_check_is_refused():
         _box((c + 1, c), (n - c - 1, 1)) for c in range(n - 1)
     ]
     assert "too irregularly to check" in (cover_problem("w", (n, n), chunks) or "")
+
+
+def _without_chunk_indices(metadata):  # type: ignore[no-untyped-def]
+    """Every storage key's `index` None, as Megatron's planner writes them."""
+    import dataclasses
+
+    metadata.storage_data = {
+        dataclasses.replace(k, index=None): v for k, v in metadata.storage_data.items()
+    }
+
+
+def test_chunks_are_found_by_offset_when_their_index_is_none(ckpts, tmp_path):
+    """Torch finds a chunk's bytes by fqn and offsets (`index` is a hint): with every index
+    None each sharded tensor still has each of its chunks, at its own place in its own file."""
+    d = _crafted(ckpts, tmp_path, _without_chunk_indices)
+    want = scan_directory(ckpts.ws2.step_dir(2)).inventory
+    got = scan_directory(d).inventory
+    assert got.tensors == want.tensors
+    sharded = [t for t in got.tensors.values() if len({c.file for c in t.chunks}) == 2]
+    assert sharded, "the fixture shards some tensor over both ranks"
+
+
+class _SameIndex:
+    """Pickles as DCP's MetadataIndex but hashes by identity: two of them are two keys of
+    one pickled dict, which torch itself could never write."""
+
+    def __init__(self, fqn: str, offset: object) -> None:
+        self.fqn, self.offset = fqn, offset
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        return (MetadataIndex, (self.fqn, self.offset, None))
+
+
+@pytest.mark.parametrize("light", [True, False])
+def test_two_storage_locations_for_one_chunk_are_refused(ckpts, tmp_path, light):
+    """A crafted file naming two places for one chunk: reg does not pick one."""
+    from registry.formats.dcp import inventory
+
+    def duplicate(metadata):  # type: ignore[no-untyped-def]
+        key, info = next((k, v) for k, v in metadata.storage_data.items() if k.offset)
+        metadata.storage_data = {
+            **{_SameIndex(k.fqn, k.offset): v for k, v in metadata.storage_data.items()},
+            _SameIndex(key.fqn, key.offset): info,
+        }
+
+    d = _crafted(ckpts, tmp_path, duplicate)
+    with pytest.raises(InvalidCheckpoint, match="two storage locations"):
+        inventory(load_metadata((d / ".metadata").read_bytes(), light=light))

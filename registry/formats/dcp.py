@@ -213,22 +213,26 @@ def _inventory(metadata: Any) -> Inventory:
         files.add(path)
         for descriptor in getattr(info, "transform_descriptors", None) or ():
             transforms.add(checked_text(descriptor, "a transform"))
-        position = index.index if index.index is not None else 0
-        position = checked_int(position, f"the chunk index of {fqn}")
-        ranges.setdefault(fqn, {})[packed(position)] = ChunkRange(
-            checked_dims(index.offset or (), f"the chunk offsets of {fqn}"),
-            (),
-            path,
-            offset,
-            length,
-        )
+        # Torch finds a chunk's bytes by its fqn and offsets (MetadataIndex compares only
+        # those; `index` is a hint, and Megatron leaves it None on every chunk): so does reg.
+        # A bytes item has no offsets: one per fqn.
+        offsets = checked_dims(index.offset or (), f"the chunk offsets of {fqn}")
+        if index.index is not None:
+            checked_int(index.index, f"the chunk index of {fqn}")
+        where = ranges.setdefault(fqn, {})
+        key = packed(offsets)
+        if key in where:
+            raise InvalidCheckpoint(
+                f".metadata gives {fqn} two storage locations at offsets {offsets}",
+                "the file is corrupt or crafted",
+            )
+        where[key] = ChunkRange(offsets, (), path, offset, length)
 
     tensors: dict[str, TensorInfo] = {}
     byte_items: dict[str, list[ChunkRange]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         checked_text(fqn, "an fqn")
-        stored = ranges.get(fqn, {})
-        by_offsets = {packed(r.offsets): r for r in stored.values()}  # a lookup per chunk
+        stored = ranges.get(fqn, {})  # packed offsets -> where the bytes are
         if hasattr(meta, "chunks"):
             dtype = dtype_name(meta.properties.dtype)
             itemsize = DTYPE_SIZES.get(dtype)  # from the table, never from the file
@@ -241,7 +245,7 @@ def _inventory(metadata: Any) -> Inventory:
             for i, chunk in enumerate(meta.chunks):
                 offsets = checked_dims(chunk.offsets, f"a chunk offset of {fqn}")
                 sizes = checked_dims(chunk.sizes, f"a chunk size of {fqn}")
-                found = by_offsets.get(packed(offsets)) or stored.get(packed(i))
+                found = stored.get(packed(offsets))
                 if found is None:
                     raise InvalidCheckpoint(
                         f".metadata lists chunk {i} of {fqn} with no storage location",

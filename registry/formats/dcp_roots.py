@@ -170,7 +170,13 @@ def _merge(loaded: Mapping[str, Any], light: bool) -> Any:
                         offset = checked_dims(offset, f"a chunk offset of {fqn}")
                     if position is not None:
                         position = checked_int(position, f"the chunk index of {fqn}")
-                out.storage_data[hashes.check(index_type(fqn, offset, position))] = info_type(
+                key = hashes.check(index_type(fqn, offset, position))
+                if key in out.storage_data:
+                    raise InvalidCheckpoint(
+                        f"{where} gives {fqn} two storage locations at offsets {offset}",
+                        "the file is corrupt or crafted",
+                    )
+                out.storage_data[key] = info_type(
                     f"{root}/{checked_path(info.relative_path)}",
                     checked_int(info.offset, f"the storage offset of {fqn}"),
                     checked_int(info.length, f"the storage length of {fqn}"),

@@ -38,12 +38,18 @@ def _metadata(light: Any) -> dcp.Metadata:
     state = _mapping(getattr(light, "state_dict_metadata", None), "state_dict_metadata")
     storage = _mapping(getattr(light, "storage_data", None) or {}, "storage_data")
     hashes = HashCount("storage_data")  # torch's MetadataIndex hashes its offsets
+    storage_data: dict[dcp.MetadataIndex, _StorageInfo] = {}
+    for k, v in storage.items():
+        index = hashes.check(_index(k))
+        if index in storage_data:  # equal by fqn and offsets, as torch looks chunks up
+            raise _bad(f"{index.fqn} has two storage locations at offsets {index.offset}")
+        storage_data[index] = _storage(v)
     return dcp.Metadata(
         state_dict_metadata={checked_text(k, "an fqn"): _item(k, v) for k, v in state.items()},
         planner_data=_plain(
             getattr(light, "planner_data", None), "planner_data", [16 * len(state) + 10_000]
         ),
-        storage_data={hashes.check(_index(k)): _storage(v) for k, v in storage.items()},
+        storage_data=storage_data,
         storage_meta=_storage_meta(getattr(light, "storage_meta", None)),
         version=_optional_text(getattr(light, "version", None), "version"),
     )
