@@ -10,6 +10,7 @@ import typer
 from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
+from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
 
 
 def register(app: typer.Typer) -> None:
@@ -31,10 +32,18 @@ def register(app: typer.Typer) -> None:
 def push_ckpt(
     directory: Path = typer.Argument(..., help="The DCP checkpoint directory."),
     run: str = typer.Option(..., "--run", help="Run name."),
-    step: int = typer.Option(..., "--step", help="Training step of the checkpoint."),
+    step: int | None = typer.Option(
+        None,
+        "--step",
+        help="Training step of the checkpoint (else the one its files record: the Trainer's "
+        "trainer_state.json, Megatron's iter_N).",
+    ),
     project: str = typer.Option("default", "--project", help="Project name."),
     world_size: int | None = typer.Option(
-        None, "--world-size", help="World size it was saved at (else inferred)."
+        None,
+        "--world-size",
+        help="World size it was saved at (else recorded: the Trainer's rng_state_R.pth; "
+        "else inferred from the shard files).",
     ),
     metric: list[str] = typer.Option([], "--metric", help="NAME=VALUE recorded with it."),
     layout: str | None = LAYOUT_OPTION,
@@ -46,9 +55,12 @@ def push_ckpt(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
+    found = recorded_in(directory)
+    step = resolve_step(step, found)
     if claim is not None:
         _push_part(directory, claim, run, step, project, json_output)
         return
+    world_size = resolve_world_size(world_size, found)
     notes: list[str] = []
     with open_registry() as reg:
         out = reg.push_checkpoint(

@@ -6,6 +6,8 @@ hold which resume-state class, which files beside the DCP shards carry state, an
 resume of that trainer needs (required) or should have (recommended: missing ones are warnings).
 
   lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
+  transformers  the Trainer's sharded FSDP save: accelerate's DCP roots beside trainer_state.json,
+              scheduler.pt and rng_state_N.pth
   accelerate  DCP roots pytorch_model_fsdp_0/ and optimizer_0/ (their key paths prefixed with the
               root's name) beside scheduler.bin, random_states_N.pkl
   dcp         {"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}
@@ -171,6 +173,26 @@ ACCELERATE = Layout(
     files=r"scheduler(_\d+)?\.bin|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
     r"|(sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt",
 )
+TRANSFORMERS = Layout(
+    "transformers",
+    "the transformers Trainer with FSDP's SHARDED_STATE_DICT: accelerate's DCP roots "
+    "pytorch_model_fsdp_0/ and optimizer_0/ beside trainer_state.json, scheduler.pt, "
+    "rng_state_N.pth",
+    model="pytorch_model_fsdp_0.model",
+    classes={},  # optimizer_0.optimizer: found by its structure
+    required=("model", "optimizer", "lr_scheduler", "train_state", "dataloader"),
+    recommended=("rng",),
+    sidecars=(
+        SidecarRule(r"trainer_state\.json", "global_step", "train_state"),
+        # the Trainer keeps no data-loader state: it skips global_step batches of its
+        # (seeded) sampler on resume, so the step is the data position
+        SidecarRule(r"trainer_state\.json", "global_step", "dataloader"),
+        SidecarRule(r"scheduler\.pt", "", "lr_scheduler"),
+        SidecarRule(r"rng_state(_\d+)?\.pth", "", "rng"),
+        SidecarRule(r"scaler\.pt", "", "grad_scaler"),
+    ),
+    files=r"trainer_state\.json|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt",
+)
 STATEFUL = Layout(
     "stateful",
     'one wrapper key (e.g. "app") holding "model" and "optim", as in the DCP tutorial',
@@ -180,7 +202,7 @@ STATEFUL = Layout(
     recommended=("train_state", "lr_scheduler", "rng", "dataloader"),
 )
 LAYOUTS: dict[str, Layout] = {
-    lay.name: lay for lay in (LIGHTNING, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
+    lay.name: lay for lay in (LIGHTNING, TRANSFORMERS, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
 }  # in detection order
 
 
@@ -230,12 +252,14 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
-    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt;
-    accelerate's pytorch_model_fsdp_N root; a top-level "model"; a wrapper holding "model";
-    else the model at the top (torchtitan)."""
+    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt; the
+    Trainer's trainer_state.json; accelerate's pytorch_model_fsdp_N root; a top-level
+    "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
     top = children(keys, "")
     if "state_dict" in top or "meta.pt" in sidecars:
         return LIGHTNING
+    if "trainer_state.json" in sidecars:
+        return TRANSFORMERS
     if any(re.fullmatch(r"pytorch_model_fsdp_\d+", name) for name in top):
         return ACCELERATE
     if "model" in top:

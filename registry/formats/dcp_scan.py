@@ -21,9 +21,9 @@ from typing import Any
 from registry.errors import InvalidCheckpoint
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
 from registry.formats.dcp_roots import check_roots, merged_metadata, metadata_paths
+from registry.formats.foreign import refuse_foreign
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
-HF_INDEX = "model.safetensors.index.json"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")
 MAX_METADATA_BYTES = 512 * 1024 * 1024
@@ -124,9 +124,9 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
         raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
-    if not _has_metadata(root):  # before walking: `reg push-ckpt ~` stays cheap
-        _refuse_other_save_state(root)
-        _refuse_safetensors_directory(root)
+    has_metadata = _has_metadata(root)  # before walking: `reg push-ckpt ~` stays cheap
+    refuse_foreign(root, has_metadata=has_metadata)
+    if not has_metadata:
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
@@ -246,47 +246,6 @@ def _has_metadata(root: Path) -> bool:
             if entry.is_dir(follow_symlinks=False) and (Path(entry.path) / METADATA).is_file():
                 return True
     return False
-
-
-def _refuse_safetensors_directory(root: Path) -> None:
-    """A directory of safetensors without .metadata is Hugging Face's layout (save_pretrained,
-    or DCP's HuggingFaceStorageWriter), not an unfinished DCP save: say so."""
-    names: list[str] = []
-    with os.scandir(root) as entries:
-        for i, entry in enumerate(entries):
-            if i >= 10_000:
-                break
-            if entry.name.endswith(".safetensors") or entry.name == HF_INDEX:
-                names.append(entry.name)
-    if names:
-        raise InvalidCheckpoint(
-            f"{root} is a Hugging Face safetensors directory ({sorted(names)[0]}, ...), as "
-            "save_pretrained or DCP's HuggingFaceStorageWriter write it, not a DCP checkpoint",
-            "push-ckpt takes DCP checkpoints (dcp.save with FileSystemWriter); inference "
-            "weights become releases through `reg promote`",
-        )
-
-
-def _refuse_other_save_state(root: Path) -> None:
-    """accelerate's `save_state` layouts that are no DCP (its optimizer or RNG files beside a
-    model file): name what they are."""
-
-    def has(name: str) -> bool:
-        return (root / name).is_file()
-
-    if not (has("optimizer.bin") or has("optimizer_0.bin") or has("random_states_0.pkl")):
-        return
-    if has("pytorch_model_fsdp.bin") or has("pytorch_model_fsdp_0.bin"):
-        what = "accelerate save_state with FSDP's FULL_STATE_DICT (pytorch_model_fsdp.bin)"
-    elif has("model.safetensors") or has("pytorch_model.bin"):
-        what = "accelerate save_state without FSDP (model.safetensors and a pickled optimizer.bin)"
-    else:
-        what = "accelerate save_state without a sharded model"
-    raise InvalidCheckpoint(
-        f"{root} is {what}: not a DCP checkpoint",
-        'push-ckpt takes DCP checkpoints: save with FSDP and state_dict_type="SHARDED_STATE_DICT"'
-        " (pytorch_model_fsdp_0/, optimizer_0/)",
-    )
 
 
 def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead | None) -> None:

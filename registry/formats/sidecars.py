@@ -1,13 +1,15 @@
 """Read the files trainers write beside their DCP shards, safely, into key paths.
 
 Lightning writes `meta.pt` (global step, epoch, loop progress, LR schedulers); accelerate writes
-`scheduler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`, `sampler.bin`, `scaler.pt`.
+`scheduler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`, `sampler.bin`, `scaler.pt`;
+the transformers Trainer `trainer_state.json`, `scheduler.pt`, `rng_state_N.pth`.
 What they hold decides whether a checkpoint can resume, so the registry reads them, never
 trusting them:
   - `torch.load(weights_only=True)`: torch's restricted unpickler, nothing imported or called
     beyond tensors and plain containers;
-  - accelerate's RNG files need numpy arrays: exactly the numpy globals they reference are
-    allowed (`NUMPY_GLOBALS`), nothing else;
+  - accelerate's and the Trainer's RNG files need numpy arrays: exactly the numpy globals they
+    reference are allowed (`NUMPY_GLOBALS`), nothing else;
+  - a JSON document (`trainer_state.json`) by Python's parser, linear in its length;
   - before torch sees it, the file must be a torch.save archive whose records are stored, not
     compressed (a 3 MB deflated record inflates to gigabytes), and its pickle no larger than
     `MAX_PICKLE` and naming no global longer than `MAX_GLOBAL` characters (torch's refusal
@@ -29,6 +31,7 @@ from __future__ import annotations
 import importlib
 import io
 import itertools
+import json
 import pickletools
 import re
 import zipfile
@@ -56,22 +59,30 @@ NUMPY_GLOBALS = (
     ("numpy.dtypes", "UInt32DType"),
 )
 
-# The sidecar files reg reads (file-name patterns) and whether numpy arrays are allowed.
+# How a sidecar is read: torch.load(weights_only=True), the same with numpy's RNG arrays
+# allowed, or as a JSON document.
+TORCH, TORCH_NUMPY, JSON = "torch", "torch+numpy", "json"
+
+# The sidecar files reg reads (file-name patterns) and how.
 READ = (
-    (re.compile(r"meta\.pt"), False),  # Lightning
-    (re.compile(r"scheduler(_\d+)?\.bin"), False),  # accelerate
-    (re.compile(r"(sampler|dl_state_dict)(_\d+)?\.bin"), False),
-    (re.compile(r"scaler\.pt"), False),
-    (re.compile(r"custom_checkpoint_\d+\.pkl"), False),  # register_for_checkpointing
-    (re.compile(r"random_states_\d+\.pkl"), True),
+    (re.compile(r"meta\.pt"), TORCH),  # Lightning
+    (re.compile(r"scheduler(_\d+)?\.bin"), TORCH),  # accelerate
+    (re.compile(r"(sampler|dl_state_dict)(_\d+)?\.bin"), TORCH),
+    (re.compile(r"scaler\.pt"), TORCH),  # accelerate and the transformers Trainer
+    (re.compile(r"custom_checkpoint_\d+\.pkl"), TORCH),  # register_for_checkpointing
+    (re.compile(r"random_states_\d+\.pkl"), TORCH_NUMPY),
+    # the transformers Trainer: its step and data position, LR scheduler and each rank's RNG
+    (re.compile(r"trainer_state\.json"), JSON),
+    (re.compile(r"scheduler\.pt"), TORCH),
+    (re.compile(r"rng_state(_\d+)?\.pth"), TORCH_NUMPY),
 )
 
 
-def readable(path: str) -> bool | None:
-    """None when reg does not read `path`; else whether numpy arrays are allowed in it."""
-    for pattern, numpy in READ:
+def readable(path: str) -> str | None:
+    """How reg reads `path` (TORCH, TORCH_NUMPY or JSON); None when it does not."""
+    for pattern, kind in READ:
         if pattern.fullmatch(path):
-            return numpy
+            return kind
     return None
 
 
@@ -81,14 +92,15 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
     out: list[str] = []
     for path in sorted(paths):
         out.append(path)
-        numpy = readable(path)
-        if numpy is None:
+        kind = readable(path)
+        if kind is None:
             continue
         if sizes.get(path, 0) > MAX_BYTES:
             out.append(f"{path}{UNREAD_MARK}it is over {MAX_BYTES >> 20} MiB")
             continue
         try:
-            value = load(read(path), numpy=numpy)
+            data = read(path)
+            value = load_json(data) if kind == JSON else load(data, numpy=kind == TORCH_NUMPY)
         except Unreadable as exc:
             out.append(f"{path}{UNREAD_MARK}{str(exc)[:MAX_WHY]}")
             continue
@@ -117,6 +129,17 @@ def load(data: bytes, *, numpy: bool = False) -> Any:
         if found:
             raise Unreadable(f"torch.load(weights_only=True) refuses {found.group(1)}") from None
         raise Unreadable(f"it does not load ({type(exc).__name__})") from None
+
+
+def load_json(data: bytes) -> Any:
+    """A JSON document (Python's parser: linear in its length; text keys hash with the
+    process's secret key, and a number of over 4,300 digits is refused)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise Unreadable("it is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        raise Unreadable("it is not a JSON document") from None
 
 
 def precheck(data: bytes) -> None:

@@ -31,6 +31,7 @@ from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
+from registry.formats.recorded import recorded, resolve_step, resolve_world_size
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.pulled import KeptManifest
 from registry.progress import Counter, Progress
@@ -73,7 +74,10 @@ def push(
     scanned = scan_directory(Path(src), skip=kept.skip if kept else frozenset())
     if kept is not None:
         kept.check_files(scanned.files)
-    world = world_size_of(scanned, world_size, notes)
+    # what the trainer's own files record (a server's received copy has no name of its own)
+    found = recorded(Path(src).name if received is None else "", scanned.files, scanned.read)
+    resolve_step(step, found)
+    world = world_size_of(scanned, resolve_world_size(world_size, found), notes)
     with _Uploader(ctx, ref, scanned, progress, received) as uploader:
         # A server's received files are taken, not copied: nothing to overlap, and a file
         # taken before the claim would be gone for comparing with a step committed meanwhile.

@@ -1,0 +1,191 @@
+"""What a directory with no DCP `.metadata` is, when a trainer wrote it: a refusal that names
+the stack and the one thing that would work.
+
+Decided from file names at the top of the directory (a few thousand looked at at most) and,
+for Megatron-LM's tracker, one small file: `latest_checkpointed_iteration.txt` must hold a
+number (or `release`) whose directory is a plain subdirectory, never a path. DeepSpeed's
+`latest` is read the same way. Nothing here is trusted beyond choosing the message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from registry.errors import InvalidCheckpoint
+
+HF_INDEX = "model.safetensors.index.json"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+DEEPSPEED_LATEST = "latest"
+MAX_NAMES = 10_000
+MAX_POINTER = 256  # a tracker or `latest` holds a short name
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+def refuse_foreign(root: Path, *, has_metadata: bool) -> None:
+    """InvalidCheckpoint naming what `root` is, when its files say; else nothing. A directory
+    with DCP metadata (`has_metadata`, at the top or one level down) is refused only when it
+    is Megatron-LM's save directory: its iter_N/ subdirectories are checkpoints of their own,
+    not roots of one."""
+    names = _names(root)
+    checks = (
+        (_megatron_save_dir,)
+        if has_metadata
+        else (
+            _megatron_save_dir,
+            _deepspeed,
+            _trainer,
+            _peft_adapter,
+            _accelerate_save_state,
+            _safetensors_directory,
+        )
+    )
+    for check in checks:
+        problem = check(root, names)
+        if problem is not None:
+            raise problem
+
+
+def _names(root: Path) -> set[str]:
+    out: set[str] = set()
+    with os.scandir(root) as entries:
+        for i, entry in enumerate(entries):
+            if i >= MAX_NAMES:
+                break
+            out.add(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
+    return out
+
+
+def pointer(root: Path, name: str) -> str | None:
+    """The sibling a pointer file (`latest`, Megatron's tracker) names, if it is one plain
+    name of a subdirectory of `root`; None for anything else (a path, a link, a big file)."""
+    try:
+        st = os.lstat(root / name)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_POINTER:
+            return None
+        with open(root / name, "rb") as f:
+            text = f.read(MAX_POINTER).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not _PLAIN.fullmatch(text) or text in {".", ".."}:
+        return None
+    return text
+
+
+def _subdirectory(root: Path, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(root / name).st_mode)
+    except OSError:
+        return False
+
+
+def _megatron_save_dir(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    """Megatron-LM's --save directory: iter_NNNNNNN/ checkpoints and the tracker naming the
+    latest."""
+    if MEGATRON_TRACKER not in names:
+        return None
+    text = pointer(root, MEGATRON_TRACKER)
+    iteration = None
+    if text == "release":
+        iteration = "release"
+    elif text is not None and text.isdigit() and len(text) <= 18:
+        iteration = f"iter_{int(text):07d}"
+    if iteration is None or not _subdirectory(root, iteration):
+        return InvalidCheckpoint(
+            f"{root} is a Megatron-LM save directory whose {MEGATRON_TRACKER} names no "
+            "checkpoint directory in it",
+            "push one of its iter_NNNNNNN/ directories with --world-size",
+        )
+    return InvalidCheckpoint(
+        f"{root} is a Megatron-LM save directory, not one checkpoint: its latest is "
+        f"{iteration}/",
+        f"push that directory: reg push-ckpt {root / iteration} --run RUN --world-size "
+        "TPxPPxDP",
+    )
+
+
+def _deepspeed(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    """DeepSpeed's save_checkpoint: `latest` naming global_stepN/, which holds
+    mp_rank_00_model_states.pt and per-rank *_optim_states.pt pickles."""
+    inside = any(
+        n.startswith(("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_"))
+        and n.endswith("_states.pt")
+        for n in names
+    )
+    parent = DEEPSPEED_LATEST in names and any(n.startswith("global_step") for n in names)
+    if not (inside or parent):
+        return None
+    where = ""
+    if parent and (step := pointer(root, DEEPSPEED_LATEST)) and _subdirectory(root, step):
+        where = f" (its latest is {step}/)"
+    return InvalidCheckpoint(
+        f"{root} is a DeepSpeed checkpoint{where}: pickled model and ZeRO optimizer states, "
+        "not a DCP checkpoint, and reg does not read them yet",
+        "save through torch.distributed.checkpoint (FSDP2 with a sharded state dict) to push "
+        "it; never run the zero_to_fp32.py stored beside it on untrusted checkpoints",
+    )
+
+
+def _trainer(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    """The transformers Trainer without FSDP's sharded state dict: weights in safetensors (or
+    a PEFT adapter) beside a pickled optimizer.pt."""
+    if "trainer_state.json" not in names:
+        return None
+    if "adapter_model.safetensors" in names or "adapter_config.json" in names:
+        what = "a PEFT adapter (adapter_model.safetensors) and its optimizer"
+    elif names & {"model.safetensors", "pytorch_model.bin", HF_INDEX}:
+        what = "model.safetensors and a pickled optimizer.pt"
+    elif "pytorch_model_fsdp.bin" in names or "pytorch_model_fsdp_0.bin" in names:
+        what = "FSDP's FULL_STATE_DICT (pytorch_model_fsdp.bin)"
+    else:
+        what = "no sharded model"
+    return InvalidCheckpoint(
+        f"{root} is a transformers Trainer checkpoint with {what}: reg takes the Trainer's "
+        "sharded saves, not this one",
+        'train with fsdp="full_shard" and fsdp_config {"version": 2, "state_dict_type": '
+        '"SHARDED_STATE_DICT"} (pytorch_model_fsdp_0/, optimizer_0/), then push checkpoint-N/',
+    )
+
+
+def _peft_adapter(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    if "adapter_config.json" not in names:
+        return None
+    return InvalidCheckpoint(
+        f"{root} is a PEFT adapter (save_pretrained): inference weights, not resumable "
+        "training state, and reg does not take adapters as checkpoints yet",
+        "push the training checkpoint the adapter was trained in (a DCP save), and promote it",
+    )
+
+
+def _accelerate_save_state(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    """accelerate's `save_state` layouts that are no DCP (its optimizer or RNG files beside a
+    model file)."""
+    if not names & {"optimizer.bin", "optimizer_0.bin", "random_states_0.pkl"}:
+        return None
+    if names & {"pytorch_model_fsdp.bin", "pytorch_model_fsdp_0.bin"}:
+        what = "accelerate save_state with FSDP's FULL_STATE_DICT (pytorch_model_fsdp.bin)"
+    elif names & {"model.safetensors", "pytorch_model.bin"}:
+        what = "accelerate save_state without FSDP (model.safetensors and a pickled optimizer.bin)"
+    else:
+        what = "accelerate save_state without a sharded model"
+    return InvalidCheckpoint(
+        f"{root} is {what}: not a DCP checkpoint",
+        'push-ckpt takes DCP checkpoints: save with FSDP and state_dict_type="SHARDED_STATE_DICT"'
+        " (pytorch_model_fsdp_0/, optimizer_0/)",
+    )
+
+
+def _safetensors_directory(root: Path, names: set[str]) -> InvalidCheckpoint | None:
+    """A directory of safetensors without .metadata is Hugging Face's layout (save_pretrained,
+    or DCP's HuggingFaceStorageWriter), not an unfinished DCP save."""
+    found = sorted(n for n in names if n.endswith(".safetensors") or n == HF_INDEX)
+    if not found:
+        return None
+    return InvalidCheckpoint(
+        f"{root} is a Hugging Face safetensors directory ({found[0]}, ...), as "
+        "save_pretrained or DCP's HuggingFaceStorageWriter write it, not a DCP checkpoint",
+        "push-ckpt takes DCP checkpoints (dcp.save with FileSystemWriter); inference "
+        "weights become releases through `reg promote`",
+    )

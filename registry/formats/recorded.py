@@ -1,0 +1,126 @@
+"""The step and world size a checkpoint's own files record, so `push-ckpt` need not be told.
+
+  - the transformers Trainer: `trainer_state.json`'s `global_step`; one `rng_state_R.pth` per
+    rank (`rng_state.pth` alone: one process);
+  - Megatron-LM: the directory's name, `iter_NNNNNNN` (its `latest_checkpointed_iteration.txt`
+    names that directory in the parent). Megatron records no world size: TP x PP x DP is
+    given on the command line (`requires_world_size`).
+
+A value given on the command line that disagrees with one recorded is refused (exit 2): one of
+them names the wrong checkpoint. Files are read through the caller's `read` (bounded, proven
+where they come from a store) and never trusted further than a whole number.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.errors import UsageError
+
+TRAINER_STATE = "trainer_state.json"
+MAX_TRAINER_STATE = 64 * 1024 * 1024
+MAX_STEP = 10**18
+_RNG_FILE = re.compile(r"rng_state_(\d{1,9})\.pth")
+MEGATRON_ITERATION = re.compile(r"iter_(\d{7,18})")
+MEGATRON_FILES = ("metadata.json", "common.pt")
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    step: int | None = None
+    step_source: str | None = None  # e.g. "trainer_state.json:global_step"
+    world_size: int | None = None
+    world_source: str | None = None
+    requires_world_size: str | None = None  # why --world-size must be given, when it must
+
+
+def recorded(name: str, files: Mapping[str, int], read: Callable[[str], bytes]) -> Recorded:
+    """What the files (path -> size) of a checkpoint directory called `name` record."""
+    step, step_source = _trainer_step(files, read)
+    requires = None
+    if all(f in files for f in MEGATRON_FILES):
+        requires = "Megatron records no world size (TP x PP x DP)"
+        if step is None and (found := MEGATRON_ITERATION.fullmatch(name)):
+            step, step_source = int(found.group(1)), f"the directory name {name}"
+    world, world_source = _trainer_world(files)
+    return Recorded(step, step_source, world, world_source, requires)
+
+
+def recorded_in(directory: Path) -> Recorded:
+    """`recorded` for a local directory (its top-level files only: what it reads is there)."""
+    try:
+        files = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+    except OSError:
+        return Recorded()  # the push's scan says what is wrong with the directory
+
+    def read(path: str) -> bytes:
+        with open(directory / path, "rb") as f:
+            return f.read(MAX_TRAINER_STATE + 1)
+
+    return recorded(directory.resolve().name, files, read)
+
+
+def _trainer_step(
+    files: Mapping[str, int], read: Callable[[str], bytes]
+) -> tuple[int | None, str | None]:
+    if TRAINER_STATE not in files or files[TRAINER_STATE] > MAX_TRAINER_STATE:
+        return None, None
+    try:
+        state = json.loads(read(TRAINER_STATE))
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError):
+        return None, None  # the resume check reports it as present but unread
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
+        return None, None
+    return step, f"{TRAINER_STATE}:global_step"
+
+
+def _trainer_world(files: Mapping[str, int]) -> tuple[int | None, str | None]:
+    """One rng_state_R.pth per rank, R = 0..N-1; rng_state.pth alone: one process."""
+    ranks = {int(m.group(1)) for f in files if (m := _RNG_FILE.fullmatch(f))}
+    if ranks and ranks == set(range(len(ranks))):
+        return len(ranks), f"rng_state_0..{len(ranks) - 1}.pth"
+    if not ranks and "rng_state.pth" in files and TRAINER_STATE in files:
+        return 1, "rng_state.pth"
+    return None, None
+
+
+def resolve_step(given: int | None, found: Recorded) -> int:
+    """The step to push: the one given, which must agree with a recorded one, else the one
+    recorded (UsageError when neither exists)."""
+    if given is None:
+        if found.step is None:
+            raise UsageError(
+                "--step is required: the checkpoint's files record no step",
+                "pass --step N, the training step it was saved at",
+            )
+        return found.step
+    if found.step is not None and given != found.step:
+        raise UsageError(
+            f"--step {given} disagrees with {found.step_source}, which says {found.step}",
+            "leave --step out to use the recorded step, or push the checkpoint of that step",
+        )
+    return given
+
+
+def resolve_world_size(given: int | None, found: Recorded) -> int | None:
+    """The world size to record: given (checked against a recorded one), else recorded, else
+    None (inferred from the shard files). UsageError where it must be given and is not."""
+    if given is None:
+        if found.world_size is None and found.requires_world_size:
+            raise UsageError(
+                f"--world-size is required: {found.requires_world_size}",
+                "pass --world-size N, the number of processes that saved it",
+            )
+        return found.world_size
+    if found.world_size is not None and given != found.world_size:
+        raise UsageError(
+            f"--world-size {given} disagrees with {found.world_source}, which show "
+            f"{found.world_size} ranks",
+            "leave --world-size out to use the recorded one",
+        )
+    return given
