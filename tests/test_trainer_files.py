@@ -1,0 +1,254 @@
+"""What trainers' own files say, read without trusting them: the step and world size a
+checkpoint records (registry/formats/recorded.py), the one-line refusals that name a stack
+push-ckpt cannot take and what would work (registry/formats/foreign.py), and the transformers
+Trainer's sidecars as resume classes (policies/layouts.py TRANSFORMERS)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from policies.loader import ResumePolicy
+from policies.resume import classify
+from registry.errors import InvalidCheckpoint, UsageError
+from registry.formats import sidecars
+from registry.formats.foreign import refuse_foreign
+from registry.formats.recorded import (
+    Recorded,
+    recorded,
+    recorded_in,
+    resolve_step,
+    resolve_world_size,
+)
+
+TRAINER_KEYS = sorted(
+    [
+        "pytorch_model_fsdp_0.model.model.embed_tokens.weight",
+        "optimizer_0.optimizer.state.model.embed_tokens.weight.exp_avg",
+        "optimizer_0.optimizer.param_groups.0.lr",
+    ]
+)
+
+
+def saved(value: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def trainer_rng_state() -> dict[str, Any]:
+    """What transformers 5's Trainer._save_rng_state writes on CPU."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+
+
+def trainer_files(world: int = 2, step: int = 3) -> dict[str, bytes]:
+    files = {
+        "trainer_state.json": json.dumps({"global_step": step, "log_history": []}).encode(),
+        "scheduler.pt": saved({"last_epoch": step, "base_lrs": [0.001], "_step_count": 4}),
+    }
+    for rank in range(world):
+        files[f"rng_state_{rank}.pth"] = saved(trainer_rng_state())
+    return files
+
+
+def entries_of(files: dict[str, bytes]) -> list[str]:
+    return sidecars.entries(files, {p: len(d) for p, d in files.items()}, files.__getitem__)
+
+
+# -- the Trainer's sidecars ----------------------------------------------------------------
+
+
+def test_a_trainer_sharded_save_is_the_transformers_layout_and_resumable() -> None:
+    verdict = classify(TRAINER_KEYS, entries_of(trainer_files()), ResumePolicy())
+    assert verdict.layout == "transformers"
+    assert verdict.resumable and not verdict.missing
+    assert verdict.classes["train_state"] == ["trainer_state.json:global_step"]
+    assert verdict.classes["dataloader"] == ["trainer_state.json:global_step"]
+    assert verdict.classes["lr_scheduler"] == ["scheduler.pt"]
+    assert verdict.classes["rng"] == ["rng_state_0.pth", "rng_state_1.pth"]
+
+
+def test_trainer_files_that_do_not_read_provide_nothing() -> None:
+    """A trainer_state.json that is not JSON and a scheduler.pt naming a global torch's
+    restricted loader refuses: present but unread, so the checkpoint is not resumable."""
+    files = trainer_files()
+    files["trainer_state.json"] = b"{not json"
+    files["scheduler.pt"] = saved({"lr_lambdas": [argparse_namespace()]})
+    entries = entries_of(files)
+    assert "trainer_state.json!it is not a JSON document" in entries
+    assert any(e.startswith("scheduler.pt!torch.load(weights_only=True) refuses") for e in entries)
+    verdict = classify(TRAINER_KEYS, entries, ResumePolicy())
+    assert not verdict.resumable
+    assert {"lr_scheduler", "train_state", "dataloader"} <= set(verdict.missing)
+
+
+def argparse_namespace() -> object:
+    import argparse
+
+    return argparse.Namespace(lr=1.0)
+
+
+def test_a_deeply_nested_trainer_state_is_unread_not_a_crash() -> None:
+    files = {"trainer_state.json": b"[" * 100_000 + b"]" * 100_000}
+    assert entries_of(files)[1].startswith("trainer_state.json!")
+
+
+# -- the step and world size a checkpoint records ------------------------------------------
+
+
+def test_the_trainer_records_its_step_and_world_size() -> None:
+    files = trainer_files(world=2, step=3)
+    found = recorded("checkpoint-3", {p: len(d) for p, d in files.items()}, files.__getitem__)
+    assert (found.step, found.world_size) == (3, 2)
+    assert found.step_source == "trainer_state.json:global_step"
+    assert resolve_step(None, found) == 3 and resolve_step(3, found) == 3
+    assert resolve_world_size(None, found) == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [(4, "--step 4 disagrees with trainer_state.json:global_step, which says 3")],
+)
+def test_a_given_step_that_disagrees_is_refused(given: int, message: str) -> None:
+    files = trainer_files(step=3)
+    found = recorded("x", {p: len(d) for p, d in files.items()}, files.__getitem__)
+    with pytest.raises(UsageError, match=message):
+        resolve_step(given, found)
+    with pytest.raises(UsageError, match="--world-size 4 disagrees with rng_state_0..1.pth"):
+        resolve_world_size(4, found)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [b'{"global_step": -1}', b'{"global_step": true}', b'{"global_step": 1.5}', b"[3]",
+     b'{"global_step": 1000000000000000000}', b"\xff"],
+)  # fmt: skip
+def test_a_step_that_is_no_whole_step_is_not_taken(state: bytes) -> None:
+    found = recorded("x", {"trainer_state.json": len(state)}, lambda _: state)
+    assert found.step is None
+    with pytest.raises(UsageError, match="--step is required"):
+        resolve_step(None, found)
+
+
+def test_rank_files_with_a_gap_record_no_world_size() -> None:
+    files = {"trainer_state.json": 2, "rng_state_0.pth": 1, "rng_state_2.pth": 1}
+    assert recorded("x", files, lambda _: b"{}").world_size is None
+
+
+def test_megatron_records_its_iteration_in_the_directory_name_and_needs_a_world_size() -> None:
+    files = {"metadata.json": 1, "common.pt": 1, ".metadata": 1}
+    found = recorded("iter_0000042", files, lambda _: b"")
+    assert (found.step, found.step_source) == (42, "the directory name iter_0000042")
+    with pytest.raises(UsageError, match="--world-size is required: Megatron records no world"):
+        resolve_world_size(None, found)
+    assert resolve_world_size(4, found) == 4
+    assert recorded("iter_0000042", {".metadata": 1}, lambda _: b"") == Recorded()
+
+
+def test_recorded_in_reads_a_local_directory(tmp_path: Path) -> None:
+    for name, data in trainer_files(world=1).items():
+        (tmp_path / name).write_bytes(data)
+    assert (recorded_in(tmp_path).step, recorded_in(tmp_path).world_size) == (3, 1)
+    assert recorded_in(tmp_path / "absent") == Recorded()
+
+
+# -- refusals that name the stack ----------------------------------------------------------
+
+
+def layout(root: Path, files: list[str]) -> Path:
+    for name in files:
+        path = root / name
+        if name.endswith("/"):
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "what", "hint"),
+    [
+        (
+            ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
+             "trainer_state.json", "training_args.bin"],
+            "transformers Trainer checkpoint with model.safetensors and a pickled optimizer.pt",
+            '"state_dict_type": "SHARDED_STATE_DICT"',
+        ),
+        (
+            ["adapter_model.safetensors", "adapter_config.json", "optimizer.pt",
+             "trainer_state.json"],
+            "transformers Trainer checkpoint with a PEFT adapter",
+            "then push checkpoint-N/",
+        ),
+        (
+            ["adapter_model.safetensors", "adapter_config.json", "README.md"],
+            "is a PEFT adapter (save_pretrained)",
+            "push the training checkpoint the adapter was trained in",
+        ),
+        (
+            ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+            "is a DeepSpeed checkpoint: pickled model and ZeRO optimizer states",
+            "never run the zero_to_fp32.py",
+        ),
+        (
+            ["model.safetensors", "config.json"],
+            "is a Hugging Face safetensors directory (model.safetensors, ...)",
+            "reg promote",
+        ),
+    ],
+)  # fmt: skip
+def test_a_foreign_directory_is_named_with_what_would_work(
+    tmp_path: Path, cli: Any, files: list[str], what: str, hint: str
+) -> None:
+    root = layout(tmp_path / "ckpt", files)
+    with pytest.raises(InvalidCheckpoint) as caught:
+        refuse_foreign(root, has_metadata=False)
+    assert what in caught.value.message and hint in (caught.value.hint or "")
+    got = cli("push-ckpt", root, "--run", "r", "--step", "3")
+    assert got.returncode == 2 and what in got.stderr and "Traceback" not in got.stderr
+
+
+def test_deepspeeds_save_dir_names_its_latest_step(tmp_path: Path) -> None:
+    root = layout(tmp_path / "ds", ["global_step3/mp_rank_00_model_states.pt", "zero_to_fp32.py"])
+    (root / "latest").write_text("global_step3")
+    with pytest.raises(InvalidCheckpoint, match=r"DeepSpeed checkpoint \(its latest is "):
+        refuse_foreign(root, has_metadata=False)
+
+
+def test_a_megatron_save_dir_points_at_its_latest_iteration(tmp_path: Path, cli: Any) -> None:
+    root = layout(tmp_path / "save", ["iter_0000003/.metadata", "iter_0000003/common.pt"])
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    got = cli("push-ckpt", root, "--run", "r", "--step", "3")
+    assert got.returncode == 2, got.stderr
+    assert "is a Megatron-LM save directory, not one checkpoint: its latest is" in got.stderr
+    assert f"reg push-ckpt {root / 'iter_0000003'}" in got.stderr
+
+
+@pytest.mark.parametrize(
+    "tracker", ["../../etc", "/etc/passwd", "iter_0000003/../x", "7", "x" * 300, "\x00"]
+)
+def test_a_tracker_naming_anything_but_a_sibling_directory_names_nothing(
+    tmp_path: Path, tracker: str
+) -> None:
+    """The tracker picks the message only: a path, a missing directory or junk there never
+    makes reg look outside the directory."""
+    root = layout(tmp_path / "save", ["iter_0000003/.metadata"])
+    (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    with pytest.raises(InvalidCheckpoint, match="names no checkpoint directory in it"):
+        refuse_foreign(root, has_metadata=True)
+
+
+def test_a_dcp_checkpoint_is_never_refused_as_foreign(ckpts: Any) -> None:
+    refuse_foreign(ckpts.ws2.step_dir(2), has_metadata=True)  # nothing raised
