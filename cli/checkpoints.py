@@ -10,7 +10,8 @@ import typer
 from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
-from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
+from registry.formats.dcp_scan import check_kind
+from registry.formats.recorded import Recorded, recorded_in, resolve_step, resolve_world_size
 
 
 def register(app: typer.Typer) -> None:
@@ -55,11 +56,12 @@ def push_ckpt(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
+    if claim is not None:  # one node's part: the step is the claim's, its files a subset
+        _push_part(directory, claim, run, resolve_step(step, Recorded()), project, json_output)
+        return
+    check_kind(directory)  # what the directory is, before asking for what it lacks
     found = recorded_in(directory)
     step = resolve_step(step, found)
-    if claim is not None:
-        _push_part(directory, claim, run, step, project, json_output)
-        return
     world_size = resolve_world_size(world_size, found)
     notes: list[str] = []
     with open_registry() as reg:

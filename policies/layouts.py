@@ -5,6 +5,8 @@ key path the model lives (and so which prefix a release strips from its names), 
 hold which resume-state class, which files beside the DCP shards carry state, and which classes a
 resume of that trainer needs (required) or should have (recommended: missing ones are warnings).
 
+  megatron    Megatron-core's torch_dist: model keys at the top, optimizer.*, rng_state/shard_*,
+              beside metadata.json and common.pt
   lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
   transformers  the Trainer's sharded FSDP save: accelerate's DCP roots beside trainer_state.json,
               scheduler.pt and rng_state_N.pth
@@ -93,6 +95,8 @@ class Layout:
     files: str = ""  # the sidecar files this layout reads (a pattern), for "present but unread"
     # file -> the classes a file recorded before reg read sidecars is assumed to hold
     legacy: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # files the trainer always writes: without them the layout is never suggested
+    marks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,26 @@ ACCELERATE = Layout(
     files=r"scheduler(_\d+)?\.bin|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
     r"|(sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt",
 )
+MEGATRON = Layout(
+    "megatron",
+    "Megatron-core dist_checkpointing (torch_dist), as Megatron-LM saves iter_N/: the model's "
+    'sharded keys at the top level beside "optimizer.*" and "rng_state/shard_*", and '
+    "metadata.json, common.pt (iteration, LR scheduler, optimizer param groups, args)",
+    model="",
+    classes={"optimizer": ("optimizer",), "rng": ("rng_state",)},
+    required=("model", "optimizer", "lr_scheduler", "train_state"),
+    recommended=("rng", "dataloader"),
+    sidecars=(
+        SidecarRule(r"common\.pt", "iteration", "train_state"),
+        # Megatron-LM restarts its sampler at the samples consumed: the iteration's worth for a
+        # constant global batch (a batch-size ramp keeps it in args, which reg does not read)
+        SidecarRule(r"common\.pt", "iteration", "dataloader"),
+        SidecarRule(r"common\.pt", "opt_param_scheduler", "lr_scheduler"),
+        SidecarRule(r"common\.pt", "optimizer.param_groups", "optimizer"),
+    ),
+    files=r"common\.pt",
+    marks=("metadata.json", "common.pt"),
+)
 TRANSFORMERS = Layout(
     "transformers",
     "the transformers Trainer with FSDP's SHARDED_STATE_DICT: accelerate's DCP roots "
@@ -192,6 +216,7 @@ TRANSFORMERS = Layout(
         SidecarRule(r"scaler\.pt", "", "grad_scaler"),
     ),
     files=r"trainer_state\.json|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt",
+    marks=("trainer_state.json",),
 )
 STATEFUL = Layout(
     "stateful",
@@ -202,7 +227,8 @@ STATEFUL = Layout(
     recommended=("train_state", "lr_scheduler", "rng", "dataloader"),
 )
 LAYOUTS: dict[str, Layout] = {
-    lay.name: lay for lay in (LIGHTNING, TRANSFORMERS, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
+    lay.name: lay
+    for lay in (MEGATRON, LIGHTNING, TRANSFORMERS, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
 }  # in detection order
 
 
@@ -216,6 +242,16 @@ def check_layout(name: str | None) -> str | None:
 def known_layout(name: object) -> str | None:
     """A recorded layout this reg knows, else None (one a newer reg wrote: detect again)."""
     return name if isinstance(name, str) and name in LAYOUTS else None
+
+
+# Megatron's ShardedObject keys end in /shard_<offsets>_<shape>, numbers joined by dots
+# (`rng_state/shard_0.1_1.2`): dots that are no path separators.
+_SHARD_SUFFIX = re.compile(r"/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")
+
+
+def class_path(key: str) -> str:
+    """The dotted path a key is classified by: the key, less a ShardedObject's shard suffix."""
+    return _SHARD_SUFFIX.sub("", key) if "/shard_" in key else key
 
 
 def children(keys: Sequence[str], path: str) -> set[str]:
@@ -252,13 +288,17 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
-    """The layout the key paths and files show: Lightning's "state_dict" or meta.pt; the
+    """The layout the key paths and files show: Megatron's metadata.json and common.pt;
+    Lightning's "state_dict" or meta.pt; the
     Trainer's trainer_state.json; accelerate's pytorch_model_fsdp_N root; a top-level
     "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
+    sidecars = set(sidecars)
+    if set(MEGATRON.marks) <= sidecars:
+        return MEGATRON
     top = children(keys, "")
     if "state_dict" in top or "meta.pt" in sidecars:
         return LIGHTNING
-    if "trainer_state.json" in sidecars:
+    if set(TRANSFORMERS.marks) <= sidecars:
         return TRANSFORMERS
     if any(re.fullmatch(r"pytorch_model_fsdp_\d+", name) for name in top):
         return ACCELERATE

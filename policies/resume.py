@@ -30,6 +30,7 @@ from policies.layouts import (
     UNREAD,
     Layout,
     Placement,
+    class_path,
     detect,
     has_path,
     place,
@@ -129,7 +130,7 @@ def classify(
     unclassified: list[str] = []
     in_model: list[str] = []
     for key in keys:
-        match = longest(key)
+        match = longest(class_path(key))
         root = None
         if match is not None:
             path, cls = match
@@ -138,7 +139,7 @@ def classify(
         elif roots and (root := root_of(key)) is not None:
             path, cls = root or "(top level)", "optimizer"
         elif model_path == "":
-            path, cls = key.split(".", 1)[0], "model"
+            path, cls = class_path(key).split(".", 1)[0], "model"
         else:
             unclassified.append(key)
             continue
@@ -325,10 +326,13 @@ def suggest(
     def cost(v: ResumeVerdict) -> tuple[int, int, int]:
         return (0 if v.model_keys else 1, len(v.missing), len(v.unclassified))
 
+    present = set(sidecars)
     tried = [
         (cost(v), name)
-        for name in LAYOUTS
-        if name != verdict.layout and (v := classify(keys, sidecars, policy, name)).model_keys
+        for name, layout in LAYOUTS.items()
+        if name != verdict.layout
+        and set(layout.marks) <= present  # never a trainer whose files are not there
+        and (v := classify(keys, sidecars, policy, name)).model_keys
     ]
     better = sorted(t for t in tried if t[0] < cost(verdict))
     if better:

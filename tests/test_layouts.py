@@ -130,8 +130,8 @@ def test_forced_layout_is_recorded_and_a_better_one_is_suggested(
     promoted = cli("promote", "t@step2", "--model", "t", "--layout", "stateful", "--json")
     assert promoted.returncode == 0, promoted.stderr
     _assert_release_is_the_model(json.loads(promoted.stdout), layouts["stateful"])
-    bad = cli("push-ckpt", step_dir, "--run", "t", "--step", "3", "--layout", "megatron")
-    assert bad.returncode == 2 and "unknown layout 'megatron'" in bad.stderr
+    bad = cli("push-ckpt", step_dir, "--run", "t", "--step", "3", "--layout", "zero3")
+    assert bad.returncode == 2 and "unknown layout 'zero3'" in bad.stderr
 
 
 def test_optimizer_state_in_the_model_set_is_refused_by_name(

@@ -191,8 +191,8 @@ def test_unclassified_keys_come_with_a_suggestion():
 
 
 def test_unknown_layout_is_a_usage_error():
-    with pytest.raises(UsageError, match="unknown layout 'megatron'"):
-        check_layout("megatron")
+    with pytest.raises(UsageError, match="unknown layout 'zero3'"):
+        check_layout("zero3")
 
 
 @pytest.mark.parametrize("keys", [TUTORIAL, TITAN, LIGHTNING, DCP_FULL, ["layers.0.w"]])

@@ -28,6 +28,7 @@ from registry.errors import InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import DTYPE_SIZES
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
 _ALLOWED_CLASSES = {
     (_DCP_METADATA, "Metadata"),
     (_DCP_METADATA, "TensorStorageMetadata"),
@@ -38,6 +39,12 @@ _ALLOWED_CLASSES = {
     (_DCP_METADATA, "StorageMeta"),
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # Megatron's planner keeps every rank's save plan in `.metadata` (`all_local_plans`):
+    # torch's own planner dataclasses, read as inert data and never used.
+    (_DCP_PLANNER, "SavePlan"),
+    (_DCP_PLANNER, "WriteItem"),
+    (_DCP_PLANNER, "WriteItemType"),
+    (_DCP_PLANNER, "TensorWriteData"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),
@@ -323,6 +330,9 @@ _FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
         "offset",
         "length",
     ),
+    (_DCP_PLANNER, "SavePlan"): ("items", "storage_data", "planner_data", "usable"),
+    (_DCP_PLANNER, "WriteItem"): ("index", "type", "tensor_data"),
+    (_DCP_PLANNER, "TensorWriteData"): ("chunk", "properties", "size"),
 }
 _CONTAINERS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
@@ -370,7 +380,7 @@ def _stand_in(key: tuple[str, str]) -> Any:
 
         return path
 
-    def value(argument: Any) -> Any:  # _MEM_FORMAT_ENCODING(n), _get_layout(name)
+    def value(argument: Any) -> Any:  # _MEM_FORMAT_ENCODING(n), _get_layout(name), WriteItemType(n)
         return argument
 
     return value

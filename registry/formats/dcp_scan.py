@@ -111,11 +111,10 @@ def open_checked(root: Path, path: str, identity: Any, size: int) -> int:
     return fd
 
 
-def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> ScannedDir:
-    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it.
-    `skip`: top-level files that are not the checkpoint's (the MANIFEST.json a pulled folder
-    keeps, already read and checked by the caller)."""
-    root = Path(root)
+def check_kind(root: Path) -> None:
+    """A directory holding DCP metadata (at the top, or one level down), not another stack's
+    save: InvalidCheckpoint, one line naming what it is, otherwise. Cheap: nothing is walked,
+    so `reg push-ckpt ~` answers at once."""
     try:
         st = os.lstat(root)
     except FileNotFoundError:
@@ -124,13 +123,21 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
         raise InvalidCheckpoint(f"{root} is a symlink", "give the real checkpoint directory")
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
-    has_metadata = _has_metadata(root)  # before walking: `reg push-ckpt ~` stays cheap
+    has_metadata = _has_metadata(root)
     refuse_foreign(root, has_metadata=has_metadata)
     if not has_metadata:
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
         )
+
+
+def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> ScannedDir:
+    """Check that `root` is a complete DCP checkpoint that is safe to copy; describe it.
+    `skip`: top-level files that are not the checkpoint's (the MANIFEST.json a pulled folder
+    keeps, already read and checked by the caller)."""
+    root = Path(root)
+    check_kind(root)
     files, identity = _walk(root)
     for name in skip:
         files.pop(name, None)

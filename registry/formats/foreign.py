@@ -99,10 +99,8 @@ def _megatron_save_dir(root: Path, names: set[str]) -> InvalidCheckpoint | None:
             "push one of its iter_NNNNNNN/ directories with --world-size",
         )
     return InvalidCheckpoint(
-        f"{root} is a Megatron-LM save directory, not one checkpoint: its latest is "
-        f"{iteration}/",
-        f"push that directory: reg push-ckpt {root / iteration} --run RUN --world-size "
-        "TPxPPxDP",
+        f"{root} is a Megatron-LM save directory, not one checkpoint: its latest is {iteration}/",
+        f"push that directory: reg push-ckpt {root / iteration} --run RUN --world-size TPxPPxDP",
     )
 
 

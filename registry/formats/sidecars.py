@@ -40,7 +40,7 @@ from typing import Any
 
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
-from registry.formats.torch_archive import Unbounded, check_pickle
+from registry.formats.torch_archive import Unbounded, check_pickle, read_structure
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_PICKLE = 8 * 1024 * 1024
@@ -61,7 +61,7 @@ NUMPY_GLOBALS = (
 
 # How a sidecar is read: torch.load(weights_only=True), the same with numpy's RNG arrays
 # allowed, or as a JSON document.
-TORCH, TORCH_NUMPY, JSON = "torch", "torch+numpy", "json"
+TORCH, TORCH_NUMPY, TORCH_STRUCTURE, JSON = "torch", "torch+numpy", "structure", "json"
 
 # The sidecar files reg reads (file-name patterns) and how.
 READ = (
@@ -75,6 +75,10 @@ READ = (
     (re.compile(r"trainer_state\.json"), JSON),
     (re.compile(r"scheduler\.pt"), TORCH),
     (re.compile(r"rng_state(_\d+)?\.pth"), TORCH_NUMPY),
+    # Megatron-LM's common state: iteration, LR scheduler, optimizer param groups beside the
+    # run's argparse.Namespace, whose values name Megatron's enums: read for its structure only
+    (re.compile(r"common\.pt"), TORCH_STRUCTURE),
+    (re.compile(r"metadata\.json"), JSON),
 )
 
 
@@ -100,7 +104,7 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
             continue
         try:
             data = read(path)
-            value = load_json(data) if kind == JSON else load(data, numpy=kind == TORCH_NUMPY)
+            value = load_json(data) if kind == JSON else load(data, kind=kind)
         except Unreadable as exc:
             out.append(f"{path}{UNREAD_MARK}{str(exc)[:MAX_WHY]}")
             continue
@@ -113,13 +117,15 @@ class Unreadable(Exception):
     """Why a sidecar could not be read (one short line)."""
 
 
-def load(data: bytes, *, numpy: bool = False) -> Any:
+def load(data: bytes, *, kind: str = TORCH) -> Any:
     import torch
 
     precheck(data)
     allowed: list[Any] = []
-    if numpy:
-        allowed = _numpy_globals()
+    if kind == TORCH_NUMPY:
+        allowed = numpy_globals()
+    elif kind == TORCH_STRUCTURE:
+        return _structure(data)
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -140,6 +146,21 @@ def load_json(data: bytes) -> Any:
         raise Unreadable("it is nested too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise Unreadable("it is not a JSON document") from None
+
+
+def _structure(data: bytes) -> Any:
+    """The containers of a torch.save archive's pickle, every object in it (the run's
+    arguments, a tensor) an opaque stand-in: torch is not used, nothing is imported or run."""
+    archive = zipfile.ZipFile(io.BytesIO(data))  # precheck opened it already
+    pickles = [r for r in archive.infolist() if r.filename.rsplit("/", 1)[-1] == "data.pkl"]
+    if len(pickles) != 1:
+        raise Unreadable("it does not hold one pickle")
+    try:
+        return read_structure(archive.read(pickles[0]))
+    except Unbounded as exc:
+        raise Unreadable(f"its pickle would cost too much to read: {exc}") from None
+    except Exception:
+        raise Unreadable("its pickle does not parse") from None
 
 
 def precheck(data: bytes) -> None:
@@ -185,7 +206,7 @@ def _check_globals(data: bytes) -> None:
             recent = [*recent[-1:], arg]
 
 
-def _numpy_globals() -> list[Any]:
+def numpy_globals() -> list[Any]:
     """The allowed numpy globals that this numpy has, under the names pickles use."""
     out: list[Any] = []
     for module, name in NUMPY_GLOBALS:

@@ -355,6 +355,18 @@ def check_pickle(pickled: bytes) -> None:
     _TorchLoadBounds(pickled).load()
 
 
+def read_structure(pickled: bytes) -> Any:
+    """The containers of a torch.save pickle, read without torch and without running anything:
+    dicts, lists and plain values as they are, every object an opaque stand-in (a run's
+    argparse.Namespace, an enum, a tensor). Unbounded as `check_pickle`."""
+    return _TorchLoadBounds(pickled).load()
+
+
+def is_opaque(value: Any) -> bool:
+    """Whether `value` is a stand-in `read_structure` made for an object."""
+    return type(value) is _Made
+
+
 class _TorchLoadBounds(CheckedUnpickler):
     """Reads a pickle as torch's weights_only unpickler would, with every global an inert
     stand-in (`_Global`), and charges it what torch's unpickler will spend:
