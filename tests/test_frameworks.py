@@ -41,6 +41,7 @@ FRAMEWORKS = {
     "lightning": ("lightning", f"step-{SAVE_AT}"),
     "accelerate": ("accelerate", f"step-{SAVE_AT}"),
     "torchtitan": ("torchtitan", f"checkpoint/step-{SAVE_AT}"),
+    "trainer": ("transformers", f"checkpoint-{SAVE_AT}"),
 }
 
 
@@ -87,6 +88,11 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return trained("lightning", tmp_path_factory)
 
 
+@pytest.fixture
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return trained("trainer", tmp_path_factory)
+
+
 def read_release(directory: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
@@ -110,6 +116,7 @@ EXPECTED_LAYOUT = {
     "lightning": ("lightning", "state_dict"),  # LightningModule names: model.embed.weight
     "accelerate": ("accelerate", "pytorch_model_fsdp_0.model"),
     "torchtitan": ("torchtitan", ""),
+    "trainer": ("transformers", "pytorch_model_fsdp_0.model"),  # HF names: model.embed_tokens
 }
 
 
@@ -219,3 +226,34 @@ def test_framework_checkpoint_validates_on_cuda(run: Run, cli: Any, tmp_path: Pa
     assert validated.returncode == 0, validated.stderr
     out = json.loads(validated.stdout)
     assert out["passed"] and out["device"] == "cuda" and out["mode"] == "streamed", out
+
+
+def test_trainer_checkpoint_records_its_step_and_loads_with_from_pretrained(
+    trainer_run: Run, cli: Any, cpu_policy: Path, tmp_path: Path
+) -> None:
+    """The Trainer's sharded save pushes with no --step or --world-size (trainer_state.json's
+    global_step, one rng_state_R.pth per rank), refuses a --step that disagrees, and its
+    release with the run's config.json loads with from_pretrained, equal to the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = trainer_run
+    wrong = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "hf", "--step", "4")
+    assert wrong.returncode == 2
+    assert "--step 4 disagrees with trainer_state.json:global_step, which says 3" in wrong.stderr
+    wrong = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "hf", "--world-size", "4")
+    assert wrong.returncode == 2 and "disagrees with rng_state_0..1.pth" in wrong.stderr
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "hf", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["step"], out["world_size"], out["layout"]) == (SAVE_AT, 2, "transformers")
+    assert out["resume_state"]["train_state"] == ["trainer_state.json:global_step"]
+    assert out["resume_state"]["rng"] == ["rng_state_0.pth", "rng_state_1.pth"]
+
+    config = run.checkpoint.parent / "hf-config" / "config.json"
+    promoted = cli("promote", f"fw/hf@step{SAVE_AT}", "--model", "llama", "--extra", config)
+    assert promoted.returncode == 0, promoted.stderr
+    assert cli("pull-release", "llama:v1", tmp_path / "release").returncode == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "release")
+    want = torch.load(run.model, weights_only=True)
+    assert_same_tensors(loaded.state_dict(), want)
