@@ -109,6 +109,12 @@ def promote(
         "--allow-unclassified",
         help="Leave tensors no resume class claims out of the release (else refused).",
     ),
+    convert: str | None = typer.Option(
+        None,
+        "--convert",
+        help="Name converter: megatron (the default for Megatron checkpoints: one tensor per "
+        "layer, Transformer Engine names) or megatron-local (the local spec's names).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Turn a validated checkpoint into an immutable safetensors release."""
@@ -125,6 +131,7 @@ def promote(
             layout=layout,
             strip_prefix=strip_prefix,
             allow_unclassified=allow_unclassified,
+            convert=convert,
         )
     warning = _hf_warning(out)
     if warning:

@@ -250,10 +250,12 @@ class Registry:
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
+        convert: str | None = None,
     ) -> ReleasePromoted:
         """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
         stripped from the release's names after the layout's own prefix; `allow_unclassified`
-        leaves tensors no resume class claims out of the release (else it is refused)."""
+        leaves tensors no resume class claims out of the release (else it is refused);
+        `convert` names the converter of the release's names (Megatron's stacked layers)."""
         raise NotImplementedError
 
     @http("GET", "/releases")

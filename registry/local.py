@@ -374,6 +374,7 @@ class LocalRegistry(Registry):
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
+        convert: str | None = None,
     ) -> ReleasePromoted:
         from registry.lifecycle.promotion import promote
 
@@ -391,6 +392,7 @@ class LocalRegistry(Registry):
                 layout=layout,
                 allow_unclassified=allow_unclassified,
                 strip_prefix=strip_prefix,
+                convert=convert,
             )
         )
 

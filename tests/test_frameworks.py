@@ -42,7 +42,11 @@ FRAMEWORKS = {
     "accelerate": ("accelerate", f"step-{SAVE_AT}"),
     "torchtitan": ("torchtitan", f"checkpoint/step-{SAVE_AT}"),
     "trainer": ("transformers", f"checkpoint-{SAVE_AT}"),
+    "megatron": ("megatron.core", f"iter_{SAVE_AT:07d}"),
 }
+# What a framework's promotion adds: Megatron's release in its local layer spec's names (the
+# example's model), one tensor per layer
+PROMOTE_ARGS = {"megatron": ("--convert", "megatron-local")}
 
 
 def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
@@ -117,6 +121,7 @@ EXPECTED_LAYOUT = {
     "accelerate": ("accelerate", "pytorch_model_fsdp_0.model"),
     "torchtitan": ("torchtitan", ""),
     "trainer": ("transformers", "pytorch_model_fsdp_0.model"),  # HF names: model.embed_tokens
+    "megatron": ("megatron", ""),  # Megatron's sharded names, layers stacked
 }
 
 
@@ -143,7 +148,9 @@ def test_push_validate_promote_equals_the_models_state_dict(
     assert validated.returncode == 0, validated.stderr
     assert json.loads(validated.stdout)["passed"] is True
 
-    promoted = cli("promote", ref, "--model", run.framework, "--json")
+    promoted = cli(
+        "promote", ref, "--model", run.framework, *PROMOTE_ARGS.get(run.framework, ()), "--json"
+    )
     assert promoted.returncode == 0, promoted.stderr
     pulled = cli("pull-release", f"{run.framework}:v1", tmp_path / "release")
     assert pulled.returncode == 0, pulled.stderr

@@ -231,6 +231,31 @@ def iter_tensor_bytes(source: ChunkSource, info: TensorInfo) -> Iterator[torch.T
         yield read_chunk(source, info.fqn, chunk, info.dtype).contiguous()
 
 
+def read_layer(source: ChunkSource, info: TensorInfo, layer: int) -> torch.Tensor:
+    """Index `layer` of the tensor's first axis (one layer of Megatron's stacked layers),
+    assembled from the chunks that hold it (each read whole, one at a time)."""
+    if not info.shape or not 0 <= layer < info.shape[0]:
+        raise IntegrityError(f"{info.fqn} has no layer {layer}", "the converter misread it")
+    full = torch.empty(info.shape[1:], dtype=getattr(torch, info.dtype))
+    covered = 0
+    for chunk in info.chunks:
+        first = chunk.offsets[0]
+        if not first <= layer < first + chunk.sizes[0]:
+            continue
+        part = read_chunk(source, info.fqn, chunk, info.dtype)[layer - first]
+        index = tuple(
+            slice(o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:], strict=True)
+        )
+        full[index].copy_(part)
+        covered += part.numel()
+    if covered != full.numel():
+        raise IntegrityError(
+            f"{info.fqn}: chunks cover {covered} of {full.numel()} elements of layer {layer}",
+            "the checkpoint metadata is inconsistent",
+        )
+    return full
+
+
 def read_tensor(
     source: ChunkSource, info: TensorInfo, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -372,6 +372,7 @@ class RemoteRegistry(Registry):
         layout: str | None = None,
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
+        convert: str | None = None,
     ) -> ReleasePromoted:
         sent = []
         for given in extras or []:
@@ -392,6 +393,7 @@ class RemoteRegistry(Registry):
             "layout": layout,
             "allow_unclassified": allow_unclassified,
             "strip_prefix": strip_prefix,
+            "convert": convert,
         }
         return ReleasePromoted.from_json(dict(self.client.call("POST", "/promote", body=body)))
 

@@ -151,6 +151,7 @@ async def promote(request: Request) -> dict[str, Any]:
                 layout=opt_text(doc, "layout"),
                 allow_unclassified=doc.get("allow_unclassified") is True,
                 strip_prefix=opt_text(doc, "strip_prefix"),
+                convert=opt_text(doc, "convert"),
             )
         )
     finally:

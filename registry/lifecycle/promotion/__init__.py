@@ -60,6 +60,7 @@ def promote(
     layout: str | None = None,
     allow_unclassified: bool = False,
     strip_prefix: str | None = None,
+    convert: str | None = None,
 ) -> dict[str, Any]:
     plan = plan_promotion(
         ctx,
@@ -73,6 +74,7 @@ def promote(
         layout=layout,
         allow_unclassified=allow_unclassified,
         strip_prefix=strip_prefix,
+        convert=convert,
     )
     existing = _existing(ctx, plan)
     if existing is not None:

@@ -15,7 +15,7 @@ checkpoint's copies are bit-identical; otherwise both are written and the break 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from registry.formats.safetensors_stream import (
     plan_shards,
     shard_names,
 )
+from registry.lifecycle.promotion.converters import Piece, piece_key, piece_shape
 from registry.transfer import OnMismatch, put_reconciled
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def target_dtype(source: str, cast: str | None) -> str:
 def consolidate(
     source: ChunkSource,
     inv: Inventory,
-    names: dict[str, str],
+    names: dict[str, Piece],
     store: BaseStore,
     dest_prefix: str,
     *,
@@ -71,19 +72,19 @@ def consolidate(
     tie_groups: list[list[str]],
     progress: Progress | None = None,
 ) -> Consolidated:
-    """Write the tensors `names` (release name -> checkpoint FQN), read from `source`, under
-    `dest_prefix` of `store`."""
+    """Write the tensors `names` (release name -> checkpoint FQN, or one layer of one: see
+    converters.py), read from `source`, under `dest_prefix` of `store`."""
     result = Consolidated()
     dropped = _resolve_ties(source, inv, names, tie_groups, result)
     entries = []
     for name in sorted(names):
         if name in dropped:
             continue
-        info = inv.tensors[names[name]]
+        info = inv.tensors[piece_key(names[name])]
         dtype = target_dtype(info.dtype, cast)
         if dtype not in DTYPES:
             raise UsageError(f"{name} has dtype {info.dtype}, which safetensors cannot hold")
-        entries.append(Entry(name, dtype, info.shape))
+        entries.append(Entry(name, dtype, piece_shape(names[name], inv.tensors)))
     if result.tied:
         metadata = {**metadata, "reg.tied": json.dumps(result.tied, sort_keys=True)}
     shards = plan_shards(entries, max_shard_bytes)
@@ -114,7 +115,7 @@ def consolidate(
 def _shard_writer(
     source: ChunkSource,
     inv: Inventory,
-    names: dict[str, str],
+    names: dict[str, Piece],
     shard: list[Entry],
     metadata: dict[str, str],
     progress: Progress | None,
@@ -123,13 +124,11 @@ def _shard_writer(
     chunk by chunk from the checkpoint (cast where asked)."""
     import torch
 
-    from registry.formats.dcp_load import iter_tensor_bytes
-
     def produce(write: Any) -> None:
         write(header_bytes(shard, metadata))
         for entry in shard:
-            info = inv.tensors[names[entry.name]]
-            for part in iter_tensor_bytes(source, info):
+            info = inv.tensors[piece_key(names[entry.name])]
+            for part in _pieces(source, inv, names[entry.name]):
                 if entry.dtype != info.dtype:
                     part = part.to(getattr(torch, entry.dtype))
                 write(part.reshape(-1).view(torch.uint8).numpy())
@@ -137,6 +136,24 @@ def _shard_writer(
                 progress.advance(entry.nbytes)
 
     return produce
+
+
+def _pieces(source: ChunkSource, inv: Inventory, piece: Piece) -> Iterator[Any]:
+    """A release tensor's bytes in row-major pieces."""
+    from registry.formats.dcp_load import iter_tensor_bytes, read_layer
+
+    if isinstance(piece, str):
+        yield from iter_tensor_bytes(source, inv.tensors[piece])
+    else:
+        yield read_layer(source, inv.tensors[piece[0]], piece[1])
+
+
+def _read(source: ChunkSource, inv: Inventory, piece: Piece) -> Any:
+    from registry.formats.dcp_load import read_layer, read_tensor
+
+    if isinstance(piece, str):
+        return read_tensor(source, inv.tensors[piece])
+    return read_layer(source, inv.tensors[piece[0]], piece[1])
 
 
 def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRecord:
@@ -151,13 +168,11 @@ def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRe
 def _resolve_ties(
     source: ChunkSource,
     inv: Inventory,
-    names: dict[str, str],
+    names: dict[str, Piece],
     groups: list[list[str]],
     result: Consolidated,
 ) -> set[str]:
     import torch
-
-    from registry.formats.dcp_load import read_tensor
 
     dropped: set[str] = set()
     for group in groups:
@@ -165,9 +180,9 @@ def _resolve_ties(
         if len(present) < 2:
             continue
         keep, *aliases = present
-        kept = read_tensor(source, inv.tensors[names[keep]])
+        kept = _read(source, inv, names[keep])
         for alias in aliases:
-            other = read_tensor(source, inv.tensors[names[alias]])
+            other = _read(source, inv, names[alias])
             if (
                 other.shape == kept.shape
                 and other.dtype == kept.dtype

@@ -117,8 +117,11 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
     config, tokenizer = small(records.get(CONFIG)), small(records.get(TOKENIZER_CONFIG))
     found = completeness(records, config, tokenizer)
     recorded = view.row.options.get("code_extras") if isinstance(view.row.options, dict) else None
+    options = view.row.options if isinstance(view.row.options, dict) else {}
+    # A Megatron release is Megatron's names: what Hugging Face needs does not apply
+    hf_folder = not str(options.get("convert") or "").startswith("megatron")
     out: dict[str, Any] = {
-        "hf": found.to_json(),
+        "hf": found.to_json() if hf_folder else None,
         "hf_config": None,
         "code_extras": list(recorded or []),
     }
@@ -140,7 +143,7 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
                 out["hf_config"] = None if record is None else record.to_json()
                 out["code_extras"] = list(parsed.code_extras)
     if damaged:
-        out["hf"].update(complete=False, notes=[*found.notes, *damaged])
+        out["hf"] = {**found.to_json(), "complete": False, "notes": [*found.notes, *damaged]}
     return out
 
 

@@ -30,6 +30,7 @@ from registry.formats.extras import CODE, judge
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.consolidate import INDEX
+from registry.lifecycle.promotion.converters import check_converter, converter_for
 from registry.refs import CheckpointRef, check_alias, check_name
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class PromotionPlan:
     layout: str | None = None  # forced with --layout
     allow_unclassified: bool = False  # leave out tensors no class claims (else refused)
     strip_prefix: str = ""  # stripped from names after the layout's prefix (checked: "p.")
+    convert: str | None = None  # the converter of the release's names (converters.py)
     # The release's config.json when one is an extra (dtype and architectures rewritten)
     hf_config: ConfigRewrite | None = None
     options: dict[str, Any] = field(init=False)
@@ -96,6 +98,8 @@ class PromotionPlan:
             options["allow_unclassified"] = True
         if self.strip_prefix:
             options["strip_prefix"] = self.strip_prefix
+        if self.convert is not None:
+            options["convert"] = self.convert
         # The factory decides the tied weights (written once) and config.json's architectures;
         # a rewritten config.json has other bytes than the extra's sha256 above says.
         if self.model_factory is not None:
@@ -120,6 +124,7 @@ def plan_promotion(
     layout: str | None = None,
     allow_unclassified: bool = False,
     strip_prefix: str | None = None,
+    convert: str | None = None,
 ) -> PromotionPlan:
     """Check the request and resolve the source; nothing is written (but the key paths of a
     checkpoint pushed before the catalog kept them, recorded once)."""
@@ -129,6 +134,7 @@ def plan_promotion(
 
     check_name(model, "model name")
     check_layout(layout)
+    check_converter(convert)
     strip = check_strip_prefix(strip_prefix)
     if alias is not None:
         check_alias(alias)
@@ -158,6 +164,7 @@ def plan_promotion(
         layout=layout,
         allow_unclassified=allow_unclassified,
         strip_prefix=strip,
+        convert=converter_for(resume.layout, convert),
         hf_config=hf_config,
     )
 

@@ -47,6 +47,7 @@ from registry.formats.documents import (
 from registry.formats.hf_folder import CONFIG
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
+from registry.lifecycle.promotion.converters import Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
@@ -221,7 +222,7 @@ class Source:
 
     proven: ProvenCheckpoint
     inventory: Inventory
-    names: dict[str, str]  # release tensor name -> checkpoint FQN
+    names: dict[str, Piece]  # release tensor name -> checkpoint FQN (or one layer of one)
 
 
 @contextmanager
@@ -234,11 +235,13 @@ def proved(ctx: Context, plan: PromotionPlan, progress: Progress | None) -> Iter
     ) as proven:
         inv = inventory(merged_metadata(proven.metadata, light=True))
         names = model_names(plan, inv)
-        proven.prove((c for fqn in names.values() for c in inv.tensors[fqn].chunks), progress)
+        proven.prove(
+            (c for p in names.values() for c in inv.tensors[piece_key(p)].chunks), progress
+        )
         yield Source(proven, inv, names)
 
 
-def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
+def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, Piece]:
     """Release name -> checkpoint FQN, from the proven `.metadata`: its key paths must be the
     ones the catalog recorded (which decided the gates), and the model set must hold model
     tensors and no optimizer state."""
@@ -276,7 +279,7 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, str]:
             "force the right --layout, or set [resume] model_key to where the model is "
             f"(reg show {plan.source} suggests one)",
         )
-    return names
+    return convert(plan.convert, names, inv.tensors)
 
 
 def build(
@@ -399,6 +402,7 @@ def commit(
             layout=plan.resume.layout,
             model_path=plan.resume.model_path,
             strip_prefix=plan.strip_prefix or None,
+            convert=plan.convert,
             forced_layout=plan.layout,
             allow_unclassified=plan.allow_unclassified or None,
         )

@@ -1,0 +1,104 @@
+"""Converters: a release's names when the checkpoint's own are not what a loader takes.
+
+Megatron-core's `torch_dist` checkpoints store each transformer layer's parameters stacked along
+a new first axis (`decoder.layers.mlp.linear_fc1.weight` of shape [layers, ...]), under
+Transformer Engine's names, while `model.state_dict()` has one tensor per layer. A converter
+maps the model's names (release name -> checkpoint key path) to release names and pieces: a
+whole tensor (`str`) or one layer of a stacked one (`(key path, layer)`).
+
+  megatron        one tensor per layer, `decoder.layers.{i}.<name>`: what a GPTModel with the
+                  Transformer Engine layer spec (Megatron-LM's default) loads
+  megatron-local  the same with the local spec's layer-norm names (`input_layernorm.*`,
+                  `pre_mlp_layernorm.*` instead of TE's fused `linear_qkv.layer_norm_*`,
+                  `linear_fc1.layer_norm_*`): what `get_gpt_layer_local_spec` models load
+
+The Megatron layout takes `megatron` unless `--convert` names another. The converter is part of
+what makes two promotions the same, and the release records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from registry.errors import UsageError
+from registry.formats.dcp import TensorInfo
+
+Piece = str | tuple[str, int]  # a checkpoint key path, or one layer of a stacked one
+
+LAYERS = "decoder.layers."
+# Transformer Engine's fused layer-norm names -> the local spec's
+LOCAL_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+CONVERTERS = ("megatron", "megatron-local")
+DEFAULTS = {"megatron": "megatron"}  # layout -> the converter it takes unless told
+
+
+def check_converter(name: str | None) -> str | None:
+    if name is None or name in CONVERTERS:
+        return name
+    raise UsageError(f"unknown converter {name!r}", f"choose one of {', '.join(CONVERTERS)}")
+
+
+def converter_for(layout: str, given: str | None) -> str | None:
+    """The converter a promotion of a checkpoint of `layout` uses: every converter reads
+    Megatron's stacked layers, so one given for another layout is refused."""
+    if check_converter(given) is None:
+        return DEFAULTS.get(layout)
+    if layout != "megatron":
+        raise UsageError(
+            f"--convert {given} reads Megatron's stacked layers; this checkpoint is {layout}",
+            "leave --convert out, or force --layout megatron if Megatron-core saved it",
+        )
+    return given
+
+
+def convert(
+    converter: str | None, names: Mapping[str, str], tensors: Mapping[str, TensorInfo]
+) -> dict[str, Piece]:
+    """Release name -> piece, for the model's `names` (release name -> key path)."""
+    if converter is None:
+        return dict(names)
+    local = converter == "megatron-local"
+    layers = _layer_count(names, tensors)
+    out: dict[str, Piece] = {}
+    for name, fqn in names.items():
+        if not name.startswith(LAYERS):
+            out[name] = fqn
+            continue
+        rest = name[len(LAYERS) :]
+        rest = LOCAL_NAMES.get(rest, rest) if local else rest
+        for i in range(layers):
+            out[f"{LAYERS}{i}.{rest}"] = (fqn, i)
+    return out
+
+
+def _layer_count(names: Mapping[str, str], tensors: Mapping[str, TensorInfo]) -> int:
+    """The stacked axis every `decoder.layers.*` tensor shares."""
+    counts = {
+        name: tensors[fqn].shape[0] if tensors[fqn].shape else 0
+        for name, fqn in names.items()
+        if name.startswith(LAYERS)
+    }
+    found = set(counts.values())
+    if len(found) > 1 or 0 in found:
+        odd = min(counts, key=lambda n: (counts[n], n))
+        raise UsageError(
+            f"the layer tensors are not stacked alike ({odd} has {counts[odd]} on its first "
+            f"axis, others {max(found)})",
+            "promote without --convert, or check the checkpoint was saved by Megatron-core",
+        )
+    return found.pop() if found else 0
+
+
+def piece_shape(piece: Piece, tensors: Mapping[str, TensorInfo]) -> tuple[int, ...]:
+    if isinstance(piece, str):
+        return tensors[piece].shape
+    return tensors[piece[0]].shape[1:]
+
+
+def piece_key(piece: Piece) -> str:
+    return piece if isinstance(piece, str) else piece[0]
