@@ -264,3 +264,33 @@ def test_trainer_checkpoint_records_its_step_and_loads_with_from_pretrained(
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "release")
     want = torch.load(run.model, weights_only=True)
     assert_same_tensors(loaded.state_dict(), want)
+
+
+def test_megatron_loads_its_release_and_computes_the_runs_next_loss(
+    cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Megatron's own load of the release (`load_state_dict` of a GPTModel built as the run's):
+    its loss on step 4's batch is the uninterrupted run's, bit for bit. Pushed without --step
+    (the directory's name, iter_0000003), and --world-size is required (Megatron records none)."""
+    run = trained("megatron", tmp_path_factory)
+    args = ("push-ckpt", run.checkpoint, "--project", "fw", "--run", "mg")
+    missing = cli(*args)
+    assert missing.returncode == 2 and "--world-size is required: Megatron" in missing.stderr
+    wrong = cli(*args, "--world-size", "2", "--step", "4")
+    assert wrong.returncode == 2 and "disagrees with the directory name iter_0000003" in (
+        wrong.stderr
+    )
+    parent = cli("push-ckpt", run.checkpoint.parent, "--run", "mg", "--world-size", "2")
+    assert parent.returncode == 2 and "its latest is iter_0000003/" in parent.stderr
+    pushed = cli(*args, "--world-size", "2", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["step"] == SAVE_AT
+
+    promoted = cli("promote", f"fw/mg@step{SAVE_AT}", "--model", "gpt", "--convert",
+                   "megatron-local")  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    assert cli("pull-release", "gpt:v1", tmp_path / "release").returncode == 0
+    step = str(SAVE_AT + 1)  # the later --steps wins: step 4's loss from the release
+    args = ("--load-release", str(tmp_path / "release"), "--steps", step)
+    loaded = torchrun("megatron", tmp_path / "eval", *args)["losses"]
+    assert loaded == {step: run.losses[step]}

@@ -24,6 +24,10 @@ The step-K checkpoint is laid out the way Megatron-LM's `save_checkpoint`
 
 with the same save strategy Megatron-LM uses by default (torch_dist wrapped in
 FullyParallelSaveStrategyWrapper over the data-parallel group) and the same content metadata.
+`--load-release DIR --steps K` loads a release (its safetensors, through the model's own
+`load_state_dict`) and computes step K's loss with it, before any update: a release of the
+step K-1 checkpoint gives the uninterrupted run's step-K loss exactly.
+
 `--resume DIR` (the iter_ directory, or the directory holding the tracker file) builds the
 same sharded state dict with `is_loading=True`, `dist_checkpointing.load`s it and restores model,
 optimizer, scheduler, RNG and iteration as Megatron-LM's `load_checkpoint` does.
@@ -392,8 +396,26 @@ def export_model(gpt, path: Path | None) -> None:
         torch.save(full, path)
 
 
+def load_release(gpt, directory: Path) -> None:
+    """Megatron's own load of a release: its safetensors into the model's load_state_dict
+    (the `_extra_state` entries, None in the local spec, are all a release may leave out)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(f))
+    missing, unexpected = gpt.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith("._extra_state") for k in missing), missing
+
+
 def main() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    released = None
+    if "--load-release" in sys.argv:  # evaluate the loss of step --steps with a release's weights
+        at = sys.argv.index("--load-release")
+        released = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     tp = 1
     if "--tp" in sys.argv:  # tensor parallel size (default 1: TP=1, DP=world size)
         at = sys.argv.index("--tp")
@@ -413,6 +435,13 @@ def main() -> None:
 
     iteration = 0
     losses, timings = {}, {}
+    if released is not None:  # the loss of step --steps, before any update, from the release
+        load_release(gpt, released)
+        x, y = batch(cli.steps, dp_rank)
+        mask, positions = causal_mask_and_positions()
+        with torch.no_grad():
+            losses[str(cli.steps)] = mean_loss(ddp(x, positions, mask, labels=y).float().mean())
+        iteration = cli.steps
     if cli.resume is not None:
         start = time.perf_counter()
         iteration = load_checkpoint(args, gpt, optimizer, scheduler)
