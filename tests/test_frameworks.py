@@ -294,3 +294,31 @@ def test_megatron_loads_its_release_and_computes_the_runs_next_loss(
     args = ("--load-release", str(tmp_path / "release"), "--steps", step)
     loaded = torchrun("megatron", tmp_path / "eval", *args)["losses"]
     assert loaded == {step: run.losses[step]}
+
+
+def test_a_tensor_parallel_megatron_save_promotes_to_the_whole_model(
+    cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TP=2, DP=1: each tensor-parallel weight comes in two chunks per layer (fused QKV rows
+    grouped per query group); the release of one tensor per layer equals the model gathered
+    to TP=1."""
+    import torch
+
+    pytest.importorskip("megatron.core", reason="megatron.core is not installed (frameworks)")
+
+    def build(base: Path) -> Path:
+        out = base / "a"
+        torchrun("megatron", out, "--save-at", str(SAVE_AT), "--export-model",
+                 str(base / "model.pt"), "--tp", "2")  # fmt: skip
+        return base
+
+    base = build_once(tmp_path_factory, "framework-megatron-tp2", build)
+    checkpoint = base / "a" / f"iter_{SAVE_AT:07d}"
+    pushed = cli("push-ckpt", checkpoint, "--project", "fw", "--run", "tp", "--world-size", "2")
+    assert pushed.returncode == 0, pushed.stderr
+    promoted = cli("promote", f"fw/tp@step{SAVE_AT}", "--model", "tp", "--convert",
+                   "megatron-local")  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    assert cli("pull-release", "tp:v1", tmp_path / "release").returncode == 0
+    want = torch.load(base / "model.pt", weights_only=True)
+    assert_same_tensors(read_release(tmp_path / "release"), want)

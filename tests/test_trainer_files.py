@@ -252,3 +252,19 @@ def test_a_tracker_naming_anything_but_a_sibling_directory_names_nothing(
 
 def test_a_dcp_checkpoint_is_never_refused_as_foreign(ckpts: Any) -> None:
     refuse_foreign(ckpts.ws2.step_dir(2), has_metadata=True)  # nothing raised
+
+
+def test_rng_states_load_in_many_threads_at_once() -> None:
+    """torch's safe_globals is one process-wide list: validation loads Megatron's rng_state
+    items on several threads, and one thread leaving it must not refuse another's load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from registry.formats.dcp_load import load_object
+
+    data = saved([{"np_rng_state": np.random.get_state(), "random_rng_state": random.getstate()}])
+
+    def load(_: int) -> bool:
+        return isinstance(load_object(data, "rng_state/shard_0.0_1.1"), list)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(load, range(400)))

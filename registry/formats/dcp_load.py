@@ -28,7 +28,7 @@ from torch.futures import Future
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
-from registry.formats.sidecars import numpy_globals
+from registry.formats.sidecars import numpy_globals, torch_load
 from registry.formats.torch_archive import check_archive, plain_layout, read_layout
 from registry.formats.torch_zip import Region, canonical
 
@@ -61,8 +61,7 @@ def load_object(data: bytes, where: str) -> Any:
     RNG state's arrays need (Megatron's `rng_state` holds numpy's, as accelerate's files do)."""
     try:
         check_archive(data)  # nothing that would make torch's unpickler quadratic
-        with torch.serialization.safe_globals(numpy_globals()):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch_load(data, numpy_globals())
     except Exception as exc:
         if "weights_only" in str(exc) or "Unsupported global" in str(exc):
             raise UnsafeMetadata(

@@ -34,6 +34,7 @@ import itertools
 import json
 import pickletools
 import re
+import threading
 import zipfile
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -118,7 +119,6 @@ class Unreadable(Exception):
 
 
 def load(data: bytes, *, kind: str = TORCH) -> Any:
-    import torch
 
     precheck(data)
     allowed: list[Any] = []
@@ -127,14 +127,30 @@ def load(data: bytes, *, kind: str = TORCH) -> Any:
     elif kind == TORCH_STRUCTURE:
         return _structure(data)
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch_load(data, allowed)
     except Exception as exc:
         text = str(exc)
         found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
         if found:
             raise Unreadable(f"torch.load(weights_only=True) refuses {found.group(1)}") from None
         raise Unreadable(f"it does not load ({type(exc).__name__})") from None
+
+
+# torch's `safe_globals` sets one process-wide list (its exit restores what it found): two
+# threads inside it at once would clear each other's. Loads that allow globals take turns;
+# a plain load meanwhile may also accept these numpy arrays, which are data like its own.
+_SAFE_GLOBALS = threading.Lock()
+
+
+def torch_load(data: bytes, allowed: list[Any]) -> Any:
+    """`torch.load(weights_only=True)` of `data`, with the globals `allowed` (numpy's, for an
+    RNG state's arrays) allowed for this load."""
+    import torch
+
+    if not allowed:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    with _SAFE_GLOBALS, torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_json(data: bytes) -> Any:
