@@ -113,7 +113,11 @@ def promote(
         None,
         "--convert",
         help="Name converter: megatron (the default for Megatron checkpoints: one tensor per "
-        "layer, Transformer Engine names) or megatron-local (the local spec's names).",
+        "layer, Transformer Engine names), megatron-local (the local spec's names), or peft (a "
+        "LoRA adapter alone, with --extra adapter_config.json).",
+    ),
+    base: str | None = typer.Option(
+        None, "--base", help="An adapter's base model: a release, NAME@ALIAS or NAME:vK."
     ),
     json_output: bool = JSON_OPTION,
 ) -> None:
@@ -132,6 +136,7 @@ def promote(
             strip_prefix=strip_prefix,
             allow_unclassified=allow_unclassified,
             convert=convert,
+            base=base,
         )
     warning = _hf_warning(out)
     if warning:

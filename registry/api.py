@@ -251,11 +251,13 @@ class Registry:
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
         convert: str | None = None,
+        base: str | None = None,
     ) -> ReleasePromoted:
         """`layout` forces the checkpoint's layout for this promotion; `strip_prefix` is
         stripped from the release's names after the layout's own prefix; `allow_unclassified`
         leaves tensors no resume class claims out of the release (else it is refused);
-        `convert` names the converter of the release's names (Megatron's stacked layers)."""
+        `convert` names the converter of the release's names (Megatron's stacked layers, a
+        PEFT adapter alone); `base` an adapter's base model, a release (`NAME@ALIAS`)."""
         raise NotImplementedError
 
     @http("GET", "/releases")

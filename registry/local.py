@@ -375,6 +375,7 @@ class LocalRegistry(Registry):
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
         convert: str | None = None,
+        base: str | None = None,
     ) -> ReleasePromoted:
         from registry.lifecycle.promotion import promote
 
@@ -393,6 +394,7 @@ class LocalRegistry(Registry):
                 allow_unclassified=allow_unclassified,
                 strip_prefix=strip_prefix,
                 convert=convert,
+                base=base,
             )
         )
 

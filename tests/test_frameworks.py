@@ -322,3 +322,111 @@ def test_a_tensor_parallel_megatron_save_promotes_to_the_whole_model(
     assert cli("pull-release", "tp:v1", tmp_path / "release").returncode == 0
     want = torch.load(base / "model.pt", weights_only=True)
     assert_same_tensors(read_release(tmp_path / "release"), want)
+
+
+def lora_run(factory: pytest.TempPathFactory) -> Run:
+    """A PEFT LoRA run under the Trainer with FSDP2, saved at step 3; beside its checkpoint,
+    the base model and the adapter as PEFT's save_pretrained wrote them."""
+    pytest.importorskip("peft", reason="peft is not installed (the frameworks extra)")
+
+    def build(base: Path) -> Run:
+        out = base / "a"
+        losses = torchrun("trainer", out, "--save-at", str(SAVE_AT), "--export-model",
+                          str(base / "model.pt"), "--lora")  # fmt: skip
+        return Run("lora", out / f"checkpoint-{SAVE_AT}", losses["losses"], base / "model.pt")
+
+    return build_once(factory, "framework-trainer-lora", build)
+
+
+def test_a_lora_adapter_trained_under_fsdp_releases_as_peft_writes_it(
+    cli: Any,
+    cpu_policy: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Trainer's FSDP2 save of a PEFT LoRA run is a resumable checkpoint of the adapter;
+    `--convert peft` releases it as PEFT's save_pretrained would (adapter_model.safetensors
+    beside its adapter_config.json, byte-equal tensors), recording the base model, and
+    `PeftModel.from_pretrained(base, release)` loads it with no hub access."""
+    import torch
+    from safetensors.torch import load_file
+
+    pytest.importorskip("peft", reason="peft is not installed (the frameworks extra)")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    run = lora_run(tmp_path_factory)
+    saved = run.checkpoint.parent  # adapter/ and base/ beside the checkpoint, as PEFT wrote them
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "lora", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["resumable"] is True
+    ref = f"fw/lora@step{SAVE_AT}"
+
+    bare = cli("promote", ref, "--model", "adapter", "--convert", "peft")
+    assert bare.returncode == 2 and "needs its adapter_config.json" in bare.stderr
+    config = saved / "adapter" / "adapter_config.json"
+    missing = cli("promote", ref, "--model", "adapter", "--convert", "peft", "--extra", config,
+                  "--base", "nobody:v1")  # fmt: skip
+    assert missing.returncode != 0 and "model nobody not found" in missing.stderr
+    promoted = cli("promote", ref, "--model", "adapter", "--convert", "peft", "--extra", config,
+                   "--json")  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    out = json.loads(promoted.stdout)
+    assert out["convert"] == "peft" and out["hf"] is None
+    assert out["base"] == {"name": str(saved / "base"), "sha256": None, "verified": False}
+    assert sorted(f["path"] for f in out["files"]) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]  # fmt: skip
+
+    release = tmp_path / "release"
+    assert cli("pull-release", "adapter:v1", release).returncode == 0
+    assert_same_tensors(
+        load_file(release / "adapter_model.safetensors"),
+        load_file(saved / "adapter" / "adapter_model.safetensors"),
+    )
+    base = AutoModelForCausalLM.from_pretrained(saved / "base")
+    loaded = PeftModel.from_pretrained(base, release)
+    assert_same_tensors(loaded.state_dict(), torch.load(run.model, weights_only=True))
+
+    pulled = tmp_path / "pulled"
+    assert cli("pull", ref, pulled).returncode == 0
+    resumed = torchrun("trainer", tmp_path / "b", "--resume", str(pulled), "--lora")["losses"]
+    assert resumed == {s: run.losses[s] for s in resumed} and len(resumed) == STEPS - SAVE_AT
+
+
+def test_an_adapters_base_is_a_release_resolved_to_one_version(
+    trainer_run: Run,
+    cli: Any,
+    cpu_policy: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--base NAME@ALIAS` resolves the base release now: its version and digest are recorded
+    (verified). No LoRA tensors, --base without an adapter, a converter for another stack and
+    an adapter_config.json without a peft_type are each refused (exit 2)."""
+    lora = lora_run(tmp_path_factory)
+    ref = f"fw/hf@step{SAVE_AT}"
+    pushed = cli("push-ckpt", trainer_run.checkpoint, "--project", "fw", "--run", "hf")
+    assert pushed.returncode == 0, pushed.stderr
+    base = json.loads(cli("promote", ref, "--model", "llama", "--alias", "prod", "--json").stdout)
+    assert cli("push-ckpt", lora.checkpoint, "--project", "fw", "--run", "lora").returncode == 0
+    config = lora.checkpoint.parent / "adapter" / "adapter_config.json"
+    adapter = cli("promote", f"fw/lora@step{SAVE_AT}", "--model", "adapter", "--convert", "peft",
+                  "--extra", config, "--base", "llama@prod", "--json")  # fmt: skip
+    assert adapter.returncode == 0, adapter.stderr
+    want = {"name": "llama:v1", "sha256": base["sha256"], "verified": True}
+    assert json.loads(adapter.stdout)["base"] == want
+    assert json.loads(cli("show", "adapter:v1", "--json").stdout)["base"] == want
+
+    none = cli("promote", ref, "--model", "a", "--convert", "peft", "--extra", config)
+    assert none.returncode == 2 and "holds no LoRA tensors" in none.stderr
+    stray = cli("promote", ref, "--model", "a", "--base", "llama@prod")
+    assert stray.returncode == 2 and "--base names an adapter's base model" in stray.stderr
+    other = cli("promote", ref, "--model", "a", "--convert", "megatron-local")
+    assert other.returncode == 2 and "reads Megatron's stacked layers" in other.stderr
+    bad = tmp_path / "adapter_config.json"
+    bad.write_text('{"r": 4}')
+    nope = cli("promote", ref, "--model", "a", "--convert", "peft", "--extra", bad)
+    assert nope.returncode == 2 and "names no peft_type" in nope.stderr

@@ -14,10 +14,17 @@ token dataset; `save_steps=--save-at` makes the Trainer itself write `<out>/chec
   type is set to MULTI_GPU, so the Trainer's Accelerator takes its FSDP2 path (`fully_shard` on
   the CPU mesh). The script checks that every parameter is a DTensor.
 * `--no-fsdp`: plain DDP; the checkpoint is `model.safetensors`, `optimizer.pt`, ...
-* `--lora`: a PEFT LoRA adapter (r=4 on q_proj, v_proj) on the tiny Llama, plain DDP; the
-  Trainer's checkpoint is an adapter folder. `<out>/base` is the base model
+* `--lora`: a PEFT LoRA adapter (r=4 on q_proj, v_proj) on the tiny Llama, under FSDP2 as in
+  the default (the frozen base weights are sharded too: FSDP2's `fully_shard` takes frozen and
+  trainable parameters in one group, no `use_orig_params`). The Trainer saves with
+  `adapter_only=True`: `pytorch_model_fsdp_0/` holds the adapter's tensors alone (PEFT's
+  names, `get_peft_model_state_dict`, without the adapter name) and `optimizer_0/` their
+  optimizer state; resuming loads them into a model whose base weights are rebuilt from the seed.
+  `--lora --no-fsdp`: the same adapter under plain DDP; the Trainer's checkpoint is an adapter
+  folder (`adapter_model.safetensors`, ...). Either way `<out>/base` is the base model
   (`save_pretrained`, written before the adapter is added, and named in the adapter's
-  `base_model_name_or_path`), `<out>/adapter` the adapter at --save-at (`save_pretrained`).
+  `base_model_name_or_path`), `<out>/adapter` the adapter at --save-at (`save_pretrained`, by
+  rank 0, of the adapter's tensors gathered from every rank under FSDP).
 
 Losses: the Trainer's per-step training loss (what `compute_loss` returns), averaged over the
 ranks exactly (float.hex). `--export-model`: rank 0's torch.save of the model's full state_dict
@@ -113,7 +120,8 @@ class LossTrainer(Trainer):
 class Hooks(TrainerCallback):
     """FSDP2: every parameter is a DTensor once the Trainer has prepared the model. At the
     --save-at checkpoint: the model's full state_dict (every rank gathers), its config.json
-    in <out>/hf-config and, for LoRA, the plain adapter folder."""
+    in <out>/hf-config and, for LoRA, the plain adapter folder (under FSDP, save_pretrained of the
+    full state_dict that every rank gathered: PEFT picks out the adapter's tensors)."""
 
     def __init__(self, trainer: LossTrainer, args: Any, fsdp: bool, lora: bool) -> None:
         self.trainer, self.args, self.fsdp, self.lora = trainer, args, fsdp, lora
@@ -131,9 +139,20 @@ class Hooks(TrainerCallback):
         model = self.trainer.model
         export_full(model, self.args.export_model)
         unwrapped = self.trainer.accelerator.unwrap_model(model)
+        full = None
+        if self.lora and self.fsdp:  # collective: every rank gathers, rank 0 keeps it
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         if self.trainer.accelerator.is_main_process:
             if self.lora:
-                unwrapped.save_pretrained(self.args.out / "adapter")
+                # state_dict=None (DDP): the module's own tensors are already whole
+                unwrapped.save_pretrained(self.args.out / "adapter", state_dict=full)
             else:  # a sharded save holds no config.json: what a release takes as --extra
                 unwrapped.config.save_pretrained(self.args.out / "hf-config")
         self.trainer.accelerator.wait_for_everyone()
@@ -145,7 +164,7 @@ def main() -> None:
         if on:
             sys.argv.remove(f)
     lora = flags["--lora"]
-    fsdp = not (flags["--no-fsdp"] or lora)
+    fsdp = not flags["--no-fsdp"]
     args = arguments()
     deterministic()
     started = time.time()
@@ -214,7 +233,7 @@ def main() -> None:
             import peft
 
             versions["peft"] = peft.__version__
-        mode = "fsdp2" if fsdp else ("lora" if lora else "ddp")
+        mode = ("fsdp2-lora" if lora else "fsdp2") if fsdp else ("lora" if lora else "ddp")
         seconds = round(time.time() - started, 1)
         write_losses(args.losses, trainer.step_losses, mode=mode, seconds=seconds, **versions)
     trainer.accelerator.wait_for_everyone()

@@ -147,6 +147,10 @@ class ReleaseView:
             else None,
         }
         out["verified"] = verified_json(row.verified_at, row.verify_findings)
+        options = row.options if isinstance(row.options, dict) else {}
+        for key in ("convert", "base"):  # only where a promotion set them
+            if options.get(key) is not None:
+                out[key] = options[key]
         if uri is not None:
             out["uri"] = uri
         return out

@@ -373,6 +373,7 @@ class RemoteRegistry(Registry):
         allow_unclassified: bool = False,
         strip_prefix: str | None = None,
         convert: str | None = None,
+        base: str | None = None,
     ) -> ReleasePromoted:
         sent = []
         for given in extras or []:
@@ -394,6 +395,7 @@ class RemoteRegistry(Registry):
             "allow_unclassified": allow_unclassified,
             "strip_prefix": strip_prefix,
             "convert": convert,
+            "base": base,
         }
         return ReleasePromoted.from_json(dict(self.client.call("POST", "/promote", body=body)))
 

@@ -29,6 +29,8 @@ class ReleaseSummary(Result):
     created_by: str
     validation: dict[str, Any] | None
     verified: dict[str, Any] | None = None
+    convert: str | None = None  # the converter of its names (Megatron's layers, an adapter)
+    base: dict[str, Any] | None = None  # an adapter's base model: name, sha256, verified
 
 
 @RESULT

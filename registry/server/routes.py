@@ -152,6 +152,7 @@ async def promote(request: Request) -> dict[str, Any]:
                 allow_unclassified=doc.get("allow_unclassified") is True,
                 strip_prefix=opt_text(doc, "strip_prefix"),
                 convert=opt_text(doc, "convert"),
+                base=opt_text(doc, "base"),
             )
         )
     finally:

@@ -61,6 +61,7 @@ def promote(
     allow_unclassified: bool = False,
     strip_prefix: str | None = None,
     convert: str | None = None,
+    base: str | None = None,
 ) -> dict[str, Any]:
     plan = plan_promotion(
         ctx,
@@ -75,6 +76,7 @@ def promote(
         allow_unclassified=allow_unclassified,
         strip_prefix=strip_prefix,
         convert=convert,
+        base=base,
     )
     existing = _existing(ctx, plan)
     if existing is not None:

@@ -71,6 +71,7 @@ def consolidate(
     metadata: dict[str, str],
     tie_groups: list[list[str]],
     progress: Progress | None = None,
+    file_name: str | None = None,
 ) -> Consolidated:
     """Write the tensors `names` (release name -> checkpoint FQN, or one layer of one: see
     converters.py), read from `source`, under `dest_prefix` of `store`."""
@@ -89,6 +90,13 @@ def consolidate(
         metadata = {**metadata, "reg.tied": json.dumps(result.tied, sort_keys=True)}
     shards = plan_shards(entries, max_shard_bytes)
     files = shard_names(len(shards))
+    if file_name is not None:  # a loader that reads one file of this name (PEFT's adapter)
+        if len(shards) > 1:
+            raise UsageError(
+                f"{file_name} would be split into {len(shards)} shards, and its loader reads one",
+                "raise --max-shard-size",
+            )
+        files = [file_name]
     if progress:
         progress.start(f"consolidate {len(entries)} tensors", sum(e.nbytes for e in entries))
 

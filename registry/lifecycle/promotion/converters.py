@@ -12,6 +12,10 @@ whole tensor (`str`) or one layer of a stacked one (`(key path, layer)`).
                   `pre_mlp_layernorm.*` instead of TE's fused `linear_qkv.layer_norm_*`,
                   `linear_fc1.layer_norm_*`): what `get_gpt_layer_local_spec` models load
 
+  peft            a LoRA adapter alone, as PEFT's save_pretrained writes it: the adapter's
+                  tensors (the frozen base weights left out), named without the adapter's
+                  name, in adapter_model.safetensors beside its adapter_config.json
+
 The Megatron layout takes `megatron` unless `--convert` names another. The converter is part of
 what makes two promotions the same, and the release records it.
 """
@@ -33,7 +37,15 @@ LOCAL_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-CONVERTERS = ("megatron", "megatron-local")
+CONVERTERS = ("megatron", "megatron-local", "peft")
+MEGATRON_CONVERTERS = ("megatron", "megatron-local")
+# PEFT's tensors of one adapter: `<module>.lora_A.<adapter>.weight`, saved by save_pretrained
+# (get_peft_model_state_dict) without the adapter's name
+ADAPTER_PARTS = frozenset(
+    {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"}
+)
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 DEFAULTS = {"megatron": "megatron"}  # layout -> the converter it takes unless told
 
 
@@ -48,7 +60,7 @@ def converter_for(layout: str, given: str | None) -> str | None:
     Megatron's stacked layers, so one given for another layout is refused."""
     if check_converter(given) is None:
         return DEFAULTS.get(layout)
-    if layout != "megatron":
+    if given in MEGATRON_CONVERTERS and layout != "megatron":
         raise UsageError(
             f"--convert {given} reads Megatron's stacked layers; this checkpoint is {layout}",
             "leave --convert out, or force --layout megatron if Megatron-core saved it",
@@ -62,6 +74,8 @@ def convert(
     """Release name -> piece, for the model's `names` (release name -> key path)."""
     if converter is None:
         return dict(names)
+    if converter == "peft":
+        return dict(adapter_names(names))
     local = converter == "megatron-local"
     layers = _layer_count(names, tensors)
     out: dict[str, Piece] = {}
@@ -73,6 +87,38 @@ def convert(
         rest = LOCAL_NAMES.get(rest, rest) if local else rest
         for i in range(layers):
             out[f"{LAYERS}{i}.{rest}"] = (fqn, i)
+    return out
+
+
+def adapter_names(names: Mapping[str, str]) -> dict[str, str]:
+    """The adapter's tensors among the model's, named as PEFT's save_pretrained names them (the
+    adapter's name left out): `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`
+    (the Trainer's FSDP save has them so already). The frozen base weights stay out: the
+    release is the adapter alone."""
+    out: dict[str, str] = {}
+    adapters: set[str] = set()
+    for name, fqn in names.items():
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part not in ADAPTER_PARTS:
+                continue
+            rest = parts[i + 1 :]
+            if rest and rest not in (["weight"], ["bias"]):  # the adapter's name, then weight
+                adapters.add(rest[0])
+                rest = rest[1:]
+            out[".".join([*parts[: i + 1], *rest])] = fqn
+            break
+    if not out:
+        raise UsageError(
+            "the model holds no LoRA tensors (lora_A, lora_B): nothing to release as an adapter",
+            "promote without --convert peft",
+        )
+    if len(adapters) > 1:
+        raise UsageError(
+            f"the model holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); an "
+            "adapter release holds one",
+            "train (or save) one adapter per checkpoint",
+        )
     return out
 
 

@@ -118,8 +118,8 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
     found = completeness(records, config, tokenizer)
     recorded = view.row.options.get("code_extras") if isinstance(view.row.options, dict) else None
     options = view.row.options if isinstance(view.row.options, dict) else {}
-    # A Megatron release is Megatron's names: what Hugging Face needs does not apply
-    hf_folder = not str(options.get("convert") or "").startswith("megatron")
+    # A converted release (Megatron's names, a PEFT adapter) is no Hugging Face model folder
+    hf_folder = options.get("convert") is None
     out: dict[str, Any] = {
         "hf": found.to_json() if hf_folder else None,
         "hf_config": None,

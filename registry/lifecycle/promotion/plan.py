@@ -29,6 +29,7 @@ from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
 from registry.lifecycle.promotion.converters import check_converter, converter_for
 from registry.refs import CheckpointRef, check_alias, check_name
@@ -70,6 +71,7 @@ class PromotionPlan:
     allow_unclassified: bool = False  # leave out tensors no class claims (else refused)
     strip_prefix: str = ""  # stripped from names after the layout's prefix (checked: "p.")
     convert: str | None = None  # the converter of the release's names (converters.py)
+    base: BaseModel | None = None  # an adapter's base model (convert == "peft")
     # The release's config.json when one is an extra (dtype and architectures rewritten)
     hf_config: ConfigRewrite | None = None
     options: dict[str, Any] = field(init=False)
@@ -100,6 +102,8 @@ class PromotionPlan:
             options["strip_prefix"] = self.strip_prefix
         if self.convert is not None:
             options["convert"] = self.convert
+        if self.base is not None:
+            options["base"] = self.base.to_json()
         # The factory decides the tied weights (written once) and config.json's architectures;
         # a rewritten config.json has other bytes than the extra's sha256 above says.
         if self.model_factory is not None:
@@ -125,6 +129,7 @@ def plan_promotion(
     allow_unclassified: bool = False,
     strip_prefix: str | None = None,
     convert: str | None = None,
+    base: str | None = None,
 ) -> PromotionPlan:
     """Check the request and resolve the source; nothing is written (but the key paths of a
     checkpoint pushed before the catalog kept them, recorded once)."""
@@ -149,6 +154,12 @@ def plan_promotion(
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
     resume = verdict(facts, ctx.policy.resume, layout)
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
+    converter = converter_for(resume.layout, convert)
+    base_model = None
+    if converter == "peft":
+        base_model = adapter_base(ctx, checked, base)
+    elif base is not None:
+        raise UsageError("--base names an adapter's base model", "use it with --convert peft")
     return PromotionPlan(
         source=source,
         checkpoint=ckpt,
@@ -164,7 +175,8 @@ def plan_promotion(
         layout=layout,
         allow_unclassified=allow_unclassified,
         strip_prefix=strip,
-        convert=converter_for(resume.layout, convert),
+        convert=converter,
+        base=base_model,
         hf_config=hf_config,
     )
 
@@ -224,6 +236,8 @@ _REFUSED = {  # the hint of each refused kind
 def check_resumable(ctx: Context, plan: PromotionPlan) -> None:
     """The resume state under the policy in force, decided from the recorded key paths."""
     resume = plan.resume
+    if plan.convert == "peft":  # an adapter is released from its weights alone
+        return
     gate = resumable_gate(ctx.policy.promotion, resume.resumable, resume.missing)
     if gate:
         raise GateNotMet(

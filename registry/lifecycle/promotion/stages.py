@@ -47,7 +47,7 @@ from registry.formats.documents import (
 from registry.formats.hf_folder import CONFIG
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
-from registry.lifecycle.promotion.converters import Piece, convert, piece_key
+from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.releases import move_alias
@@ -313,6 +313,7 @@ def build(
         },
         tie_groups=tie_groups,
         progress=progress,
+        file_name=ADAPTER_FILE if plan.convert == "peft" else None,
     )
     _stage(ctx, reservation, "consolidated")
     rewritten = plan.hf_config if plan.hf_config and plan.hf_config.changes else None
@@ -403,6 +404,7 @@ def commit(
             model_path=plan.resume.model_path,
             strip_prefix=plan.strip_prefix or None,
             convert=plan.convert,
+            base=plan.base.to_json() if plan.base else None,
             forced_layout=plan.layout,
             allow_unclassified=plan.allow_unclassified or None,
         )
