@@ -124,7 +124,7 @@ def test_versions_round_trip_and_format_1_still_reads():
         (lambda d: d.update(bytes=31), "bytes is not the sum of the file sizes"),
         (lambda d: d["metrics"].update(val_loss="NaN"), "metrics.val_loss is 'NaN', not a number"),
         (lambda d: d["resume"].update(resumable="yes"), "resume.resumable is 'yes'"),
-        (lambda d: d["resume"].update(layout="megatron"), "resume.layout is 'megatron', not one"),
+        (lambda d: d["resume"].update(layout="zero3"), "resume.layout is 'zero3', not one"),
         (lambda d: d["resume"].update(keys=["b", "a"]), "resume.keys is not sorted"),
         (lambda d: d["resume"].update(keys=["a", "a"]), "resume.keys is not sorted"),
         (lambda d: d["resume"].update(keys=[1]), "resume.keys is not a list of strings"),

@@ -281,17 +281,20 @@ def test_a_wide_commit_names_the_missing_ranks(reg: Registry) -> None:
 
 
 def test_state_that_restore_could_not_load_is_refused_at_save(clean_env: Path) -> None:
-    """A value that unpickles only with arbitrary code (a numpy RNG state) would make every
-    later restore fail: refused when saved, before anything is claimed."""
+    """A value that unpickles only with arbitrary code (an argparse.Namespace) would make every
+    later restore fail: refused when saved, before anything is claimed. numpy's RNG state is
+    data restore reads (exactly its numpy globals allowed), as Megatron saves it."""
+    import argparse
+
     import numpy as np
 
     manager = CheckpointManager("loop")
     with pytest.raises(UsageError, match=r"rng\.rank_0\.np needs arbitrary unpickling"):
-        manager.save(_state(1), 1, per_rank={"rng": {"np": np.random.get_state()}})
+        manager.save(_state(1), 1, per_rank={"rng": {"np": argparse.Namespace(seed=1)}})
     with Registry() as reg:
         assert reg.list_checkpoints("loop") == []
-    # The same step saves once the state is plain (an RNG state as a tensor).
-    view = manager.save(_state(1), 1, per_rank={"rng": torch.get_rng_state()})
+    # The same step saves once the state is data (numpy's RNG state, as Megatron keeps it).
+    view = manager.save(_state(1), 1, per_rank={"rng": {"np": np.random.get_state()}})
     assert view is not None and view["ref"] == "loop@step1"
     manager.close()
 
