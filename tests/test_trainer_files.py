@@ -268,3 +268,20 @@ def test_rng_states_load_in_many_threads_at_once() -> None:
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(load, range(400)))
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_tracker_that_is_no_regular_file_is_never_followed(tmp_path: Path, kind: str) -> None:
+    """A tracker that is a link (to a file naming a real directory) or a FIFO (whose open would
+    block): not read, so nothing is named, and nothing hangs."""
+    import os
+
+    root = layout(tmp_path / "save", ["iter_0000003/.metadata"])
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if kind == "symlink":
+        (tmp_path / "real.txt").write_text("3")
+        tracker.symlink_to(tmp_path / "real.txt")
+    else:
+        os.mkfifo(tracker)
+    with pytest.raises(InvalidCheckpoint, match="names no checkpoint directory in it"):
+        refuse_foreign(root, has_metadata=True)

@@ -235,41 +235,38 @@ def read_layer(source: ChunkSource, info: TensorInfo, layer: int) -> torch.Tenso
     assembled from the chunks that hold it (each read whole, one at a time)."""
     if not info.shape or not 0 <= layer < info.shape[0]:
         raise IntegrityError(f"{info.fqn} has no layer {layer}", "the converter misread it")
-    full = torch.empty(info.shape[1:], dtype=getattr(torch, info.dtype))
-    covered = 0
-    for chunk in info.chunks:
-        first = chunk.offsets[0]
-        if not first <= layer < first + chunk.sizes[0]:
-            continue
-        part = read_chunk(source, info.fqn, chunk, info.dtype)[layer - first]
-        index = tuple(
-            slice(o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:], strict=True)
-        )
-        full[index].copy_(part)
-        covered += part.numel()
-    if covered != full.numel():
-        raise IntegrityError(
-            f"{info.fqn}: chunks cover {covered} of {full.numel()} elements of layer {layer}",
-            "the checkpoint metadata is inconsistent",
-        )
-    return full
+    return _assemble(
+        source, info, torch.empty(info.shape[1:], dtype=getattr(torch, info.dtype)), layer
+    )
 
 
 def read_tensor(
     source: ChunkSource, info: TensorInfo, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The full tensor `info` describes, assembled from its chunks."""
-    dtype = getattr(torch, info.dtype)
-    full = out if out is not None else torch.empty(info.shape, dtype=dtype)
+    full = out if out is not None else torch.empty(info.shape, dtype=getattr(torch, info.dtype))
+    return _assemble(source, info, full, None)
+
+
+def _assemble(
+    source: ChunkSource, info: TensorInfo, full: torch.Tensor, layer: int | None
+) -> torch.Tensor:
+    """`full` filled from the chunks (of one layer of the first axis, when `layer` is given);
+    every element must come from one."""
     covered = 0
     for chunk in info.chunks:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            continue
         part = read_chunk(source, info.fqn, chunk, info.dtype)
-        index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-        full[index].copy_(part)
+        if layer is not None:
+            part, offsets, sizes = part[layer - offsets[0]], offsets[1:], sizes[1:]
+        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].copy_(part)
         covered += part.numel()
     if covered != full.numel():
+        which = "" if layer is None else f" of layer {layer}"
         raise IntegrityError(
-            f"{info.fqn}: chunks cover {covered} of {full.numel()} elements",
+            f"{info.fqn}: chunks cover {covered} of {full.numel()} elements{which}",
             "the checkpoint metadata is inconsistent",
         )
     return full

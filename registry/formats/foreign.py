@@ -61,14 +61,19 @@ def _names(root: Path) -> set[str]:
 def pointer(root: Path, name: str) -> str | None:
     """The sibling a pointer file (`latest`, Megatron's tracker) names, if it is one plain
     name of a subdirectory of `root`; None for anything else (a path, a link, a big file)."""
+    try:  # never a link, never a FIFO that would block: the regular file itself
+        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
-        st = os.lstat(root / name)
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_POINTER:
             return None
-        with open(root / name, "rb") as f:
-            text = f.read(MAX_POINTER).decode("ascii").strip()
+        text = os.read(fd, MAX_POINTER).decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
+    finally:
+        os.close(fd)
     if not _PLAIN.fullmatch(text) or text in {".", ".."}:
         return None
     return text

@@ -14,7 +14,9 @@ where they come from a store) and never trusted further than a whole number.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +54,18 @@ def recorded(name: str, files: Mapping[str, int], read: Callable[[str], bytes]) 
 
 def recorded_in(directory: Path) -> Recorded:
     """`recorded` for a local directory (its top-level files only: what it reads is there)."""
-    try:
-        files = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+    try:  # regular files, never through a link (the push's scan refuses links anyway)
+        files = {
+            p.name: p.lstat().st_size
+            for p in directory.iterdir()
+            if stat.S_ISREG(p.lstat().st_mode)
+        }
     except OSError:
         return Recorded()  # the push's scan says what is wrong with the directory
 
     def read(path: str) -> bytes:
-        with open(directory / path, "rb") as f:
+        fd = os.open(directory / path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
             return f.read(MAX_TRAINER_STATE + 1)
 
     return recorded(directory.resolve().name, files, read)

@@ -22,7 +22,7 @@ what makes two promotions the same, and the release records it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from registry.errors import UsageError
 from registry.formats.dcp import TensorInfo
@@ -74,28 +74,42 @@ def convert(
     """Release name -> piece, for the model's `names` (release name -> key path)."""
     if converter is None:
         return dict(names)
+    out: dict[str, Piece] = {}
+    for name, piece in _converted(converter, names, tensors):
+        if name in out:  # two tensors under one name: the release would lose one
+            raise UsageError(
+                f"--convert {converter}: {piece_key(out[name])} and {piece_key(piece)} both "
+                f"become {name}",
+                "promote without --convert, or with the converter for this model's names",
+            )
+        out[name] = piece
+    return out
+
+
+def _converted(
+    converter: str, names: Mapping[str, str], tensors: Mapping[str, TensorInfo]
+) -> Iterator[tuple[str, Piece]]:
     if converter == "peft":
-        return dict(adapter_names(names))
+        yield from adapter_names(names)
+        return
     local = converter == "megatron-local"
     layers = _layer_count(names, tensors)
-    out: dict[str, Piece] = {}
     for name, fqn in names.items():
         if not name.startswith(LAYERS):
-            out[name] = fqn
+            yield name, fqn
             continue
         rest = name[len(LAYERS) :]
         rest = LOCAL_NAMES.get(rest, rest) if local else rest
         for i in range(layers):
-            out[f"{LAYERS}{i}.{rest}"] = (fqn, i)
-    return out
+            yield f"{LAYERS}{i}.{rest}", (fqn, i)
 
 
-def adapter_names(names: Mapping[str, str]) -> dict[str, str]:
+def adapter_names(names: Mapping[str, str]) -> list[tuple[str, str]]:
     """The adapter's tensors among the model's, named as PEFT's save_pretrained names them (the
     adapter's name left out): `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`
     (the Trainer's FSDP save has them so already). The frozen base weights stay out: the
     release is the adapter alone."""
-    out: dict[str, str] = {}
+    out: list[tuple[str, str]] = []
     adapters: set[str] = set()
     for name, fqn in names.items():
         parts = name.split(".")
@@ -106,7 +120,7 @@ def adapter_names(names: Mapping[str, str]) -> dict[str, str]:
             if rest and rest not in (["weight"], ["bias"]):  # the adapter's name, then weight
                 adapters.add(rest[0])
                 rest = rest[1:]
-            out[".".join([*parts[: i + 1], *rest])] = fqn
+            out.append((".".join([*parts[: i + 1], *rest]), fqn))
             break
     if not out:
         raise UsageError(
