@@ -144,6 +144,8 @@ def test_a_step_that_is_no_whole_step_is_not_taken(state: bytes) -> None:
 def test_rank_files_with_a_gap_record_no_world_size() -> None:
     files = {"trainer_state.json": 2, "rng_state_0.pth": 1, "rng_state_2.pth": 1}
     assert recorded("x", files, lambda _: b"{}").world_size is None
+    # another trainer's rng files (no trainer_state.json) are not read as a world size
+    assert recorded("x", {"rng_state_0.pth": 1}, lambda _: b"").world_size is None
 
 
 def test_megatron_records_its_iteration_in_the_directory_name_and_needs_a_world_size() -> None:

@@ -87,11 +87,14 @@ def _trainer_step(
 
 
 def _trainer_world(files: Mapping[str, int]) -> tuple[int | None, str | None]:
-    """One rng_state_R.pth per rank, R = 0..N-1; rng_state.pth alone: one process."""
+    """The Trainer's: one rng_state_R.pth per process, R = 0..N-1; rng_state.pth alone: one
+    process (another trainer's rng files may follow other rules: not read as a world size)."""
+    if TRAINER_STATE not in files:
+        return None, None
     ranks = {int(m.group(1)) for f in files if (m := _RNG_FILE.fullmatch(f))}
     if ranks and ranks == set(range(len(ranks))):
         return len(ranks), f"rng_state_0..{len(ranks) - 1}.pth"
-    if not ranks and "rng_state.pth" in files and TRAINER_STATE in files:
+    if not ranks and "rng_state.pth" in files:
         return 1, "rng_state.pth"
     return None, None
 
