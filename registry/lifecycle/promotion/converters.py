@@ -104,6 +104,12 @@ def _converted(
             yield f"{LAYERS}{i}.{rest}", (fqn, i)
 
 
+def check_adapter(names: Mapping[str, str]) -> None:
+    """UsageError unless `names` (release name -> key path) hold one adapter that converts
+    without two tensors under one name: decided from names alone, before any validation."""
+    convert("peft", names, {})
+
+
 def adapter_names(names: Mapping[str, str]) -> list[tuple[str, str]]:
     """The adapter's tensors among the model's, named as PEFT's save_pretrained names them (the
     adapter's name left out): `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`

@@ -142,8 +142,9 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
                 record = parsed.hf_config
                 out["hf_config"] = None if record is None else record.to_json()
                 out["code_extras"] = list(parsed.code_extras)
-    if damaged:
-        out["hf"] = {**found.to_json(), "complete": False, "notes": [*found.notes, *damaged]}
+    if damaged:  # a converted release: only the damage is news
+        shown = found.to_json() if hf_folder else {"missing": [], "notes": []}
+        out["hf"] = {**shown, "complete": False, "notes": [*shown["notes"], *damaged]}
     return out
 
 

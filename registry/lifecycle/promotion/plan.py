@@ -31,7 +31,7 @@ from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
-from registry.lifecycle.promotion.converters import check_converter, converter_for
+from registry.lifecycle.promotion.converters import check_adapter, check_converter, converter_for
 from registry.refs import CheckpointRef, check_alias, check_name
 
 if TYPE_CHECKING:
@@ -156,7 +156,8 @@ def plan_promotion(
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
     converter = converter_for(resume.layout, convert)
     base_model = None
-    if converter == "peft":
+    if converter == "peft":  # the adapter's names decided now, before any validation runs
+        check_adapter(resume.model_names(facts.keys, strip))
         base_model = adapter_base(ctx, checked, base)
     elif base is not None:
         raise UsageError("--base names an adapter's base model", "use it with --convert peft")
