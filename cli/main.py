@@ -146,7 +146,8 @@ def _failed(line: str, message: str, hint: str | None, code: int) -> int:
     if "--json" in sys.argv[1:]:
         from cli.render import error_json
 
-        error_json(redact(message), redact(hint) if hint else None, code)
+        with contextlib.suppress(OSError):  # a reader that went away (`reg ... --json | head`)
+            error_json(redact(message), redact(hint) if hint else None, code)
     return code
 
 

@@ -291,3 +291,25 @@ def test_a_failed_pull_creates_no_directory(deployment, cli, tmp_path):
     assert cli("pull", "r@step999", dest).returncode == 3
     assert cli("pull", "bad@@ref", dest).returncode == 2
     assert not (tmp_path / "new").exists()
+
+
+def test_a_json_error_to_a_reader_that_went_away_is_one_line(tmp_path: Path) -> None:
+    """`reg ... --json | head -c 1`: the error document meets a closed pipe; stderr still says
+    one line, with no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "REG_HOME": str(tmp_path / "home")}
+    reg = Path(sys.executable).parent / "reg"
+    proc = subprocess.Popen(
+        [str(reg), "show", "nope@step1", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before it writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) != 0
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
