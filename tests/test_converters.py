@@ -7,7 +7,7 @@ import pytest
 
 from registry.errors import UsageError
 from registry.formats.dcp import TensorInfo
-from registry.lifecycle.promotion.converters import convert, converter_for
+from registry.lifecycle.promotion.converters import Slice, convert, converter_for
 
 
 def tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
@@ -25,16 +25,14 @@ MEGATRON = {
 def test_megatron_layers_become_one_tensor_each() -> None:
     names = {k: k for k in MEGATRON}
     got = convert("megatron", names, tensors(MEGATRON))
-    assert got["decoder.layers.1.mlp.linear_fc1.weight"] == (
-        "decoder.layers.mlp.linear_fc1.weight",
-        1,
+    assert got["decoder.layers.1.mlp.linear_fc1.weight"] == Slice(
+        "decoder.layers.mlp.linear_fc1.weight", 1
     )
     assert got["embedding.word_embeddings.weight"] == "embedding.word_embeddings.weight"
     assert len(got) == 2 + 2 * 2
     local = convert("megatron-local", names, tensors(MEGATRON))
-    assert local["decoder.layers.0.input_layernorm.weight"] == (
-        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-        0,
+    assert local["decoder.layers.0.input_layernorm.weight"] == Slice(
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight", 0
     )
 
 
@@ -102,3 +100,77 @@ def test_which_converter_a_layout_takes() -> None:
         converter_for("dcp", "megatron")
     with pytest.raises(UsageError, match="unknown converter 'gguf'"):
         converter_for("dcp", "gguf")
+
+
+LLAMA = {
+    "embedding.word_embeddings.weight": (64, 32),
+    "decoder.layers.input_layernorm.weight": (2, 32),
+    "decoder.layers.self_attention.linear_qkv.weight": (2, 64, 32),  # (4 + 2*2) heads x 8
+    "decoder.layers.self_attention.linear_proj.weight": (2, 32, 32),
+    "decoder.layers.pre_mlp_layernorm.weight": (2, 32),
+    "decoder.layers.mlp.linear_fc1.weight": (2, 128, 32),
+    "decoder.layers.mlp.linear_fc2.weight": (2, 32, 64),
+    "decoder.final_layernorm.weight": (32,),
+    "output_layer.weight": (64, 32),
+}
+
+
+def test_a_megatron_llama_becomes_hugging_face_names() -> None:
+    """QKV is fused per query group (each group: its q heads, then k, then v; 8 rows a head);
+    SwiGLU's first half is the gate."""
+    got = convert("megatron-llama:heads=4,query_groups=2", {k: k for k in LLAMA}, tensors(LLAMA))
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert got["model.layers.1.self_attn.q_proj.weight"] == Slice(qkv, 1, ((0, 16), (32, 48)))
+    assert got["model.layers.1.self_attn.k_proj.weight"] == Slice(qkv, 1, ((16, 24), (48, 56)))
+    assert got["model.layers.1.self_attn.v_proj.weight"] == Slice(qkv, 1, ((24, 32), (56, 64)))
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    assert got["model.layers.0.mlp.gate_proj.weight"] == Slice(fc1, 0, ((0, 64),))
+    assert got["model.layers.0.mlp.up_proj.weight"] == Slice(fc1, 0, ((64, 128),))
+    assert got["model.layers.0.post_attention_layernorm.weight"] == Slice(
+        "decoder.layers.pre_mlp_layernorm.weight", 0
+    )
+    assert got["lm_head.weight"] == "output_layer.weight"
+    assert len(got) == 3 + 2 * 9  # embed, norm, head; per layer 2 norms, q, k, v, o, 3 mlp
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("megatron-llama", "needs heads, query_groups"),
+        ("megatron-llama:heads=4", "needs query_groups"),
+        ("megatron-llama:heads=4,query_groups=3", "do not split into 3 query groups"),
+        ("megatron-llama:heads=4,query_groups=2,heads=4", "once each"),
+        ("megatron-llama:heads=0,query_groups=1", "whole number >= 1"),
+        ("megatron-llama:heads=x,query_groups=1", "whole number >= 1"),
+        ("megatron-llama:layers=2", "not one of its arguments"),
+        ("megatron:heads=4", "it takes none"),
+    ],
+)
+def test_converter_arguments_are_checked(spec: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        converter_for("megatron", spec)
+
+
+def test_converter_arguments_are_recorded_one_way() -> None:
+    spec = "megatron-llama:query_groups=2,heads=4"
+    assert converter_for("megatron", spec) == "megatron-llama:heads=4,query_groups=2"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"decoder.layers.self_attention.linear_proj.bias": (2, 32)}, "has no Llama name"),
+        ({"embedding.position_embeddings.weight": (4, 32)}, "has no Llama name"),
+    ],
+)
+def test_what_a_llama_does_not_have_is_refused(
+    extra: dict[str, tuple[int, ...]], message: str
+) -> None:
+    shapes = {**LLAMA, **extra}
+    with pytest.raises(UsageError, match=message):
+        convert("megatron-llama:heads=4,query_groups=2", {k: k for k in shapes}, tensors(shapes))
+
+
+def test_a_shape_the_heads_do_not_divide_is_refused() -> None:
+    with pytest.raises(UsageError, match="64 rows, which 3 heads in 3 query groups"):
+        convert("megatron-llama:heads=3,query_groups=3", {k: k for k in LLAMA}, tensors(LLAMA))

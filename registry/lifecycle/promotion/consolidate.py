@@ -148,20 +148,26 @@ def _shard_writer(
 
 def _pieces(source: ChunkSource, inv: Inventory, piece: Piece) -> Iterator[Any]:
     """A release tensor's bytes in row-major pieces."""
-    from registry.formats.dcp_load import iter_tensor_bytes, read_layer
+    from registry.formats.dcp_load import iter_tensor_bytes
 
     if isinstance(piece, str):
         yield from iter_tensor_bytes(source, inv.tensors[piece])
     else:
-        yield read_layer(source, inv.tensors[piece[0]], piece[1])
+        yield _read(source, inv, piece)
 
 
 def _read(source: ChunkSource, inv: Inventory, piece: Piece) -> Any:
+    """A release tensor whole: the checkpoint's, or a layer of it (its rows, in order)."""
+    import torch
+
     from registry.formats.dcp_load import read_layer, read_tensor
 
     if isinstance(piece, str):
         return read_tensor(source, inv.tensors[piece])
-    return read_layer(source, inv.tensors[piece[0]], piece[1])
+    layer = read_layer(source, inv.tensors[piece.key], piece.layer)
+    if not piece.rows:
+        return layer
+    return torch.cat([layer[a:b] for a, b in piece.rows]).contiguous()
 
 
 def _put_once(store: BaseStore, prefix: str, path: str, **source: Any) -> FileRecord:

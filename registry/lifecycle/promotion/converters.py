@@ -4,13 +4,20 @@ Megatron-core's `torch_dist` checkpoints store each transformer layer's paramete
 a new first axis (`decoder.layers.mlp.linear_fc1.weight` of shape [layers, ...]), under
 Transformer Engine's names, while `model.state_dict()` has one tensor per layer. A converter
 maps the model's names (release name -> checkpoint key path) to release names and pieces: a
-whole tensor (`str`) or one layer of a stacked one (`(key path, layer)`).
+whole tensor (`str`) or one layer of a stacked one, or some of its rows (`Slice`).
 
   megatron        one tensor per layer, `decoder.layers.{i}.<name>`: what a GPTModel with the
                   Transformer Engine layer spec (Megatron-LM's default) loads
   megatron-local  the same with the local spec's layer-norm names (`input_layernorm.*`,
                   `pre_mlp_layernorm.*` instead of TE's fused `linear_qkv.layer_norm_*`,
                   `linear_fc1.layer_norm_*`): what `get_gpt_layer_local_spec` models load
+
+  megatron-llama:heads=H,query_groups=G
+                  Hugging Face's LlamaForCausalLM names for a Llama-shaped GPTModel (RMSNorm,
+                  SwiGLU, RoPE, no biases): the fused QKV split per query group into q_proj,
+                  k_proj, v_proj, SwiGLU's linear_fc1 into gate_proj (its first half, the one
+                  through the activation) and up_proj. The checkpoint's args are not read, so
+                  the model's shape is given, and recorded with the converter.
 
   peft            a LoRA adapter alone, as PEFT's save_pretrained writes it: the adapter's
                   tensors (the frozen base weights left out), named without the adapter's
@@ -23,11 +30,22 @@ what makes two promotions the same, and the release records it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from registry.errors import UsageError
 from registry.formats.dcp import TensorInfo
 
-Piece = str | tuple[str, int]  # a checkpoint key path, or one layer of a stacked one
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """One layer of a stacked tensor, or some of its rows (ranges concatenated in order)."""
+
+    key: str
+    layer: int
+    rows: tuple[tuple[int, int], ...] = ()
+
+
+Piece = str | Slice  # a checkpoint key path whole, or a slice of one
 
 LAYERS = "decoder.layers."
 # Transformer Engine's fused layer-norm names -> the local spec's
@@ -37,8 +55,10 @@ LOCAL_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-CONVERTERS = ("megatron", "megatron-local", "peft")
-MEGATRON_CONVERTERS = ("megatron", "megatron-local")
+CONVERTERS = ("megatron", "megatron-local", "megatron-llama", "peft")
+# each converter's arguments (whole numbers, all required)
+ARGUMENTS: dict[str, tuple[str, ...]] = {"megatron-llama": ("heads", "query_groups")}
+MEGATRON_CONVERTERS = ("megatron", "megatron-local", "megatron-llama")
 # PEFT's tensors of one adapter: `<module>.lora_A.<adapter>.weight`, saved by save_pretrained
 # (get_peft_model_state_dict) without the adapter's name
 ADAPTER_PARTS = frozenset(
@@ -49,18 +69,56 @@ ADAPTER_CONFIG = "adapter_config.json"
 DEFAULTS = {"megatron": "megatron"}  # layout -> the converter it takes unless told
 
 
-def check_converter(name: str | None) -> str | None:
-    if name is None or name in CONVERTERS:
+def check_converter(text: str | None) -> str | None:
+    """A `--convert` value, written the one way it is recorded: NAME, or NAME:k=v,... with the
+    converter's arguments sorted."""
+    if text is None:
+        return None
+    name, args = parse_converter(text)
+    if not args:
         return name
-    raise UsageError(f"unknown converter {name!r}", f"choose one of {', '.join(CONVERTERS)}")
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))
+
+
+def parse_converter(text: str) -> tuple[str, dict[str, int]]:
+    name, _, given = text.partition(":")
+    if name not in CONVERTERS:
+        raise UsageError(
+            f"unknown converter {name[:80]!r}", f"choose one of {', '.join(CONVERTERS)}"
+        )
+    wanted = ARGUMENTS.get(name, ())
+    args: dict[str, int] = {}
+    for item in given.split(",") if given else []:
+        key, eq, value = item.partition("=")
+        if not eq or key not in wanted or key in args:
+            raise UsageError(
+                f"--convert {name}: {item[:80]!r} is not one of its arguments, once each",
+                f"it takes {', '.join(f'{w}=N' for w in wanted)}" if wanted else "it takes none",
+            )
+        if not (value.isdigit() and len(value) <= 6 and int(value) >= 1):
+            raise UsageError(f"--convert {name}: {key} must be a whole number >= 1")
+        args[key] = int(value)
+    missing = [w for w in wanted if w not in args]
+    if missing:
+        raise UsageError(
+            f"--convert {name} needs {', '.join(missing)}",
+            f"e.g. --convert {name}:" + ",".join(f"{w}=N" for w in wanted),
+        )
+    if name == "megatron-llama" and args["heads"] % args["query_groups"]:
+        raise UsageError(
+            f"--convert {name}: {args['heads']} heads do not split into "
+            f"{args['query_groups']} query groups"
+        )
+    return name, args
 
 
 def converter_for(layout: str, given: str | None) -> str | None:
     """The converter a promotion of a checkpoint of `layout` uses: every converter reads
     Megatron's stacked layers, so one given for another layout is refused."""
-    if check_converter(given) is None:
+    given = check_converter(given)
+    if given is None:
         return DEFAULTS.get(layout)
-    if given in MEGATRON_CONVERTERS and layout != "megatron":
+    if given.partition(":")[0] in MEGATRON_CONVERTERS and layout != "megatron":
         raise UsageError(
             f"--convert {given} reads Megatron's stacked layers; this checkpoint is {layout}",
             "leave --convert out, or force --layout megatron if Megatron-core saved it",
@@ -89,19 +147,93 @@ def convert(
 def _converted(
     converter: str, names: Mapping[str, str], tensors: Mapping[str, TensorInfo]
 ) -> Iterator[tuple[str, Piece]]:
-    if converter == "peft":
+    name, args = parse_converter(converter)
+    if name == "peft":
         yield from adapter_names(names)
         return
-    local = converter == "megatron-local"
+    if name == "megatron-llama":
+        yield from _llama(names, tensors, args["heads"], args["query_groups"])
+        return
+    local = name == "megatron-local"
     layers = _layer_count(names, tensors)
-    for name, fqn in names.items():
-        if not name.startswith(LAYERS):
-            yield name, fqn
+    for key, fqn in names.items():
+        if not key.startswith(LAYERS):
+            yield key, fqn
             continue
-        rest = name[len(LAYERS) :]
+        rest = key[len(LAYERS) :]
         rest = LOCAL_NAMES.get(rest, rest) if local else rest
         for i in range(layers):
-            yield f"{LAYERS}{i}.{rest}", (fqn, i)
+            yield f"{LAYERS}{i}.{rest}", Slice(fqn, i)
+
+
+# Megatron's names (either layer spec) -> LlamaForCausalLM's
+LLAMA_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+LLAMA_LAYER = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+QKV, FC1 = "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"
+
+
+def _llama(
+    names: Mapping[str, str], tensors: Mapping[str, TensorInfo], heads: int, groups: int
+) -> Iterator[tuple[str, Piece]]:
+    layers = _layer_count(names, tensors)
+    for key, fqn in names.items():
+        if key in LLAMA_TOP:
+            yield LLAMA_TOP[key], fqn
+            continue
+        rest = key[len(LAYERS) :] if key.startswith(LAYERS) else None
+        if rest not in LLAMA_LAYER and rest not in (QKV, FC1):
+            raise UsageError(
+                f"--convert megatron-llama: {key} has no Llama name (a bias, a learned "
+                "position embedding or another architecture's tensor)",
+                "promote a Llama-shaped model (RMSNorm, SwiGLU, RoPE, no biases), or use "
+                "--convert megatron",
+            )
+        rows = tensors[fqn].shape[1] if len(tensors[fqn].shape) > 1 else 0
+        for i in range(layers):
+            at = f"model.layers.{i}."
+            if rest == QKV:
+                for proj, ranges in _qkv_rows(key, rows, heads, groups).items():
+                    yield f"{at}self_attn.{proj}.weight", Slice(fqn, i, ranges)
+            elif rest == FC1:
+                if rows % 2:
+                    raise UsageError(f"{key} has {rows} rows: no SwiGLU halves")
+                half = rows // 2
+                yield f"{at}mlp.gate_proj.weight", Slice(fqn, i, ((0, half),))
+                yield f"{at}mlp.up_proj.weight", Slice(fqn, i, ((half, rows),))
+            else:
+                yield f"{at}{LLAMA_LAYER[str(rest)]}", Slice(fqn, i)
+
+
+def _qkv_rows(
+    key: str, rows: int, heads: int, groups: int
+) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Megatron fuses QKV per query group: for each group, its heads' q rows, then its k, then
+    its v (head_dim rows each). Which rows are q_proj's, k_proj's and v_proj's."""
+    per_group = heads // groups + 2
+    if rows % (groups * per_group):
+        raise UsageError(
+            f"--convert megatron-llama: {key} has {rows} rows, which {heads} heads in {groups} "
+            "query groups do not divide",
+            "give the model's heads and query groups (num_attention_heads, num_query_groups)",
+        )
+    dim = rows // (groups * per_group)
+    block, q = per_group * dim, (per_group - 2) * dim
+    return {
+        "q_proj": tuple((g * block, g * block + q) for g in range(groups)),
+        "k_proj": tuple((g * block + q, g * block + q + dim) for g in range(groups)),
+        "v_proj": tuple((g * block + q + dim, (g + 1) * block) for g in range(groups)),
+    }
 
 
 def check_adapter(names: Mapping[str, str]) -> None:
@@ -163,8 +295,11 @@ def _layer_count(names: Mapping[str, str], tensors: Mapping[str, TensorInfo]) ->
 def piece_shape(piece: Piece, tensors: Mapping[str, TensorInfo]) -> tuple[int, ...]:
     if isinstance(piece, str):
         return tensors[piece].shape
-    return tensors[piece[0]].shape[1:]
+    shape = tensors[piece.key].shape[1:]
+    if not piece.rows:
+        return shape
+    return (sum(b - a for a, b in piece.rows), *shape[1:])
 
 
 def piece_key(piece: Piece) -> str:
-    return piece if isinstance(piece, str) else piece[0]
+    return piece if isinstance(piece, str) else piece.key
