@@ -3,6 +3,19 @@
 `--tp 2` (an extra option) runs TP=2, DP=1 instead: the checkpoint's tensors then come in
 tensor-parallel chunks (e.g. linear_qkv.weight [2, 64, 32] as four [1, 32, 32] chunks).
 
+`--llama` (an extra option) builds the model Llama-style instead: RMSNorm (torch.nn.RMSNorm,
+eps 1e-5), SwiGLU MLP (ffn_hidden_size 64: linear_fc1 [128, 32] holds the gate's rows, which
+go through silu, then the up projection's), rotary position embeddings (rotate-half, not
+interleaved; base 10000, rotary_percent 1.0; no learned position embeddings), no biases and an
+output layer of its own (untied embeddings). Save layout, --resume, --tp and --load-release
+work the same; a checkpoint resumes only into a run with the same choice.
+
+`--export-logits FILE` (an extra option): at --save-at, after that step's update, the model's
+logits in eval mode under torch.no_grad() on a fixed input, tokens = arange(2 * SEQ) % VOCAB
+as [2, SEQ] (0..3 and 4..7), with the causal mask and positions 0..SEQ-1 of training; rank 0
+torch.saves {"tokens": [2, SEQ] int64, "logits": [2, SEQ, VOCAB] float32} (GPTModel returns
+[b, s, v] without labels; under TP the vocab-parallel logits are gathered first).
+
 A tiny GPTModel (local transformer layer spec: no Transformer Engine, no apex; 2 layers,
 hidden 32, 4 heads in 2 query groups, vocab 64, sequence 4) wrapped in Megatron's own
 DistributedDataParallel and trained with Megatron's own optimizer (`get_megatron_optimizer`:
@@ -72,6 +85,7 @@ from examples.frameworks.common import (
 )
 
 HIDDEN, LAYERS, HEADS, GROUPS = 32, 2, 4, 2
+LLAMA_FFN, ROPE_BASE, NORM_EPS = 64, 10000, 1e-5  # --llama
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -113,13 +127,15 @@ def _run_megatron_core_on_cpu() -> None:
 
 
 # --------------------------------------------------------------------------- setup
-def megatron_args(cli: argparse.Namespace, world: int, tp: int) -> argparse.Namespace:
+def megatron_args(
+    cli: argparse.Namespace, world: int, tp: int, llama: bool = False
+) -> argparse.Namespace:
     """What Megatron-LM keeps in state_dict['args']: the run's argparse.Namespace, with the
     value types Megatron-LM's parsed arguments have (str paths, torch dtypes, enums)."""
     from megatron.core.transformer.enums import AttnBackend
 
     dp = world // tp  # PP = CP = 1
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
         num_attention_heads=HEADS, group_query_attention=True, num_query_groups=GROUPS,
         kv_channels=HIDDEN // HEADS, seq_length=SEQ, max_position_embeddings=SEQ,
@@ -144,9 +160,18 @@ def megatron_args(cli: argparse.Namespace, world: int, tp: int) -> argparse.Name
         no_load_rng=False, finetune=False, consumed_train_samples=0,
         skipped_train_samples=0, consumed_valid_samples=0,
     )  # fmt: skip
+    if llama:  # Megatron-LM's --normalization RMSNorm --swiglu --position-embedding-type rope ...
+        vars(args).update(
+            ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", norm_epsilon=NORM_EPS,
+            swiglu=True, position_embedding_type="rope", use_rotary_position_embeddings=True,
+            rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
+            apply_rope_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False,
+            add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+        )  # fmt: skip
+    return args
 
 
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace, llama: bool = False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -161,25 +186,50 @@ def build(args: argparse.Namespace):
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
 
+    llama_config = {}
+    if llama:
+        llama_config = dict(
+            normalization="RMSNorm", layernorm_epsilon=NORM_EPS, gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+            rotary_interleaved=False, apply_rope_fusion=False, bias_activation_fusion=False,
+        )  # fmt: skip
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         params_dtype=torch.float32, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, sequence_parallel=False,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=1, **llama_config,
     )  # fmt: skip
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="learned_absolute",
-        share_embeddings_and_output_weights=True,
-        pre_process=True,
-        post_process=True,
-    )
+    if llama:
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=None, moe_grouped_gemm=False, normalization="RMSNorm"
+            ),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=ROPE_BASE,
+            share_embeddings_and_output_weights=False,
+            pre_process=True,
+            post_process=True,
+        )
+    else:
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=None, moe_grouped_gemm=False
+            ),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=True,
+            pre_process=True,
+            post_process=True,
+        )
     ddp = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(
@@ -323,6 +373,10 @@ def load_checkpoint(args, gpt, optimizer, scheduler) -> int:
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
     )
+    shape = ("normalization", "position_embedding_type", "ffn_hidden_size")
+    assert [getattr(ckpt_args, k) for k in shape] == [getattr(args, k) for k in shape], (
+        "the checkpoint's model is not this run's (resume a --llama checkpoint with --llama)"
+    )
     sharded = generate_state_dict(
         args, gpt, optimizer, scheduler, get_rng_state(args), 1, loading=True
     )
@@ -344,10 +398,10 @@ def load_checkpoint(args, gpt, optimizer, scheduler) -> int:
 
 
 # --------------------------------------------------------------------------- training
-def causal_mask_and_positions() -> tuple[torch.Tensor, torch.Tensor]:
+def causal_mask_and_positions(batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron-LM's get_ltor_masks_and_position_ids: True where attention is masked out."""
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(batch_size, SEQ)
     return mask, positions
 
 
@@ -373,7 +427,9 @@ def export_model(gpt, path: Path | None) -> None:
     """Rank 0 writes the model's own state_dict(), tensors only (the `_extra_state` entries of
     the local linears are None). Under TP>1 each tensor-parallel parameter is gathered along its
     partition_dim first, which gives the TP=1 layout (GQA's fused qkv rows are grouped per query
-    group, and TP splits whole groups). Every rank must call it (gathering is collective)."""
+    group, and TP splits whole groups; a gated linear_fc1 holds [gate; up] of its own rows on
+    each rank, so the gates are gathered, then the ups). Every rank must call it (gathering is
+    collective)."""
     from megatron.core import parallel_state as mpu
 
     if path is None:
@@ -390,10 +446,40 @@ def export_model(gpt, path: Path | None) -> None:
             torch.distributed.all_gather(
                 parts, value.contiguous(), group=mpu.get_tensor_model_parallel_group()
             )
+            if gpt.config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight"):
+                halves = [p.chunk(2, dim=param.partition_dim) for p in parts]
+                parts = [h[0] for h in halves] + [h[1] for h in halves]
             value = torch.cat(parts, dim=param.partition_dim)
         full[name] = value.detach().clone().contiguous()
     if torch.distributed.get_rank() == 0:
         torch.save(full, path)
+
+
+def logits_input() -> torch.Tensor:
+    """--export-logits' fixed input: arange(2 * SEQ) % VOCAB as [2, SEQ]."""
+    return (torch.arange(2 * SEQ) % VOCAB).reshape(2, SEQ)
+
+
+def export_logits(gpt, path: Path | None) -> None:
+    """Rank 0 writes {"tokens", "logits"}: the model's float32 logits [b, s, v] in eval mode
+    on logits_input(), with training's causal mask and positions. Every rank must call it (the
+    forward is collective under TP: row-parallel all-reduces, then the vocab-parallel logits
+    are gathered)."""
+    from megatron.core import tensor_parallel
+
+    if path is None:
+        return
+    tokens = logits_input()
+    mask, positions = causal_mask_and_positions(tokens.shape[0])
+    was_training = gpt.training
+    gpt.eval()
+    with torch.no_grad():
+        logits = gpt(tokens, positions, mask)  # no labels: [b, s, v / tp]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    gpt.train(was_training)
+    assert logits.shape == (*tokens.shape, VOCAB), logits.shape
+    if torch.distributed.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits.float().contiguous()}, path)
 
 
 def load_release(gpt, directory: Path) -> None:
@@ -421,6 +507,14 @@ def main() -> None:
         at = sys.argv.index("--tp")
         tp = int(sys.argv[at + 1])
         del sys.argv[at : at + 2]
+    llama = "--llama" in sys.argv  # the Llama-style model (RMSNorm, SwiGLU, RoPE, untied)
+    if llama:
+        sys.argv.remove("--llama")
+    logits_path = None
+    if "--export-logits" in sys.argv:  # the model's logits on a fixed input at --save-at
+        at = sys.argv.index("--export-logits")
+        logits_path = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     cli = arguments()
     deterministic()
     torch.distributed.init_process_group("gloo")
@@ -429,8 +523,8 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    args = megatron_args(cli, torch.distributed.get_world_size(), tp)
-    gpt, ddp, optimizer, scheduler = build(args)
+    args = megatron_args(cli, torch.distributed.get_world_size(), tp, llama)
+    gpt, ddp, optimizer, scheduler = build(args, llama)
     dp_rank = mpu.get_data_parallel_rank()
 
     iteration = 0
@@ -454,6 +548,7 @@ def main() -> None:
             saved = save_checkpoint(args, iteration, gpt, optimizer, scheduler)
             timings["save_s"] = round(saved, 3)
             export_model(gpt, cli.export_model)
+            export_logits(gpt, logits_path)
             torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         write_losses(cli.losses, losses, megatron_core=megatron.core.__version__, **timings)
