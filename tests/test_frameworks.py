@@ -430,3 +430,52 @@ def test_an_adapters_base_is_a_release_resolved_to_one_version(
     bad.write_text('{"r": 4}')
     nope = cli("promote", ref, "--model", "a", "--convert", "peft", "--extra", bad)
     assert nope.returncode == 2 and "names no peft_type" in nope.stderr
+
+
+def test_a_megatron_llama_releases_in_hugging_face_names_and_loads_with_from_pretrained(
+    cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Llama-shaped GPTModel (RMSNorm, SwiGLU, RoPE, GQA 4 heads in 2 groups, no biases),
+    promoted with `--convert megatron-llama:heads=4,query_groups=2` and the run's config.json:
+    `LlamaForCausalLM.from_pretrained` of the pulled release gives Megatron's own logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    pytest.importorskip("megatron.core", reason="megatron.core is not installed (frameworks)")
+
+    def build(base: Path) -> Path:
+        torchrun("megatron", base / "a", "--save-at", str(SAVE_AT), "--llama",
+                 "--export-logits", str(base / "logits.pt"))  # fmt: skip
+        return base
+
+    base = build_once(tmp_path_factory, "framework-megatron-llama", build)
+    checkpoint = base / "a" / f"iter_{SAVE_AT:07d}"
+    pushed = cli("push-ckpt", checkpoint, "--project", "fw", "--run", "ml", "--world-size", "2")
+    assert pushed.returncode == 0, pushed.stderr
+    config = tmp_path / "config" / "config.json"
+    LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False,
+    ).save_pretrained(config.parent)  # fmt: skip
+    ref = f"fw/ml@step{SAVE_AT}"
+    wrong = cli(
+        "promote", ref, "--model", "l", "--convert", "megatron-llama:heads=4,query_groups=4"
+    )
+    assert wrong.returncode == 2 and "which 4 heads in 4 query groups do not divide" in wrong.stderr
+    spec = "megatron-llama:query_groups=2,heads=4"
+    promoted = cli("promote", ref, "--model", "llama", "--convert", spec, "--extra", config,
+                   "--json")  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    assert json.loads(promoted.stdout)["convert"] == "megatron-llama:heads=4,query_groups=2"
+    assert cli("pull-release", "llama:v1", tmp_path / "release").returncode == 0
+
+    want = torch.load(base / "logits.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "release", attn_implementation="eager")
+    with torch.no_grad():
+        got = model.eval()(want["tokens"]).logits.float()
+    assert got.shape == want["logits"].shape
+    assert torch.allclose(got, want["logits"], atol=1e-5, rtol=0), (
+        (got - want["logits"]).abs().max()
+    )
