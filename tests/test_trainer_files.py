@@ -287,3 +287,88 @@ def test_a_tracker_that_is_no_regular_file_is_never_followed(tmp_path: Path, kin
         os.mkfifo(tracker)
     with pytest.raises(InvalidCheckpoint, match="names no checkpoint directory in it"):
         refuse_foreign(root, has_metadata=True)
+
+
+# -- numpy arrays in pickles: plain numbers of exactly their bytes, or refused ------------
+
+
+def _archive(pickled: bytes) -> bytes:
+    """A torch.save archive whose pickle is `pickled` (the test's own crafted stream)."""
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickled)
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+def _array(dtype: bytes, shape: int, data: bytes, dtype_state: bytes = b"") -> bytes:
+    """{"x": an ndarray built as numpy pickles one}, with the given dtype code, shape, data
+    (a pickled value) and, optionally, a BUILD state for the dtype."""
+    build_dtype = (b"(K\x03X\x01\x00\x00\x00<" + dtype_state + b"tb") if dtype_state else b""
+    return (
+        b"\x80\x02}X\x01\x00\x00\x00x"
+        b"cnumpy._core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85U\x01b\x87R"
+        b"(K\x01J" + shape.to_bytes(4, "little") + b"\x85"
+        b"cnumpy\ndtype\nX" + len(dtype).to_bytes(4, "little") + dtype + b"\x89\x88\x87R"
+        + build_dtype + b"\x89" + data + b"tbs."
+    )  # fmt: skip
+
+
+CRAFTED_ARRAYS = {
+    # an object array whose data is a list shorter than its shape: numpy reads heap pointers
+    "object": (_array(b"O8", 10, b"](K\x07K\x07K\x07e"), "dtype 'O8'"),
+    # plain numbers, too few bytes for the shape
+    "short": (_array(b"u4", 10, b"C\x04abcd"), "4 bytes for shape (10,)"),
+    # a dtype given fields by its state
+    "fields": (
+        _array(b"u4", 1, b"C\x04abcd", dtype_state=b"N(X\x01\x00\x00\x00a\x85}"),
+        "a dtype with fields",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED_ARRAYS))
+def test_a_numpy_array_that_is_not_plain_numbers_is_refused_before_numpy_sees_it(
+    case: str, tmp_path: Path
+) -> None:
+    """numpy's __setstate__ trusts its state: these crash the process (or worse) once torch
+    hands them to numpy with numpy's globals allowed. Each is refused by name, in a process
+    of its own so that a regression fails here instead of killing the test worker."""
+    import subprocess
+    import sys
+
+    pickled, why = CRAFTED_ARRAYS[case]
+    path = tmp_path / "rng_state_0.pth"
+    path.write_bytes(_archive(pickled))
+    script = (
+        "import sys\n"
+        "from registry.errors import UnsafeMetadata\n"
+        "from registry.formats import sidecars\n"
+        "from registry.formats.dcp_load import load_object\n"
+        "data = open(sys.argv[1], 'rb').read()\n"
+        "print(sidecars.entries(['rng_state_0.pth'], {'rng_state_0.pth': len(data)},"
+        " lambda _: data)[1])\n"
+        "try:\n"
+        "    load_object(data, 'rng_state/shard_0.0_1.1')\n"
+        "except UnsafeMetadata as exc:\n"
+        "    print(exc.message)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    entry, refused = done.stdout.splitlines()
+    assert entry.startswith("rng_state_0.pth!its pickle holds a numpy array that is not plain")
+    assert why in entry and why in refused
+    assert refused.startswith("rng_state/shard_0.0_1.1 holds a numpy array")
+
+
+def test_numpy_rng_states_still_load() -> None:
+    from registry.formats.dcp_load import load_object
+
+    state = np.random.get_state()
+    loaded = load_object(saved({"np": state}), "rng")
+    assert np.array_equal(loaded["np"][1], state[1])

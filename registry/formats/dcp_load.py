@@ -29,7 +29,7 @@ from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.sidecars import numpy_globals, torch_load
-from registry.formats.torch_archive import check_archive, plain_layout, read_layout
+from registry.formats.torch_archive import NotPlain, check_archive, plain_layout, read_layout
 from registry.formats.torch_zip import Region, canonical
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ def load_object(data: bytes, where: str) -> Any:
     try:
         check_archive(data)  # nothing that would make torch's unpickler quadratic
         return torch_load(data, numpy_globals())
+    except NotPlain as exc:
+        raise UnsafeMetadata(
+            f"{where} holds {exc}; refused", "the shard is corrupt or crafted: do not load it"
+        ) from None
     except Exception as exc:
         if "weights_only" in str(exc) or "Unsupported global" in str(exc):
             raise UnsafeMetadata(

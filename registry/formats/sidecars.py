@@ -41,7 +41,7 @@ from typing import Any
 
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
-from registry.formats.torch_archive import Unbounded, check_pickle, read_structure
+from registry.formats.torch_archive import NotPlain, Unbounded, check_pickle, read_structure
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_PICKLE = 8 * 1024 * 1024
@@ -173,6 +173,8 @@ def _structure(data: bytes) -> Any:
         raise Unreadable("it does not hold one pickle")
     try:
         return read_structure(archive.read(pickles[0]))
+    except NotPlain as exc:
+        raise Unreadable(f"its pickle holds {exc}") from None
     except Unbounded as exc:
         raise Unreadable(f"its pickle would cost too much to read: {exc}") from None
     except Exception:
@@ -204,6 +206,8 @@ def precheck(data: bytes) -> None:
             check_pickle(pickled)
         except Unreadable:
             raise
+        except NotPlain as exc:
+            raise Unreadable(f"its pickle holds {exc}") from None
         except Unbounded as exc:
             raise Unreadable(f"its pickle would cost torch.load too much: {exc}") from None
         except Exception:

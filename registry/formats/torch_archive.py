@@ -461,7 +461,11 @@ class _TorchLoadBounds(CheckedUnpickler):
         return target
 
     def set_state(self, target: Any, state: Any) -> None:
-        """BUILD's dict state (or a (state, slotstate) pair) into `target`'s own dict."""
+        """BUILD's dict state (or a (state, slotstate) pair) into `target`'s own dict; a numpy
+        dtype's or array's state is checked to be plain numbers (`_numpy_state`)."""
+        if isinstance(target, _NumpyDtype | _NumpyArray):
+            _numpy_state(target, state)
+            return
         held = self._attrs.get(id(target))
         if held is None:
             held = self._attrs[id(target)] = (target, {})
@@ -511,6 +515,71 @@ class _Made:
         self.work = work
 
 
+# numpy arrays: numpy's own __setstate__ trusts its state (an object dtype, or data shorter
+# than the shape, makes it read pointers out of the heap: a crash, or worse). Wherever numpy's
+# globals are allowed (RNG states), every array in a pickle must be plain numbers whose bytes
+# are exactly its shape's, its dtype one of these (numpy's pickled codes -> item size).
+NUMERIC_DTYPES = {
+    "b1": 1, "i1": 1, "u1": 1, "i2": 2, "u2": 2, "f2": 2, "i4": 4, "u4": 4, "f4": 4,
+    "i8": 8, "u8": 8, "f8": 8, "c8": 8, "c16": 16,
+}  # fmt: skip
+NUMPY_RECONSTRUCT = ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct")
+
+
+class _NumpyDtype(_Made):
+    __slots__ = ("itemsize",)
+
+    def __init__(self, itemsize: int) -> None:
+        super().__init__(1)
+        self.itemsize = itemsize
+
+
+class _NumpyArray(_Made):
+    __slots__ = ("built",)
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.built = False
+
+
+class NotPlain(Unbounded):
+    """A numpy array in a pickle that is not plain numbers of exactly its bytes."""
+
+
+def _not_plain(what: str) -> NotPlain:
+    return NotPlain(f"a numpy array that is not plain numbers ({what})")
+
+
+def _numpy_dtype(args: tuple[Any, ...]) -> _NumpyDtype:
+    """numpy.dtype(code, align, copy): a plain numeric code only."""
+    code = args[0] if args else None
+    if type(code) is not str or code not in NUMERIC_DTYPES:
+        raise _not_plain(f"dtype {str(code)[:20]!r}")
+    return _NumpyDtype(NUMERIC_DTYPES[code])
+
+
+def _numpy_state(target: _Made, state: Any) -> None:
+    """BUILD of a dtype (no subarray, names or fields) or of an array (version, shape, dtype,
+    fortran order, exactly its bytes)."""
+    if type(state) is not tuple:
+        raise _not_plain("its state is not a tuple")
+    if isinstance(target, _NumpyDtype):
+        if len(state) < 5 or any(part is not None for part in state[2:5]):
+            raise _not_plain("a dtype with fields or a subarray")
+        return
+    assert isinstance(target, _NumpyArray)
+    if target.built or len(state) != 5:
+        raise _not_plain("an array's state is not numpy's")
+    _, shape, dtype, _, data = state
+    if not (type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape)):
+        raise _not_plain("its shape is not whole numbers")
+    if not isinstance(dtype, _NumpyDtype) or type(data) is not bytes:
+        raise _not_plain("its dtype or its data")
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise _not_plain(f"{len(data)} bytes for shape {shape[:8]}")
+    target.built = True
+
+
 class _Global:
     """A global the stream names, called or instantiated as torch would, building nothing but
     the containers whose keys torch hashes."""
@@ -519,6 +588,8 @@ class _Global:
         self.owner, self.name = owner, f"{module}.{name}"
 
     def new(self) -> Any:  # NEWOBJ: cls.__new__(cls, *args) leaves a container empty
+        if self.name.startswith("numpy."):  # numpy pickles by REDUCE, never so
+            raise _not_plain(f"{self.name[:60]} built by NEWOBJ")
         if self.name in ("collections.OrderedDict", "collections.Counter"):
             return {}
         if self.name == "builtins.set":
@@ -527,6 +598,21 @@ class _Global:
 
     def __call__(self, *args: Any) -> Any:
         owner, name = self.owner, self.name
+        if name == "numpy.dtype":
+            return _numpy_dtype(args)
+        if name in NUMPY_RECONSTRUCT:
+            if not (args and isinstance(args[0], _Global) and args[0].name == "numpy.ndarray"):
+                raise _not_plain("_reconstruct of another class")
+            return _NumpyArray()
+        if name == "numpy.dtypes.UInt32DType":
+            return _NumpyDtype(4)
+        if name.startswith("numpy."):  # numpy pickles arrays by _reconstruct and BUILD only
+            raise _not_plain(f"{name[:60]} called")
+        if name == "_codecs.encode":  # protocol 2's bytes: an array's data
+            if len(args) == 2 and type(args[0]) is str and args[1] == "latin1":
+                owner.charge(len(args[0]))
+                return args[0].encode("latin1")
+            return _Made(1)
         if name in ("collections.OrderedDict", "collections.Counter", "builtins.set"):
             if not args:
                 return self.new()
