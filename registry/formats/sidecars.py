@@ -137,8 +137,9 @@ def load(data: bytes, *, kind: str = TORCH) -> Any:
 
 
 # torch's `safe_globals` sets one process-wide list (its exit restores what it found): two
-# threads inside it at once would clear each other's. Loads that allow globals take turns;
-# a plain load meanwhile may also accept these numpy arrays, which are data like its own.
+# threads inside it at once would clear each other's. Loads that allow globals take turns; a
+# plain load meanwhile may also accept numpy arrays, which every pickle reg hands to torch has
+# been checked to hold only as plain numbers (torch_archive: `_numpy_state`).
 _SAFE_GLOBALS = threading.Lock()
 
 
