@@ -3,11 +3,20 @@ stacked layers as one tensor per layer, a PEFT adapter alone. Pure: names and sh
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from registry.errors import UsageError
 from registry.formats.dcp import TensorInfo
-from registry.lifecycle.promotion.converters import Slice, convert, converter_for
+from registry.lifecycle.promotion.converters import (
+    Slice,
+    check_llama_config,
+    convert,
+    converter_for,
+)
 
 
 def tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
@@ -102,6 +111,13 @@ def test_which_converter_a_layout_takes() -> None:
         converter_for("dcp", "gguf")
 
 
+LLAMA_CONFIG = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
 LLAMA = {
     "embedding.word_embeddings.weight": (64, 32),
     "decoder.layers.input_layernorm.weight": (2, 32),
@@ -118,7 +134,8 @@ LLAMA = {
 def test_a_megatron_llama_becomes_hugging_face_names() -> None:
     """QKV is fused per query group (each group: its q heads, then k, then v; 8 rows a head);
     SwiGLU's first half is the gate."""
-    got = convert("megatron-llama:heads=4,query_groups=2", {k: k for k in LLAMA}, tensors(LLAMA))
+    spec = "megatron-llama:heads=4,query_groups=2"
+    got = convert(spec, {k: k for k in LLAMA}, tensors(LLAMA), LLAMA_CONFIG)
     qkv = "decoder.layers.self_attention.linear_qkv.weight"
     assert got["model.layers.1.self_attn.q_proj.weight"] == Slice(qkv, 1, ((0, 16), (32, 48)))
     assert got["model.layers.1.self_attn.k_proj.weight"] == Slice(qkv, 1, ((16, 24), (48, 56)))
@@ -168,9 +185,87 @@ def test_what_a_llama_does_not_have_is_refused(
 ) -> None:
     shapes = {**LLAMA, **extra}
     with pytest.raises(UsageError, match=message):
-        convert("megatron-llama:heads=4,query_groups=2", {k: k for k in shapes}, tensors(shapes))
+        convert(
+            "megatron-llama:heads=4,query_groups=2",
+            {k: k for k in shapes},
+            tensors(shapes),
+            LLAMA_CONFIG,
+        )
 
 
 def test_a_shape_the_heads_do_not_divide_is_refused() -> None:
-    with pytest.raises(UsageError, match="64 rows, which 3 heads in 3 query groups"):
-        convert("megatron-llama:heads=3,query_groups=3", {k: k for k in LLAMA}, tensors(LLAMA))
+    shapes = {**LLAMA, "decoder.layers.self_attention.linear_qkv.weight": (2, 60, 32)}
+    with pytest.raises(UsageError, match="60 rows, which 4 heads in 2 query groups"):
+        convert(
+            "megatron-llama:heads=4,query_groups=2",
+            {k: k for k in shapes},
+            tensors(shapes),
+            LLAMA_CONFIG,
+        )
+
+
+def test_heads_in_the_right_ratio_but_not_the_models_are_refused() -> None:
+    """16 heads in 4 groups give a 32-head, 8-group model's shapes exactly, and a scrambled
+    Q/K/V: the config.json the release carries must name the same heads."""
+    config = {**LLAMA_CONFIG, "num_attention_heads": 32, "num_key_value_heads": 8}
+    with pytest.raises(UsageError, match="disagrees with config.json: num_attention_heads 32"):
+        check_llama_config("megatron-llama:heads=16,query_groups=4", config)
+    with pytest.raises(UsageError, match="needs the model's config.json"):
+        check_llama_config("megatron-llama:heads=4,query_groups=2", None)
+    check_llama_config("megatron", None)  # the others need none
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"intermediate_size": 128}, "2 x intermediate_size (SwiGLU's gate and up) is 256"),
+        ({"hidden_size": 64}, "hidden_size is 64, the checkpoint's 32"),
+        ({"head_dim": 16}, "num_attention_heads x head_dim is 64"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings true, and the checkpoint has"),
+    ],
+)
+def test_shapes_that_disagree_with_config_json_are_refused(
+    change: dict[str, object], message: str
+) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        convert(
+            "megatron-llama:heads=4,query_groups=2",
+            {k: k for k in LLAMA},
+            tensors(LLAMA),
+            {**LLAMA_CONFIG, **change},
+        )
+
+
+def test_doras_magnitude_is_named_as_peft_saves_it() -> None:
+    shapes = {"base_model.model.q_proj.lora_magnitude_vector.default.weight": (32,)}
+    got = convert("peft", {k: k for k in shapes}, tensors(shapes))
+    assert list(got) == ["base_model.model.q_proj.lora_magnitude_vector"]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"peft_type": "ADALORA"}, "peft_type ADALORA"),
+        ({"peft_type": "LORA", "bias": "all"}, "bias all"),
+        ({"peft_type": "LORA", "modules_to_save": ["score"]}, "modules_to_save"),
+        ({"peft_type": "LORA", "trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"r": 4}, "names no peft_type"),
+    ],
+)
+def test_an_adapter_training_more_than_its_lora_tensors_is_refused(
+    tmp_path: Path, config: dict[str, object], message: str
+) -> None:
+    """Its other trained tensors (a classification head, biases, AdaLoRA's lora_E) are not
+    LoRA tensors: released without them, the adapter would load broken."""
+    from registry.lifecycle.promotion.adapters import adapter_base
+    from registry.lifecycle.promotion.plan import Extra
+
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        adapter_base(None, [Extra(path, "0" * 64)], None)  # type: ignore[arg-type]
+    ok = tmp_path / "ok" / "adapter_config.json"
+    ok.parent.mkdir()
+    ok.write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "b"}))
+    base = adapter_base(None, [Extra(ok, "0" * 64)], None)  # type: ignore[arg-type]
+    assert (base.name, base.resolved, base.config_names) == ("b", False, None)

@@ -376,7 +376,7 @@ def test_a_lora_adapter_trained_under_fsdp_releases_as_peft_writes_it(
     assert promoted.returncode == 0, promoted.stderr
     out = json.loads(promoted.stdout)
     assert out["convert"] == "peft" and out["hf"] is None
-    assert out["base"] == {"name": str(saved / "base"), "sha256": None, "verified": False}
+    assert out["base"] == {"name": str(saved / "base"), "sha256": None, "resolved": False}
     assert sorted(f["path"] for f in out["files"]) == ["adapter_config.json",
                                                         "adapter_model.safetensors"]  # fmt: skip
 
@@ -404,8 +404,9 @@ def test_an_adapters_base_is_a_release_resolved_to_one_version(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """`--base NAME@ALIAS` resolves the base release now: its version and digest are recorded
-    (verified). No LoRA tensors, --base without an adapter, a converter for another stack and
-    an adapter_config.json without a peft_type are each refused (exit 2)."""
+    (resolved), with the other name the adapter's config gives. No LoRA tensors, --base
+    without an adapter, a converter for another stack and an adapter_config.json without a
+    peft_type are each refused (exit 2)."""
     lora = lora_run(tmp_path_factory)
     ref = f"fw/hf@step{SAVE_AT}"
     pushed = cli("push-ckpt", trainer_run.checkpoint, "--project", "fw", "--run", "hf")
@@ -416,7 +417,13 @@ def test_an_adapters_base_is_a_release_resolved_to_one_version(
     adapter = cli("promote", f"fw/lora@step{SAVE_AT}", "--model", "adapter", "--convert", "peft",
                   "--extra", config, "--base", "llama@prod", "--json")  # fmt: skip
     assert adapter.returncode == 0, adapter.stderr
-    want = {"name": "llama:v1", "sha256": base["sha256"], "verified": True}
+    # resolved to the version @prod named then; the config's own base name is kept beside it
+    want = {
+        "name": "llama:v1",
+        "sha256": base["sha256"],
+        "resolved": True,
+        "config_names": str(lora.checkpoint.parent / "base"),
+    }
     assert json.loads(adapter.stdout)["base"] == want
     assert json.loads(cli("show", "adapter:v1", "--json").stdout)["base"] == want
 
@@ -460,10 +467,14 @@ def test_a_megatron_llama_releases_in_hugging_face_names_and_loads_with_from_pre
         attention_bias=False, mlp_bias=False,
     ).save_pretrained(config.parent)  # fmt: skip
     ref = f"fw/ml@step{SAVE_AT}"
-    wrong = cli(
-        "promote", ref, "--model", "l", "--convert", "megatron-llama:heads=4,query_groups=4"
+    groups = "megatron-llama:heads=4,query_groups=4"  # GQA's 2 groups read as 4
+    wrong = cli("promote", ref, "--model", "l", "--convert", groups, "--extra", config)
+    assert wrong.returncode == 2
+    assert "disagrees with config.json: num_attention_heads 4, num_key_value_heads 2" in (
+        wrong.stderr
     )
-    assert wrong.returncode == 2 and "which 4 heads in 4 query groups do not divide" in wrong.stderr
+    bare = cli("promote", ref, "--model", "l", "--convert", "megatron-llama:heads=4,query_groups=2")
+    assert bare.returncode == 2 and "needs the model's config.json" in bare.stderr
     spec = "megatron-llama:query_groups=2,heads=4"
     promoted = cli("promote", ref, "--model", "llama", "--convert", spec, "--extra", config,
                    "--json")  # fmt: skip

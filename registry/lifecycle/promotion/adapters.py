@@ -4,13 +4,15 @@ An adapter is loaded onto a base model: `PeftModel.from_pretrained(base, folder)
 `adapter_model.safetensors` and `adapter_config.json`. The config is the user's (an `--extra`,
 checked here: a JSON object naming its `peft_type`), and the release records its base model:
 a reg release named with `--base NAME@ALIAS` or `NAME:vK` (resolved now to one version and its
-digest: verified), else the `base_model_name_or_path` the config names (recorded as
-unverified: reg cannot tell what it is).
+digest: `resolved`; that the adapter fits it is the user's word), else the
+`base_model_name_or_path` the config names (not resolved: reg cannot tell what it is). Where
+both are given and differ, the config's name is recorded too (`config_names`): PEFT's own
+loaders follow it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.models import YANKED
@@ -30,10 +32,14 @@ if TYPE_CHECKING:
 class BaseModel:
     name: str | None  # a reg release (model:vK), or what adapter_config.json names
     sha256: str | None  # the release's digest, when it is one
-    verified: bool
+    resolved: bool  # a reg release, resolved to that version when the adapter was released
+    config_names: str | None = None  # adapter_config.json's base, where it names another
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "sha256": self.sha256, "verified": self.verified}
+        out: dict[str, Any] = {"name": self.name, "sha256": self.sha256, "resolved": self.resolved}
+        if self.config_names is not None:
+            out["config_names"] = self.config_names
+        return out
 
 
 def adapter_base(ctx: Context, extras: Sequence[Extra], base: str | None) -> BaseModel:
@@ -53,10 +59,33 @@ def adapter_base(ctx: Context, extras: Sequence[Extra], base: str | None) -> Bas
             f"--extra {ADAPTER_CONFIG} names no peft_type",
             "give the adapter_config.json PEFT's save_pretrained wrote",
         )
+    _check_lora_only(doc)
+    named = doc.get("base_model_name_or_path")
+    named = named if isinstance(named, str) else None
     if base is None:
-        named = doc.get("base_model_name_or_path")
-        return BaseModel(named if isinstance(named, str) else None, None, False)
-    return _release(ctx, base)
+        return BaseModel(named, None, False)
+    found = _release(ctx, base)
+    return replace(found, config_names=named) if named and named != found.name else found
+
+
+def _check_lora_only(doc: dict[str, Any]) -> None:
+    """What a release of the LoRA tensors alone holds all of: a LORA adapter training no
+    biases, no whole modules and no token rows (those live outside lora_A / lora_B, and
+    leaving them out would release a broken adapter)."""
+    problems = []
+    if doc.get("peft_type") != "LORA":
+        problems.append(f"peft_type {str(doc.get('peft_type'))[:40]}")
+    if doc.get("bias", "none") != "none":
+        problems.append(f"bias {str(doc.get('bias'))[:40]}")
+    for key in ("modules_to_save", "trainable_token_indices"):
+        if doc.get(key):
+            problems.append(key)
+    if problems:
+        raise UsageError(
+            f"--extra {ADAPTER_CONFIG}: {', '.join(problems)}: the adapter trains more than "
+            "its LoRA tensors, which is all reg releases as an adapter",
+            "promote the whole model (without --convert peft)",
+        )
 
 
 def _release(ctx: Context, text: str) -> BaseModel:
@@ -72,4 +101,4 @@ def _release(ctx: Context, text: str) -> BaseModel:
                 f"--base {text}: {model.name}:v{release.version} is yanked",
                 "name a base release that is not yanked",
             )
-        return BaseModel(f"{model.name}:v{release.version}", release.sha256, True)
+        return BaseModel(f"{model.name}:v{release.version}", release.sha256, resolved=True)

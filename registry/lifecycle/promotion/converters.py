@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from registry.errors import UsageError
 from registry.formats.dcp import TensorInfo
@@ -127,13 +128,17 @@ def converter_for(layout: str, given: str | None) -> str | None:
 
 
 def convert(
-    converter: str | None, names: Mapping[str, str], tensors: Mapping[str, TensorInfo]
+    converter: str | None,
+    names: Mapping[str, str],
+    tensors: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, Piece]:
-    """Release name -> piece, for the model's `names` (release name -> key path)."""
+    """Release name -> piece, for the model's `names` (release name -> key path). `config`:
+    the release's config.json, which megatron-llama's shapes must agree with."""
     if converter is None:
         return dict(names)
     out: dict[str, Piece] = {}
-    for name, piece in _converted(converter, names, tensors):
+    for name, piece in _converted(converter, names, tensors, config or {}):
         if name in out:  # two tensors under one name: the release would lose one
             raise UsageError(
                 f"--convert {converter}: {piece_key(out[name])} and {piece_key(piece)} both "
@@ -145,13 +150,17 @@ def convert(
 
 
 def _converted(
-    converter: str, names: Mapping[str, str], tensors: Mapping[str, TensorInfo]
+    converter: str,
+    names: Mapping[str, str],
+    tensors: Mapping[str, TensorInfo],
+    config: Mapping[str, Any],
 ) -> Iterator[tuple[str, Piece]]:
     name, args = parse_converter(converter)
     if name == "peft":
         yield from adapter_names(names)
         return
     if name == "megatron-llama":
+        check_llama_shapes(names, tensors, config, args["heads"])
         yield from _llama(names, tensors, args["heads"], args["query_groups"])
         return
     local = name == "megatron-local"
@@ -215,6 +224,73 @@ def _llama(
                 yield f"{at}{LLAMA_LAYER[str(rest)]}", Slice(fqn, i)
 
 
+def check_llama_config(converter: str, config: Mapping[str, Any] | None) -> None:
+    """megatron-llama's release is a Hugging Face folder: its config.json is required, and its
+    heads and key-value heads must be the converter's (a ratio alone would load, scrambled)."""
+    name, args = parse_converter(converter)
+    if name != "megatron-llama":
+        return
+    if config is None:
+        raise UsageError(
+            "--convert megatron-llama needs the model's config.json as an --extra",
+            "its shape is checked against the checkpoint's, and from_pretrained reads it",
+        )
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads", heads)
+    if (heads, kv) != (args["heads"], args["query_groups"]):
+        raise UsageError(
+            f"--convert {converter} disagrees with config.json: num_attention_heads {heads}, "
+            f"num_key_value_heads {kv}",
+            "give the model's heads and query groups, as its config.json has them",
+        )
+
+
+def check_llama_shapes(
+    names: Mapping[str, str],
+    tensors: Mapping[str, TensorInfo],
+    config: Mapping[str, Any],
+    heads: int,
+) -> None:
+    """The checkpoint's shapes against config.json: hidden size, head size, the SwiGLU width,
+    and an lm_head exactly when the embeddings are not tied."""
+
+    def dims(rest: str) -> tuple[int, ...]:
+        fqn = names.get(LAYERS + rest)
+        return tensors[fqn].shape[1:] if fqn is not None else ()
+
+    hidden, ffn = config.get("hidden_size"), config.get("intermediate_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
+    qkv, proj = dims(QKV), dims("self_attention.linear_proj.weight")
+    fc1, fc2 = dims(FC1), dims("mlp.linear_fc2.weight")
+    checks = {
+        "hidden_size": (hidden, qkv[1:] and qkv[1]),
+        "num_attention_heads x head_dim": (
+            heads * head_dim if isinstance(head_dim, int) else None,
+            proj[1:] and proj[1],
+        ),
+        "2 x intermediate_size (SwiGLU's gate and up)": (
+            2 * ffn if isinstance(ffn, int) else None,
+            fc1[:1] and fc1[0],
+        ),
+        "intermediate_size": (ffn, fc2[1:] and fc2[1]),
+    }
+    for what, (want, got) in checks.items():
+        if want != got:
+            raise UsageError(
+                f"--convert megatron-llama: config.json's {what} is {want}, the checkpoint's "
+                f"{got or 'missing'}",
+                "give the config.json of this model (a non-gated MLP is no Llama)",
+            )
+    tied = bool(config.get("tie_word_embeddings", False))
+    if tied == ("output_layer.weight" in names):
+        raise UsageError(
+            "--convert megatron-llama: config.json says tie_word_embeddings "
+            f"{str(tied).lower()}, and the checkpoint {'has' if tied else 'has no'} "
+            "output_layer.weight",
+            "give the config.json of this model",
+        )
+
+
 def _qkv_rows(
     key: str, rows: int, heads: int, groups: int
 ) -> dict[str, tuple[tuple[int, int], ...]]:
@@ -258,6 +334,8 @@ def adapter_names(names: Mapping[str, str]) -> list[tuple[str, str]]:
             if rest and rest not in (["weight"], ["bias"]):  # the adapter's name, then weight
                 adapters.add(rest[0])
                 rest = rest[1:]
+            if part == "lora_magnitude_vector":  # DoRA's: PEFT saves it without ".weight"
+                rest = [r for r in rest if r != "weight"]
             out.append((".".join([*parts[: i + 1], *rest]), fqn))
             break
     if not out:

@@ -118,8 +118,9 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
     found = completeness(records, config, tokenizer)
     recorded = view.row.options.get("code_extras") if isinstance(view.row.options, dict) else None
     options = view.row.options if isinstance(view.row.options, dict) else {}
-    # A converted release (Megatron's names, a PEFT adapter) is no Hugging Face model folder
-    hf_folder = options.get("convert") is None
+    # A release in Megatron's names or a PEFT adapter is no Hugging Face model folder
+    converter = str(options.get("convert") or "")
+    hf_folder = not converter or converter.startswith("megatron-llama")
     out: dict[str, Any] = {
         "hf": found.to_json() if hf_folder else None,
         "hf_config": None,

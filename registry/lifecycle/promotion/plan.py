@@ -31,7 +31,12 @@ from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
-from registry.lifecycle.promotion.converters import check_adapter, check_converter, converter_for
+from registry.lifecycle.promotion.converters import (
+    check_adapter,
+    check_converter,
+    check_llama_config,
+    converter_for,
+)
 from registry.refs import CheckpointRef, check_alias, check_name
 
 if TYPE_CHECKING:
@@ -155,6 +160,8 @@ def plan_promotion(
     resume = verdict(facts, ctx.policy.resume, layout)
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
     converter = converter_for(resume.layout, convert)
+    if converter is not None:
+        check_llama_config(converter, json.loads(hf_config.data) if hf_config else None)
     base_model = None
     if converter == "peft":  # the adapter's names decided now, before any validation runs
         check_adapter(resume.model_names(facts.keys, strip))

@@ -13,6 +13,7 @@ commit    release.json written last; the row becomes active in one transaction w
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -279,7 +280,8 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, Piece]:
             "force the right --layout, or set [resume] model_key to where the model is "
             f"(reg show {plan.source} suggests one)",
         )
-    return convert(plan.convert, names, inv.tensors)
+    config = json.loads(plan.hf_config.data) if plan.hf_config else None
+    return convert(plan.convert, names, inv.tensors, config)
 
 
 def build(
