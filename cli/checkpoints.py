@@ -10,8 +10,10 @@ import typer
 from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
+from registry.errors import UsageError
 from registry.formats.dcp_scan import check_kind
-from registry.formats.recorded import Recorded, recorded_in, resolve_step, resolve_world_size
+from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
+from registry.refs import check_name
 
 
 def register(app: typer.Typer) -> None:
@@ -57,12 +59,17 @@ def push_ckpt(
 ) -> None:
     """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
     if claim is not None:  # one node's part: the step is the claim's, its files a subset
-        _push_part(directory, claim, run, resolve_step(step, Recorded()), project, json_output)
+        if step is None:
+            raise UsageError("--claim needs --step", "give the step `reg claim-ckpt` claimed")
+        _push_part(directory, claim, run, step, project, json_output)
         return
+    metrics = parse_metrics(metric)  # the command line first, then the directory
+    check_name(project, "project name")
+    check_name(run, "run name")
     check_kind(directory)  # what the directory is, before asking for what it lacks
     found = recorded_in(directory)
     step = resolve_step(step, found)
-    world_size = resolve_world_size(world_size, found)
+    resolve_world_size(world_size, found)  # refused here at once; the push records which
     notes: list[str] = []
     with open_registry() as reg:
         out = reg.push_checkpoint(
@@ -71,7 +78,7 @@ def push_ckpt(
             step=step,
             project=project,
             world_size=world_size,
-            metrics=parse_metrics(metric),
+            metrics=metrics,
             progress=progress_for(json_output),
             notes=notes,
             layout=layout,

@@ -246,11 +246,12 @@ def known_layout(name: object) -> str | None:
 
 # Megatron's ShardedObject keys end in /shard_<offsets>_<shape>, numbers joined by dots
 # (`rng_state/shard_0.1_1.2`): dots that are no path separators.
-_SHARD_SUFFIX = re.compile(r"/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")
+_SHARD_SUFFIX = re.compile(r"/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*$")
 
 
 def class_path(key: str) -> str:
-    """The dotted path a key is classified by: the key, less a ShardedObject's shard suffix."""
+    """The dotted path a key is classified by: the key, less a ShardedObject's shard suffix
+    (at its end only)."""
     return _SHARD_SUFFIX.sub("", key) if "/shard_" in key else key
 
 

@@ -331,3 +331,20 @@ def test_two_storage_locations_for_one_chunk_are_refused(ckpts, tmp_path, light)
     d = _crafted(ckpts, tmp_path, duplicate)
     with pytest.raises(InvalidCheckpoint, match="two storage locations"):
         inventory(load_metadata((d / ".metadata").read_bytes(), light=light))
+
+
+def test_a_bytes_item_stored_at_offsets_is_refused(ckpts, tmp_path):
+    """torch looks a bytes item's storage up by its fqn alone: one stored at offsets would
+    validate here and then not be found by a restore."""
+    import dataclasses
+
+    import torch
+
+    def offset_bytes(metadata):  # type: ignore[no-untyped-def]
+        byte = next(k for k in metadata.storage_data if k.offset is None)
+        info = metadata.storage_data.pop(byte)
+        metadata.storage_data[dataclasses.replace(byte, offset=torch.Size([0]))] = info
+
+    d = _crafted(ckpts, tmp_path, offset_bytes)
+    with pytest.raises(InvalidCheckpoint, match="stores the bytes item .* at chunk offsets"):
+        scan_directory(d)

@@ -372,3 +372,47 @@ def test_numpy_rng_states_still_load() -> None:
     state = np.random.get_state()
     loaded = load_object(saved({"np": state}), "rng")
     assert np.array_equal(loaded["np"][1], state[1])
+
+
+def test_megatrons_step_is_common_pts_iteration_which_the_name_must_agree_with() -> None:
+    """A copy of iter_0000100 renamed iter_0000200 would otherwise record the wrong step."""
+    import argparse
+
+    common = saved(
+        {"iteration": 100, "args": argparse.Namespace(lr=1.0), "checkpoint_version": 3.0}
+    )
+    files = {"metadata.json": 2, "common.pt": len(common), ".metadata": 1}
+
+    def read(path: str) -> bytes:
+        return common if path == "common.pt" else b"{}"
+
+    found = recorded("iter_0000100", files, read)
+    assert (found.step, found.step_source) == (100, "common.pt:iteration")
+    assert recorded("renamed", files, read).step == 100
+    with pytest.raises(UsageError, match="iter_0000200 disagrees with common.pt:iteration"):
+        recorded("iter_0000200", files, read)
+
+
+def test_a_megatron_save_dir_without_its_tracker_is_named_too(tmp_path: Path) -> None:
+    root = layout(tmp_path / "save", ["iter_0000003/.metadata", "iter_0000006/.metadata"])
+    with pytest.raises(InvalidCheckpoint) as caught:
+        refuse_foreign(root, has_metadata=True)
+    assert "Megatron-LM save directory (iter_0000003, iter_0000006)" in caught.value.message
+    assert str(root / "iter_0000006") in (caught.value.hint or "")
+
+
+def test_a_claimed_part_needs_its_step(tmp_path: Path, cli: Any) -> None:
+    got = cli("push-ckpt", tmp_path, "--run", "r", "--claim", "abc")
+    assert got.returncode == 2 and "--claim needs --step" in got.stderr
+
+
+def test_a_recorded_world_size_below_the_shard_files_names_its_source(
+    ckpts: Any, tmp_path: Path, cli: Any
+) -> None:
+    """One rng_state file beside shards of two ranks: the message says where 1 came from."""
+    d = ckpts.ws2.copy_step(2, tmp_path / "ck")
+    for name, data in trainer_files(world=1, step=2).items():
+        (d / name).write_bytes(data)
+    got = cli("push-ckpt", d, "--run", "r")
+    assert got.returncode == 2, got.stderr
+    assert "the world size 1 (rng_state_0.pth) is smaller than the 2 ranks" in got.stderr

@@ -202,7 +202,8 @@ def inventory(metadata: Any) -> Inventory:
 
 
 def _inventory(metadata: Any) -> Inventory:
-    ranges: dict[str, dict[bytes, ChunkRange]] = {}  # fqn -> packed chunk index -> range
+    ranges: dict[str, dict[bytes, ChunkRange]] = {}  # fqn -> packed chunk offsets -> range
+    with_offsets: set[str] = set()  # fqns stored with offsets: tensors (torch finds bytes by fqn)
     files: set[str] = set()
     transforms: set[str] = set()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -217,6 +218,8 @@ def _inventory(metadata: Any) -> Inventory:
         # those; `index` is a hint, and Megatron leaves it None on every chunk): so does reg.
         # A bytes item has no offsets: one per fqn.
         offsets = checked_dims(index.offset or (), f"the chunk offsets of {fqn}")
+        if index.offset is not None:
+            with_offsets.add(fqn)
         if index.index is not None:
             checked_int(index.index, f"the chunk index of {fqn}")
         where = ranges.setdefault(fqn, {})
@@ -261,6 +264,11 @@ def _inventory(metadata: Any) -> Inventory:
                 )
             tensors[fqn] = TensorInfo(fqn, dtype, shape, math.prod(shape) * itemsize, chunks)
         else:
+            if fqn in with_offsets:  # torch looks a bytes item up without offsets: not found
+                raise InvalidCheckpoint(
+                    f".metadata stores the bytes item {fqn} at chunk offsets",
+                    "the file is corrupt or crafted",
+                )
             byte_items[fqn] = list(stored.values())
     return Inventory(tensors, byte_items, files, transforms)
 

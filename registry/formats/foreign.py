@@ -22,6 +22,7 @@ DEEPSPEED_LATEST = "latest"
 MAX_NAMES = 10_000
 MAX_POINTER = 256  # a tracker or `latest` holds a short name
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_ITERATION = re.compile(r"iter_\d{7,18}/")  # a subdirectory (names() marks them with "/")
 
 
 def refuse_foreign(root: Path, *, has_metadata: bool) -> None:
@@ -89,8 +90,16 @@ def _subdirectory(root: Path, name: str) -> bool:
 def _megatron_save_dir(root: Path, names: set[str]) -> InvalidCheckpoint | None:
     """Megatron-LM's --save directory: iter_NNNNNNN/ checkpoints and the tracker naming the
     latest."""
+    iterations = sorted(n.rstrip("/") for n in names if _ITERATION.fullmatch(n))
     if MEGATRON_TRACKER not in names:
-        return None
+        if not iterations:
+            return None
+        return InvalidCheckpoint(
+            f"{root} is a Megatron-LM save directory ({', '.join(iterations[:3])}"
+            f"{', ...' if len(iterations) > 3 else ''}), not one checkpoint",
+            f"push one of its iter_NNNNNNN/ directories: reg push-ckpt {root / iterations[-1]} "
+            "--run RUN --world-size TPxPPxDP",
+        )
     text = pointer(root, MEGATRON_TRACKER)
     iteration = None
     if text == "release":

@@ -2,7 +2,8 @@
 
   - the transformers Trainer: `trainer_state.json`'s `global_step`; one `rng_state_R.pth` per
     rank (`rng_state.pth` alone: one process);
-  - Megatron-LM: the directory's name, `iter_NNNNNNN` (its `latest_checkpointed_iteration.txt`
+  - Megatron-LM: `common.pt`'s `iteration` (read for its structure only), which the
+    directory's name, `iter_NNNNNNN`, must agree with (its `latest_checkpointed_iteration.txt`
     names that directory in the parent). Megatron records no world size: TP x PP x DP is
     given on the command line (`requires_world_size`).
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from registry.errors import UsageError
+from registry.formats.sidecars import MAX_BYTES, TORCH_STRUCTURE, Unreadable, load
 
 TRAINER_STATE = "trainer_state.json"
-MAX_TRAINER_STATE = 64 * 1024 * 1024
+MAX_TRAINER_STATE = 16 * 1024 * 1024  # a long run's log_history is a few MiB
 MAX_STEP = 10**18
 _RNG_FILE = re.compile(r"rng_state_(\d{1,9})\.pth")
 MEGATRON_ITERATION = re.compile(r"iter_(\d{7,18})")
@@ -46,8 +48,8 @@ def recorded(name: str, files: Mapping[str, int], read: Callable[[str], bytes]) 
     requires = None
     if all(f in files for f in MEGATRON_FILES):
         requires = "Megatron records no world size (TP x PP x DP)"
-        if step is None and (found := MEGATRON_ITERATION.fullmatch(name)):
-            step, step_source = int(found.group(1)), f"the directory name {name}"
+        if step is None:
+            step, step_source = _megatron_step(name, files, read)
     world, world_source = _trainer_world(files)
     return Recorded(step, step_source, world, world_source, requires)
 
@@ -86,6 +88,31 @@ def _trainer_step(
     return step, f"{TRAINER_STATE}:global_step"
 
 
+def _megatron_step(
+    name: str, files: Mapping[str, int], read: Callable[[str], bytes]
+) -> tuple[int | None, str | None]:
+    """common.pt's iteration, which the directory's name iter_N must agree with; the name's
+    when common.pt cannot be read."""
+    named = MEGATRON_ITERATION.fullmatch(name)
+    iteration = None
+    if files["common.pt"] <= MAX_BYTES:
+        try:
+            common = load(read("common.pt"), kind=TORCH_STRUCTURE)
+        except (Unreadable, OSError):
+            common = None
+        found = common.get("iteration") if isinstance(common, dict) else None
+        if type(found) is int and 0 <= found < MAX_STEP:
+            iteration = found
+    if iteration is None:
+        return (int(named.group(1)), f"the directory name {name}") if named else (None, None)
+    if named and int(named.group(1)) != iteration:
+        raise UsageError(
+            f"the directory name {name} disagrees with common.pt:iteration, which says {iteration}",
+            "push the directory Megatron saved at that iteration, under its own name",
+        )
+    return iteration, "common.pt:iteration"
+
+
 def _trainer_world(files: Mapping[str, int]) -> tuple[int | None, str | None]:
     """The Trainer's: one rng_state_R.pth per process, R = 0..N-1; rng_state.pth alone: one
     process (another trainer's rng files may follow other rules: not read as a world size)."""
@@ -93,7 +120,8 @@ def _trainer_world(files: Mapping[str, int]) -> tuple[int | None, str | None]:
         return None, None
     ranks = {int(m.group(1)) for f in files if (m := _RNG_FILE.fullmatch(f))}
     if ranks and ranks == set(range(len(ranks))):
-        return len(ranks), f"rng_state_0..{len(ranks) - 1}.pth"
+        n = len(ranks)
+        return n, f"rng_state_0..{n - 1}.pth" if n > 1 else "rng_state_0.pth"
     if not ranks and "rng_state.pth" in files:
         return 1, "rng_state.pth"
     return None, None

@@ -44,6 +44,7 @@ from policies.layouts import UNREAD as UNREAD_MARK
 from registry.formats.torch_archive import NotPlain, Unbounded, check_pickle, read_structure
 
 MAX_BYTES = 64 * 1024 * 1024
+MAX_JSON = 16 * 1024 * 1024  # parsed JSON takes some 20 times its size in memory
 MAX_PICKLE = 8 * 1024 * 1024
 MAX_GLOBAL = 200
 MAX_RECORDS = 100_000
@@ -100,8 +101,9 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
         kind = readable(path)
         if kind is None:
             continue
-        if sizes.get(path, 0) > MAX_BYTES:
-            out.append(f"{path}{UNREAD_MARK}it is over {MAX_BYTES >> 20} MiB")
+        limit = MAX_JSON if kind == JSON else MAX_BYTES
+        if sizes.get(path, 0) > limit:
+            out.append(f"{path}{UNREAD_MARK}it is over {limit >> 20} MiB")
             continue
         try:
             data = read(path)

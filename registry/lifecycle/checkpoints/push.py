@@ -77,7 +77,8 @@ def push(
     # what the trainer's own files record (a server's received copy has no name of its own)
     found = recorded(Path(src).name if received is None else "", scanned.files, scanned.read)
     resolve_step(step, found)
-    world = world_size_of(scanned, resolve_world_size(world_size, found), notes)
+    source = "--world-size" if world_size is not None else found.world_source
+    world = world_size_of(scanned, resolve_world_size(world_size, found), notes, source)
     with _Uploader(ctx, ref, scanned, progress, received) as uploader:
         # A server's received files are taken, not copied: nothing to overlap, and a file
         # taken before the claim would be gone for comparing with a step committed meanwhile.
@@ -153,8 +154,13 @@ def check_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def world_size_of(
-    scanned: ScannedDir, given: int | None, notes: list[str] | None
+    scanned: ScannedDir,
+    given: int | None,
+    notes: list[str] | None,
+    source: str | None = "--world-size",
 ) -> tuple[int, bool]:
+    """The world size to record and whether it was inferred; `source` names where a given one
+    came from (the option, or the trainer's files)."""
     inferred = scanned.inferred_world_size
     if given is None:
         if notes is not None:
@@ -169,7 +175,8 @@ def world_size_of(
         raise UsageError(f"--world-size {given} is too large", "world sizes are below 2^31")
     if given < inferred:
         raise UsageError(
-            f"--world-size {given} is smaller than the {inferred} ranks the shard files show",
+            f"the world size {given} ({source}) is smaller than the {inferred} ranks the shard "
+            "files show",
             "pass the world size the checkpoint was saved at",
         )
     return given, False

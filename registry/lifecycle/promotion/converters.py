@@ -29,6 +29,7 @@ what makes two promotions the same, and the release records it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,7 @@ def parse_converter(text: str) -> tuple[str, dict[str, int]]:
                 f"--convert {name}: {item[:80]!r} is not one of its arguments, once each",
                 f"it takes {', '.join(f'{w}=N' for w in wanted)}" if wanted else "it takes none",
             )
-        if not (value.isdigit() and len(value) <= 6 and int(value) >= 1):
+        if not (re.fullmatch(r"[0-9]{1,6}", value) and int(value) >= 1):
             raise UsageError(f"--convert {name}: {key} must be a whole number >= 1")
         args[key] = int(value)
     missing = [w for w in wanted if w not in args]
