@@ -269,3 +269,33 @@ def test_an_adapter_training_more_than_its_lora_tensors_is_refused(
     ok.write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "b"}))
     base = adapter_base(None, [Extra(ok, "0" * 64)], None)  # type: ignore[arg-type]
     assert (base.name, base.resolved, base.config_names) == ("b", False, None)
+
+
+def test_a_layer_of_a_big_stacked_chunk_is_read_by_range(tmp_path: Path) -> None:
+    """Each layer of a stacked tensor (one 4 MiB chunk, as Megatron writes one stage's layers)
+    is that layer's bytes, read by range: the whole chunk is not read once per layer."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from registry.formats.dcp_load import read_layer
+    from registry.formats.dcp_scan import scan_directory
+
+    stacked = torch.randn(4, 512, 512)
+    dcp.save({"decoder": {"layers": {"w": stacked}}}, checkpoint_id=str(tmp_path / "ck"))
+    info = scan_directory(tmp_path / "ck").inventory.tensors["decoder.layers.w"]
+    assert len(info.chunks) == 1 and info.chunks[0].length > 4 * 512 * 512 * 4
+
+    class Counted:
+        read_bytes = 0
+
+        def read(self, path: str, offset: int, length: int) -> bytearray:
+            self.read_bytes += length
+            with open(tmp_path / "ck" / path, "rb") as f:
+                f.seek(offset)
+                return bytearray(f.read(length))
+
+    source = Counted()
+    for layer in range(4):
+        assert torch.equal(read_layer(source, info, layer), stacked[layer])
+    # each layer's 1 MiB and each time the chunk's head and tail (1 MiB each): not 4 x 4 MiB
+    assert source.read_bytes <= 4 * (3 << 20)

@@ -29,7 +29,14 @@ from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.sidecars import numpy_globals, torch_load
-from registry.formats.torch_archive import NotPlain, check_archive, plain_layout, read_layout
+from registry.formats.torch_archive import (
+    HEAD_MAX,
+    TAIL_MAX,
+    NotPlain,
+    check_archive,
+    plain_layout,
+    read_layout,
+)
 from registry.formats.torch_zip import Region, canonical
 
 if TYPE_CHECKING:
@@ -184,6 +191,38 @@ def read_chunk(source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str) -> 
     return tensor
 
 
+def read_chunk_row(
+    source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str, row: int
+) -> torch.Tensor:
+    """Index `row` of the chunk's first axis. A plain archive (the one torch.save writes of a
+    contiguous tensor) is read by range: its head and tail, to find the storage, then that
+    row's bytes alone, so a promotion reading one layer of Megatron's stacked layers at a time
+    reads each chunk about once, not once per layer. Anything else is read whole."""
+    if chunk.length > HEAD_MAX + TAIL_MAX and chunk.sizes and chunk.sizes[0] > 1:
+        head = source.read(chunk.file, chunk.offset, HEAD_MAX)
+        tail = source.read(chunk.file, chunk.offset + chunk.length - TAIL_MAX, TAIL_MAX)
+        try:
+            found = canonical(Region(head, chunk.length - HEAD_MAX - TAIL_MAX, tail))
+            layout = plain_layout(read_layout(found.pickle)[0], dtype, chunk.sizes)
+        except Exception:  # not canonical, or no plain layout: read whole below
+            layout = None
+        if (
+            layout is not None
+            and layout.key == found.key
+            and found.byteorder in (None, b"little")
+            and found.data_len == layout.nbytes
+        ):
+            size = layout.nbytes // chunk.sizes[0]
+            data = source.read(chunk.file, chunk.offset + found.data_at + row * size, size)
+            if len(data) != size:
+                raise IntegrityError(
+                    f"{fqn} in {chunk.file}: {len(data)} bytes of row {row}, not {size}",
+                    "the shard is truncated; run `reg verify`",
+                )
+            return torch.frombuffer(data, dtype=getattr(torch, dtype)).view(chunk.sizes[1:])
+    return read_chunk(source, fqn, chunk, dtype)[row]
+
+
 # -- reading a chunk's bytes in place -----------------------------------------------------------
 # A chunk is a `torch.save` zip archive: data.pkl describes the tensor, data/<key> holds the raw
 # storage, uncompressed. For the common case (a contiguous tensor over its whole storage) the
@@ -262,9 +301,11 @@ def _assemble(
         offsets, sizes = chunk.offsets, chunk.sizes
         if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
             continue
-        part = read_chunk(source, info.fqn, chunk, info.dtype)
-        if layer is not None:
-            part, offsets, sizes = part[layer - offsets[0]], offsets[1:], sizes[1:]
+        if layer is None:
+            part = read_chunk(source, info.fqn, chunk, info.dtype)
+        else:
+            part = read_chunk_row(source, info.fqn, chunk, info.dtype, layer - offsets[0])
+            offsets, sizes = offsets[1:], sizes[1:]
         full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].copy_(part)
         covered += part.numel()
     if covered != full.numel():
