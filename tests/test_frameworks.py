@@ -271,15 +271,13 @@ def test_megatron_loads_its_release_and_computes_the_runs_next_loss(
 ) -> None:
     """Megatron's own load of the release (`load_state_dict` of a GPTModel built as the run's):
     its loss on step 4's batch is the uninterrupted run's, bit for bit. Pushed without --step
-    (the directory's name, iter_0000003), and --world-size is required (Megatron records none)."""
+    (common.pt's iteration), and --world-size is required (Megatron records none)."""
     run = trained("megatron", tmp_path_factory)
     args = ("push-ckpt", run.checkpoint, "--project", "fw", "--run", "mg")
     missing = cli(*args)
     assert missing.returncode == 2 and "--world-size is required: Megatron" in missing.stderr
     wrong = cli(*args, "--world-size", "2", "--step", "4")
-    assert wrong.returncode == 2 and "disagrees with the directory name iter_0000003" in (
-        wrong.stderr
-    )
+    assert wrong.returncode == 2 and "--step 4 disagrees with common.pt:iteration" in (wrong.stderr)
     parent = cli("push-ckpt", run.checkpoint.parent, "--run", "mg", "--world-size", "2")
     assert parent.returncode == 2 and "its latest is iter_0000003/" in parent.stderr
     pushed = cli(*args, "--world-size", "2", "--json")
@@ -435,7 +433,8 @@ def test_an_adapters_base_is_a_release_resolved_to_one_version(
     assert other.returncode == 2 and "reads Megatron's stacked layers" in other.stderr
     bad = tmp_path / "adapter_config.json"
     bad.write_text('{"r": 4}')
-    nope = cli("promote", ref, "--model", "a", "--convert", "peft", "--extra", bad)
+    nope = cli("promote", f"fw/lora@step{SAVE_AT}", "--model", "a", "--convert", "peft",
+               "--extra", bad)  # fmt: skip
     assert nope.returncode == 2 and "names no peft_type" in nope.stderr
 
 
