@@ -11,8 +11,6 @@ from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, note, progress_for, table
 from registry.errors import UsageError
-from registry.formats.dcp_scan import check_kind
-from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
 from registry.refs import check_name
 
 
@@ -63,6 +61,10 @@ def push_ckpt(
             raise UsageError("--claim needs --step", "give the step `reg claim-ckpt` claimed")
         _push_part(directory, claim, run, step, project, json_output)
         return
+    # at use: 30 ms of imports every other command (and `reg --help`) would pay
+    from registry.formats.dcp_scan import check_kind
+    from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
+
     metrics = parse_metrics(metric)  # the command line first, then the directory
     check_name(project, "project name")
     check_name(run, "run name")
