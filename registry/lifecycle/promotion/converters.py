@@ -115,8 +115,8 @@ def parse_converter(text: str) -> tuple[str, dict[str, int]]:
 
 
 def converter_for(layout: str, given: str | None) -> str | None:
-    """The converter a promotion of a checkpoint of `layout` uses: every converter reads
-    Megatron's stacked layers, so one given for another layout is refused."""
+    """The converter a promotion of a checkpoint of `layout` uses: the Megatron ones read its
+    stacked layers, so one of them given for another layout is refused."""
     given = check_converter(given)
     if given is None:
         return DEFAULTS.get(layout)
