@@ -62,7 +62,7 @@ NUMPY_GLOBALS = (
 )
 
 # How a sidecar is read: torch.load(weights_only=True), the same with numpy's RNG arrays
-# allowed, or as a JSON document.
+# allowed, for its structure alone (no torch: every object an opaque stand-in), or as JSON.
 TORCH, TORCH_NUMPY, TORCH_STRUCTURE, JSON = "torch", "torch+numpy", "structure", "json"
 
 # The sidecar files reg reads (file-name patterns) and how.
@@ -85,7 +85,8 @@ READ = (
 
 
 def readable(path: str) -> str | None:
-    """How reg reads `path` (TORCH, TORCH_NUMPY or JSON); None when it does not."""
+    """How reg reads `path` (TORCH, TORCH_NUMPY, TORCH_STRUCTURE or JSON); None when it does
+    not."""
     for pattern, kind in READ:
         if pattern.fullmatch(path):
             return kind
