@@ -28,6 +28,7 @@ are which resume class.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import itertools
@@ -41,7 +42,7 @@ from typing import Any
 
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
-from registry.formats.torch_archive import NotPlain, Unbounded, check_pickle, read_structure
+from registry.formats.torch_archive import NotPlain, Unbounded, read_structure
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_JSON = 16 * 1024 * 1024  # parsed JSON takes some 20 times its size in memory
@@ -122,13 +123,12 @@ class Unreadable(Exception):
 
 
 def load(data: bytes, *, kind: str = TORCH) -> Any:
-
-    precheck(data)
-    allowed: list[Any] = []
-    if kind == TORCH_NUMPY:
-        allowed = numpy_globals()
-    elif kind == TORCH_STRUCTURE:
-        return _structure(data)
+    structures = precheck(data)
+    if kind == TORCH_STRUCTURE:  # what the precheck read is the answer: torch is not used
+        if len(structures) != 1:
+            raise Unreadable("it does not hold one pickle")
+        return structures[0]
+    allowed = numpy_globals() if kind == TORCH_NUMPY else []
     try:
         return torch_load(data, allowed)
     except Exception as exc:
@@ -168,26 +168,11 @@ def load_json(data: bytes) -> Any:
         raise Unreadable("it is not a JSON document") from None
 
 
-def _structure(data: bytes) -> Any:
-    """The containers of a torch.save archive's pickle, every object in it (the run's
-    arguments, a tensor) an opaque stand-in: torch is not used, nothing is imported or run."""
-    archive = zipfile.ZipFile(io.BytesIO(data))  # precheck opened it already
-    pickles = [r for r in archive.infolist() if r.filename.rsplit("/", 1)[-1] == "data.pkl"]
-    if len(pickles) != 1:
-        raise Unreadable("it does not hold one pickle")
-    try:
-        return read_structure(archive.read(pickles[0]))
-    except NotPlain as exc:
-        raise Unreadable(f"its pickle holds {exc}") from None
-    except Unbounded as exc:
-        raise Unreadable(f"its pickle would cost too much to read: {exc}") from None
-    except Exception:
-        raise Unreadable("its pickle does not parse") from None
-
-
-def precheck(data: bytes) -> None:
+def precheck(data: bytes) -> list[Any]:
     """What torch.load is given: a zip of stored records, pickles of a bounded size naming
-    globals of a bounded length (Unreadable otherwise)."""
+    globals of a bounded length (Unreadable otherwise). Each pickle's structure as the bounds
+    pass read it (`read_structure`: every object an opaque stand-in), in record order."""
+    structures: list[Any] = []
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         records = archive.infolist()
@@ -207,7 +192,7 @@ def precheck(data: bytes) -> None:
         try:
             pickled = archive.read(record)
             _check_globals(pickled)
-            check_pickle(pickled)
+            structures.append(read_structure(pickled))
         except Unreadable:
             raise
         except NotPlain as exc:
@@ -216,6 +201,7 @@ def precheck(data: bytes) -> None:
             raise Unreadable(f"its pickle would cost torch.load too much: {exc}") from None
         except Exception:
             raise Unreadable("its pickle does not parse") from None
+    return structures
 
 
 def _check_globals(data: bytes) -> None:
@@ -230,8 +216,10 @@ def _check_globals(data: bytes) -> None:
             recent = [*recent[-1:], arg]
 
 
+@functools.cache
 def numpy_globals() -> list[Any]:
-    """The allowed numpy globals that this numpy has, under the names pickles use."""
+    """The allowed numpy globals that this numpy has, under the names pickles use (looked up
+    once; callers hand the list on and never change it)."""
     out: list[Any] = []
     for module, name in NUMPY_GLOBALS:
         try:

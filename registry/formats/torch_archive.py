@@ -362,11 +362,6 @@ def read_structure(pickled: bytes) -> Any:
     return _TorchLoadBounds(pickled).load()
 
 
-def is_opaque(value: Any) -> bool:
-    """Whether `value` is a stand-in `read_structure` made for an object."""
-    return type(value) is _Made
-
-
 class _TorchLoadBounds(CheckedUnpickler):
     """Reads a pickle as torch's weights_only unpickler would, with every global an inert
     stand-in (`_Global`), and charges it what torch's unpickler will spend:
