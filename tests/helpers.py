@@ -227,6 +227,17 @@ def split_as_nodes(ckpts: Ckpts, tmp_path: Path) -> tuple[Path, Path]:
     return a, b
 
 
+def saved(value: object) -> bytes:
+    """`value` as torch.save writes it to a file: the bytes of a sidecar or a chunk."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 def _gpus() -> int:
     import torch
 

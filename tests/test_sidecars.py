@@ -14,6 +14,7 @@ import torch
 from policies.loader import ResumePolicy
 from policies.resume import classify
 from registry.formats import sidecars
+from tests.helpers import saved
 
 LIGHTNING_KEYS = sorted(
     [
@@ -30,12 +31,6 @@ ACCELERATE_KEYS = sorted(
         "optimizer_0.optimizer.param_groups.0.lr",
     ]
 )
-
-
-def saved(value: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
 
 
 def lightning_meta(**extra: object) -> dict[str, object]:

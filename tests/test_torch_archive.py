@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from registry.errors import IntegrityError
 from registry.formats.dcp_load import stored_tensor_view
 from registry.formats.torch_archive import ArchiveStream, NotStreamable
+from tests.helpers import saved
 
 DTYPES = [
     torch.float32,
@@ -28,12 +29,6 @@ DTYPES = [
     torch.float8_e4m3fn,
     torch.uint16,
 ]
-
-
-def saved(tensor: torch.Tensor) -> bytes:
-    buf = io.BytesIO()
-    torch.save(tensor, buf)
-    return buf.getvalue()
 
 
 def stream(data: bytes, dtype: str, sizes: tuple[int, ...], piece: int) -> bytes:

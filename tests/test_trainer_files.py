@@ -27,6 +27,7 @@ from registry.formats.recorded import (
     resolve_step,
     resolve_world_size,
 )
+from tests.helpers import saved
 
 TRAINER_KEYS = sorted(
     [
@@ -35,12 +36,6 @@ TRAINER_KEYS = sorted(
         "optimizer_0.optimizer.param_groups.0.lr",
     ]
 )
-
-
-def saved(value: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
 
 
 def trainer_rng_state() -> dict[str, Any]:
