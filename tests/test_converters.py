@@ -159,6 +159,7 @@ def test_a_megatron_llama_becomes_hugging_face_names() -> None:
         ("megatron-llama:heads=4,query_groups=2,heads=4", "once each"),
         ("megatron-llama:heads=0,query_groups=1", "whole number >= 1"),
         ("megatron-llama:heads=x,query_groups=1", "whole number >= 1"),
+        ("megatron-llama:heads=\u00b2,query_groups=1", "whole number >= 1"),  # a digit, not ASCII
         ("megatron-llama:layers=2", "not one of its arguments"),
         ("megatron:heads=4", "it takes none"),
     ],

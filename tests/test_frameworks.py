@@ -424,6 +424,11 @@ def test_an_adapters_base_is_a_release_resolved_to_one_version(
     }
     assert json.loads(adapter.stdout)["base"] == want
     assert json.loads(cli("show", "adapter:v1", "--json").stdout)["base"] == want
+    yanked = cli("yank", "llama:v1", "--reason", "test")
+    assert yanked.returncode == 0, yanked.stderr
+    gone = cli("promote", f"fw/lora@step{SAVE_AT}", "--model", "adapter2", "--convert", "peft",
+               "--extra", config, "--base", "llama:v1")  # fmt: skip
+    assert gone.returncode == 2 and "llama:v1 is yanked" in gone.stderr
 
     none = cli("promote", ref, "--model", "a", "--convert", "peft", "--extra", config)
     assert none.returncode == 2 and "holds no LoRA tensors" in none.stderr
