@@ -24,6 +24,7 @@ class CheckpointState(StrEnum):
     DELETING = "deleting"  # marked by GC, its objects going
     DELETED = "deleted"  # collected: a tombstone says when and why
     SWEEPING = "sweeping"  # an abandoned upload whose objects GC is deleting
+    LOCAL = "local"  # committed at tier 0 only: on its nodes' local disks, not yet in the store
 
 
 class ReleaseStatus(StrEnum):
@@ -34,7 +35,7 @@ class ReleaseStatus(StrEnum):
 
 
 # The states by their short names, as the code reads them (columns hold the strings).
-PENDING, COMMITTED, DELETING, DELETED, SWEEPING = CheckpointState
+PENDING, COMMITTED, DELETING, DELETED, SWEEPING, LOCAL = CheckpointState
 RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = ReleaseStatus
 
 
@@ -124,7 +125,8 @@ class Checkpoint(ClaimColumns, table=True):
 
     @classmethod
     def pending_clause(cls) -> Any:
-        return col(cls.state) == PENDING
+        # A tier-0 step (LOCAL) is claimed too: by the replicator copying it to the store.
+        return col(cls.state).in_((PENDING, LOCAL))
 
     @staticmethod
     def facts_of(
@@ -173,6 +175,26 @@ class CheckpointFile(SQLModel, table=True):
 
     def record(self) -> FileRecord:
         return FileRecord(self.path, self.size, self.sha256, self.rank, self.version)
+
+
+class CheckpointTier(SQLModel, table=True):
+    """Where a checkpoint's files are (issue 36, migration 0016): tier 0 is one row per node
+    whose local directory holds some of them (`files`: which), tier 1 the registry's store
+    (node ""). A tier-0 row is written by the tier-0 commit and marked `evicted_at` when its
+    node drops the copy; the tier-1 row by the replicator's commit."""
+
+    __tablename__ = "checkpoint_tier"
+    __table_args__ = (UniqueConstraint("checkpoint_id", "tier", "node"),)
+    id: int | None = Field(default=None, primary_key=True)
+    checkpoint_id: int = Field(foreign_key="checkpoint.id", index=True)
+    tier: int
+    node: str = Field(max_length=128)
+    ranks: list[int] = _json(list)
+    files: list[str] = _json(list)
+    bytes: int = Field(default=0, sa_type=BigInteger)
+    at: float  # when this copy was complete
+    seconds: float | None = None  # how long making it took (the replicator's copy)
+    evicted_at: float | None = None
 
 
 class CheckpointRestore(SQLModel, table=True):

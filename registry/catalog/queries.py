@@ -12,6 +12,7 @@ from registry.catalog.models import (
     COMMITTED,
     DELETED,
     DELETING,
+    LOCAL,
     PENDING,
     SWEEPING,
     Checkpoint,
@@ -60,10 +61,12 @@ def find_run(session: Session, project: str, run: str) -> Run | None:
 
 
 def resolve_checkpoint(
-    session: Session, ref: CheckpointRef, *, tombstones: bool = False
+    session: Session, ref: CheckpointRef, *, tombstones: bool = False, local: bool = False
 ) -> tuple[Run, Checkpoint]:
-    """The committed row `ref` names (or with `tombstones`, a collected one too); NotFound says
-    what exists, Collected when and why. Pending rows are never visible."""
+    """The committed row `ref` names (or with `tombstones`, a collected one too; with `local`,
+    one committed at tier 0 only); NotFound says what exists, Collected when and why. Pending
+    rows are never visible; a tier-0 step is not in the store yet, so whatever reads its files
+    from the store is told so."""
     run = find_run(session, ref.project, ref.run)
     if run is None:
         runs = session.exec(
@@ -84,6 +87,11 @@ def resolve_checkpoint(
             f"{ref} was collected by retention at {iso(row.deleted_at)}, reason: "
             f"{row.delete_reason or 'unknown'}",
             f"reg ls {ref.run_label} lists what remains",
+        )
+    if row is not None and row.state == LOCAL and not local:
+        raise NotFound(
+            f"{ref} is saved at tier 0 only (on its nodes' local disks) and not yet in the store",
+            "wait for its replication: `reg show` says which tiers hold it",
         )
     if row is None or row.state in (PENDING, SWEEPING):
         steps = committed_steps(session, run.id or 0)

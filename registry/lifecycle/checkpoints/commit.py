@@ -21,10 +21,12 @@ from registry.catalog.models import (
     COMMITTED,
     DELETED,
     DELETING,
+    LOCAL,
     PENDING,
     SWEEPING,
     Checkpoint,
     CheckpointFile,
+    CheckpointTier,
 )
 from registry.errors import Conflict
 from registry.layout import checkpoint_prefix
@@ -85,6 +87,12 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
                 return Claim(Checkpoint, row.id, token), None
             if row.state == COMMITTED:
                 return Claim(Checkpoint, row.id or 0, ""), row
+            if row.state == LOCAL:
+                raise Conflict(
+                    f"{ref} is saved at tier 0 (on its nodes' local disks) since "
+                    f"{iso(row.committed_at)}, and is being copied to the store",
+                    "save under a new step",
+                )
             if row.state == SWEEPING:
                 raise Conflict(
                     f"an abandoned upload of {ref} is being swept by reg gc",
@@ -136,22 +144,31 @@ def commit(
     *,
     digests_reported_by: str | None = None,
     save_costs: dict[str, Any] | None = None,
+    local: tuple[str, list[CheckpointTier]] | None = None,
 ) -> PushResult:
     """Make the step visible: committed in one transaction with its files, the audit record and
-    the MLflow event, only while the claim is still ours."""
+    the MLflow event, only while the claim is still ours.
+
+    `local` (a replication token, the tier-0 copies): committed at tier 0 only (issue 36): the
+    row becomes `local`, claimed by the replicator that will copy it to the store, and the
+    MLflow event waits for that copy (`tiers.commit_replicated`)."""
     ref = manifest.ref
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+    facts = Checkpoint.facts_of(manifest, manifest_sha256, manifest_version)
+    held_by: dict[str, Any] = {"claim_token": None, "lease_until": None}
+    if local is not None:
+        facts["state"] = LOCAL
+        held_by = claims.claim_columns(local[0])
     with ctx.catalog.session(write=True) as s:
         committed = claims.guarded_update(
             s,
             claim,
-            **Checkpoint.facts_of(manifest, manifest_sha256, manifest_version),
+            **facts,
             committed_at=now(),
             upload_seconds=round(upload_seconds, 3),
             digests_reported_by=digests_reported_by,
             save_costs=save_costs,
-            claim_token=None,
-            lease_until=None,
+            **held_by,
         )
         if not committed:
             raise Conflict(
@@ -165,11 +182,11 @@ def commit(
             [CheckpointFile.of(claim.row_id, f).model_dump(exclude={"id"}) for f in manifest.files],
         )
         save_key_facts(s, claim.row_id, manifest)
-        run = queries.find_run(s, ref.project, ref.run)
-        resumed = run.resumed_from_step if run is not None else None
-        if run is not None and resumed is not None and manifest.step > resumed:
-            run.resumed_from_step = None  # a newer step lifts the resume protection
-            s.add(run)
+        if local is None:
+            lift_resume_protection(s, ref)
+            emit_committed(ctx, s, manifest, manifest_sha256)
+        else:
+            s.add_all(local[1])
         ctx.audit(
             s,
             "push",
@@ -178,13 +195,22 @@ def commit(
             files=len(manifest.files),
             reused=reused,
             digests_reported_by=digests_reported_by,
+            **({} if local is None else {"tier": 0}),
         )
-        _emit_committed(ctx, s, manifest, manifest_sha256)
         s.flush()
         row = s.get(Checkpoint, claim.row_id)
         assert row is not None
         view = CheckpointView.of(ref.project, ref.run, row, queries.files_of(s, claim.row_id))
     return PushResult(view, unchanged=False, reused_files=reused)
+
+
+def lift_resume_protection(session: Any, ref: CheckpointRef) -> None:
+    """A newer step in the store lifts the protection of the step the run resumed from."""
+    run = queries.find_run(session, ref.project, ref.run)
+    resumed = run.resumed_from_step if run is not None else None
+    if run is not None and resumed is not None and (ref.step or 0) > resumed:
+        run.resumed_from_step = None
+        session.add(run)
 
 
 def save_key_facts(session: Any, checkpoint_id: int, manifest: Manifest) -> None:
@@ -197,7 +223,7 @@ def save_key_facts(session: Any, checkpoint_id: int, manifest: Manifest) -> None
         save(session, checkpoint_id, KeyFacts(r.keys, r.sidecars or (), r.layout))
 
 
-def _emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha256: str) -> None:
+def emit_committed(ctx: Context, session: Any, manifest: Manifest, manifest_sha256: str) -> None:
     ref = manifest.ref
     ttl = ctx.policy.retention.for_project(ref.project).ttl
     ctx.events.emit(

@@ -16,6 +16,7 @@ from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, checkpoint_prefix
 from registry.lifecycle.checkpoints.resume_facts import resume_json
+from registry.lifecycle.checkpoints.tiers import tiers_json
 from registry.lifecycle.views import CheckpointView
 from registry.refs import CheckpointRef, check_reason
 from registry.timeutil import now
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
 
 
 def resolve(
-    ctx: Context, ref: CheckpointRef, *, tombstones: bool = False
+    ctx: Context, ref: CheckpointRef, *, tombstones: bool = False, local: bool = False
 ) -> tuple[Run, Checkpoint, list[FileRecord]]:
     """The committed checkpoint `ref` names (`@latest`: the newest), with its files."""
     with ctx.catalog.session() as s:
-        run, ckpt = queries.resolve_checkpoint(s, ref, tombstones=tombstones)
+        run, ckpt = queries.resolve_checkpoint(s, ref, tombstones=tombstones, local=local)
         return run, ckpt, queries.files_of(s, ckpt.id or 0)
 
 
@@ -40,7 +41,7 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
     from registry.operations.gc import explain
 
     ctx.authorize_read(project=ref.project)
-    run, ckpt, files = resolve(ctx, ref, tombstones=True)
+    run, ckpt, files = resolve(ctx, ref, tombstones=True, local=True)
     full = CheckpointRef(ref.project, run.name, ckpt.step)
     view = CheckpointView.of(ref.project, run.name, ckpt, files)
     out = view.detail_json(ctx.store.describe(checkpoint_prefix(ref.project, run.name, ckpt.step)))
@@ -48,6 +49,7 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
     out["protection"] = explain(ctx, ref.project, run, ckpt)
     with ctx.catalog.session() as s:
         out.update(costs_json(s, ckpt.id or 0, ckpt.save_costs))
+        out["tiers"] = tiers_json(s, ckpt)
     return out
 
 

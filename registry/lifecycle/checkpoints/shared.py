@@ -54,6 +54,8 @@ from registry.timeutil import now
 from registry.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from registry.catalog.claims import Claim
     from registry.context import Context
     from registry.lifecycle.checkpoints.commit import PushResult
@@ -63,6 +65,19 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 MAX_RECORDS = 1_000_000  # files of one checkpoint (4,096 ranks x 244 files each)
 MAX_LEASE_S = 7 * 86400.0
 MAX_PART_RECORD = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """A step committed at tier 0 (issue 36): its files are on the nodes' local disks, not in
+    the store. `read` gives a file whole from the coordinator's local directory; `nodes` says
+    which node holds which ranks' files; the manifest is written beside the files
+    (`write_manifest`) for the replicator, which holds the claim `token` from the commit on."""
+
+    read: Callable[[str], bytes]
+    nodes: dict[str, tuple[list[int], list[str]]]
+    write_manifest: Callable[[bytes], None]
+    token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,12 +282,15 @@ def commit_written(
     save_costs: dict[str, Any] | None = None,
     upload_seconds: float = 0.0,
     own_writer: bool = False,
+    local: LocalCopy | None = None,
 ) -> PushResult:
     """Commit the checkpoint the writers put under `shared`, from their file records (path,
     size, sha256, version): each must be in the store at its size, `.metadata` must hash to
     its record and name only recorded files (else IntegrityError naming the missing ranks'
-    files). `own_writer`: reg's StoreWriter wrote the shards (no shard is read)."""
+    files). `own_writer`: reg's StoreWriter wrote the shards (no shard is read). `local`: the
+    files are on the nodes' local disks: committed at tier 0 (DCP's own writer wrote them)."""
     from registry.catalog import claims
+    from registry.catalog.models import CheckpointTier
     from registry.lifecycle.checkpoints import commit
     from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
@@ -291,10 +309,14 @@ def commit_written(
         )
     # Names, roots and .metadata sizes as a pushed directory's, before a byte is read.
     check_file_set(str(ref), sizes)
-    _check_listed(ctx, shared, sizes)
+    if local is None:
+        _check_listed(ctx, shared, sizes)
 
     def read(path: str) -> bytes:  # a file whole, refused unless it holds the recorded bytes
-        data = bytes(ctx.store.get_bytes(prefix + path, version=by_path[path].version))
+        if local is not None:
+            data = local.read(path)
+        else:
+            data = bytes(ctx.store.get_bytes(prefix + path, version=by_path[path].version))
         if hashlib.sha256(data).hexdigest() != by_path[path].sha256:
             raise IntegrityError(f"{ref}: {path} holds other bytes than its writer recorded")
         return data
@@ -309,7 +331,8 @@ def commit_written(
         return bytes(ctx.store.read_range(prefix + path, offset, min(9, sizes[path] - offset)))
 
     label = str(ref)
-    scanned = scan_merged(Path(label), sizes, merged, metadata, None if own_writer else read_head)
+    heads = None if own_writer or local is not None else read_head
+    scanned = scan_merged(Path(label), sizes, merged, metadata, heads)
     world = world_size_of(scanned, world_size, None)
     facts = facts_of(scanned.inventory, sizes, read, layout)
     stored = [Stored(prefix + f.path, f.size, f.sha256, False, f.version) for f in files]
@@ -319,6 +342,33 @@ def commit_written(
             ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), checked_metrics
         )
         data = manifest.to_bytes()
+        if local is not None:
+            _check_nodes(ref, local, sizes)
+            local.write_manifest(data)
+            copies = [
+                CheckpointTier(
+                    checkpoint_id=shared.row_id,
+                    tier=0,
+                    node=node,
+                    ranks=sorted(node_ranks),
+                    files=sorted(node_files),
+                    bytes=sum(sizes[p] for p in node_files),
+                    at=now(),
+                )
+                for node, (node_ranks, node_files) in sorted(local.nodes.items())
+            ]
+            result = commit.commit(
+                ctx,
+                committing,
+                manifest,
+                data,
+                None,
+                upload_seconds,
+                0,
+                save_costs=save_costs,
+                local=(local.token, copies),
+            )
+            return replace(result, resume=fields(facts, ctx.policy.resume))
         version = put_reconciled(
             ctx.store,
             manifest_key(ref.project, ref.run, ref.step or 0),
@@ -337,6 +387,16 @@ def commit_written(
             save_costs=save_costs,
         )
     return replace(result, resume=fields(facts, ctx.policy.resume))
+
+
+def _check_nodes(ref: CheckpointRef, local: LocalCopy, sizes: dict[str, int]) -> None:
+    """Each file of a tier-0 step is on exactly one node."""
+    held = [p for _, files in local.nodes.values() for p in files]
+    if sorted(held) != sorted(sizes):
+        raise IntegrityError(
+            f"{ref}: the nodes' local copies do not hold each file once",
+            "save again (a rank's files were reported by two nodes, or by none)",
+        )
 
 
 def _take_for_commit(ctx: Context, shared: SharedClaim) -> Claim:

@@ -1,0 +1,257 @@
+"""Checkpoints at tiers (issue 36): a training job's save is committed once every rank's files
+are durable on its node's local disk (tier 0, `shared.commit_written(local=...)`: the row is
+`local`), and a replicator copies it to the registry's store (tier 1) under a claim of its own.
+
+The tier-1 commit is the claim protocol of DESIGN §3, not a shortcut around it: each writer
+puts its files into the step's prefix (put-if-absent, hashed as written) and records them
+(`shared.record_part`); the commit takes nothing on the writers' word alone: every file the
+tier-0 commit recorded must be recorded by a writer with the same size and digest and be in the
+store at that size, and the manifest object must hash to the digest recorded at tier 0. Only
+then is the row `committed`: visible to pulls, promotion and retention, and mirrored.
+
+    tiers_json(session, row)           which tiers hold a checkpoint, on which nodes
+    missing_parts(ctx, claim)          files no writer has recorded yet (the commit polls it)
+    commit_replicated(ctx, claim, s)   local -> committed
+    claim_replication(ctx, ref)        take over the copy of a step whose replicator died
+    record_eviction(ctx, ref, node)    a node dropped its tier-0 copy
+    restore_candidates(ctx, ref)       the newest steps a restore may read, with their copies
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+from sqlmodel import col, select
+
+from policies.access import Action
+from registry.catalog import claims, queries
+from registry.catalog.models import COMMITTED, LOCAL, Checkpoint, CheckpointTier
+from registry.errors import Conflict, IntegrityError
+from registry.formats.documents import Manifest
+from registry.layout import manifest_key
+from registry.lifecycle.checkpoints.shared import SharedClaim, recorded_parts
+from registry.refs import CheckpointRef
+from registry.timeutil import iso, now
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from registry.context import Context
+
+MAX_CANDIDATES = 8  # steps a restore looks at, newest first, down to the newest in the store
+STORE = ""  # the node of the tier-1 row: the registry's store
+
+
+def tiers_json(session: Session, row: Checkpoint) -> list[dict[str, Any]]:
+    """`reg show`'s `tiers`: each copy of the checkpoint, tier 0 per node, then the store. A
+    checkpoint pushed from a directory is at tier 1 only."""
+    copies = session.exec(
+        select(CheckpointTier)
+        .where(CheckpointTier.checkpoint_id == row.id)
+        .order_by(col(CheckpointTier.tier), col(CheckpointTier.node))
+    ).all()
+    out = [
+        {
+            "tier": c.tier,
+            "node": c.node or None,
+            "ranks": list(c.ranks),
+            "files": len(c.files),
+            "bytes": c.bytes,
+            "at": iso(c.at),
+            "seconds": c.seconds,
+            "held": c.evicted_at is None and (c.tier == 0 or row.state == COMMITTED),
+            "evicted_at": iso(c.evicted_at),
+        }
+        for c in copies
+    ]
+    if row.state == COMMITTED and not any(c.tier == 1 for c in copies):
+        out.append(
+            {
+                "tier": 1,
+                "node": None,
+                "ranks": [],
+                "files": row.file_count,
+                "bytes": row.bytes,
+                "at": iso(row.committed_at),
+                "seconds": row.upload_seconds,
+                "held": True,
+                "evicted_at": None,
+            }
+        )
+    return out
+
+
+def missing_parts(ctx: Context, shared: SharedClaim) -> list[str]:
+    """The files of a tier-0 step that no writer has recorded in the store yet."""
+    with ctx.catalog.session() as s:
+        files = queries.files_of(s, shared.row_id)
+    recorded, _ = recorded_parts(ctx, shared)
+    have = {r.path for r in recorded}
+    return sorted(f.path for f in files if f.path not in have)
+
+
+def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict[str, Any]:
+    """The step is in the store: every file as tier 0 recorded it, and its manifest. Commits
+    it at tier 1 (`local` -> `committed`), only while the replication claim is ours."""
+    from registry.lifecycle.checkpoints.commit import emit_committed, lift_resume_protection
+    from registry.lifecycle.checkpoints.shared import _check_listed
+
+    ref = shared.ref
+    with ctx.catalog.session() as s:
+        row = s.get(Checkpoint, shared.row_id)
+        files = queries.files_of(s, shared.row_id)
+    if row is None or row.state != LOCAL:
+        raise Conflict(f"{ref} is not waiting for its copy to the store", "check `reg show`")
+    recorded, keys = recorded_parts(ctx, shared)
+    by_path = {r.path: r for r in recorded}
+    missing = sorted(f.path for f in files if f.path not in by_path)
+    if missing:
+        raise IntegrityError(
+            f"{ref}: {len(missing)} file(s) were not copied to the store "
+            f"({', '.join(missing[:5])})",
+            "the replicator of the node that holds them did not finish; it retries",
+        )
+    for f in files:
+        got = by_path[f.path]
+        if (got.size, got.sha256) != (f.size, f.sha256):
+            raise IntegrityError(
+                f"{ref}: the store's copy of {f.path} is not the file tier 0 recorded "
+                f"({got.size} bytes, sha256 {got.sha256[:12]}; recorded {f.size} bytes, "
+                f"{f.sha256[:12]})",
+                "the node's local copy changed after the save; it is not replicated",
+            )
+    _check_listed(ctx, shared, {f.path: f.size for f in files})
+    key = manifest_key(ref.project, ref.run, ref.step or 0)
+    info = ctx.store.head(key)
+    data = bytes(ctx.store.get_bytes(key, version=info.version_id if info else None))
+    if hashlib.sha256(data).hexdigest() != row.manifest_sha256:
+        raise IntegrityError(
+            f"{ref}: the manifest in the store is not the one recorded at tier 0",
+            "the replicator retries the copy",
+        )
+    manifest = Manifest.from_bytes(data, key)
+    with ctx.catalog.session(write=True) as s:
+        done = claims.guarded_update(
+            s,
+            shared.catalog_claim(),
+            state=COMMITTED,
+            manifest_version=info.version_id if info else None,
+            claim_token=None,
+            lease_until=None,
+        )
+        if not done:
+            raise Conflict(
+                f"lost the claim on the copy of {ref} to the store (another replicator took it)",
+                "check `reg show`",
+            )
+        s.add(
+            CheckpointTier(
+                checkpoint_id=shared.row_id,
+                tier=1,
+                node=STORE,
+                ranks=sorted({f.rank for f in files if f.rank is not None}),
+                files=[],
+                bytes=row.bytes,
+                at=now(),
+                seconds=round(seconds, 4),
+            )
+        )
+        lift_resume_protection(s, ref)
+        emit_committed(ctx, s, manifest, row.manifest_sha256 or "")
+        ctx.audit(s, "replicate", str(ref), bytes=row.bytes, files=len(files), tier=1)
+    for k in keys:  # the writers' records served their purpose
+        ctx.store.delete(k)
+    with ctx.catalog.session() as s:
+        committed = s.get(Checkpoint, shared.row_id)
+        assert committed is not None
+        return {"ref": str(ref), "state": committed.state, "tiers": tiers_json(s, committed)}
+
+
+def claim_replication(ctx: Context, ref: CheckpointRef) -> SharedClaim:
+    """Take over the copy to the store of a tier-0 step whose replicator died (its claim ran
+    out); what that replicator had put under the prefix is deleted first."""
+    ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
+    with ctx.catalog.session(write=True) as s:
+        _, row = queries.resolve_checkpoint(s, ref, local=True)
+        if row.state != LOCAL:
+            raise Conflict(f"{ref} is already in the store", "nothing to replicate")
+        if claims.is_live(row):
+            raise Conflict(
+                f"{ref} is being copied to the store {claims.holder(row)}",
+                "wait for that copy, or until its lease runs out",
+            )
+        taken = claims.take_over(s, row)
+        if taken is None:
+            raise Conflict(f"another replicator took {ref} first", "check `reg show`")
+    shared = SharedClaim(ref, taken.row_id, taken.token)
+    for info in list(ctx.store.list(shared.prefix)):
+        ctx.store.delete(info.key)
+    return shared
+
+
+def record_eviction(ctx: Context, ref: CheckpointRef, node: str) -> None:
+    """`node` deleted its tier-0 copy of `ref`."""
+    ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
+    with ctx.catalog.session(write=True) as s:
+        run = queries.find_run(s, ref.project, ref.run)
+        if run is None:
+            return
+        row = s.exec(
+            select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.step == ref.step)
+        ).first()
+        if row is None:
+            return
+        s.exec(
+            update(CheckpointTier)
+            .where(
+                col(CheckpointTier.checkpoint_id) == row.id,
+                col(CheckpointTier.tier) == 0,
+                col(CheckpointTier.node) == node,
+                col(CheckpointTier.evicted_at).is_(None),
+            )
+            .values(evicted_at=now())
+        )
+
+
+def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
+    """The steps a restore may read, newest first: tier-0 steps and the newest step in the
+    store (where the list ends: it can always be read). Each with its world size, its files
+    (path, size, sha256, rank) and the nodes still holding a tier-0 copy (node -> files)."""
+    ctx.authorize_read(project=project)
+    out: list[dict[str, Any]] = []
+    with ctx.catalog.session() as s:
+        found = queries.find_run(s, project, run)
+        if found is None:
+            return out
+        rows = s.exec(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == found.id, col(Checkpoint.state).in_((LOCAL, COMMITTED)))
+            .order_by(col(Checkpoint.step).desc())
+            .limit(MAX_CANDIDATES)
+        ).all()
+        for row in rows:
+            copies = s.exec(
+                select(CheckpointTier).where(
+                    CheckpointTier.checkpoint_id == row.id,
+                    CheckpointTier.tier == 0,
+                    col(CheckpointTier.evicted_at).is_(None),
+                )
+            ).all()
+            out.append(
+                {
+                    "step": row.step,
+                    "state": row.state,
+                    "world_size": row.world_size,
+                    "files": [
+                        (f.path, f.size, f.sha256, f.rank, f.version)
+                        for f in queries.files_of(s, row.id or 0)
+                    ],
+                    "nodes": {c.node: list(c.files) for c in copies},
+                }
+            )
+            if row.state == COMMITTED:
+                break
+    return out
+
