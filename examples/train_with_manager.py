@@ -11,6 +11,12 @@ every rank right after step K, whatever is in flight (the work since the last co
 lost: `reg advise` counts it); `--losses FILE` (rank 0) records each step's loss, averaged over
 ranks. Every step is reported to the manager (`step_done`), which sends a heartbeat every
 `--heartbeat` seconds; `--planned` says this job's restore is a planned restart.
+
+Tier 0 (issue 36): `--local-dir DIR` saves to DIR/<node> first and replicates to the store in
+the background; `--nodes N` splits the ranks into N simulated nodes (node0, node1, ...; each
+its own local directory), `--replicate-rate B` caps the copy at B bytes/s, and
+`--kill-after-tier0 K` SIGKILLs every rank once step K is committed at tier 0 (its copy to the
+store still running).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ def main() -> None:
     parser.add_argument(
         "--private-tmp", type=Path, help="each rank's temp directory is DIR/rank<r> (no sharing)"
     )
+    parser.add_argument("--local-dir", type=Path, help="save at tier 0 under DIR/<node> first")
+    parser.add_argument("--nodes", type=int, default=1, help="simulated nodes (with --local-dir)")
+    parser.add_argument("--replicate-rate", type=float, help="replication bytes/s")
+    parser.add_argument("--kill-after-tier0", type=int, help="SIGKILL once step K is at tier 0")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -70,7 +80,20 @@ def main() -> None:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(args.run_name, project=args.project, heartbeat_s=args.heartbeat)
+    tier: dict[str, object] = {}
+    if args.local_dir is not None:
+        node = f"node{rank * args.nodes // dist.get_world_size()}"
+        tier = {
+            "local_dir": args.local_dir / node,
+            "node_id": node,
+            "replicate_bytes_per_s": args.replicate_rate,
+        }
+    manager = CheckpointManager(
+        args.run_name,
+        project=args.project,
+        heartbeat_s=args.heartbeat,
+        **tier,  # type: ignore[arg-type]
+    )
 
     data = torch.Generator().manual_seed(1000 + rank)
     per_rank = {"rng": data.get_state(), "dataloader": {"position": 0}}
@@ -114,6 +137,11 @@ def main() -> None:
                 async_=args.async_,
                 per_rank={"rng": data.get_state(), "dataloader": {"position": position}},
             )
+        if step == args.kill_after_tier0:
+            manager.wait()  # committed at tier 0; its copy to the store is still running
+            _record(args, rank, losses)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == args.kill_after:
             manager.wait()
             _record(args, rank, losses)

@@ -38,6 +38,7 @@ reaches the training loop. `heartbeat_s` is at least 1 s.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -50,7 +51,9 @@ from registry.errors import NotFound, RegistryError
 from registry.refs import CheckpointRef, check_name
 from registry.training import ranks
 from registry.training.backends import EmbeddedBackend, ServerBackend
+from registry.training.local_tier import check_local_dir
 from registry.training.saves import RestoreRecord, Save, Track, checked
+from registry.training.tiered import LocalTier
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,10 +77,35 @@ class CheckpointManager:
         thread_count: int = 1,
         staging: object = None,  # unused since saves write straight into the store
         heartbeat_s: float = 30.0,
+        local_dir: str | os.PathLike[str] | None = None,
+        node_id: str | None = None,
+        keep_local: int = 2,
+        local_budget_bytes: int | None = None,
+        evict_unreplicated: bool = False,
+        replicate: bool = True,
+        replicate_bytes_per_s: float | None = None,
+        on_error: str = "warn",
+        staging_budget_bytes: int | None = None,
     ) -> None:
         check_name(project, "project name")
         check_name(run, "run name")
         self.run, self.project = run, project
+        # Tier 0 (issue 36): saves go to this node's local directory first (`tiered.py`).
+        self._tier: LocalTier | None = None
+        path = check_local_dir(local_dir)
+        if path is not None:
+            self._tier = LocalTier(
+                self,
+                path,
+                node_id=node_id,
+                keep_local=keep_local,
+                local_budget_bytes=local_budget_bytes,
+                evict_unreplicated=evict_unreplicated,
+                replicate=replicate,
+                replicate_bytes_per_s=replicate_bytes_per_s,
+                on_error=on_error,
+                staging_budget_bytes=staging_budget_bytes,
+            )
         self.thread_count = thread_count
         self._registry = registry
         self._backend: EmbeddedBackend | ServerBackend | None = None
@@ -168,6 +196,10 @@ class CheckpointManager:
             problem = exc
         ranks.agree(problem)
         ref = CheckpointRef(self.project, self.run, step)
+        if self._tier is not None:
+            self._saved_any = True
+            self._tier.save(state, ref, metrics, async_, started)
+            return None
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
         save = Save(self, shared, started, metrics, async_)
@@ -197,8 +229,17 @@ class CheckpointManager:
             self._tracking.append(Track(save, step))
         return None
 
-    def wait(self) -> dict[str, Any] | None:
-        """Wait for the save in flight (if any); its committed view, or its error."""
+    def wait(self, *, replicated: bool = False) -> dict[str, Any] | None:
+        """Wait for the save in flight (if any); its committed view, or its error. With
+        `local_dir`: until it is committed at tier 0 (rank 0 gets the view), and with
+        `replicated=True` until every save so far is in the store (tier 1)."""
+        if self._tier is not None:
+            view = self._tier.wait()
+            if replicated:
+                self._tier.wait_replicated()
+            elif self._tier.on_error == "raise" and self._tier._replicator is not None:
+                self._tier._replicator.raise_failures()
+            return view
         save, self._pending = self._pending, None
         if save is None:
             return None
@@ -244,24 +285,33 @@ class CheckpointManager:
 
         started = time.monotonic()
 
-        # Rank 0 asks which step is newest; every rank then reads it (the same files).
-        def newest() -> int | None:
-            found = self.backend.latest(CheckpointRef(self.project, self.run, None))
-            return None if found is None else found[0]
+        tier_notes: list[str] = []
+        if self._tier is not None:  # the newest step at any tier this job can read
+            found = self._tier.locate()
+            if found is None:
+                return None
+            newest_step, tiered, prefix, versions, tier_notes = found
+        else:
+            # Rank 0 asks which step is newest; every rank then reads it (the same files).
+            def newest() -> int | None:
+                found = self.backend.latest(CheckpointRef(self.project, self.run, None))
+                return None if found is None else found[0]
 
-        newest_step = ranks.from_rank0(newest)
-        if newest_step is None:
-            return None
+            newest_step = ranks.from_rank0(newest)
+            if newest_step is None:
+                return None
         self._saved_any = True
         step = int(newest_step)
         problem: RegistryError | None = None
         try:  # every rank finds the step and reads its .metadata, or every rank stops
-            located = self.backend.latest(CheckpointRef(self.project, self.run, step))
-            if located is None:
-                raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
-            _, store, prefix, versions = located
-            reader = TimedReader(store, prefix, versions=versions)
-            loaded, self.resume_notes = ranks.per_rank_to_load(reader.read_metadata(), per_rank)
+            if self._tier is None:
+                located = self.backend.latest(CheckpointRef(self.project, self.run, step))
+                if located is None:
+                    raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
+                _, tiered, prefix, versions = located
+            reader = TimedReader(tiered, prefix, versions=versions)
+            loaded, notes = ranks.per_rank_to_load(reader.read_metadata(), per_rank)
+            self.resume_notes = tier_notes + notes
             full = ranks.with_per_rank(state, loaded)
         except RegistryError as exc:
             problem = exc
@@ -285,6 +335,8 @@ class CheckpointManager:
             "total_seconds": total,
             "bytes": float(reader.bytes_read),
         }
+        if self._tier is not None:  # what this restore read from the nodes' own copies
+            phases["local_bytes"] = float(getattr(tiered, "local_bytes", 0))
         ref = CheckpointRef(self.project, self.run, step)
         self._restore = RestoreRecord(ref, ranks.gather_max(phases), planned)
         if ranks.current_rank() == 0:
@@ -426,7 +478,9 @@ class CheckpointManager:
         `status` (rank 0; None: the job goes on elsewhere), close the registry."""
         try:
             pending = self._pending
-            self.wait()
+            self.wait(replicated=self._tier is not None and self._tier.replicate)
+            if self._tier is not None:
+                self._tier.close()
             if pending is not None and ranks.current_rank() == 0:
                 self._track_done(pending)
             if ranks.current_rank() == 0 and (self._saved_any or self._restore is not None):

@@ -30,7 +30,7 @@ def record_restore(
     from registry.economics.records import classify, emit_economics
 
     with ctx.catalog.session(write=True) as s:
-        run, ckpt = queries.resolve_checkpoint(s, ref)
+        run, ckpt = queries.resolve_checkpoint(s, ref, local=True)  # a tier-0 step too
         restore = CheckpointRestore(
             checkpoint_id=ckpt.id or 0,
             created_at=now(),

@@ -57,7 +57,7 @@ def tiers_json(session: Session, row: Checkpoint) -> list[dict[str, Any]]:
             "tier": c.tier,
             "node": c.node or None,
             "ranks": list(c.ranks),
-            "files": len(c.files),
+            "files": row.file_count if c.tier == 1 else len(c.files),
             "bytes": c.bytes,
             "at": iso(c.at),
             "seconds": c.seconds,
@@ -255,3 +255,18 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
                 break
     return out
 
+
+def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[int, str]:
+    """The catalog state of each of `steps` of the run that has a row."""
+    if not steps:
+        return {}
+    with ctx.catalog.session() as s:
+        found = queries.find_run(s, project, run)
+        if found is None:
+            return {}
+        rows = s.exec(
+            select(Checkpoint.step, Checkpoint.state).where(
+                Checkpoint.run_id == found.id, col(Checkpoint.step).in_(steps)
+            )
+        ).all()
+    return {int(step): str(state) for step, state in rows}

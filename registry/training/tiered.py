@@ -1,0 +1,435 @@
+"""`CheckpointManager(local_dir=...)`: saves at tier 0 first, the store behind it (issue 36).
+
+`save()` writes each rank's files into its node's local directory with DCP's own file writer
+(`local_tier.LocalWriter`) and returns once they are durable there (synchronous) or staged
+(async); hashing, the claim and the tier-0 commit follow in a background thread on every rank
+(`_finish`), then each rank's replicator copies its node's files to the store and rank 0
+commits them at tier 1. `wait()` returns when the last save is committed at tier 0,
+`wait(replicated=True)` when every save is at tier 1.
+
+`locate()` (restore) takes the newest step committed at some tier whose every file this job can
+read: from each rank's own node where that node holds a verified copy, from the store otherwise.
+A tier-0 step is read only at the world size it was saved at, and only if every node of the job
+holds all of it (DCP stores a tensor every rank saves alike once, in one rank's file, so no
+rank's files alone make a restore); otherwise it is skipped with a note saying why.
+
+Each node's first rank keeps the node's copies within bounds: the newest `keep_local` steps and
+`local_budget_bytes`; a step not yet in the store is kept unless `evict_unreplicated`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import IntegrityError, RegistryError, UsageError
+from registry.refs import CheckpointRef
+from registry.training import local_tier, ranks
+from registry.training.local_tier import LocalWriter, RankFiles
+from registry.training.replicator import Job, Replicator
+from registry.training.saves import checked
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from registry.local import LocalRegistry
+    from registry.training.manager import CheckpointManager
+
+ON_ERROR = ("warn", "raise")
+
+
+@dataclass(slots=True)
+class TierSave:
+    """One tier-0 save in flight: its writer, DCP's future (async), its stall."""
+
+    ref: CheckpointRef
+    writer: LocalWriter
+    future: Future[Any] | None
+    started: float
+    stall: float
+    metrics: dict[str, float] | None
+    async_: bool
+    thread: threading.Thread | None = None
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+
+class LocalTier:
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        local_dir: Path,
+        *,
+        node_id: str | None,
+        keep_local: int,
+        local_budget_bytes: int | None,
+        evict_unreplicated: bool,
+        replicate: bool,
+        replicate_bytes_per_s: float | None,
+        on_error: str,
+        staging_budget_bytes: int | None,
+    ) -> None:
+        if on_error not in ON_ERROR:
+            raise UsageError(f"on_error={on_error!r}", "'warn' or 'raise'")
+        if keep_local < 1:
+            raise UsageError(f"keep_local={keep_local}", "keep at least the newest step")
+        self.manager, self.local_dir = manager, local_dir
+        self.node = local_tier.node_name(node_id)
+        self.keep_local, self.budget = keep_local, local_budget_bytes
+        self.evict_unreplicated, self.replicate = evict_unreplicated, replicate
+        self.on_error, self.staging_budget = on_error, staging_budget_bytes
+        self.bytes_per_s = replicate_bytes_per_s
+        self.pending: TierSave | None = None
+        self.newest_saved: int | None = None
+        self._replicator: Replicator | None = None
+        self._warned_staging = False
+
+    @property
+    def registry(self) -> LocalRegistry:
+        from registry.local import LocalRegistry
+
+        registry = self.manager.registry
+        if not isinstance(registry, LocalRegistry):
+            raise UsageError(
+                "local_dir is not available through reg server yet",
+                "unset REG_URL to save at tier 0 with the embedded registry",
+            )
+        return registry
+
+    @property
+    def replicator(self) -> Replicator:
+        if self._replicator is None:
+            self._replicator = Replicator(
+                self.registry, bytes_per_s=self.bytes_per_s, on_error=self.on_error
+            )
+        return self._replicator
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        state: dict[str, Any],
+        ref: CheckpointRef,
+        metrics: dict[str, float] | None,
+        async_: bool,
+        started: float,
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.registry  # noqa: B018  # embedded only (for now): said before anything is written
+        if async_ and self._over_staging_budget(state):
+            async_ = False
+        directory = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
+        writer = LocalWriter(directory, thread_count=self.manager.thread_count)
+        future = None
+        if async_:
+            group = self.manager._group()
+            future = checked(
+                lambda: dcp.async_save(state, storage_writer=writer, process_group=group)
+            )
+        else:
+            checked(lambda: dcp.save(state, storage_writer=writer))
+        save = TierSave(ref, writer, future, started, time.monotonic() - started, metrics, async_)
+        save.thread = threading.Thread(
+            target=self._finish, args=(save,), name="reg-tier0-commit", daemon=True
+        )
+        self.pending = save
+        save.thread.start()
+
+    def _over_staging_budget(self, state: dict[str, Any]) -> bool:
+        """An async save stages a copy of the state in host memory: above the budget, this one
+        is saved synchronously instead (it waits rather than exceed it)."""
+        if self.staging_budget is None:
+            return False
+        import torch
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(state)
+        size = sum(
+            v.untyped_storage().nbytes() for v in flat.values() if isinstance(v, torch.Tensor)
+        )
+        if size <= self.staging_budget:
+            return False
+        if not self._warned_staging:
+            self._warned_staging = True
+            warnings.warn(
+                f"reg: staging {size} bytes would exceed staging_budget_bytes="
+                f"{self.staging_budget}: saving synchronously instead",
+                stacklevel=3,
+            )
+        return True
+
+    def wait(self) -> dict[str, Any] | None:
+        """Until the save in flight is committed at tier 0: its view (rank 0), or its error
+        (raised on every rank)."""
+        save, self.pending = self.pending, None
+        if save is None:
+            return None
+        assert save.thread is not None
+        save.thread.join()
+        if save.error is not None:
+            raise save.error
+        return save.result
+
+    def wait_replicated(self, timeout: float | None = None) -> None:
+        if self._replicator is not None:
+            self._replicator.wait(timeout)
+            self._replicator.raise_failures()
+
+    def _finish(self, save: TierSave) -> None:
+        """Every rank, in the background: hash, gather, commit (rank 0), hand to the replicator.
+        Every rank takes part in every collective whatever failed, or the others would wait."""
+        import torch.distributed as dist
+
+        mine: RankFiles | BaseException
+        try:
+            if save.future is not None:
+                checked(save.future.result)
+            mine = local_tier.hash_own(save.writer, self.node)
+        except BaseException as exc:
+            mine = exc if isinstance(exc, RegistryError) else RegistryError(f"save failed: {exc}")
+        group = self.manager._group()
+        reports: list[Any] = [mine]
+        if dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, mine, group=group)
+        outcome: list[Any] = [None]
+        if ranks.current_rank() == 0:
+            outcome[0] = self._commit(save, reports)
+        if dist.is_initialized():
+            dist.broadcast_object_list(outcome, src=0, group=group)
+        got = outcome[0]
+        if isinstance(got, BaseException):
+            save.error = got
+            return
+        view, token = got
+        save.result = view
+        self.newest_saved = save.ref.step
+        assert isinstance(mine, RankFiles)
+        if self.replicate:
+            self._replicate(save, mine, token, view)
+        self._evict(reports)
+
+    def _commit(self, save: TierSave, reports: list[Any]) -> Any:
+        """Rank 0: the claim and the tier-0 commit; (view, replication token) or the error."""
+        from registry.catalog import claims
+        from registry.lifecycle.checkpoints.shared import LocalCopy, claim, commit_written
+
+        failed = next((r for r in reports if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return failed
+        try:
+            ctx = self.registry.context
+            shared = claim(ctx, save.ref)
+            files = [f for r in reports for f in r.files]
+            by_path = {f.path: f for f in files}
+            token = claims.new_token()
+            persist = time.monotonic() - save.started
+            costs = {
+                "async": save.async_,
+                "stall_seconds": round(save.stall, 4),
+                "persist_seconds": round(persist, 4),
+                "bytes": sum(f.size for f in files),
+                "world_size": ranks.world_size(),
+                "tier": 0,
+                "ranks": [
+                    {
+                        "rank": r.rank,
+                        "node": r.node,
+                        "files": len(r.files),
+                        "bytes": r.bytes,
+                        "seconds": round(r.write_seconds, 4),
+                        "hash_seconds": round(r.hash_seconds, 4),
+                    }
+                    for r in sorted(reports, key=lambda r: r.rank)
+                ],
+            }
+            result = commit_written(
+                ctx,
+                shared,
+                files,
+                world_size=ranks.world_size(),
+                metrics=save.metrics,
+                save_costs=costs,
+                upload_seconds=persist,
+                own_writer=True,
+                local=LocalCopy(
+                    read=local_tier.reader_of(save.writer.directory, by_path),
+                    nodes=local_tier.nodes_of(reports),
+                    write_manifest=local_tier.manifest_writer(save.writer.directory),
+                    token=token,
+                ),
+            )
+            return result.to_json() | {"tier": 0}, (shared.row_id, token)
+        except RegistryError as exc:
+            return exc
+        except Exception as exc:
+            return RegistryError(f"committing {save.ref} at tier 0 failed: {exc}")
+
+    def _replicate(
+        self, save: TierSave, mine: RankFiles, token: tuple[int, str], view: dict[str, Any]
+    ) -> None:
+        from registry.lifecycle.checkpoints.shared import SharedClaim
+
+        claim = SharedClaim(save.ref, token[0], token[1])
+        rank0 = ranks.current_rank() == 0
+        self.replicator.submit(
+            Job(claim, save.writer.directory, mine.files, manifest=rank0, commit=rank0)
+        )
+
+    # -- eviction -------------------------------------------------------------------------------
+    def _evict(self, reports: list[RankFiles]) -> None:
+        """This node's first rank: drop the node's old copies (never the newest save)."""
+        here = [r.rank for r in reports if r.node == self.node]
+        if not here or min(here) != ranks.current_rank() or self.newest_saved is None:
+            return
+        try:
+            self._evict_old()
+        except Exception as exc:  # eviction never stops training
+            warnings.warn(f"reg: evicting old tier-0 copies failed: {exc}", stacklevel=1)
+
+    def _evict_old(self) -> None:
+        from registry.lifecycle.checkpoints.tiers import record_eviction, step_states
+
+        m = self.manager
+        steps = local_tier.local_steps(self.local_dir, m.project, m.run)
+        assert self.newest_saved is not None
+        older = sorted(s for s in steps if s < self.newest_saved)
+        ctx = self.registry.context
+        states = step_states(ctx, m.project, m.run, older)
+        kept = sorted(steps)[-self.keep_local :]
+        size = {s: _tree_bytes(steps[s]) for s in steps}
+        total = sum(size.values())
+        for step in older:
+            over = self.budget is not None and total > self.budget
+            if step in kept and not over:
+                continue
+            state = states.get(step)
+            if state == "local" and not self.evict_unreplicated:
+                continue  # its only durable copy
+            local_tier.evict(steps[step])
+            total -= size[step]
+            if state is not None:
+                record_eviction(ctx, CheckpointRef(m.project, m.run, step), self.node)
+
+    # -- restoring ------------------------------------------------------------------------------
+    def locate(self) -> tuple[int, Any, str, dict[str, str], list[str]] | None:
+        """Every rank: (step, a store-like reader routing each file to this node's copy or the
+        store, prefix, versions, notes) of the newest step this job can read; None if none."""
+        import torch.distributed as dist
+
+        from registry.layout import checkpoint_prefix
+        from registry.lifecycle.checkpoints.tiers import restore_candidates
+
+        m = self.manager
+        candidates = ranks.from_rank0(
+            lambda: restore_candidates(self.registry.context, m.project, m.run)
+        )
+        layout: list[Any] = [self.node]
+        if dist.is_initialized():
+            layout = [None] * dist.get_world_size()
+            dist.all_gather_object(layout, self.node)
+        notes: list[str] = []
+        for cand in candidates:
+            step = int(cand["step"])
+            directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
+            usable, note = self._usable(cand, directory, layout)
+            if note:
+                notes.append(note)
+            if usable is None:
+                continue
+            prefix = checkpoint_prefix(m.project, m.run, step)
+            versions = {f[0]: f[4] for f in cand["files"] if f[4]}
+            store = self.registry.store if cand["state"] == "committed" else None
+            reader = TieredStore(store, prefix, {p: directory / p for p in usable})
+            return step, reader, prefix, versions, notes
+        return None
+
+    def _usable(
+        self, cand: dict[str, Any], directory: Path, layout: list[str]
+    ) -> tuple[set[str] | None, str | None]:
+        """The files this rank reads from its node's copy (None: the step is not readable by
+        this job), and a note when a tier-0 copy could not be used."""
+        import torch.distributed as dist
+
+        step, world = cand["step"], ranks.world_size()
+        records = {f[0]: (f[0], f[1], f[2]) for f in cand["files"]}
+        same_world = cand["world_size"] == world
+        held = cand["nodes"].get(self.node, []) if same_world else []
+        peers = [r for r, node in enumerate(layout) if node == self.node]
+        mine = sorted(held)[peers.index(ranks.current_rank()) :: len(peers)]
+        problems = local_tier.verify_local(directory, [records[p] for p in mine if p in records])
+        verdicts: list[Any] = [(self.node, problems)]
+        if dist.is_initialized():
+            verdicts = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, (self.node, problems))
+        damaged = {node: p for node, p in verdicts if p}
+        ok_here = self.node not in damaged and bool(held)
+        local = set(held) if ok_here else set()
+        if cand["state"] == "committed":
+            return local, None
+        if not same_world:
+            return None, (
+                f"step {step} is at tier 0 only, saved at world size {cand['world_size']}: a "
+                f"restore at world size {world} reads the store, which does not hold it yet"
+            )
+        for node in sorted(set(layout)):
+            if node in damaged:
+                return None, (
+                    f"step {step} is not yet in the store, and node {node}'s copy is damaged "
+                    f"({damaged[node][0]})"
+                )
+            lacking = sorted(set(records) - set(cand["nodes"].get(node, [])))
+            if lacking:
+                return None, (
+                    f"step {step} is not yet in the store, and node {node} does not hold "
+                    f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+                )
+        return local, None
+
+    def close(self) -> None:
+        if self._replicator is not None:
+            self._replicator.close()
+
+
+class TieredStore:
+    """What a restore's StoreReader reads through: each file from this node's verified copy
+    when it has one, from the store otherwise (None: a tier-0 step, nothing in the store)."""
+
+    def __init__(self, store: Any, prefix: str, local: dict[str, Path]) -> None:
+        self.store, self.prefix, self.local = store, prefix, local
+        self.local_bytes = 0
+
+    def _path(self, key: str) -> Path | None:
+        path = self.local.get(key.removeprefix(self.prefix))
+        if path is None and self.store is None:
+            raise IntegrityError(f"{key}: no copy on this node and none in the store")
+        return path
+
+    def get_bytes(self, key: str, *, version: str | None = None) -> bytes:
+        path = self._path(key)
+        if path is None:
+            return bytes(self.store.get_bytes(key, version=version))
+        data = path.read_bytes()
+        self.local_bytes += len(data)
+        return data
+
+    def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> Any:
+        path = self._path(key)
+        if path is None:
+            return self.store.read_range(key, offset, length, version=version)
+        data = bytearray(length)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            got = f.readinto(data)
+        if got != length:
+            raise IntegrityError(f"{path} is truncated", "restore again: it is skipped")
+        self.local_bytes += length
+        return data
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
