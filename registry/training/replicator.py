@@ -154,11 +154,16 @@ class Replicator:
             )
 
     def _copy(self, job: Job) -> None:
+        self.copy(job, commit=job.commit)
+
+    def copy(self, job: Job, *, commit: bool) -> None:
+        """Put this rank's files of `job` (and the manifest) and record them; `commit`: then
+        wait for every rank's part and commit the step at tier 1."""
         from registry.catalog import claims
         from registry.lifecycle.checkpoints.shared import record_part
 
         ctx = self.registry.context
-        hold = claims.held(ctx.catalog, job.claim.catalog_claim()) if job.commit else None
+        hold = claims.held(ctx.catalog, job.claim.catalog_claim()) if commit else None
         with hold or contextlib.nullcontext():
             stored = [
                 self._put(job.claim.prefix + f.path, job.directory / f.path, f) for f in job.files
@@ -167,7 +172,7 @@ class Replicator:
                 key = manifest_key(job.claim.ref.project, job.claim.ref.run, job.step)
                 self._put(key, job.directory / MANIFEST, None)
             record_part(ctx, job.claim, stored)
-            if job.commit:
+            if commit:
                 job.result = self._commit(job)
 
     def _put(self, key: str, path: Path, record: FileRecord | None) -> Stored:

@@ -322,16 +322,42 @@ class LocalTier:
         import torch.distributed as dist
 
         from registry.layout import checkpoint_prefix
+
+        m = self.manager
+        layout: list[Any] = [self.node]
+        if dist.is_initialized():
+            layout = [None] * dist.get_world_size()
+            dist.all_gather_object(layout, self.node)
+        chosen = self._choose(layout)
+        # Steps an earlier job saved at tier 0 and died before copying: this job copies them.
+        # Those newer than what it can read now are copied first, and read from the store.
+        adopted = self._adopt(layout)
+        newer = [j for j in adopted if chosen is None or j.step > chosen[0]]
+        if newer:
+            self._copy_now(newer)
+            chosen = self._choose(layout)
+        for job in adopted:
+            if job not in newer:
+                self.replicator.submit(job)
+        if chosen is None:
+            return None
+        step, cand, usable, notes = chosen
+        directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
+        prefix = checkpoint_prefix(m.project, m.run, step)
+        versions = {f[0]: f[4] for f in cand["files"] if f[4]}
+        store = self.registry.store if cand["state"] == "committed" else None
+        reader = TieredStore(store, prefix, {p: directory / p for p in usable})
+        return step, reader, prefix, versions, notes
+
+    def _choose(self, layout: list[str]) -> tuple[int, dict[str, Any], set[str], list[str]] | None:
+        """Every rank: the newest step this job can read (its candidate record and the files
+        this rank reads from its node), with notes on the tier-0 steps it could not."""
         from registry.lifecycle.checkpoints.tiers import restore_candidates
 
         m = self.manager
         candidates = ranks.from_rank0(
             lambda: restore_candidates(self.registry.context, m.project, m.run)
         )
-        layout: list[Any] = [self.node]
-        if dist.is_initialized():
-            layout = [None] * dist.get_world_size()
-            dist.all_gather_object(layout, self.node)
         notes: list[str] = []
         for cand in candidates:
             step = int(cand["step"])
@@ -339,14 +365,73 @@ class LocalTier:
             usable, note = self._usable(cand, directory, layout)
             if note:
                 notes.append(note)
-            if usable is None:
-                continue
-            prefix = checkpoint_prefix(m.project, m.run, step)
-            versions = {f[0]: f[4] for f in cand["files"] if f[4]}
-            store = self.registry.store if cand["state"] == "committed" else None
-            reader = TieredStore(store, prefix, {p: directory / p for p in usable})
-            return step, reader, prefix, versions, notes
+            if usable is not None:
+                return step, cand, usable, notes
         return None
+
+    def _copy_now(self, jobs: list[Job]) -> None:
+        """Copy `jobs` to the store before the restore reads (every rank its share), then
+        rank 0 commits each at tier 1; a failure on any rank leaves the step at tier 0."""
+        from registry.lifecycle.checkpoints.tiers import commit_replicated
+
+        now = Replicator(self.registry, bytes_per_s=None, on_error="raise")
+        for job in sorted(jobs, key=lambda j: j.step):
+            problem: RegistryError | None = None
+            try:
+                now.copy(job, commit=False)
+            except RegistryError as exc:
+                problem = exc
+            except Exception as exc:
+                problem = RegistryError(f"copying {job.claim.ref} failed: {exc}")
+            try:
+                ranks.agree(problem)
+                ranks.from_rank0(
+                    lambda job=job: commit_replicated(self.registry.context, job.claim, 0.0)
+                )
+            except RegistryError as exc:
+                warnings.warn(f"reg: {exc}", stacklevel=1)
+
+    def _adopt(self, layout: list[str]) -> list[Job]:
+        """Take over the copy to the store of the run's tier-0 steps whose job died before it
+        was done, where this job's nodes hold them: rank 0 takes each replication claim, and
+        each node's ranks share the uploads of the node's files."""
+        from registry.formats.documents import FileRecord
+        from registry.lifecycle.checkpoints.shared import SharedClaim
+
+        if not self.replicate:
+            return []
+        m = self.manager
+
+        def take() -> list[tuple[int, int, str, list[Any], dict[str, list[str]]]]:
+            from registry.errors import Conflict
+            from registry.lifecycle.checkpoints.tiers import claim_replication, stranded
+
+            ctx = self.registry.context
+            taken = []
+            for s in stranded(ctx, m.project, m.run):
+                held = {p for files in s["nodes"].values() for p in files}
+                if set(s["nodes"]) - set(layout) or held != {f[0] for f in s["files"]}:
+                    continue  # a node that holds part of it is not in this job
+                try:
+                    shared = claim_replication(ctx, CheckpointRef(m.project, m.run, s["step"]))
+                except Conflict:
+                    continue
+                taken.append((s["step"], shared.row_id, shared.token, s["files"], s["nodes"]))
+            return taken
+
+        peers = [r for r, node in enumerate(layout) if node == self.node]
+        index = peers.index(ranks.current_rank())
+        jobs = []
+        for step, row_id, token, files, nodes in ranks.from_rank0(take):
+            held = sorted(nodes.get(self.node, []))
+            share = set(held[index :: len(peers)])
+            records = [FileRecord(f[0], f[1], f[2], f[3]) for f in files if f[0] in share]
+            claim = SharedClaim(CheckpointRef(m.project, m.run, step), row_id, token)
+            directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
+            manifest = index == 0 and local_tier.METADATA in held
+            commit = ranks.current_rank() == 0
+            jobs.append(Job(claim, directory, records, manifest, commit))
+        return jobs
 
     def _usable(
         self, cand: dict[str, Any], directory: Path, layout: list[str]

@@ -270,3 +270,39 @@ def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[
             )
         ).all()
     return {int(step): str(state) for step, state in rows}
+
+
+def stranded(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
+    """The run's tier-0 steps whose copy to the store nobody is making (the job that saved
+    them died): each with its files (path, size, sha256, rank) and the nodes holding a copy."""
+    ctx.authorize_read(project=project)
+    out: list[dict[str, Any]] = []
+    with ctx.catalog.session() as s:
+        found = queries.find_run(s, project, run)
+        if found is None:
+            return out
+        rows = s.exec(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == found.id, Checkpoint.state == LOCAL)
+            .order_by(col(Checkpoint.step))
+        ).all()
+        for row in rows:
+            if claims.is_live(row):
+                continue
+            copies = s.exec(
+                select(CheckpointTier).where(
+                    CheckpointTier.checkpoint_id == row.id,
+                    CheckpointTier.tier == 0,
+                    col(CheckpointTier.evicted_at).is_(None),
+                )
+            ).all()
+            out.append(
+                {
+                    "step": row.step,
+                    "files": [
+                        (f.path, f.size, f.sha256, f.rank) for f in queries.files_of(s, row.id or 0)
+                    ],
+                    "nodes": {c.node: list(c.files) for c in copies},
+                }
+            )
+    return out
