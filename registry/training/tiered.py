@@ -261,6 +261,7 @@ class LocalTier:
                     nodes=local_tier.nodes_of(reports),
                     write_manifest=local_tier.manifest_writer(save.writer.directory),
                     token=token,
+                    held=self.replicate,
                 ),
             )
             return result.to_json() | {"tier": 0}, (shared.row_id, token)

@@ -144,14 +144,14 @@ def commit(
     *,
     digests_reported_by: str | None = None,
     save_costs: dict[str, Any] | None = None,
-    local: tuple[str, list[CheckpointTier]] | None = None,
+    local: tuple[str, bool, list[CheckpointTier]] | None = None,
 ) -> PushResult:
     """Make the step visible: committed in one transaction with its files, the audit record and
     the MLflow event, only while the claim is still ours.
 
-    `local` (a replication token, the tier-0 copies): committed at tier 0 only (issue 36): the
-    row becomes `local`, claimed by the replicator that will copy it to the store, and the
-    MLflow event waits for that copy (`tiers.commit_replicated`)."""
+    `local` (a replication token, whether this process holds it, the tier-0 copies): committed
+    at tier 0 only (issue 36): the row becomes `local`, claimed by the replicator that will copy
+    it to the store, and the MLflow event waits for that copy (`tiers.commit_replicated`)."""
     ref = manifest.ref
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
     facts = Checkpoint.facts_of(manifest, manifest_sha256, manifest_version)
@@ -159,6 +159,8 @@ def commit(
     if local is not None:
         facts["state"] = LOCAL
         held_by = claims.claim_columns(local[0])
+        if not local[1]:
+            held_by.update(claim_pid=None, lease_until=0.0)
     with ctx.catalog.session(write=True) as s:
         committed = claims.guarded_update(
             s,
@@ -186,7 +188,7 @@ def commit(
             lift_resume_protection(s, ref)
             emit_committed(ctx, s, manifest, manifest_sha256)
         else:
-            s.add_all(local[1])
+            s.add_all(local[2])
         ctx.audit(
             s,
             "push",

@@ -72,12 +72,14 @@ class LocalCopy:
     """A step committed at tier 0 (issue 36): its files are on the nodes' local disks, not in
     the store. `read` gives a file whole from the coordinator's local directory; `nodes` says
     which node holds which ranks' files; the manifest is written beside the files
-    (`write_manifest`) for the replicator, which holds the claim `token` from the commit on."""
+    (`write_manifest`) for the replicator, which holds the claim `token` from the commit on
+    (`held`; else the claim is left for whoever copies it later)."""
 
     read: Callable[[str], bytes]
     nodes: dict[str, tuple[list[int], list[str]]]
     write_manifest: Callable[[bytes], None]
     token: str
+    held: bool = True  # False: nobody copies it now (the claim is free to take at once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +368,7 @@ def commit_written(
                 upload_seconds,
                 0,
                 save_costs=save_costs,
-                local=(local.token, copies),
+                local=(local.token, local.held, copies),
             )
             return replace(result, resume=fields(facts, ctx.policy.resume))
         version = put_reconciled(

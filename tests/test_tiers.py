@@ -1,0 +1,297 @@
+"""Tier 0 (issue 36): a training job's saves are committed on its nodes' local disks first and
+copied to the store behind it. In-process tests check the catalog's side on SQLite and
+PostgreSQL (the states, the guards, the copy's commit refusing what tier 0 did not record);
+torchrun jobs on simulated nodes check the restores: from tier 0 after a SIGKILL, from the
+store for a node that lost its copies, at another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sqlalchemy import text
+
+from registry import Registry
+from registry.errors import Conflict, IntegrityError, NotFound, RegistryError
+from registry.training import CheckpointManager
+from tests.helpers import torchrun
+
+
+def _state(step: int) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {"model": {"w": torch.randn(64, 64)}, "train_state": {"step": step}}
+
+
+def _manager(reg: Registry, local: Path, **kw: Any) -> CheckpointManager:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CheckpointManager("tiered", registry=reg, local_dir=local, node_id="n0", **kw)
+
+
+def _saved(mgr: CheckpointManager, step: int) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled"
+        assert mgr.save(_state(step), step) is None  # returns once the bytes are durable
+        view = mgr.wait()
+    assert view is not None
+    return view
+
+
+def _sql(reg: Registry, statement: str) -> None:
+    with reg.catalog.engine.begin() as c:  # type: ignore[attr-defined]
+        c.execute(text(statement))
+
+
+def _row_id(reg: Registry, step: int) -> int:
+    with reg.catalog.engine.connect() as c:  # type: ignore[attr-defined]
+        return int(c.execute(text(f"SELECT id FROM checkpoint WHERE step = {step}")).scalar_one())
+
+
+def test_a_tier0_step_is_local_until_copied_and_the_catalog_guards_it(reg, tmp_path):
+    local = tmp_path / "node"
+    mgr = _manager(reg, local, replicate=False)
+    view = _saved(mgr, 1)
+    assert view["state"] == "local" and view["tier"] == 0 and view["world_size"] == 1
+    shown = reg.show("tiered@step1")
+    assert shown["state"] == "local"
+    assert [(t["tier"], t["node"], t["held"], t["files"]) for t in shown["tiers"]] == [
+        (0, "n0", True, 2)
+    ]
+    assert shown["save_costs"]["tier"] == 0 and shown["save_costs"]["ranks"][0]["node"] == "n0"
+    assert [c["state"] for c in reg.list_checkpoints("tiered")] == ["local"]
+    step_dir = local / "default" / "tiered" / "step-1"
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        ".metadata",
+        "MANIFEST.json",
+        "__0_0.distcp",
+    ]
+    # Nothing that reads the store takes it, and `@latest` is a step in the store.
+    with pytest.raises(NotFound, match="is saved at tier 0 only .* not yet in the store"):
+        reg.pull("tiered@step1", tmp_path / "pulled")
+    with pytest.raises(NotFound, match="no committed checkpoints"):
+        reg.show("tiered@latest")
+    with (
+        pytest.raises(Conflict, match=r"tiered@step1 is saved at tier 0 .* being copied"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        CheckpointManager("tiered", registry=reg).save(_state(1), 1)  # a store save
+    # The database refuses what the code never does to a tier-0 row.
+    row = _row_id(reg, 1)
+    for statement, message in (
+        (f"UPDATE checkpoint SET state = 'pending' WHERE id = {row}", "moves only"),
+        (f"UPDATE checkpoint SET bytes = 1 WHERE id = {row}", "immutable"),
+        (f"UPDATE checkpoint SET manifest_version = 'v9' WHERE id = {row}", "immutable"),
+        (f"UPDATE checkpoint SET manifest_sha256 = NULL WHERE id = {row}", "immutable"),
+        (f"DELETE FROM checkpoint WHERE id = {row}", "never deleted"),
+    ):
+        with pytest.raises(Exception, match=message):
+            _sql(reg, statement)
+    mgr.close()
+
+
+def test_the_copy_to_the_store_commits_only_what_tier0_recorded(reg, tmp_path):
+    """A node's copy changed after the save is not copied (the step stays at tier 0); a part
+    record that names other bytes is refused by the commit; the real copy commits at tier 1
+    and the store then holds exactly the recorded bytes."""
+    from registry.lifecycle.checkpoints.shared import record_part
+    from registry.lifecycle.checkpoints.tiers import claim_replication, commit_replicated
+    from registry.refs import CheckpointRef
+    from registry.training.replicator import Job, Replicator
+    from registry.transfer import Stored
+
+    local = tmp_path / "node"
+    mgr = _manager(reg, local, replicate=False)
+    _saved(mgr, 1)
+    mgr.close()
+    ref = CheckpointRef("default", "tiered", 1)
+    step_dir = local / "default" / "tiered" / "step-1"
+    shard = step_dir / "__0_0.distcp"
+    files = [f for f in reg.show("tiered@step1")["files"]]
+    records = _records(files)
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped
+    claim = claim_replication(reg.context, ref)
+    copier = Replicator(reg, bytes_per_s=None, on_error="raise")
+    job = Job(claim, step_dir, records, manifest=True, commit=True)
+    with pytest.raises(RegistryError, match="not the file the save recorded"):
+        copier.copy(job, commit=True)
+    assert reg.show("tiered@step1")["state"] == "local"
+    shard.write_bytes(original)
+    # A writer's record naming other bytes than tier 0 recorded, or naming the recorded
+    # bytes without putting them (a writer that "exits 0 without copying"): refused.
+    for digest, message in (
+        ("0" * 64, "is not the file tier 0 recorded"),
+        (None, "not in the store"),
+    ):
+        claim = _retaken(reg, ref, claim)
+        said = [Stored(claim.prefix + r.path, r.size, digest or r.sha256, False) for r in records]
+        record_part(reg.context, claim, said)
+        with pytest.raises(IntegrityError, match=message):
+            commit_replicated(reg.context, claim, 1.0)
+        assert reg.show("tiered@step1")["state"] == "local"
+    claim = _retaken(reg, ref, claim)
+    # The real copy, from scratch.
+    Replicator(reg, bytes_per_s=None, on_error="raise").copy(
+        Job(claim, step_dir, records, manifest=True, commit=True), commit=True
+    )
+    shown = reg.show("tiered@step1")
+    assert shown["state"] == "committed"
+    assert [(t["tier"], t["held"]) for t in shown["tiers"]] == [(0, True), (1, True)]
+    out = reg.pull("tiered@step1", tmp_path / "pulled")
+    assert (tmp_path / "pulled" / "__0_0.distcp").read_bytes() == original
+    assert out["manifest_sha256"] == shown["manifest_sha256"]
+
+
+def _records(files: list[dict[str, Any]]) -> list[Any]:
+    from registry.formats.documents import FileRecord
+
+    return [FileRecord(f["path"], f["size"], f["sha256"], f.get("rank")) for f in files]
+
+
+def _retaken(reg: Registry, ref: Any, claim: Any) -> Any:
+    """The claim given up, as a dead replicator's runs out; then taken over afresh."""
+    from registry.catalog import claims
+    from registry.lifecycle.checkpoints.tiers import claim_replication
+
+    claims.expire(reg.catalog, claim.catalog_claim())
+    with reg.catalog.engine.begin() as c:  # type: ignore[attr-defined]
+        c.execute(text(f"UPDATE checkpoint SET claim_pid = NULL WHERE id = {claim.row_id}"))
+    return claim_replication(reg.context, ref)
+
+
+def test_a_node_keeps_its_newest_copies_and_every_copy_not_yet_in_the_store(reg, tmp_path):
+    local = tmp_path / "node"
+    run_dir = local / "default" / "tiered"
+    mgr = _manager(reg, local, replicate=False, keep_local=1)
+    for step in (1, 2, 3):
+        _saved(mgr, step)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-1", "step-2", "step-3"]
+    mgr.close()
+    mgr = _manager(reg, local, keep_local=1)  # replicates: the older steps go once copied
+    assert mgr.restore(_state(0)) == 3
+    _saved(mgr, 4)
+    mgr.wait(replicated=True)
+    _saved(mgr, 5)  # its tier-0 commit evicts what is in the store, but the newest
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-5"]
+    mgr.close()
+    shown = reg.show("tiered@step2")
+    assert shown["state"] == "committed"
+    assert [(t["tier"], t["held"]) for t in shown["tiers"]] == [(0, False), (1, True)]
+    assert shown["tiers"][0]["evicted_at"] is not None
+
+
+def test_bad_tier_settings_are_one_line(reg, tmp_path):
+    with pytest.raises(RegistryError, match="on_error='ignore'"):
+        _manager(reg, tmp_path, on_error="ignore")
+    with pytest.raises(RegistryError, match="keep_local=0"):
+        _manager(reg, tmp_path, keep_local=0)
+    with pytest.raises(RegistryError, match="node_id"):
+        CheckpointManager("r", registry=reg, local_dir=tmp_path, node_id="../up")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RegistryError, match="local_dir .*file"):
+        CheckpointManager("r", registry=reg, local_dir=blocker / "sub")
+
+
+# -- torchrun jobs on simulated nodes ------------------------------------------------------------
+
+
+def _local() -> Path:
+    return Path(os.environ["REG_HOME"]) / "nodes"  # kept with REG_HOME across a retried attempt
+
+
+def _job(nproc: int, *args: str, killed: bool = False) -> None:
+    torchrun(
+        "examples.train_with_manager",
+        nproc,
+        ["--local-dir", str(_local()), *args],
+        keep=Path(os.environ["REG_HOME"]),
+        env_extra={"PYTHONWARNINGS": "ignore"},
+        killed=killed,
+    )
+
+
+def _states(run: str) -> dict[int, str]:
+    with Registry() as reg:
+        return {c["step"]: c["state"] for c in reg.list_checkpoints(run)}
+
+
+@pytest.mark.process
+def test_a_job_killed_before_its_copy_resumes_exactly_from_tier0(tmp_path, cli):
+    """Async saves while the loop all-reduces every step; SIGKILL once step 3 is at tier 0
+    with its copy crawling at 20 kB/s: the restart restores step 3 from the node's own copy
+    (every byte read locally), copies the left steps to the store, and trains on with the
+    same losses as a job never interrupted."""
+    straight, cut = tmp_path / "straight.json", tmp_path / "cut.json"
+    _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+    assert set(_states("straight").values()) == {"committed"}  # close() waits for the copy
+    slow = ["--replicate-rate", "20000"]
+    _job(2, "--run-name", "cut", "--until", "5", "--async", *slow, "--kill-after-tier0", "3",
+         "--losses", str(cut), killed=True)  # fmt: skip
+    assert _states("cut") == {1: "local", 2: "local", 3: "local"}
+    res = cli("pull", "cut@step3", tmp_path / "pulled")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "cut@step3 is saved at tier 0 only" in res.stderr.strip().splitlines()[-1]
+    report = tmp_path / "report.json"
+    _job(2, "--run-name", "cut", "--until", "5", "--async", "--losses", str(cut),
+         "--report", str(report))  # fmt: skip
+    assert json.loads(report.read_text())["resumed"] == 3
+    assert json.loads(cut.read_text()) == json.loads(straight.read_text())
+    assert _states("cut") == {s: "committed" for s in (1, 2, 3, 4, 5)}
+    with Registry() as reg:
+        (restore,) = reg.show("cut@step3")["restores"]
+    assert restore["phases"]["local_bytes"] == restore["phases"]["bytes"] > 0
+
+
+@pytest.mark.process
+def test_a_node_without_its_copies_reads_the_store_and_so_does_another_world_size(tmp_path):
+    """Two simulated nodes: node1 loses its local directory; the restart restores step 3,
+    node0's ranks from their own copies, node1's from the store, exactly. A job at world size
+    3 then restores the same state from the store alone."""
+    straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
+    _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+    _job(2, "--run-name", "two", "--until", "3", "--nodes", "2", "--losses", str(losses))
+    with Registry() as reg:
+        tiers = reg.show("two@step3")["tiers"]
+    assert [(t["tier"], t["node"], t["ranks"]) for t in tiers] == [
+        (0, "node0", [0]),
+        (0, "node1", [1]),
+        (1, None, [0, 1]),
+    ]
+    shutil.rmtree(_local() / "node1")
+    report, five = tmp_path / "report.json", tmp_path / "five.pt"
+    _job(2, "--run-name", "two", "--until", "5", "--nodes", "2", "--losses", str(losses),
+         "--report", str(report), "--dump", str(five))  # fmt: skip
+    assert json.loads(report.read_text())["resumed"] == 3
+    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    with Registry() as reg:
+        (restore,) = reg.show("two@step3")["restores"]
+    assert 0 < restore["phases"]["local_bytes"] < restore["phases"]["bytes"]
+    three = tmp_path / "three.pt"
+    _job(3, "--run-name", "two", "--steps", "0", "--nodes", "3", "--dump", str(three),
+         "--report", str(report))  # fmt: skip
+    assert json.loads(report.read_text())["resumed"] == 5
+    saved, restored = torch.load(five, weights_only=True), torch.load(three, weights_only=True)
+    for part in ("model", "optimizer"):
+        assert _flat(saved[part]) == _flat(restored[part]), part
+    with Registry() as reg:
+        at_three = [r for r in reg.show("two@step5")["restores"] if r["world_size"] == 3]
+    assert at_three and at_three[0]["phases"]["local_bytes"] == 0
+
+
+def _flat(value: Any, where: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{where}.{k}"))
+        return out
+    if isinstance(value, torch.Tensor):
+        return {where: (value.dtype, value.shape, value.flatten().tolist())}
+    return {where: value}
