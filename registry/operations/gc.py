@@ -25,6 +25,7 @@ from registry.catalog.models import (
     COMMITTED,
     DELETED,
     DELETING,
+    LOCAL,
     PENDING,
     SWEEPING,
     YANKED,
@@ -480,13 +481,14 @@ def _mark_sweeping(ctx: Context, row: Checkpoint) -> bool:
 
 
 def _live_claim_keys(ctx: Context) -> Callable[[str], bool]:
-    """Keys under a step some push still holds: its writes in flight are not orphans."""
+    """Keys under a step some push (or a replicator) still holds: its writes in flight are not
+    orphans."""
     with ctx.catalog.session() as s:
         pending = s.exec(
             select(Checkpoint, Run.name, Project.name)
             .join(Run, col(Run.id) == Checkpoint.run_id)
             .join(Project, col(Project.id) == Run.project_id)
-            .where(Checkpoint.state == PENDING)
+            .where(col(Checkpoint.state).in_((PENDING, LOCAL)))  # LOCAL: a copy to tier 1
         ).all()
     live = {(p, r, c.step) for c, r, p in pending if claims.is_live(c)}
 
