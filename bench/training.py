@@ -9,7 +9,8 @@ in a job the cases alternate, each output deleted and synced before the next; me
 
 1. Sync save, the training loop's stall (slowest rank): (a) `manager.save(state, step)`,
    (b) `dcp.save` to a directory + `reg push-ckpt` from rank 0, (c) bare `dcp.save`.
-   Ratios (b)/(a) (target >= 1.5x) and (c)/(a) (target >= 0.9x).
+   Ratios (b)/(a) (target >= 1.5x) and (c)/(a) (target >= 0.9x); (t) the tier-0 save
+   (`local_dir`, issue 36) to the same disk as (c): (c)/(t) (target >= 0.9x).
 2. Async save: the stall, the time until committed (reg) or pushed (`dcp.async_save` + `reg
    push-ckpt`), and a fixed compute step's time while the save persists against before it.
 3. Aggregate write throughput of the sync save at each world size.
@@ -77,6 +78,14 @@ def bench_sync(work: Path, gib: float, repeat: int, nproc: int) -> tuple[list[st
     )
     persist = med([cost["persist_seconds"] for cost in r["a_costs"]])
     lines.append(say(f"{'  (a) recorded persist_seconds':<44} {persist:.3f}s"))
+    t, committed = med(r["t"]), med(r["t_commit"])
+    lines.append(report("(t) tier-0 save vs (c) bare dcp.save", t, c, "dcp.save"))
+    lines.append(
+        say(
+            f"{'  targets':<44} (c)/(t) {c / t:.2f}x (>= 0.9x)   runs: t {_list(r['t'])}   "
+            f"until committed at tier 0 {committed:.3f}s"
+        )
+    )
     return lines, a, total
 
 

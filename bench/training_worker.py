@@ -12,6 +12,9 @@ synced before the next case:
   a  `CheckpointManager(run).save(state, step)` (every rank writes into the store, rank 0 commits)
   b  `dcp.save` to a local directory, then rank 0 runs `reg push-ckpt` (every rank waits for it)
   c  bare `dcp.save` to a local directory
+  t  `CheckpointManager(run, local_dir=DIR).save(state, step)`: tier 0 (issue 36), to the same
+     disk as c; its background hashing and tier-0 commit are timed apart (`t_commit`: from the
+     call to `wait()`'s return); no copy to the store runs (`replicate=False`)
 Each time is the slowest rank's, from a barrier to the call's return.
 
 `--mode async`: `manager.save(..., async_=True)` against `dcp.async_save` (its own gloo group)
@@ -154,8 +157,10 @@ def bench_sync(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any
     manager = CheckpointManager("mgr")
     manager.restore(state)  # the registry opened, as at a training job's start
     out: dict[str, Any] = {name: [] for name in args.cases}
-    out["a_costs"] = []
+    out["a_costs"], out["t_commit"] = [], []
     work: Path = args.work
+    tier_dir = work / "tier0"
+    tier = CheckpointManager("tier", local_dir=tier_dir, replicate=False, keep_local=1)
 
     def case(name: str, step: int) -> float:
         d = work / f"dcp-{name}-{step}"
@@ -172,6 +177,10 @@ def bench_sync(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any
 
             t = timed(save_then_push)
             clean(d, stored(manager, "push", step))
+        elif name == "t":
+            t = timed(lambda: tier.save(state, step))
+            out["t_commit"].append(t + timed(tier.wait))  # hashed and committed at tier 0
+            clean(tier_dir / "default" / "tier" / f"step-{step}")
         else:
             t = timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(str(d))))
             clean(d)
@@ -179,6 +188,9 @@ def bench_sync(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any
 
     warm = tiny_state()
     manager.save(warm, 0)
+    if "t" in args.cases:
+        tier.save(warm, 0)
+        tier.wait()
     if "b" in args.cases or "c" in args.cases:
         dcp.save(warm, storage_writer=FileSystemWriter(str(work / "dcp-warm")))
         dist.barrier()
@@ -191,6 +203,7 @@ def bench_sync(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any
         for name in names[k:] + names[:k]:
             out[name].append(case(name, i))
     manager.close()
+    tier.close()
     return out
 
 
@@ -325,7 +338,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gib", type=float, default=0.5)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--cases", default="a,b,c", help="sync mode: which of a, b, c")
+    parser.add_argument("--cases", default="a,b,c,t", help="sync mode: which of a, b, c, t")
     args = parser.parse_args()
     args.cases = [c for c in args.cases.split(",") if c]
     torch.set_num_threads(1)

@@ -295,3 +295,18 @@ def _flat(value: Any, where: str = "") -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
         return {where: (value.dtype, value.shape, value.flatten().tolist())}
     return {where: value}
+
+
+@pytest.mark.process
+def test_through_reg_server_tier0_is_refused_in_one_line(reg_server, tmp_path):
+    """Not built yet through the server: said before a byte is written, nothing committed."""
+    mgr = CheckpointManager("served", local_dir=tmp_path / "node")
+    with (
+        pytest.raises(RegistryError, match="local_dir is not available through reg server"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        mgr.save(_state(1), 1)
+    assert not (tmp_path / "node" / "default").exists()
+    with Registry() as reg:
+        assert reg.list_checkpoints("served") == []
