@@ -12,7 +12,8 @@ in a job the cases alternate, each output deleted and synced before the next; me
    Ratios (b)/(a) (target >= 1.5x) and (c)/(a) (target >= 0.9x); (t) the tier-0 save
    (`local_dir`, issue 36) to the same disk as (c): (c)/(t) (target >= 0.9x).
 2. Async save: the stall, the time until committed (reg) or pushed (`dcp.async_save` + `reg
-   push-ckpt`), and a fixed compute step's time while the save persists against before it.
+   push-ckpt`), and a fixed compute step's time while the save persists against before it;
+   the same for the tier-0 save (`local_dir`), whose stall is compared with `dcp.async_save`'s.
 3. Aggregate write throughput of the sync save at each world size.
 """
 
@@ -111,7 +112,25 @@ def bench_async(work: Path, gib: float, repeat: int, nproc: int) -> list[str]:
             f"   persist_seconds {med(r['reg_recorded_persist']):.3f}s"
         )
     )
-    for who, name in (("reg", "reg"), ("dcp", "dcp.async_save + push-ckpt")):
+    lines.append(
+        report(
+            "tier-0 stall vs dcp.async_save's",
+            med(r["tier_stall"]),
+            med(r["dcp_stall"]),
+            "dcp.async",
+        )
+    )
+    lines.append(
+        say(
+            f"{'  tier 0, until committed there':<44} {med(r['tier_persist']):.3f}s"
+            f"   runs: tier {_list(r['tier_stall'])} dcp {_list(r['dcp_stall'])}"
+        )
+    )
+    for who, name in (
+        ("reg", "reg"),
+        ("tier", "reg, tier 0"),
+        ("dcp", "dcp.async_save + push-ckpt"),
+    ):
         outside, during = med(r[f"{who}_outside"]), _med_or_nan(r[f"{who}_during"])
         lines.append(
             say(

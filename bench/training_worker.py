@@ -272,8 +272,10 @@ def bench_async(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, An
     a = torch.randn(MATMUL_DIM, MATMUL_DIM, generator=gen)
     b = torch.randn(MATMUL_DIM, MATMUL_DIM, generator=gen)
     keys = ("stall", "persist", "recorded_persist", "recorded_stall", "outside", "during")
-    out: dict[str, Any] = {f"{who}_{k}": [] for who in ("reg", "dcp") for k in keys}
+    out: dict[str, Any] = {f"{who}_{k}": [] for who in ("reg", "dcp", "tier") for k in keys}
     work: Path = args.work
+    tier_dir = work / "tier0"
+    tier = CheckpointManager("tier-async", local_dir=tier_dir, replicate=False, keep_local=1)
 
     def reg_case(step: int) -> None:
         out["reg_outside"] += steps_outside(a, b)
@@ -289,6 +291,23 @@ def bench_async(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, An
         out["reg_recorded_persist"].append(costs.get("persist_seconds"))
         out["reg_recorded_stall"].append(costs.get("stall_seconds"))
         clean(stored(manager, "mgr-async", step))
+
+    def tier_case(step: int) -> None:
+        """Tier 0 (issue 36), async: staged, then written to the node's disk, hashed and
+        committed at tier 0 in the background (no copy to the store)."""
+        out["tier_outside"] += steps_outside(a, b)
+        dist.barrier()
+        start = time.perf_counter()
+        tier.save(state, step, async_=True)
+        stall = time.perf_counter() - start
+        done, box = in_background(lambda: tier.wait())
+        out["tier_during"] += steps_while(a, b, done)
+        out["tier_stall"].append(slowest(stall))
+        out["tier_persist"].append(slowest(ended(box) - start))
+        costs = save_costs(tier, "tier-async", step)
+        out["tier_recorded_persist"].append(costs.get("persist_seconds"))
+        out["tier_recorded_stall"].append(costs.get("stall_seconds"))
+        clean(tier_dir / "default" / "tier-async" / f"step-{step}")
 
     def dcp_case(step: int) -> None:
         d = work / f"dcp-async-{step}"
@@ -317,11 +336,15 @@ def bench_async(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, An
     if dist.get_rank() == 0:
         push(work / "dcp-warm", "push-async", 0)
     clean(work / "dcp-warm")
+    tier.save(warm, 0, async_=True)
+    tier.wait()
+    cases = [reg_case, dcp_case, tier_case]
     for i in range(1, args.repeat + 1):
-        order = [reg_case, dcp_case] if i % 2 else [dcp_case, reg_case]
-        for run_case in order:
+        k = (i - 1) % len(cases)
+        for run_case in cases[k:] + cases[:k]:
             run_case(i)
     manager.close()
+    tier.close()
     return out
 
 

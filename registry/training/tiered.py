@@ -124,9 +124,11 @@ class LocalTier:
             async_ = False
         directory = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
         writer = LocalWriter(directory, thread_count=self.manager.thread_count)
+        # The manager's own group, made here: making it is a collective on the default group,
+        # which the background thread must never run beside the loop's own collectives.
+        group = self.manager._group()
         future = None
         if async_:
-            group = self.manager._group()
             future = checked(
                 lambda: dcp.async_save(state, storage_writer=writer, process_group=group)
             )
@@ -149,7 +151,9 @@ class LocalTier:
 
         flat, _ = flatten_state_dict(state)
         size = sum(
-            v.untyped_storage().nbytes() for v in flat.values() if isinstance(v, torch.Tensor)
+            (v.to_local() if hasattr(v, "to_local") else v).nbytes
+            for v in flat.values()
+            if isinstance(v, torch.Tensor)
         )
         if size <= self.staging_budget:
             return False
@@ -209,8 +213,12 @@ class LocalTier:
         save.result = view
         self.newest_saved = save.ref.step
         assert isinstance(mine, RankFiles)
-        if self.replicate:
-            self._replicate(save, mine, token, view)
+        try:
+            if self.replicate:
+                self._replicate(save, mine, token, view)
+        except Exception as exc:  # the step is committed at tier 0; its copy waits for a job
+            message = f"reg: the copy of {save.ref} to the store did not start: {exc}"
+            warnings.warn(message, stacklevel=1)
         self._evict(reports)
 
     def _commit(self, save: TierSave, reports: list[Any]) -> Any:
