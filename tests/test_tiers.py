@@ -187,6 +187,37 @@ def test_a_node_keeps_its_newest_copies_and_every_copy_not_yet_in_the_store(reg,
     assert shown["tiers"][0]["evicted_at"] is not None
 
 
+def test_a_damaged_node_copy_is_neither_restored_nor_copied(reg, tmp_path):
+    """A bit flipped in the node's only copy of a step not yet in the store: the restore
+    re-hashes it, says why it is skipped, and the copy to the store refuses it (warned, the
+    step stays at tier 0)."""
+    local = tmp_path / "node"
+    first = _manager(reg, local, replicate=False)
+    _saved(first, 1)
+    first.close()
+    shard = local / "default" / "tiered" / "step-1" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    second = _manager(reg, local)
+    with pytest.warns(UserWarning, match="not the file the save recorded"):
+        assert second.restore(_state(0)) is None
+    assert second.resume_notes == [
+        "step 1 is not yet in the store, and node n0's copy is damaged "
+        "(__0_0.distcp: its sha256 is not the one recorded)"
+    ]
+    assert reg.show("tiered@step1")["state"] == "local"
+    second.close()
+
+
+def test_an_async_save_over_the_staging_budget_is_saved_synchronously(reg, tmp_path):
+    mgr = _manager(reg, tmp_path / "node", replicate=False, staging_budget_bytes=1024)
+    with pytest.warns(UserWarning, match="exceed staging_budget_bytes=1024: saving synchronously"):
+        mgr.save(_state(1), 1, async_=True)
+    mgr.wait()
+    assert reg.show("tiered@step1")["save_costs"]["async"] is False
+    mgr.close()
+
+
 def test_bad_tier_settings_are_one_line(reg, tmp_path):
     with pytest.raises(RegistryError, match="on_error='ignore'"):
         _manager(reg, tmp_path, on_error="ignore")

@@ -162,8 +162,10 @@ def verify_local(directory: Path, records: list[tuple[str, int, str]]) -> list[s
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror or exc}")
             continue
-        if (got_size, got) != (size, digest):
-            problems.append(f"{path}: not the bytes saved ({got_size} bytes, {size} recorded)")
+        if got_size != size:
+            problems.append(f"{path}: {got_size} bytes, {size} recorded")
+        elif got != digest:
+            problems.append(f"{path}: its sha256 is not the one recorded")
     return problems
 
 

@@ -289,6 +289,7 @@ class CheckpointManager:
         if self._tier is not None:  # the newest step at any tier this job can read
             found = self._tier.locate()
             if found is None:
+                self.resume_notes = self._tier.notes
                 return None
             newest_step, tiered, prefix, versions, tier_notes = found
         else:

@@ -85,6 +85,7 @@ class LocalTier:
         self.bytes_per_s = replicate_bytes_per_s
         self.pending: TierSave | None = None
         self.newest_saved: int | None = None
+        self.notes: list[str] = []  # the last restore's, on the tier-0 steps it skipped
         self._replicator: Replicator | None = None
         self._warned_staging = False
 
@@ -368,6 +369,7 @@ class LocalTier:
             lambda: restore_candidates(self.registry.context, m.project, m.run)
         )
         notes: list[str] = []
+        self.notes = notes  # what the manager says (`resume_notes`) if nothing is found
         for cand in candidates:
             step = int(cand["step"])
             directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
