@@ -187,6 +187,30 @@ def test_a_node_keeps_its_newest_copies_and_every_copy_not_yet_in_the_store(reg,
     assert shown["tiers"][0]["evicted_at"] is not None
 
 
+def test_a_save_of_a_step_at_tier0_never_writes_over_its_copy(reg, tmp_path):
+    """A second save of step 1 (a restarted job that resumed from an older step) is written
+    beside the recorded copy, refused when the step is claimed, and removed: the node's copy
+    is the bytes the catalog recorded."""
+    import hashlib
+
+    local = tmp_path / "node"
+    first = _manager(reg, local, replicate=False)
+    _saved(first, 1)
+    first.close()
+    step_dir = local / "default" / "tiered" / "step-1"
+    recorded = {f["path"]: f["sha256"] for f in reg.show("tiered@step1")["files"]}
+    again = _manager(reg, local, replicate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again.save(_state(2), 1)  # other bytes, the same step
+        with pytest.raises(Conflict, match="tiered@step1 is saved at tier 0"):
+            again.wait()
+    held = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step_dir.iterdir()}
+    assert {p: held[p] for p in recorded} == recorded
+    assert sorted(p.name for p in step_dir.parent.iterdir()) == ["step-1"]  # no .partial left
+    again.close()
+
+
 def test_a_damaged_node_copy_is_neither_restored_nor_copied(reg, tmp_path):
     """A bit flipped in the node's only copy of a step not yet in the store: the restore
     re-hashes it, says why it is skipped, and the copy to the store refuses it (warned, the

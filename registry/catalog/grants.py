@@ -47,8 +47,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "key_set": READ_APPEND,  # a checkpoint's key paths (migration 0010; triggers: never changed)
     "checkpoint_keys": READ_APPEND,
     "checkpoint_restore": READ_APPEND,  # the training loop's restores (migration 0011)
-    # Updated in place: a node's eviction of its tier-0 copy (migration 0016).
-    "checkpoint_tier": READ_WRITE,
+    # Which tiers hold a checkpoint (migration 0016): only read behind the server (tier 0 is
+    # saved through the embedded registry alone).
+    "checkpoint_tier": ("SELECT",),
     # Updated in place: a run's resume point, an alias's target, the outbox's progress, a
     # token's revocation and last use.
     "run": READ_WRITE,

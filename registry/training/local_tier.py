@@ -169,6 +169,18 @@ def verify_local(directory: Path, records: list[tuple[str, int, str]]) -> list[s
     return problems
 
 
+def file_ids(directory: Path, paths: list[str]) -> dict[str, tuple[int, int, int, int]]:
+    """Each present file's identity (device, inode, size, mtime): the same file when equal."""
+    out = {}
+    for path in paths:
+        try:
+            st = os.stat(directory / path)
+        except OSError:
+            continue
+        out[path] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
 def evict(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 

@@ -155,7 +155,9 @@ class CheckpointManager:
     ) -> dict[str, Any] | None:
         """Save `state` as run@step on every rank. Synchronous: returns the committed
         checkpoint's view (every rank). `async_=True`: returns once the state is staged in CPU
-        memory (None); `wait()` returns the view. `per_rank`: state that differs by rank, by
+        memory (None); `wait()` returns the view. With `local_dir` (tier 0): returns None once
+        every rank's files are durable on its node (or staged); `wait()` returns the view once
+        the step is committed at tier 0. `per_rank`: state that differs by rank, by
         class (`{"rng": ..., "dataloader": ...}`), saved as `<class>.rank_<r>` for each rank
         (DCP keeps one copy of a key every rank saves alike)."""
         entered = time.monotonic()
@@ -188,14 +190,16 @@ class CheckpointManager:
         # What one rank finds wrong stops every rank, before anything is claimed: a rank that
         # raised alone would leave the others waiting in DCP's collectives.
         problem: RegistryError | None = None
+        ref = CheckpointRef(self.project, self.run, step)
         try:
             state = ranks.with_per_rank(state, per_rank)
             problem = ranks.unloadable(state)
             self.backend.prepare()  # the store or the server, reachable from this rank
+            if self._tier is not None:
+                self._tier.prepare(ref)  # this node's directory for the step, writable
         except RegistryError as exc:
             problem = exc
         ranks.agree(problem)
-        ref = CheckpointRef(self.project, self.run, step)
         if self._tier is not None:
             self._saved_any = True
             self._tier.save(state, ref, metrics, async_, started)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.catalog.claims import LEASE_SECONDS
+from registry.catalog.leases import Heartbeat
 from registry.errors import Conflict, ObjectExists, RegistryError
 from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, manifest_key
@@ -96,13 +98,26 @@ class Replicator:
         self.failed: list[tuple[int, BaseException]] = []
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._beat: Heartbeat | None = None
 
     def submit(self, job: Job) -> None:
         self.jobs[job.step] = job
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="reg-replicator", daemon=True)
             self._thread.start()
+            # Every job's claim is kept alive while it waits or runs: a claim left to run out
+            # would let another job's restore take the copy over under this one.
+            self._beat = Heartbeat(self._renew_all, LEASE_SECONDS / 4)
+            self._beat.__enter__()
         self._queue.put(job)
+
+    def _renew_all(self) -> None:
+        from registry.lifecycle.checkpoints.shared import renew
+
+        for job in list(self.jobs.values()):
+            if not job.done.is_set():
+                with contextlib.suppress(RegistryError):
+                    renew(self.registry.context, job.claim, 0)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every submitted job is done (copied and, on rank 0, committed at tier 1)."""
@@ -119,6 +134,9 @@ class Replicator:
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
+        if self._beat is not None:
+            self._beat.__exit__(None, None, None)
+            self._beat = None
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -165,17 +183,27 @@ class Replicator:
         ctx = self.registry.context
         hold = claims.held(ctx.catalog, job.claim.catalog_claim()) if commit else None
         with hold or contextlib.nullcontext():
+            prefix, claim = job.claim.prefix, job.claim
             stored = [
-                self._put(job.claim.prefix + f.path, job.directory / f.path, f) for f in job.files
+                self._put(prefix + f.path, job.directory / f.path, f, claim) for f in job.files
             ]
             if job.manifest:
-                key = manifest_key(job.claim.ref.project, job.claim.ref.run, job.step)
-                self._put(key, job.directory / MANIFEST, None)
+                key = manifest_key(claim.ref.project, claim.ref.run, job.step)
+                self._put(key, job.directory / MANIFEST, None, claim)
             record_part(ctx, job.claim, stored)
             if commit:
                 job.result = self._commit(job)
 
-    def _put(self, key: str, path: Path, record: FileRecord | None) -> Stored:
+    def _still_ours(self, claim: SharedClaim) -> None:
+        from registry.catalog import claims
+
+        if not claims.still_held(self.registry.context.catalog, claim.catalog_claim()):
+            raise Conflict(
+                f"lost the claim on the copy of {claim.ref} (another job took it over)",
+                "nothing to do: that job copies it",
+            )
+
+    def _put(self, key: str, path: Path, record: FileRecord | None, claim: SharedClaim) -> Stored:
         store = self.registry.store
         limit = self.limit
 
@@ -188,9 +216,11 @@ class Replicator:
         try:
             put = store.put_stream(key, produce)
         except ObjectExists:  # an earlier attempt of this copy, under the same claim
+            self._still_ours(claim)  # never delete what another replicator put
             store.delete(key)
             put = store.put_stream(key, produce)
         if record is not None and (put.size, put.sha256) != (record.size, record.sha256):
+            self._still_ours(claim)
             store.delete(key)
             raise RegistryError(
                 f"{path} is not the file the save recorded ({put.size} bytes now, "

@@ -110,6 +110,24 @@ class LocalTier:
         return self._replicator
 
     # -- saving ---------------------------------------------------------------------------------
+    def prepare(self, ref: CheckpointRef) -> None:
+        """Every rank, before the ranks agree to save: the step's directory for this save
+        (`step-N.partial`, renamed to `step-N` once the step is claimed: a save never writes
+        over a copy the catalog records), and the embedded registry (tier 0 is not built
+        through `reg server` yet). What fails here fails every rank, before a byte is written."""
+        self.registry  # noqa: B018
+        partial = self._partial(ref)
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"{partial}: {exc.strerror or exc}", "local_dir must be writable on every node"
+            ) from None
+
+    def _partial(self, ref: CheckpointRef) -> Path:
+        final = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
+        return final.with_name(final.name + ".partial")
+
     def save(
         self,
         state: dict[str, Any],
@@ -120,11 +138,9 @@ class LocalTier:
     ) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.registry  # noqa: B018  # embedded only (for now): said before anything is written
         if async_ and self._over_staging_budget(state):
             async_ = False
-        directory = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
-        writer = LocalWriter(directory, thread_count=self.manager.thread_count)
+        writer = LocalWriter(self._partial(ref), thread_count=self.manager.thread_count)
         # The manager's own group, made here: making it is a collective on the default group,
         # which the background thread must never run beside the loop's own collectives.
         group = self.manager._group()
@@ -151,17 +167,20 @@ class LocalTier:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         flat, _ = flatten_state_dict(state)
-        size = sum(
+        mine = sum(
             (v.to_local() if hasattr(v, "to_local") else v).nbytes
             for v in flat.values()
             if isinstance(v, torch.Tensor)
         )
+        # Decided together: a rank saving synchronously while another returns to training
+        # would meet the loop's collectives with DCP's.
+        size = int(ranks.gather_max({"bytes": float(mine)})["bytes"])
         if size <= self.staging_budget:
             return False
         if not self._warned_staging:
             self._warned_staging = True
             warnings.warn(
-                f"reg: staging {size} bytes would exceed staging_budget_bytes="
+                f"reg: staging {size} bytes (the largest rank's) would exceed staging_budget_bytes="
                 f"{self.staging_budget}: saving synchronously instead",
                 stacklevel=3,
             )
@@ -185,10 +204,16 @@ class LocalTier:
             self._replicator.raise_failures()
 
     def _finish(self, save: TierSave) -> None:
-        """Every rank, in the background: hash, gather, commit (rank 0), hand to the replicator.
-        Every rank takes part in every collective whatever failed, or the others would wait."""
-        import torch.distributed as dist
+        """Every rank, in the background: hash, gather, claim (rank 0), move the step's
+        directory into place, commit (rank 0), hand to the replicator. Every rank takes part in
+        every collective whatever failed, or the others would wait."""
+        try:
+            self._finish_collectively(save)
+        except BaseException as exc:  # a collective failed: a rank died, the group broke
+            if save.error is None and save.result is None:
+                save.error = RegistryError(f"saving {save.ref} at tier 0 failed: {exc}")
 
+    def _finish_collectively(self, save: TierSave) -> None:
         mine: RankFiles | BaseException
         try:
             if save.future is not None:
@@ -196,17 +221,29 @@ class LocalTier:
             mine = local_tier.hash_own(save.writer, self.node)
         except BaseException as exc:
             mine = exc if isinstance(exc, RegistryError) else RegistryError(f"save failed: {exc}")
-        group = self.manager._group()
-        reports: list[Any] = [mine]
-        if dist.is_initialized():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, mine, group=group)
-        outcome: list[Any] = [None]
-        if ranks.current_rank() == 0:
-            outcome[0] = self._commit(save, reports)
-        if dist.is_initialized():
-            dist.broadcast_object_list(outcome, src=0, group=group)
-        got = outcome[0]
+        reports = self._every_rank(mine)
+        failed = next((r for r in reports if isinstance(r, BaseException)), None)
+        claimed = self._from_rank0(lambda: failed or self._claim(save))
+        partial = save.writer.directory
+        final = local_tier.step_dir(
+            self.local_dir, save.ref.project, save.ref.run, save.ref.step or 0
+        )
+        leader = min(r.rank for r in reports if r.node == self.node) if failed is None else -1
+        if isinstance(claimed, BaseException):
+            if leader == ranks.current_rank() or failed is not None:
+                local_tier.evict(partial)
+            save.error = claimed
+            return
+        moved: RegistryError | None = None
+        if leader == ranks.current_rank():  # this node's copy: where the catalog will say
+            try:
+                local_tier.evict(final)  # a leftover: the claim says no row has a copy there
+                partial.rename(final)
+            except OSError as exc:
+                moved = RegistryError(f"{final}: {exc.strerror or exc}")
+        moves = self._every_rank(moved)
+        problem = next((m for m in moves if m is not None), None)
+        got = self._from_rank0(lambda: self._commit(save, reports, claimed, final, problem))
         if isinstance(got, BaseException):
             save.error = got
             return
@@ -216,23 +253,61 @@ class LocalTier:
         assert isinstance(mine, RankFiles)
         try:
             if self.replicate:
-                self._replicate(save, mine, token, view)
+                self._replicate(save, final, mine, token)
         except Exception as exc:  # the step is committed at tier 0; its copy waits for a job
             message = f"reg: the copy of {save.ref} to the store did not start: {exc}"
             warnings.warn(message, stacklevel=1)
         self._evict(reports)
 
-    def _commit(self, save: TierSave, reports: list[Any]) -> Any:
-        """Rank 0: the claim and the tier-0 commit; (view, replication token) or the error."""
-        from registry.catalog import claims
-        from registry.lifecycle.checkpoints.shared import LocalCopy, claim, commit_written
+    def _every_rank(self, value: Any) -> list[Any]:
+        """Every rank's `value`, on the manager's own group (a background thread)."""
+        import torch.distributed as dist
 
-        failed = next((r for r in reports if isinstance(r, BaseException)), None)
-        if failed is not None:
-            return failed
+        if not dist.is_initialized():
+            return [value]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, value, group=self.manager._group())
+        return every
+
+    def _from_rank0(self, call: Any) -> Any:
+        """Rank 0's `call()` (a value or an error) on every rank, on the manager's group."""
+        import torch.distributed as dist
+
+        got: list[Any] = [None]
+        if ranks.current_rank() == 0:
+            try:
+                got[0] = call()
+            except RegistryError as exc:
+                got[0] = exc
+            except Exception as exc:
+                got[0] = RegistryError(f"tier 0: {type(exc).__name__}: {exc}")
+        if dist.is_initialized():
+            dist.broadcast_object_list(got, src=0, group=self.manager._group())
+        return got[0]
+
+    def _claim(self, save: TierSave) -> Any:
+        from registry.lifecycle.checkpoints.shared import claim
+
+        return claim(self.registry.context, save.ref)
+
+    def _commit(
+        self,
+        save: TierSave,
+        reports: list[Any],
+        shared: Any,
+        final: Path,
+        problem: RegistryError | None,
+    ) -> Any:
+        """Rank 0, holding the claim: the tier-0 commit; (view, replication token). A node
+        that could not move its copy into place: the claim is given up, the error returned."""
+        from registry.catalog import claims
+        from registry.lifecycle.checkpoints.shared import LocalCopy, commit_written, give_up
+
+        ctx = self.registry.context
+        if problem is not None:
+            give_up(ctx, shared)
+            return problem
         try:
-            ctx = self.registry.context
-            shared = claim(ctx, save.ref)
             files = [f for r in reports for f in r.files]
             by_path = {f.path: f for f in files}
             token = claims.new_token()
@@ -266,9 +341,9 @@ class LocalTier:
                 upload_seconds=persist,
                 own_writer=True,
                 local=LocalCopy(
-                    read=local_tier.reader_of(save.writer.directory, by_path),
+                    read=local_tier.reader_of(final, by_path),
                     nodes=local_tier.nodes_of(reports),
-                    write_manifest=local_tier.manifest_writer(save.writer.directory),
+                    write_manifest=local_tier.manifest_writer(final),
                     token=token,
                     held=self.replicate,
                 ),
@@ -280,15 +355,13 @@ class LocalTier:
             return RegistryError(f"committing {save.ref} at tier 0 failed: {exc}")
 
     def _replicate(
-        self, save: TierSave, mine: RankFiles, token: tuple[int, str], view: dict[str, Any]
+        self, save: TierSave, final: Path, mine: RankFiles, token: tuple[int, str]
     ) -> None:
         from registry.lifecycle.checkpoints.shared import SharedClaim
 
         claim = SharedClaim(save.ref, token[0], token[1])
         rank0 = ranks.current_rank() == 0
-        self.replicator.submit(
-            Job(claim, save.writer.directory, mine.files, manifest=rank0, commit=rank0)
-        )
+        self.replicator.submit(Job(claim, final, mine.files, manifest=rank0, commit=rank0))
 
     # -- eviction -------------------------------------------------------------------------------
     def _evict(self, reports: list[RankFiles]) -> None:
@@ -334,6 +407,10 @@ class LocalTier:
         from registry.layout import checkpoint_prefix
 
         m = self.manager
+        try:
+            self.wait()  # a save still in flight finishes first (its eviction included)
+        except RegistryError as exc:
+            warnings.warn(f"reg: the save in flight failed: {exc}", stacklevel=3)
         layout: list[Any] = [self.node]
         if dist.is_initialized():
             layout = [None] * dist.get_world_size()
@@ -458,11 +535,22 @@ class LocalTier:
         peers = [r for r, node in enumerate(layout) if node == self.node]
         mine = sorted(held)[peers.index(ranks.current_rank()) :: len(peers)]
         problems = local_tier.verify_local(directory, [records[p] for p in mine if p in records])
-        verdicts: list[Any] = [(self.node, problems)]
+        # What each rank verified, by file identity: a rank reads a file its peer verified
+        # only if it is the same file (one directory per node, as node_id promises).
+        seen = local_tier.file_ids(directory, mine)
+        verdicts: list[Any] = [(self.node, problems, seen)]
         if dist.is_initialized():
             verdicts = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, (self.node, problems))
-        damaged = {node: p for node, p in verdicts if p}
+            dist.all_gather_object(verdicts, (self.node, problems, seen))
+        verified = {p: i for node, _, ids in verdicts if node == self.node for p, i in ids.items()}
+        mine_now = local_tier.file_ids(directory, held)
+        if problems == [] and any(mine_now.get(p) != verified.get(p) for p in held):
+            problems = [f"the ranks of node {self.node} do not share one local_dir"]
+        if dist.is_initialized():  # again: a rank that found the directories differ says so
+            dist.all_gather_object(verdicts, (self.node, problems, {}))
+        else:
+            verdicts = [(self.node, problems, {})]
+        damaged = {node: p for node, p, _ in verdicts if p}
         ok_here = self.node not in damaged and bool(held)
         local = set(held) if ok_here else set()
         if cand["state"] == "committed":
@@ -509,20 +597,33 @@ class TieredStore:
         path = self._path(key)
         if path is None:
             return bytes(self.store.get_bytes(key, version=version))
-        return path.read_bytes()  # `.metadata`: counted apart, as the store's reader does
+        try:
+            return path.read_bytes()  # `.metadata`: counted apart, as the store's reader does
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
 
     def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> Any:
         path = self._path(key)
         if path is None:
             return self.store.read_range(key, offset, length, version=version)
         data = bytearray(length)
-        with open(path, "rb") as f:
-            f.seek(offset)
-            got = f.readinto(data)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                got = f.readinto(data)
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
         if got != length:
             raise IntegrityError(f"{path} is truncated", "restore again: it is skipped")
         self.local_bytes += length
         return data
+
+
+def _unreadable(path: Path, exc: OSError) -> IntegrityError:
+    return IntegrityError(
+        f"{path}: {exc.strerror or exc} (the node's copy changed after it was verified)",
+        "restore again",
+    )
 
 
 def _tree_bytes(path: Path) -> int:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from registry.context import Context
 
-MAX_CANDIDATES = 8  # steps a restore looks at, newest first, down to the newest in the store
+MAX_CANDIDATES = 8  # tier-0 steps a restore looks at, newest first, above the newest stored
 STORE = ""  # the node of the tier-1 row: the registry's store
 
 
@@ -225,13 +225,22 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
         found = queries.find_run(s, project, run)
         if found is None:
             return out
-        rows = s.exec(
+        stored = s.exec(
             select(Checkpoint)
-            .where(Checkpoint.run_id == found.id, col(Checkpoint.state).in_((LOCAL, COMMITTED)))
+            .where(Checkpoint.run_id == found.id, Checkpoint.state == COMMITTED)
+            .order_by(col(Checkpoint.step).desc())
+        ).first()
+        newer = s.exec(
+            select(Checkpoint)
+            .where(
+                Checkpoint.run_id == found.id,
+                Checkpoint.state == LOCAL,
+                col(Checkpoint.step) > (stored.step if stored is not None else -1),
+            )
             .order_by(col(Checkpoint.step).desc())
             .limit(MAX_CANDIDATES)
         ).all()
-        for row in rows:
+        for row in [*newer, *([stored] if stored is not None else [])]:
             copies = s.exec(
                 select(CheckpointTier).where(
                     CheckpointTier.checkpoint_id == row.id,
@@ -251,8 +260,6 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
                     "nodes": {c.node: list(c.files) for c in copies},
                 }
             )
-            if row.state == COMMITTED:
-                break
     return out
 
 

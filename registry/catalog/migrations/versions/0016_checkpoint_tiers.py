@@ -134,6 +134,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    bind = op.get_bind()
+    if bind.execute(sa.text("SELECT count(*) FROM checkpoint WHERE state = 'local'")).scalar():
+        raise RuntimeError(
+            "checkpoints at tier 0 only (state local) remain: the revision before 0016 has no "
+            "such state; let them reach the store (or be collected) before downgrading"
+        )
     _install(_guards(_MOVES_OLD, _MOVES_MESSAGE_OLD, _CONTENT_OLD))
     op.drop_index("ix_checkpoint_tier_checkpoint_id", table_name="checkpoint_tier")
     op.drop_table("checkpoint_tier")
