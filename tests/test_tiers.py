@@ -242,6 +242,32 @@ def test_an_async_save_over_the_staging_budget_is_saved_synchronously(reg, tmp_p
     mgr.close()
 
 
+@pytest.fixture
+def no_grace(tmp_path, monkeypatch):
+    path = tmp_path / "policy.toml"
+    path.write_text('[retention]\norphan_grace = "0s"\n')
+    monkeypatch.setenv("REG_POLICY", str(path))
+    return path
+
+
+def test_gc_collects_a_tier0_step_whose_every_copy_is_gone(no_grace, reg, tmp_path):
+    """Evicted before it reached the store (`evict_unreplicated`), nobody copying it: GC
+    leaves a tombstone saying so; the step with a copy stays."""
+    from registry.errors import Collected
+
+    mgr = _manager(reg, tmp_path / "node", replicate=False, keep_local=1, evict_unreplicated=True)
+    _saved(mgr, 1)
+    _saved(mgr, 2)
+    mgr.close()
+    assert [t["held"] for t in reg.show("tiered@step1")["tiers"]] == [False]
+    out = reg.gc()
+    lost = [d for d in out["decisions"] if d["ref"] == "tiered@step1"]
+    assert [d["action"] for d in lost] == ["delete"] and "no node holds a copy" in lost[0]["reason"]
+    with pytest.raises(Collected, match="no node holds a copy"):
+        reg.pull("tiered@step1", tmp_path / "x")
+    assert reg.show("tiered@step2")["state"] == "local"
+
+
 def test_bad_tier_settings_are_one_line(reg, tmp_path):
     with pytest.raises(RegistryError, match="on_error='ignore'"):
         _manager(reg, tmp_path, on_error="ignore")

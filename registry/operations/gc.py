@@ -265,6 +265,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                     ctx, CheckpointRef(r.project, r.run, r.step), out["errors"]
                 )
         freed += sweep_orphans(ctx, out)
+        freed += collect_lost(ctx, out)
         out["freed_bytes"] = freed
     return out
 
@@ -313,24 +314,63 @@ def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> se
         for row, run in rows:
             if run.resumed_from_step == row.step:
                 continue
-            row.state, row.delete_reason = DELETING, reasons[row.id or 0]
-            row.deleted_by, row.deleted_at = ctx.actor, now()
-            s.add(row)
+            _mark(ctx, s, row, reasons[row.id or 0])
             marked.add(row.id or 0)
-            if ctx.audit_key is not None:  # the server finishes only the marks it signed
-                s.flush()
-                content = signed_facts.deletion_content(
-                    row, signed_facts.subject_of(s, row.id or 0)
-                )
-                signed_facts.sign(
-                    s,
-                    ctx.audit_key,
-                    signed_facts.DELETION,
-                    row.id or 0,
-                    content,
-                    signed_by=ctx.actor,
-                )
     return marked
+
+
+def _mark(ctx: Context, s: Session, row: Checkpoint, reason: str) -> None:
+    """`deleting`, with why, by whom and when; behind the server, signed."""
+    row.state, row.delete_reason = DELETING, reason
+    row.deleted_by, row.deleted_at = ctx.actor, now()
+    s.add(row)
+    if ctx.audit_key is not None:  # the server finishes only the marks it signed
+        s.flush()
+        content = signed_facts.deletion_content(row, signed_facts.subject_of(s, row.id or 0))
+        signed_facts.sign(
+            s, ctx.audit_key, signed_facts.DELETION, row.id or 0, content, signed_by=ctx.actor
+        )
+
+
+LOST = "at tier 0 only, and no node holds a copy any more (it never reached the store)"
+
+
+def collect_lost(ctx: Context, out: dict[str, Any]) -> int:
+    """Tier-0 steps (issue 36) nobody is copying to the store, older than orphan_grace, whose
+    every node copy is gone: nothing can restore or copy them. Marked and collected (their
+    partial copy in the store with them), leaving a tombstone that says why."""
+    from registry.catalog.models import CheckpointTier
+
+    grace = ctx.policy.retention.orphan_grace
+    with ctx.catalog.session(write=True) as s:
+        rows = s.exec(
+            select(Checkpoint, Run.name, Project.name)
+            .join(Run, col(Run.id) == Checkpoint.run_id)
+            .join(Project, col(Project.id) == Run.project_id)
+            .where(
+                Checkpoint.state == LOCAL,
+                col(Checkpoint.created_at) < now() - grace,
+                col(Checkpoint.pinned).is_(False),
+            )
+        ).all()
+        lost = []
+        for row, run, project in rows:
+            held = s.exec(
+                select(CheckpointTier.id).where(
+                    CheckpointTier.checkpoint_id == row.id,
+                    CheckpointTier.tier == 0,
+                    col(CheckpointTier.evicted_at).is_(None),
+                )
+            ).first()
+            if held is None and not claims.is_live(row):
+                _mark(ctx, s, row, LOST)
+                lost.append(CheckpointRef(project, run, row.step))
+    freed = 0
+    for ref in lost:
+        got = delete_checkpoint(ctx, ref, out["errors"])
+        freed += got
+        out["decisions"].append({"ref": str(ref), "action": DELETE, "reason": LOST, "bytes": got})
+    return freed
 
 
 def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> tuple[int, bool]:
