@@ -339,7 +339,7 @@ def collect_lost(ctx: Context, out: dict[str, Any]) -> int:
     """Tier-0 steps (issue 36) nobody is copying to the store, older than orphan_grace, whose
     every node copy is gone: nothing can restore or copy them. Marked and collected (their
     partial copy in the store with them), leaving a tombstone that says why."""
-    from registry.catalog.models import CheckpointTier
+    from registry.lifecycle.checkpoints.tiers import held_copies
 
     grace = ctx.policy.retention.orphan_grace
     with ctx.catalog.session(write=True) as s:
@@ -355,14 +355,7 @@ def collect_lost(ctx: Context, out: dict[str, Any]) -> int:
         ).all()
         lost = []
         for row, run, project in rows:
-            held = s.exec(
-                select(CheckpointTier.id).where(
-                    CheckpointTier.checkpoint_id == row.id,
-                    CheckpointTier.tier == 0,
-                    col(CheckpointTier.evicted_at).is_(None),
-                )
-            ).first()
-            if held is None and not claims.is_live(row):
+            if not held_copies(s, row.id or 0) and not claims.is_live(row):
                 _mark(ctx, s, row, LOST)
                 lost.append(CheckpointRef(project, run, row.step))
     freed = 0

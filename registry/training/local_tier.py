@@ -193,6 +193,7 @@ def check_local_dir(local_dir: str | os.PathLike[str] | None) -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(
-            f"local_dir {path}: {exc.strerror or exc}", "give a writable node-local directory"
+            f"local_dir {path}: {exc.strerror or exc}",
+            "give a node-local directory writable on every node",
         ) from None
     return path

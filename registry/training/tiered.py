@@ -116,13 +116,7 @@ class LocalTier:
         over a copy the catalog records), and the embedded registry (tier 0 is not built
         through `reg server` yet). What fails here fails every rank, before a byte is written."""
         self.registry  # noqa: B018
-        partial = self._partial(ref)
-        try:
-            partial.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(
-                f"{partial}: {exc.strerror or exc}", "local_dir must be writable on every node"
-            ) from None
+        local_tier.check_local_dir(self._partial(ref))
 
     def _partial(self, ref: CheckpointRef) -> Path:
         final = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)

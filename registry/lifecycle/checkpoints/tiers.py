@@ -241,13 +241,6 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
             .limit(MAX_CANDIDATES)
         ).all()
         for row in [*newer, *([stored] if stored is not None else [])]:
-            copies = s.exec(
-                select(CheckpointTier).where(
-                    CheckpointTier.checkpoint_id == row.id,
-                    CheckpointTier.tier == 0,
-                    col(CheckpointTier.evicted_at).is_(None),
-                )
-            ).all()
             out.append(
                 {
                     "step": row.step,
@@ -257,7 +250,7 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
                         (f.path, f.size, f.sha256, f.rank, f.version)
                         for f in queries.files_of(s, row.id or 0)
                     ],
-                    "nodes": {c.node: list(c.files) for c in copies},
+                    "nodes": held_copies(s, row.id or 0),
                 }
             )
     return out
@@ -296,20 +289,25 @@ def stranded(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
         for row in rows:
             if claims.is_live(row):
                 continue
-            copies = s.exec(
-                select(CheckpointTier).where(
-                    CheckpointTier.checkpoint_id == row.id,
-                    CheckpointTier.tier == 0,
-                    col(CheckpointTier.evicted_at).is_(None),
-                )
-            ).all()
             out.append(
                 {
                     "step": row.step,
                     "files": [
                         (f.path, f.size, f.sha256, f.rank) for f in queries.files_of(s, row.id or 0)
                     ],
-                    "nodes": {c.node: list(c.files) for c in copies},
+                    "nodes": held_copies(s, row.id or 0),
                 }
             )
     return out
+
+
+def held_copies(session: Session, checkpoint_id: int) -> dict[str, list[str]]:
+    """node -> the files its tier-0 copy holds, for each node that still holds one."""
+    copies = session.exec(
+        select(CheckpointTier).where(
+            CheckpointTier.checkpoint_id == checkpoint_id,
+            CheckpointTier.tier == 0,
+            col(CheckpointTier.evicted_at).is_(None),
+        )
+    ).all()
+    return {c.node: list(c.files) for c in copies}
