@@ -32,10 +32,10 @@ from registry.catalog.leases import Heartbeat
 from registry.errors import Conflict, ObjectExists, RegistryError
 from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, manifest_key
+from registry.lifecycle.checkpoints.shared import SharedClaim, record_part, renew
 from registry.transfer import Stored
 
 if TYPE_CHECKING:
-    from registry.lifecycle.checkpoints.shared import SharedClaim
     from registry.local import LocalRegistry
 
 RETRIES = 3
@@ -112,8 +112,6 @@ class Replicator:
         self._queue.put(job)
 
     def _renew_all(self) -> None:
-        from registry.lifecycle.checkpoints.shared import renew
-
         for job in list(self.jobs.values()):
             if not job.done.is_set():
                 with contextlib.suppress(RegistryError):
@@ -178,7 +176,6 @@ class Replicator:
         """Put this rank's files of `job` (and the manifest) and record them; `commit`: then
         wait for every rank's part and commit the step at tier 1."""
         from registry.catalog import claims
-        from registry.lifecycle.checkpoints.shared import record_part
 
         ctx = self.registry.context
         hold = claims.held(ctx.catalog, job.claim.catalog_claim()) if commit else None

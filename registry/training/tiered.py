@@ -19,6 +19,8 @@ Each node's first rank keeps the node's copies within bounds: the newest `keep_l
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 import warnings
@@ -26,8 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import IntegrityError, RegistryError, UsageError
+from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
+from registry.formats.documents import FileRecord
+from registry.layout import checkpoint_prefix
+from registry.lifecycle.checkpoints.shared import (
+    LocalCopy,
+    SharedClaim,
+    commit_written,
+    give_up,
+)
+from registry.lifecycle.checkpoints.shared import claim as claim_step
 from registry.refs import CheckpointRef
+from registry.timeutil import now
 from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
 from registry.training.replicator import Job, Replicator
@@ -40,6 +52,7 @@ if TYPE_CHECKING:
     from registry.training.manager import CheckpointManager
 
 ON_ERROR = ("warn", "raise")
+ADOPT_WAIT_S = 150.0  # a restore waits this long at most for a dead job's copy claims to lapse
 
 
 @dataclass(slots=True)
@@ -91,7 +104,7 @@ class LocalTier:
 
     @property
     def registry(self) -> LocalRegistry:
-        from registry.local import LocalRegistry
+        from registry.local import LocalRegistry  # the embedded side only (not behind a server)
 
         registry = self.manager.registry
         if not isinstance(registry, LocalRegistry):
@@ -280,9 +293,8 @@ class LocalTier:
         return got[0]
 
     def _claim(self, save: TierSave) -> Any:
-        from registry.lifecycle.checkpoints.shared import claim
 
-        return claim(self.registry.context, save.ref)
+        return claim_step(self.registry.context, save.ref)
 
     def _commit(
         self,
@@ -295,7 +307,6 @@ class LocalTier:
         """Rank 0, holding the claim: the tier-0 commit; (view, replication token). A node
         that could not move its copy into place: the claim is given up, the error returned."""
         from registry.catalog import claims
-        from registry.lifecycle.checkpoints.shared import LocalCopy, commit_written, give_up
 
         ctx = self.registry.context
         if problem is not None:
@@ -351,7 +362,6 @@ class LocalTier:
     def _replicate(
         self, save: TierSave, final: Path, mine: RankFiles, token: tuple[int, str]
     ) -> None:
-        from registry.lifecycle.checkpoints.shared import SharedClaim
 
         claim = SharedClaim(save.ref, token[0], token[1])
         rank0 = ranks.current_rank() == 0
@@ -398,8 +408,6 @@ class LocalTier:
         store, prefix, versions, notes) of the newest step this job can read; None if none."""
         import torch.distributed as dist
 
-        from registry.layout import checkpoint_prefix
-
         m = self.manager
         try:
             self.wait()  # a save still in flight finishes first (its eviction included)
@@ -412,7 +420,7 @@ class LocalTier:
         chosen = self._choose(layout)
         # Steps an earlier job saved at tier 0 and died before copying: this job copies them.
         # Those newer than what it can read now are copied first, and read from the store.
-        adopted = self._adopt(layout)
+        adopted = self._adopt(layout, -1 if chosen is None else chosen[0])
         newer = [j for j in adopted if chosen is None or j.step > chosen[0]]
         if newer:
             self._copy_now(newer)
@@ -473,22 +481,29 @@ class LocalTier:
             except RegistryError as exc:
                 warnings.warn(f"reg: {exc}", stacklevel=1)
 
-    def _adopt(self, layout: list[str]) -> list[Job]:
+    def _adopt(self, layout: list[str], readable: int) -> list[Job]:
         """Take over the copy to the store of the run's tier-0 steps whose job died before it
         was done, where this job's nodes hold them: rank 0 takes each replication claim, and
-        each node's ranks share the uploads of the node's files."""
-        from registry.formats.documents import FileRecord
-        from registry.lifecycle.checkpoints.shared import SharedClaim
+        each node's ranks share the uploads of the node's files. A step newer than `readable`
+        (the newest this job can read now) whose claim still looks held by another host (a job
+        killed moments ago, its lease not yet run out) is waited for, at most ADOPT_WAIT_S."""
 
         if not self.replicate:
             return []
         m = self.manager
 
         def take() -> list[tuple[int, int, str, list[Any], dict[str, list[str]]]]:
-            from registry.errors import Conflict
             from registry.lifecycle.checkpoints.tiers import claim_replication, stranded
 
             ctx = self.registry.context
+            held_until = [
+                s["live_until"]
+                for s in stranded(ctx, m.project, m.run, live=True)
+                if s["step"] > readable
+                and tuple(s["holder"]) != (socket.gethostname(), os.getpid())
+            ]
+            if held_until and max(held_until) - now() < ADOPT_WAIT_S:
+                time.sleep(max(0.0, max(held_until) - now()) + 1.0)
             taken = []
             for s in stranded(ctx, m.project, m.run):
                 held = {p for files in s["nodes"].values() for p in files}

@@ -312,7 +312,7 @@ def commit_written(
     # Names, roots and .metadata sizes as a pushed directory's, before a byte is read.
     check_file_set(str(ref), sizes)
     if local is None:
-        _check_listed(ctx, shared, sizes)
+        check_listed(ctx, shared, sizes)
 
     def read(path: str) -> bytes:  # a file whole, refused unless it holds the recorded bytes
         if local is not None:
@@ -418,7 +418,7 @@ def _take_for_commit(ctx: Context, shared: SharedClaim) -> Claim:
     return claims.Claim(Checkpoint, shared.row_id, fresh)
 
 
-def _check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> None:
+def check_listed(ctx: Context, shared: SharedClaim, sizes: dict[str, int]) -> None:
     """One listing of the prefix (not a request per file): each recorded file is there, at its
     size."""
     listed = {

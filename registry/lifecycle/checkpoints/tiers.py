@@ -31,7 +31,7 @@ from registry.catalog.models import COMMITTED, LOCAL, Checkpoint, CheckpointTier
 from registry.errors import Conflict, IntegrityError
 from registry.formats.documents import Manifest
 from registry.layout import manifest_key
-from registry.lifecycle.checkpoints.shared import SharedClaim, recorded_parts
+from registry.lifecycle.checkpoints.shared import SharedClaim, check_listed, recorded_parts
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
 
@@ -96,7 +96,6 @@ def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict
     """The step is in the store: every file as tier 0 recorded it, and its manifest. Commits
     it at tier 1 (`local` -> `committed`), only while the replication claim is ours."""
     from registry.lifecycle.checkpoints.commit import emit_committed, lift_resume_protection
-    from registry.lifecycle.checkpoints.shared import _check_listed
 
     ref = shared.ref
     with ctx.catalog.session() as s:
@@ -122,7 +121,7 @@ def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict
                 f"{f.sha256[:12]})",
                 "the node's local copy changed after the save; it is not replicated",
             )
-    _check_listed(ctx, shared, {f.path: f.size for f in files})
+    check_listed(ctx, shared, {f.path: f.size for f in files})
     key = manifest_key(ref.project, ref.run, ref.step or 0)
     info = ctx.store.head(key)
     data = bytes(ctx.store.get_bytes(key, version=info.version_id if info else None))
@@ -272,9 +271,10 @@ def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[
     return {int(step): str(state) for step, state in rows}
 
 
-def stranded(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
+def stranded(ctx: Context, project: str, run: str, *, live: bool = False) -> list[dict[str, Any]]:
     """The run's tier-0 steps whose copy to the store nobody is making (the job that saved
-    them died): each with its files (path, size, sha256, rank) and the nodes holding a copy."""
+    them died): each with its files (path, size, sha256, rank) and the nodes holding a copy.
+    `live`: instead, those whose copy's claim is still held (`live_until`: its lease)."""
     ctx.authorize_read(project=project)
     out: list[dict[str, Any]] = []
     with ctx.catalog.session() as s:
@@ -287,10 +287,12 @@ def stranded(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
             .order_by(col(Checkpoint.step))
         ).all()
         for row in rows:
-            if claims.is_live(row):
+            if claims.is_live(row) != live:
                 continue
             out.append(
                 {
+                    "live_until": row.lease_until,
+                    "holder": (row.claim_host, row.claim_pid),
                     "step": row.step,
                     "files": [
                         (f.path, f.size, f.sha256, f.rank) for f in queries.files_of(s, row.id or 0)
