@@ -124,13 +124,13 @@ def known_world_size(s: Session, run: Run) -> int | None:
     or collected since), at most MAX_WORLD_SIZE; None before its first commit."""
     from sqlmodel import col, select
 
-    from registry.catalog.models import COMMITTED, DELETED, DELETING, Checkpoint
+    from registry.catalog.models import COMMITTED, DELETED, DELETING, LOCAL, Checkpoint
 
     world = s.exec(
         select(Checkpoint.world_size)
         .where(
             Checkpoint.run_id == run.id,
-            col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
+            col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
             col(Checkpoint.world_size) > 0,
         )
         .order_by(col(Checkpoint.step).desc())
@@ -213,7 +213,7 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
     """Each finished background save's slowdown, merged into its checkpoint's save_costs."""
     from sqlmodel import col, select
 
-    from registry.catalog.models import COMMITTED, DELETED, DELETING, Checkpoint
+    from registry.catalog.models import COMMITTED, DELETED, DELETING, LOCAL, Checkpoint
 
     merged = []
     for key, figures in sorted(saves.items()):
@@ -221,7 +221,7 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
             select(Checkpoint).where(
                 Checkpoint.run_id == run.id,
                 Checkpoint.step == int(key),
-                col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
+                col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
             )
         ).first()
         if ckpt is None or not isinstance(ckpt.save_costs, dict):

@@ -182,7 +182,7 @@ class CheckpointManager:
 
         from registry.training.store_writer import StoreWriter
 
-        pending = self._pending
+        pending: Any = self._pending or (self._tier.pending if self._tier is not None else None)
         self.wait()  # one save in flight: the previous one commits (or raises) first
         if pending is not None:  # the loop blocked on it: part of that save's cost
             self._track_done(pending, blocked=time.monotonic() - entered)
@@ -202,7 +202,9 @@ class CheckpointManager:
         ranks.agree(problem)
         if self._tier is not None:
             self._saved_any = True
-            self._tier.save(state, ref, metrics, async_, started)
+            tiered = self._tier.save(state, ref, metrics, async_, started)
+            if ranks.current_rank() == 0:  # its hashing and commit run beside the next steps
+                self._tracking.append(Track(tiered, step, tiered.done))
             return None
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
@@ -387,13 +389,13 @@ class CheckpointManager:
             else:
                 self._clean.append(took)
         for track in list(self._tracking):
-            if track.save.future is None or track.save.future.done():
+            if track.done():
                 self._track_done(track.save)
         if self._beat_due or self._restore is not None or at - self._flushed_at >= self.heartbeat_s:
             self._send_beat(at)
         self._last_step_time = _now()  # after the bookkeeping: the next step starts here
 
-    def _track_done(self, save: Save, blocked: float = 0.0) -> None:
+    def _track_done(self, save: Any, blocked: float = 0.0) -> None:
         """A background save finished: its slowdown of the steps it overlapped, for the next
         heartbeat (against the median of the steps no save overlapped)."""
         for track in [t for t in self._tracking if t.save is save]:
@@ -482,7 +484,7 @@ class CheckpointManager:
         """Wait for the save in flight, record a pending restore, say the run ended with
         `status` (rank 0; None: the job goes on elsewhere), close the registry."""
         try:
-            pending = self._pending
+            pending: Any = self._pending or (self._tier.pending if self._tier else None)
             self.wait(replicated=self._tier is not None and self._tier.replicate)
             if self._tier is not None:
                 self._tier.close()

@@ -16,6 +16,7 @@ from registry.training import ranks
 from registry.training.backends import SERVER_LEASE_S
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from concurrent.futures import Future
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
@@ -31,11 +32,18 @@ class RestoreRecord:
 
 
 class Track:
-    """A background save in flight (rank 0) and the step times it overlapped."""
+    """A background save in flight (rank 0) and the step times it overlapped. `done`: whether
+    its background work ended (default: its DCP future's)."""
 
-    def __init__(self, save: Save, step: int) -> None:
+    def __init__(self, save: Any, step: int, done: Callable[[], bool] | None = None) -> None:
         self.save, self.step = save, step
         self.during: list[float] = []
+        self._done = done
+
+    def done(self) -> bool:
+        if self._done is not None:
+            return self._done()
+        return bool(self.save.future is None or self.save.future.done())
 
 
 class Save:

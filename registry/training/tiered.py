@@ -70,6 +70,10 @@ class TierSave:
     result: dict[str, Any] | None = None
     error: BaseException | None = None
 
+    def done(self) -> bool:
+        """Its background work (writing, hashing, the tier-0 commit) ended."""
+        return self.thread is not None and not self.thread.is_alive()
+
 
 class LocalTier:
     def __init__(
@@ -142,7 +146,7 @@ class LocalTier:
         metrics: dict[str, float] | None,
         async_: bool,
         started: float,
-    ) -> None:
+    ) -> TierSave:
         import torch.distributed.checkpoint as dcp
 
         if async_ and self._over_staging_budget(state):
@@ -164,6 +168,7 @@ class LocalTier:
         )
         self.pending = save
         save.thread.start()
+        return save
 
     def _over_staging_budget(self, state: dict[str, Any]) -> bool:
         """An async save stages a copy of the state in host memory: above the budget, this one
