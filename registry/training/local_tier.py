@@ -4,12 +4,14 @@ registry adds runs after `save()` returns, in the background:
 
     1. each rank hashes the files it wrote (reading them back from the page cache);
     2. the digests go to rank 0 over the manager's own gloo group (never the training loop's);
-    3. rank 0 claims the step and commits it at tier 0 (`commit_written(local=...)`): the row is
-       `local`, with every file's digest and which node holds it, and the replicator's claim;
-    4. every rank learns the outcome (a broadcast on the same group) and hands its files to its
+    3. rank 0 claims the step; each node's first rank moves the node's `step-<N>.partial` to
+       `step-<N>` (a save never writes over a copy the catalog records);
+    4. rank 0 commits it at tier 0 (`commit_written(local=...)`): the row is `local`, with
+       every file's digest and which node holds it, and the replicator's claim;
+    5. every rank learns the outcome (a broadcast on the same group) and hands its files to its
        replicator (`replicator.py`), which copies them to the store (tier 1).
 
-One save is in flight at a time: the next `save()` (or `wait()`) waits for step 3 of this one.
+One save is in flight at a time: the next `save()` (or `wait()`) waits for step 4 of this one.
 The step is restorable once committed at tier 0. Writing needs no claim (the directory is the
 job's own); the claim guards the catalog row and the store prefix, as for any save.
 

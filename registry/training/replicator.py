@@ -88,12 +88,10 @@ class Replicator:
         *,
         bytes_per_s: float | None,
         on_error: str,
-        on_done: Callable[[Job], None] | None = None,
     ) -> None:
         self.registry = registry
         self.limit = RateLimit(bytes_per_s)
         self.on_error = on_error
-        self.on_done = on_done
         self.jobs: dict[int, Job] = {}
         self.failed: list[tuple[int, BaseException]] = []
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -144,9 +142,6 @@ class Replicator:
                 self._attempts(job)
             finally:
                 job.done.set()
-                if self.on_done is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_done(job)
 
     def _attempts(self, job: Job) -> None:
         for attempt in range(RETRIES):
