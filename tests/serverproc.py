@@ -96,7 +96,19 @@ class RegServer:
 
     def start(self, *extra: str, nofile: int | None = None) -> RegServer:
         """Start it; `nofile`: its descriptor limit (set before its first connection, as a
-        systemd unit's LimitNOFILE would)."""
+        systemd unit's LimitNOFILE would). A port another process took between `free_port`
+        and the server's bind (seen in CI: "address already in use") is traded for a fresh one,
+        twice at most."""
+        for _ in range(2):
+            try:
+                return self._start(*extra, nofile=nofile)
+            except AssertionError as exc:
+                if "address already in use" not in str(exc):
+                    raise
+                self.port = free_port()
+        return self._start(*extra, nofile=nofile)
+
+    def _start(self, *extra: str, nofile: int | None = None) -> RegServer:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log = self.home / f"server-{self.port}.log"
         self.log.touch()
