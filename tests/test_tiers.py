@@ -260,6 +260,9 @@ def test_gc_collects_a_tier0_step_whose_every_copy_is_gone(no_grace, reg, tmp_pa
     _saved(mgr, 2)
     mgr.close()
     assert [t["held"] for t in reg.show("tiered@step1")["tiers"]] == [False]
+    planned = reg.gc(dry_run=True)
+    assert [d["ref"] for d in planned["decisions"] if d["action"] == "delete"] == ["tiered@step1"]
+    assert reg.show("tiered@step1")["state"] == "local"  # a dry run changes nothing
     out = reg.gc()
     lost = [d for d in out["decisions"] if d["ref"] == "tiered@step1"]
     assert [d["action"] for d in lost] == ["delete"] and "no node holds a copy" in lost[0]["reason"]

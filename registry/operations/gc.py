@@ -246,7 +246,8 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         "orphans": [],
     }
     if dry_run:
-        out["freed_bytes"] = sum(d.bytes for d in decisions if d.action == DELETE)
+        collect_lost(ctx, out, dry_run=True)
+        out["freed_bytes"] = sum(d["bytes"] for d in out["decisions"] if d["action"] == DELETE)
         return out
     where = {r.id: r for r in records}
     with leases.renewed(ctx.catalog, GC_LEASE, acquire(ctx), GC_LEASE_SECONDS):
@@ -335,14 +336,15 @@ def _mark(ctx: Context, s: Session, row: Checkpoint, reason: str) -> None:
 LOST = "at tier 0 only, and no node holds a copy any more (it never reached the store)"
 
 
-def collect_lost(ctx: Context, out: dict[str, Any]) -> int:
+def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) -> int:
     """Tier-0 steps (issue 36) nobody is copying to the store, older than orphan_grace, whose
     every node copy is gone: nothing can restore or copy them. Marked and collected (their
-    partial copy in the store with them), leaving a tombstone that says why."""
+    partial copy in the store with them), leaving a tombstone that says why; `dry_run`: only
+    listed."""
     from registry.lifecycle.checkpoints.tiers import held_copies
 
     grace = ctx.policy.retention.orphan_grace
-    with ctx.catalog.session(write=True) as s:
+    with ctx.catalog.session(write=not dry_run) as s:
         rows = s.exec(
             select(Checkpoint, Run.name, Project.name)
             .join(Run, col(Run.id) == Checkpoint.run_id)
@@ -356,8 +358,14 @@ def collect_lost(ctx: Context, out: dict[str, Any]) -> int:
         lost = []
         for row, run, project in rows:
             if not held_copies(s, row.id or 0) and not claims.is_live(row):
+                ref = CheckpointRef(project, run, row.step)
+                if dry_run:
+                    out["decisions"].append(
+                        {"ref": str(ref), "action": DELETE, "reason": LOST, "bytes": row.bytes}
+                    )
+                    continue
                 _mark(ctx, s, row, LOST)
-                lost.append(CheckpointRef(project, run, row.step))
+                lost.append(ref)
     freed = 0
     for ref in lost:
         got = delete_checkpoint(ctx, ref, out["errors"])
