@@ -243,8 +243,8 @@ class CheckpointManager:
             view = self._tier.wait()
             if replicated:
                 self._tier.wait_replicated()
-            elif self._tier.on_error == "raise" and self._tier._replicator is not None:
-                self._tier._replicator.raise_failures()
+            else:
+                self._tier.raise_failures()  # with on_error="raise": a failed copy, here
             return view
         save, self._pending = self._pending, None
         if save is None:

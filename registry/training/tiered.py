@@ -213,6 +213,11 @@ class LocalTier:
     def wait_replicated(self, timeout: float | None = None) -> None:
         if self._replicator is not None:
             self._replicator.wait(timeout)
+        self.raise_failures()
+
+    def raise_failures(self) -> None:
+        """With on_error="raise": a copy to the store that failed for good, raised here."""
+        if self._replicator is not None:
             self._replicator.raise_failures()
 
     def _finish(self, save: TierSave) -> None:
