@@ -28,10 +28,18 @@ def advise(
     plot: Path | None = typer.Option(
         None, "--plot", help="Write expected waste vs interval to FILE.svg."
     ),
+    node_loss_share: float | None = typer.Option(
+        None,
+        "--node-loss-share",
+        help="Share of failures that lose a node's local disk, 0 to 1 (runs saving at tier 0; "
+        "default: measured from its restores).",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Checkpoint economics of a run from what it paid: C_eff, RTO, failures, the optimum
-    interval (Young, Daly, availability), waste, regret and one sentence of advice."""
+    interval (Young, Daly, availability), waste, regret and one sentence of advice. A run
+    that saves at tier 0 (`local_dir`) also gets each level's figures and the tier-0 interval
+    and copy period (`replicate_every`) the two-level model advises."""
     from registry.economics.advise import MAX_GPUS
     from registry.errors import UsageError
 
@@ -41,7 +49,14 @@ def advise(
     if plot is not None and plot.suffix.lower() != ".svg":
         raise UsageError(f"--plot writes SVG: name the file *.svg, not {plot.name}")
     with open_registry() as reg:
-        out = reg.advise(run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+        out = reg.advise(
+            run,
+            project=project,
+            gpus=gpus,
+            mtbf_s=mtbf_s,
+            fleet=fleet,
+            node_loss_share=node_loss_share,
+        )
     if plot is not None:
         _plot(out.to_json(), plot)
     if json_output:
@@ -283,8 +298,58 @@ def render(out: dict[str, Any]) -> None:
             if capped:
                 measured += f"; {capped:.1%} of trials never got through (left out)"
         rows.append(("Monte Carlo, measured gaps", measured))
+    rows += _level_rows(out.get("levels"), h)
     for name, value in rows:
         table.add_row(Text(name), Text(value))  # no rich markup: "[source]" is text
     console = Console(file=sys.stdout, width=max(100, Console().width))
     console.print(table)
     console.print(Text(out["advice"]), soft_wrap=True)
+    if out.get("levels"):
+        console.print(Text(out["levels"]["advice"]), soft_wrap=True)
+
+
+def _level_rows(lv: dict[str, Any] | None, h: Any) -> list[tuple[str, str]]:
+    """The two levels of a run that saves at tier 0."""
+    if not lv:
+        return []
+    every = lv.get("advised_tier0_steps")
+    k, now_k = lv["advised_copy_every"], lv.get("current_copy_every")
+    rows = [
+        ("tier 0: C", f"{h(lv['c0_s'])} [{lv['c0_source']}]"),
+        ("copy to the store: C", f"{h(lv['c1_s'])} [{lv['c1_source']}]"),
+        ("copy lag", f"{h(lv['lag_s'])} [{lv['lag_source']}]"),
+        ("RTO from tier 0", f"{h(lv['r0_s'])} [{lv['r0_source']}]"),
+        ("RTO from the store", f"{h(lv['r1_s'])} [{lv['r1_source']}]"),
+        (
+            "failures losing a node",
+            f"{lv['node_loss_share']:.0%} [{lv['node_loss_share_source']}]",
+        ),
+        ("Young, tier 0 alone", h(lv.get("young_tier0_s"))),
+        ("Young, the store alone", h(lv.get("young_store_s"))),
+        (
+            "two-level optimum",
+            f"tier 0 every {h(lv['advised_tier0_s'])}"
+            + (f" ({every} steps)" if every else "")
+            + (", every save copied" if k == 1 else f", one save in {k} copied")
+            + f" (the store every {h(lv['advised_store_s'])})",
+        ),
+        (
+            "two-level waste",
+            (
+                f"{lv['current_fraction']:.2%} now (one save in {now_k} copied), "
+                if "current_fraction" in lv
+                else ""
+            )
+            + f"{lv['advised_fraction']:.2%} at the optimum",
+        ),
+    ]
+    sim = lv.get("simulation") or {}
+    if sim.get("advised_fraction") is not None:
+        rows.append(
+            (
+                "two levels, Monte Carlo",
+                f"{sim['advised_fraction']:.2%} vs model {sim['model_fraction']:.2%} "
+                f"({sim['trials']} trials)",
+            )
+        )
+    return rows

@@ -319,6 +319,7 @@ class Registry:
         gpus: int | None = None,
         mtbf_s: float | None = None,
         fleet: bool = False,
+        node_loss_share: float | None = None,
     ) -> Advice:
         """Checkpoint economics of a run from what the job paid: C_eff, RTO, failures,
         intervals (Young, Daly, the availability optimum), waste, regret, advice."""

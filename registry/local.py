@@ -467,11 +467,20 @@ class LocalRegistry(Registry):
         gpus: int | None = None,
         mtbf_s: float | None = None,
         fleet: bool = False,
+        node_loss_share: float | None = None,
     ) -> Advice:
         from registry.economics import advise
 
         return Advice.from_json(
-            advise(self.context, run, project=project, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet)
+            advise(
+                self.context,
+                run,
+                project=project,
+                gpus=gpus,
+                mtbf_s=mtbf_s,
+                fleet=fleet,
+                node_loss_share=node_loss_share,
+            )
         )
 
     def recovery(

@@ -16,7 +16,7 @@ from sqlmodel import select
 
 from registry.catalog import queries
 from registry.catalog.models import Project, Run
-from registry.economics import model, simulate
+from registry.economics import levels, model, simulate
 from registry.economics.facts import RunFacts, gather
 from registry.errors import NotFound, UsageError
 from registry.refs import CheckpointRef, check_name
@@ -32,6 +32,8 @@ MAX_GPUS = 1_000_000  # --gpus up to this (a heartbeat's world size has the same
 MIN_COST_S = 1e-4  # C_eff is recorded to 0.1 ms: the model takes a smaller one (0 too) as this
 CONFIDENCE = 0.90
 NEAR = 0.2  # an interval within 20% of the optimum is "near" it (waste is flat there)
+ASSUMED_NODE_LOSS_SHARE = 0.5  # the prior share of failures that lose a node's local disk
+LEVEL_TRIALS = 300  # the two-level simulation runs event by event: fewer trials
 
 
 def advise(
@@ -42,10 +44,13 @@ def advise(
     gpus: int | None = None,
     mtbf_s: float | None = None,
     fleet: bool = False,
+    node_loss_share: float | None = None,
     trials: int = 2000,
     legacy: bool = False,
 ) -> dict[str, Any]:
-    """The run's economics. `legacy`: also the keys `reg recovery --json` had (one release)."""
+    """The run's economics. `legacy`: also the keys `reg recovery --json` had (one release).
+    `node_loss_share`: the share of failures that lose a node's local disk (tier 0), for a run
+    that saves there (default: measured from its restores, else ASSUMED_NODE_LOSS_SHARE)."""
     check_name(run, "run name")
     check_name(project, "project name")
     if gpus is not None and (
@@ -58,6 +63,12 @@ def advise(
         or not MIN_MTBF_S <= mtbf_s <= MAX_MTBF_S  # NaN fails it too
     ):
         raise UsageError(f"--mtbf must be a duration from 1s to 100 years, got {mtbf_s}s")
+    if node_loss_share is not None and (
+        isinstance(node_loss_share, bool)
+        or not isinstance(node_loss_share, int | float)
+        or not 0.0 <= node_loss_share <= 1.0  # NaN fails it too
+    ):
+        raise UsageError(f"--node-loss-share must be from 0 to 1, got {node_loss_share}")
     ctx.authorize_read(project=project)
     label = CheckpointRef(project, run, None).run_label
     with ctx.catalog.session() as s:
@@ -73,7 +84,16 @@ def advise(
             pool += [gather(s, project, other) for other in others]
     if not facts.checkpoints:
         raise NotFound(f"{label} has no saved checkpoints", "reg push-ckpt registers one")
-    out = _compose(label, facts, pool, gpus=gpus, mtbf_s=mtbf_s, fleet=fleet, trials=trials)
+    out = _compose(
+        label,
+        facts,
+        pool,
+        gpus=gpus,
+        mtbf_s=mtbf_s,
+        fleet=fleet,
+        trials=trials,
+        node_loss_share=node_loss_share,
+    )
     return recovery_keys(out, facts) if legacy else out
 
 
@@ -119,6 +139,7 @@ def _compose(
     mtbf_s: float | None,
     fleet: bool,
     trials: int,
+    node_loss_share: float | None = None,
 ) -> dict[str, Any]:
     world = next((int(c.world_size) for c in reversed(facts.checkpoints) if c.world_size), 1)
     n_gpus = gpus or world
@@ -194,10 +215,121 @@ def _compose(
         }
     out["waste"] = waste
     out["simulation"] = _simulate(cost, r, mtbf, best, tau_now, pool, n_gpus, trials)
+    out["levels"] = _two_levels(facts, cost, r, mtbf, tau_now, step_s, n_gpus, node_loss_share)
     advice = _sentence(out, cost, r, mtbf, best, tau_now, step_s, n_gpus)
     del out["advice"]
     out["advice"] = advice  # last, as the table ends with it
     return out
+
+
+def _two_levels(
+    facts: RunFacts,
+    cost: float,
+    rto: float,
+    mtbf: float,
+    tau_now: float | None,
+    step_s: float | None,
+    gpus: int,
+    share: float | None,
+) -> dict[str, Any] | None:
+    """A run that saves at tier 0: each level's figures, the tier-0 interval and copy period
+    the two-level model advises (`levels`), the waste now and advised, and a simulation."""
+    t = facts.tiers()
+    if t is None:
+        return None
+
+    def figure(
+        values: list[float], fallback: float, measured: str, otherwise: str
+    ) -> tuple[float, str]:
+        if values:
+            return statistics.median(values), f"{measured} ({len(values)})"
+        return fallback, otherwise
+
+    c0, c0_src = figure(t["c0"], cost, "tier-0 saves", "the run's C_eff")
+    c1, c1_src = figure(
+        t["c1"], 0.0, "copies measured", "not measured (no step times around the copies): 0"
+    )
+    lag, lag_src = figure(t["lag"], 0.0, "copies committed", "no copy committed yet: 0")
+    r0, r0_src = figure(t["r0"], rto, "restores from tier 0", "no restore from tier 0: the RTO")
+    r1, r1_src = figure(
+        t["r1"], rto, "restores from the store", "no restore from the store: the RTO"
+    )
+    n0, n1 = t["failures_tier0"], t["failures_store"]
+    if share is not None:
+        p, p_src = float(share), "--node-loss-share"
+    elif n0 + n1:
+        p = (n1 + 0.5) / (n0 + n1 + 1.0)  # smoothed: two failures never say "never"
+        p_src = f"measured: {n1} of {n0 + n1} failures restored from the store"
+    else:
+        p = ASSUMED_NODE_LOSS_SHARE
+        p_src = "assumed (no failure yet; give --node-loss-share)"
+    lv = levels.Levels(max(c0, MIN_COST_S), c1, lag, r0, r1, mtbf, p)
+    tau, k = lv.best()
+    young0, young1 = lv.young0(), lv.young1()
+    out: dict[str, Any] = {
+        "model": "first-order two-level model: tier-0 saves every tau, every k-th copied to "
+        "the store; a share p of failures lose a node and restore from the store",
+        "c0_s": _r(c0),
+        "c0_source": c0_src,
+        "c1_s": _r(c1),
+        "c1_source": c1_src,
+        "lag_s": _r(lag),
+        "lag_source": lag_src,
+        "r0_s": _r(r0),
+        "r0_source": r0_src,
+        "r1_s": _r(r1),
+        "r1_source": r1_src,
+        "failures_tier0": n0,
+        "failures_store": n1,
+        "node_loss_share": _r(p),
+        "node_loss_share_source": p_src,
+        "saves": t["saves"],
+        "copied": t["copied"],
+        "young_tier0_s": _r(young0),
+        "young_store_s": _r(young1),
+        "advised_tier0_s": _r(tau),
+        "advised_tier0_steps": _steps(tau, step_s),
+        "advised_copy_every": k,
+        "advised_store_s": _r(k * tau),
+        "advised_fraction": _r(lv.waste(tau, k), 6),
+        "current_tier0_s": _r(tau_now),
+        "current_copy_every": t["k_now"],
+    }
+    simulated, left_out = levels.simulate(lv, tau, k, trials=LEVEL_TRIALS)
+    out["simulation"] = {
+        "advised_fraction": _r(simulated, 6),
+        "model_fraction": out["advised_fraction"],
+        "trials": LEVEL_TRIALS,
+        "left_out": left_out,
+    }
+    if tau_now and t["k_now"]:
+        now = lv.waste(tau_now, t["k_now"])
+        out["current_fraction"] = _r(now, 6)
+        out["regret_gpu_hours_per_day"] = _r(
+            max(0.0, now - lv.waste(tau, k)) * gpus * model.HOURS_PER_DAY
+        )
+    out["advice"] = _levels_sentence(out, tau, k, step_s, gpus)
+    return out
+
+
+def _levels_sentence(
+    out: dict[str, Any], tau: float, k: int, step_s: float | None, gpus: int
+) -> str:
+    every = _steps(tau, step_s)
+    steps = f" (every {every} steps)" if every else ""
+    copy = "copy every save" if k == 1 else f"copy one save in {k}"
+    basis = (
+        f"tier 0 C {human(out['c0_s'])}, a copy C {human(out['c1_s'])} and lag "
+        f"{human(out['lag_s'])}, RTO {human(out['r0_s'])} from tier 0 and "
+        f"{human(out['r1_s'])} from the store, {out['node_loss_share']:.0%} of failures "
+        "losing a node"
+    )
+    advice = f"Save at tier 0 every {human(tau)}{steps} and {copy} to the store"
+    advice += f" (replicate_every={k})"
+    regret = out.get("regret_gpu_hours_per_day")
+    if regret:
+        advice += f": that saves {regret:.3g} GPU-hours a day on {gpus} GPU(s)"
+    return f"{advice} ({basis})."
 
 
 def _event(f: Any) -> dict[str, Any]:

@@ -2,7 +2,12 @@
 figures derived from it (C_eff, RTO by phase, the current interval, failures and exposure).
 
 Checkpoints that retention collected since (deleting, deleted) still count for the interval and
-the save costs: they were paid for. `checkpoints` is every saved one; `committed` the live ones.
+the save costs: they were paid for, as do those still (or only ever) at tier 0 (`local`).
+`checkpoints` is every saved one; `committed` the live ones in the store.
+
+A run that saves at tier 0 (issue 36) has two levels: `tiers()` gives each its figures (the
+tier-0 saves' C_eff, the copies' cost to the loop and their lag, the restores from each tier,
+and the failures each tier recovered from), for `levels`' model.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from registry.catalog.models import (
     COMMITTED,
     DELETED,
     DELETING,
+    LOCAL,
     Checkpoint,
     CheckpointRestore,
+    CheckpointTier,
     Run,
     Validation,
 )
@@ -54,6 +61,7 @@ class RunFacts:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # saved, collected or not
     restores: list[tuple[int, CheckpointRestore]] = field(default_factory=list)  # (step, row)
     validation_seconds: list[float] = field(default_factory=list)
+    copy_seconds: list[float] = field(default_factory=list)  # tier-0 commit -> in the store
 
     # -- C_eff ------------------------------------------------------------------------------
     def costs(self) -> tuple[list[float], list[float], list[float], str]:
@@ -125,6 +133,47 @@ class RunFacts:
                 "source": "restore validations (no restore by the training loop yet)",
             }
         return None
+
+    # -- two levels (issue 36) -------------------------------------------------------------------
+    def tiers(self) -> dict[str, Any] | None:
+        """Per level: the tier-0 saves' C_eff, the copies' interference and lag, the restores
+        from each tier, the failures each recovered from, and how many tier-0 saves there are
+        per copy now. None when the run never saved at tier 0."""
+        tier0 = [c for c in self.checkpoints if _costs(c).get("tier") == 0]
+        if not tier0:
+            return None
+        recent = tier0[-50:]
+        copied = [c for c in recent if not _costs(c).get("tier0_only")]
+        k_now = max(1, round(len(recent) / len(copied))) if copied else None
+        c0 = [
+            v
+            for c in tier0
+            if (v := _num(_costs(c).get("c_eff_seconds", _costs(c).get("stall_seconds"))))
+            is not None
+        ]
+        c1 = [
+            v for c in tier0 if (v := _num(_costs(c).get("copy_interference_seconds"))) is not None
+        ]
+        r0: list[float] = []
+        r1: list[float] = []
+        for _, r in self.restores:
+            (r0 if restore_tier(r) == 0 else r1).append(_restore_seconds(r))
+        by_tier = {0: 0, 1: 0}  # the failures each tier recovered from
+        for _, r in self.restores:
+            if r.kind == "failure":
+                by_tier[restore_tier(r)] += 1
+        return {
+            "saves": len(tier0),
+            "copied": len(tier0) - sum(1 for c in tier0 if _costs(c).get("tier0_only")),
+            "k_now": k_now,
+            "c0": c0,
+            "c1": c1,
+            "lag": list(self.copy_seconds),
+            "r0": r0,
+            "r1": r1,
+            "failures_tier0": by_tier[0],
+            "failures_store": by_tier[1],
+        }
 
     # -- the current interval ----------------------------------------------------------------------
     def interval(self) -> tuple[float | None, int | None, str]:
@@ -202,7 +251,7 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
             select(Checkpoint)
             .where(
                 Checkpoint.run_id == run.id,
-                col(Checkpoint.state).in_((COMMITTED, DELETING, DELETED)),
+                col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
             )
             .order_by(col(Checkpoint.step))
         ).all()
@@ -217,6 +266,15 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
         ).all()
     ]
     ids = [c.id for c in facts.checkpoints]
+    facts.copy_seconds = [
+        float(t.seconds)
+        for t in s.exec(
+            select(CheckpointTier).where(
+                col(CheckpointTier.checkpoint_id).in_(ids), CheckpointTier.tier == 1
+            )
+        ).all()
+        if t.seconds is not None and t.seconds >= 0
+    ]
     facts.validation_seconds = [
         v.seconds
         for v in s.exec(
@@ -225,6 +283,33 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
         if v.seconds
     ]
     return facts
+
+
+def restore_tier(restore: CheckpointRestore) -> int:
+    """0: every rank read its own node's copy; 1: some rank read the store (a restore from
+    before tiers, or a node whose copy was gone)."""
+    phases = restore.phases or {}
+    local = _num(phases.get("local_bytes")) or 0.0
+    store = _num(phases.get("store_bytes"))
+    return 0 if local > 0 and store == 0 else 1
+
+
+def _restore_seconds(restore: CheckpointRestore) -> float:
+    p = restore.phases or {}
+    return sum(
+        float(_num(p.get(k)) or 0.0)
+        for k in (
+            "catalog_seconds",
+            "metadata_seconds",
+            "fetch_seconds",
+            "load_reshard_seconds",
+            "first_step_seconds",
+        )
+    )
+
+
+def _costs(row: Checkpoint) -> dict[str, Any]:
+    return row.save_costs if isinstance(row.save_costs, dict) else {}
 
 
 def _num(value: object) -> float | None:

@@ -54,7 +54,14 @@ MAX_STEP = 2**63 - 1
 MAX_WORLD_SIZE = 1_000_000
 ECONOMICS_EVERY_S = 300.0  # MLflow's economics from heartbeats: at most this often per run
 _emitted: dict[tuple[str, str], float] = {}  # (project, run) -> when its economics last went out
-SAVE_FIELDS = ("interference_seconds", "blocked_seconds", "baseline_step_seconds", "steps_during")
+SAVE_FIELDS = (
+    "interference_seconds",
+    "blocked_seconds",
+    "baseline_step_seconds",
+    "steps_during",
+    "copy_interference_seconds",  # a tier-0 step's copy to the store (issue 36)
+    "copy_steps_during",
+)
 
 
 def record_heartbeat(

@@ -86,6 +86,7 @@ class Advice(Result):
     interval: dict[str, Any]
     waste: dict[str, Any]
     simulation: dict[str, Any] | None = None
+    levels: dict[str, Any] | None = None  # a run that saves at tier 0: the two-level advice
     advice: Any
 
 

@@ -83,6 +83,7 @@ class CheckpointManager:
         local_budget_bytes: int | None = None,
         evict_unreplicated: bool = False,
         replicate: bool = True,
+        replicate_every: int = 1,
         replicate_bytes_per_s: float | None = None,
         on_error: str = "warn",
         staging_budget_bytes: int | None = None,
@@ -102,6 +103,7 @@ class CheckpointManager:
                 local_budget_bytes=local_budget_bytes,
                 evict_unreplicated=evict_unreplicated,
                 replicate=replicate,
+                replicate_every=replicate_every,
                 replicate_bytes_per_s=replicate_bytes_per_s,
                 on_error=on_error,
                 staging_budget_bytes=staging_budget_bytes,
@@ -205,6 +207,12 @@ class CheckpointManager:
             tiered = self._tier.save(state, ref, metrics, async_, started)
             if ranks.current_rank() == 0:  # its hashing and commit run beside the next steps
                 self._tracking.append(Track(tiered, step, tiered.done))
+                if tiered.copy:  # and then its copy to the store: C of the second level
+                    tier = self._tier
+                    copied = Track(
+                        ("copy", tiered), step, lambda: tiered.done() and tier.copied(step), "copy_"
+                    )
+                    self._tracking.append(copied)
             return None
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
@@ -343,7 +351,10 @@ class CheckpointManager:
             "bytes": float(reader.bytes_read),
         }
         if self._tier is not None:  # what this restore read from the nodes' own copies
-            phases["local_bytes"] = float(getattr(tiered, "local_bytes", 0))
+            local = float(getattr(tiered, "local_bytes", 0))
+            phases["local_bytes"] = local
+            # the slowest rank's store reads: 0 when every rank read its own node's copy
+            phases["store_bytes"] = max(0.0, reader.bytes_read - local)
         ref = CheckpointRef(self.project, self.run, step)
         self._restore = RestoreRecord(ref, ranks.gather_max(phases), planned)
         if ranks.current_rank() == 0:
@@ -400,17 +411,20 @@ class CheckpointManager:
         heartbeat (against the median of the steps no save overlapped)."""
         for track in [t for t in self._tracking if t.save is save]:
             self._tracking.remove(track)
-            figures: dict[str, float] = {
-                "steps_during": float(len(track.during)),
-                "blocked_seconds": round(blocked, 4),
-            }
+            figures: dict[str, float] = {"steps_during": float(len(track.during))}
+            if not track.prefix:
+                figures["blocked_seconds"] = round(blocked, 4)
             if len(self._clean) >= 3:
                 baseline = statistics.median(self._clean)
                 extra = sum(d - baseline for d in track.during)
                 figures["baseline_step_seconds"] = round(baseline, 6)
                 figures["interference_seconds"] = round(max(0.0, extra), 4)
+            if track.prefix:  # a copy to the store: its own figures, beside the save's
+                figures = {
+                    track.prefix + k: v for k, v in figures.items() if k != "baseline_step_seconds"
+                }
             with self._beat_lock:
-                self._finished[str(track.step)] = figures
+                self._finished.setdefault(str(track.step), {}).update(figures)
 
     def _beat_in_flight(self) -> bool:
         return self._beat_thread is not None and self._beat_thread.is_alive()
@@ -427,7 +441,7 @@ class CheckpointManager:
             self._beat_due = False
             with self._beat_lock:
                 keys = sorted(self._finished, key=int)[:MAX_SAVES]  # the rest: the next beat
-                saves = {k: self._finished[k] for k in keys}
+                saves = {k: dict(self._finished[k]) for k in keys}
             figures: dict[str, Any] = {
                 "step": self._last_step,
                 # a beat after a long outage says at most this much (else it is refused forever)
@@ -439,7 +453,7 @@ class CheckpointManager:
             }
             thread = threading.Thread(
                 target=self._beat,
-                args=(restore, figures, at, keys),
+                args=(restore, figures, at),
                 name=f"reg-heartbeat-{self.run}",
                 daemon=True,
             )
@@ -450,9 +464,7 @@ class CheckpointManager:
         except Exception as exc:  # nothing from a heartbeat reaches the training loop
             self._warn(exc)
 
-    def _beat(
-        self, restore: RestoreRecord | None, figures: dict[str, Any], at: float, keys: list[str]
-    ) -> None:
+    def _beat(self, restore: RestoreRecord | None, figures: dict[str, Any], at: float) -> None:
         try:
             if restore is not None:
                 self._record_restore(restore)
@@ -463,8 +475,12 @@ class CheckpointManager:
         if got.get("recorded"):  # else no run yet: the time keeps counting to the next one
             with self._beat_lock:
                 self._flushed_at = max(self._flushed_at, at)
-                for key in keys:
-                    self._finished.pop(key, None)
+                for key, sent in figures["saves"].items():  # what came in since: the next beat
+                    left = self._finished.get(key, {})
+                    for name in sent:
+                        left.pop(name, None)
+                    if not left:
+                        self._finished.pop(key, None)
 
     def _warn(self, exc: Exception) -> None:
         if not self._heartbeat_warned:

@@ -33,10 +33,17 @@ class RestoreRecord:
 
 class Track:
     """A background save in flight (rank 0) and the step times it overlapped. `done`: whether
-    its background work ended (default: its DCP future's)."""
+    its background work ended (default: its DCP future's); `prefix`: of its figures' names
+    (`copy_`: a tier-0 step's copy to the store, measured apart from the save)."""
 
-    def __init__(self, save: Any, step: int, done: Callable[[], bool] | None = None) -> None:
-        self.save, self.step = save, step
+    def __init__(
+        self,
+        save: Any,
+        step: int,
+        done: Callable[[], bool] | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.save, self.step, self.prefix = save, step, prefix
         self.during: list[float] = []
         self._done = done
 

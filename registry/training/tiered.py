@@ -15,6 +15,10 @@ rank's files alone make a restore); otherwise it is skipped with a note saying w
 
 Each node's first rank keeps the node's copies within bounds: the newest `keep_local` steps and
 `local_budget_bytes`; a step not yet in the store is kept unless `evict_unreplicated`.
+
+`replicate_every=k` copies every k-th save to the store (the first included), the two-level
+scheme `reg advise` weighs (SCR's per-level intervals): the others stay at tier 0 only, by
+design (`tier0_only` in their save costs): no later job copies them, and eviction may drop them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.catalog.models import LOCAL
 from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
@@ -66,6 +71,7 @@ class TierSave:
     stall: float
     metrics: dict[str, float] | None
     async_: bool
+    copy: bool  # copied to the store once committed at tier 0
     thread: threading.Thread | None = None
     result: dict[str, Any] | None = None
     error: BaseException | None = None
@@ -86,6 +92,7 @@ class LocalTier:
         local_budget_bytes: int | None,
         evict_unreplicated: bool,
         replicate: bool,
+        replicate_every: int,
         replicate_bytes_per_s: float | None,
         on_error: str,
         staging_budget_bytes: int | None,
@@ -94,12 +101,18 @@ class LocalTier:
             raise UsageError(f"on_error={on_error!r}", "'warn' or 'raise'")
         if keep_local < 1:
             raise UsageError(f"keep_local={keep_local}", "keep at least the newest step")
+        if isinstance(replicate_every, bool) or not isinstance(replicate_every, int):
+            raise UsageError(f"replicate_every={replicate_every!r}", "a whole number from 1")
+        if replicate_every < 1:
+            raise UsageError(f"replicate_every={replicate_every}", "1 copies every save")
         self.manager, self.local_dir = manager, local_dir
         self.node = local_tier.node_name(node_id)
         self.keep_local, self.budget = keep_local, local_budget_bytes
         self.evict_unreplicated, self.replicate = evict_unreplicated, replicate
         self.on_error, self.staging_budget = on_error, staging_budget_bytes
         self.bytes_per_s = replicate_bytes_per_s
+        self.replicate_every = replicate_every
+        self._uncopied = replicate_every - 1  # saves since the last copied one: the first copies
         self.pending: TierSave | None = None
         self.newest_saved: int | None = None
         self.notes: list[str] = []  # the last restore's, on the tier-0 steps it skipped
@@ -151,6 +164,8 @@ class LocalTier:
 
         if async_ and self._over_staging_budget(state):
             async_ = False
+        copy = self.replicate and self._uncopied + 1 >= self.replicate_every
+        self._uncopied = 0 if copy else self._uncopied + 1
         writer = LocalWriter(self._partial(ref), thread_count=self.manager.thread_count)
         # The manager's own group, made here: making it is a collective on the default group,
         # which the background thread must never run beside the loop's own collectives.
@@ -162,7 +177,8 @@ class LocalTier:
             )
         else:
             checked(lambda: dcp.save(state, storage_writer=writer))
-        save = TierSave(ref, writer, future, started, time.monotonic() - started, metrics, async_)
+        stall = time.monotonic() - started
+        save = TierSave(ref, writer, future, started, stall, metrics, async_, copy)
         save.thread = threading.Thread(
             target=self._finish, args=(save,), name="reg-tier0-commit", daemon=True
         )
@@ -269,7 +285,7 @@ class LocalTier:
         self.newest_saved = save.ref.step
         assert isinstance(mine, RankFiles)
         try:
-            if self.replicate:
+            if save.copy:
                 self._replicate(save, final, mine, token)
         except Exception as exc:  # the step is committed at tier 0; its copy waits for a job
             message = f"reg: the copy of {save.ref} to the store did not start: {exc}"
@@ -334,6 +350,7 @@ class LocalTier:
                 "bytes": sum(f.size for f in files),
                 "world_size": ranks.world_size(),
                 "tier": 0,
+                **({"tier0_only": True} if self.replicate and not save.copy else {}),
                 "ranks": [
                     {
                         "rank": r.rank,
@@ -360,7 +377,7 @@ class LocalTier:
                     nodes=local_tier.nodes_of(reports),
                     write_manifest=local_tier.manifest_writer(final),
                     token=token,
-                    held=self.replicate,
+                    held=save.copy,
                 ),
             )
             return result.to_json() | {"tier": 0}, (shared.row_id, token)
@@ -405,8 +422,8 @@ class LocalTier:
             if step in kept and not over:
                 continue
             state = states.get(step)
-            if state == "local" and not self.evict_unreplicated:
-                continue  # its only durable copy
+            if state == LOCAL and not self.evict_unreplicated:
+                continue  # its only durable copy, and the store's is on its way
             local_tier.evict(steps[step])
             total -= size[step]
             if state is not None:
@@ -592,6 +609,11 @@ class LocalTier:
                     f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
                 )
         return local, None
+
+    def copied(self, step: int) -> bool:
+        """The copy of `step` to the store ended (or there is none to wait for)."""
+        job = None if self._replicator is None else self._replicator.jobs.get(step)
+        return job is None or job.done.is_set()
 
     def close(self) -> None:
         if self._replicator is not None:

@@ -255,8 +255,20 @@ def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, A
     return out
 
 
+TIER0_ONLY = "tier0_only"  # a local step the manager never copies (`replicate_every`)
+
+
+def is_tier0_only(row: Checkpoint) -> bool:
+    return (
+        row.state == LOCAL
+        and isinstance(row.save_costs, dict)
+        and bool(row.save_costs.get(TIER0_ONLY))
+    )
+
+
 def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[int, str]:
-    """The catalog state of each of `steps` of the run that has a row."""
+    """The catalog state of each of `steps` of the run that has a row (TIER0_ONLY for a local
+    step that is never copied to the store)."""
     if not steps:
         return {}
     with ctx.catalog.session() as s:
@@ -264,17 +276,16 @@ def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[
         if found is None:
             return {}
         rows = s.exec(
-            select(Checkpoint.step, Checkpoint.state).where(
-                Checkpoint.run_id == found.id, col(Checkpoint.step).in_(steps)
-            )
+            select(Checkpoint).where(Checkpoint.run_id == found.id, col(Checkpoint.step).in_(steps))
         ).all()
-    return {int(step): str(state) for step, state in rows}
+        return {row.step: TIER0_ONLY if is_tier0_only(row) else row.state for row in rows}
 
 
 def stranded(ctx: Context, project: str, run: str, *, live: bool = False) -> list[dict[str, Any]]:
     """The run's tier-0 steps whose copy to the store nobody is making (the job that saved
     them died): each with its files (path, size, sha256, rank) and the nodes holding a copy.
-    `live`: instead, those whose copy's claim is still held (`live_until`: its lease)."""
+    `live`: instead, those whose copy's claim is still held (`live_until`: its lease). A step
+    saved never to be copied (`replicate_every`) is not stranded."""
     ctx.authorize_read(project=project)
     out: list[dict[str, Any]] = []
     with ctx.catalog.session() as s:
@@ -287,7 +298,7 @@ def stranded(ctx: Context, project: str, run: str, *, live: bool = False) -> lis
             .order_by(col(Checkpoint.step))
         ).all()
         for row in rows:
-            if claims.is_live(row) != live:
+            if claims.is_live(row) != live or is_tier0_only(row):
                 continue
             out.append(
                 {
