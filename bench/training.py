@@ -14,7 +14,10 @@ in a job the cases alternate, each output deleted and synced before the next; me
 2. Async save: the stall, the time until committed (reg) or pushed (`dcp.async_save` + `reg
    push-ckpt`), and a fixed compute step's time while the save persists against before it;
    the same for the tier-0 save (`local_dir`), whose stall is compared with `dcp.async_save`'s.
-3. Aggregate write throughput of the sync save at each world size.
+3. Restore (issue 36), each case's files dropped from the page cache first: `restore()` from
+   tier 0 (every node holds its copy), from the store (a replaced node), and a bare
+   `dcp.load` of the same state as the baseline.
+4. Aggregate write throughput of the sync save at each world size.
 """
 
 from __future__ import annotations
@@ -142,6 +145,31 @@ def bench_async(work: Path, gib: float, repeat: int, nproc: int) -> list[str]:
     return lines
 
 
+def bench_restore(work: Path, gib: float, repeat: int, nproc: int) -> list[str]:
+    r = torchrun(
+        work, "restore", nproc, ["--mode", "restore", "--gib", str(gib), "--repeat", str(repeat)]
+    )
+    total = sum(r["bytes_per_rank"])
+    lines = [
+        say(
+            f"restore, world size {nproc}, {total / 2**30:.2f} GiB, cold page cache, median of "
+            f"{repeat}, slowest rank"
+        )
+    ]
+    r0, r1, rd = med(r["r0"]), med(r["r1"]), med(r["rd"])
+    lines.append(report("restore from tier 0 vs bare dcp.load", r0, rd, "dcp.load"))
+    lines.append(report("restore from the store vs bare dcp.load", r1, rd, "dcp.load"))
+    local = med(r["r0_local_bytes"]) if r["r0_local_bytes"] else 0.0
+    lines.append(
+        say(
+            f"{'  tier 0 vs the store':<44} {r1 / r0:.2f}x   runs: r0 {_list(r['r0'])} "
+            f"r1 {_list(r['r1'])} dcp {_list(r['rd'])}   tier 0 read {local / 2**20:.0f} MiB "
+            "locally (slowest rank)"
+        )
+    )
+    return lines
+
+
 def bench_throughput(
     work: Path, gib: float, repeat: int, sizes: list[int], known: dict[int, tuple[float, int]]
 ) -> list[str]:
@@ -184,7 +212,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="world size of parts 1 and 2")
     parser.add_argument("--world-sizes", default="1,2,4", help="part 3")
     parser.add_argument("--work", type=Path, default=None)
-    parser.add_argument("--skip", default="", help="comma-separated: sync, async, throughput")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: sync, async, restore, throughput"
+    )
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
@@ -195,6 +225,8 @@ def main() -> None:
             known[args.nproc] = (a, total)
         if "async" not in skip:
             bench_async(work, args.gib, args.repeat, args.nproc)
+        if "restore" not in skip:
+            bench_restore(work, args.gib, args.repeat, args.nproc)
         if "throughput" not in skip:
             sizes = [int(s) for s in args.world_sizes.split(",") if s]
             bench_throughput(work, args.gib, args.repeat, sizes, known)

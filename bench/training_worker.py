@@ -22,6 +22,11 @@ followed by `reg push-ckpt`: the stall (call until return), the time until commi
 and the time of a fixed compute step (matmuls plus an all_reduce, as a training step has) while
 the save persists and before it.
 
+`--mode restore`: one checkpoint saved at tier 0 and copied to the store, then interleaved,
+its pages dropped from the cache before each (`evict`): `restore()` from tier 0 (`r0`, every
+rank's node holds it), from the store (`r1`, a manager on a replaced node: `node_id` another),
+and a bare `dcp.load` of the same state from a directory `dcp.save` wrote (`rd`).
+
 Rank 0 writes every figure to `--out` (JSON).
 """
 
@@ -40,14 +45,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from bench.common import PY, ROOT, rm, settle
+from bench.common import PY, ROOT, evict, rm, settle
 from registry.layout import checkpoint_prefix
 from registry.storage.local import LocalStore
 from registry.training import CheckpointManager
+from registry.training.local_tier import node_name
 
 CLI = (
     [str(ROOT / ".venv" / "bin" / "reg")]
@@ -354,9 +360,48 @@ def async_save(state: dict[str, Any], d: Path, group: Any) -> Any:
     return getattr(got, "upload_completion", got)
 
 
+# -- restore ----------------------------------------------------------------------------------
+def bench_restore(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    work: Path = args.work
+    nodes, bare = work / "nodes", work / "bare"
+    saver = CheckpointManager("rst", local_dir=nodes, keep_local=4)
+    saver.save(state, 1)
+    saver.wait(replicated=True)
+    saver.close()
+    dcp.save(state, storage_writer=FileSystemWriter(str(bare)))
+    store_root = stored(saver, "rst", 1)
+    out: dict[str, Any] = {"r0": [], "r1": [], "rd": [], "r0_local_bytes": []}
+
+    def restore(node: str) -> CheckpointManager:
+        m = CheckpointManager("rst", local_dir=nodes, node_id=node, replicate=False)
+        assert m.restore(state) == 1
+        return m
+
+    def case(name: str) -> float:
+        if dist.get_rank() == 0:
+            evict(nodes, bare, store_root)  # cold: as after a restart on another process
+        dist.barrier()
+        if name == "rd":
+            return timed(lambda: dcp.load(state, storage_reader=FileSystemReader(str(bare))))
+        box: list[CheckpointManager] = []
+        t = timed(lambda: box.append(restore(node_name(None) if name == "r0" else "replaced")))
+        if name == "r0" and box[0]._restore is not None:
+            out["r0_local_bytes"].append(box[0]._restore.phases.get("local_bytes", 0.0))
+        box[0].close()
+        return t
+
+    restore(node_name(None)).close()  # warm: imports, the catalog, the process group
+    names = ["r0", "r1", "rd"]
+    for i in range(1, args.repeat + 1):
+        k = (i - 1) % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(case(name))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("sync", "async"), required=True)
+    parser.add_argument("--mode", choices=("sync", "async", "restore"), required=True)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gib", type=float, default=0.5)
@@ -374,7 +419,8 @@ def main() -> None:
     )
     every = [0] * dist.get_world_size()
     dist.all_gather_object(every, local)
-    result = bench_sync(args, state) if args.mode == "sync" else bench_async(args, state)
+    bench = {"sync": bench_sync, "async": bench_async, "restore": bench_restore}[args.mode]
+    result = bench(args, state)
     result.update(world=dist.get_world_size(), bytes_per_rank=every, gib=args.gib)
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(result))
