@@ -2,7 +2,8 @@
 copied to the store behind it. In-process tests check the catalog's side on SQLite and
 PostgreSQL (the states, the guards, the copy's commit refusing what tier 0 did not record);
 torchrun jobs on simulated nodes check the restores: from tier 0 after a SIGKILL, from the
-store for a node that lost its copies, at another world size."""
+store for a node that lost its copies, at another world size; and the same through `reg
+server`, where the job holds no credentials and forged commits and copies are refused."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from sqlalchemy import text
@@ -106,6 +108,7 @@ def test_the_copy_to_the_store_commits_only_what_tier0_recorded(reg, tmp_path):
     from registry.lifecycle.checkpoints.tiers import claim_replication, commit_replicated
     from registry.refs import CheckpointRef
     from registry.training.replicator import Job, Replicator
+    from registry.training.tier_catalog import EmbeddedTiers
     from registry.transfer import Stored
 
     local = tmp_path / "node"
@@ -120,7 +123,7 @@ def test_the_copy_to_the_store_commits_only_what_tier0_recorded(reg, tmp_path):
     original = shard.read_bytes()
     shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped
     claim = claim_replication(reg.context, ref)
-    copier = Replicator(reg, bytes_per_s=None, on_error="raise")
+    copier = Replicator(EmbeddedTiers(reg), bytes_per_s=None, on_error="raise")
     job = Job(claim, step_dir, records, manifest=True, commit=True)
     with pytest.raises(RegistryError, match="not the file the save recorded"):
         copier.copy(job, commit=True)
@@ -140,7 +143,7 @@ def test_the_copy_to_the_store_commits_only_what_tier0_recorded(reg, tmp_path):
         assert reg.show("tiered@step1")["state"] == "local"
     claim = _retaken(reg, ref, claim)
     # The real copy, from scratch.
-    Replicator(reg, bytes_per_s=None, on_error="raise").copy(
+    Replicator(EmbeddedTiers(reg), bytes_per_s=None, on_error="raise").copy(
         Job(claim, step_dir, records, manifest=True, commit=True), commit=True
     )
     shown = reg.show("tiered@step1")
@@ -386,19 +389,116 @@ def _flat(value: Any, where: str = "") -> dict[str, Any]:
     return {where: value}
 
 
-@pytest.mark.process
-def test_through_reg_server_tier0_is_refused_in_one_line(reg_server, tmp_path):
-    """Not built yet through the server: said before a byte is written, nothing committed."""
-    mgr = CheckpointManager("served", local_dir=tmp_path / "node")
-    with (
-        pytest.raises(RegistryError, match="local_dir is not available through reg server"),
-        warnings.catch_warnings(),
-    ):
+def _served(local: Path, **kw: Any) -> CheckpointManager:
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mgr.save(_state(1), 1)
-    assert not (tmp_path / "node" / "default").exists()
+        return CheckpointManager("served", project="team-a", local_dir=local, node_id="n0", **kw)
+
+
+@pytest.mark.process
+def test_through_reg_server_tier0_and_its_copy_to_the_store(reg_server, tmp_path):
+    """The job holds no catalog or store credentials: the server commits each save at tier 0
+    from the job's records (each `.metadata` checked against its record), the copy goes
+    through the server's push path (hashed there), and the tier-1 commit takes only what the
+    server received. A restore reads the node's copy, or the store through the server; a step
+    a dead job left at tier 0 is adopted and copied; what a token does not grant, it does not."""
+    local = tmp_path / "node"
+    mgr = _served(local)
+    for step in (1, 2):
+        _saved(mgr, step)
+    mgr.wait(replicated=True)
+    mgr.close()
+    with Registry() as reg:  # a client of the server, as every call here
+        shown = reg.show("team-a/served@step2")
+        assert shown["state"] == "committed"
+        assert [(t["tier"], t["node"]) for t in shown["tiers"]] == [(0, "n0"), (1, None)]
+        reg.verify("team-a/served@step2")  # the server's own check of every stored byte
+    # A save whose copy is off stays at tier 0; a restore reads it from the node alone.
+    lazy = _served(local, replicate=False)
+    _saved(lazy, 3)
+    lazy.close()
+    reader = _served(local, replicate=False)
+    state = _state(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert reader.restore(state) == 3
+    assert torch.equal(state["model"]["w"], _state(3)["model"]["w"])
+    reader.close()
+    # Bob (a trainer of team-b) may neither adopt the copy nor say a node dropped it; a viewer
+    # may not commit at tier 0 with a claim token she holds no push right for.
+    auth = {"authorization": f"Bearer {reg_server.token('bob')}"}
+    for route, body in (
+        ("/v1/tiers/adopt", {"ref": "team-a/served@step3"}),
+        ("/v1/tiers/evicted", {"ref": "team-a/served@step3", "node": "n0"}),
+        ("/v1/tiers/candidates", {"project": "team-a", "run": "served"}),
+    ):
+        got = httpx.post(f"{reg_server.url}{route}", json=body, headers=auth)
+        assert got.status_code == 403, (route, got.text)
+    # The next job (copies on) takes the stranded step over and copies it through the server.
+    adopter = _served(local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert adopter.restore(_state(0)) == 3
+    adopter.wait(replicated=True)
+    adopter.close()
     with Registry() as reg:
-        assert reg.list_checkpoints("served") == []
+        assert reg.show("team-a/served@step3")["state"] == "committed"
+    # The node lost its disk: the restore reads the store, through the server.
+    shutil.rmtree(local)
+    lost = _served(local)
+    state = _state(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert lost.restore(state) == 3
+    assert torch.equal(state["model"]["w"], _state(3)["model"]["w"])
+    lost.close()
+
+
+@pytest.mark.process
+def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server, tmp_path):
+    """A `.metadata` other than the one recorded, a manifest other than the one tier 0
+    recorded, and a copy's file with other bytes: each refused by the server in one line."""
+    from registry.lifecycle.checkpoints.shared import SharedClaim
+    from registry.refs import CheckpointRef
+    from registry.training.tier_catalog import ServerTiers
+
+    local = tmp_path / "node"
+    mgr = _served(local, replicate=False)
+    _saved(mgr, 1)
+    mgr.close()
+    step_dir = local / "team-a" / "served" / "step-1"
+    with Registry() as reg:
+        tiers = ServerTiers(reg)  # type: ignore[arg-type]
+        files = _records(reg.show("team-a/served@step1")["files"])
+        # A new claim on step 2, committed with step 1's records and another .metadata.
+        claim = tiers.claim(CheckpointRef("team-a", "served", 2))
+        forged = tmp_path / "forged"
+        shutil.copytree(step_dir, forged)
+        (forged / ".metadata").write_bytes((forged / ".metadata").read_bytes() + b"x")
+        with pytest.raises(IntegrityError, match="holds other bytes than its writer recorded"):
+            tiers.commit_local(
+                claim,
+                files,
+                directory=forged,
+                nodes={"n0": ([0], [f.path for f in files])},
+                world_size=1,
+                metrics=None,
+                costs={"tier": 0},
+                upload_seconds=0.1,
+                held=True,
+            )
+        # The copy of step 1: a manifest or a shard other than tier 0's is refused.
+        copy = tiers.adopt(CheckpointRef("team-a", "served", 1))
+        assert isinstance(copy, SharedClaim)
+        (forged / "MANIFEST.json").write_bytes(b"{}")
+        with pytest.raises(IntegrityError, match="not the manifest tier 0 recorded"):
+            tiers.put(copy, "MANIFEST.json", forged / "MANIFEST.json", None, lambda n: None)
+        shard = next(f for f in files if f.path.endswith(".distcp"))
+        with pytest.raises(IntegrityError, match="not the file the save recorded"):
+            tiers.put(copy, shard.path, forged / ".metadata", shard, lambda n: None)
+        with pytest.raises(IntegrityError, match="were not copied to the store"):
+            tiers.commit_replicated(copy, 0.0)
+        assert reg.show("team-a/served@step1")["state"] == "local"
 
 
 @pytest.mark.process

@@ -47,9 +47,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "key_set": READ_APPEND,  # a checkpoint's key paths (migration 0010; triggers: never changed)
     "checkpoint_keys": READ_APPEND,
     "checkpoint_restore": READ_APPEND,  # the training loop's restores (migration 0011)
-    # Which tiers hold a checkpoint (migration 0016): only read behind the server (tier 0 is
-    # saved through the embedded registry alone).
-    "checkpoint_tier": ("SELECT",),
+    # Which tiers hold a checkpoint (migration 0016): written by the tier-0 and tier-1 commits,
+    # an eviction sets `evicted_at`.
+    "checkpoint_tier": READ_WRITE,
     # Updated in place: a run's resume point, an alias's target, the outbox's progress, a
     # token's revocation and last use.
     "run": READ_WRITE,

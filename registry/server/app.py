@@ -177,7 +177,7 @@ def _route_label(request: Request) -> str:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    from registry.server import claims, contract_routes, data, presigned, routes
+    from registry.server import claims, contract_routes, data, presigned, routes, tier_routes
 
     catalog = Catalog.of(settings.catalog)
     key = audit_keys.for_server(settings.audit_key_path)
@@ -200,6 +200,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(data.router, prefix=f"/{API_VERSION}")
     app.include_router(presigned.router, prefix=f"/{API_VERSION}")
     app.include_router(claims.router, prefix=f"/{API_VERSION}")
+    app.include_router(tier_routes.router, prefix=f"/{API_VERSION}")
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:

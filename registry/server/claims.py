@@ -23,9 +23,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from registry.errors import Conflict, ObjectExists, RegistryError, UsageError
+from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError, UsageError
 from registry.formats.dcp_scan import check_path, is_reserved
-from registry.lifecycle.checkpoints import claimed, shared
+from registry.layout import MANIFEST
+from registry.lifecycle.checkpoints import claimed, shared, tiers
 from registry.server.auth import context_for
 from registry.server.requests import (
     authed_body,
@@ -87,7 +88,7 @@ async def renew(request: Request) -> dict[str, Any]:
         raise UsageError("seconds must be between 0 and 7 days")
 
     def work() -> dict[str, Any]:
-        held = shared.find(ctx, text(doc, "claim"))
+        held = shared.find(ctx, text(doc, "claim"), local=True)  # a save's or a copy's
         if seconds == 0:
             shared.give_up(ctx, held)
         else:
@@ -101,7 +102,9 @@ async def renew(request: Request) -> dict[str, Any]:
 async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
     ctx = await run_in_threadpool(context_for, request)
-    held = await run_in_threadpool(shared.find, ctx, token)
+    held = await run_in_threadpool(lambda: shared.find(ctx, token, local=True))
+    # A tier-0 step's copy to the store (issue 36) also puts the manifest tier 0 recorded.
+    copy = await run_in_threadpool(tiers.copying, ctx, held)
     check_path(str(held.ref), path)
     if (why := path_problem(path)) is not None:  # before a directory or file is made
         raise UsageError(
@@ -109,7 +112,7 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
             f"names of at most {MAX_SEGMENT} bytes, paths of at most {MAX_PATH} characters "
             f"and {MAX_DEPTH} segments",
         )
-    if is_reserved(path):
+    if is_reserved(path) and not (copy and path == MANIFEST):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
     uploads = _uploads(request)
     slots = uploads.slots()
@@ -120,17 +123,25 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
             f"the server is busy: {uploads.count} uploads in flight", "retry in a moment"
         ) from None
     try:
-        return await _receive(ctx, held, path, request, uploads.pool)
+        return await _receive(ctx, held, path, request, uploads.pool, copy=copy)
     finally:
         slots.release()
 
 
 async def _receive(
-    ctx: Any, held: Any, path: str, request: Request, pool: ThreadPoolExecutor
+    ctx: Any,
+    held: Any,
+    path: str,
+    request: Request,
+    pool: ThreadPoolExecutor,
+    *,
+    copy: bool = False,
 ) -> dict[str, Any]:
     """The request's body into the store (on the upload pool's thread), without polling: the
     store's thread takes each chunk from an asyncio queue through the event loop. A body that
-    arrives slower than MIN_RATE after its first minute is cut off."""
+    arrives slower than MIN_RATE after its first minute is cut off. `copy`: a tier-0 step's
+    copy to the store, where a retried file replaces what an earlier attempt under the same
+    claim put, and the manifest must be the one tier 0 recorded."""
     loop = asyncio.get_running_loop()
     idle = idle_s(request)
     chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
@@ -149,6 +160,10 @@ async def _receive(
         try:
             return ctx.store.put_stream(key, produce)
         except ObjectExists:
+            if copy:  # an earlier attempt of this copy: ours while the claim is
+                shared.renew(ctx, held, 0)
+                ctx.store.delete(key)
+                return ctx.store.put_stream(key, produce)
             raise Conflict(
                 f"{held.ref}: {path} was already written under this claim",
                 "each file has one writer; claim the step again to rewrite it",
@@ -194,7 +209,18 @@ async def _receive(
         await asyncio.gather(putting, return_exceptions=True)
         raise
     put = await putting
+    if (
+        copy
+        and path == MANIFEST
+        and put.sha256 != await run_in_threadpool(tiers.manifest_digest, ctx, held)
+    ):
+        await run_in_threadpool(ctx.store.delete, key)
+        raise IntegrityError(
+            f"{held.ref}: that is not the manifest tier 0 recorded", "copy the node's own"
+        )
     stored = Stored(key, put.size, put.sha256, False, put.version)
+    if copy and path == MANIFEST:  # checked above; not a file of the checkpoint's own
+        return {"path": path, "size": put.size, "sha256": put.sha256, "version": put.version}
     try:
         await run_in_threadpool(shared.record_part, ctx, held, [stored])
     except RegistryError:

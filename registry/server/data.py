@@ -240,7 +240,8 @@ async def pulled(request: Request) -> dict[str, Any]:
         from registry.lifecycle.checkpoints.costs import record_restore
 
         ctx.authorize_read(project=ref.project)
-        _, ckpt, files = resolve(ctx, ref)
+        # A training loop restores a step at tier 0 too (issue 36), named by its step.
+        _, ckpt, files = resolve(ctx, ref, local=ref.step is not None)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         if ctx.principal.authorize(Action.PUSH, project=ref.project).allowed:
             if restore is None:

@@ -4,7 +4,9 @@ the registry's store (tier 1), in a background thread at low CPU and I/O priorit
 
 Each rank uploads the files its node holds of a step (`Job.files`: assigned by the tier-0
 commit, one uploader per file), hashing them as they go, and records them under the step's
-replication claim (`shared.record_part`), as any writer under a claim does. Rank 0 then waits
+replication claim (`shared.record_part`), as any writer under a claim does; through `reg
+server` each file goes through the server's push path, hashed and recorded there
+(`tier_catalog`). Rank 0 then waits
 until every file is recorded and commits the step at tier 1 (`tiers.commit_replicated`, which
 checks each recorded digest against the one tier 0 recorded and the store's sizes). A failed
 copy is retried (`RETRIES`, with backoff); what still fails is reported (`on_error="warn"`:
@@ -22,27 +24,24 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.claims import LEASE_SECONDS
 from registry.catalog.leases import Heartbeat
-from registry.errors import Conflict, ObjectExists, RegistryError
+from registry.errors import Conflict, RegistryError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST, manifest_key
-from registry.lifecycle.checkpoints.shared import SharedClaim, record_part, renew
-from registry.transfer import Stored
+from registry.layout import MANIFEST
+from registry.lifecycle.checkpoints.shared import SharedClaim
 
 if TYPE_CHECKING:
-    from registry.local import LocalRegistry
+    from registry.training.tier_catalog import EmbeddedTiers, ServerTiers
 
 RETRIES = 3
 BACKOFF_S = 1.0
 POLL_S = 0.25  # rank 0's look at whether every part is recorded
 PARTS_TIMEOUT_S = 3600.0  # rank 0 gives up waiting for another rank's part after this
-CHUNK = 8 << 20
 
 
 @dataclass(slots=True)
@@ -84,12 +83,12 @@ class RateLimit:
 class Replicator:
     def __init__(
         self,
-        registry: LocalRegistry,
+        catalog: EmbeddedTiers | ServerTiers,
         *,
         bytes_per_s: float | None,
         on_error: str,
     ) -> None:
-        self.registry = registry
+        self.catalog = catalog
         self.limit = RateLimit(bytes_per_s)
         self.on_error = on_error
         self.jobs: dict[int, Job] = {}
@@ -113,7 +112,7 @@ class Replicator:
         for job in list(self.jobs.values()):
             if not job.done.is_set():
                 with contextlib.suppress(RegistryError):
-                    renew(self.registry.context, job.claim, 0)
+                    self.catalog.renew(job.claim)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every submitted job is done (copied and, on rank 0, committed at tier 1)."""
@@ -170,67 +169,21 @@ class Replicator:
     def copy(self, job: Job, *, commit: bool) -> None:
         """Put this rank's files of `job` (and the manifest) and record them; `commit`: then
         wait for every rank's part and commit the step at tier 1."""
-        from registry.catalog import claims
-
-        ctx = self.registry.context
-        hold = claims.held(ctx.catalog, job.claim.catalog_claim()) if commit else None
-        with hold or contextlib.nullcontext():
-            prefix, claim = job.claim.prefix, job.claim
-            stored = [
-                self._put(prefix + f.path, job.directory / f.path, f, claim) for f in job.files
-            ]
-            if job.manifest:
-                key = manifest_key(claim.ref.project, claim.ref.run, job.step)
-                self._put(key, job.directory / MANIFEST, None, claim)
-            record_part(ctx, job.claim, stored)
-            if commit:
-                job.result = self._commit(job)
-
-    def _still_ours(self, claim: SharedClaim) -> None:
-        from registry.catalog import claims
-
-        if not claims.still_held(self.registry.context.catalog, claim.catalog_claim()):
-            raise Conflict(
-                f"lost the claim on the copy of {claim.ref} (another job took it over)",
-                "nothing to do: that job copies it",
-            )
-
-    def _put(self, key: str, path: Path, record: FileRecord | None, claim: SharedClaim) -> Stored:
-        store = self.registry.store
-        limit = self.limit
-
-        def produce(write: Callable[[Any], None]) -> None:
-            with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    limit.take(len(chunk))
-                    write(chunk)
-
-        try:
-            put = store.put_stream(key, produce)
-        except ObjectExists:  # an earlier attempt of this copy, under the same claim
-            self._still_ours(claim)  # never delete what another replicator put
-            store.delete(key)
-            put = store.put_stream(key, produce)
-        if record is not None and (put.size, put.sha256) != (record.size, record.sha256):
-            self._still_ours(claim)
-            store.delete(key)
-            raise RegistryError(
-                f"{path} is not the file the save recorded ({put.size} bytes now, "
-                f"{record.size} recorded): the node's copy changed, so it is not copied"
-            )
-        return Stored(key, put.size, put.sha256, False, put.version)
+        catalog, claim, take = self.catalog, job.claim, self.limit.take
+        stored = [catalog.put(claim, f.path, job.directory / f.path, f, take) for f in job.files]
+        if job.manifest:
+            catalog.put(claim, MANIFEST, job.directory / MANIFEST, None, take)
+        catalog.record(claim, stored)
+        if commit:
+            job.result = self._commit(job)
 
     def _commit(self, job: Job) -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.tiers import commit_replicated, missing_parts
-
-        ctx = self.registry.context
         deadline = time.monotonic() + PARTS_TIMEOUT_S
-        key = manifest_key(job.claim.ref.project, job.claim.ref.run, job.step)
-        while missing_parts(ctx, job.claim) or self.registry.store.head(key) is None:
+        while self.catalog.missing(job.claim):
             if time.monotonic() > deadline:
                 raise RegistryError(f"{job.claim.ref}: another rank's copy never arrived")
             time.sleep(POLL_S)
-        return commit_replicated(ctx, job.claim, time.monotonic() - job.queued)
+        return self.catalog.commit_replicated(job.claim, time.monotonic() - job.queued)
 
 
 def _lower_priority() -> None:

@@ -36,24 +36,18 @@ from registry.catalog.models import LOCAL
 from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
-from registry.lifecycle.checkpoints.shared import (
-    LocalCopy,
-    SharedClaim,
-    commit_written,
-    give_up,
-)
-from registry.lifecycle.checkpoints.shared import claim as claim_step
+from registry.lifecycle.checkpoints.shared import SharedClaim
 from registry.refs import CheckpointRef
 from registry.timeutil import now
 from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
 from registry.training.replicator import Job, Replicator
 from registry.training.saves import checked
+from registry.training.tier_catalog import EmbeddedTiers, ServerTiers, tier_catalog
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from registry.local import LocalRegistry
     from registry.training.manager import CheckpointManager
 
 ON_ERROR = ("warn", "raise")
@@ -117,25 +111,21 @@ class LocalTier:
         self.newest_saved: int | None = None
         self.notes: list[str] = []  # the last restore's, on the tier-0 steps it skipped
         self._replicator: Replicator | None = None
+        self._catalog: EmbeddedTiers | ServerTiers | None = None
         self._warned_staging = False
 
     @property
-    def registry(self) -> LocalRegistry:
-        from registry.local import LocalRegistry  # the embedded side only (not behind a server)
-
-        registry = self.manager.registry
-        if not isinstance(registry, LocalRegistry):
-            raise UsageError(
-                "local_dir is not available through reg server yet",
-                "unset REG_URL to save at tier 0 with the embedded registry",
-            )
-        return registry
+    def catalog(self) -> EmbeddedTiers | ServerTiers:
+        """The catalog and store: this process's own, or `reg server`'s (REG_URL)."""
+        if self._catalog is None:
+            self._catalog = tier_catalog(self.manager.registry)
+        return self._catalog
 
     @property
     def replicator(self) -> Replicator:
         if self._replicator is None:
             self._replicator = Replicator(
-                self.registry, bytes_per_s=self.bytes_per_s, on_error=self.on_error
+                self.catalog, bytes_per_s=self.bytes_per_s, on_error=self.on_error
             )
         return self._replicator
 
@@ -143,9 +133,9 @@ class LocalTier:
     def prepare(self, ref: CheckpointRef) -> None:
         """Every rank, before the ranks agree to save: the step's directory for this save
         (`step-N.partial`, renamed to `step-N` once the step is claimed: a save never writes
-        over a copy the catalog records), and the embedded registry (tier 0 is not built
-        through `reg server` yet). What fails here fails every rank, before a byte is written."""
-        self.registry  # noqa: B018
+        over a copy the catalog records). What fails here fails every rank, before a byte is
+        written."""
+        self.catalog  # noqa: B018
         local_tier.check_local_dir(self._partial(ref))
 
     def _partial(self, ref: CheckpointRef) -> Path:
@@ -319,8 +309,7 @@ class LocalTier:
         return got[0]
 
     def _claim(self, save: TierSave) -> Any:
-
-        return claim_step(self.registry.context, save.ref)
+        return self.catalog.claim(save.ref)
 
     def _commit(
         self,
@@ -332,16 +321,11 @@ class LocalTier:
     ) -> Any:
         """Rank 0, holding the claim: the tier-0 commit; (view, replication token). A node
         that could not move its copy into place: the claim is given up, the error returned."""
-        from registry.catalog import claims
-
-        ctx = self.registry.context
         if problem is not None:
-            give_up(ctx, shared)
+            self.catalog.give_up(shared)
             return problem
         try:
             files = [f for r in reports for f in r.files]
-            by_path = {f.path: f for f in files}
-            token = claims.new_token()
             persist = time.monotonic() - save.started
             costs = {
                 "async": save.async_,
@@ -363,24 +347,18 @@ class LocalTier:
                     for r in sorted(reports, key=lambda r: r.rank)
                 ],
             }
-            result = commit_written(
-                ctx,
+            view, token = self.catalog.commit_local(
                 shared,
                 files,
+                directory=final,
+                nodes=local_tier.nodes_of(reports),
                 world_size=ranks.world_size(),
                 metrics=save.metrics,
-                save_costs=costs,
+                costs=costs,
                 upload_seconds=persist,
-                own_writer=True,
-                local=LocalCopy(
-                    read=local_tier.reader_of(final, by_path),
-                    nodes=local_tier.nodes_of(reports),
-                    write_manifest=local_tier.manifest_writer(final),
-                    token=token,
-                    held=save.copy,
-                ),
+                held=save.copy,
             )
-            return result.to_json() | {"tier": 0}, (shared.row_id, token)
+            return view | {"tier": 0}, token
         except RegistryError as exc:
             return exc
         except Exception as exc:
@@ -406,14 +384,11 @@ class LocalTier:
             warnings.warn(f"reg: evicting old tier-0 copies failed: {exc}", stacklevel=1)
 
     def _evict_old(self) -> None:
-        from registry.lifecycle.checkpoints.tiers import record_eviction, step_states
-
         m = self.manager
         steps = local_tier.local_steps(self.local_dir, m.project, m.run)
         assert self.newest_saved is not None
         older = sorted(s for s in steps if s < self.newest_saved)
-        ctx = self.registry.context
-        states = step_states(ctx, m.project, m.run, older)
+        states = self.catalog.states(m.project, m.run, older)
         kept = sorted(steps)[-self.keep_local :]
         size = {s: _tree_bytes(steps[s]) for s in steps}
         total = sum(size.values())
@@ -427,7 +402,7 @@ class LocalTier:
             local_tier.evict(steps[step])
             total -= size[step]
             if state is not None:
-                record_eviction(ctx, CheckpointRef(m.project, m.run, step), self.node)
+                self.catalog.evicted(CheckpointRef(m.project, m.run, step), self.node)
 
     # -- restoring ------------------------------------------------------------------------------
     def locate(self) -> tuple[int, Any, str, dict[str, str], list[str]] | None:
@@ -461,19 +436,17 @@ class LocalTier:
         directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
         prefix = checkpoint_prefix(m.project, m.run, step)
         versions = {f[0]: f[4] for f in cand["files"] if f[4]}
-        store = self.registry.store if cand["state"] == "committed" else None
+        store = None  # a tier-0 step: nothing in the store
+        if cand["state"] == "committed":
+            store = self.catalog.store_for(m.project, m.run, step)
         reader = TieredStore(store, prefix, {p: directory / p for p in usable})
         return step, reader, prefix, versions, notes
 
     def _choose(self, layout: list[str]) -> tuple[int, dict[str, Any], set[str], list[str]] | None:
         """Every rank: the newest step this job can read (its candidate record and the files
         this rank reads from its node), with notes on the tier-0 steps it could not."""
-        from registry.lifecycle.checkpoints.tiers import restore_candidates
-
         m = self.manager
-        candidates = ranks.from_rank0(
-            lambda: restore_candidates(self.registry.context, m.project, m.run)
-        )
+        candidates = ranks.from_rank0(lambda: self.catalog.candidates(m.project, m.run))
         notes: list[str] = []
         self.notes = notes  # what the manager says (`resume_notes`) if nothing is found
         for cand in candidates:
@@ -489,9 +462,7 @@ class LocalTier:
     def _copy_now(self, jobs: list[Job]) -> None:
         """Copy `jobs` to the store before the restore reads (every rank its share), then
         rank 0 commits each at tier 1; a failure on any rank leaves the step at tier 0."""
-        from registry.lifecycle.checkpoints.tiers import commit_replicated
-
-        now = Replicator(self.registry, bytes_per_s=None, on_error="raise")
+        now = Replicator(self.catalog, bytes_per_s=None, on_error="raise")
         for job in sorted(jobs, key=lambda j: j.step):
             problem: RegistryError | None = None
             try:
@@ -502,9 +473,7 @@ class LocalTier:
                 problem = RegistryError(f"copying {job.claim.ref} failed: {exc}")
             try:
                 ranks.agree(problem)
-                ranks.from_rank0(
-                    lambda job=job: commit_replicated(self.registry.context, job.claim, 0.0)
-                )
+                ranks.from_rank0(lambda job=job: self.catalog.commit_replicated(job.claim, 0.0))
             except RegistryError as exc:
                 warnings.warn(f"reg: {exc}", stacklevel=1)
 
@@ -520,24 +489,21 @@ class LocalTier:
         m = self.manager
 
         def take() -> list[tuple[int, int, str, list[Any], dict[str, list[str]]]]:
-            from registry.lifecycle.checkpoints.tiers import claim_replication, stranded
-
-            ctx = self.registry.context
             held_until = [
                 s["live_until"]
-                for s in stranded(ctx, m.project, m.run, live=True)
+                for s in self.catalog.stranded(m.project, m.run, live=True)
                 if s["step"] > readable
                 and tuple(s["holder"]) != (socket.gethostname(), os.getpid())
             ]
             if held_until and max(held_until) - now() < ADOPT_WAIT_S:
                 time.sleep(max(0.0, max(held_until) - now()) + 1.0)
             taken = []
-            for s in stranded(ctx, m.project, m.run):
+            for s in self.catalog.stranded(m.project, m.run, live=False):
                 held = {p for files in s["nodes"].values() for p in files}
                 if set(s["nodes"]) - set(layout) or held != {f[0] for f in s["files"]}:
                     continue  # a node that holds part of it is not in this job
                 try:
-                    shared = claim_replication(ctx, CheckpointRef(m.project, m.run, s["step"]))
+                    shared = self.catalog.adopt(CheckpointRef(m.project, m.run, s["step"]))
                 except Conflict:
                     continue
                 taken.append((s["step"], shared.row_id, shared.token, s["files"], s["nodes"]))

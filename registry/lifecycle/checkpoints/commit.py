@@ -161,6 +161,8 @@ def commit(
         held_by = claims.claim_columns(local[0])
         if not local[1]:
             held_by.update(claim_pid=None, lease_until=0.0)
+        elif ctx.server:  # held by the job through the server: its lease alone says so
+            held_by.update(claim_pid=None)
     with ctx.catalog.session(write=True) as s:
         committed = claims.guarded_update(
             s,

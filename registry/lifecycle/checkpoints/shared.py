@@ -141,17 +141,19 @@ def check_token(token: str) -> str:
     return token
 
 
-def find(ctx: Context, token: str) -> SharedClaim:
-    """The pending step `token` holds (authorized to push in its project)."""
+def find(ctx: Context, token: str, *, local: bool = False) -> SharedClaim:
+    """The pending step `token` holds (authorized to push in its project); `local`: or the
+    tier-0 step whose copy to the store it holds (issue 36: `tiers.copying`)."""
     from sqlmodel import col, select
 
-    from registry.catalog.models import PENDING, Checkpoint, Project, Run
+    from registry.catalog.models import LOCAL, PENDING, Checkpoint, Project, Run
 
     check_token(token)
+    states = (PENDING, LOCAL) if local else (PENDING,)
     with ctx.catalog.session() as s:
         found = s.exec(
             select(Checkpoint, Run, Project)
-            .where(col(Checkpoint.claim_token) == token, col(Checkpoint.state) == PENDING)
+            .where(col(Checkpoint.claim_token) == token, col(Checkpoint.state).in_(states))
             .where(col(Checkpoint.run_id) == col(Run.id), col(Run.project_id) == col(Project.id))
         ).first()
     if found is None:

@@ -13,6 +13,7 @@ then is the row `committed`: visible to pulls, promotion and retention, and mirr
     missing_parts(ctx, claim)          files no writer has recorded yet (the commit polls it)
     commit_replicated(ctx, claim, s)   local -> committed
     claim_replication(ctx, ref)        take over the copy of a step whose replicator died
+    copying(ctx, claim)                the claim is a copy's (the row is local), not a save's
     record_eviction(ctx, ref, node)    a node dropped its tier-0 copy
     restore_candidates(ctx, ref)       the newest steps a restore may read, with their copies
 """
@@ -168,6 +169,20 @@ def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict
         return {"ref": str(ref), "state": committed.state, "tiers": tiers_json(s, committed)}
 
 
+def copying(ctx: Context, shared: SharedClaim) -> bool:
+    """`shared` is the claim on a tier-0 step's copy to the store (not a pending save's)."""
+    with ctx.catalog.session() as s:
+        row = s.get(Checkpoint, shared.row_id)
+    return row is not None and row.state == LOCAL
+
+
+def manifest_digest(ctx: Context, shared: SharedClaim) -> str | None:
+    """The sha256 of the manifest the tier-0 commit recorded."""
+    with ctx.catalog.session() as s:
+        row = s.get(Checkpoint, shared.row_id)
+    return None if row is None else row.manifest_sha256
+
+
 def claim_replication(ctx: Context, ref: CheckpointRef) -> SharedClaim:
     """Take over the copy to the store of a tier-0 step whose replicator died (its claim ran
     out); what that replicator had put under the prefix is deleted first."""
@@ -184,6 +199,8 @@ def claim_replication(ctx: Context, ref: CheckpointRef) -> SharedClaim:
         taken = claims.take_over(s, row)
         if taken is None:
             raise Conflict(f"another replicator took {ref} first", "check `reg show`")
+        if ctx.server:  # held by a job through the server: its lease alone says so
+            claims.guarded_update(s, taken, claim_pid=None)
     shared = SharedClaim(ref, taken.row_id, taken.token)
     for info in list(ctx.store.list(shared.prefix)):
         ctx.store.delete(info.key)
@@ -269,6 +286,7 @@ def is_tier0_only(row: Checkpoint) -> bool:
 def step_states(ctx: Context, project: str, run: str, steps: list[int]) -> dict[int, str]:
     """The catalog state of each of `steps` of the run that has a row (TIER0_ONLY for a local
     step that is never copied to the store)."""
+    ctx.authorize_read(project=project)
     if not steps:
         return {}
     with ctx.catalog.session() as s:
