@@ -22,7 +22,7 @@ import torch
 from sqlalchemy import text
 
 from registry import Registry
-from registry.errors import Conflict, IntegrityError, NotFound, RegistryError
+from registry.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
 from registry.training import CheckpointManager
 from tests.helpers import ROOT, torchrun
 
@@ -496,6 +496,8 @@ def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server,
         shard = next(f for f in files if f.path.endswith(".distcp"))
         with pytest.raises(IntegrityError, match="not the file the save recorded"):
             tiers.put(copy, shard.path, forged / ".metadata", shard, lambda n: None)
+        with pytest.raises(UsageError, match="is not a file its tier-0 save recorded"):
+            tiers.put(copy, "extra.bin", forged / ".metadata", None, lambda n: None)
         with pytest.raises(IntegrityError, match="were not copied to the store"):
             tiers.commit_replicated(copy, 0.0)
         assert reg.show("team-a/served@step1")["state"] == "local"

@@ -114,6 +114,11 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
         )
     if is_reserved(path) and not (copy and path == MANIFEST):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
+    if copy and path != MANIFEST and not await run_in_threadpool(tiers.recorded, ctx, held, path):
+        raise UsageError(
+            f"{held.ref}: {path[:80]!r} is not a file its tier-0 save recorded",
+            "copy only the step's own files",
+        )
     uploads = _uploads(request)
     slots = uploads.slots()
     try:

@@ -176,6 +176,12 @@ def copying(ctx: Context, shared: SharedClaim) -> bool:
     return row is not None and row.state == LOCAL
 
 
+def recorded(ctx: Context, shared: SharedClaim, path: str) -> bool:
+    """`path` is a file the step's tier-0 commit recorded (its copy may put nothing else)."""
+    with ctx.catalog.session() as s:
+        return any(f.path == path for f in queries.files_of(s, shared.row_id))
+
+
 def manifest_digest(ctx: Context, shared: SharedClaim) -> str | None:
     """The sha256 of the manifest the tier-0 commit recorded."""
     with ctx.catalog.session() as s:
