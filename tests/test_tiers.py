@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -487,6 +488,20 @@ def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server,
                 upload_seconds=0.1,
                 held=True,
             )
+        # A path that would lead a restore out of the node's directory: refused.
+        tricked = [*files[:-1], replace(files[-1], path="../../escape.distcp")]
+        with pytest.raises(RegistryError, match="unsafe file path"):
+            tiers.commit_local(
+                claim,
+                tricked,
+                directory=step_dir,
+                nodes={"n0": ([0], [f.path for f in tricked])},
+                world_size=1,
+                metrics=None,
+                costs={"tier": 0},
+                upload_seconds=0.1,
+                held=True,
+            )
         # The copy of step 1: a manifest or a shard other than tier 0's is refused.
         copy = tiers.adopt(CheckpointRef("team-a", "served", 1))
         assert isinstance(copy, SharedClaim)
@@ -494,7 +509,7 @@ def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server,
         with pytest.raises(IntegrityError, match="not the manifest tier 0 recorded"):
             tiers.put(copy, "MANIFEST.json", forged / "MANIFEST.json", None, lambda n: None)
         shard = next(f for f in files if f.path.endswith(".distcp"))
-        with pytest.raises(IntegrityError, match="not the file the save recorded"):
+        with pytest.raises(IntegrityError, match="not the file __0_0.distcp tier 0 recorded"):
             tiers.put(copy, shard.path, forged / ".metadata", shard, lambda n: None)
         with pytest.raises(UsageError, match="is not a file its tier-0 save recorded"):
             tiers.put(copy, "extra.bin", forged / ".metadata", None, lambda n: None)

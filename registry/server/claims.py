@@ -103,7 +103,8 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(lambda: shared.find(ctx, token, local=True))
-    # A tier-0 step's copy to the store (issue 36) also puts the manifest tier 0 recorded.
+    # A tier-0 step's copy to the store (issue 36): only the files tier 0 recorded, each with
+    # the bytes it recorded, and the manifest it recorded.
     copy = await run_in_threadpool(tiers.copying, ctx, held)
     check_path(str(held.ref), path)
     if (why := path_problem(path)) is not None:  # before a directory or file is made
@@ -114,11 +115,14 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
         )
     if is_reserved(path) and not (copy and path == MANIFEST):
         raise UsageError(f"{path} is a name the registry reserves", "rename the file")
-    if copy and path != MANIFEST and not await run_in_threadpool(tiers.recorded, ctx, held, path):
-        raise UsageError(
-            f"{held.ref}: {path[:80]!r} is not a file its tier-0 save recorded",
-            "copy only the step's own files",
-        )
+    expected: Any = None
+    if copy:
+        expected = await run_in_threadpool(tiers.expected, ctx, held, path)
+        if expected is None:
+            raise UsageError(
+                f"{held.ref}: {path[:80]!r} is not a file its tier-0 save recorded",
+                "copy only the step's own files",
+            )
     uploads = _uploads(request)
     slots = uploads.slots()
     try:
@@ -128,7 +132,7 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
             f"the server is busy: {uploads.count} uploads in flight", "retry in a moment"
         ) from None
     try:
-        return await _receive(ctx, held, path, request, uploads.pool, copy=copy)
+        return await _receive(ctx, held, path, request, uploads.pool, expected=expected)
     finally:
         slots.release()
 
@@ -140,13 +144,14 @@ async def _receive(
     request: Request,
     pool: ThreadPoolExecutor,
     *,
-    copy: bool = False,
+    expected: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """The request's body into the store (on the upload pool's thread), without polling: the
     store's thread takes each chunk from an asyncio queue through the event loop. A body that
-    arrives slower than MIN_RATE after its first minute is cut off. `copy`: a tier-0 step's
-    copy to the store, where a retried file replaces what an earlier attempt under the same
-    claim put, and the manifest must be the one tier 0 recorded."""
+    arrives slower than MIN_RATE after its first minute is cut off. `expected`: a tier-0 step's
+    copy to the store, whose file must be the (size, sha256) tier 0 recorded: no more bytes
+    are taken, and other bytes are deleted, never recorded."""
+    limit = MAX_FILE if expected is None else expected[0]
     loop = asyncio.get_running_loop()
     idle = idle_s(request)
     chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
@@ -165,10 +170,6 @@ async def _receive(
         try:
             return ctx.store.put_stream(key, produce)
         except ObjectExists:
-            if copy:  # an earlier attempt of this copy: ours while the claim is
-                shared.renew(ctx, held, 0)
-                ctx.store.delete(key)
-                return ctx.store.put_stream(key, produce)
             raise Conflict(
                 f"{held.ref}: {path} was already written under this claim",
                 "each file has one writer; claim the step again to rewrite it",
@@ -201,8 +202,8 @@ async def _receive(
     try:
         async for chunk in idle_limited(request):
             received += len(chunk)
-            if received > MAX_FILE:
-                raise UsageError(f"{path} is over {MAX_FILE} bytes")
+            if received > limit:
+                raise UsageError(f"{path} is over {limit} bytes")
             elapsed = time.monotonic() - started
             if elapsed > 60 and received < MIN_RATE * elapsed:
                 raise UsageError(f"the upload of {path} is too slow", "send it again")
@@ -214,17 +215,14 @@ async def _receive(
         await asyncio.gather(putting, return_exceptions=True)
         raise
     put = await putting
-    if (
-        copy
-        and path == MANIFEST
-        and put.sha256 != await run_in_threadpool(tiers.manifest_digest, ctx, held)
-    ):
-        await run_in_threadpool(ctx.store.delete, key)
+    if expected is not None and expected[1] != put.sha256:
+        await run_in_threadpool(ctx.store.delete, key)  # this request's own object
+        what = "the manifest" if path == MANIFEST else f"the file {path}"
         raise IntegrityError(
-            f"{held.ref}: that is not the manifest tier 0 recorded", "copy the node's own"
+            f"{held.ref}: that is not {what} tier 0 recorded", "copy the node's own copy"
         )
     stored = Stored(key, put.size, put.sha256, False, put.version)
-    if copy and path == MANIFEST:  # checked above; not a file of the checkpoint's own
+    if expected is not None and path == MANIFEST:  # not a file of the checkpoint's own
         return {"path": path, "size": put.size, "sha256": put.sha256, "version": put.version}
     try:
         await run_in_threadpool(shared.record_part, ctx, held, [stored])

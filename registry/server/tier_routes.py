@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from registry.errors import IntegrityError, UsageError
+from registry.formats.dcp_scan import check_path
 from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, manifest_key
 from registry.lifecycle.checkpoints import shared, tiers
@@ -38,7 +39,7 @@ from registry.server.auth import context_for
 from registry.server.requests import authed_body, json_body, text
 
 router = APIRouter()
-MAX_COMMIT_BYTES = 256 << 20  # a 4,096-rank save's .metadata and records, base64
+MAX_COMMIT_BYTES = 64 << 20  # the records and each .metadata, base64 (48 MiB of them)
 MAX_STEPS = 10_000
 MAX_NODES = 4096
 
@@ -110,6 +111,9 @@ async def commit_local(token: str, request: Request) -> dict[str, Any]:
     files = _files(doc.get("files"))
     nodes = _nodes(doc.get("nodes"))
     sent = _metadata(doc.get("metadata"))
+    label = str(held.ref)
+    for path in [f.path for f in files] + [p for _, ps in nodes.values() for p in ps] + [*sent]:
+        check_path(label, path)  # they become paths on other jobs' nodes (a restore's reads)
     world = _int(doc.get("world_size"), "world_size", 1)
     metrics = doc.get("metrics") or {}
     if not isinstance(metrics, dict):

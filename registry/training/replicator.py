@@ -170,10 +170,17 @@ class Replicator:
         """Put this rank's files of `job` (and the manifest) and record them; `commit`: then
         wait for every rank's part and commit the step at tier 1."""
         catalog, claim, take = self.catalog, job.claim, self.limit.take
-        stored = [catalog.put(claim, f.path, job.directory / f.path, f, take) for f in job.files]
-        if job.manifest:
+        # A retry puts only what an earlier attempt did not: what is recorded stays as it is.
+        missing = set(catalog.missing(claim))
+        stored = [
+            catalog.put(claim, f.path, job.directory / f.path, f, take)
+            for f in job.files
+            if f.path in missing
+        ]
+        if job.manifest and MANIFEST in missing:
             catalog.put(claim, MANIFEST, job.directory / MANIFEST, None, take)
-        catalog.record(claim, stored)
+        if stored:
+            catalog.record(claim, stored)
         if commit:
             job.result = self._commit(job)
 

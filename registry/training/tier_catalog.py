@@ -17,9 +17,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError, UsageError
+from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
 from registry.layout import MANIFEST, checkpoint_prefix, manifest_key
-from registry.lifecycle.checkpoints.shared import LocalCopy, SharedClaim
+from registry.lifecycle.checkpoints.shared import (
+    LocalCopy,
+    SharedClaim,
+    claim,
+    commit_written,
+    give_up,
+    is_token,
+    record_part,
+    renew,
+)
 from registry.refs import CheckpointRef
 from registry.transfer import Stored
 
@@ -33,7 +43,7 @@ Take = Callable[[int], None]  # the replicator's rate limit: called with each ch
 
 
 def tier_catalog(registry: Registry) -> EmbeddedTiers | ServerTiers:
-    from registry.local import LocalRegistry
+    from registry.local import LocalRegistry  # the embedded side: opened already, if at all
 
     if isinstance(registry, LocalRegistry):
         return EmbeddedTiers(registry)
@@ -58,13 +68,9 @@ class EmbeddedTiers:
         return self.registry.context
 
     def claim(self, ref: CheckpointRef) -> SharedClaim:
-        from registry.lifecycle.checkpoints.shared import claim
-
         return claim(self.ctx, ref)
 
     def give_up(self, claimed: SharedClaim) -> None:
-        from registry.lifecycle.checkpoints.shared import give_up
-
         give_up(self.ctx, claimed)
 
     def commit_local(
@@ -82,7 +88,6 @@ class EmbeddedTiers:
     ) -> tuple[dict[str, Any], tuple[int, str]]:
         """The tier-0 commit: (the committed view, (row id, the replication token))."""
         from registry.catalog import claims
-        from registry.lifecycle.checkpoints.shared import commit_written
         from registry.training import local_tier
 
         token = claims.new_token()
@@ -136,8 +141,6 @@ class EmbeddedTiers:
 
     # -- the replicator -------------------------------------------------------------------------
     def renew(self, claimed: SharedClaim) -> None:
-        from registry.lifecycle.checkpoints.shared import renew
-
         renew(self.ctx, claimed, 0)
 
     def put(
@@ -168,8 +171,6 @@ class EmbeddedTiers:
         return Stored(key, put.size, put.sha256, False, put.version)
 
     def record(self, claimed: SharedClaim, stored: list[Stored]) -> None:
-        from registry.lifecycle.checkpoints.shared import record_part
-
         record_part(self.ctx, claimed, stored)
 
     def missing(self, claimed: SharedClaim) -> list[str]:
@@ -230,7 +231,6 @@ class ServerTiers:
         """The tier-0 commit in the server, from the file records and each `.metadata` (read
         here, checked there against its record): the server builds the manifest, which is
         written here beside the files for the replicator to copy."""
-        from registry.formats.dcp_roots import metadata_paths
         from registry.training import local_tier
 
         sizes = {f.path: f.size for f in files}
@@ -330,8 +330,6 @@ class ServerTiers:
 
 
 def _token(value: object) -> str:
-    from registry.lifecycle.checkpoints.shared import is_token
-
     if not is_token(value):
         raise UsageError("the server answered without a claim token", "update reg server")
     return str(value)

@@ -14,6 +14,7 @@ then is the row `committed`: visible to pulls, promotion and retention, and mirr
     commit_replicated(ctx, claim, s)   local -> committed
     claim_replication(ctx, ref)        take over the copy of a step whose replicator died
     copying(ctx, claim)                the claim is a copy's (the row is local), not a save's
+    expected(ctx, claim, path)         what a copy's file must be: tier 0's size and sha256
     record_eviction(ctx, ref, node)    a node dropped its tier-0 copy
     restore_candidates(ctx, ref)       the newest steps a restore may read, with their copies
 """
@@ -28,10 +29,16 @@ from sqlmodel import col, select
 
 from policies.access import Action
 from registry.catalog import claims, queries
-from registry.catalog.models import COMMITTED, LOCAL, Checkpoint, CheckpointTier
+from registry.catalog.models import (
+    COMMITTED,
+    LOCAL,
+    Checkpoint,
+    CheckpointFile,
+    CheckpointTier,
+)
 from registry.errors import Conflict, IntegrityError
 from registry.formats.documents import Manifest
-from registry.layout import manifest_key
+from registry.layout import MANIFEST, manifest_key
 from registry.lifecycle.checkpoints.shared import SharedClaim, check_listed, recorded_parts
 from registry.refs import CheckpointRef
 from registry.timeutil import iso, now
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
 
     from registry.context import Context
 
+MAX_MANIFEST = 64 << 20  # a manifest's bytes at most (a copy's upload of it stops there)
 MAX_CANDIDATES = 8  # tier-0 steps a restore looks at, newest first, above the newest stored
 STORE = ""  # the node of the tier-1 row: the registry's store
 
@@ -173,20 +181,23 @@ def copying(ctx: Context, shared: SharedClaim) -> bool:
     """`shared` is the claim on a tier-0 step's copy to the store (not a pending save's)."""
     with ctx.catalog.session() as s:
         row = s.get(Checkpoint, shared.row_id)
-    return row is not None and row.state == LOCAL
+    return row is not None and row.state == LOCAL and row.claim_token == shared.token
 
 
-def recorded(ctx: Context, shared: SharedClaim, path: str) -> bool:
-    """`path` is a file the step's tier-0 commit recorded (its copy may put nothing else)."""
+def expected(ctx: Context, shared: SharedClaim, path: str) -> tuple[int, str] | None:
+    """(size, sha256) the tier-0 commit recorded for `path` (MANIFEST: the manifest, at most
+    MAX_MANIFEST bytes); None for a path it did not record: its copy puts nothing else."""
     with ctx.catalog.session() as s:
-        return any(f.path == path for f in queries.files_of(s, shared.row_id))
-
-
-def manifest_digest(ctx: Context, shared: SharedClaim) -> str | None:
-    """The sha256 of the manifest the tier-0 commit recorded."""
-    with ctx.catalog.session() as s:
-        row = s.get(Checkpoint, shared.row_id)
-    return None if row is None else row.manifest_sha256
+        if path == MANIFEST:
+            row = s.get(Checkpoint, shared.row_id)
+            digest = None if row is None else row.manifest_sha256
+            return None if digest is None else (MAX_MANIFEST, digest)
+        found = s.exec(
+            select(CheckpointFile).where(
+                CheckpointFile.checkpoint_id == shared.row_id, CheckpointFile.path == path
+            )
+        ).first()
+        return None if found is None else (found.size, found.sha256)
 
 
 def claim_replication(ctx: Context, ref: CheckpointRef) -> SharedClaim:
@@ -225,7 +236,7 @@ def record_eviction(ctx: Context, ref: CheckpointRef, node: str) -> None:
         ).first()
         if row is None:
             return
-        s.exec(
+        done = s.exec(
             update(CheckpointTier)
             .where(
                 col(CheckpointTier.checkpoint_id) == row.id,
@@ -235,6 +246,8 @@ def record_eviction(ctx: Context, ref: CheckpointRef, node: str) -> None:
             )
             .values(evicted_at=now())
         )
+        if done.rowcount:  # GC may collect a step no node holds: who said so is recorded
+            ctx.audit(s, "evict-tier0", str(ref), node=node, state=row.state)
 
 
 def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
