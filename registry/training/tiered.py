@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.models import LOCAL
-from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
+from registry.errors import IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import SharedClaim
@@ -504,7 +504,7 @@ class LocalTier:
                     continue  # a node that holds part of it is not in this job
                 try:
                     shared = self.catalog.adopt(CheckpointRef(m.project, m.run, s["step"]))
-                except Conflict:
+                except RegistryError:  # another job took it, or its leftovers stay: later
                     continue
                 taken.append((s["step"], shared.row_id, shared.token, s["files"], s["nodes"]))
             return taken

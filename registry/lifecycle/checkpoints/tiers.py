@@ -219,8 +219,11 @@ def claim_replication(ctx: Context, ref: CheckpointRef) -> SharedClaim:
         if ctx.server:  # held by a job through the server: its lease alone says so
             claims.guarded_update(s, taken, claim_pid=None)
     shared = SharedClaim(ref, taken.row_id, taken.token)
-    for info in list(ctx.store.list(shared.prefix)):
-        ctx.store.delete(info.key)
+    # In batches, under the new claim's lease: what the dead copy put goes before ours starts.
+    _, failed = ctx.store.delete_many([info.key for info in ctx.store.list(shared.prefix)])
+    if failed:
+        key, why = next(iter(failed.items()))
+        raise IntegrityError(f"{ref}: could not clear {key} ({why})", "adopt the copy again")
     return shared
 
 
