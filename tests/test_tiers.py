@@ -476,32 +476,26 @@ def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server,
         forged = tmp_path / "forged"
         shutil.copytree(step_dir, forged)
         (forged / ".metadata").write_bytes((forged / ".metadata").read_bytes() + b"x")
-        with pytest.raises(IntegrityError, match="holds other bytes than its writer recorded"):
-            tiers.commit_local(
+
+        def commit(records: list[Any], directory: Path) -> Any:
+            return tiers.commit_local(
                 claim,
-                files,
-                directory=forged,
-                nodes={"n0": ([0], [f.path for f in files])},
+                records,
+                directory=directory,
+                nodes={"n0": ([0], [f.path for f in records])},
                 world_size=1,
                 metrics=None,
                 costs={"tier": 0},
                 upload_seconds=0.1,
                 held=True,
             )
+
+        with pytest.raises(IntegrityError, match="holds other bytes than its writer recorded"):
+            commit(files, forged)
         # A path that would lead a restore out of the node's directory: refused.
         tricked = [*files[:-1], replace(files[-1], path="../../escape.distcp")]
         with pytest.raises(RegistryError, match="unsafe file path"):
-            tiers.commit_local(
-                claim,
-                tricked,
-                directory=step_dir,
-                nodes={"n0": ([0], [f.path for f in tricked])},
-                world_size=1,
-                metrics=None,
-                costs={"tier": 0},
-                upload_seconds=0.1,
-                held=True,
-            )
+            commit(tricked, step_dir)
         # The copy of step 1: a manifest or a shard other than tier 0's is refused.
         copy = tiers.adopt(CheckpointRef("team-a", "served", 1))
         assert isinstance(copy, SharedClaim)
