@@ -400,6 +400,38 @@ def test_concurrent_writers_end_in_a_fully_sealed_verifying_chain(catalog_url, c
     assert out["events"] == out["sealed"] == writers * per_writer and out["unsealed"] == 0
 
 
+def test_a_sealer_that_lost_the_race_for_a_link_says_so_and_raises_nothing(
+    catalog_url, monkeypatch
+):
+    """Two sealers read the same head and append the same next link (the policy's seal_now and
+    the server's background sealer did, in CI): the database refuses the second (SQLite: the
+    unique key; PostgreSQL: the next-link trigger's own error first), and the loser reports
+    that it raced instead of failing the request that sealed."""
+    from registry.audit_chain import sealer
+
+    keys.create(_key_path())
+    key = keys.read(_key_path())
+    with Registry() as reg:
+        with reg.catalog.session(write=True) as s:
+            reg.context.audit(s, "push", "a@step1")
+        catalog = Catalog(catalog_url)
+        try:
+            assert sealer.seal_pending(catalog, key).seals == [1]
+            with catalog.session() as s:
+                stale = sealer.head(s)
+            with reg.catalog.session(write=True) as s:
+                reg.context.audit(s, "push", "a@step2")
+            assert sealer.seal_pending(catalog, key).seals == [2]  # the winner
+            # The loser read the head before the winner's link landed.
+            monkeypatch.setattr(sealer, "head", lambda session: stale)
+            with reg.catalog.session(write=True) as s:
+                reg.context.audit(s, "push", "a@step3")
+            run = sealer.seal_pending(catalog, key)
+            assert run.raced and run.seals == []
+        finally:
+            catalog.dispose()
+
+
 # -- through reg server ---------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import Session, col, select
 
@@ -42,6 +43,7 @@ log = logging.getLogger("reg.audit")
 BATCH = 5000  # events per seal (the genesis seal takes the whole history before the key)
 LOOKBACK_S = 900.0  # a routine cycle also rechecks the last 15 minutes for late commits
 _IN = 500  # ids per IN (...) query
+NOT_NEXT_LINK = "a seal is only ever the chain's next link"  # migration 0015's trigger
 
 
 @dataclass
@@ -268,7 +270,11 @@ def _append(
             )
             seal.mac = mac = macs.seal_row_mac(key, seal, taken)
             s.add(seal)
-    except DBIntegrityError:
-        return False
+    except DBAPIError as exc:
+        # Another sealer appended `seq` first: the unique key, or (PostgreSQL, whose trigger
+        # runs first and raises its own error) the next-link trigger, refused ours.
+        if isinstance(exc, DBIntegrityError) or NOT_NEXT_LINK in str(exc.orig):
+            return False
+        raise
     _VERIFIED_HEADS.add((seq, mac))  # written here: the next cycle need not prove it
     return True
