@@ -103,13 +103,7 @@ class RunFacts:
     def rto(self) -> dict[str, Any] | None:
         totals, fetch, load, first = [], [], [], []
         for _, r in self.restores:
-            p = r.phases or {}
-            f = sum(
-                float(p.get(k) or 0)
-                for k in ("catalog_seconds", "metadata_seconds", "fetch_seconds")
-            )
-            lr = float(p.get("load_reshard_seconds") or 0)
-            fs = float(p.get("first_step_seconds") or 0)
+            f, lr, fs = restore_phases(r)
             fetch.append(f)
             load.append(lr)
             first.append(fs)
@@ -157,7 +151,7 @@ class RunFacts:
         r0: list[float] = []
         r1: list[float] = []
         for _, r in self.restores:
-            (r0 if restore_tier(r) == 0 else r1).append(_restore_seconds(r))
+            (r0 if restore_tier(r) == 0 else r1).append(sum(restore_phases(r)))
         by_tier = {0: 0, 1: 0}  # the failures each tier recovered from
         for _, r in self.restores:
             if r.kind == "failure":
@@ -294,18 +288,14 @@ def restore_tier(restore: CheckpointRestore) -> int:
     return 0 if local > 0 and store == 0 else 1
 
 
-def _restore_seconds(restore: CheckpointRestore) -> float:
+def restore_phases(restore: CheckpointRestore) -> tuple[float, float, float]:
+    """A restore's RTO in its three parts: fetch (catalog, metadata, bytes), load/reshard,
+    first step."""
     p = restore.phases or {}
-    return sum(
-        float(_num(p.get(k)) or 0.0)
-        for k in (
-            "catalog_seconds",
-            "metadata_seconds",
-            "fetch_seconds",
-            "load_reshard_seconds",
-            "first_step_seconds",
-        )
+    fetch = sum(
+        float(p.get(k) or 0) for k in ("catalog_seconds", "metadata_seconds", "fetch_seconds")
     )
+    return fetch, float(p.get("load_reshard_seconds") or 0), float(p.get("first_step_seconds") or 0)
 
 
 def _costs(row: Checkpoint) -> dict[str, Any]:

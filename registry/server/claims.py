@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,6 +32,7 @@ from registry.server.requests import (
     idle_limited,
     idle_s,
     json_body,
+    number,
     opt_text,
     text,
 )
@@ -73,17 +73,10 @@ MAX_COSTS_BYTES = 4 << 20  # a 4,096-rank save's per-rank costs are ~0.5 MiB
 _END, _ABORT = object(), object()
 
 
-def _number(doc: dict[str, Any], key: str, default: float) -> float:
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise UsageError(f"{key} must be a number")
-    return float(value)
-
-
 @router.post("/claims/renew")
 async def renew(request: Request) -> dict[str, Any]:
     ctx, doc = await authed_body(request)
-    seconds = _number(doc, "seconds", 120.0)
+    seconds = number(doc, "seconds", 120.0)
     if not 0 <= seconds <= 7 * 86400:
         raise UsageError("seconds must be between 0 and 7 days")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +96,15 @@ def opt_text(doc: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def flag(doc: dict[str, Any], key: str) -> bool:
-    value = doc.get(key, False)
+def flag(doc: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = doc.get(key, default)
     if not isinstance(value, bool):
         raise UsageError(f"{key} must be true or false")
     return value
+
+
+def number(doc: dict[str, Any], key: str, default: float) -> float:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UsageError(f"{key} must be a number")
+    return float(value)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,11 +31,10 @@ from starlette.concurrency import run_in_threadpool
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import check_path
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST, manifest_key
 from registry.lifecycle.checkpoints import shared, tiers
 from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.server.auth import context_for
-from registry.server.requests import authed_body, json_body, text
+from registry.server.requests import authed_body, flag, json_body, number, text
 
 router = APIRouter()
 MAX_COMMIT_BYTES = 64 << 20  # the records and each .metadata, base64 (48 MiB of them)
@@ -50,6 +48,13 @@ def _int(value: object, what: str, low: int = 0) -> int:
     return value
 
 
+def _seconds(doc: dict[str, Any], key: str) -> float:
+    seconds = number(doc, key, 0.0)
+    if seconds < 0:
+        raise UsageError(f"{key} must be a number of at least 0")
+    return seconds
+
+
 def _files(doc: object) -> list[FileRecord]:
     if not isinstance(doc, list):
         raise UsageError("files must be a list of [path, size, sha256, rank]")
@@ -58,15 +63,11 @@ def _files(doc: object) -> list[FileRecord]:
         if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
             raise UsageError("files must be a list of [path, size, sha256, rank]")
         path, size, digest, rank = item
-        if not (isinstance(digest, str) and len(digest) == 64 and _hex(digest)):
+        if not shared.is_digest(digest):
             raise UsageError(f"{path[:80]!r}: sha256 must be 64 hex digits")
         rank = None if rank is None else _int(rank, "rank")
         out.append(FileRecord(path, _int(size, "size"), digest, rank))
     return out
-
-
-def _hex(value: str) -> bool:
-    return all(c in "0123456789abcdef" for c in value)
 
 
 def _nodes(doc: object) -> dict[str, tuple[list[int], list[str]]]:
@@ -119,14 +120,8 @@ async def commit_local(token: str, request: Request) -> dict[str, Any]:
     if not isinstance(metrics, dict):
         raise UsageError("metrics must be an object of numbers")
     costs = check_save_costs(doc.get("save_costs"))
-    seconds = doc.get("upload_seconds", 0.0)
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise UsageError("upload_seconds must be a number")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise UsageError("upload_seconds must be a number of at least 0")
-    keep = doc.get("held", True)
-    if not isinstance(keep, bool):
-        raise UsageError("held must be true or false")
+    seconds = _seconds(doc, "upload_seconds")
+    keep = flag(doc, "held", default=True)
     written: list[bytes] = []
 
     def read(path: str) -> bytes:
@@ -146,7 +141,7 @@ async def commit_local(token: str, request: Request) -> dict[str, Any]:
             world_size=world,
             metrics=metrics,
             save_costs=costs,
-            upload_seconds=float(seconds),
+            upload_seconds=seconds,
             own_writer=True,
             local=shared.LocalCopy(
                 read=read, nodes=nodes, write_manifest=written.append, token=token_1, held=keep
@@ -168,11 +163,7 @@ async def missing(token: str, request: Request) -> dict[str, Any]:
 
     def work() -> dict[str, Any]:
         held = _copying(ctx, token)
-        gone = tiers.missing_parts(ctx, held)
-        ref = held.ref
-        if ctx.store.head(manifest_key(ref.project, ref.run, ref.step or 0)) is None:
-            gone.append(MANIFEST)
-        return {"ref": str(ref), "missing": gone}
+        return {"ref": str(held.ref), "missing": tiers.missing_parts(ctx, held)}
 
     return await run_in_threadpool(work)
 
@@ -180,14 +171,10 @@ async def missing(token: str, request: Request) -> dict[str, Any]:
 @router.post("/claims/{token}/replicated")
 async def replicated(token: str, request: Request) -> dict[str, Any]:
     ctx, doc = await authed_body(request)
-    seconds = doc.get("seconds", 0.0)
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise UsageError("seconds must be a number")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise UsageError("seconds must be a number of at least 0")
+    seconds = _seconds(doc, "seconds")
 
     def work() -> dict[str, Any]:
-        return tiers.commit_replicated(ctx, _copying(ctx, token), float(seconds))
+        return tiers.commit_replicated(ctx, _copying(ctx, token), seconds)
 
     return await run_in_threadpool(work)
 
@@ -246,9 +233,7 @@ async def candidates(request: Request) -> dict[str, Any]:
 async def stranded(request: Request) -> dict[str, Any]:
     ctx, doc = await authed_body(request)
     project, run = _run(doc)
-    live = doc.get("live", False)
-    if not isinstance(live, bool):
-        raise UsageError("live must be true or false")
+    live = flag(doc, "live")
     found = await run_in_threadpool(lambda: tiers.stranded(ctx, project, run, live=live))
     return {
         "stranded": [

@@ -137,7 +137,7 @@ class ServerBackend:
         got = self.registry.claim_checkpoint(
             ref.run, ref.step or 0, project=ref.project, lease_s=SERVER_LEASE_S
         )
-        return SharedClaim(ref, 0, _token(got.get("claim")))
+        return SharedClaim(ref, 0, server_token(got.get("claim")))
 
     def sink(self, claimed: SharedClaim) -> ObjectSink:
         return ServerSink(self.registry, claimed)
@@ -162,21 +162,13 @@ class ServerBackend:
         ).to_json()
 
     def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
-        from registry.remote.reader import RemoteReader
-
         try:
             listing = self.registry.client.call("GET", "/files", params={"ref": str(ref)})
         except NotFound:
             return None
         step = parse_checkpoint_ref(listing["ref"]).step or 0
-        files = [
-            FileRecord(f["path"], f["size"], f["sha256"], None, f.get("version"))
-            for f in listing["files"]
-        ]
         prefix = "remote/"  # any key prefix: the reader asks for each file of the ref
-        urls = self.registry.read_urls(listing["ref"], listing["files"])
-        reader = RemoteReader(self.registry.client, listing["ref"], prefix, files, urls)
-        return step, reader, prefix, {}
+        return step, remote_reader(self.registry, listing, prefix), prefix, {}
 
     def resumed(self, ref: CheckpointRef) -> None:
         self.registry.client.call("POST", "/checkpoints/pulled", body={"ref": str(ref)})
@@ -238,7 +230,20 @@ class ServerSink:
         return self.put_chunks(key, iter([data]))
 
 
-def _token(value: object) -> str:
+def remote_reader(registry: Any, listing: dict[str, Any], prefix: str) -> Any:
+    """A store-like reader of the files `GET /files` listed, through the server (or the
+    presigned URLs it hands out), for keys under `prefix`."""
+    from registry.remote.reader import RemoteReader
+
+    files = [
+        FileRecord(f["path"], f["size"], f["sha256"], None, f.get("version"))
+        for f in listing["files"]
+    ]
+    urls = registry.read_urls(listing["ref"], listing["files"])
+    return RemoteReader(registry.client, listing["ref"], prefix, files, urls)
+
+
+def server_token(value: object) -> str:
     if not is_token(value):
         raise UsageError("the server answered the claim without a token", "update reg server")
     return str(value)

@@ -16,21 +16,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError, UsageError
+from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST, checkpoint_prefix, manifest_key
+from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import (
     LocalCopy,
     SharedClaim,
     claim,
     commit_written,
     give_up,
-    is_token,
     record_part,
     renew,
 )
 from registry.refs import CheckpointRef
+from registry.training.backends import SERVER_LEASE_S, ServerBackend, remote_reader, server_token
 from registry.transfer import Stored
 
 if TYPE_CHECKING:
@@ -177,11 +177,7 @@ class EmbeddedTiers:
         """The files no writer has copied yet (MANIFEST when the manifest is not in yet)."""
         from registry.lifecycle.checkpoints.tiers import missing_parts
 
-        ref = claimed.ref
-        gone = missing_parts(self.ctx, claimed)
-        if self.registry.store.head(manifest_key(ref.project, ref.run, ref.step or 0)) is None:
-            gone.append(MANIFEST)
-        return gone
+        return missing_parts(self.ctx, claimed)
 
     def commit_replicated(self, claimed: SharedClaim, seconds: float) -> dict[str, Any]:
         from registry.catalog import claims
@@ -208,8 +204,6 @@ class ServerTiers:
         self.client = registry.client
 
     def claim(self, ref: CheckpointRef) -> SharedClaim:
-        from registry.training.backends import ServerBackend
-
         return ServerBackend(self.registry).claim(ref)
 
     def give_up(self, claimed: SharedClaim) -> None:
@@ -251,7 +245,7 @@ class ServerTiers:
         got = self.client.call("POST", f"/claims/{claimed.token}/commit-local", body=body)
         manifest = base64.b64decode(str(got["manifest"]))
         local_tier.manifest_writer(directory)(manifest)
-        return dict(got["view"]), (int(got["row"]), _token(got.get("claim")))
+        return dict(got["view"]), (int(got["row"]), server_token(got.get("claim")))
 
     def evicted(self, ref: CheckpointRef, node: str) -> None:
         self.client.call("POST", "/tiers/evicted", body={"ref": str(ref), "node": node})
@@ -275,25 +269,15 @@ class ServerTiers:
 
     def adopt(self, ref: CheckpointRef) -> SharedClaim:
         got = self.client.call("POST", "/tiers/adopt", body={"ref": str(ref)})
-        return SharedClaim(ref, int(got["row"]), _token(got.get("claim")))
+        return SharedClaim(ref, int(got["row"]), server_token(got.get("claim")))
 
     def store_for(self, project: str, run: str, step: int) -> Any:
-        from registry.remote.reader import RemoteReader
-
         ref = str(CheckpointRef(project, run, step))
         listing = self.client.call("GET", "/files", params={"ref": ref})
-        files = [
-            FileRecord(f["path"], f["size"], f["sha256"], None, f.get("version"))
-            for f in listing["files"]
-        ]
-        prefix = checkpoint_prefix(project, run, step)
-        urls = self.registry.read_urls(listing["ref"], listing["files"])
-        return RemoteReader(self.client, listing["ref"], prefix, files, urls)
+        return remote_reader(self.registry, listing, checkpoint_prefix(project, run, step))
 
     # -- the replicator -------------------------------------------------------------------------
     def renew(self, claimed: SharedClaim) -> None:
-        from registry.training.backends import SERVER_LEASE_S
-
         self.registry.renew_claim(claimed.token, SERVER_LEASE_S)
 
     def put(
@@ -327,9 +311,3 @@ class ServerTiers:
     def commit_replicated(self, claimed: SharedClaim, seconds: float) -> dict[str, Any]:
         body = {"seconds": seconds}
         return dict(self.client.call("POST", f"/claims/{claimed.token}/replicated", body=body))
-
-
-def _token(value: object) -> str:
-    if not is_token(value):
-        raise UsageError("the server answered without a claim token", "update reg server")
-    return str(value)

@@ -28,7 +28,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
@@ -132,6 +132,11 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
 
 def is_token(value: object) -> bool:
     return isinstance(value, str) and _TOKEN.fullmatch(value) is not None
+
+
+def is_digest(value: object) -> TypeGuard[str]:
+    """A sha256 as the registry records it: 64 lowercase hex digits."""
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
 
 
 def check_token(token: str) -> str:
@@ -260,8 +265,7 @@ def _parse_part(key: str, data: bytes) -> list[FileRecord]:
             or isinstance(size, bool)
             or not isinstance(size, int)
             or not 0 <= size < 1 << 50
-            or not isinstance(digest, str)
-            or not _HEX.fullmatch(digest)
+            or not is_digest(digest)
             or not (version is None or (isinstance(version, str) and len(version) <= 1024))
         ):
             raise bad

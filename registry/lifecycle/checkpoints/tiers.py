@@ -10,7 +10,7 @@ store at that size, and the manifest object must hash to the digest recorded at 
 then is the row `committed`: visible to pulls, promotion and retention, and mirrored.
 
     tiers_json(session, row)           which tiers hold a checkpoint, on which nodes
-    missing_parts(ctx, claim)          files no writer has recorded yet (the commit polls it)
+    missing_parts(ctx, claim)          files no writer has recorded yet, and the manifest
     commit_replicated(ctx, claim, s)   local -> committed
     claim_replication(ctx, ref)        take over the copy of a step whose replicator died
     copying(ctx, claim)                the claim is a copy's (the row is local), not a save's
@@ -93,12 +93,17 @@ def tiers_json(session: Session, row: Checkpoint) -> list[dict[str, Any]]:
 
 
 def missing_parts(ctx: Context, shared: SharedClaim) -> list[str]:
-    """The files of a tier-0 step that no writer has recorded in the store yet."""
+    """The files of a tier-0 step that no writer has recorded in the store yet, and MANIFEST
+    while its manifest is not in the store either (what a copy still has to put)."""
     with ctx.catalog.session() as s:
         files = queries.files_of(s, shared.row_id)
     recorded, _ = recorded_parts(ctx, shared)
     have = {r.path for r in recorded}
-    return sorted(f.path for f in files if f.path not in have)
+    missing = sorted(f.path for f in files if f.path not in have)
+    ref = shared.ref
+    if ctx.store.head(manifest_key(ref.project, ref.run, ref.step or 0)) is None:
+        missing.append(MANIFEST)
+    return missing
 
 
 def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict[str, Any]:
