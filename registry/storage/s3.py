@@ -232,6 +232,9 @@ class S3Store(BaseStore):
                 if code in ("ConditionalRequestConflict", "409") and attempt < 2:
                     continue  # a concurrent write: retry the whole upload (parts are gone)
                 raise translate(exc, key) from exc
+            except BotoCoreError as exc:  # the connection failed past botocore's retries
+                self._abort(full_key, upload_id)
+                raise translate(exc, key) from exc
             except BaseException:
                 self._abort(full_key, upload_id)
                 raise

@@ -138,14 +138,10 @@ class Bucket:
         sizes: dict[tuple[str, str], int] = {}
         if self.versioned():
             for prefix in sorted({full.rsplit("/", 1)[0] + "/" for full in wanted}):
-                pages = self.store.client.get_paginator("list_object_versions").paginate(
-                    Bucket=self.store.bucket, Prefix=prefix
-                )
-                for page in pages:
-                    for v in page.get("Versions", []) + page.get("DeleteMarkers", []):
-                        if v["Key"] in wanted:
-                            targets.append({"Key": v["Key"], "VersionId": v["VersionId"]})
-                            sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
+                for v in self._versions_under(prefix):
+                    if v["Key"] in wanted:
+                        targets.append({"Key": v["Key"], "VersionId": v["VersionId"]})
+                        sizes[(v["Key"], v["VersionId"])] = int(v.get("Size", 0))
         else:
             for full, key in wanted.items():
                 head = self.store.head(key)
@@ -168,6 +164,20 @@ class Bucket:
             for done in out.get("Deleted", []):
                 freed += sizes.get((done["Key"], done.get("VersionId", "")), 0)
         return freed, errors
+
+    def _versions_under(self, full_prefix: str) -> builtins.list[dict[str, Any]]:
+        """Every version and delete marker under `full_prefix` (a key in the bucket)."""
+        pages = self.store.client.get_paginator("list_object_versions").paginate(
+            Bucket=self.store.bucket, Prefix=full_prefix
+        )
+        try:
+            return [
+                entry
+                for page in pages
+                for entry in page.get("Versions", []) + page.get("DeleteMarkers", [])
+            ]
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, full_prefix) from exc
 
     def delete(self, key: str) -> int:
         full = self.store.full_prefix(key)
