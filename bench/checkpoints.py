@@ -1,6 +1,6 @@
 """Push and pull of a >= 1 GiB checkpoint against `cp -r` + `sync`; start-up against the floor.
 
-    python -m bench.checkpoints [--gib 1.2] [--repeat 3] [--warm]
+    python -m bench.checkpoints [--gib 1.2] [--repeat 3] [--warm] [--ranks 2]
 
 The source is evicted from the page cache before each run; `--warm` also measures the push of
 a source still in the page cache, as right after a training job's save (issue 36).
@@ -21,7 +21,7 @@ from pathlib import Path
 from bench.common import PY, REG, ROOT, dir_bytes, env, evict, median_of, report, rm, run
 
 
-def make_checkpoint(out: Path, gib: float) -> Path:
+def make_checkpoint(out: Path, gib: float, ranks: int = 2) -> Path:
     if not (out / ".metadata").exists():
         subprocess.run(
             [
@@ -29,7 +29,7 @@ def make_checkpoint(out: Path, gib: float) -> Path:
                 "-m",
                 "torch.distributed.run",
                 "--standalone",
-                "--nproc-per-node=2",
+                f"--nproc-per-node={ranks}",
                 "-m",
                 "bench.make_checkpoint",
                 "--out",
@@ -99,7 +99,6 @@ def bench_warm_push(work: Path, src: Path, repeat: int) -> list[str]:
         report("push-ckpt, warm source, CLI end to end", push_t, cp_t, "cp -r+sync"),
         report("push-ckpt, warm source, data path", statistics.median(uploads), cp_t, "cp -r+sync"),
     ]
-    print("\n".join(lines), flush=True)
     rm(home)
     return lines
 
@@ -255,9 +254,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--warm", action="store_true", help="also push a cached source")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (one shard file each)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="reg-bench-", dir=ROOT / "bench"))
-    src = make_checkpoint(work / "src", args.gib)
+    src = make_checkpoint(work / "src", args.gib, args.ranks)
     bench_push_pull(work, src, args.repeat)
     if args.warm:
         bench_warm_push(work, src, args.repeat)

@@ -88,7 +88,10 @@ class LocalStore(BaseStore):
     def _stage_file(self, key: str, src: Path, immutable: bool, progress: Progress) -> _LocalStaged:
         source_mode = os.stat(src).st_mode
         return self._stage(
-            key, lambda fd: _copy_path_hashing(src, fd, progress), immutable, source_mode
+            key,
+            lambda fd: _copy_path_hashing(src, fd, progress, direct=True),
+            immutable,
+            source_mode,
         )
 
     def adopt_file(
@@ -118,7 +121,9 @@ class LocalStore(BaseStore):
     def _put_file(
         self, key: str, src: Path, immutable: bool, progress: Progress
     ) -> tuple[int, str]:
-        return self._put(key, lambda fd: _copy_path_hashing(src, fd, progress), immutable)
+        return self._put(
+            key, lambda fd: _copy_path_hashing(src, fd, progress, direct=True), immutable
+        )
 
     def _put_bytes(self, key: str, data: bytes, immutable: bool) -> tuple[int, str]:
         return self._put(key, lambda fd: _copy_stream_hashing(io.BytesIO(data), fd), immutable)
@@ -454,43 +459,52 @@ def _write_produced(fd: int, produce: Producer) -> tuple[int, str]:
     return size, digest
 
 
-def _copy_path_hashing(src: Path, fd_out: int, progress: Progress) -> tuple[int, str]:
-    """Copy file to file in the kernel (copy_file_range) while a second thread hashes the source
-    through mmap, then fsync: no byte passes through Python buffers. Both read the same page-cache
-    pages, and a source that changes meanwhile is refused, so the digest is that of the copy."""
+def _copy_path_hashing(
+    src: Path, fd_out: int, progress: Progress, *, direct: bool = False
+) -> tuple[int, str]:
+    """Copy file to file while a second thread hashes the source through mmap, then fsync: no
+    byte passes through Python buffers, and a source that changes meanwhile is refused, so the
+    digest is that of the copy.
+
+    `direct` (the store's own writes) writes the mapped source with O_DIRECT: the disk reads
+    the source's page-cache pages itself, so the cores are left to the hash, nothing waits for
+    writeback at fsync, and the store's copy does not push a training job's pages out of the
+    cache. Otherwise (a pull, whose copy is read next) the kernel copies (copy_file_range)."""
     fd_in = os.open(src, os.O_RDONLY)
     try:
         before = os.fstat(fd_in)
         size = before.st_size
         digest = hashlib.sha256()
+        if size == 0:
+            os.fsync(fd_out)
+            return 0, digest.hexdigest()
         failure: list[BaseException] = []
+        with mmap.mmap(fd_in, size, prot=mmap.PROT_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mapped)
 
-        def hash_source() -> None:
-            try:
-                with mmap.mmap(fd_in, size, prot=mmap.PROT_READ) as mapped:
-                    mapped.madvise(mmap.MADV_SEQUENTIAL)
-                    view = memoryview(mapped)
-                    try:
-                        for offset in range(0, size, CHUNK):
-                            with view[offset : offset + CHUNK] as chunk:
-                                digest.update(chunk)  # releases the GIL
-                                n = len(chunk)
-                            if progress:
-                                progress(n)
-                    finally:
-                        view.release()
-            except BaseException as exc:  # re-raised in the caller
-                failure.append(exc)
+            def hash_source() -> None:
+                try:
+                    for offset in range(0, size, CHUNK):
+                        with view[offset : offset + CHUNK] as chunk:
+                            digest.update(chunk)  # releases the GIL
+                            n = len(chunk)
+                        if progress:
+                            progress(n)
+                except BaseException as exc:  # re-raised in the caller
+                    failure.append(exc)
 
-        hasher = threading.Thread(target=hash_source, name="reg-hash") if size else None
-        if hasher:
+            hasher = threading.Thread(target=hash_source, name="reg-hash")
             hasher.start()
-        try:
-            _kernel_copy(fd_in, fd_out, size)
-            os.fsync(fd_out)  # while the hash thread finishes: the two overlap
-        finally:
-            if hasher:
+            try:
+                if direct:
+                    _direct_copy(view, fd_out, size)
+                else:
+                    _kernel_copy(fd_in, fd_out, size)
+                os.fsync(fd_out)  # while the hash thread finishes: the two overlap
+            finally:
                 hasher.join()
+                view.release()
         if failure:
             raise failure[0]
         after = os.fstat(fd_in)
@@ -502,6 +516,51 @@ def _copy_path_hashing(src: Path, fd_out: int, progress: Progress) -> tuple[int,
         return size, digest.hexdigest()
     finally:
         os.close(fd_in)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the disk's logical block
+
+
+def _direct_copy(view: memoryview, fd_out: int, size: int) -> None:
+    """Write the mapped source with O_DIRECT, CHUNK at a time, and the unaligned tail (or all
+    of it, where the filesystem refuses O_DIRECT: tmpfs on older kernels) through the cache."""
+    flags = fcntl.fcntl(fd_out, fcntl.F_GETFL)
+    aligned = size - size % DIRECT_ALIGN
+    offset = 0
+    try:
+        fcntl.fcntl(fd_out, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        aligned = 0
+    try:
+        while offset < aligned:
+            with view[offset : min(offset + CHUNK, aligned)] as piece:
+                try:
+                    n = os.pwrite(fd_out, piece, offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise _source_gone(exc) from exc
+                    break  # another alignment wanted: the cache from here
+            offset += n
+            if n % DIRECT_ALIGN:
+                break
+    finally:
+        fcntl.fcntl(fd_out, fcntl.F_SETFL, flags)
+    while offset < size:
+        with view[offset:size] as rest:
+            try:
+                offset += os.pwrite(fd_out, rest, offset)
+            except OSError as exc:
+                raise _source_gone(exc) from exc
+
+
+def _source_gone(exc: OSError) -> Exception:
+    """EFAULT from a write out of the mapped source: the file shrank under the copy."""
+    if exc.errno != errno.EFAULT:
+        return exc
+    return IntegrityError(
+        "source file shrank while being copied",
+        "copy a checkpoint that is no longer being written",
+    )
 
 
 def _kernel_copy(fd_in: int, fd_out: int, size: int) -> None:
