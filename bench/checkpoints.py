@@ -105,13 +105,14 @@ def bench_warm_push(work: Path, src: Path, repeat: int) -> list[str]:
 
 def bench_push_pull(work: Path, src: Path, repeat: int) -> list[str]:
     size = dir_bytes(src)
+    shards = len(list(src.glob("*.distcp")))
     home = work / "home"
     rm(home)
     e = env(home)
     run([*REG, "ls"], e)  # an initialized registry, as in real use
     lines = [
-        f"checkpoint: {size / 2**30:.2f} GiB, 2 ranks, random data; source evicted from "
-        "the page cache before each run (median of {repeat})".replace("{repeat}", str(repeat))
+        f"checkpoint: {size / 2**30:.2f} GiB, {shards} shard files, random data; source "
+        f"evicted from the page cache before each run (median of {repeat})"
     ]
     print(lines[0], flush=True)
 
