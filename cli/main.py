@@ -17,6 +17,7 @@ import typer
 from cli import admin as admin_commands
 from cli import checkpoints as checkpoint_commands
 from cli import claims as claim_commands
+from cli import keys as key_commands
 from cli import mirror as mirror_commands
 from cli import policy as policy_commands
 from cli import releases as release_commands
@@ -37,6 +38,7 @@ admin_commands.register(app)
 policy_commands.register(app)
 mirror_commands.register(app)
 server_commands.register(app)
+key_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

@@ -100,6 +100,9 @@ class PromotionPolicy(_Model):
     )
     # Only validations whose probe ran count (one skipped for the memory budget does not).
     require_probe: bool = False
+    # Sign every release (issue 37): "auto" = behind `reg server` yes (a promotion without an
+    # active signing key is refused), embedded where a key exists (`reg keys create`).
+    require_signature: Literal["auto"] | bool = "auto"
 
 
 class ResumePolicy(_Model):

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         RestartPlanned,
         RunFinished,
         ScrubReport,
+        SigningKeyInfo,
         StorageReport,
         TokenCreated,
         TokenInfo,
@@ -397,6 +398,11 @@ class Registry:
     @http("DELETE", "/tokens/{token_id}")
     def revoke_token(self, token_id: str) -> TokenRevoked:
         """Revoke API token `token_id`: it authenticates nothing from now on."""
+        raise NotImplementedError
+
+    @http("GET", "/keys")
+    def signing_keys(self) -> list[SigningKeyInfo]:
+        """The release signing keys, their states and PEM public keys (what consumers pin)."""
         raise NotImplementedError
 
     @http("POST", "/mlflow/sync")

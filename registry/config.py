@@ -323,6 +323,11 @@ class Settings:
     def audit_key_path(self) -> Path:
         return self.audit_key_file or self.home / "audit.key"
 
+    @property
+    def signing_dir(self) -> Path:
+        """Where the release signing keys' private halves are (mode 0700, each key 0600)."""
+        return self.home / "signing"
+
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["token"] = None if self.token is None else "***"

@@ -10,6 +10,8 @@
                validations a validator attested
     audit_key  the audit log's HMAC key where this process holds it (the server, an operator
                on its host): events are then signed at insert (`registry.audit_chain`)
+    signing_dir  where this process keeps release signing keys (`registry.signing.keys`):
+               REG_HOME/signing of the server, or of the one embedded user
 
 Lifecycle functions take a Context; `Registry` builds one from local settings (embedded mode),
 and `reg server` builds one per request around the authenticated Principal, sharing catalog and
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
@@ -46,6 +49,7 @@ class Context:
     workers: int = 4
     server: bool = False
     audit_key: bytes | None = field(default=None, repr=False)
+    signing_dir: Path | None = None
 
     @property
     def actor(self) -> str:

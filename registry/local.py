@@ -52,6 +52,7 @@ from registry.results import (
     RestartPlanned,
     RunFinished,
     ScrubReport,
+    SigningKeyInfo,
     StorageReport,
     TokenCreated,
     TokenInfo,
@@ -152,6 +153,7 @@ class LocalRegistry(Registry):
                 events=self._events,
                 workers=self.settings.workers,
                 audit_key=key,
+                signing_dir=self.settings.signing_dir,
             )
         return self._context
 
@@ -562,6 +564,25 @@ class LocalRegistry(Registry):
         from registry.operations import token_admin
 
         return results_of(TokenInfo, token_admin.listing(self.context))
+
+    def signing_keys(self) -> list[SigningKeyInfo]:
+        from registry.signing import keys
+
+        with self.context.catalog.session() as s:
+            return results_of(SigningKeyInfo, [k.to_json() for k in keys.all_keys(s)])
+
+    # Operators' commands on the host that holds the private keys (not through the server).
+    def create_signing_key(self, *, rotate: bool = False) -> SigningKeyInfo:
+        from registry.signing import keys
+
+        return SigningKeyInfo.from_json(keys.create(self.context, retire_active=rotate).to_json())
+
+    def change_signing_key(
+        self, key_id: str, event: str, reason: str | None = None
+    ) -> SigningKeyInfo:
+        from registry.signing import keys
+
+        return SigningKeyInfo.from_json(keys.change(self.context, key_id, event, reason).to_json())
 
     def revoke_token(self, token_id: str) -> TokenRevoked:
         from registry.operations import token_admin

@@ -38,6 +38,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "alias_event": READ_APPEND,
     "policy_document": READ_APPEND,
     "fact_mac": READ_APPEND,  # signatures of policies, validations, model owners (0015)
+    "release_signature": READ_APPEND,  # who signed a release, with which key (0017)
+    # Signing keys are created, retired and revoked by an operator on the server's host (the
+    # owner role, beside the private key): the server only reads them.
+    "signing_key_event": ("SELECT",),
     # Written once, read after: nothing in the code updates them.
     "project": READ_APPEND,
     "model": READ_APPEND,

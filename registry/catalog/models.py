@@ -455,3 +455,35 @@ class ApiToken(SQLModel, table=True):
     # HMAC under the server's audit key over the content (`registry.tokens.token_mac`): a row
     # written around the server opens nothing (migration 0009).
     mac: str | None = Field(default=None, max_length=64)
+
+
+class SigningKeyEvent(SQLModel, table=True):
+    """A signing key's life (issue 37, migration 0017): `created` (with its PEM public key),
+    `retired` (signs nothing more; its releases still verify) or `revoked` (its signatures are
+    reported, not trusted). Append-only; a key's state is its latest event. The private key is
+    a file beside the catalog's holder (`registry.signing.keys`), never a row."""
+
+    __tablename__ = "signing_key_event"
+    id: int | None = Field(default=None, primary_key=True)
+    key_id: str = Field(max_length=64, index=True)  # sha256 of the PEM public key
+    event: str = Field(max_length=16)  # created | retired | revoked
+    public_pem: str | None = Field(default=None, sa_type=Text)
+    reason: str | None = None
+    at: float
+    by: str
+
+
+class ReleaseSignature(SQLModel, table=True):
+    """A release's signature (`model.sig`, the OpenSSF model-signing format): which key signed
+    it and the sha256 of the signature file and of the provenance statement. Append-only, one
+    per release."""
+
+    __tablename__ = "release_signature"
+    __table_args__ = (UniqueConstraint("release_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    release_id: int = Field(foreign_key="release.id", index=True)
+    key_id: str = Field(max_length=64)
+    sha256: str = Field(max_length=64)  # of model.sig
+    provenance_sha256: str = Field(max_length=64)
+    signed_at: float
+    signed_by: str

@@ -201,6 +201,21 @@ class TokenInfo(Result):
 
 
 @RESULT
+class SigningKeyInfo(Result):
+    """A release signing key: its id (model-signing's public-key hint), state (active,
+    retired, revoked), its PEM public key to pin, and its history. Never the private key."""
+
+    key_id: str
+    state: str
+    public_pem: str
+    created_at: str | None
+    created_by: str
+    changed_at: str | None = None
+    changed_by: str | None = None
+    reason: str | None = None
+
+
+@RESULT
 class TokenRevoked(Result):
     """A token revoked: it authenticates nothing from now on."""
 

@@ -56,6 +56,7 @@ def context_for(request: Request) -> Context:
         workers=state.settings.workers,
         server=True,
         audit_key=state.key,  # signs its events and facts
+        signing_dir=state.settings.signing_dir,  # signs releases (the key never leaves)
     )
     request.state.events = ctx.events
     return ctx

@@ -29,6 +29,7 @@ from registry.lifecycle.promotion.plan import (
     plan_promotion,
     validation_for,
 )
+from registry.lifecycle.promotion.signed import signer_for
 from registry.lifecycle.promotion.stages import (
     AlreadyReleased,
     build,
@@ -84,6 +85,7 @@ def promote(
     with ctx.catalog.session() as s:  # before any validation work; again when it is created
         refuse_colliding_model(s, plan.model)
     check_resumable(ctx, plan)
+    signer = signer_for(ctx)  # a registry that signs refuses before any work without a key
     validation = validation_for(ctx, plan)
     with (
         hold(ctx.catalog, ctx.actor, plan.checkpoint.id or 0, f"promote {plan.source}"),
@@ -98,7 +100,7 @@ def promote(
             raise
         with claims.held(ctx.catalog, reservation.claim):
             built = build(ctx, plan, reservation, source, progress)
-            out = commit(ctx, plan, reservation, built)
+            out = commit(ctx, plan, reservation, built, signer)
     out["existing"] = False
     return _with_hf(ctx, out)
 

@@ -34,6 +34,7 @@ from registry.catalog.models import (
     Model,
     Release,
     ReleaseFile,
+    ReleaseSignature,
     Validation,
 )
 from registry.errors import Conflict, GateNotMet, IntegrityError
@@ -47,13 +48,16 @@ from registry.formats.documents import (
 )
 from registry.formats.hf_folder import CONFIG
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
+from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
+from registry.lifecycle.promotion.signed import Signer
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
 from registry.mirror.names import refuse_colliding_model
+from registry.signing.provenance import PROVENANCE_FILE
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, put_reconciled
 
@@ -353,10 +357,22 @@ def build(
 
 
 def commit(
-    ctx: Context, plan: PromotionPlan, reservation: Reservation, built: Consolidated
+    ctx: Context,
+    plan: PromotionPlan,
+    reservation: Reservation,
+    built: Consolidated,
+    signer: Signer | None = None,
 ) -> dict[str, Any]:
-    """Write release.json last, then make the release visible in one transaction."""
-    document = _document(ctx, plan, reservation, built)
+    """Write release.json last (after the provenance and card where it is signed, then the
+    signature over all of it), then make the release visible in one transaction."""
+    with ctx.catalog.session() as s:
+        row = s.get(Release, reservation.release_id)
+        assert row is not None
+        created = (row.created_at, row.created_by)
+    if signer is not None:
+        built.files.extend(signed.add_provenance(ctx, plan, reservation, built.files, created))
+        built.files.sort(key=lambda f: f.path)
+    document = _document(plan, reservation, built, created)
     data = document.to_bytes()
     stored = put_reconciled(
         ctx.store,
@@ -367,6 +383,10 @@ def commit(
     )
     faults.point("promote-documented")
     digest = hashlib.sha256(data).hexdigest()
+    files = list(built.files)
+    if signer is not None:
+        files.append(signed.sign(ctx, plan, reservation, built.files, digest, signer))
+        faults.point("promote-signed")
     uri = ctx.store.describe(release_prefix(plan.model, reservation.version))
     validation = reservation.validation
     with ctx.catalog.session(write=True) as s:
@@ -376,7 +396,7 @@ def commit(
             status=ACTIVE,
             sha256=digest,
             document_version=stored.version,
-            bytes=sum(f.size for f in built.files) + len(data),
+            bytes=sum(f.size for f in files) + len(data),
             tensor_count=built.tensor_count,
             tied=[[a, k] for a, k in sorted(built.tied.items())],
             stage="committed",
@@ -388,7 +408,18 @@ def commit(
                 f"lost the claim on {document.release} while promoting",
                 "another process took the promotion over; check reg releases",
             )
-        s.add_all(ReleaseFile.of(reservation.release_id, f) for f in built.files)
+        s.add_all(ReleaseFile.of(reservation.release_id, f) for f in files)
+        if signer is not None:
+            s.add(
+                ReleaseSignature(
+                    release_id=reservation.release_id,
+                    key_id=signer.key.key_id,
+                    sha256=files[-1].sha256,
+                    provenance_sha256=next(f.sha256 for f in files if f.path == PROVENANCE_FILE),
+                    signed_at=now(),
+                    signed_by=ctx.actor,
+                )
+            )
         model = s.exec(select(Model).where(Model.name == plan.model)).one()
         release = s.get(Release, reservation.release_id)
         assert release is not None
@@ -444,12 +475,12 @@ def _emit_created(
 
 
 def _document(
-    ctx: Context, plan: PromotionPlan, reservation: Reservation, built: Consolidated
+    plan: PromotionPlan,
+    reservation: Reservation,
+    built: Consolidated,
+    created: tuple[float, str],
 ) -> ReleaseDocument:
-    with ctx.catalog.session() as s:
-        row = s.get(Release, reservation.release_id)
-        assert row is not None
-        created_at, created_by = row.created_at, row.created_by
+    created_at, created_by = created
     v = reservation.validation
     return ReleaseDocument(
         model=plan.model,

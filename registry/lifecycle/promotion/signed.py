@@ -1,0 +1,139 @@
+"""Signing at promotion (issue 37): before release.json, the provenance statement and the model
+card are stored as files of the release; after it, `model.sig` over every file (release.json
+included), signed with the active key of this process (`registry.signing.keys`).
+
+Everything written is deterministic for one release attempt (the times are the release row's),
+so a killed promotion's rerun finds the same objects put-if-absent; only the signature (ECDSA
+signs with a fresh nonce) differs, and a rerun keeps the earlier one where it verifies under
+the key and covers the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from registry.errors import Conflict, GateNotMet, ObjectExists
+from registry.formats.documents import FileRecord
+from registry.layout import RELEASE_DOCUMENT, release_prefix
+from registry.signing import bundle, keys, provenance
+from registry.timeutil import iso
+from registry.transfer import OnMismatch, put_reconciled
+
+if TYPE_CHECKING:
+    from registry.context import Context
+    from registry.lifecycle.promotion.plan import PromotionPlan
+    from registry.lifecycle.promotion.stages import Reservation
+
+
+@dataclass(frozen=True)
+class Signer:
+    key: keys.SigningKey
+    private_key: Path
+
+
+def signer_for(ctx: Context) -> Signer | None:
+    """The key this promotion signs with, or None where the policy lets it go unsigned:
+    `require_signature = "auto"` signs behind `reg server` always, embedded where a key is
+    active. Checked before any validation work."""
+    required = ctx.policy.promotion.require_signature
+    if required is False:
+        return None
+    with ctx.catalog.session() as s:
+        key = keys.active(s)
+    if key is None:
+        if required is True or ctx.server:
+            raise GateNotMet(
+                "refusing to promote: no active signing key, and this registry signs every "
+                "release (policy [promotion] require_signature)",
+                "an operator runs `reg keys create` where reg server runs",
+            )
+        return None
+    return Signer(key, keys.private_key_path(ctx, key.key_id))
+
+
+def add_provenance(
+    ctx: Context,
+    plan: PromotionPlan,
+    reservation: Reservation,
+    files: list[FileRecord],
+    created: tuple[float, str],
+) -> list[FileRecord]:
+    """Store the provenance statement and the model card (unless an extra is named README.md):
+    their records, to be listed in release.json with the rest."""
+    name = f"{plan.model}:v{reservation.version}"
+    at = iso(created[0]) or ""
+    doc = provenance.statement(
+        release=name,
+        files=files,
+        source=f"{plan.source.project}/{plan.source.run}@step{plan.source.step}",
+        manifest_sha256=plan.checkpoint.manifest_sha256 or "",
+        world_size=plan.checkpoint.world_size,
+        options={
+            "layout": plan.resume.layout,
+            "model_path": plan.resume.model_path,
+            "strip_prefix": plan.strip_prefix or None,
+            "convert": plan.convert,
+            "dtype": plan.dtype,
+            "forced_layout": plan.layout,
+        },
+        validation=provenance.validation_record(reservation.validation),
+        created_at=at,
+        created_by=created[1],
+    )
+    out = [_put(ctx, plan, reservation, provenance.PROVENANCE_FILE, provenance.to_bytes(doc))]
+    if all(f.path != provenance.CARD_FILE for f in files):
+        out.append(_put(ctx, plan, reservation, provenance.CARD_FILE, provenance.card(doc)))
+    return out
+
+
+def sign(
+    ctx: Context,
+    plan: PromotionPlan,
+    reservation: Reservation,
+    files: list[FileRecord],
+    document_sha256: str,
+    signer: Signer,
+) -> FileRecord:
+    """Store `model.sig` over `files` and release.json."""
+    digests = {f.path: f.sha256 for f in files}
+    digests[RELEASE_DOCUMENT] = document_sha256
+    name = f"{plan.model}:v{reservation.version}"
+    key = release_prefix(plan.model, reservation.version) + bundle.SIGNATURE_FILE
+    data = bundle.sign(signer.private_key, name, digests)
+    try:
+        put = ctx.store.put_bytes(key, data, immutable=True)
+        return FileRecord(bundle.SIGNATURE_FILE, put.size, put.sha256, version=put.version)
+    except ObjectExists:  # an earlier attempt's: kept if it signs exactly these files
+        info = ctx.store.head(key)
+        earlier = bytes(ctx.store.get_bytes(key, version=info.version_id if info else None))
+        try:
+            same = bundle.signed_digests(earlier, signer.key.public_pem) == digests
+        except Exception:
+            same = False
+        if not same:
+            raise Conflict(
+                f"{key} holds another signature than this promotion's",
+                "an earlier attempt signed other files; reg fsck shows the release",
+            ) from None
+        return FileRecord(
+            bundle.SIGNATURE_FILE,
+            len(earlier),
+            hashlib.sha256(earlier).hexdigest(),
+            version=info.version_id if info else None,
+        )
+
+
+def _put(
+    ctx: Context, plan: PromotionPlan, reservation: Reservation, name: str, data: bytes
+) -> FileRecord:
+    stored = put_reconciled(
+        ctx.store,
+        release_prefix(plan.model, reservation.version) + name,
+        data=data,
+        immutable=True,
+        on_mismatch=OnMismatch.CONFLICT,
+    )
+    return FileRecord(name, stored.size, stored.sha256, version=stored.version)

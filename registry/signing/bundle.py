@@ -1,0 +1,130 @@
+"""A release's `model.sig` in the OpenSSF model-signing format (v1.1.1's key mode), built from
+the digests the promotion already computed (no second read of the weights), and checked the
+same way without reading the files again where their digests are known.
+
+The signature is a Sigstore bundle whose DSSE envelope carries an in-toto statement: one
+resource per file of the release folder (path and sha256) and a subject digest over them,
+serialized as model-signing's `files` method with `model.sig` and git's files ignored, exactly
+what `model_signing sign key DIR` records. `model_signing verify key DIR --signature
+DIR/model.sig --public_key KEY.pem` therefore checks a pulled release with no reg code.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from registry.errors import IntegrityError
+
+SIGNATURE_FILE = "model.sig"  # model-signing's default name
+# What `model_signing sign` records as ignored: its signature, and git's files.
+IGNORED = (SIGNATURE_FILE, ".git", ".gitattributes", ".github", ".gitignore")
+PREDICATE_TYPE = "https://model_signing/signature/v1.0"
+
+
+def sign(private_key: Path, model_name: str, digests: Mapping[str, str]) -> bytes:
+    """The bytes of `model.sig` over `digests` (path in the release -> sha256 hex)."""
+    from model_signing import manifest
+    from model_signing._hashing import hashing
+    from model_signing._signing import sign_ec_key, signing
+
+    serialization = manifest._FileSerialization(
+        "sha256", allow_symlinks=False, ignore_paths=[pathlib.Path(p) for p in IGNORED]
+    )
+    items = [
+        manifest.FileManifestItem(
+            path=pathlib.PurePosixPath(path),
+            digest=hashing.Digest("sha256", bytes.fromhex(digest)),
+        )
+        for path, digest in sorted(digests.items())
+    ]
+    payload = signing.Payload(manifest.Manifest(model_name, items, serialization))
+    signature = sign_ec_key.Signer(private_key).sign(payload)
+    with tempfile.TemporaryDirectory(prefix="reg-sig-") as tmp:
+        out = Path(tmp) / SIGNATURE_FILE
+        signature.write(out)
+        return out.read_bytes()
+
+
+def signed_digests(signature: bytes, public_pem: str) -> dict[str, str]:
+    """Check `signature` (the bytes of a model.sig) against `public_pem`: the files and sha256
+    digests it covers. IntegrityError if it is not a valid signature by that key."""
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+
+    with tempfile.TemporaryDirectory(prefix="reg-sig-") as tmp:
+        sig_path, key_path = Path(tmp) / SIGNATURE_FILE, Path(tmp) / "key.pem"
+        sig_path.write_bytes(signature)
+        key_path.write_text(public_pem)
+        try:
+            parsed = sign_sigstore_pb.Signature.read(sig_path)
+            expected = sign_ec_key.Verifier(key_path).verify(parsed)
+        except Exception as exc:  # the library raises ValueError and its own errors
+            raise IntegrityError(
+                f"{SIGNATURE_FILE} is not a valid signature by this key: {_one_line(exc)}",
+                "the release was altered, or signed by another key",
+            ) from None
+    serialization = expected.serialization_type
+    if serialization.get("method") != "files" or serialization.get("hash_type") != "sha256":
+        raise IntegrityError(f"{SIGNATURE_FILE} does not cover whole files by sha256")
+    return {rd.identifier: rd.digest.digest_hex for rd in expected.resource_descriptors()}
+
+
+def check_folder(signature: bytes, public_pem: str, folder: Mapping[str, str]) -> None:
+    """`folder` (every file of a release folder but model.sig -> its sha256) is exactly what
+    `signature` covers, signed by `public_pem`: the check `model_signing verify` makes, from
+    digests already computed."""
+    signed = signed_digests(signature, public_pem)
+    problems = _differences(signed, folder)
+    if problems:
+        raise IntegrityError(
+            f"the release does not match its signature: {problems}",
+            "pull it again; if it persists, the release was altered",
+        )
+
+
+def _differences(signed: Mapping[str, str], found: Mapping[str, str]) -> str:
+    extra = sorted(set(found) - set(signed))
+    missing = sorted(set(signed) - set(found))
+    changed = sorted(p for p in set(signed) & set(found) if signed[p] != found[p])
+    parts = []
+    for label, paths in (("not signed", extra), ("missing", missing), ("changed", changed)):
+        if paths:
+            parts.append(f"{label}: {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}")
+    return "; ".join(parts)
+
+
+def statement_of(signature: bytes) -> dict[str, object]:
+    """The in-toto statement inside a model.sig, unverified (for display)."""
+    import base64
+
+    try:
+        bundle = json.loads(signature)
+        envelope = bundle["dsseEnvelope"]
+        statement = json.loads(base64.b64decode(envelope["payload"]))
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{SIGNATURE_FILE} is not a model-signing bundle") from None
+    if not isinstance(statement, dict):
+        raise IntegrityError(f"{SIGNATURE_FILE} is not a model-signing bundle")
+    return statement
+
+
+def key_hint(signature: bytes) -> str | None:
+    """The public-key hint a model.sig names (model-signing's key id), unverified."""
+    try:
+        bundle = json.loads(signature)
+        hint = bundle["verificationMaterial"]["publicKey"]["hint"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return hint if isinstance(hint, str) else None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def covered(paths: Iterable[str]) -> list[str]:
+    """The paths of a folder a signature covers (all but the ignored ones)."""
+    return sorted(p for p in paths if p.split("/", 1)[0] not in IGNORED)
