@@ -227,6 +227,12 @@ def verify(
     limit: int | None = typer.Option(
         None, "--limit", min=1, help="With --all: at most this many artifacts per pass."
     ),
+    provenance: bool = typer.Option(
+        False,
+        "--provenance",
+        help="A release: also check its signature (model.sig) and provenance statement "
+        "against the catalog.",
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Re-hash the stored copy (or, with --dir, a pulled folder; with --all, everything);
@@ -253,7 +259,9 @@ def verify(
         # as typer words it for a required argument; --help shows --dir too
         raise UsageError("Missing argument 'ref'.", "`reg verify --help` shows the usage")
     with open_registry() as reg:
-        out = reg.verify(ref, repair=repair, progress=progress_for(json_output))
+        out = reg.verify(
+            ref, repair=repair, provenance=provenance, progress=progress_for(json_output)
+        )
     if json_output:
         emit_json(out)
     else:
@@ -262,7 +270,11 @@ def verify(
         for p in out.problems:
             print(f"{out.ref or out.release}: {p['path']}: {p['problem']}")
         if out.ok:
-            print(f"{out.ref or out.release}: ok, {out.files} files verified")
+            signed = out.signature
+            by = (
+                f", signed by key {signed['key_id'][:16]} ({signed['key_state']})" if signed else ""
+            )
+            print(f"{out.ref or out.release}: ok, {out.files} files verified{by}")
     if not out.ok:
         _damaged(
             f"{len(out.problems)} damaged file(s) in {out.ref or out.release}",

@@ -195,13 +195,31 @@ def releases(
 def pull_release(
     ref: str = typer.Argument(..., help="MODEL:vK or MODEL@ALIAS."),
     dest: Path = typer.Argument(..., help="A new or empty directory."),
+    verify_signature: bool = typer.Option(
+        False,
+        "--verify-signature",
+        help="Refuse the release unless it is signed by --public-key over exactly its files.",
+    ),
+    public_key: Path | None = typer.Option(
+        None, "--public-key", help="The PEM public key you pinned (reg keys public)."
+    ),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Copy a release out, verifying every file."""
+    """Copy a release out, verifying every file (and with --verify-signature its signature)."""
+    from registry.errors import UsageError
+    from registry.signing.bundle import read_public_key
+
+    if verify_signature != (public_key is not None):
+        raise UsageError(
+            "--verify-signature and --public-key go together",
+            "pin the registry's key once (reg keys public > reg.pub), then pass both",
+        )
+    pem = read_public_key(public_key) if public_key is not None else None
     with open_registry() as reg:
-        out = reg.pull_release(ref, dest, progress=progress_for(json_output))
+        out = reg.pull_release(ref, dest, public_key=pem, progress=progress_for(json_output))
+    signed = ", signature verified" if pem else ""
     emit_json(out) if json_output else print(
-        f"pulled {out.release} into {out.dest} ({len(out.files)} files verified)"
+        f"pulled {out.release} into {out.dest} ({len(out.files) + 1} files verified{signed})"
     )
 
 

@@ -181,10 +181,12 @@ class Registry:
         ref: str | CheckpointRef | ReleaseRef,
         *,
         repair: bool = False,
+        provenance: bool = False,
         progress: Progress | None = None,
     ) -> VerifyReport:
         """Re-hash an artifact's stored files against their records; `repair` restores damaged
-        ones from their recorded versions (admin)."""
+        ones from their recorded versions (admin); `provenance` (a release) also checks its
+        signature and provenance statement against the catalog."""
         raise NotImplementedError
 
     @http("POST", "/scrub")
@@ -267,9 +269,16 @@ class Registry:
         raise NotImplementedError
 
     def pull_release(
-        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+        self,
+        ref: str | ReleaseRef,
+        dest: str | Path,
+        *,
+        public_key: str | None = None,
+        progress: Progress | None = None,
     ) -> ReleasePulled:
-        """Copy a release's files into `dest`, each checked against its sha256."""
+        """Copy a release's files into `dest`, each checked against its sha256; with
+        `public_key` (a PEM the consumer pinned) refuse it, leaving nothing, unless it is
+        signed by that key over exactly its files."""
         raise NotImplementedError
 
     @http("POST", "/alias")

@@ -295,6 +295,7 @@ class LocalRegistry(Registry):
         ref: str | CheckpointRef | ReleaseRef,
         *,
         repair: bool = False,
+        provenance: bool = False,
         progress: Progress | None = None,
     ) -> VerifyReport:
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
@@ -302,7 +303,15 @@ class LocalRegistry(Registry):
             from registry.lifecycle import releases
 
             return VerifyReport.from_json(
-                releases.verify(self.context, parsed, repair=repair, progress=progress)
+                releases.verify(
+                    self.context, parsed, repair=repair, provenance=provenance, progress=progress
+                )
+            )
+        if provenance:
+            from registry.errors import UsageError
+
+            raise UsageError(
+                "--provenance checks a release's signature", "give a release ref (MODEL:vK)"
             )
         from registry.lifecycle.checkpoints import read
 
@@ -406,12 +415,22 @@ class LocalRegistry(Registry):
         return results_of(ReleaseSummary, list_releases(self.context, model))
 
     def pull_release(
-        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+        self,
+        ref: str | ReleaseRef,
+        dest: str | Path,
+        *,
+        public_key: str | None = None,
+        progress: Progress | None = None,
     ) -> ReleasePulled:
         from registry.lifecycle.releases import pull
+        from registry.signing.bundle import checked_pull
 
-        return ReleasePulled.from_json(
-            pull(self.context, _release(ref), Path(dest), progress=progress)
+        return checked_pull(
+            Path(dest),
+            public_key,
+            lambda: ReleasePulled.from_json(
+                pull(self.context, _release(ref), Path(dest), progress=progress)
+            ),
         )
 
     def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:

@@ -133,3 +133,104 @@ def test_keys_are_private_files_and_one_is_active(cpu_policy, ckpts, tmp_path):
         os.replace(private, home / "signing" / f"{second.key_id}.pem")  # a readable key file
         with pytest.raises(IntegrityError, match="not a private file"):
             _promoted(reg, ckpts)
+
+
+def test_verify_provenance_and_the_keys_life(cpu_policy, ckpts, tmp_path):
+    """`reg verify --provenance` checks signature and statement against the catalog; a
+    rotated key's releases still verify, a revoked key's are reported; `pull-release
+    --verify-signature` refuses, leaving nothing, an unsigned release or another key."""
+    with Registry() as reg:
+        unsigned = _promoted(reg, ckpts, step=2, model="plain")  # before any key: unsigned
+        assert unsigned["signature"] is None
+        first = reg.create_signing_key()
+        _promoted(reg, ckpts, step=4)
+        shown = reg.show("tiny:v1")
+        assert shown["signature"]["key_id"] == first.key_id
+        assert shown["signature"]["key_state"] == "active"
+        report = reg.verify("tiny:v1", provenance=True)
+        assert report.ok and report.signature["ok"], report.problems
+        bad = reg.verify("plain:v1", provenance=True)
+        assert not bad.ok and bad.problems[-1]["problem"] == "the release is not signed"
+        pem = _pem(tmp_path, reg, first.key_id)
+        pinned = pem.read_text()
+        got = reg.pull_release("tiny:v1", tmp_path / "ok", public_key=pinned)
+        assert (Path(got.dest) / "model.sig").exists()
+        with pytest.raises(IntegrityError, match="is not signed"):
+            reg.pull_release("plain:v1", tmp_path / "refused", public_key=pinned)
+        assert not (tmp_path / "refused").exists()
+        second = reg.create_signing_key(rotate=True)
+        assert reg.verify("tiny:v1", provenance=True).signature["key_state"] == "retired"
+        assert reg.verify("tiny:v1", provenance=True).ok
+        reg.promote("r@step4", model="tiny", dtype="bf16")  # tiny:v2, by the new key
+        assert reg.show("tiny:v2")["signature"]["key_id"] == second.key_id
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(IntegrityError, match="not a valid signature by this key"):
+            reg.pull_release("tiny:v2", tmp_path / "empty", public_key=pinned)
+        assert list((tmp_path / "empty").iterdir()) == []  # emptied again
+        reg.change_signing_key(first.key_id[:12], "revoked", "leaked")
+        revoked = reg.verify("tiny:v1", provenance=True)
+        assert not revoked.ok and "revoked: leaked" in revoked.problems[0]["problem"]
+        assert reg.verify("tiny:v2", provenance=True).ok
+
+
+def test_a_forged_provenance_or_signature_in_the_store_is_caught(cpu_policy, ckpts, tmp_path):
+    """Whoever can write the store but holds no key: a provenance naming another device, or
+    a signature file swapped for another release's, fails `reg verify --provenance` (and
+    the pulled folder fails the stock CLI)."""
+    with Registry() as reg:
+        key = reg.create_signing_key()
+        _promoted(reg, ckpts, step=4)
+        _promoted(reg, ckpts, step=2, model="other")
+        store = Path(os.environ["REG_HOME"]) / "store" / "release"
+        statement = store / "tiny" / "v1" / "provenance.intoto.json"
+        doc = json.loads(statement.read_text())
+        doc["predicate"]["runDetails"]["byproducts"][0]["annotations"]["device"] = "cuda"
+        statement.chmod(0o640)
+        statement.write_text(json.dumps(doc))
+        forged = reg.verify("tiny:v1", provenance=True)
+        assert not forged.ok
+        assert {p["path"] for p in forged.problems} >= {"provenance.intoto.json"}
+        signature = store / "tiny" / "v1" / "model.sig"
+        signature.chmod(0o640)
+        signature.write_bytes((store / "other" / "v1" / "model.sig").read_bytes())
+        swapped = reg.verify("tiny:v1", provenance=True)
+        assert any(p["path"] == "model.sig" for p in swapped.problems), swapped.problems
+        pem = _pem(tmp_path, reg, key.key_id)
+        dest = tmp_path / "pulled"
+        dest.mkdir()
+        for f in ("model.safetensors", "README.md", "release.json"):
+            (dest / f).write_bytes((store / "tiny" / "v1" / f).read_bytes())
+        (dest / "provenance.intoto.json").write_text(json.dumps(doc))
+        (dest / "model.sig").write_bytes(
+            (store / "tiny" / "v1" / "model.sig").read_bytes()
+        )
+    assert _stock_verify(dest, pem).returncode != 0
+
+
+def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy, tmp_path):
+    """`require_signature = "auto"`: through the server a promotion without an active key is
+    refused before any work; with the key (created by an operator on the server's host) it
+    is signed, and the consumer pins the key the server publishes."""
+    from registry.config import Settings
+
+    with Registry() as remote:  # a client of the server (the admin's token)
+        remote.push_checkpoint(
+            ckpts.ws2.step_dir(4), run="r", step=4, metrics=ckpts.ws2.probe_metrics(4)
+        )
+        with pytest.raises(GateNotMet, match="no active signing key"):
+            remote.promote("r@step4", model="tiny")
+        with Registry(Settings.from_env(reg_server.env), user="admin") as operator:  # its host
+            key = operator.create_signing_key()
+        assert (reg_server.home / "signing" / f"{key.key_id}.pem").exists()
+        out = remote.promote("r@step4", model="tiny")
+        assert out["signature"]["key_id"] == key.key_id
+        pinned = {k.key_id: k.public_pem for k in remote.signing_keys()}[key.key_id]
+        pulled = remote.pull_release("tiny:v1", tmp_path / "pulled", public_key=pinned)
+        assert remote.verify("tiny:v1", provenance=True).ok
+        with pytest.raises(UsageError, match="runs on the host of reg server"):
+            from cli.keys import _on_this_host
+
+            _on_this_host(remote, "create")
+    pem = tmp_path / "reg.pub"
+    pem.write_text(pinned)
+    assert _stock_verify(Path(pulled.dest), pem).returncode == 0

@@ -158,17 +158,23 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
 
 
 def verify(
-    ctx: Context, ref: ReleaseRef, *, repair: bool = False, progress: Progress | None = None
+    ctx: Context,
+    ref: ReleaseRef,
+    *,
+    repair: bool = False,
+    provenance: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Re-hash the stored release, release.json included; `repair` restores damaged files from
-    their recorded (locked) versions."""
+    their recorded (locked) versions; `provenance` also checks its signature and provenance
+    statement against the catalog (`provenance_check`)."""
     from registry.lifecycle.verify import verify_files
 
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
         view = ReleaseView.load(s, model, release)
-    return {
+    out = {
         "release": view.name,
         **verify_files(
             ctx,
@@ -181,6 +187,14 @@ def verify(
             progress=progress,
         ),
     }
+    if provenance:
+        from registry.lifecycle import provenance_check
+
+        signed = provenance_check.check(ctx, view, stored_files(view))
+        out["signature"] = signed
+        out["problems"] = list(out["problems"]) + signed["problems"]
+        out["ok"] = out["ok"] and signed["ok"]
+    return out
 
 
 def pullable(ctx: Context, ref: ReleaseRef) -> ReleaseView:

@@ -17,10 +17,12 @@ from registry.catalog.models import (
     Model,
     Release,
     ReleaseFile,
+    ReleaseSignature,
     Validation,
 )
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef
+from registry.signing.keys import find as find_key
 from registry.timeutil import iso
 
 
@@ -91,6 +93,8 @@ class ReleaseView:
     files: tuple[FileRecord, ...]
     aliases: tuple[str, ...]
     validation: Validation | None
+    signature: ReleaseSignature | None = None
+    key_state: str | None = None  # of the signing key: active, retired, revoked, unknown
 
     @property
     def name(self) -> str:
@@ -109,12 +113,21 @@ class ReleaseView:
         validation = (
             session.get(Validation, release.validation_id) if release.validation_id else None
         )
+        signature = session.exec(
+            select(ReleaseSignature).where(ReleaseSignature.release_id == release.id)
+        ).first()
+        key_state = None
+        if signature is not None:
+            key = find_key(session, signature.key_id)
+            key_state = key.state if key is not None else "unknown"
         return cls(
             model,
             release,
             tuple(f.record() for f in files),
             tuple(aliases),
             validation,
+            signature,
+            key_state,
         )
 
     def to_json(self, uri: str | None = None) -> dict[str, Any]:
@@ -147,6 +160,19 @@ class ReleaseView:
             else None,
         }
         out["verified"] = verified_json(row.verified_at, row.verify_findings)
+        sig = self.signature
+        out["signature"] = (
+            None
+            if sig is None
+            else {
+                "key_id": sig.key_id,
+                "key_state": self.key_state,
+                "sha256": sig.sha256,
+                "provenance_sha256": sig.provenance_sha256,
+                "signed_at": iso(sig.signed_at),
+                "signed_by": sig.signed_by,
+            }
+        )
         options = row.options if isinstance(row.options, dict) else {}
         for key in ("convert", "base"):  # only where a promotion set them
             if options.get(key) is not None:

@@ -400,12 +400,22 @@ class RemoteRegistry(Registry):
         return ReleasePromoted.from_json(dict(self.client.call("POST", "/promote", body=body)))
 
     def pull_release(
-        self, ref: str | ReleaseRef, dest: str | Path, *, progress: Progress | None = None
+        self,
+        ref: str | ReleaseRef,
+        dest: str | Path,
+        *,
+        public_key: str | None = None,
+        progress: Progress | None = None,
     ) -> ReleasePulled:
-        _, where, view = self._download(str(ref), Path(dest), progress)
-        out = dict(view)
-        out["dest"] = str(where)
-        return ReleasePulled.from_json(out)
+        from registry.signing.bundle import checked_pull
+
+        def pull() -> ReleasePulled:
+            _, where, view = self._download(str(ref), Path(dest), progress)
+            out = dict(view)
+            out["dest"] = str(where)
+            return ReleasePulled.from_json(out)
+
+        return checked_pull(Path(dest), public_key, pull)
 
     # -- administration --------------------------------------------------------------------------
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:

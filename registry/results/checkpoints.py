@@ -91,6 +91,7 @@ class VerifyReport(Result):
     problems: list[dict[str, Any]]
     ref: str | None = None
     release: str | None = None
+    signature: dict[str, Any] | None = None  # with `provenance`: ok, key_id, key_state
 
 
 @RESULT

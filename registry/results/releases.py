@@ -31,6 +31,9 @@ class ReleaseSummary(Result):
     verified: dict[str, Any] | None = None
     convert: str | None = None  # the converter of its names (Megatron's layers, an adapter)
     base: dict[str, Any] | None = None  # an adapter's base model: name, sha256, verified
+    # model.sig: key_id, key_state (active, retired, revoked), sha256, provenance_sha256,
+    # signed_at, signed_by; None for a release made unsigned
+    signature: dict[str, Any] | None = None
 
 
 @RESULT

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from registry.errors import IntegrityError
 
@@ -23,6 +25,7 @@ SIGNATURE_FILE = "model.sig"  # model-signing's default name
 # What `model_signing sign` records as ignored: its signature, and git's files.
 IGNORED = (SIGNATURE_FILE, ".git", ".gitattributes", ".github", ".gitignore")
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
+T = TypeVar("T")
 
 
 def sign(private_key: Path, model_name: str, digests: Mapping[str, str]) -> bytes:
@@ -128,3 +131,62 @@ def _one_line(exc: BaseException) -> str:
 def covered(paths: Iterable[str]) -> list[str]:
     """The paths of a folder a signature covers (all but the ignored ones)."""
     return sorted(p for p in paths if p.split("/", 1)[0] not in IGNORED)
+
+
+def verify_pulled(release: Mapping[str, object], dest: Path, public_pem: str) -> None:
+    """A pulled release folder (`release`: its pull's answer, every file's sha256 checked as it
+    was written) is signed by `public_pem` (a key the consumer pinned) over exactly its files.
+    IntegrityError otherwise: unsigned, another key, or files the signature does not cover."""
+    from registry.layout import RELEASE_DOCUMENT
+
+    name = release.get("release")
+    files = {str(f["path"]): str(f["sha256"]) for f in release["files"]}  # type: ignore[attr-defined]
+    if SIGNATURE_FILE not in files:
+        raise IntegrityError(
+            f"{name} is not signed", "promote it again where a signing key is active"
+        )
+    covered = {p: d for p, d in files.items() if p != SIGNATURE_FILE}
+    covered[RELEASE_DOCUMENT] = str(release["sha256"])
+    check_folder((dest / SIGNATURE_FILE).read_bytes(), public_pem, covered)
+
+
+def read_public_key(path: Path) -> str:
+    """A pinned PEM public key (ECDSA, the curves model-signing takes), checked on reading."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        text = path.read_text()
+        key = load_pem_public_key(text.encode())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(
+            f"{path} is not a PEM public key: {_one_line(exc)}",
+            "reg keys public prints the registry's (pin that file)",
+        ) from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise IntegrityError(f"{path} is not an ECDSA public key", "pin reg keys public's output")
+    return text
+
+
+def checked_pull(dest: Path, public_pem: str | None, pull: Callable[[], T]) -> T:
+    """Run `pull` (a release pull into `dest`); with `public_pem`, refuse what it pulled unless
+    it is signed by that key over exactly its files, leaving `dest` as it was (all or
+    nothing)."""
+    existed = dest.exists()
+    out = pull()
+    if public_pem is None:
+        return out
+    doc = out.to_json()  # type: ignore[attr-defined]
+    try:
+        verify_pulled(doc, Path(doc["dest"]), public_pem)
+    except BaseException:
+        where = Path(doc["dest"])
+        if existed:  # it was empty: empty it again
+            for child in where.iterdir():
+                shutil.rmtree(
+                    child
+                ) if child.is_dir() and not child.is_symlink() else child.unlink()
+        else:
+            shutil.rmtree(where, ignore_errors=True)
+        raise
+    return out

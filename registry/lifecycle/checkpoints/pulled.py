@@ -26,6 +26,7 @@ from typing import Any
 from registry.errors import IntegrityError, InvalidDocument, UsageError
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
+from registry.signing.bundle import SIGNATURE_FILE
 
 HASH_WORKERS = 4  # hashlib releases the GIL: files hash in parallel
 # A kept MANIFEST.json or release.json larger than this is not read: reg writes about 200 bytes
@@ -148,7 +149,11 @@ def verify_folder(root: Path, *, expect_sha256: str | None = None) -> FolderRepo
                     "problem": f"sha256 {got[:12]}..., {kept.name} records {f.sha256[:12]}...",
                 }
             )
-    for path in sorted(set(present) - set(listed) - {kept.name}):
+    # A release's signature covers release.json, so release.json cannot list it: it is the
+    # release's, checked against a pinned key (`reg pull-release --verify-signature`, or
+    # `model_signing verify key`), not here.
+    signature = {SIGNATURE_FILE} if kept.kind == "release" else set()
+    for path in sorted(set(present) - set(listed) - {kept.name} - signature):
         report.problems.append({"path": path, "problem": f"not listed in {kept.name}"})
     return report
 
