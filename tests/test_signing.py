@@ -201,9 +201,7 @@ def test_a_forged_provenance_or_signature_in_the_store_is_caught(cpu_policy, ckp
         for f in ("model.safetensors", "README.md", "release.json"):
             (dest / f).write_bytes((store / "tiny" / "v1" / f).read_bytes())
         (dest / "provenance.intoto.json").write_text(json.dumps(doc))
-        (dest / "model.sig").write_bytes(
-            (store / "tiny" / "v1" / "model.sig").read_bytes()
-        )
+        (dest / "model.sig").write_bytes((store / "tiny" / "v1" / "model.sig").read_bytes())
     assert _stock_verify(dest, pem).returncode != 0
 
 
