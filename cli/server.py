@@ -81,6 +81,8 @@ def init(
         return
     if out["policy"]:
         note(f"applied policy v{out['policy']['version']}: {admin} is admin")
+    if out["signing_key"]["created"]:
+        note(f"release signing key {out['signing_key']['key_id']} created (reg keys public)")
     note(f"token for {admin} (shown once; store it now):")
     print(out["token"])
 

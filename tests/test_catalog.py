@@ -73,7 +73,7 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     _migrate(cat, "0002", down=True)
     added = (
         ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
-        | ADDED_BY_0015
+        | ADDED_BY_0015 | ADDED_BY_0017
     )  # fmt: skip
     assert _triggers(cat) == guards - added
     _migrate(cat, "head")
@@ -106,6 +106,11 @@ ADDED_BY_0010 = {
     "checkpoint_keys_no_delete",
     "key_set_guard",
     "checkpoint_keys_guard",
+}
+ADDED_BY_0017 = {
+    f"{table}_{guard}"
+    for table in ("signing_key_event", "release_signature")
+    for guard in ("no_update", "no_delete", "append_only")
 }
 ADDED_BY_0015 = {
     "fact_mac_no_update",

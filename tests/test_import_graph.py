@@ -126,7 +126,7 @@ HEAVY = frozenset(
         *("torch", "numpy", "safetensors", "transformers", "mlflow", "flask", "werkzeug"),
         *("boto3", "botocore", "s3transfer", "httpx", "fastapi", "starlette", "uvicorn"),
         *("sqlalchemy", "sqlmodel", "alembic", "psycopg", "pydantic", "jwt", "cryptography"),
-        *("prometheus_client", "matplotlib", "typer", "yaml"),
+        *("prometheus_client", "matplotlib", "typer", "yaml", "model_signing"),
     }
 )
 # Lazy by design, each as its docstring says: a command imports them and pays only for what it

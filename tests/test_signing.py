@@ -206,19 +206,26 @@ def test_a_forged_provenance_or_signature_in_the_store_is_caught(cpu_policy, ckp
 
 
 def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy, tmp_path):
-    """`require_signature = "auto"`: through the server a promotion without an active key is
-    refused before any work; with the key (created by an operator on the server's host) it
-    is signed, and the consumer pins the key the server publishes."""
+    """`reg server init` creates the signing key; `require_signature = "auto"`: through the
+    server a promotion without an active key is refused before any work; with a key (created
+    by an operator on the server's host) it is signed, and the consumer pins the key the
+    server publishes."""
     from registry.config import Settings
 
+    def operator() -> Registry:  # on the server's host, with its settings
+        return Registry(Settings.from_env(reg_server.env), user="admin")
+
     with Registry() as remote:  # a client of the server (the admin's token)
+        [initial] = [k for k in remote.signing_keys() if k.state == "active"]  # server init's
         remote.push_checkpoint(
             ckpts.ws2.step_dir(4), run="r", step=4, metrics=ckpts.ws2.probe_metrics(4)
         )
+        with operator() as op:
+            op.change_signing_key(initial.key_id, "retired", "test: none active")
         with pytest.raises(GateNotMet, match="no active signing key"):
             remote.promote("r@step4", model="tiny")
-        with Registry(Settings.from_env(reg_server.env), user="admin") as operator:  # its host
-            key = operator.create_signing_key()
+        with operator() as op:
+            key = op.create_signing_key()
         assert (reg_server.home / "signing" / f"{key.key_id}.pem").exists()
         out = remote.promote("r@step4", model="tiny")
         assert out["signature"]["key_id"] == key.key_id

@@ -39,9 +39,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "policy_document": READ_APPEND,
     "fact_mac": READ_APPEND,  # signatures of policies, validations, model owners (0015)
     "release_signature": READ_APPEND,  # who signed a release, with which key (0017)
-    # Signing keys are created, retired and revoked by an operator on the server's host (the
-    # owner role, beside the private key): the server only reads them.
-    "signing_key_event": ("SELECT",),
+    # Signing keys' life: `reg server init` and an operator's `reg keys` on the server's host
+    # (beside the private keys, which the server holds anyway) append; no route writes them.
+    "signing_key_event": READ_APPEND,
     # Written once, read after: nothing in the code updates them.
     "project": READ_APPEND,
     "model": READ_APPEND,

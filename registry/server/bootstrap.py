@@ -7,7 +7,8 @@ must already be an admin under them. Either way it mints a token for NAME, shown
 
 It also creates the audit key (`REG_AUDIT_KEY_FILE`, default `REG_HOME/audit.key`: 32 random
 bytes, mode 0600, never over an existing one) that `reg server` signs the audit log with; its
-own events are the first it signs. Replicas share that one file.
+own events are the first it signs. Replicas share that one file. And, unless one is active, the
+release signing key (`REG_HOME/signing/<key_id>.pem`, 0600), which replicas share likewise.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 f"{admin} is not an admin under the policy in force ({policy.source})",
                 "name an admin of that policy, or have an admin add one",
             )
+        signing = _signing_key(settings, catalog, admin, operator, key)
         created_by = f"reg server init ({operator})"
         token = mint(catalog, admin, created_by=created_by, expires_s=None, key=key)
         with catalog.session(write=True) as s:
@@ -80,6 +82,32 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
             "token": token,
             "policy": applied,
             "audit_key": {"path": str(settings.audit_key_path), "created": created},
+            "signing_key": signing,
         }
     finally:
         catalog.dispose()
+
+
+def _signing_key(
+    settings: Settings, catalog: Catalog, admin: str, operator: str, audit_key: bytes
+) -> dict[str, Any]:
+    """The release signing key (issue 37): created unless one is active already, its private
+    half under REG_HOME/signing beside the audit key (a registry behind the server signs every
+    release: `[promotion] require_signature = "auto"`)."""
+    from registry.signing import keys as signing_keys
+
+    policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
+    ctx = Context(
+        catalog=catalog,
+        store=open_store(settings.store_url, s3=settings.s3),
+        policy=policy,
+        principal=Principal.under(admin, f"reg server init by {operator}", policy),
+        events=Outbox(settings),
+        audit_key=audit_key,
+        signing_dir=settings.signing_dir,
+    )
+    with catalog.session() as s:
+        current = signing_keys.active(s)
+    if current is not None:
+        return {"key_id": current.key_id, "created": False}
+    return {"key_id": signing_keys.create(ctx).key_id, "created": True}

@@ -11,6 +11,7 @@ DIR/model.sig --public_key KEY.pem` therefore checks a pulled release with no re
 
 from __future__ import annotations
 
+import base64
 import json
 import pathlib
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from registry.errors import IntegrityError
+from registry.layout import RELEASE_DOCUMENT
 
 SIGNATURE_FILE = "model.sig"  # model-signing's default name
 # What `model_signing sign` records as ignored: its signature, and git's files.
@@ -101,8 +103,6 @@ def _differences(signed: Mapping[str, str], found: Mapping[str, str]) -> str:
 
 def statement_of(signature: bytes) -> dict[str, object]:
     """The in-toto statement inside a model.sig, unverified (for display)."""
-    import base64
-
     try:
         bundle = json.loads(signature)
         envelope = bundle["dsseEnvelope"]
@@ -137,8 +137,6 @@ def verify_pulled(release: Mapping[str, object], dest: Path, public_pem: str) ->
     """A pulled release folder (`release`: its pull's answer, every file's sha256 checked as it
     was written) is signed by `public_pem` (a key the consumer pinned) over exactly its files.
     IntegrityError otherwise: unsigned, another key, or files the signature does not cover."""
-    from registry.layout import RELEASE_DOCUMENT
-
     name = release.get("release")
     files = {str(f["path"]): str(f["sha256"]) for f in release["files"]}  # type: ignore[attr-defined]
     if SIGNATURE_FILE not in files:

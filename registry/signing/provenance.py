@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from registry.formats.documents import FileRecord
@@ -27,8 +28,6 @@ MAX_PROVENANCE = 16 * 1024 * 1024  # read back from a folder or the store: bound
 
 
 def reg_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("reg")
     except PackageNotFoundError:
