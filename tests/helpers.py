@@ -322,3 +322,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stock_verify(folder: Path, public_key: Path) -> subprocess.CompletedProcess[str]:
+    """OpenSSF model-signing's own CLI on a release folder: no reg code involved."""
+    tool = str(Path(sys.executable).with_name("model_signing"))
+    signature, key = str(folder / "model.sig"), str(public_key)
+    return subprocess.run(
+        [tool, "verify", "key", str(folder), "--signature", signature, "--public_key", key],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

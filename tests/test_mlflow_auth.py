@@ -19,7 +19,7 @@ import pytest
 from registry import Registry
 from registry.mirror.drain import drain
 from tests.conftest import ROOT
-from tests.helpers import start_ui
+from tests.helpers import start_ui, stock_verify
 from tests.test_mlflow_ui import CHROMIUM, FLAGS
 from tests.test_mlflow_ui import _open as _open_once
 from tests.zygote import run_reg
@@ -111,6 +111,12 @@ def test_people_see_and_download_only_what_reg_lets_them_read(ui, monkeypatch, t
     assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in stored.iterdir())
     for path in got.iterdir():  # exactly the release's bytes
         assert _sha256(path) == _sha256(stored / path.name)
+    # Signed (reg server init made the key): MLflow's download verifies with the stock CLI.
+    with Registry() as reg:
+        (tmp_path / "reg.pub").write_text(reg.signing_keys()[0].public_pem)
+    assert (got / "model.sig").exists() and (got / "provenance.intoto.json").exists()
+    verified = stock_verify(got, tmp_path / "reg.pub")
+    assert verified.returncode == 0, verified.stderr + verified.stdout
     for uri in ("models:/other-b/1", "models:/other-b@prod"):
         with pytest.raises(MlflowException):
             mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "denied"))

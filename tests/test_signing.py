@@ -8,34 +8,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from registry import Registry
 from registry.errors import GateNotMet, IntegrityError, UsageError
-
-MODEL_SIGNING = str(Path(sys.executable).with_name("model_signing"))
-
-
-def _stock_verify(folder: Path, public_key: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            MODEL_SIGNING,
-            "verify",
-            "key",
-            str(folder),
-            "--signature",
-            str(folder / "model.sig"),
-            "--public_key",
-            str(public_key),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from tests.helpers import stock_verify
 
 
 def _promoted(reg: Registry, ckpts, step: int = 4, model: str = "tiny") -> dict:
@@ -73,7 +52,7 @@ def test_a_pulled_release_verifies_with_the_stock_cli_and_tampering_fails_it(
     listed = {f["path"] for f in json.loads((dest / "release.json").read_text())["files"]}
     assert listed == {"README.md", "model.safetensors", "provenance.intoto.json"}
     assert "model.sig" in {f["path"] for f in pulled.files}
-    ok = _stock_verify(dest, pem)
+    ok = stock_verify(dest, pem)
     assert ok.returncode == 0, ok.stderr + ok.stdout
     # The provenance names the source, its manifest digest and the validation.
     doc = json.loads((dest / "provenance.intoto.json").read_text())
@@ -89,16 +68,16 @@ def test_a_pulled_release_verifies_with_the_stock_cli_and_tampering_fails_it(
     weights = dest / "model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    assert _stock_verify(dest, pem).returncode != 0
+    assert stock_verify(dest, pem).returncode != 0
     weights.write_bytes(original)
     (dest / "extra.txt").write_text("not signed")
-    assert _stock_verify(dest, pem).returncode != 0
+    assert stock_verify(dest, pem).returncode != 0
     (dest / "extra.txt").unlink()
     card = (dest / "README.md").read_bytes()
     (dest / "README.md").unlink()
-    assert _stock_verify(dest, pem).returncode != 0
+    assert stock_verify(dest, pem).returncode != 0
     (dest / "README.md").write_bytes(card)
-    assert _stock_verify(dest, pem).returncode == 0
+    assert stock_verify(dest, pem).returncode == 0
     other = tmp_path / "other.pub"
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -108,7 +87,7 @@ def test_a_pulled_release_verifies_with_the_stock_cli_and_tampering_fails_it(
         .public_key()
         .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    assert _stock_verify(dest, other).returncode != 0
+    assert stock_verify(dest, other).returncode != 0
 
 
 def _sha(path: Path) -> str:
@@ -202,7 +181,7 @@ def test_a_forged_provenance_or_signature_in_the_store_is_caught(cpu_policy, ckp
             (dest / f).write_bytes((store / "tiny" / "v1" / f).read_bytes())
         (dest / "provenance.intoto.json").write_text(json.dumps(doc))
         (dest / "model.sig").write_bytes((store / "tiny" / "v1" / "model.sig").read_bytes())
-    assert _stock_verify(dest, pem).returncode != 0
+    assert stock_verify(dest, pem).returncode != 0
 
 
 def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy, tmp_path):
@@ -238,4 +217,4 @@ def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy
             _on_this_host(remote, "create")
     pem = tmp_path / "reg.pub"
     pem.write_text(pinned)
-    assert _stock_verify(Path(pulled.dest), pem).returncode == 0
+    assert stock_verify(Path(pulled.dest), pem).returncode == 0
