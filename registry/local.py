@@ -588,7 +588,8 @@ class LocalRegistry(Registry):
         from registry.signing import keys
 
         with self.context.catalog.session() as s:
-            return results_of(SigningKeyInfo, [k.to_json() for k in keys.all_keys(s)])
+            found = keys.all_keys(s, self.context.audit_key)  # behind the server: signed only
+            return results_of(SigningKeyInfo, [k.to_json() for k in found])
 
     # Operators' commands on the host that holds the private keys (not through the server).
     def create_signing_key(self, *, rotate: bool = False) -> SigningKeyInfo:

@@ -7,6 +7,9 @@ under its audit key, as tokens (`registry.tokens`) and audit events (`registry.a
     model       a model's owner: which project's grants cover it (`policies.access`)
     deletion    GC's mark on a checkpoint it is deleting: what lets the server finish a deletion
                 an interrupted GC left (a mark written around it would delete any checkpoint)
+    signing_key a release signing key's event (created with its public key, retired, revoked):
+                behind the server a key whose creation is not signed is no key
+    release_sig which key signed a release, and the digests of its model.sig and provenance
 
 Each signature is a row of the append-only `fact_mac` table: HMAC-SHA256(key, "reg.fact/1\\n" +
 canonical JSON of {kind, id, content}). It names the signed row's id, so a signature cannot be
@@ -30,7 +33,16 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from registry.audit_chain.macs import canonical, normalized, same
-from registry.catalog.models import Checkpoint, FactMac, Model, PolicyDocument, Project, Run
+from registry.catalog.models import (
+    Checkpoint,
+    FactMac,
+    Model,
+    PolicyDocument,
+    Project,
+    ReleaseSignature,
+    Run,
+    SigningKeyEvent,
+)
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -40,7 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("reg.policy")
 
 POLICY, VALIDATION, MODEL, DELETION = "policy", "validation", "model", "deletion"
-KINDS = (POLICY, VALIDATION, MODEL, DELETION)
+SIGNING_KEY, RELEASE_SIGNATURE = "signing_key", "release_sig"  # issue 37 (migration 0017)
+KINDS = (POLICY, VALIDATION, MODEL, DELETION, SIGNING_KEY, RELEASE_SIGNATURE)
 _IN = 500  # ids per IN (...) query
 
 
@@ -79,6 +92,28 @@ def validation_content(row: Validation, subject: Mapping[str, Any]) -> dict[str,
             "created_by": row.created_by,
         }
     )
+
+
+def signing_key_content(row: SigningKeyEvent) -> dict[str, Any]:
+    return {
+        "key_id": row.key_id,
+        "event": row.event,
+        "public_pem": row.public_pem,
+        "reason": row.reason,
+        "at": row.at,
+        "by": row.by,
+    }
+
+
+def release_signature_content(row: ReleaseSignature) -> dict[str, Any]:
+    return {
+        "release_id": row.release_id,
+        "key_id": row.key_id,
+        "sha256": row.sha256,
+        "provenance_sha256": row.provenance_sha256,
+        "signed_at": row.signed_at,
+        "signed_by": row.signed_by,
+    }
 
 
 def deletion_content(row: Checkpoint, subject: Mapping[str, Any]) -> dict[str, Any]:

@@ -211,6 +211,36 @@ def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy
         pinned = {k.key_id: k.public_pem for k in remote.signing_keys()}[key.key_id]
         pulled = remote.pull_release("tiny:v1", tmp_path / "pulled", public_key=pinned)
         assert remote.verify("tiny:v1", provenance=True).ok
+        # A key written into the catalog around the server (no MAC) is no key there.
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from sqlalchemy import text
+
+        from registry.signing.keys import key_id_of
+
+        forged = (
+            ec.generate_private_key(ec.SECP256R1())
+            .public_key()
+            .public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        with operator() as op, op.catalog.engine.begin() as c:  # type: ignore[attr-defined]
+            c.execute(
+                text(
+                    "INSERT INTO signing_key_event (key_id, event, public_pem, at, by) "
+                    "VALUES (:k, 'created', :p, 0, 'mallory')"
+                ),
+                {"k": key_id_of(forged), "p": forged.decode()},
+            )
+        assert key_id_of(forged) not in {k.key_id for k in remote.signing_keys()}
+        with operator() as op:  # on the host, holding the audit key: not listed either
+            assert key_id_of(forged) not in {k.key_id for k in op.signing_keys()}
+            with op.catalog.engine.connect() as c:  # type: ignore[attr-defined]
+                rows = c.execute(
+                    text("SELECT count(*) FROM signing_key_event WHERE by = 'mallory'")
+                )
+                assert rows.scalar_one() == 1  # it is there, and counts for nothing
         with pytest.raises(UsageError, match="runs on the host of reg server"):
             from cli.keys import _on_this_host
 

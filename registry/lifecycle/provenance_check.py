@@ -18,6 +18,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from registry import signed_facts as facts
 from registry.catalog.models import Checkpoint, Project, Run
 from registry.errors import IntegrityError, RegistryError
 from registry.layout import RELEASE_DOCUMENT, release_prefix
@@ -41,13 +42,21 @@ def check(ctx: Context, view: ReleaseView, files: list[FileRecord]) -> dict[str,
         return _report(None, None, [("model.sig", "the release is not signed")])
     problems: list[tuple[str, str]] = []
     with ctx.catalog.session() as s:
-        key = find(s, sig.key_id)
+        key = find(s, sig.key_id, ctx.audit_key)
+        forged = ctx.audit_key is not None and not facts.signed_ids(
+            s,
+            ctx.audit_key,
+            facts.RELEASE_SIGNATURE,
+            {sig.id or 0: facts.release_signature_content(sig)},
+        )
         source = s.get(Checkpoint, view.row.source_checkpoint_id)
         run = s.get(Run, source.run_id) if source is not None else None
         owner = s.get(Project, run.project_id) if run is not None else None
         where = None
         if source is not None and run is not None and owner is not None:
             where = f"{owner.name}/{run.name}@step{source.step}"
+    if forged:
+        problems.append(("model.sig", "its signature record does not carry the server's MAC"))
     if key is None:
         problems.append(("model.sig", f"signed by key {sig.key_id[:16]}, which is not known"))
     elif key.state == REVOKED:

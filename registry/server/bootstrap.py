@@ -107,7 +107,7 @@ def _signing_key(
         signing_dir=settings.signing_dir,
     )
     with catalog.session() as s:
-        current = signing_keys.active(s)
+        current = signing_keys.active(s, audit_key)
     if current is not None:
         return {"key_id": current.key_id, "created": False}
     return {"key_id": signing_keys.create(ctx).key_id, "created": True}

@@ -25,6 +25,7 @@ from sqlmodel import Session, col, select
 from policies.access import Action
 from registry.catalog.models import SigningKeyEvent
 from registry.errors import IntegrityError, NotFound, UsageError
+from registry.signed_facts import SIGNING_KEY, sign, signed_ids, signing_key_content
 from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
@@ -63,9 +64,19 @@ def key_id_of(public_pem: bytes) -> str:
     return hashlib.sha256(public_pem).hexdigest()
 
 
-def all_keys(session: Session) -> list[SigningKey]:
-    """Every key, oldest first, each in the state its latest event gives it."""
-    events = session.exec(select(SigningKeyEvent).order_by(col(SigningKeyEvent.id))).all()
+def all_keys(session: Session, audit_key: bytes | None = None) -> list[SigningKey]:
+    """Every key, oldest first, each in the state its latest event gives it. With `audit_key`
+    (behind the server) only events the server signed count: a key row written around it is
+    no key (and a retirement or revocation written around it changes nothing)."""
+    events = list(session.exec(select(SigningKeyEvent).order_by(col(SigningKeyEvent.id))).all())
+    if audit_key is not None:
+        good = signed_ids(
+            session,
+            audit_key,
+            SIGNING_KEY,
+            {e.id: signing_key_content(e) for e in events if e.id is not None},
+        )
+        events = [e for e in events if e.id in good]
     keys: dict[str, SigningKey] = {}
     for e in events:
         if e.event == CREATED and e.public_pem and e.key_id not in keys:
@@ -83,13 +94,13 @@ def all_keys(session: Session) -> list[SigningKey]:
     return list(keys.values())
 
 
-def find(session: Session, key_id: str) -> SigningKey | None:
-    return next((k for k in all_keys(session) if k.key_id == key_id), None)
+def find(session: Session, key_id: str, audit_key: bytes | None = None) -> SigningKey | None:
+    return next((k for k in all_keys(session, audit_key) if k.key_id == key_id), None)
 
 
-def active(session: Session) -> SigningKey | None:
+def active(session: Session, audit_key: bytes | None = None) -> SigningKey | None:
     """The key that signs new releases: the newest one still active."""
-    live = [k for k in all_keys(session) if k.state == ACTIVE]
+    live = [k for k in all_keys(session, audit_key) if k.state == ACTIVE]
     return live[-1] if live else None
 
 
@@ -103,7 +114,7 @@ def create(ctx: Context, *, retire_active: bool = False) -> SigningKey:
     ctx.authorize(Action.CATALOG, target="signing keys")
     directory = _directory(ctx)
     with ctx.catalog.session() as s:
-        current = active(s)
+        current = active(s, ctx.audit_key)
     if current is not None and not retire_active:
         raise UsageError(
             f"signing key {current.key_id[:16]} is active already",
@@ -130,8 +141,8 @@ def create(ctx: Context, *, retire_active: bool = False) -> SigningKey:
     try:
         with ctx.catalog.session(write=True) as s:
             if retire_active and current is not None:
-                s.add(_event(ctx, current.key_id, RETIRED, at, reason="rotated"))
-            s.add(_event(ctx, key_id, CREATED, at, public_pem=public_pem.decode()))
+                _add(ctx, s, _event(ctx, current.key_id, RETIRED, at, reason="rotated"))
+            _add(ctx, s, _event(ctx, key_id, CREATED, at, public_pem=public_pem.decode()))
             ctx.audit(s, "keys.create", key_id, retired=current.key_id if current else None)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -144,11 +155,11 @@ def change(ctx: Context, key_id: str, event: str, reason: str | None = None) -> 
     """Retire or revoke a key (by its id or a unique prefix of at least 8 characters)."""
     ctx.authorize(Action.CATALOG, target="signing keys")
     with ctx.catalog.session(write=True) as s:
-        key = _resolve(s, key_id)
+        key = _resolve(s, key_id, ctx.audit_key)
         if key.state == REVOKED or (key.state == RETIRED and event == RETIRED):
             raise UsageError(f"signing key {key.key_id[:16]} is {key.state} already")
         at = now()
-        s.add(_event(ctx, key.key_id, event, at, reason=reason))
+        _add(ctx, s, _event(ctx, key.key_id, event, at, reason=reason))
         ctx.audit(
             s, f"keys.{'retire' if event == RETIRED else 'revoke'}", key.key_id, reason=reason
         )
@@ -177,10 +188,10 @@ def private_key_path(ctx: Context, key_id: str) -> Path:
     return path
 
 
-def _resolve(session: Session, key_id: str) -> SigningKey:
+def _resolve(session: Session, key_id: str, audit_key: bytes | None) -> SigningKey:
     if len(key_id) < 8:
         raise UsageError(f"key id {key_id!r} is too short", "give at least 8 characters")
-    matches = [k for k in all_keys(session) if k.key_id.startswith(key_id.lower())]
+    matches = [k for k in all_keys(session, audit_key) if k.key_id.startswith(key_id.lower())]
     if not matches:
         raise NotFound(f"no signing key {key_id}", "reg keys ls lists them")
     if len(matches) > 1:
@@ -199,6 +210,21 @@ def _directory(ctx: Context) -> Path:
             f"{directory} is not a private directory of this user", f"chmod 700 {directory}"
         )
     return directory
+
+
+def _add(ctx: Context, session: Session, event: SigningKeyEvent) -> None:
+    """Add `event`, signed by the server's audit key where this process holds it."""
+    session.add(event)
+    if ctx.audit_key is not None:
+        session.flush()  # its id, which the signature names
+        sign(
+            session,
+            ctx.audit_key,
+            SIGNING_KEY,
+            event.id or 0,
+            signing_key_content(event),
+            signed_by=ctx.actor,
+        )
 
 
 def _event(

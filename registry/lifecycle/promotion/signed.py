@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from registry import signed_facts as facts
+from registry.catalog.models import ReleaseSignature
 from registry.errors import Conflict, GateNotMet, ObjectExists
 from registry.formats.documents import FileRecord
 from registry.layout import RELEASE_DOCUMENT, release_prefix
@@ -42,7 +44,7 @@ def signer_for(ctx: Context) -> Signer | None:
     if required is False:
         return None
     with ctx.catalog.session() as s:
-        key = keys.active(s)
+        key = keys.active(s, ctx.audit_key)
     if key is None:
         if required is True or ctx.server:
             raise GateNotMet(
@@ -87,6 +89,21 @@ def add_provenance(
     if all(f.path != provenance.CARD_FILE for f in files):
         out.append(_put(ctx, plan, reservation, provenance.CARD_FILE, provenance.card(doc)))
     return out
+
+
+def record(ctx: Context, session: Any, row: ReleaseSignature) -> None:
+    """Add the release's signature record, with the server's MAC where it holds the key."""
+    session.add(row)
+    if ctx.audit_key is not None:
+        session.flush()
+        facts.sign(
+            session,
+            ctx.audit_key,
+            facts.RELEASE_SIGNATURE,
+            row.id or 0,
+            facts.release_signature_content(row),
+            signed_by=ctx.actor,
+        )
 
 
 def sign(

@@ -410,7 +410,9 @@ def commit(
             )
         s.add_all(ReleaseFile.of(reservation.release_id, f) for f in files)
         if signer is not None:
-            s.add(
+            signed.record(
+                ctx,
+                s,
                 ReleaseSignature(
                     release_id=reservation.release_id,
                     key_id=signer.key.key_id,
@@ -418,7 +420,7 @@ def commit(
                     provenance_sha256=next(f.sha256 for f in files if f.path == PROVENANCE_FILE),
                     signed_at=now(),
                     signed_by=ctx.actor,
-                )
+                ),
             )
         model = s.exec(select(Model).where(Model.name == plan.model)).one()
         release = s.get(Release, reservation.release_id)
