@@ -276,6 +276,14 @@ def verify(
             )
             print(f"{out.ref or out.release}: ok, {out.files} files verified{by}")
     if not out.ok:
+        signed = out.signature or {}
+        if signed and len(signed["problems"]) == len(out.problems):  # the bytes are intact
+            _damaged(
+                f"{out.release}: its signature or provenance does not hold "
+                f"({len(out.problems)} problem(s))",
+                "do not serve it; reg show names the key, reg keys ls its state",
+                json_output,
+            )
         _damaged(
             f"{len(out.problems)} damaged file(s) in {out.ref or out.release}",
             "the stored copy is damaged; restore it from another copy",

@@ -105,7 +105,9 @@ def parse_checkpoint_ref(text: str, project: str | None = None) -> CheckpointRef
     ref = parse_ref(text, project)
     if not isinstance(ref, CheckpointRef):
         raise MalformedRef(
-            f"{text!r} names a release, not a checkpoint", "expected RUN@stepN or RUN@latest"
+            f"{text!r} names a release, not a checkpoint",
+            f"a release is copied out with `reg pull-release {text} DIR`; a checkpoint is "
+            "RUN@stepN or RUN@latest",
         )
     return ref
 

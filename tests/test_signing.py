@@ -248,3 +248,47 @@ def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy
     pem = tmp_path / "reg.pub"
     pem.write_text(pinned)
     assert stock_verify(Path(pulled.dest), pem).returncode == 0
+
+
+def test_the_cli_keys_and_a_pinned_key_one_line_each(cpu_policy, ckpts, cli, tmp_path):
+    """`reg keys` as scripts use it (`--json`, `public`), `pull-release --verify-signature` with
+    a pinned key, and each refusal one line with its exit code."""
+    created = cli("keys", "create", "--json")
+    assert created.returncode == 0, created.stderr
+    key_id = json.loads(created.stdout)["key_id"]
+    again = cli("keys", "create")
+    assert again.returncode != 0 and again.stderr.count("\n") == 1, again.stderr
+    assert "reg keys rotate" in again.stderr
+    public = cli("keys", "public")
+    assert public.returncode == 0 and public.stdout.startswith("-----BEGIN PUBLIC KEY-----")
+    pinned = tmp_path / "reg.pub"
+    pinned.write_text(public.stdout)
+    listed = json.loads(cli("keys", "ls", "--json").stdout)
+    assert [(k["key_id"], k["state"]) for k in listed] == [(key_id, "active")]
+    assert "PRIVATE" not in cli("keys", "ls", "--json").stdout
+    with Registry() as reg:
+        _promoted(reg, ckpts)
+    ok = cli(
+        "pull-release", "tiny:v1", tmp_path / "ok", "--verify-signature", "--public-key", pinned
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "(5 files verified, signature verified)" in ok.stdout
+    assert stock_verify(tmp_path / "ok", pinned).returncode == 0
+    checked = cli("verify", "tiny:v1", "--provenance")
+    assert checked.returncode == 0 and f"signed by key {key_id[:16]} (active)" in checked.stdout
+    for args, message in (
+        (("--verify-signature",), "go together"),
+        (("--public-key", str(pinned)), "go together"),
+        (("--verify-signature", "--public-key", str(tmp_path / "nope.pub")), "not a PEM"),
+    ):
+        refused = cli("pull-release", "tiny:v1", tmp_path / "refused", *args)
+        assert refused.returncode != 0 and message in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1 and not (tmp_path / "refused").exists()
+    wrong = cli("pull", "tiny@latest", tmp_path / "x")
+    assert wrong.returncode != 0  # `latest` of a run named tiny: no such run
+    release = cli("pull", "tiny:v1", tmp_path / "y")
+    assert "reg pull-release tiny:v1 DIR" in release.stderr, release.stderr
+    revoked = cli("keys", "revoke", key_id[:10], "--reason", "test")
+    assert revoked.returncode == 0, revoked.stderr
+    bad = cli("verify", "tiny:v1", "--provenance")
+    assert bad.returncode != 0 and "revoked: test" in bad.stdout + bad.stderr
