@@ -128,6 +128,7 @@ def test_verify_provenance_and_the_keys_life(cpu_policy, ckpts, tmp_path):
         assert shown["signature"]["key_state"] == "active"
         report = reg.verify("tiny:v1", provenance=True)
         assert report.ok and report.signature["ok"], report.problems
+        assert reg.fsck()["clean"]  # the signature files are the release's own
         bad = reg.verify("plain:v1", provenance=True)
         assert not bad.ok and bad.problems[-1]["problem"] == "the release is not signed"
         pem = _pem(tmp_path, reg, first.key_id)
@@ -292,3 +293,17 @@ def test_the_cli_keys_and_a_pinned_key_one_line_each(cpu_policy, ckpts, cli, tmp
     assert revoked.returncode == 0, revoked.stderr
     bad = cli("verify", "tiny:v1", "--provenance")
     assert bad.returncode != 0 and "revoked: test" in bad.stdout + bad.stderr
+
+
+def test_a_release_in_s3_is_signed_verified_and_clean(s3_env, cpu_policy, ckpts, tmp_path):
+    """From an S3 store: the pulled release verifies with the stock CLI, `reg verify
+    --provenance` reads model.sig and the statement by their recorded versions, and fsck
+    counts the signature files as the release's own."""
+    with Registry() as reg:
+        key = reg.create_signing_key()
+        _promoted(reg, ckpts)
+        pulled = reg.pull_release("tiny:v1", tmp_path / "pulled")
+        assert reg.verify("tiny:v1", provenance=True).ok
+        assert reg.fsck()["clean"]
+        pem = _pem(tmp_path, reg, key.key_id)
+    assert stock_verify(Path(pulled.dest), pem).returncode == 0
