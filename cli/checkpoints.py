@@ -227,6 +227,12 @@ def verify(
     limit: int | None = typer.Option(
         None, "--limit", min=1, help="With --all: at most this many artifacts per pass."
     ),
+    public_key: Path | None = typer.Option(
+        None,
+        "--public-key",
+        help="With --dir: a release folder's model.sig must sign exactly it, by this pinned "
+        "PEM key.",
+    ),
     provenance: bool = typer.Option(
         False,
         "--provenance",
@@ -247,13 +253,13 @@ def verify(
             )
         _scrub(rate, every, limit, json_output)
         return
-    if directory is not None or sha256 is not None:
-        if ref is not None or repair or directory is None:
+    if directory is not None or sha256 is not None or public_key is not None:
+        if ref is not None or repair or provenance or directory is None:
             raise UsageError(
-                "give either REF, or --dir PATH [--sha256 HEX]",
+                "give either REF, or --dir PATH [--sha256 HEX] [--public-key FILE]",
                 "reg verify REF checks the store; reg verify --dir PATH a pulled folder",
             )
-        _verify_dir(directory, sha256, json_output)
+        _verify_dir(directory, sha256, public_key, json_output)
         return
     if ref is None:
         # as typer words it for a required argument; --help shows --dir too
@@ -337,16 +343,20 @@ def _damaged(message: str, hint: str, json_output: bool) -> None:
     raise IntegrityError(message, hint)
 
 
-def _verify_dir(directory: Path, sha256: str | None, json_output: bool) -> None:
+def _verify_dir(
+    directory: Path, sha256: str | None, public_key: Path | None, json_output: bool
+) -> None:
     """Offline: no catalog and no store are opened."""
     import re
 
     from registry.errors import UsageError
     from registry.lifecycle.checkpoints.pulled import verify_folder
+    from registry.signing.bundle import read_public_key
 
     if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise UsageError(f"--sha256 {sha256[:80]!r} is not a sha256", "64 lowercase hex digits")
-    report = verify_folder(directory, expect_sha256=sha256)
+    pem = read_public_key(public_key) if public_key is not None else None
+    report = verify_folder(directory, expect_sha256=sha256, public_key=pem)
     out = report.to_json()
     name = out.get("ref") or out.get("release")
     if json_output:
@@ -358,6 +368,7 @@ def _verify_dir(directory: Path, sha256: str | None, json_output: bool) -> None:
             from registry.timeutil import human_bytes
 
             pinned = " and its digest" if sha256 else ""
+            pinned += ", signed by the pinned key" if pem else ""
             print(
                 f"{out['dir']}: ok, {out['files']} files ({human_bytes(out['bytes'])}) match "
                 f"the {out['document']}{pinned} of {name} (sha256 {out['document_sha256']})"

@@ -275,6 +275,11 @@ def test_the_cli_keys_and_a_pinned_key_one_line_each(cpu_policy, ckpts, cli, tmp
     assert ok.returncode == 0, ok.stderr
     assert "(5 files verified, signature verified)" in ok.stdout
     assert stock_verify(tmp_path / "ok", pinned).returncode == 0
+    offline = cli("verify", "--dir", tmp_path / "ok", "--public-key", pinned)
+    assert offline.returncode == 0 and "signed by the pinned key" in offline.stdout, offline
+    (tmp_path / "ok" / "README.md").write_text("# edited card\n")
+    edited = cli("verify", "--dir", tmp_path / "ok", "--public-key", pinned, "--json")
+    assert edited.returncode == 1 and not json.loads(edited.stdout)["ok"]
     checked = cli("verify", "tiny:v1", "--provenance")
     assert checked.returncode == 0 and f"signed by key {key_id[:16]} (active)" in checked.stdout
     for args, message in (

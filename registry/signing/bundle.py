@@ -24,6 +24,7 @@ from registry.errors import IntegrityError
 from registry.layout import RELEASE_DOCUMENT
 
 SIGNATURE_FILE = "model.sig"  # model-signing's default name
+MAX_SIGNATURE = 16 * 1024 * 1024  # a bundle is a few KiB, plus one line per signed file
 # What `model_signing sign` records as ignored: its signature, and git's files.
 IGNORED = (SIGNATURE_FILE, ".git", ".gitattributes", ".github", ".gitignore")
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"

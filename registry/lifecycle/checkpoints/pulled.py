@@ -26,7 +26,7 @@ from typing import Any
 from registry.errors import IntegrityError, InvalidDocument, UsageError
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
-from registry.signing.bundle import SIGNATURE_FILE
+from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, check_folder
 
 HASH_WORKERS = 4  # hashlib releases the GIL: files hash in parallel
 # A kept MANIFEST.json or release.json larger than this is not read: reg writes about 200 bytes
@@ -114,11 +114,45 @@ class FolderReport:
         }
 
 
-def verify_folder(root: Path, *, expect_sha256: str | None = None) -> FolderReport:
-    """Check a pulled folder offline against the document it keeps (see the module)."""
+def verify_folder(
+    root: Path, *, expect_sha256: str | None = None, public_key: str | None = None
+) -> FolderReport:
+    """Check a pulled folder offline against the document it keeps (see the module); with
+    `public_key` (a pinned PEM) a release folder's model.sig must also sign exactly it."""
     root = Path(root).absolute()
     kept = read_kept(root)
     report = FolderReport(root, kept, expect_sha256)
+    _check_folder(root, kept, report)
+    if public_key is not None and not report.problems:
+        _check_signature(root, kept, report, public_key)
+    return report
+
+
+def _check_signature(root: Path, kept: Kept, report: FolderReport, public_key: str) -> None:
+    """The files just verified against release.json, and release.json itself, are exactly
+    what model.sig signs under `public_key`."""
+    if kept.kind != "release":
+        report.problems.append({"path": kept.name, "problem": "a checkpoint is not signed"})
+        return
+    covered = {f.path: f.sha256 for f in kept.files}
+    covered[kept.name] = kept.sha256
+    try:
+        with open(root / SIGNATURE_FILE, "rb") as f:
+            signature = f.read(MAX_SIGNATURE + 1)
+    except OSError as exc:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": exc.strerror or str(exc)})
+        return
+    if len(signature) > MAX_SIGNATURE:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": "too large to be a signature"})
+        return
+    try:
+        check_folder(signature, public_key, covered)
+    except IntegrityError as exc:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": str(exc)})
+
+
+def _check_folder(root: Path, kept: Kept, report: FolderReport) -> None:
+    expect_sha256 = report.expected_sha256
     if expect_sha256 is not None and expect_sha256 != kept.sha256:
         report.problems.append(
             {
@@ -155,7 +189,6 @@ def verify_folder(root: Path, *, expect_sha256: str | None = None) -> FolderRepo
     signature = {SIGNATURE_FILE} if kept.kind == "release" else set()
     for path in sorted(set(present) - set(listed) - {kept.name} - signature):
         report.problems.append({"path": path, "problem": f"not listed in {kept.name}"})
-    return report
 
 
 def walk(root: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
