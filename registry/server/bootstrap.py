@@ -48,15 +48,8 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 f"\n\n[[access.grants]]  # added by reg server init\nprincipals = [{name}]\n"
                 'role = "admin"\n'
             )
-            ctx = Context(
-                catalog=catalog,
-                # the policy (its grants) goes to the store's journal, as every apply does
-                store=open_store(settings.store_url, s3=settings.s3),
-                policy=policy,
-                principal=Principal.under(admin, f"reg server init by {operator}", policy),
-                events=Outbox(settings),
-                audit_key=key,
-            )
+            # the policy (its grants) goes to the store's journal, as every apply does
+            ctx = _as_admin(settings, catalog, policy, admin, operator, key)
             applied = apply_text(ctx, text, "reg server init")
         elif not check_grants(policy.access.grants, admin, Action.POLICY).allowed:
             raise PolicyError(
@@ -97,7 +90,24 @@ def _signing_key(
     from registry.signing import keys as signing_keys
 
     policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
-    ctx = Context(
+    ctx = _as_admin(settings, catalog, policy, admin, operator, audit_key)
+    with catalog.session() as s:
+        current = signing_keys.active(s, audit_key)
+    if current is not None:
+        return {"key_id": current.key_id, "created": False}
+    return {"key_id": signing_keys.create(ctx).key_id, "created": True}
+
+
+def _as_admin(
+    settings: Settings,
+    catalog: Catalog,
+    policy: EffectivePolicy,
+    admin: str,
+    operator: str,
+    audit_key: bytes,
+) -> Context:
+    """What `reg server init` does, it does as the first admin, signing with the audit key."""
+    return Context(
         catalog=catalog,
         store=open_store(settings.store_url, s3=settings.s3),
         policy=policy,
@@ -106,8 +116,3 @@ def _signing_key(
         audit_key=audit_key,
         signing_dir=settings.signing_dir,
     )
-    with catalog.session() as s:
-        current = signing_keys.active(s, audit_key)
-    if current is not None:
-        return {"key_id": current.key_id, "created": False}
-    return {"key_id": signing_keys.create(ctx).key_id, "created": True}
