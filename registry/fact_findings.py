@@ -14,6 +14,10 @@
                          not carry it out (embedded `reg gc` on the host does, or a person
                          sets it back)
     deletion-forged      ... whose signature does not verify
+    signing_key-unsigned a signing key's event (created, retired, revoked) written around the
+                         server: behind it, that event counts for nothing
+    release_sig-unsigned a release's signature record written around the server
+    (each also -forged)
     signature-forged     a signature row that verifies for no row
 
 Rows from before signed facts are `*-unsigned` until `reg catalog sign` (run on the server's
@@ -37,7 +41,9 @@ from registry.catalog.models import (
     Model,
     PolicyDocument,
     Project,
+    ReleaseSignature,
     Run,
+    SigningKeyEvent,
     Validation,
 )
 from registry.proven_policy import prove
@@ -86,6 +92,12 @@ def fact_problems(session: Session, store: BaseStore, key: bytes) -> list[dict[s
         judge(facts.DELETION, c.id or 0, facts.deletion_content(c, subject), f"deletion of {ref}")
     for m in session.exec(select(Model).where(col(Model.project).is_not(None))):
         judge(facts.MODEL, m.id or 0, facts.model_content(m), f"model {m.name} (owner {m.project})")
+    for e in session.exec(select(SigningKeyEvent)):  # a key, or its retirement, unsigned: void
+        target = f"signing key {e.key_id[:16]} {e.event}"
+        judge(facts.SIGNING_KEY, e.id or 0, facts.signing_key_content(e), target)
+    for r in session.exec(select(ReleaseSignature)):
+        target = f"the signature record of release {r.release_id}"
+        judge(facts.RELEASE_SIGNATURE, r.id or 0, facts.release_signature_content(r), target)
     for (kind, row_id), macs_ in signatures.items():
         if (kind, row_id) not in used and not _unjudged(session, kind, row_id):
             out.append(
