@@ -423,14 +423,9 @@ class LocalRegistry(Registry):
         progress: Progress | None = None,
     ) -> ReleasePulled:
         from registry.lifecycle.releases import pull
-        from registry.signing.bundle import checked_pull
 
-        return checked_pull(
-            Path(dest),
-            public_key,
-            lambda: ReleasePulled.from_json(
-                pull(self.context, _release(ref), Path(dest), progress=progress)
-            ),
+        return ReleasePulled.from_json(
+            pull(self.context, _release(ref), Path(dest), public_key=public_key, progress=progress)
         )
 
     def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:

@@ -174,11 +174,12 @@ def download(
     label: str,
     workers: int,
     progress: Progress | None = None,
-    before_publish: Callable[[], None] | None = None,
+    before_publish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Copy `files` (under `prefix`) into `dest`, a new or empty directory, all or nothing.
-    `before_publish` runs after every byte is verified and before `dest` appears (a last check
-    that the artifact is still there). Returns the absolute destination."""
+    `before_publish(folder)` runs after every byte is verified and before `dest` appears, on
+    the folder that becomes it (a last check that the artifact is still there, or that the
+    folder is signed). Returns the absolute destination."""
     for f in files:
         check_key(prefix + f.path)
     dest = Path(dest).absolute()
@@ -211,7 +212,7 @@ def download(
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(one, files))
         if before_publish is not None:
-            before_publish()
+            before_publish(temp)
         _check_dest(dest)
         if dest.exists():
             dest.rmdir()

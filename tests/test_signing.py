@@ -108,10 +108,31 @@ def test_keys_are_private_files_and_one_is_active(cpu_policy, ckpts, tmp_path):
         second = reg.create_signing_key(rotate=True)
         states = {k.key_id: k.state for k in reg.signing_keys()}
         assert states == {first.key_id: "retired", second.key_id: "active"}
+        stray = home / "signing" / f"{second.key_id}.pem"
         private.chmod(0o644)
-        os.replace(private, home / "signing" / f"{second.key_id}.pem")  # a readable key file
+        os.replace(private, stray)  # a readable key file, and another key's
         with pytest.raises(IntegrityError, match="not a private file"):
             _promoted(reg, ckpts)
+        stray.chmod(0o600)
+        with pytest.raises(IntegrityError, match="holds another key"):
+            reg.promote("r@step4", model="tiny")
+        (tmp_path / "model.sig").write_text("{}")
+        with pytest.raises(UsageError, match="taken or reserved"):
+            reg.promote("r@step4", model="tiny", extras=[tmp_path / "model.sig"])
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from registry.signing.bundle import read_public_key
+
+    k1 = tmp_path / "k1.pub"
+    k1.write_bytes(
+        ec.generate_private_key(ec.SECP256K1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    for bad in (k1, tmp_path):  # another curve; a directory
+        with pytest.raises(IntegrityError, match="ECDSA key on|not a PEM public key"):
+            read_public_key(bad)
 
 
 def test_verify_provenance_and_the_keys_life(cpu_policy, ckpts, tmp_path):

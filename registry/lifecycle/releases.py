@@ -213,18 +213,34 @@ def pullable(ctx: Context, ref: ReleaseRef) -> ReleaseView:
 
 
 def pull(
-    ctx: Context, ref: ReleaseRef, dest: Path, *, progress: Progress | None = None
+    ctx: Context,
+    ref: ReleaseRef,
+    dest: Path,
+    *,
+    public_key: str | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Copy a release to `dest` (new or empty), every byte verified; all or nothing."""
+    """Copy a release to `dest` (new or empty), every byte verified; all or nothing. With
+    `public_key` (a pinned PEM) the folder is handed over only if that key signed exactly it."""
+    from registry.signing.bundle import check_pulled
+
     view = pullable(ctx, ref)
+    files = stored_files(view)
+
+    def signed(folder: Path) -> None:
+        if public_key is not None:
+            written = [(f.path, f.sha256) for f in files]
+            check_pulled(folder, written, public_key, ref.model, ref.version)
+
     where = download(
         ctx.store,
         release_prefix(view.model.name, view.row.version),
-        stored_files(view),
+        files,
         dest,
         label=view.name,
         workers=ctx.workers,
         progress=progress,
+        before_publish=signed,
     )
     out = view.to_json()
     out["dest"] = str(where)

@@ -24,7 +24,7 @@ from registry.api import Registry
 from registry.config import Settings
 from registry.errors import RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref
+from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_release_ref
 from registry.remote.client import Client
 from registry.remote.reader import RemoteReader
 from registry.results import (
@@ -274,7 +274,13 @@ class RemoteRegistry(Registry):
         out["kept"] = "MANIFEST.json" if (where[1] / "MANIFEST.json").is_file() else None
         return CheckpointPulled.from_json(out)
 
-    def _download(self, ref: str, dest: Path, progress: Progress | None) -> tuple[str, Path, Any]:
+    def _download(
+        self,
+        ref: str,
+        dest: Path,
+        progress: Progress | None,
+        check: Callable[[Path, list[FileRecord]], None] | None = None,
+    ) -> tuple[str, Path, Any]:
         from registry.transfer import download
 
         listing = self.client.call("GET", "/files", params={"ref": ref})
@@ -285,8 +291,10 @@ class RemoteRegistry(Registry):
         prefix = "remote/"  # any key prefix: the reader asks for each file of `full`
         reader = RemoteReader(self.client, full, prefix, files, self._read_urls(full, listed))
 
-        def still_there() -> None:  # collected or yanked meanwhile: nothing is published
+        def still_there(folder: Path) -> None:  # collected or yanked meanwhile: not published
             self.client.call("GET", "/files", params={"ref": full})
+            if check is not None:
+                check(folder, files)
 
         with reader:
             where = download(
@@ -407,15 +415,20 @@ class RemoteRegistry(Registry):
         public_key: str | None = None,
         progress: Progress | None = None,
     ) -> ReleasePulled:
-        from registry.signing.bundle import checked_pull
+        from registry.signing.bundle import check_pulled
 
-        def pull() -> ReleasePulled:
-            _, where, view = self._download(str(ref), Path(dest), progress)
-            out = dict(view)
-            out["dest"] = str(where)
-            return ReleasePulled.from_json(out)
+        asked = parse_release_ref(ref) if isinstance(ref, str) else ref
 
-        return checked_pull(Path(dest), public_key, pull)
+        def signed(folder: Path, files: list[FileRecord]) -> None:
+            # The files as written and checked: never what the server says of them elsewhere.
+            if public_key is not None:
+                written = [(f.path, f.sha256) for f in files]
+                check_pulled(folder, written, public_key, asked.model, asked.version)
+
+        _, where, view = self._download(str(ref), Path(dest), progress, signed)
+        out = dict(view)
+        out["dest"] = str(where)
+        return ReleasePulled.from_json(out)
 
     # -- administration --------------------------------------------------------------------------
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:

@@ -14,21 +14,19 @@ from __future__ import annotations
 import base64
 import json
 import pathlib
-import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TypeVar
 
 from registry.errors import IntegrityError
 from registry.layout import RELEASE_DOCUMENT
 
 SIGNATURE_FILE = "model.sig"  # model-signing's default name
+CURVES = ("secp256r1", "secp384r1", "secp521r1")  # model-signing's key mode
 MAX_SIGNATURE = 16 * 1024 * 1024  # a bundle is a few KiB, plus one line per signed file
 # What `model_signing sign` records as ignored: its signature, and git's files.
 IGNORED = (SIGNATURE_FILE, ".git", ".gitattributes", ".github", ".gitignore")
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
-T = TypeVar("T")
 
 
 def sign(private_key: Path, model_name: str, digests: Mapping[str, str]) -> bytes:
@@ -48,7 +46,13 @@ def sign(private_key: Path, model_name: str, digests: Mapping[str, str]) -> byte
         for path, digest in sorted(digests.items())
     ]
     payload = signing.Payload(manifest.Manifest(model_name, items, serialization))
-    signature = sign_ec_key.Signer(private_key).sign(payload)
+    try:
+        signature = sign_ec_key.Signer(private_key).sign(payload)
+    except (ValueError, TypeError) as exc:  # not a PEM, encrypted, another curve
+        raise IntegrityError(
+            f"the signing key {private_key.name} cannot sign: {_one_line(exc)}",
+            "reg keys rotate makes a new one",
+        ) from None
     with tempfile.TemporaryDirectory(prefix="reg-sig-") as tmp:
         out = Path(tmp) / SIGNATURE_FILE
         signature.write(out)
@@ -134,19 +138,35 @@ def covered(paths: Iterable[str]) -> list[str]:
     return sorted(p for p in paths if p.split("/", 1)[0] not in IGNORED)
 
 
-def verify_pulled(release: Mapping[str, object], dest: Path, public_pem: str) -> None:
-    """A pulled release folder (`release`: its pull's answer, every file's sha256 checked as it
-    was written) is signed by `public_pem` (a key the consumer pinned) over exactly its files.
-    IntegrityError otherwise: unsigned, another key, or files the signature does not cover."""
-    name = release.get("release")
-    files = {str(f["path"]): str(f["sha256"]) for f in release["files"]}  # type: ignore[attr-defined]
-    if SIGNATURE_FILE not in files:
+def check_pulled(
+    folder: Path,
+    files: Iterable[tuple[str, str]],
+    public_pem: str,
+    model: str,
+    version: int | None,
+) -> None:
+    """A release folder about to be handed over (`files`: each file written into it and its
+    sha256, as checked while writing) is signed by `public_pem` (a key the consumer pinned)
+    over exactly those files, and its release.json (covered by the signature) is the release
+    asked for: `model`, and `version` where the ref named one. IntegrityError otherwise."""
+    written = dict(files)
+    label = f"{model}:v{version}" if version is not None else model
+    if SIGNATURE_FILE not in written:
         raise IntegrityError(
-            f"{name} is not signed", "promote it again where a signing key is active"
+            f"{label} is not signed", "promote it again where a signing key is active"
         )
-    covered = {p: d for p, d in files.items() if p != SIGNATURE_FILE}
-    covered[RELEASE_DOCUMENT] = str(release["sha256"])
-    check_folder((dest / SIGNATURE_FILE).read_bytes(), public_pem, covered)
+    signature = (folder / SIGNATURE_FILE).read_bytes()
+    check_folder(signature, public_pem, {p: d for p, d in written.items() if p != SIGNATURE_FILE})
+    try:
+        document = json.loads((folder / RELEASE_DOCUMENT).read_bytes())
+        named = (document["model"], int(document["version"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise IntegrityError(f"the signed {RELEASE_DOCUMENT} of {label} is not readable") from None
+    if named[0] != model or (version is not None and named[1] != version):
+        raise IntegrityError(
+            f"the signed release is {named[0]}:v{named[1]}, not {label}",
+            "the registry answered with another release's files; do not serve them",
+        )
 
 
 def read_public_key(path: Path) -> str:
@@ -162,30 +182,9 @@ def read_public_key(path: Path) -> str:
             f"{path} is not a PEM public key: {_one_line(exc)}",
             "reg keys public prints the registry's (pin that file)",
         ) from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise IntegrityError(f"{path} is not an ECDSA public key", "pin reg keys public's output")
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in CURVES:
+        raise IntegrityError(
+            f"{path} is not an ECDSA key on {', '.join(CURVES)} (what model-signing takes)",
+            "pin reg keys public's output",
+        )
     return text
-
-
-def checked_pull(dest: Path, public_pem: str | None, pull: Callable[[], T]) -> T:
-    """Run `pull` (a release pull into `dest`); with `public_pem`, refuse what it pulled unless
-    it is signed by that key over exactly its files, leaving `dest` as it was (all or
-    nothing)."""
-    existed = dest.exists()
-    out = pull()
-    if public_pem is None:
-        return out
-    doc = out.to_json()  # type: ignore[attr-defined]
-    try:
-        verify_pulled(doc, Path(doc["dest"]), public_pem)
-    except BaseException:
-        where = Path(doc["dest"])
-        if existed:  # it was empty: empty it again
-            for child in where.iterdir():
-                shutil.rmtree(
-                    child
-                ) if child.is_dir() and not child.is_symlink() else child.unlink()
-        else:
-            shutil.rmtree(where, ignore_errors=True)
-        raise
-    return out

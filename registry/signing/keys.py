@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from policies.access import Action
-from registry.catalog.models import SigningKeyEvent
+from registry.catalog.models import FactMac, SigningKeyEvent
 from registry.errors import IntegrityError, NotFound, UsageError
 from registry.signed_facts import SIGNING_KEY, sign, signed_ids, signing_key_content
 from registry.timeutil import iso, now
@@ -188,6 +188,28 @@ def private_key_path(ctx: Context, key_id: str) -> Path:
     return path
 
 
+def check_pair(path: Path, key: SigningKey) -> None:
+    """The private key file at `path` holds the key the catalog records (not a stray one)."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        private = serialization.load_pem_private_key(path.read_bytes(), None)
+        public = private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise IntegrityError(
+            f"the private half of signing key {key.key_id[:16]} is not readable: "
+            f"{type(exc).__name__}",
+            "reg keys rotate makes a new one",
+        ) from None
+    if key_id_of(public) != key.key_id:
+        raise IntegrityError(
+            f"the private key file of signing key {key.key_id[:16]} holds another key",
+            "restore that key's file, or reg keys rotate",
+        )
+
+
 def _resolve(session: Session, key_id: str, audit_key: bytes | None) -> SigningKey:
     if len(key_id) < 8:
         raise UsageError(f"key id {key_id!r} is too short", "give at least 8 characters")
@@ -203,8 +225,14 @@ def _directory(ctx: Context) -> Path:
     if ctx.signing_dir is None:
         raise UsageError("this process keeps no signing keys", "run it where reg server runs")
     directory = ctx.signing_dir
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(directory)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise IntegrityError(
+            f"cannot use the signing key directory: {exc.strerror or exc}",
+            "run this as the user reg server runs as",
+        ) from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise IntegrityError(
             f"{directory} is not a private directory of this user", f"chmod 700 {directory}"
@@ -213,7 +241,18 @@ def _directory(ctx: Context) -> Path:
 
 
 def _add(ctx: Context, session: Session, event: SigningKeyEvent) -> None:
-    """Add `event`, signed by the server's audit key where this process holds it."""
+    """Add `event`, signed by the server's audit key where this process holds it. Where the
+    catalog's key events are signed (a registry behind reg server) and this process cannot
+    sign, refused: the server would ignore the event (a revocation that revokes nothing)."""
+    if (
+        ctx.audit_key is None
+        and session.exec(select(FactMac.id).where(FactMac.kind == SIGNING_KEY).limit(1)).first()
+    ):
+        raise UsageError(
+            "this registry's signing keys are signed by reg server's audit key, which this "
+            "process cannot read: the server would ignore this change",
+            "run reg keys as the server's user on its host (REG_AUDIT_KEY_FILE readable)",
+        )
     session.add(event)
     if ctx.audit_key is not None:
         session.flush()  # its id, which the signature names

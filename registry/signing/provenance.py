@@ -107,26 +107,38 @@ def validation_record(row: Any) -> dict[str, Any]:
     }
 
 
+def _plain(text: object) -> str:
+    """Text from a recorded field, made inert in Markdown (a table cell, no HTML, no code)."""
+    out = str(text)
+    for char in "\\`*_[]<>|#":
+        out = out.replace(char, "\\" + char)
+    return " ".join(out.split())
+
+
 def card(doc: Mapping[str, Any]) -> bytes:
-    """A model card (README.md) made from the provenance statement."""
+    """A model card (README.md) made from the provenance statement; recorded text (device
+    names, probe details, names) is escaped, so the signed card renders only what reg wrote."""
     build = doc["predicate"]["buildDefinition"]
     params = build["externalParameters"]
     dep = build["resolvedDependencies"][0]
     run = doc["predicate"]["runDetails"]
     v = run["byproducts"][0]["annotations"]
-    checks = ", ".join(f"{c['name']} {'ok' if c['passed'] else 'FAILED'}" for c in v["checks"])
+    checks = ", ".join(
+        f"{_plain(c['name'])} {'ok' if c['passed'] else 'FAILED'}" for c in v["checks"]
+    )
     lines = [
         f"# {params['release']}",
         "",
         f"Promoted by `reg` {run['builder']['version']['reg']} from checkpoint "
         f"`{params['source']}` (manifest sha256 `{dep['digest']['sha256']}`, world size "
-        f"{dep['annotations']['world_size']}) by {run['metadata']['promotedBy']} at "
+        f"{dep['annotations']['world_size']}) by {_plain(run['metadata']['promotedBy'])} at "
         f"{run['metadata']['startedOn']}.",
         "",
         "## Validation",
         "",
-        f"- {'passed' if v['passed'] else 'FAILED'} on {v['device']} ({v['device_name']}), "
-        f"world size {v['world_size']}, torch {v['torch_version']}, by {v['validated_by']}"
+        f"- {'passed' if v['passed'] else 'FAILED'} on {_plain(v['device'])} "
+        f"({_plain(v['device_name'])}), world size {v['world_size']}, torch "
+        f"{_plain(v['torch_version'])}, by {_plain(v['validated_by'])}"
         f"{' (attested)' if v['attested'] else ''}",
         f"- checks: {checks or 'none recorded'}",
     ]
@@ -135,7 +147,7 @@ def card(doc: Mapping[str, Any]) -> bytes:
             f"- probe: {'ok' if v['probe']['passed'] else 'FAILED'} {v['probe']['detail']}"
         )
     lines += ["", "## Files", "", "| file | sha256 |", "|---|---|"]
-    lines += [f"| `{s['name']}` | `{s['digest']['sha256']}` |" for s in doc["subject"]]
+    lines += [f"| {_plain(s['name'])} | `{s['digest']['sha256']}` |" for s in doc["subject"]]
     lines += [
         "",
         "## Verifying",

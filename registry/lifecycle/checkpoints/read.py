@@ -65,7 +65,7 @@ def pull(
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
     latest: list[Checkpoint] = []
 
-    def still_committed() -> None:
+    def still_committed(_: Path | None = None) -> None:
         # A collection that raced the download wins: never hand out a half-deleted checkpoint.
         latest.append(resolve(ctx, full)[1])
 

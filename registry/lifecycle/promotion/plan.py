@@ -38,6 +38,8 @@ from registry.lifecycle.promotion.converters import (
     converter_for,
 )
 from registry.refs import CheckpointRef, check_alias, check_name
+from registry.signing.bundle import SIGNATURE_FILE
+from registry.signing.provenance import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     from policies.resume import ResumeVerdict
@@ -203,7 +205,8 @@ def _check_extras(extras: list[Path], *, allow_code: bool) -> tuple[Extra, ...]:
     """Each extra judged by its content (registry/formats/extras.py): pickles, weights and
     unknown binary data refused; code refused unless the policy allows it."""
     out: list[Extra] = []
-    reserved = {RELEASE_DOCUMENT, MANIFEST, INDEX}  # MANIFEST.json: a pulled folder's document
+    # MANIFEST.json: a pulled folder's document; model.sig and the provenance: the signature's
+    reserved = {RELEASE_DOCUMENT, MANIFEST, INDEX, SIGNATURE_FILE, PROVENANCE_FILE}
     for given in extras:
         p = Path(given)
         if not p.is_file() or p.is_symlink():

@@ -53,7 +53,9 @@ def signer_for(ctx: Context) -> Signer | None:
                 "an operator runs `reg keys create` where reg server runs",
             )
         return None
-    return Signer(key, keys.private_key_path(ctx, key.key_id))
+    path = keys.private_key_path(ctx, key.key_id)
+    keys.check_pair(path, key)
+    return Signer(key, path)
 
 
 def add_provenance(
@@ -114,7 +116,15 @@ def sign(
     document_sha256: str,
     signer: Signer,
 ) -> FileRecord:
-    """Store `model.sig` over `files` and release.json."""
+    """Store `model.sig` over `files` and release.json, with the key still active (a
+    promotion can take hours: one retired or revoked meanwhile signs nothing)."""
+    with ctx.catalog.session() as s:
+        now_key = keys.find(s, signer.key.key_id, ctx.audit_key)
+    if now_key is None or now_key.state != keys.ACTIVE:
+        raise Conflict(
+            f"signing key {signer.key.key_id[:16]} was retired or revoked during this promotion",
+            "promote again: it signs with the active key",
+        )
     digests = {f.path: f.sha256 for f in files}
     digests[RELEASE_DOCUMENT] = document_sha256
     name = f"{plan.model}:v{reservation.version}"
