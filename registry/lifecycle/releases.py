@@ -29,6 +29,7 @@ from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.views import ReleaseView
 from registry.mirror.artifacts import unpublish_everywhere
 from registry.refs import ReleaseRef, check_alias, check_name, check_reason
+from registry.signing.bundle import check_pulled
 from registry.timeutil import iso, now
 from registry.transfer import download
 
@@ -222,8 +223,6 @@ def pull(
 ) -> dict[str, Any]:
     """Copy a release to `dest` (new or empty), every byte verified; all or nothing. With
     `public_key` (a pinned PEM) the folder is handed over only if that key signed exactly it."""
-    from registry.signing.bundle import check_pulled
-
     view = pullable(ctx, ref)
     files = stored_files(view)
 
