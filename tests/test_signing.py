@@ -333,3 +333,22 @@ def test_a_release_in_s3_is_signed_verified_and_clean(s3_env, cpu_policy, ckpts,
         assert reg.fsck()["clean"]
         pem = _pem(tmp_path, reg, key.key_id)
     assert stock_verify(Path(pulled.dest), pem).returncode == 0
+
+
+def test_a_rebuilt_catalog_keeps_the_release_s_signature_file(cpu_policy, ckpts, tmp_path, cli):
+    """The catalog lost: `reg catalog rebuild` registers model.sig as the release's (release.json
+    cannot list it), so a pull still carries it and the pinned key still verifies the folder;
+    fsck is clean. The key itself lived in the catalog: verify --provenance says unsigned."""
+    with Registry() as reg:
+        key = reg.create_signing_key()
+        _promoted(reg, ckpts)
+        pem = _pem(tmp_path, reg, key.key_id)
+        home = reg.settings.home
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (home / name).unlink(missing_ok=True)
+    res = cli("catalog", "rebuild", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["releases_added"] == ["tiny:v1"]
+    with Registry() as reg:
+        pulled = reg.pull_release("tiny:v1", tmp_path / "rel", public_key=pem.read_text())
+        assert reg.verify("tiny:v1")["ok"] and reg.fsck()["clean"]
+    assert stock_verify(Path(pulled.dest), pem).returncode == 0

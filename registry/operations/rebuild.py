@@ -52,8 +52,10 @@ from registry.layout import (
     RELEASES,
     parse_checkpoint_key,
     parse_release_key,
+    release_prefix,
 )
 from registry.lifecycle.checkpoints.commit import save_key_facts
+from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -267,13 +269,14 @@ def _release(
         validation = decisions.validation_for(
             source.project, source.run, source.step or 0, doc.validation.id
         )
+        files = list(doc.files) + _signature_file(ctx, doc)
         release = Release(
             model_id=model.id or 0,
             version=doc.version,
             status=ACTIVE,
             sha256=hashlib.sha256(data).hexdigest(),
             document_version=version,
-            bytes=sum(f.size for f in doc.files) + len(data),
+            bytes=sum(f.size for f in files) + len(data),
             source_checkpoint_id=ckpt.id or 0,
             source_ref=str(source),
             validation_id=validation,
@@ -288,7 +291,23 @@ def _release(
         )
         s.add(release)
         s.flush()
-        s.add_all(ReleaseFile.of(release.id or 0, f) for f in doc.files)
+        s.add_all(ReleaseFile.of(release.id or 0, f) for f in files)
+
+
+def _signature_file(ctx: Context, doc: ReleaseDocument) -> list[FileRecord]:
+    """A signed release's model.sig (release.json cannot list it): kept as one of its files,
+    so a pull still carries it and a pinned key still verifies the folder. Which key signed is
+    not recovered (keys live in the catalog): `reg verify --provenance` reports it unsigned."""
+    key = release_prefix(doc.model, doc.version) + SIGNATURE_FILE
+    info = ctx.store.head(key)
+    if info is None or info.size > MAX_SIGNATURE:
+        return []
+    data = bytes(ctx.store.get_bytes(key, version=info.version_id))
+    return [
+        FileRecord(
+            SIGNATURE_FILE, len(data), hashlib.sha256(data).hexdigest(), version=info.version_id
+        )
+    ]
 
 
 def _source_row(session: Session, doc: ReleaseDocument) -> Checkpoint:
