@@ -352,3 +352,24 @@ def test_a_rebuilt_catalog_keeps_the_release_s_signature_file(cpu_policy, ckpts,
         pulled = reg.pull_release("tiny:v1", tmp_path / "rel", public_key=pem.read_text())
         assert reg.verify("tiny:v1")["ok"] and reg.fsck()["clean"]
     assert stock_verify(Path(pulled.dest), pem).returncode == 0
+
+
+def test_a_promotion_killed_after_signing_completes_after_a_key_rotation(cpu_policy, ckpts):
+    """Killed once model.sig is stored (immutable, never replaced): the rerun, after the key
+    was rotated, keeps that signature (a key not revoked signed exactly these files) and
+    records the key that made it."""
+    from tests.zygote import Running
+
+    with Registry() as reg:
+        first = reg.create_signing_key()
+        reg.push_checkpoint(
+            ckpts.ws2.step_dir(4), run="r", step=4, metrics=ckpts.ws2.probe_metrics(4)
+        )
+    proc = Running(("promote", "r@step4", "--model", "tiny"), fault="promote-signed")
+    assert proc.wait(timeout=300) != 0, proc.err()
+    with Registry() as reg:
+        assert reg.releases() == [] and reg.store.head("release/tiny/v1/model.sig") is not None
+        reg.create_signing_key(rotate=True)
+        out = reg.promote("r@step4", model="tiny")
+        assert out["release"] == "tiny:v1" and out["signature"]["key_id"] == first.key_id
+        assert reg.verify("tiny:v1", provenance=True).ok

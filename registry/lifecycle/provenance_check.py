@@ -94,6 +94,10 @@ def _read(
         problems.append((record.path, "is not the file the signature record names"))
         return None
     try:
+        info = ctx.store.head(prefix + record.path, version=record.version)
+        if info is None or info.size != record.size:  # read nothing larger than recorded
+            problems.append((record.path, "is missing, or not the size recorded"))
+            return None
         data = bytes(ctx.store.get_bytes(prefix + record.path, version=record.version))
     except RegistryError as exc:
         problems.append((record.path, str(exc)))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry import signed_facts as facts
 from registry.catalog.models import ReleaseSignature
-from registry.errors import Conflict, GateNotMet, ObjectExists
+from registry.errors import Conflict, GateNotMet, IntegrityError, ObjectExists
 from registry.formats.documents import FileRecord
 from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.signing import bundle, keys, provenance
@@ -115,9 +115,10 @@ def sign(
     files: list[FileRecord],
     document_sha256: str,
     signer: Signer,
-) -> FileRecord:
+) -> tuple[FileRecord, str]:
     """Store `model.sig` over `files` and release.json, with the key still active (a
-    promotion can take hours: one retired or revoked meanwhile signs nothing)."""
+    promotion can take hours: one retired or revoked meanwhile signs nothing): its record and
+    the id of the key that signed it."""
     with ctx.catalog.session() as s:
         now_key = keys.find(s, signer.key.key_id, ctx.audit_key)
     if now_key is None or now_key.state != keys.ACTIVE:
@@ -132,25 +133,37 @@ def sign(
     data = bundle.sign(signer.private_key, name, digests)
     try:
         put = ctx.store.put_bytes(key, data, immutable=True)
-        return FileRecord(bundle.SIGNATURE_FILE, put.size, put.sha256, version=put.version)
-    except ObjectExists:  # an earlier attempt's: kept if it signs exactly these files
-        info = ctx.store.head(key)
-        earlier = bytes(ctx.store.get_bytes(key, version=info.version_id if info else None))
+        record = FileRecord(bundle.SIGNATURE_FILE, put.size, put.sha256, version=put.version)
+        return record, signer.key.key_id
+    except ObjectExists:  # an earlier attempt's: kept if a key not revoked signed these files
+        return _earlier(ctx, key, digests)
+
+
+def _earlier(ctx: Context, key: str, digests: dict[str, str]) -> tuple[FileRecord, str]:
+    """A killed attempt's model.sig (immutable: never replaced), kept where a known key that
+    is not revoked signed exactly these files; the key may have rotated since."""
+    info = ctx.store.head(key)
+    if info is None or info.size > bundle.MAX_SIGNATURE:
+        raise Conflict(f"{key} is not a signature", "reg fsck shows the release")
+    earlier = bytes(ctx.store.get_bytes(key, version=info.version_id))
+    with ctx.catalog.session() as s:
+        candidates = [k for k in keys.all_keys(s, ctx.audit_key) if k.state != keys.REVOKED]
+    for candidate in candidates:
         try:
-            same = bundle.signed_digests(earlier, signer.key.public_pem) == digests
-        except Exception:
-            same = False
-        if not same:
-            raise Conflict(
-                f"{key} holds another signature than this promotion's",
-                "an earlier attempt signed other files; reg fsck shows the release",
-            ) from None
-        return FileRecord(
-            bundle.SIGNATURE_FILE,
-            len(earlier),
-            hashlib.sha256(earlier).hexdigest(),
-            version=info.version_id if info else None,
-        )
+            if bundle.signed_digests(earlier, candidate.public_pem) == digests:
+                record = FileRecord(
+                    bundle.SIGNATURE_FILE,
+                    len(earlier),
+                    hashlib.sha256(earlier).hexdigest(),
+                    version=info.version_id,
+                )
+                return record, candidate.key_id
+        except IntegrityError:
+            continue
+    raise Conflict(
+        f"{key} holds another signature than this promotion's",
+        "an earlier attempt signed other files, or with a key revoked since; reg fsck shows it",
+    )
 
 
 def _put(

@@ -384,8 +384,10 @@ def commit(
     faults.point("promote-documented")
     digest = hashlib.sha256(data).hexdigest()
     files = list(built.files)
+    signed_by_key = None
     if signer is not None:
-        files.append(signed.sign(ctx, plan, reservation, built.files, digest, signer))
+        signature, signed_by_key = signed.sign(ctx, plan, reservation, built.files, digest, signer)
+        files.append(signature)
         faults.point("promote-signed")
     uri = ctx.store.describe(release_prefix(plan.model, reservation.version))
     validation = reservation.validation
@@ -409,13 +411,13 @@ def commit(
                 "another process took the promotion over; check reg releases",
             )
         s.add_all(ReleaseFile.of(reservation.release_id, f) for f in files)
-        if signer is not None:
+        if signed_by_key is not None:
             signed.record(
                 ctx,
                 s,
                 ReleaseSignature(
                     release_id=reservation.release_id,
-                    key_id=signer.key.key_id,
+                    key_id=signed_by_key,
                     sha256=files[-1].sha256,
                     provenance_sha256=next(f.sha256 for f in files if f.path == PROVENANCE_FILE),
                     signed_at=now(),
