@@ -128,7 +128,7 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
             if m.name not in owners:
                 owners[m.name] = None if ctx.principal.single_user else ctx.trusted_owner(s, m)
             if ctx.principal.can_read(model=m.name, model_owner=owners[m.name]):
-                out.append(ReleaseView.load(s, m, r).to_json())
+                out.append(ReleaseView.load(s, m, r, ctx.audit_key).to_json())
         return out
 
 
@@ -138,7 +138,7 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
-        view = ReleaseView.load(s, model, release)
+        view = ReleaseView.load(s, model, release, ctx.audit_key)
         out = view.to_json(uri_of(ctx, model.name, release.version))
         history = s.exec(
             select(AliasEvent).where(AliasEvent.model_id == model.id).order_by(col(AliasEvent.id))
@@ -174,7 +174,7 @@ def verify(
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
-        view = ReleaseView.load(s, model, release)
+        view = ReleaseView.load(s, model, release, ctx.audit_key)
     out = {
         "release": view.name,
         **verify_files(
@@ -204,7 +204,7 @@ def pullable(ctx: Context, ref: ReleaseRef) -> ReleaseView:
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
-        view = ReleaseView.load(s, model, release)
+        view = ReleaseView.load(s, model, release, ctx.audit_key)
     if release.status == YANKED:
         raise Conflict(
             f"{view.name} was yanked: {release.status_reason}",
@@ -316,7 +316,7 @@ def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> 
     with ctx.catalog.session(write=True) as s:
         model, release = resolve_release(s, ReleaseRef(model_name, version=number))
         previous = move_alias(ctx, s, model, alias, release)
-        out = ReleaseView.load(s, model, release).to_json()
+        out = ReleaseView.load(s, model, release, ctx.audit_key).to_json()
     out["alias"] = alias
     out["previous"] = f"v{previous}" if previous else None
     return out
@@ -349,7 +349,7 @@ def set_status(
             status=status,
             reason=reason,
         )
-        out = ReleaseView.load(s, model, release).to_json()
+        out = ReleaseView.load(s, model, release, ctx.audit_key).to_json()
         journal_record(  # last: the commit follows it (registry.journal.write)
             ctx,
             s,

@@ -101,7 +101,11 @@ class ReleaseView:
         return f"{self.model.name}:v{self.row.version}"
 
     @classmethod
-    def load(cls, session: Session, model: Model, release: Release) -> ReleaseView:
+    def load(
+        cls, session: Session, model: Model, release: Release, audit_key: bytes | None = None
+    ) -> ReleaseView:
+        """The release as the catalog has it; `audit_key` (behind the server): the signing
+        key's state from events the server signed only."""
         files = session.exec(
             select(ReleaseFile)
             .where(ReleaseFile.release_id == release.id)
@@ -118,7 +122,7 @@ class ReleaseView:
         ).first()
         key_state = None
         if signature is not None:
-            key = find_key(session, signature.key_id)
+            key = find_key(session, signature.key_id, audit_key)
             key_state = key.state if key is not None else "unknown"
         return cls(
             model,
