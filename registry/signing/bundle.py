@@ -12,6 +12,8 @@ DIR/model.sig --public_key KEY.pem` therefore checks a pulled release with no re
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import pathlib
 import tempfile
@@ -69,8 +71,11 @@ def signed_digests(signature: bytes, public_pem: str) -> dict[str, str]:
         sig_path.write_bytes(signature)
         key_path.write_text(public_pem)
         try:
-            parsed = sign_sigstore_pb.Signature.read(sig_path)
-            expected = sign_ec_key.Verifier(key_path).verify(parsed)
+            # the library prints warnings (a bundle without a key hint) to stdout: never into
+            # a command's --json
+            with contextlib.redirect_stdout(io.StringIO()):
+                parsed = sign_sigstore_pb.Signature.read(sig_path)
+                expected = sign_ec_key.Verifier(key_path).verify(parsed)
         except Exception as exc:  # the library raises ValueError and its own errors
             raise IntegrityError(
                 f"{SIGNATURE_FILE} is not a valid signature by this key: {_one_line(exc)}",
