@@ -373,3 +373,27 @@ def test_a_promotion_killed_after_signing_completes_after_a_key_rotation(cpu_pol
         out = reg.promote("r@step4", model="tiny")
         assert out["release"] == "tiny:v1" and out["signature"]["key_id"] == first.key_id
         assert reg.verify("tiny:v1", provenance=True).ok
+
+
+def test_a_promotion_killed_before_commit_completes_after_an_upgrade(
+    cpu_policy, ckpts, monkeypatch
+):
+    """The statement names reg's version and is stored (immutable) before release.json: a rerun
+    by an upgraded reg keeps the stored statement where nothing else differs."""
+    from tests.zygote import Running
+
+    with Registry() as reg:
+        reg.create_signing_key()
+        reg.push_checkpoint(
+            ckpts.ws2.step_dir(4), run="r", step=4, metrics=ckpts.ws2.probe_metrics(4)
+        )
+    proc = Running(("promote", "r@step4", "--model", "tiny"), fault="promote-documented")
+    assert proc.wait(timeout=300) != 0, proc.err()
+    monkeypatch.setattr("registry.signing.provenance.reg_version", lambda: "99.0.0")
+    with Registry() as reg:
+        out = reg.promote("r@step4", model="tiny")
+        assert out["release"] == "tiny:v1" and reg.verify("tiny:v1", provenance=True).ok
+        statement = json.loads(reg.store.get_bytes("release/tiny/v1/provenance.intoto.json"))
+    assert statement["predicate"]["buildDefinition"]["internalParameters"]["reg_version"] != (
+        "99.0.0"
+    )

@@ -10,7 +10,9 @@ the key and covers the same files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,10 +89,31 @@ def add_provenance(
         created_at=at,
         created_by=created[1],
     )
-    out = [_put(ctx, plan, reservation, provenance.PROVENANCE_FILE, provenance.to_bytes(doc))]
+    data = provenance.to_bytes(doc)
+    key = release_prefix(plan.model, reservation.version) + provenance.PROVENANCE_FILE
+    info = ctx.store.head(key)
+    if info is not None and info.size <= provenance.MAX_PROVENANCE:  # a killed attempt's
+        earlier = bytes(ctx.store.get_bytes(key, version=info.version_id))
+        with contextlib.suppress(ValueError):
+            earlier_doc = json.loads(earlier)
+            if _unversioned(earlier_doc) == _unversioned(doc):  # only reg's version differs
+                doc, data = earlier_doc, earlier  # (an upgrade between the kill and the rerun)
+    out = [_put(ctx, plan, reservation, provenance.PROVENANCE_FILE, data)]
     if all(f.path != provenance.CARD_FILE for f in files):
         out.append(_put(ctx, plan, reservation, provenance.CARD_FILE, provenance.card(doc)))
     return out
+
+
+def _unversioned(doc: Any) -> Any:
+    """A statement without the reg version it names (what may differ between the attempts of
+    one promotion)."""
+    if not isinstance(doc, dict):
+        return doc
+    copy = json.loads(json.dumps(doc))
+    with contextlib.suppress(KeyError, TypeError):
+        del copy["predicate"]["buildDefinition"]["internalParameters"]
+        del copy["predicate"]["runDetails"]["builder"]["version"]
+    return copy
 
 
 def record(ctx: Context, session: Any, row: ReleaseSignature) -> None:
