@@ -23,7 +23,7 @@ from registry.errors import Conflict, GateNotMet, IntegrityError, ObjectExists
 from registry.formats.documents import FileRecord
 from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.signing import bundle, keys, provenance
-from registry.timeutil import iso
+from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, put_reconciled
 
 if TYPE_CHECKING:
@@ -116,8 +116,20 @@ def _unversioned(doc: Any) -> Any:
     return copy
 
 
-def record(ctx: Context, session: Any, row: ReleaseSignature) -> None:
-    """Add the release's signature record, with the server's MAC where it holds the key."""
+def record(
+    ctx: Context, session: Any, release_id: int, files: list[FileRecord], key_id: str
+) -> None:
+    """Add the release's signature record (which key signed `files`' model.sig, and the
+    digests of it and of the statement), with the server's MAC where it holds the key."""
+    by_path = {f.path: f for f in files}
+    row = ReleaseSignature(
+        release_id=release_id,
+        key_id=key_id,
+        sha256=by_path[bundle.SIGNATURE_FILE].sha256,
+        provenance_sha256=by_path[provenance.PROVENANCE_FILE].sha256,
+        signed_at=now(),
+        signed_by=ctx.actor,
+    )
     session.add(row)
     if ctx.audit_key is not None:
         session.flush()

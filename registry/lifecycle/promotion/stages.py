@@ -34,7 +34,6 @@ from registry.catalog.models import (
     Model,
     Release,
     ReleaseFile,
-    ReleaseSignature,
     Validation,
 )
 from registry.errors import Conflict, GateNotMet, IntegrityError
@@ -53,11 +52,9 @@ from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
-from registry.lifecycle.promotion.signed import Signer
 from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
 from registry.mirror.names import refuse_colliding_model
-from registry.signing.provenance import PROVENANCE_FILE
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, put_reconciled
 
@@ -361,7 +358,7 @@ def commit(
     plan: PromotionPlan,
     reservation: Reservation,
     built: Consolidated,
-    signer: Signer | None = None,
+    signer: signed.Signer | None = None,
 ) -> dict[str, Any]:
     """Write release.json last (after the provenance and card where it is signed, then the
     signature over all of it), then make the release visible in one transaction."""
@@ -412,18 +409,7 @@ def commit(
             )
         s.add_all(ReleaseFile.of(reservation.release_id, f) for f in files)
         if signed_by_key is not None:
-            signed.record(
-                ctx,
-                s,
-                ReleaseSignature(
-                    release_id=reservation.release_id,
-                    key_id=signed_by_key,
-                    sha256=files[-1].sha256,
-                    provenance_sha256=next(f.sha256 for f in files if f.path == PROVENANCE_FILE),
-                    signed_at=now(),
-                    signed_by=ctx.actor,
-                ),
-            )
+            signed.record(ctx, s, reservation.release_id, files, signed_by_key)
         model = s.exec(select(Model).where(Model.name == plan.model)).one()
         release = s.get(Release, reservation.release_id)
         assert release is not None
