@@ -2,10 +2,12 @@
 card are stored as files of the release; after it, `model.sig` over every file (release.json
 included), signed with the active key of this process (`registry.signing.keys`).
 
-Everything written is deterministic for one release attempt (the times are the release row's),
-so a killed promotion's rerun finds the same objects put-if-absent; only the signature (ECDSA
-signs with a fresh nonce) differs, and a rerun keeps the earlier one where it verifies under
-the key and covers the same files.
+Everything written is deterministic for one release (the times are the release row's), so a
+killed promotion's rerun finds the same objects put-if-absent, with two exceptions, both kept
+from the earlier attempt (store objects are never replaced): the statement, where only the reg
+version it names differs (reg upgraded between the kill and the rerun), and the signature
+(ECDSA signs with a fresh nonce), where a known key not revoked signed exactly the same files,
+even one rotated out since.
 """
 
 from __future__ import annotations
