@@ -153,6 +153,8 @@ def create(ctx: Context, *, retire_active: bool = False) -> SigningKey:
 
 def change(ctx: Context, key_id: str, event: str, reason: str | None = None) -> SigningKey:
     """Retire or revoke a key (by its id or a unique prefix of at least 8 characters)."""
+    if event not in (RETIRED, REVOKED):
+        raise UsageError(f"a signing key is retired or revoked, not {event!r}")
     ctx.authorize(Action.CATALOG, target="signing keys")
     with ctx.catalog.session(write=True) as s:
         key = _resolve(s, key_id, ctx.audit_key)
@@ -170,7 +172,7 @@ def change(ctx: Context, key_id: str, event: str, reason: str | None = None) -> 
 
 def private_key_path(ctx: Context, key_id: str) -> Path:
     """The private key file of `key_id` on this host, checked: a regular file of this user,
-    mode 0600, holding the key whose public half the catalog records."""
+    readable by no one else (`check_pair` checks that it holds that key)."""
     directory = _directory(ctx)
     path = directory / f"{key_id}.pem"
     try:
