@@ -11,7 +11,6 @@ DIR/model.sig --public_key KEY.pem` therefore checks a pulled release with no re
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import json
@@ -28,7 +27,6 @@ CURVES = ("secp256r1", "secp384r1", "secp521r1")  # model-signing's key mode
 MAX_SIGNATURE = 16 * 1024 * 1024  # a bundle is a few KiB, plus one line per signed file
 # What `model_signing sign` records as ignored: its signature, and git's files.
 IGNORED = (SIGNATURE_FILE, ".git", ".gitattributes", ".github", ".gitignore")
-PREDICATE_TYPE = "https://model_signing/signature/v1.0"
 
 
 def sign(private_key: Path, model_name: str, digests: Mapping[str, str]) -> bytes:
@@ -111,36 +109,8 @@ def _differences(signed: Mapping[str, str], found: Mapping[str, str]) -> str:
     return "; ".join(parts)
 
 
-def statement_of(signature: bytes) -> dict[str, object]:
-    """The in-toto statement inside a model.sig, unverified (for display)."""
-    try:
-        bundle = json.loads(signature)
-        envelope = bundle["dsseEnvelope"]
-        statement = json.loads(base64.b64decode(envelope["payload"]))
-    except (ValueError, KeyError, TypeError):
-        raise IntegrityError(f"{SIGNATURE_FILE} is not a model-signing bundle") from None
-    if not isinstance(statement, dict):
-        raise IntegrityError(f"{SIGNATURE_FILE} is not a model-signing bundle")
-    return statement
-
-
-def key_hint(signature: bytes) -> str | None:
-    """The public-key hint a model.sig names (model-signing's key id), unverified."""
-    try:
-        bundle = json.loads(signature)
-        hint = bundle["verificationMaterial"]["publicKey"]["hint"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return hint if isinstance(hint, str) else None
-
-
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300] or type(exc).__name__
-
-
-def covered(paths: Iterable[str]) -> list[str]:
-    """The paths of a folder a signature covers (all but the ignored ones)."""
-    return sorted(p for p in paths if p.split("/", 1)[0] not in IGNORED)
 
 
 def check_pulled(
