@@ -38,6 +38,7 @@ _FILE_KEYS = {
     "url",
     "allow_http",
     "audit_key_file",
+    "signing_dir",
     *(f"oidc_{k}" for k in _OIDC_KEYS),
 }
 LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
@@ -303,6 +304,17 @@ class Settings:
             file="audit_key_file",
         ),
     )
+    signing_dir_path: Path | None = field(
+        default=None,
+        metadata=_var(
+            "REG_SIGNING_DIR",
+            "`$REG_HOME/signing`",
+            "where the release signing keys' private halves are (0700, each key 0600): the "
+            "server's, shared by its replicas as the audit key is; `reg keys` and `reg server "
+            "init` write there",
+            file="signing_dir",
+        ),
+    )
     mlflow_drain: bool = field(
         default=True,
         metadata=_var(
@@ -326,7 +338,7 @@ class Settings:
     @property
     def signing_dir(self) -> Path:
         """Where the release signing keys' private halves are (mode 0700, each key 0600)."""
-        return self.home / "signing"
+        return self.signing_dir_path or self.home / "signing"
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -356,6 +368,7 @@ class Settings:
         else:
             allow_http = _flag("allow_http in config.toml", file_values.get("allow_http", ""))
         audit_key = pick("REG_AUDIT_KEY_FILE", "audit_key_file", "")
+        signing = pick("REG_SIGNING_DIR", "signing_dir", "")
         number = _Numbers(env)
         return cls(
             url=url,
@@ -376,6 +389,7 @@ class Settings:
             user_source=source,
             workers=max(1, number.whole("REG_WORKERS", 4)),
             audit_key_file=Path(audit_key).expanduser().absolute() if audit_key else None,
+            signing_dir_path=Path(signing).expanduser().absolute() if signing else None,
             mlflow_drain=env.get("REG_MLFLOW", "on").lower() not in ("off", "0", "false", "no"),
             server=_server(env, number),
             s3=S3Settings(

@@ -34,6 +34,7 @@ def test_two_replicas_on_one_catalog_hold_the_invariants(catalog_url, tmp_path, 
     a = RegServer(server_env(tmp_path / "a", catalog_url, store), tmp_path / "a").init().start()
     b = RegServer(server_env(tmp_path / "b", catalog_url, store), tmp_path / "b")
     b.env["REG_AUDIT_KEY_FILE"] = str(tmp_path / "a" / "audit.key")  # replicas share the key
+    b.env["REG_SIGNING_DIR"] = str(tmp_path / "a" / "signing")  # and the signing keys
     b.tokens = a.tokens  # one catalog: a token minted through a works on b
     b.admin_token = a.admin_token
     b.start()
