@@ -26,7 +26,7 @@ from registry.formats.documents import FileRecord
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
 from registry.layout import RELEASE_DOCUMENT, release_prefix
-from registry.lifecycle.views import ReleaseView
+from registry.lifecycle.views import ReleaseView, signing_key_states
 from registry.mirror.artifacts import unpublish_everywhere
 from registry.refs import ReleaseRef, check_alias, check_name, check_reason
 from registry.signing.bundle import check_pulled
@@ -123,12 +123,13 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
         if model is not None and not rows:
             resolve_release(s, ReleaseRef(model, version=1))  # raises a helpful NotFound
         owners: dict[str, str | None] = {}
+        keys = signing_key_states(s, ctx.audit_key)  # once, not once per release
         out = []
         for m, r in rows:
             if m.name not in owners:
                 owners[m.name] = None if ctx.principal.single_user else ctx.trusted_owner(s, m)
             if ctx.principal.can_read(model=m.name, model_owner=owners[m.name]):
-                out.append(ReleaseView.load(s, m, r, ctx.audit_key).to_json())
+                out.append(ReleaseView.load(s, m, r, key_states=keys).to_json())
         return out
 
 
@@ -175,12 +176,13 @@ def verify(
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
         view = ReleaseView.load(s, model, release, ctx.audit_key)
+    files = stored_files(view)
     out = {
         "release": view.name,
         **verify_files(
             ctx,
             release_prefix(model.name, release.version),
-            stored_files(view),
+            files,
             name=view.name,
             scope={"model": model.name},
             repair=repair,
@@ -191,7 +193,7 @@ def verify(
     if provenance:
         from registry.lifecycle import provenance_check
 
-        signed = provenance_check.check(ctx, view, stored_files(view))
+        signed = provenance_check.check(ctx, view, files)
         out["signature"] = signed
         out["problems"] = list(out["problems"]) + signed["problems"]
         out["ok"] = out["ok"] and signed["ok"]

@@ -22,7 +22,7 @@ from registry.catalog.models import (
 )
 from registry.formats.documents import FileRecord
 from registry.refs import CheckpointRef
-from registry.signing.keys import find as find_key
+from registry.signing.keys import all_keys
 from registry.timeutil import iso
 
 
@@ -102,10 +102,16 @@ class ReleaseView:
 
     @classmethod
     def load(
-        cls, session: Session, model: Model, release: Release, audit_key: bytes | None = None
+        cls,
+        session: Session,
+        model: Model,
+        release: Release,
+        audit_key: bytes | None = None,
+        key_states: dict[str, str] | None = None,
     ) -> ReleaseView:
         """The release as the catalog has it; `audit_key` (behind the server): the signing
-        key's state from events the server signed only."""
+        key's state from events the server signed only. `key_states` (key id -> state): the
+        keys as a caller loading many releases read them once (`signing_key_states`)."""
         files = session.exec(
             select(ReleaseFile)
             .where(ReleaseFile.release_id == release.id)
@@ -122,8 +128,10 @@ class ReleaseView:
         ).first()
         key_state = None
         if signature is not None:
-            key = find_key(session, signature.key_id, audit_key)
-            key_state = key.state if key is not None else "unknown"
+            states = key_states
+            if states is None:
+                states = signing_key_states(session, audit_key)
+            key_state = states.get(signature.key_id, "unknown")
         return cls(
             model,
             release,
@@ -184,6 +192,11 @@ class ReleaseView:
         if uri is not None:
             out["uri"] = uri
         return out
+
+
+def signing_key_states(session: Session, audit_key: bytes | None) -> dict[str, str]:
+    """Every signing key's state (behind the server: from the events it signed)."""
+    return {k.key_id: k.state for k in all_keys(session, audit_key)}
 
 
 def verified_json(at: float | None, findings: list[dict[str, str]] | None) -> dict[str, Any] | None:
