@@ -837,17 +837,22 @@ def test_a_quiet_registry_with_a_running_sealer_stays_clean(sealed):
 
 @pytest.mark.exclusive
 def test_a_real_server_heartbeats_and_a_stopped_one_is_named(catalog_url, tmp_path, cli):
-    """`reg server` with REG_AUDIT_SEAL_EVERY=0.2s, REG_AUDIT_ANCHOR_EVERY=0.5s: after the
-    activity stops it keeps writing empty seals and anchors, and verify with a 2s bound stays
-    clean. Stopped, its head ages: verify (on the host, with the key) names `stalled` until a
-    server runs again; the stop itself, with nothing written meanwhile, leaves no trace."""
+    """`reg server` with REG_AUDIT_SEAL_EVERY=0.2s, REG_AUDIT_ANCHOR_EVERY=0.5s: init seals
+    what it wrote; after the activity stops the server keeps writing empty seals and anchors,
+    and verify with a 2s bound stays clean. Stopped, its head ages: verify (on the host, with
+    the key) names `stalled` until a server runs again; the stop itself, with nothing written
+    meanwhile, leaves no trace."""
     from tests.serverproc import RegServer, server_env, team_policy
 
     env = server_env(tmp_path / "srv", catalog_url)
     env.update(REG_AUDIT_SEAL_EVERY="0.2s", REG_AUDIT_ANCHOR_EVERY="0.5s")
-    server = RegServer(env, tmp_path / "srv").init().start()
+    server = RegServer(env, tmp_path / "srv").init()
     bounds = ("--max-unsealed-age", "2s", "--max-anchor-age", "2s")
     host = {k: v for k, v in env.items() if k != "REG_USER"} | {"REG_USER": "admin"}
+    # init seals what it wrote: a server started long after would otherwise seal it late
+    code, out, _ = verify(cli, env=host)
+    assert code == 0 and out["unsealed"] == 0 and out["head"]["seq"] >= 2, out
+    server.start()
     try:
         server.apply_policy(team_policy())
         client = server.client_env("admin")

@@ -929,6 +929,9 @@ def test_the_gc_schedule_runs_in_the_server_with_one_leader(cli, ckpts, tmp_path
         assert [c["ref"] for c in listed] == ["team-a/r@step4"]
         gc_events = [e for e in server.call("admin", "GET", "/v1/audit") if e["action"] == "gc"]
         assert gc_events and {e["actor"] for e in gc_events} == {"reg-server"}
+        # the log line follows the deletions' commit (and the log's flush): polled, not raced
+        while '"gc": "scheduled"' not in server.log_text() and time.monotonic() < deadline + 10:
+            time.sleep(0.2)
         assert '"gc": "scheduled"' in server.log_text()
     finally:
         server.stop()

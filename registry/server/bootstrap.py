@@ -7,8 +7,9 @@ must already be an admin under them. Either way it mints a token for NAME, shown
 
 It also creates the audit key (`REG_AUDIT_KEY_FILE`, default `REG_HOME/audit.key`: 32 random
 bytes, mode 0600, never over an existing one) that `reg server` signs the audit log with; its
-own events are the first it signs. Replicas share that one file. And, unless one is active, the
-release signing key (`REG_HOME/signing/<key_id>.pem`, 0600), which replicas share likewise.
+own events are the first it signs, and it seals them before it returns. Replicas share that
+one file. And, unless one is active, the release signing key
+(`REG_HOME/signing/<key_id>.pem`, 0600), which replicas share likewise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action, check_grants
 from registry.audit_chain import keys
+from registry.audit_chain.service import seal_now
 from registry.catalog.engine import Catalog
 from registry.config import checked_user
 from registry.context import Context
@@ -70,6 +72,9 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
                 audit_key=key,
                 principal=admin,
             )
+        # sealed and anchored now: the server may start minutes later, and its first seal
+        # would otherwise take these events late (`sealed-late` in `reg audit verify`)
+        seal_now(catalog, open_store(settings.store_url, s3=settings.s3), key)
         return {
             "principal": admin,
             "token": token,
