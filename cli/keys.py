@@ -1,4 +1,5 @@
-"""`reg keys create|rotate|ls|public|retire|revoke`: release signing keys (issue 37)."""
+"""`reg keys create|rotate|ls|public|retire|revoke`: release signing keys, and `reg
+sign-release` for a release made before them (issue 37)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import typer
 
 from cli.common import JSON_OPTION, open_registry
-from cli.render import emit_json, note, table
+from cli.render import emit_json, note, progress_for, table
 
 keys_app = typer.Typer(
     help="Release signing keys: the server's (or embedded user's) ECDSA P-256 keys.",
@@ -23,6 +24,7 @@ def register(app: typer.Typer) -> None:
     keys_app.command("public")(public)
     keys_app.command("retire")(retire)
     keys_app.command("revoke")(revoke)
+    app.command("sign-release")(sign_release)
 
 
 def _on_this_host(reg: Any, command: str) -> Any:
@@ -112,3 +114,18 @@ def revoke(
     with open_registry() as reg:
         out = _on_this_host(reg, "revoke").change_signing_key(key_id, "revoked", reason)
     emit_json(out) if json_output else print(f"revoked {out.key_id}")
+
+
+def sign_release(
+    ref: str = typer.Argument(..., help="MODEL:vK or MODEL@ALIAS, a release made unsigned."),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Sign a release made before signing (admin): its stored bytes are re-hashed first, then
+    its provenance, model card and model.sig are added (nothing stored is rewritten)."""
+    with open_registry() as reg:
+        out = reg.sign_release(ref, progress=progress_for(json_output))
+    key = (out.signature or {}).get("key_id", "")
+    emit_json(out) if json_output else print(
+        f"signed {out.release} with key {key[:16]} ({out.rehashed} bytes re-hashed first; "
+        f"added {', '.join(out.added)})"
+    )

@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
     app.command("promote")(promote)
     app.command("releases")(releases)
     app.command("pull-release")(pull_release)
+    app.command("fetch-release")(fetch_release)
     app.add_typer(alias_app, name="alias")
     alias_app.command("set")(alias_set)
     app.command("deprecate")(deprecate)
@@ -221,6 +222,51 @@ def pull_release(
     emit_json(out) if json_output else print(
         f"pulled {out.release} into {out.dest} ({len(out.files) + 1} files verified{signed})"
     )
+
+
+def fetch_release(
+    ref: str = typer.Argument(..., help="MODEL@ALIAS or MODEL:vK."),
+    public_key: Path | None = typer.Option(
+        None,
+        "--public-key",
+        help="Refuse the release unless this pinned PEM key signed exactly its files.",
+    ),
+    cache_dir: Path | None = typer.Option(
+        None, "--cache-dir", help="The cache to keep it in (default REG_CACHE_DIR)."
+    ),
+    hf: bool = typer.Option(
+        False,
+        "--hf",
+        help="Lay it out in the Hugging Face hub cache (HF_HUB_CACHE, else HF_HOME/hub, else "
+        "~/.cache/huggingface/hub) for from_pretrained(MODEL, local_files_only=True).",
+    ),
+    hf_cache: Path | None = typer.Option(
+        None, "--hf-cache", help="As --hf, in this hub cache directory."
+    ),
+    json_output: bool = JSON_OPTION,
+) -> None:
+    """Print the path of a verified local copy of a release, pulled once per release.json
+    digest and reused after (`$(reg fetch-release NAME@prod)`)."""
+    from registry.consumers.hf_cache import default_hub_cache
+    from registry.errors import UsageError
+    from registry.signing.bundle import read_public_key
+
+    if cache_dir is not None and (hf or hf_cache is not None):
+        raise UsageError(
+            "--cache-dir names reg's cache, --hf and --hf-cache the Hugging Face one",
+            "give one of them",
+        )
+    hub = hf_cache if hf_cache is not None else default_hub_cache() if hf else None
+    pem = read_public_key(public_key) if public_key is not None else None
+    with open_registry() as reg:
+        out = reg.fetch_release(
+            ref,
+            public_key=pem,
+            cache_dir=cache_dir,
+            hf_cache=hub,
+            progress=progress_for(json_output),
+        )
+    emit_json(out) if json_output else print(out.path)
 
 
 def alias_set(

@@ -47,8 +47,10 @@ if TYPE_CHECKING:
         RebuildReport,
         RecoveryReport,
         ReleaseDetails,
+        ReleaseFetched,
         ReleasePromoted,
         ReleasePulled,
+        ReleaseSigned,
         ReleaseStatusChanged,
         ReleaseSummary,
         RestartPlanned,
@@ -281,6 +283,23 @@ class Registry:
         signed by that key over exactly its files."""
         raise NotImplementedError
 
+    def fetch_release(
+        self,
+        ref: str | ReleaseRef,
+        *,
+        public_key: str | None = None,
+        cache_dir: str | Path | None = None,
+        hf_cache: str | Path | None = None,
+        progress: Progress | None = None,
+    ) -> ReleaseFetched:
+        """A verified folder of the release `ref` names now, on this machine, kept by its
+        release.json sha256 under `cache_dir` (default REG_CACHE_DIR): pulled the first time,
+        reused after a check that reads no weights. With `hf_cache` (a hub cache directory,
+        e.g. huggingface_hub's HF_HUB_CACHE) laid out as a Hugging Face download instead; the
+        path is then the snapshot's. With `public_key` (a pinned PEM) refused unless that key
+        signed exactly its files. Both registries run the same code (`registry.consumers`)."""
+        raise NotImplementedError
+
     @http("POST", "/alias")
     def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
         """Point `alias` (e.g. prod) at version `version` of `model`."""
@@ -407,6 +426,15 @@ class Registry:
     @http("DELETE", "/tokens/{token_id}")
     def revoke_token(self, token_id: str) -> TokenRevoked:
         """Revoke API token `token_id`: it authenticates nothing from now on."""
+        raise NotImplementedError
+
+    @http("POST", "/sign")
+    def sign_release(
+        self, ref: str | ReleaseRef, *, progress: Progress | None = None
+    ) -> ReleaseSigned:
+        """Sign a release committed unsigned (admin, where the private key is): its stored
+        bytes re-hashed against the catalog first, then its provenance statement, model card
+        and model.sig added beside its files (never replacing one)."""
         raise NotImplementedError
 
     @http("GET", "/keys")

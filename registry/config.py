@@ -39,6 +39,7 @@ _FILE_KEYS = {
     "allow_http",
     "audit_key_file",
     "signing_dir",
+    "cache_dir",
     *(f"oidc_{k}" for k in _OIDC_KEYS),
 }
 LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
@@ -315,6 +316,16 @@ class Settings:
             file="signing_dir",
         ),
     )
+    cache_dir_path: Path | None = field(
+        default=None,
+        metadata=_var(
+            "REG_CACHE_DIR",
+            "`$REG_HOME/cache`",
+            "where `reg fetch-release` keeps verified release folders, one per release.json "
+            "sha256 (`releases/MODEL/SHA256/`), on this machine (remote mode too)",
+            file="cache_dir",
+        ),
+    )
     mlflow_drain: bool = field(
         default=True,
         metadata=_var(
@@ -339,6 +350,11 @@ class Settings:
     def signing_dir(self) -> Path:
         """Where the release signing keys' private halves are (mode 0700, each key 0600)."""
         return self.signing_dir_path or self.home / "signing"
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where fetched releases are kept (`registry.consumers`)."""
+        return self.cache_dir_path or self.home / "cache"
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -369,6 +385,7 @@ class Settings:
             allow_http = _flag("allow_http in config.toml", file_values.get("allow_http", ""))
         audit_key = pick("REG_AUDIT_KEY_FILE", "audit_key_file", "")
         signing = pick("REG_SIGNING_DIR", "signing_dir", "")
+        cache = pick("REG_CACHE_DIR", "cache_dir", "")
         number = _Numbers(env)
         return cls(
             url=url,
@@ -390,6 +407,7 @@ class Settings:
             workers=max(1, number.whole("REG_WORKERS", 4)),
             audit_key_file=Path(audit_key).expanduser().absolute() if audit_key else None,
             signing_dir_path=Path(signing).expanduser().absolute() if signing else None,
+            cache_dir_path=Path(cache).expanduser().absolute() if cache else None,
             mlflow_drain=env.get("REG_MLFLOW", "on").lower() not in ("off", "0", "false", "no"),
             server=_server(env, number),
             s3=S3Settings(

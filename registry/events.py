@@ -31,6 +31,7 @@ class EventKind(StrEnum):
     RELEASE_VERIFIED = "release.verified"
     # The run's checkpoint economics changed (a background save's cost measured, a restore)
     RUN_ECONOMICS = "run.economics"
+    RELEASE_SIGNED = "release.signed"  # `reg sign-release` added files to a committed release
 
 
 # The kinds by name, as emitters write them (`events.CHECKPOINT_COMMITTED`).
@@ -47,6 +48,7 @@ class EventKind(StrEnum):
     CHECKPOINT_VERIFIED,
     RELEASE_VERIFIED,
     RUN_ECONOMICS,
+    RELEASE_SIGNED,
 ) = EventKind
 
 

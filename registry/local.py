@@ -45,8 +45,10 @@ from registry.results import (
     RebuildReport,
     RecoveryReport,
     ReleaseDetails,
+    ReleaseFetched,
     ReleasePromoted,
     ReleasePulled,
+    ReleaseSigned,
     ReleaseStatusChanged,
     ReleaseSummary,
     RestartPlanned,
@@ -428,6 +430,26 @@ class LocalRegistry(Registry):
             pull(self.context, _release(ref), Path(dest), public_key=public_key, progress=progress)
         )
 
+    def fetch_release(
+        self,
+        ref: str | ReleaseRef,
+        *,
+        public_key: str | None = None,
+        cache_dir: str | Path | None = None,
+        hf_cache: str | Path | None = None,
+        progress: Progress | None = None,
+    ) -> ReleaseFetched:
+        from registry.consumers.fetch import fetch_release
+
+        return fetch_release(
+            self,
+            ref,
+            public_key=public_key,
+            cache_dir=cache_dir,
+            hf_cache=hf_cache,
+            progress=progress,
+        )
+
     def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
         from registry.lifecycle.releases import set_alias
 
@@ -591,6 +613,13 @@ class LocalRegistry(Registry):
         from registry.signing import keys
 
         return SigningKeyInfo.from_json(keys.create(self.context, retire_active=rotate).to_json())
+
+    def sign_release(
+        self, ref: str | ReleaseRef, *, progress: Progress | None = None
+    ) -> ReleaseSigned:
+        from registry.lifecycle.late_signing import sign_release
+
+        return ReleaseSigned.from_json(sign_release(self.context, _release(ref), progress))
 
     def change_signing_key(
         self, key_id: str, event: str, reason: str | None = None

@@ -113,6 +113,8 @@ def release_signature_content(row: ReleaseSignature) -> dict[str, Any]:
         "provenance_sha256": row.provenance_sha256,
         "signed_at": row.signed_at,
         "signed_by": row.signed_by,
+        # only where `reg sign-release` added the files: the MACs made before 0018 still hold
+        **({"added_bytes": row.added_bytes} if row.added_bytes else {}),
     }
 
 

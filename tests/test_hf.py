@@ -146,6 +146,18 @@ def test_transformers_loads_the_release_bit_exact(
     assert document.get("hf_config") == expected_hf_config
     assert out["hf"] == shown["hf"] and out["hf"]["complete"] is True, out["hf"]
 
+    # generation_config.json, as save_pretrained writes it, where the class is a generative
+    # head (the factory's class names it; a config without `architectures` says nothing)
+    made = release_dir / "generation_config.json"
+    assert made.exists() == bool(got.get("architectures")), got.get("architectures")
+    if made.exists():
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(release_dir)
+        assert generation.eos_token_id == got.get("eos_token_id")
+        assert generation.bos_token_id == got.get("bos_token_id")
+        assert "generation_config.json" in {f["path"] for f in out["files"]}
+
     # Loaded by stock transformers, equal to the trained weights bit for bit.
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     full = torch.load(trained / f"step-{STEPS}.full.pt", weights_only=True)
@@ -370,3 +382,23 @@ def test_an_unreadable_release_document_is_a_note_not_a_failed_show(
         shown = reg.show("tiny:v1")
     assert shown["hf_config"] is None and shown["hf"]["complete"] is False
     assert any("release.json: format is 'reg.release/9'" in n for n in shown["hf"]["notes"])
+
+
+def test_generation_config_only_for_a_generative_head() -> None:
+    """Made as GenerationConfig.from_model_config makes it, for a class that generates only."""
+    from registry.formats.hf_folder import generation_config
+
+    def made(doc: dict) -> dict | None:
+        out = generation_config(json.dumps(doc).encode())
+        return None if out is None else json.loads(out)
+
+    llama = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": [2, 3]}
+    assert made({**llama, "pad_token_id": None, "transformers_version": "4.57.0"}) == {
+        "_from_model_config": True,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+        "transformers_version": "4.57.0",
+    }
+    assert made({"architectures": ["BertForSequenceClassification"], "eos_token_id": 2}) is None
+    assert made({"model_type": "gpt2", "eos_token_id": 0}) is None  # no class named
+    assert made({"architectures": "GPT2LMHeadModel"}) is None  # not a list: not a config's

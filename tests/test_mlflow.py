@@ -364,3 +364,31 @@ def test_a_drain_needs_no_reg_home_on_disk(tmp_path, monkeypatch):
         result = drain(reg.catalog, reg.settings, 60)
     assert result.get("error") is None, result
     assert home.is_dir()
+
+
+def test_a_release_signed_later_is_served_with_its_signature(policy, ckpts, tmp_path):
+    """`reg sign-release` adds files to a release MLflow already serves: the drain serves them
+    too, and what MLflow serves verifies with the stock model_signing CLI."""
+    from tests.helpers import stock_verify
+
+    with Registry() as reg:
+        reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)
+        reg.promote("r@step4", model="m")
+    assert _drain()["error"] is None
+    assert not (_published("m", 1) / "model.sig").exists()
+    with Registry() as reg:
+        key = reg.create_signing_key()
+        reg.sign_release("m:v1")
+    assert _drain()["error"] is None
+    served = _published("m", 1)
+    assert sorted(p.name for p in served.iterdir()) == [
+        "README.md",
+        "model.safetensors",
+        "model.sig",
+        "provenance.intoto.json",
+        "release.json",
+    ]
+    pem = tmp_path / "reg.pub"
+    pem.write_text(key.public_pem)
+    verified = stock_verify(served, pem)
+    assert verified.returncode == 0, verified.stderr + verified.stdout

@@ -23,6 +23,7 @@ BY_HAND = {
     "commit_claimed",
     "pull",
     "pull_release",
+    "fetch_release",  # no route: registry/consumers runs it on the client, over show and pull
     "validate",
     "promote",
     "heartbeat",

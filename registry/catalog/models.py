@@ -487,3 +487,6 @@ class ReleaseSignature(SQLModel, table=True):
     provenance_sha256: str = Field(max_length=64)
     signed_at: float
     signed_by: str
+    # The bytes of the files `reg sign-release` added to a release committed unsigned (0018);
+    # 0 where the promotion signed it. Release.bytes never counts them.
+    added_bytes: int = Field(default=0, sa_type=BigInteger)

@@ -199,6 +199,33 @@ def rewrite_config(
     return ConfigRewrite(text.encode(), digest, changes)
 
 
+GENERATION_CONFIG = "generation_config.json"
+# The heads transformers' `can_generate()` is true for, by their class names' endings
+GENERATIVE_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForSeq2SeqLM")
+# What GenerationConfig.from_model_config takes from a current config.json (where generation
+# starts and stops); sampling settings live in generation_config.json only
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def generation_config(config: bytes) -> bytes | None:
+    """The generation_config.json transformers' `save_pretrained` writes beside a model that
+    generates (its class, `architectures`, names a generative head), made from the release's
+    config.json as `GenerationConfig.from_model_config` makes it: the token ids generation
+    starts and stops at, marked `_from_model_config`. Serving stacks (vLLM, TGI) read their
+    defaults from it. None for a config that names no generative head (or none at all)."""
+    doc = parse_config(config, CONFIG)
+    architectures = doc.get("architectures")
+    if not isinstance(architectures, list) or not any(
+        isinstance(a, str) and a.endswith(GENERATIVE_HEADS) for a in architectures
+    ):
+        return None
+    out: dict[str, Any] = {"_from_model_config": True}
+    out.update({k: doc[k] for k in GENERATION_KEYS if doc.get(k) is not None})
+    if isinstance(doc.get("transformers_version"), str):
+        out["transformers_version"] = doc["transformers_version"]
+    return (json.dumps(out, indent=2, sort_keys=True) + "\n").encode()
+
+
 # -- completeness ---------------------------------------------------------------------------
 
 

@@ -89,10 +89,12 @@ def uri_of(ctx: Context, model: str, version: int) -> str:
 
 def stored_files(view: ReleaseView) -> list[FileRecord]:
     """Every file of the release in the store, release.json included (its size is what the
-    catalog counted beyond the listed files)."""
+    catalog counted beyond the files the promotion committed: those `reg sign-release` added
+    later are counted apart, migration 0018)."""
     files = list(view.files)
     if view.row.sha256:
-        document_size = view.row.bytes - sum(f.size for f in files)
+        added = view.signature.added_bytes if view.signature is not None else 0  # sign-release's
+        document_size = view.row.bytes - (sum(f.size for f in files) - added)
         files.append(
             FileRecord(
                 RELEASE_DOCUMENT, document_size, view.row.sha256, version=view.row.document_version

@@ -186,6 +186,11 @@ class Mirror:
     def on_release_verified(self, p: dict[str, Any]) -> None:
         self.releases.changed(p["model"], p["version"])
 
+    def on_release_signed(self, p: dict[str, Any]) -> None:
+        """`reg sign-release` added the signature, provenance and card: served with the rest
+        (an MLflow download then verifies with the stock model_signing CLI)."""
+        self.releases.changed(p["model"], p["version"])
+
     def on_release_created(self, p: dict[str, Any]) -> None:
         self.releases.created(p["model"], p["version"])
 

@@ -56,6 +56,7 @@ from registry.layout import (
 )
 from registry.lifecycle.checkpoints.commit import save_key_facts
 from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE
+from registry.signing.provenance import CARD_FILE, PROVENANCE_FILE
 from registry.timeutil import now
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def _release(
         validation = decisions.validation_for(
             source.project, source.run, source.step or 0, doc.validation.id
         )
-        files = list(doc.files) + _signature_file(ctx, doc)
+        files = list(doc.files) + _unlisted_files(ctx, doc)
         release = Release(
             model_id=model.id or 0,
             version=doc.version,
@@ -294,20 +295,25 @@ def _release(
         s.add_all(ReleaseFile.of(release.id or 0, f) for f in files)
 
 
-def _signature_file(ctx: Context, doc: ReleaseDocument) -> list[FileRecord]:
-    """A signed release's model.sig (release.json cannot list it): kept as one of its files,
-    so a pull still carries it and a pinned key still verifies the folder. Which key signed is
+def _unlisted_files(ctx: Context, doc: ReleaseDocument) -> list[FileRecord]:
+    """A signed release's model.sig (release.json cannot list it), and the statement and card
+    a later `reg sign-release` added beside the listed files: kept as files of the release, so
+    a pull still carries them and a pinned key still verifies the folder. Which key signed is
     not recovered (keys live in the catalog): `reg verify --provenance` reports it unsigned."""
-    key = release_prefix(doc.model, doc.version) + SIGNATURE_FILE
-    info = ctx.store.head(key)
-    if info is None or info.size > MAX_SIGNATURE:
-        return []
-    data = bytes(ctx.store.get_bytes(key, version=info.version_id))
-    return [
-        FileRecord(
-            SIGNATURE_FILE, len(data), hashlib.sha256(data).hexdigest(), version=info.version_id
+    prefix = release_prefix(doc.model, doc.version)
+    listed = {f.path for f in doc.files}
+    found = []
+    for name in (SIGNATURE_FILE, PROVENANCE_FILE, CARD_FILE):
+        info = ctx.store.head(prefix + name) if name not in listed else None
+        if info is None or info.size > MAX_SIGNATURE:
+            if name == SIGNATURE_FILE:
+                return []  # unsigned: what a killed signing left is no file of the release
+            continue
+        data = bytes(ctx.store.get_bytes(prefix + name, version=info.version_id))
+        found.append(
+            FileRecord(name, len(data), hashlib.sha256(data).hexdigest(), version=info.version_id)
         )
-    ]
+    return found
 
 
 def _source_row(session: Session, doc: ReleaseDocument) -> Checkpoint:

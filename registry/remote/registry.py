@@ -33,6 +33,7 @@ from registry.results import (
     HeartbeatRecorded,
     PartPushed,
     PolicyApplied,
+    ReleaseFetched,
     ReleasePromoted,
     ReleasePulled,
     ValidationReport,
@@ -429,6 +430,26 @@ class RemoteRegistry(Registry):
         out = dict(view)
         out["dest"] = str(where)
         return ReleasePulled.from_json(out)
+
+    def fetch_release(
+        self,
+        ref: str | ReleaseRef,
+        *,
+        public_key: str | None = None,
+        cache_dir: str | Path | None = None,
+        hf_cache: str | Path | None = None,
+        progress: Progress | None = None,
+    ) -> ReleaseFetched:
+        from registry.consumers.fetch import fetch_release
+
+        return fetch_release(
+            self,
+            ref,
+            public_key=public_key,
+            cache_dir=cache_dir,
+            hf_cache=hf_cache,
+            progress=progress,
+        )
 
     # -- administration --------------------------------------------------------------------------
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:

@@ -43,8 +43,10 @@ from registry.results.operations import (
 from registry.results.releases import (
     AliasMoved,
     ReleaseDetails,
+    ReleaseFetched,
     ReleasePromoted,
     ReleasePulled,
+    ReleaseSigned,
     ReleaseStatusChanged,
     ReleaseSummary,
 )
@@ -71,8 +73,10 @@ __all__ = [
     "RebuildReport",
     "RecoveryReport",
     "ReleaseDetails",
+    "ReleaseFetched",
     "ReleasePromoted",
     "ReleasePulled",
+    "ReleaseSigned",
     "ReleaseStatusChanged",
     "ReleaseSummary",
     "RestartPlanned",

@@ -49,6 +49,16 @@ class ReleasePromoted(ReleaseSummary):
 
 
 @RESULT
+class ReleaseSigned(ReleaseSummary):
+    """A release signed after its promotion (`reg sign-release`): the files the signing added
+    (provenance statement, model card, model.sig) and the bytes it re-hashed first."""
+
+    uri: str
+    added: list[str]
+    rehashed: int
+
+
+@RESULT
 class ReleaseDetails(ReleasePromoted):
     """Everything known about one release (`reg show MODEL:vK`)."""
 
@@ -60,6 +70,19 @@ class ReleasePulled(ReleaseSummary):
     """A release copied out: where its files are now."""
 
     dest: str
+
+
+@RESULT
+class ReleaseFetched(ReleaseSummary):
+    """A release as a verified folder on this machine, kept by its release.json digest
+    (`reg fetch-release`): where it is, whether it was there already (`cached`: nothing was
+    downloaded), whether a pinned key's signature was checked, and in the Hugging Face hub
+    cache the snapshot's revision."""
+
+    path: str
+    cached: bool
+    signature_verified: bool = False
+    hf_revision: str | None = None
 
 
 @RESULT

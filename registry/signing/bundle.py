@@ -11,6 +11,7 @@ DIR/model.sig --public_key KEY.pem` therefore checks a pulled release with no re
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import json
@@ -83,6 +84,24 @@ def signed_digests(signature: bytes, public_pem: str) -> dict[str, str]:
     if serialization.get("method") != "files" or serialization.get("hash_type") != "sha256":
         raise IntegrityError(f"{SIGNATURE_FILE} does not cover whole files by sha256")
     return {rd.identifier: rd.digest.digest_hex for rd in expected.resource_descriptors()}
+
+
+def claimed_digests(signature: bytes) -> dict[str, str]:
+    """The files and sha256 digests `signature` (a model.sig's bytes) says it covers, read
+    WITHOUT checking the signature: what a folder checked without a pinned key can compare its
+    files to (consistency, not authenticity). IntegrityError if it does not read as one."""
+    try:
+        envelope = json.loads(signature)["dsseEnvelope"]
+        statement = json.loads(base64.b64decode(envelope["payload"], validate=True))
+        resources = statement["predicate"]["resources"]
+        return {
+            str(r["name"]): str(r["digest"]) for r in resources if r.get("algorithm") == "sha256"
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise IntegrityError(
+            f"{SIGNATURE_FILE} does not read as a model-signing signature",
+            "pull the release again",
+        ) from None
 
 
 def check_folder(signature: bytes, public_pem: str, folder: Mapping[str, str]) -> None:

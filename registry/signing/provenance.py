@@ -45,9 +45,18 @@ def statement(
     validation: Mapping[str, Any],
     created_at: str,
     created_by: str,
+    signed_later: bool = False,
 ) -> dict[str, Any]:
     """The statement (deterministic for one release: a rerun of a killed promotion writes the
-    same bytes)."""
+    same bytes). `signed_later`: made by `reg sign-release` for a release committed unsigned
+    (from what the catalog recorded of it, its files re-hashed first)."""
+    metadata: dict[str, Any] = {
+        "invocationId": release,
+        "startedOn": created_at,
+        "promotedBy": created_by,
+    }
+    if signed_later:
+        metadata["signedAfterPromotion"] = True
     return {
         "_type": STATEMENT_TYPE,
         "subject": [{"name": f.path, "digest": {"sha256": f.sha256}} for f in files],
@@ -67,11 +76,7 @@ def statement(
             },
             "runDetails": {
                 "builder": {"id": BUILDER, "version": {"reg": reg_version()}},
-                "metadata": {
-                    "invocationId": release,
-                    "startedOn": created_at,
-                    "promotedBy": created_by,
-                },
+                "metadata": metadata,
                 "byproducts": [{"name": "validation", "annotations": dict(validation)}],
             },
         },
@@ -124,24 +129,36 @@ def card(doc: Mapping[str, Any]) -> bytes:
     run = doc["predicate"]["runDetails"]
     v = run["byproducts"][0]["annotations"]
     checks = ", ".join(
-        f"{_plain(c['name'])} {'ok' if c['passed'] else 'FAILED'}" for c in v["checks"]
+        f"{_plain(c['name'])} {'ok' if c['passed'] else 'FAILED'}" for c in v.get("checks", [])
     )
+    later = run["metadata"].get("signedAfterPromotion")
     lines = [
         f"# {params['release']}",
         "",
-        f"Promoted by `reg` {run['builder']['version']['reg']} from checkpoint "
-        f"`{params['source']}` (manifest sha256 `{dep['digest']['sha256']}`, world size "
-        f"{dep['annotations']['world_size']}) by {_plain(run['metadata']['promotedBy'])} at "
-        f"{run['metadata']['startedOn']}.",
+        f"Promoted{'' if later else ' by `reg` ' + run['builder']['version']['reg']} from "
+        f"checkpoint `{params['source']}` (manifest sha256 `{dep['digest']['sha256']}`, world "
+        f"size {dep['annotations']['world_size']}) by {_plain(run['metadata']['promotedBy'])} "
+        f"at {run['metadata']['startedOn']}."
+        + (
+            f" Signed after promotion by `reg sign-release` ({run['builder']['version']['reg']}),"
+            " its stored bytes re-hashed against the registry first."
+            if later
+            else ""
+        ),
         "",
         "## Validation",
         "",
-        f"- {'passed' if v['passed'] else 'FAILED'} on {_plain(v['device'])} "
-        f"({_plain(v['device_name'])}), world size {v['world_size']}, torch "
-        f"{_plain(v['torch_version'])}, by {_plain(v['validated_by'])}"
-        f"{' (attested)' if v['attested'] else ''}",
-        f"- checks: {checks or 'none recorded'}",
     ]
+    if not v:
+        lines.append("- none recorded")
+    else:
+        lines += [
+            f"- {'passed' if v['passed'] else 'FAILED'} on {_plain(v['device'])} "
+            f"({_plain(v['device_name'])}), world size {v['world_size']}, torch "
+            f"{_plain(v['torch_version'])}, by {_plain(v['validated_by'])}"
+            f"{' (attested)' if v['attested'] else ''}",
+            f"- checks: {checks or 'none recorded'}",
+        ]
     if v.get("probe"):
         lines.append(
             f"- probe: {'ok' if v['probe']['passed'] else 'FAILED'} {v['probe']['detail']}"

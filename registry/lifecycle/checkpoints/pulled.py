@@ -3,9 +3,11 @@ release its release.json, byte for byte as the store holds them (the catalog rec
 sha256: `manifest_sha256`, a release's `sha256`). Either lists every file with its size and
 sha256, so the folder can be checked offline, with no catalog or store:
 
-    verify_folder    every listed file there with its size and sha256, nothing else there, the
-                     document well formed (a manifest's `bytes` the sum of its sizes), and with
-                     `expect_sha256` the document itself the one the registry recorded
+    verify_folder    every listed file there with its size and sha256, nothing else there (but
+                     a release's model.sig, and the statement and card `reg sign-release`
+                     added, each what model.sig says it signs), the document well formed (a
+                     manifest's `bytes` the sum of its sizes), and with `expect_sha256` the
+                     document itself the one the registry recorded
     KeptManifest     pushing a pulled checkpoint folder again (a fork, a migration): the kept
                      MANIFEST.json is not a checkpoint file; the folder's file set and sizes
                      must be the manifest's before anything is copied, and each file's sha256
@@ -26,7 +28,8 @@ from typing import Any
 from registry.errors import IntegrityError, InvalidDocument, UsageError
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
-from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, check_folder
+from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, check_folder, claimed_digests
+from registry.signing.provenance import CARD_FILE, PROVENANCE_FILE
 
 HASH_WORKERS = 4  # hashlib releases the GIL: files hash in parallel
 # A kept MANIFEST.json or release.json larger than this is not read: reg writes about 200 bytes
@@ -94,6 +97,8 @@ class FolderReport:
     kept: Kept
     expected_sha256: str | None
     problems: list[dict[str, str]] = field(default_factory=list)
+    # files `reg sign-release` added beside the listed ones (path -> sha256, as hashed here)
+    signed_later: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +116,7 @@ class FolderReport:
             "files": len(self.kept.files),
             "bytes": sum(f.size for f in self.kept.files),
             "problems": self.problems,
+            **({"signed_later": sorted(self.signed_later)} if self.signed_later else {}),
         }
 
 
@@ -134,21 +140,56 @@ def _check_signature(root: Path, kept: Kept, report: FolderReport, public_key: s
     if kept.kind != "release":
         report.problems.append({"path": kept.name, "problem": "a checkpoint is not signed"})
         return
-    covered = {f.path: f.sha256 for f in kept.files}
+    covered = {f.path: f.sha256 for f in kept.files} | report.signed_later
     covered[kept.name] = kept.sha256
-    try:
-        with open(root / SIGNATURE_FILE, "rb") as f:
-            signature = f.read(MAX_SIGNATURE + 1)
-    except OSError as exc:
-        report.problems.append({"path": SIGNATURE_FILE, "problem": exc.strerror or str(exc)})
-        return
-    if len(signature) > MAX_SIGNATURE:
-        report.problems.append({"path": SIGNATURE_FILE, "problem": "too large to be a signature"})
+    signature = _read_signature(root, report)
+    if signature is None:
         return
     try:
         check_folder(signature, public_key, covered)
     except IntegrityError as exc:
         report.problems.append({"path": SIGNATURE_FILE, "problem": str(exc)})
+
+
+def _read_signature(root: Path, report: FolderReport) -> bytes | None:
+    try:
+        with open(root / SIGNATURE_FILE, "rb") as f:
+            signature = f.read(MAX_SIGNATURE + 1)
+    except OSError as exc:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": exc.strerror or str(exc)})
+        return None
+    if len(signature) > MAX_SIGNATURE:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": "too large to be a signature"})
+        return None
+    return signature
+
+
+def _signed_later(root: Path, present: dict[str, int], report: FolderReport) -> set[str]:
+    """The provenance statement and card `reg sign-release` added to a release committed
+    without them (its release.json cannot list them): each must be what model.sig says it
+    signed. Read here without a key (consistency); `--public-key` then checks the signature
+    over them too. The paths accounted for."""
+    listed = {f.path for f in report.kept.files}
+    later = sorted({PROVENANCE_FILE, CARD_FILE} & (set(present) - listed))
+    if not later or SIGNATURE_FILE not in present:
+        return set()
+    signature = _read_signature(root, report)
+    if signature is None:
+        return set(later)
+    try:
+        claimed = claimed_digests(signature)
+    except IntegrityError as exc:
+        report.problems.append({"path": SIGNATURE_FILE, "problem": str(exc)})
+        return set(later)
+    records = [FileRecord(p, present[p], claimed.get(p, "")) for p in later]
+    for record, got in zip(records, _hash_all(root, records), strict=True):
+        if got != record.sha256:
+            report.problems.append(
+                {"path": record.path, "problem": f"sha256 {got[:12]}..., not what model.sig signs"}
+            )
+        else:
+            report.signed_later[record.path] = got
+    return set(later)
 
 
 def _check_folder(root: Path, kept: Kept, report: FolderReport) -> None:
@@ -187,6 +228,8 @@ def _check_folder(root: Path, kept: Kept, report: FolderReport) -> None:
     # release's, checked against a pinned key (`reg pull-release --verify-signature`, or
     # `model_signing verify key`), not here.
     signature = {SIGNATURE_FILE} if kept.kind == "release" else set()
+    if kept.kind == "release":
+        signature |= _signed_later(root, present, report)
     for path in sorted(set(present) - set(listed) - {kept.name} - signature):
         report.problems.append({"path": path, "problem": f"not listed in {kept.name}"})
 

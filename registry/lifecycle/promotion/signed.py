@@ -40,17 +40,23 @@ class Signer:
     private_key: Path
 
 
-def signer_for(ctx: Context) -> Signer | None:
+def signer_for(ctx: Context, *, required: bool = False) -> Signer | None:
     """The key this promotion signs with, or None where the policy lets it go unsigned:
     `require_signature = "auto"` signs behind `reg server` always, embedded where a key is
-    active. Checked before any validation work."""
-    required = ctx.policy.promotion.require_signature
-    if required is False:
+    active. Checked before any validation work. `required`: a signing that is the whole point
+    (`reg sign-release`), whatever the policy."""
+    policy = ctx.policy.promotion.require_signature
+    if policy is False and not required:
         return None
     with ctx.catalog.session() as s:
         key = keys.active(s, ctx.audit_key)
     if key is None:
-        if required is True or ctx.server:
+        if required:
+            raise GateNotMet(
+                "no active signing key to sign with",
+                "an operator runs `reg keys create` where reg server runs (embedded: here)",
+            )
+        if policy is True or ctx.server:
             raise GateNotMet(
                 "refusing to promote: no active signing key, and this registry signs every "
                 "release (policy [promotion] require_signature)",
@@ -91,8 +97,18 @@ def add_provenance(
         created_at=at,
         created_by=created[1],
     )
+    return store_generated(ctx, release_prefix(plan.model, reservation.version), doc, files)
+
+
+def store_generated(
+    ctx: Context, prefix: str, doc: dict[str, Any], files: list[FileRecord]
+) -> list[FileRecord]:
+    """Store the statement `doc` and, unless an extra of that name is among `files`, the model
+    card made from it, put-if-absent under `prefix`; their records. A killed attempt's
+    statement that differs only in the reg version it names is kept (and the card made from
+    it)."""
     data = provenance.to_bytes(doc)
-    key = release_prefix(plan.model, reservation.version) + provenance.PROVENANCE_FILE
+    key = prefix + provenance.PROVENANCE_FILE
     info = ctx.store.head(key)
     if info is not None and info.size <= provenance.MAX_PROVENANCE:  # a killed attempt's
         earlier = bytes(ctx.store.get_bytes(key, version=info.version_id))
@@ -100,9 +116,9 @@ def add_provenance(
             earlier_doc = json.loads(earlier)
             if _unversioned(earlier_doc) == _unversioned(doc):  # only reg's version differs
                 doc, data = earlier_doc, earlier  # (an upgrade between the kill and the rerun)
-    out = [_put(ctx, plan, reservation, provenance.PROVENANCE_FILE, data)]
+    out = [_put(ctx, prefix, provenance.PROVENANCE_FILE, data)]
     if all(f.path != provenance.CARD_FILE for f in files):
-        out.append(_put(ctx, plan, reservation, provenance.CARD_FILE, provenance.card(doc)))
+        out.append(_put(ctx, prefix, provenance.CARD_FILE, provenance.card(doc)))
     return out
 
 
@@ -156,17 +172,27 @@ def sign(
     """Store `model.sig` over `files` and release.json, with the key still active (a
     promotion can take hours: one retired or revoked meanwhile signs nothing): its record and
     the id of the key that signed it."""
+    digests = {f.path: f.sha256 for f in files}
+    digests[RELEASE_DOCUMENT] = document_sha256
+    name = f"{plan.model}:v{reservation.version}"
+    return sign_digests(ctx, signer, name, release_prefix(plan.model, reservation.version), digests)
+
+
+def sign_digests(
+    ctx: Context, signer: Signer, name: str, prefix: str, digests: dict[str, str]
+) -> tuple[FileRecord, str]:
+    """Store `prefix`/model.sig over `digests` (every other file of release `name`), with the
+    key still active (work before it can take hours: a key retired or revoked meanwhile
+    signs nothing): its record and the id of the key that signed it."""
     with ctx.catalog.session() as s:
         now_key = keys.find(s, signer.key.key_id, ctx.audit_key)
     if now_key is None or now_key.state != keys.ACTIVE:
         raise Conflict(
-            f"signing key {signer.key.key_id[:16]} was retired or revoked during this promotion",
-            "promote again: it signs with the active key",
+            f"signing key {signer.key.key_id[:16]} was retired or revoked while {name} was "
+            "being signed",
+            "run it again: it signs with the active key",
         )
-    digests = {f.path: f.sha256 for f in files}
-    digests[RELEASE_DOCUMENT] = document_sha256
-    name = f"{plan.model}:v{reservation.version}"
-    key = release_prefix(plan.model, reservation.version) + bundle.SIGNATURE_FILE
+    key = prefix + bundle.SIGNATURE_FILE
     data = bundle.sign(signer.private_key, name, digests)
     try:
         put = ctx.store.put_bytes(key, data, immutable=True)
@@ -203,14 +229,8 @@ def _earlier(ctx: Context, key: str, digests: dict[str, str]) -> tuple[FileRecor
     )
 
 
-def _put(
-    ctx: Context, plan: PromotionPlan, reservation: Reservation, name: str, data: bytes
-) -> FileRecord:
+def _put(ctx: Context, prefix: str, name: str, data: bytes) -> FileRecord:
     stored = put_reconciled(
-        ctx.store,
-        release_prefix(plan.model, reservation.version) + name,
-        data=data,
-        immutable=True,
-        on_mismatch=OnMismatch.CONFLICT,
+        ctx.store, prefix + name, data=data, immutable=True, on_mismatch=OnMismatch.CONFLICT
     )
     return FileRecord(name, stored.size, stored.sha256, version=stored.version)

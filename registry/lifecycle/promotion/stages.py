@@ -45,7 +45,7 @@ from registry.formats.documents import (
     SourceRecord,
     ValidationRecord,
 )
-from registry.formats.hf_folder import CONFIG
+from registry.formats.hf_folder import CONFIG, GENERATION_CONFIG, generation_config
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
@@ -345,9 +345,28 @@ def build(
         built.files.append(
             FileRecord(extra.name, stored.size, stored.sha256, version=stored.version)
         )
+    built.files.extend(_generation_config(ctx, plan, dest))
     built.files.sort(key=lambda f: f.path)
     faults.point("promote-consolidated")
     return built
+
+
+def _generation_config(ctx: Context, plan: PromotionPlan, dest: str) -> list[FileRecord]:
+    """generation_config.json made from the release's config.json (`hf_folder
+    .generation_config`) where the model generates and no extra of that name was given."""
+    if plan.hf_config is None or any(e.name == GENERATION_CONFIG for e in plan.extras):
+        return []  # no config.json (plan_config reads and checks a given one)
+    made = generation_config(plan.hf_config.data)
+    if made is None:
+        return []
+    stored = put_reconciled(
+        ctx.store,
+        dest + GENERATION_CONFIG,
+        data=made,
+        immutable=True,
+        on_mismatch=OnMismatch.CONFLICT,
+    )
+    return [FileRecord(GENERATION_CONFIG, stored.size, stored.sha256, version=stored.version)]
 
 
 # -- commit -------------------------------------------------------------------------------------
