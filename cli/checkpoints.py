@@ -373,6 +373,12 @@ def _verify_dir(
                 f"{out['dir']}: ok, {out['files']} files ({human_bytes(out['bytes'])}) match "
                 f"the {out['document']}{pinned} of {name} (sha256 {out['document_sha256']})"
             )
+            later = ", ".join(out.get("signed_later", []))
+            if later and not pem:
+                note(
+                    f"{later}: added after promotion, and only as model.sig lists them; without "
+                    "--public-key nothing here says who signed that list"
+                )
     if not report.ok:
         _damaged(
             f"{len(out['problems'])} problem(s) in {out['dir']} (pulled from {name})",

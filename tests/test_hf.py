@@ -402,3 +402,11 @@ def test_generation_config_only_for_a_generative_head() -> None:
     assert made({"architectures": ["BertForSequenceClassification"], "eos_token_id": 2}) is None
     assert made({"model_type": "gpt2", "eos_token_id": 0}) is None  # no class named
     assert made({"architectures": "GPT2LMHeadModel"}) is None  # not a list: not a config's
+    # token ids only in the text config (a LLaVA-like config): taken from there
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "text_config": {"eos_token_id": 2}}
+    assert made(llava) == {"_from_model_config": True, "eos_token_id": 2}
+    # a config with its own generation settings (a BART-like one) gets none: transformers'
+    # fallback reads them all; defaults written out (old configs) are no settings
+    bart = {"architectures": ["BartForConditionalGeneration"], "eos_token_id": 2, "num_beams": 4}
+    assert made(bart) is None
+    assert made({**bart, "num_beams": 1, "max_length": 20})["eos_token_id"] == 2

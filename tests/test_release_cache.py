@@ -458,3 +458,39 @@ def test_the_default_hub_cache_is_huggingface_hub_s(tmp_path):
     assert default_hub_cache({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "huggingface" / "hub"
     given = {"HF_HUB_CACHE": str(tmp_path / "c"), "HF_HOME": "/elsewhere"}
     assert default_hub_cache(given) == tmp_path / "c"
+
+
+def test_a_cache_rewritten_with_its_record_is_caught_under_a_pinned_key(signed, tmp_path):
+    """Whoever can write the cache can rewrite the record with the file: the cheap check
+    passes, so a fetch under a pinned key re-hashes every file and pulls again."""
+    cache = tmp_path / "cache"
+    pem = signed.pem.read_text()
+    with signed.open() as reg:
+        folder = Path(reg.fetch_release("tiny:v1", cache_dir=cache).path)
+        want = _expected(reg, "tiny:v1")
+        weights = folder / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1
+        weights.write_bytes(bytes(data))
+        record = folder.parent / f"{folder.name}.json"
+        doc = json.loads(record.read_text())
+        st = weights.stat()
+        for f in doc["files"]:
+            if f["path"] == "model.safetensors":
+                f["mtime_ns"], f["ctime_ns"] = st.st_mtime_ns, st.st_ctime_ns
+        record.write_text(json.dumps(doc))
+        assert reg.fetch_release("tiny:v1", cache_dir=cache).cached  # the cheap check: fooled
+        out = reg.fetch_release("tiny:v1", cache_dir=cache, public_key=pem)
+        assert not out.cached and out.signature_verified
+    assert _files(folder) == want
+
+
+def test_an_alias_named_like_a_version_moves_no_version_ref(hf_home, tmp_path):
+    """`refs/vK` names version K's revision, whatever an alias called vK points at (a
+    releaser's alias `v9` on v1 would otherwise make `revision="v9"` load v1)."""
+    hub = tmp_path / "hub"
+    with hf_home.open() as reg:
+        reg.set_alias("llama", "v9", "v1")
+        reg.fetch_release("llama@v9", hf_cache=hub)
+    refs = hub / "models--llama" / "refs"
+    assert sorted(p.name for p in refs.iterdir()) == ["main", "v1"]

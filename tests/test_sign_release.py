@@ -205,3 +205,95 @@ def test_an_added_card_that_is_an_extra_is_left_alone(cpu_policy, ckpts, tmp_pat
         assert reg.verify("tiny:v1", provenance=True).ok
         pulled = reg.pull_release("tiny:v1", tmp_path / "rel")
     assert (Path(pulled.dest) / "README.md").read_text() == "# my model\n"
+
+
+def test_a_statement_planted_in_the_store_is_not_signed(cpu_policy, ckpts):
+    """Whoever can write the store but not the catalog plants the statement sign-release will
+    find, the same but for what it may differ in (reg's version) and a claim of their own:
+    refused, nothing signed. Only reg's own rendering, naming another version, is kept."""
+    from registry.lifecycle.late_signing import _release
+    from registry.refs import parse_release_ref
+    from registry.signing import provenance
+
+    with Registry() as reg:
+        _unsigned(reg, ckpts)
+        reg.create_signing_key()
+        view, lineage = _release(reg.context, parse_release_ref("tiny:v1"))  # type: ignore[attr-defined]
+        doc = provenance.statement(
+            release=view.name,
+            files=list(view.files),
+            created_at=reg.show("tiny:v1")["created_at"],
+            created_by=view.row.created_by,
+            signed_later=True,
+            **lineage,
+        )
+        doc["predicate"]["buildDefinition"]["internalParameters"]["security_review"] = "APPROVED"
+        key = "release/tiny/v1/provenance.intoto.json"
+        reg.store.put_bytes(key, provenance.to_bytes(doc), immutable=True)
+        with pytest.raises(Conflict, match="provenance.intoto.json"):
+            reg.sign_release("tiny:v1")
+        assert reg.show("tiny:v1")["signature"] is None and _signature_rows(reg) == 0
+        assert reg.store.head("release/tiny/v1/model.sig") is None
+
+
+def test_a_release_yanked_while_it_is_signed_is_not_signed(cpu_policy, ckpts, monkeypatch):
+    """The yank commits between the signature's upload and the catalog's record: the record
+    is refused (the release row is read again, locked, in the committing transaction)."""
+    import registry.faults
+
+    with Registry() as reg:
+        _unsigned(reg, ckpts)
+        reg.create_signing_key()
+    real = registry.faults.point
+
+    def yank_now(name: str, path: object = None) -> None:
+        if name == "sign-release-signed":
+            with Registry() as other:
+                other.yank("tiny:v1", "leaked eval data")
+        real(name, path)
+
+    monkeypatch.setattr(registry.faults, "point", yank_now)
+    with Registry() as reg:
+        with pytest.raises(Conflict, match="yanked while it was being signed"):
+            reg.sign_release("tiny:v1")
+        shown = reg.show("tiny:v1")
+        assert shown["status"] == "yanked" and shown["signature"] is None
+        assert _signature_rows(reg) == 0
+
+
+def test_a_rebuilt_catalog_keeps_only_the_files_the_signature_names(
+    cpu_policy, ckpts, tmp_path, cli
+):
+    """A card replaced in the store before the catalog is rebuilt is not the release's: the
+    rebuild keeps the statement and card only where model.sig names their digests. A rebuilt
+    release (its signer unknown, its options lost) is not signed again."""
+    with Registry() as reg:
+        _unsigned(reg, ckpts)
+        reg.create_signing_key()
+        reg.sign_release("tiny:v1")
+        home = reg.settings.home
+    card = next(home.rglob("release/tiny/v1/README.md"))
+    os.chmod(card, card.stat().st_mode | stat.S_IWUSR)
+    card.write_text("# trust me\n")
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (home / name).unlink(missing_ok=True)
+    assert cli("catalog", "rebuild").returncode == 0
+    with Registry() as reg:
+        files = {f["path"] for f in reg.show("tiny:v1")["files"]}
+        assert files == {"model.safetensors", "model.sig", "provenance.intoto.json"}
+        with pytest.raises(GateNotMet, match="no record of"):
+            reg.sign_release("tiny:v1")
+
+
+def test_show_and_fsck_count_the_added_files(cpu_policy, ckpts):
+    """release.json's size is what the catalog counts beyond the promotion's files: after a
+    signing `reg show` still reads it (no damage note) and fsck checks its size."""
+    with Registry() as reg:
+        _unsigned(reg, ckpts)
+        before = reg.show("tiny:v1")
+        reg.create_signing_key()
+        reg.sign_release("tiny:v1")
+        after = reg.show("tiny:v1")
+        assert after["hf"] == before["hf"] and after["hf_config"] == before["hf_config"]
+        assert "does not match" not in json.dumps(after.to_json())
+        assert reg.fsck(full=True)["clean"]

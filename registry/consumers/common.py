@@ -190,6 +190,13 @@ def check_signed(folder: Path, target: Target, public_key: str) -> None:
     check_pulled(folder, target.digests(), public_key, target.model, target.version)
 
 
+def rehashed(folder: Path, target: Target) -> bool:
+    """Does every file of `folder` (followed through a snapshot's links) hash to what `target`
+    lists? What a reuse under a pinned key reads: the cheap check trusts the cache's own
+    record, which whoever can write the cache directory can rewrite too."""
+    return all(sha256_of(folder / path) == digest for path, digest in target.digests())
+
+
 def scan(folder: Path) -> dict[str, os.stat_result] | None:
     """Every regular file below `folder` (relative path -> its lstat), or None when `folder` is
     not a directory or holds anything else (a link, a FIFO) or an empty directory."""

@@ -32,6 +32,7 @@ from registry.consumers.common import (
     links,
     locked,
     pull_verified,
+    rehashed,
     remove,
     sha256_of,
     swap_in,
@@ -104,6 +105,8 @@ def fetch(
     sweep_dead(repo)
     sweep_dead(snapshots)
     cached = _complete(repo, snapshot, target)
+    altered = cached and public_key is not None and not rehashed(snapshot, target)
+    cached = cached and not altered  # written around reg: pulled again (a pinned key reads all)
     if cached:
         if public_key is not None:
             check_signed(snapshot, target, public_key)
@@ -113,7 +116,8 @@ def fetch(
         built = snapshots / temp_name(revision)
         try:
             with locked(lock):
-                if not _complete(repo, snapshot, target):  # else a concurrent fetch made it
+                # else a concurrent fetch made it (unless this one found it altered)
+                if altered or not _complete(repo, snapshot, target):
                     for path, digest in target.digests():
                         os.replace(temp / path, blobs / digest)  # verified bytes, same volume
                     built.mkdir()
@@ -126,7 +130,9 @@ def fetch(
         finally:
             remove(built)
             remove(temp)
-    names = ["main", f"v{target.version}", *([target.alias] if target.alias else [])]
+    # an alias named like a version or main would move that ref: `revision="v1"` loading v2
+    alias = target.alias if target.alias and not VERSION_REF.fullmatch(target.alias) else None
+    names = ["main", f"v{target.version}", *([alias] if alias else [])]
     with locked(lock):
         for name in names:  # checked names (refs.check_alias): one segment each
             ref = refs / name
@@ -137,6 +143,9 @@ def fetch(
             if not same:
                 write_atomic(ref, revision.encode())
     return snapshot, cached, revision
+
+
+VERSION_REF = re.compile(r"main|v[0-9]+")
 
 
 def _pointer(path: str, digest: str) -> str:

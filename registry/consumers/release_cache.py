@@ -13,8 +13,10 @@ a release later makes it stale), the folder holds exactly the recorded files, ea
 size, mtime and ctime (a write, even one that restores the size and the mtime, moves the
 ctime), and release.json still hashes to the digest. A folder that fails the check is pulled
 again and swapped in for it. With a public key, reuse also needs model.sig to sign exactly the
-recorded digests under that key; a folder that passes the check but not the key is refused
-without pulling: the registry's copy is the same bytes.
+recorded digests under that key, and every file is re-hashed first (the record is the cache's
+own: whoever can write the cache can rewrite it; a file that differs means a new pull). A folder
+whose bytes are right but whose signature is not by that key is refused without pulling: the
+registry's copy is the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from registry.consumers.common import (
     check_signed,
     locked,
     pull_verified,
+    rehashed,
     remove,
     safe_path,
     scan,
@@ -63,7 +66,9 @@ def fetch(
     )
     folder, record = root / target.digest, root / f"{target.digest}.json"
     sweep_dead(root)
-    if _valid(folder, record, target):
+    valid = _valid(folder, record, target)
+    altered = valid and public_key is not None and not rehashed(folder, target)
+    if valid and not altered:
         if public_key is not None:
             check_signed(folder, target, public_key)
         return folder, True
@@ -71,7 +76,8 @@ def fetch(
     pull_verified(registry, target, temp, public_key, progress)
     try:
         with locked(root / ".lock"):
-            if not _valid(folder, record, target):  # else a concurrent fetch won: use its folder
+            # else a concurrent fetch won: use its folder (unless this one found it altered)
+            if altered or not _valid(folder, record, target):
                 record.unlink(missing_ok=True)
                 swap_in(temp, folder)
                 write_atomic(record, _record(folder, target))

@@ -202,25 +202,49 @@ def rewrite_config(
 GENERATION_CONFIG = "generation_config.json"
 # The heads transformers' `can_generate()` is true for, by their class names' endings
 GENERATIVE_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForSeq2SeqLM")
-# What GenerationConfig.from_model_config takes from a current config.json (where generation
-# starts and stops); sampling settings live in generation_config.json only
+# Where generation starts and stops: what GenerationConfig.from_model_config takes from
+# config.json, or else from its decoder's (text) config
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+SUB_CONFIGS = ("decoder", "generator", "text_config")  # from_model_config's order
+# The generation settings older configs carry, with GenerationConfig's defaults: a config that
+# sets one otherwise gets no generated file (transformers' own fallback, which reads them all,
+# then decides at load time; reg does not guess at what it would make of them)
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "early_stopping": False,
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "temperature": 1.0,
+    "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0,
+    "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "num_return_sequences": 1, "output_scores": False,
+    "return_dict_in_generate": False, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "remove_invalid_values": False, "exponential_decay_length_penalty": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None,
+}  # fmt: skip
 
 
 def generation_config(config: bytes) -> bytes | None:
     """The generation_config.json transformers' `save_pretrained` writes beside a model that
     generates (its class, `architectures`, names a generative head), made from the release's
     config.json as `GenerationConfig.from_model_config` makes it: the token ids generation
-    starts and stops at, marked `_from_model_config`. Serving stacks (vLLM, TGI) read their
-    defaults from it. None for a config that names no generative head (or none at all)."""
+    starts and stops at (from the decoder's config where the top level has none), marked
+    `_from_model_config`. Serving stacks (vLLM, TGI) read their defaults from it. None for a
+    config that names no generative head, or that sets other generation settings."""
     doc = parse_config(config, CONFIG)
     architectures = doc.get("architectures")
     if not isinstance(architectures, list) or not any(
         isinstance(a, str) and a.endswith(GENERATIVE_HEADS) for a in architectures
     ):
         return None
+    sub: dict[str, Any] = next(
+        (doc[k] for k in SUB_CONFIGS if isinstance(doc.get(k), dict) and doc[k]), {}
+    )
+    for where in (doc, sub):
+        if any(k in where and where[k] != v for k, v in LEGACY_DEFAULTS.items()):
+            return None
     out: dict[str, Any] = {"_from_model_config": True}
-    out.update({k: doc[k] for k in GENERATION_KEYS if doc.get(k) is not None})
+    for key in GENERATION_KEYS:
+        value = doc.get(key) if doc.get(key) is not None else sub.get(key)
+        if value is not None:
+            out[key] = value
     if isinstance(doc.get("transformers_version"), str):
         out["transformers_version"] = doc["transformers_version"]
     return (json.dumps(out, indent=2, sort_keys=True) + "\n").encode()

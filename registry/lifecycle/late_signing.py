@@ -19,6 +19,7 @@ signature by another key not revoked). Nothing stored is ever replaced.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError as DuplicateRow
@@ -31,12 +32,14 @@ from registry.catalog.models import (
     Checkpoint,
     CheckpointKeys,
     Project,
+    Release,
     ReleaseFile,
     ReleaseSignature,
     Run,
 )
 from registry.errors import Conflict, GateNotMet, IntegrityError
-from registry.layout import release_prefix
+from registry.formats.documents import ReleaseDocument
+from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.releases import resolve_release, stored_files, uri_of
 from registry.lifecycle.verify import verify_files
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 def sign_release(ctx: Context, ref: ReleaseRef, progress: Progress | None = None) -> dict[str, Any]:
     """Sign release `ref` (see the module): the release as `reg show` gives it, with `added`,
     the files the signing stored, and `rehashed`, the bytes re-hashed first."""
-    ctx.authorize(Action.CATALOG, model=ref.model, target=str(ref))
+    ctx.authorize(Action.CATALOG, target=str(ref))  # a registry-wide admin: the key is too
     view, lineage = _release(ctx, ref)
     signer = signed.signer_for(ctx, required=True)
     assert signer is not None
@@ -77,6 +80,7 @@ def sign_release(ctx: Context, ref: ReleaseRef, progress: Progress | None = None
             f"the catalog ({first['path']}: {first['problem']})",
             f"reg verify {view.name} --repair restores them from their recorded versions",
         )
+    _agrees(ctx, view, lineage)
     doc = provenance.statement(
         release=view.name,
         files=list(view.files),
@@ -113,6 +117,18 @@ def _release(ctx: Context, ref: ReleaseRef) -> tuple[ReleaseView, dict[str, Any]
             f"{view.name} was yanked ({release.status_reason}): a signature would vouch for it",
             "sign the releases still served",
         )
+    if any(f.path == bundle.SIGNATURE_FILE for f in view.files):
+        raise GateNotMet(
+            f"{view.name} holds a model.sig the catalog has no record of (a rebuilt catalog): "
+            "who signed it is not known here, and it cannot be signed again",
+            "check the folder against the key you pinned: reg pull-release --verify-signature",
+        )
+    if release.options_key == "rebuilt":
+        raise GateNotMet(
+            f"{view.name} was recovered by `reg catalog rebuild`, which does not keep a "
+            "promotion's options: its provenance would be incomplete",
+            "promote its source again to make a signed release",
+        )
     if source is None or run is None or owner is None:
         raise GateNotMet(
             f"{view.name}'s source checkpoint is not in the catalog: its provenance is unknown",
@@ -136,12 +152,47 @@ def _release(ctx: Context, ref: ReleaseRef) -> tuple[ReleaseView, dict[str, Any]
     return view, lineage
 
 
+def _agrees(ctx: Context, view: ReleaseView, lineage: dict[str, Any]) -> None:
+    """The release.json just re-hashed (immutable, what consumers hold) says what the catalog
+    says: the same files, source and validation. A row added around the registry (a file, a
+    lineage edited) is not signed."""
+    data = ctx.store.get_bytes(
+        release_prefix(view.model.name, view.row.version) + RELEASE_DOCUMENT,
+        version=view.row.document_version,
+    )
+    if hashlib.sha256(data).hexdigest() != view.row.sha256:  # changed since the re-hash
+        raise IntegrityError(f"{view.name}'s {RELEASE_DOCUMENT} changed while being signed")
+    document = ReleaseDocument.from_bytes(bytes(data), f"{view.name} {RELEASE_DOCUMENT}")
+    listed = sorted((f.path, f.size, f.sha256) for f in document.files)
+    recorded = sorted((f.path, f.size, f.sha256) for f in view.files)
+    validation = view.validation.id if view.validation is not None else None
+    said = document.source.ref
+    if (
+        listed != recorded
+        or f"{said.project}/{said.run}@step{said.step}" != lineage["source"]
+        or (document.source.manifest_sha256 or "") != lineage["manifest_sha256"]
+        or document.validation.id != validation
+    ):
+        raise IntegrityError(
+            f"{view.name}: the catalog's record (files, source or validation) is not what its "
+            f"{RELEASE_DOCUMENT} says: not signed",
+            "reg fsck shows what differs",
+        )
+
+
 def _commit(
     ctx: Context, view: ReleaseView, added: list[FileRecord], key_id: str
 ) -> dict[str, Any]:
     by_path = {f.path: f for f in added}
     try:
         with ctx.catalog.session(write=True) as s:
+            release = s.get(Release, view.row.id, with_for_update=True)  # a yank meanwhile?
+            if release is None or release.status == YANKED:
+                why = release.status_reason if release is not None else "gone"
+                raise Conflict(
+                    f"{view.name} was yanked while it was being signed ({why}): not signed",
+                    "sign the releases still served",
+                )
             s.add_all(ReleaseFile.of(view.row.id or 0, f) for f in added)
             row = ReleaseSignature(
                 release_id=view.row.id or 0,
@@ -170,7 +221,7 @@ def _commit(
                 s, events.RELEASE_SIGNED, model=view.model.name, version=view.row.version
             )
             s.flush()
-            out = ReleaseView.load(s, view.model, view.row, ctx.audit_key).to_json(
+            out = ReleaseView.load(s, view.model, release, ctx.audit_key).to_json(
                 uri_of(ctx, view.model.name, view.row.version)
             )
     except DuplicateRow:  # another admin signed it meanwhile (one signature per release)

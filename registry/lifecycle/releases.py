@@ -25,7 +25,7 @@ from registry.errors import Conflict, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
-from registry.layout import RELEASE_DOCUMENT, release_prefix
+from registry.layout import release_prefix
 from registry.lifecycle.views import ReleaseView, signing_key_states
 from registry.mirror.artifacts import unpublish_everywhere
 from registry.refs import ReleaseRef, check_alias, check_name, check_reason
@@ -88,19 +88,9 @@ def uri_of(ctx: Context, model: str, version: int) -> str:
 
 
 def stored_files(view: ReleaseView) -> list[FileRecord]:
-    """Every file of the release in the store, release.json included (its size is what the
-    catalog counted beyond the files the promotion committed: those `reg sign-release` added
-    later are counted apart, migration 0018)."""
-    files = list(view.files)
-    if view.row.sha256:
-        added = view.signature.added_bytes if view.signature is not None else 0  # sign-release's
-        document_size = view.row.bytes - (sum(f.size for f in files) - added)
-        files.append(
-            FileRecord(
-                RELEASE_DOCUMENT, document_size, view.row.sha256, version=view.row.document_version
-            )
-        )
-    return files
+    """Every file of the release in the store, release.json included."""
+    document = view.document_record()
+    return list(view.files) + ([document] if document is not None else [])
 
 
 # -- reads --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from registry.catalog.models import (
     Validation,
 )
 from registry.formats.documents import FileRecord
+from registry.layout import RELEASE_DOCUMENT
 from registry.refs import CheckpointRef
 from registry.signing.keys import all_keys
 from registry.timeutil import iso
@@ -140,6 +141,18 @@ class ReleaseView:
             validation,
             signature,
             key_state,
+        )
+
+    def document_record(self) -> FileRecord | None:
+        """release.json as a file of the release; its size is what the catalog counted beyond
+        the files the promotion committed (those `reg sign-release` added later are counted
+        apart, migration 0018). None for a release not committed."""
+        if not self.row.sha256:
+            return None
+        added = self.signature.added_bytes if self.signature is not None else 0
+        size = self.row.bytes - (sum(f.size for f in self.files) - added)
+        return FileRecord(
+            RELEASE_DOCUMENT, size, self.row.sha256, version=self.row.document_version
         )
 
     def to_json(self, uri: str | None = None) -> dict[str, Any]:

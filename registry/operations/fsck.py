@@ -54,6 +54,7 @@ from registry.catalog.models import (
     Project,
     Release,
     ReleaseFile,
+    ReleaseSignature,
     Run,
 )
 from registry.errors import NotFound, RegistryError, UsageError
@@ -227,10 +228,17 @@ def _releases(s: Session, project: str | None) -> Iterable[Artifact]:
         files.setdefault(f.release_id, []).append(
             FileRecord(f.path, f.size, f.sha256, version=f.version)
         )
+    added = dict(  # what `reg sign-release` added: Release.bytes does not count it (0018)
+        s.exec(
+            select(ReleaseSignature.release_id, ReleaseSignature.added_bytes).where(
+                col(ReleaseSignature.release_id).in_(ids)
+            )
+        ).all()
+    )
     for r, model in rows:
         listed = files.get(r.id or 0, [])
         if r.sha256:
-            size = r.bytes - sum(f.size for f in listed)
+            size = r.bytes - (sum(f.size for f in listed) - added.get(r.id or 0, 0))
             listed.append(FileRecord(RELEASE_DOCUMENT, size, r.sha256, version=r.document_version))
         yield Artifact(f"{model}:v{r.version}", release_prefix(model, r.version), r, listed)
 

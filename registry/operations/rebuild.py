@@ -41,7 +41,7 @@ from registry.catalog.models import (
     Release,
     ReleaseFile,
 )
-from registry.errors import InvalidDocument
+from registry.errors import IntegrityError, InvalidDocument
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
 from registry.journal import replay as journal
@@ -55,7 +55,7 @@ from registry.layout import (
     release_prefix,
 )
 from registry.lifecycle.checkpoints.commit import save_key_facts
-from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE
+from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, claimed_digests
 from registry.signing.provenance import CARD_FILE, PROVENANCE_FILE
 from registry.timeutil import now
 
@@ -297,23 +297,37 @@ def _release(
 
 def _unlisted_files(ctx: Context, doc: ReleaseDocument) -> list[FileRecord]:
     """A signed release's model.sig (release.json cannot list it), and the statement and card
-    a later `reg sign-release` added beside the listed files: kept as files of the release, so
-    a pull still carries them and a pinned key still verifies the folder. Which key signed is
-    not recovered (keys live in the catalog): `reg verify --provenance` reports it unsigned."""
+    a later `reg sign-release` added beside the listed files, each kept only where model.sig
+    names its digest (anyone who can write the store could put a file there): kept as files of
+    the release, so a pull still carries them and a pinned key still verifies the folder.
+    Which key signed is not recovered (keys live in the catalog): `reg verify --provenance`
+    reports it unsigned."""
     prefix = release_prefix(doc.model, doc.version)
     listed = {f.path for f in doc.files}
-    found = []
-    for name in (SIGNATURE_FILE, PROVENANCE_FILE, CARD_FILE):
-        info = ctx.store.head(prefix + name) if name not in listed else None
-        if info is None or info.size > MAX_SIGNATURE:
-            if name == SIGNATURE_FILE:
-                return []  # unsigned: what a killed signing left is no file of the release
-            continue
-        data = bytes(ctx.store.get_bytes(prefix + name, version=info.version_id))
-        found.append(
-            FileRecord(name, len(data), hashlib.sha256(data).hexdigest(), version=info.version_id)
-        )
+    signature = _small_object(ctx, prefix + SIGNATURE_FILE)
+    if signature is None:
+        return []  # unsigned: what a killed signing left is no file of the release
+    found = [_record(SIGNATURE_FILE, *signature)]
+    try:
+        claimed = claimed_digests(signature[0])
+    except IntegrityError:
+        return found
+    for name in (PROVENANCE_FILE, CARD_FILE):
+        got = _small_object(ctx, prefix + name) if name not in listed else None
+        if got is not None and hashlib.sha256(got[0]).hexdigest() == claimed.get(name):
+            found.append(_record(name, *got))
     return found
+
+
+def _small_object(ctx: Context, key: str) -> tuple[bytes, str | None] | None:
+    info = ctx.store.head(key)
+    if info is None or info.size > MAX_SIGNATURE:
+        return None
+    return bytes(ctx.store.get_bytes(key, version=info.version_id)), info.version_id
+
+
+def _record(name: str, data: bytes, version: str | None) -> FileRecord:
+    return FileRecord(name, len(data), hashlib.sha256(data).hexdigest(), version=version)
 
 
 def _source_row(session: Session, doc: ReleaseDocument) -> Checkpoint:

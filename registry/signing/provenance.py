@@ -132,15 +132,16 @@ def card(doc: Mapping[str, Any]) -> bytes:
         f"{_plain(c['name'])} {'ok' if c['passed'] else 'FAILED'}" for c in v.get("checks", [])
     )
     later = run["metadata"].get("signedAfterPromotion")
+    version = _plain(run["builder"]["version"]["reg"])
     lines = [
         f"# {params['release']}",
         "",
-        f"Promoted{'' if later else ' by `reg` ' + run['builder']['version']['reg']} from "
+        f"Promoted{'' if later else ' by `reg` ' + version} from "
         f"checkpoint `{params['source']}` (manifest sha256 `{dep['digest']['sha256']}`, world "
         f"size {dep['annotations']['world_size']}) by {_plain(run['metadata']['promotedBy'])} "
         f"at {run['metadata']['startedOn']}."
         + (
-            f" Signed after promotion by `reg sign-release` ({run['builder']['version']['reg']}),"
+            f" Signed after promotion by `reg sign-release` ({version}),"
             " its stored bytes re-hashed against the registry first."
             if later
             else ""

@@ -127,13 +127,8 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
         "code_extras": list(recorded or []),
     }
     if view.row.sha256:
-        document = FileRecord(
-            RELEASE_DOCUMENT,
-            view.row.bytes - sum(f.size for f in view.files),
-            view.row.sha256,
-            version=view.row.document_version,
-        )
-        data = small(document)
+        document = view.document_record()  # its size: what the catalog counts
+        data = small(document) if document is not None else None
         if data is not None:
             try:  # a damaged or newer release.json is a note: `reg show` still shows the rest
                 parsed = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}")

@@ -12,9 +12,9 @@ even one rotated out since.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,26 +112,43 @@ def store_generated(
     info = ctx.store.head(key)
     if info is not None and info.size <= provenance.MAX_PROVENANCE:  # a killed attempt's
         earlier = bytes(ctx.store.get_bytes(key, version=info.version_id))
-        with contextlib.suppress(ValueError):
-            earlier_doc = json.loads(earlier)
-            if _unversioned(earlier_doc) == _unversioned(doc):  # only reg's version differs
-                doc, data = earlier_doc, earlier  # (an upgrade between the kill and the rerun)
+        if _only_version_differs(earlier, doc):  # (an upgrade between the kill and the rerun)
+            doc, data = json.loads(earlier), earlier
     out = [_put(ctx, prefix, provenance.PROVENANCE_FILE, data)]
     if all(f.path != provenance.CARD_FILE for f in files):
         out.append(_put(ctx, prefix, provenance.CARD_FILE, provenance.card(doc)))
     return out
 
 
-def _unversioned(doc: Any) -> Any:
-    """A statement without the reg version it names (what may differ between the attempts of
-    one promotion)."""
-    if not isinstance(doc, dict):
-        return doc
-    copy = json.loads(json.dumps(doc))
-    with contextlib.suppress(KeyError, TypeError):
-        del copy["predicate"]["buildDefinition"]["internalParameters"]
-        del copy["predicate"]["runDetails"]["builder"]["version"]
-    return copy
+VERSION = re.compile(r"[0-9][0-9A-Za-z.+-]{0,63}")  # what reg_version() can say
+
+
+def _only_version_differs(earlier: bytes, doc: dict[str, Any]) -> bool:
+    """Is `earlier` (stored under the release's prefix before this attempt) the statement reg
+    wrote for `doc`, naming another reg version only? Its bytes must be reg's own rendering
+    of it (no duplicate keys, no other spelling: what a reader parses is what was compared),
+    and the version, in both places, a version: whoever can write the store but not the
+    catalog must not choose a single byte of what the key signs."""
+    try:
+        parsed = json.loads(earlier)
+        build = parsed["predicate"]["buildDefinition"]
+        version = build["internalParameters"]["reg_version"]
+        wanted = (build["internalParameters"], parsed["predicate"]["runDetails"]["builder"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(version, str) or not VERSION.fullmatch(version):
+        return False
+    if wanted != (
+        {"reg_version": version},
+        {"id": provenance.BUILDER, "version": {"reg": version}},
+    ):
+        return False
+    if provenance.to_bytes(parsed) != earlier:
+        return False
+    ours = json.loads(json.dumps(doc))
+    ours["predicate"]["buildDefinition"]["internalParameters"] = wanted[0]
+    ours["predicate"]["runDetails"]["builder"] = wanted[1]
+    return bool(ours == parsed)
 
 
 def record(
