@@ -200,6 +200,28 @@ def rehashed(folder: Path, target: Target) -> bool:
 def scan(folder: Path) -> dict[str, os.stat_result] | None:
     """Every regular file below `folder` (relative path -> its lstat), or None when `folder` is
     not a directory or holds anything else (a link, a FIFO) or an empty directory."""
+    found = _entries(folder)
+    if found is None or any(not stat.S_ISREG(st.st_mode) for st in found.values()):
+        return None
+    return found
+
+
+def links(folder: Path) -> dict[str, str] | None:
+    """Every symlink below `folder` (relative path -> what it points at), or None when `folder`
+    is not a directory or holds anything else or an empty directory."""
+    found = _entries(folder)
+    if found is None or any(not stat.S_ISLNK(st.st_mode) for st in found.values()):
+        return None
+    try:
+        return {path: os.readlink(folder / path) for path in found}
+    except OSError:
+        return None
+
+
+def _entries(folder: Path) -> dict[str, os.stat_result] | None:
+    """Everything below `folder` but its directories (relative path -> lstat, links never
+    followed), or None when `folder` is not a directory, holds an empty directory, or cannot
+    be read."""
     out: dict[str, os.stat_result] = {}
     try:
         if not stat.S_ISDIR(os.lstat(folder).st_mode):
@@ -214,35 +236,8 @@ def scan(folder: Path) -> dict[str, os.stat_result] | None:
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append((Path(entry.path), f"{prefix}{entry.name}/"))
-                elif stat.S_ISREG(st.st_mode):
+                else:
                     out[prefix + entry.name] = st
-                else:
-                    return None
-    except OSError:
-        return None
-    return out
-
-
-def links(folder: Path) -> dict[str, str] | None:
-    """Every symlink below `folder` (relative path -> what it points at), or None when `folder`
-    is not a directory or holds anything else or an empty directory."""
-    out: dict[str, str] = {}
-    try:
-        if not stat.S_ISDIR(os.lstat(folder).st_mode):
-            return None
-        stack = [(folder, "")]
-        while stack:
-            here, prefix = stack.pop()
-            entries = list(os.scandir(here))
-            if not entries and prefix:
-                return None
-            for entry in entries:
-                if entry.is_symlink():
-                    out[prefix + entry.name] = os.readlink(entry.path)
-                elif entry.is_dir(follow_symlinks=False):
-                    stack.append((Path(entry.path), f"{prefix}{entry.name}/"))
-                else:
-                    return None
     except OSError:
         return None
     return out
