@@ -185,6 +185,34 @@ def test_behind_the_server_only_an_admin_signs_with_the_servers_key(
         admin.yank("tiny-s:v2", "bad")
         with pytest.raises(Conflict, match="yanked"):
             admin.sign_release("tiny-s:v2")
+        # A signature record written around the server (no MAC) is shown as unverified, and
+        # no signing goes over it.
+        from sqlalchemy import text
+
+        from registry.catalog.engine import Catalog
+
+        catalog = Catalog(reg_server.env["REG_CATALOG_URL"])
+        try:
+            with catalog.engine.begin() as c:
+                c.execute(
+                    text(
+                        "INSERT INTO release_signature (release_id, key_id, sha256, "
+                        "provenance_sha256, signed_at, signed_by, added_bytes) SELECT r.id, "
+                        ":k, :d, :d, 0, 'mallory', 0 FROM release r JOIN model m ON "
+                        "m.id = r.model_id WHERE m.name = 'tiny-s' AND r.version = 2"
+                    ),
+                    {"k": active.key_id, "d": "0" * 64},
+                )
+        finally:
+            catalog.dispose()
+        assert admin.show("tiny-s:v2")["signature"]["key_state"] == "unverified"
+        assert {r.release: (r.signature or {}).get("key_state") for r in admin.releases()} == {
+            "tiny-s:v1": "active",
+            "tiny-s:v2": "unverified",
+        }
+        with pytest.raises(Conflict, match="without the server's MAC"):
+            admin.sign_release("tiny-s:v2")
+
         pulled = rel.pull_release("tiny-s:v1", tmp_path / "rel", public_key=active.public_pem)
     pem = tmp_path / "reg.pub"
     pem.write_text(active.public_pem)

@@ -43,7 +43,7 @@ from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.releases import resolve_release, stored_files, uri_of
 from registry.lifecycle.verify import verify_files
-from registry.lifecycle.views import ReleaseView
+from registry.lifecycle.views import UNVERIFIED, ReleaseView
 from registry.signing import bundle, provenance
 from registry.timeutil import iso, now
 
@@ -106,6 +106,12 @@ def _release(ctx: Context, ref: ReleaseRef) -> tuple[ReleaseView, dict[str, Any]
         run = s.get(Run, source.run_id) if source is not None else None
         owner = s.get(Project, run.project_id) if run is not None else None
         keys_row = s.get(CheckpointKeys, release.source_checkpoint_id)
+    if view.key_state == UNVERIFIED:
+        raise Conflict(
+            f"{view.name} has a signature record without the server's MAC (written around the "
+            "server): it cannot be signed while that record stands",
+            "reg fsck names the record; an operator removes it at the database",
+        )
     if view.signature is not None:
         raise Conflict(
             f"{view.name} is signed already (key {view.signature.key_id[:16]}, "

@@ -121,7 +121,7 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
             if m.name not in owners:
                 owners[m.name] = None if ctx.principal.single_user else ctx.trusted_owner(s, m)
             if ctx.principal.can_read(model=m.name, model_owner=owners[m.name]):
-                out.append(ReleaseView.load(s, m, r, key_states=keys).to_json())
+                out.append(ReleaseView.load(s, m, r, ctx.audit_key, keys).to_json())
         return out
 
 

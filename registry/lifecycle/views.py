@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from registry import signed_facts as facts
 from registry.catalog.models import (
     DELETED,
     DELETING,
@@ -87,6 +88,9 @@ class CheckpointView:
         return out
 
 
+UNVERIFIED = "unverified"  # a signature record without the server's MAC (`reg fsck` names it)
+
+
 @dataclass(frozen=True, slots=True)
 class ReleaseView:
     model: Model
@@ -95,7 +99,9 @@ class ReleaseView:
     aliases: tuple[str, ...]
     validation: Validation | None
     signature: ReleaseSignature | None = None
-    key_state: str | None = None  # of the signing key: active, retired, revoked, unknown
+    # of the signing key: active, retired, revoked, unknown; unverified: the record lacks the
+    # server's MAC (behind the server only; `reg verify --provenance` fails it)
+    key_state: str | None = None
 
     @property
     def name(self) -> str:
@@ -133,6 +139,11 @@ class ReleaseView:
             if states is None:
                 states = signing_key_states(session, audit_key)
             key_state = states.get(signature.key_id, "unknown")
+            content = {signature.id or 0: facts.release_signature_content(signature)}
+            if audit_key is not None and not facts.signed_ids(
+                session, audit_key, facts.RELEASE_SIGNATURE, content
+            ):
+                key_state = UNVERIFIED  # a record written around the server: no MAC
         return cls(
             model,
             release,
