@@ -334,3 +334,10 @@ def stock_verify(folder: Path, public_key: Path) -> subprocess.CompletedProcess[
         text=True,
         timeout=120,
     )
+
+
+def lose_catalog(home: Path) -> None:
+    """The embedded SQLite catalog under `home` gone, WAL files included (the store stays):
+    what `reg catalog rebuild` recovers from."""
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (home / name).unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from registry import Registry
+from tests.helpers import lose_catalog
 
 
 def test_catalog_rebuilt_from_the_store(cpu_policy, ckpts, tmp_path, cli):
@@ -23,8 +24,7 @@ def test_catalog_rebuilt_from_the_store(cpu_policy, ckpts, tmp_path, cli):
         reg.promote("team-a/r@step4", model="tiny", alias="prod")
         before = reg.list_checkpoints()
         home = reg.settings.home
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     dry = json.loads(cli("catalog", "rebuild", "--dry-run", "--json").stdout)
     assert dry["checkpoints_added"] == ["team-a/r@step2", "team-a/r@step4"] and not dry["applied"]
     res = cli("catalog", "rebuild", "--json")
@@ -61,8 +61,7 @@ def test_rebuild_trusts_only_manifests_in_their_own_place(ckpts, tmp_path, cli):
         empty = json.dumps(dict(real, project="team-a", run="r", step=6, files=[], bytes=0))
         reg.store.put_bytes("ckpt/team-a/r/step-6/MANIFEST.json", empty.encode())
         home = reg.settings.home
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     res = cli("catalog", "rebuild", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -86,8 +85,7 @@ def test_rebuild_skips_a_manifest_whose_files_are_gone(ckpts, cli):
 
         tamper.remove(reg.store, "ckpt/default/r/step-2/.metadata")
         home = reg.settings.home
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     out = json.loads(cli("catalog", "rebuild", "--json").stdout)
     assert out["checkpoints_added"] == ["r@step4"]
     assert any(".metadata is missing; not registered" in s for s in out["skipped"])
@@ -110,8 +108,7 @@ def test_malformed_documents_are_skipped_one_by_one_and_gc_still_runs(ckpts, cli
         )
         reg.push_checkpoint(ckpts.ws3.step_dir(3), run="q", step=3)
         tamper.replace(reg.store, "ckpt/default/q/step-3/MANIFEST.json", b'{"format": 1}')
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     res = cli("catalog", "rebuild", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

@@ -14,7 +14,7 @@ import pytest
 
 from registry import Registry
 from registry.errors import Conflict, GateNotMet, PermissionDenied
-from tests.helpers import stock_verify
+from tests.helpers import lose_catalog, stock_verify
 
 ADDED = ["README.md", "model.sig", "provenance.intoto.json"]
 
@@ -136,8 +136,7 @@ def test_a_killed_signing_completes_and_a_rebuild_keeps_the_files(cpu_policy, ck
         assert reg.store.get_bytes("release/tiny/v1/model.sig") == stored
         assert reg.verify("tiny:v1", provenance=True).ok
         home = reg.settings.home
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     res = cli("catalog", "rebuild", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["releases_added"] == ["tiny:v1"]
     with Registry() as reg:
@@ -303,8 +302,7 @@ def test_a_rebuilt_catalog_keeps_only_the_files_the_signature_names(
     card = next(home.rglob("release/tiny/v1/README.md"))
     os.chmod(card, card.stat().st_mode | stat.S_IWUSR)
     card.write_text("# trust me\n")
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     assert cli("catalog", "rebuild").returncode == 0
     with Registry() as reg:
         files = {f["path"] for f in reg.show("tiny:v1")["files"]}

@@ -14,7 +14,7 @@ import pytest
 
 from registry import Registry
 from registry.errors import GateNotMet, IntegrityError, UsageError
-from tests.helpers import stock_verify
+from tests.helpers import lose_catalog, stock_verify
 
 
 def _promoted(reg: Registry, ckpts, step: int = 4, model: str = "tiny") -> dict:
@@ -344,8 +344,7 @@ def test_a_rebuilt_catalog_keeps_the_release_s_signature_file(cpu_policy, ckpts,
         _promoted(reg, ckpts)
         pem = _pem(tmp_path, reg, key.key_id)
         home = reg.settings.home
-    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
-        (home / name).unlink(missing_ok=True)
+    lose_catalog(home)
     res = cli("catalog", "rebuild", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["releases_added"] == ["tiny:v1"]
     with Registry() as reg:

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import Conflict, IntegrityError, MalformedRef, UsageError
-from registry.formats.documents import ReleaseDocument
+from registry.formats.documents import FileRecord, ReleaseDocument
 from registry.layout import RELEASE_DOCUMENT
+from registry.lifecycle.checkpoints.pulled import hash_all
 from registry.refs import ReleaseRef, check_alias, check_name, parse_release_ref
 from registry.results import ReleaseDetails
 from registry.signing.bundle import check_pulled
@@ -194,7 +195,11 @@ def rehashed(folder: Path, target: Target) -> bool:
     """Does every file of `folder` (followed through a snapshot's links) hash to what `target`
     lists? What a reuse under a pinned key reads: the cheap check trusts the cache's own
     record, which whoever can write the cache directory can rewrite too."""
-    return all(sha256_of(folder / path) == digest for path, digest in target.digests())
+    files = [FileRecord(path, -1, digest) for path, digest in target.digests()]
+    try:
+        return hash_all(folder, files) == [f.sha256 for f in files]
+    except OSError:  # a file gone meanwhile
+        return False
 
 
 def scan(folder: Path) -> dict[str, os.stat_result] | None:

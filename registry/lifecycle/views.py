@@ -155,16 +155,9 @@ class ReleaseView:
         )
 
     def document_record(self) -> FileRecord | None:
-        """release.json as a file of the release; its size is what the catalog counted beyond
-        the files the promotion committed (those `reg sign-release` added later are counted
-        apart, migration 0018). None for a release not committed."""
-        if not self.row.sha256:
-            return None
+        """release.json as a file of the release (`release_document`)."""
         added = self.signature.added_bytes if self.signature is not None else 0
-        size = self.row.bytes - (sum(f.size for f in self.files) - added)
-        return FileRecord(
-            RELEASE_DOCUMENT, size, self.row.sha256, version=self.row.document_version
-        )
+        return release_document(self.row, self.files, added)
 
     def to_json(self, uri: str | None = None) -> dict[str, Any]:
         row, v = self.row, self.validation
@@ -216,6 +209,19 @@ class ReleaseView:
         if uri is not None:
             out["uri"] = uri
         return out
+
+
+def release_document(
+    row: Release, files: Sequence[FileRecord], added_bytes: int
+) -> FileRecord | None:
+    """release.json as a file of the release whose recorded files are `files`: its size is
+    what the catalog counted beyond the files the promotion committed (`added_bytes`, those
+    `reg sign-release` added later, are counted apart: migration 0018). None for a release
+    not committed."""
+    if not row.sha256:
+        return None
+    size = row.bytes - (sum(f.size for f in files) - added_bytes)
+    return FileRecord(RELEASE_DOCUMENT, size, row.sha256, version=row.document_version)
 
 
 def signing_key_states(session: Session, audit_key: bytes | None) -> dict[str, str]:

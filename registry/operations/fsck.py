@@ -69,6 +69,7 @@ from registry.layout import (
     parse_release_key,
     release_prefix,
 )
+from registry.lifecycle.views import release_document
 from registry.operations.fsck_findings import (
     DAMAGE,
     DIGEST,
@@ -237,9 +238,9 @@ def _releases(s: Session, project: str | None) -> Iterable[Artifact]:
     )
     for r, model in rows:
         listed = files.get(r.id or 0, [])
-        if r.sha256:
-            size = r.bytes - (sum(f.size for f in listed) - added.get(r.id or 0, 0))
-            listed.append(FileRecord(RELEASE_DOCUMENT, size, r.sha256, version=r.document_version))
+        document = release_document(r, listed, added.get(r.id or 0, 0))
+        if document is not None:
+            listed.append(document)
         yield Artifact(f"{model}:v{r.version}", release_prefix(model, r.version), r, listed)
 
 

@@ -182,7 +182,7 @@ def _signed_later(root: Path, present: dict[str, int], report: FolderReport) -> 
         report.problems.append({"path": SIGNATURE_FILE, "problem": str(exc)})
         return set(later)
     records = [FileRecord(p, present[p], claimed.get(p, "")) for p in later]
-    for record, got in zip(records, _hash_all(root, records), strict=True):
+    for record, got in zip(records, hash_all(root, records), strict=True):
         if got != record.sha256:
             report.problems.append(
                 {"path": record.path, "problem": f"sha256 {got[:12]}..., not what model.sig signs"}
@@ -216,7 +216,7 @@ def _check_folder(root: Path, kept: Kept, report: FolderReport) -> None:
             )
         else:
             to_hash.append(f)
-    for f, got in zip(to_hash, _hash_all(root, to_hash), strict=True):
+    for f, got in zip(to_hash, hash_all(root, to_hash), strict=True):
         if got != f.sha256:
             report.problems.append(
                 {
@@ -253,7 +253,9 @@ def walk(root: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return files, odd
 
 
-def _hash_all(root: Path, files: list[FileRecord]) -> list[str]:
+def hash_all(root: Path, files: list[FileRecord]) -> list[str]:
+    """The sha256 of each of `files` under `root` (links followed), HASH_WORKERS at a time."""
+
     def one(f: FileRecord) -> str:
         with open(root / f.path, "rb") as fh:
             return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -126,9 +126,9 @@ def release_hf(ctx: Context, view: ReleaseView) -> dict[str, Any]:
         "hf_config": None,
         "code_extras": list(recorded or []),
     }
-    if view.row.sha256:
-        document = view.document_record()  # its size: what the catalog counts
-        data = small(document) if document is not None else None
+    document = view.document_record()  # None before its commit; its size: what the catalog counts
+    if document is not None:
+        data = small(document)
         if data is not None:
             try:  # a damaged or newer release.json is a note: `reg show` still shows the rest
                 parsed = ReleaseDocument.from_bytes(data, f"{label} {RELEASE_DOCUMENT}")
