@@ -22,6 +22,7 @@ from cli import mirror as mirror_commands
 from cli import policy as policy_commands
 from cli import releases as release_commands
 from cli import server as server_commands
+from cli import workflow as workflow_commands
 
 app = typer.Typer(
     name="reg",
@@ -39,6 +40,7 @@ policy_commands.register(app)
 mirror_commands.register(app)
 server_commands.register(app)
 key_commands.register(app)
+workflow_commands.register(app)
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

@@ -275,12 +275,21 @@ def alias_set(
     version: str = typer.Argument(..., help="Version, e.g. v3."),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Point ALIAS of model NAME at version vK (recorded in the alias history)."""
+    """Point ALIAS of model NAME at version vK (recorded in the alias history). Where the
+    policy protects the alias, open a request for approval instead (reg approve)."""
+    from cli.workflow import show_request
+    from registry.results import AliasRequest
+
     with open_registry() as reg:
         out = reg.set_alias(name, alias, version)
-    emit_json(out) if json_output else print(
-        f"{name}@{alias} -> {out.release}" + (f" (was {out.previous})" if out.previous else "")
-    )
+    if json_output:
+        emit_json(out)
+    elif isinstance(out, AliasRequest):
+        show_request(out)
+    else:
+        print(
+            f"{name}@{alias} -> {out.release}" + (f" (was {out.previous})" if out.previous else "")
+        )
 
 
 def deprecate(

@@ -14,7 +14,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from policies import DEFAULT_POLICY_PATH
 from policies.durations import NEVER, parse_duration
@@ -187,6 +194,105 @@ class Grant(_Model):
         return v
 
 
+_GLOB = re.compile(r"[A-Za-z0-9._*?-]{1,128}")
+_WEBHOOK_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+def _principal_or_role(value: str) -> str:
+    """`alice` or `role:releaser` (a role includes the roles above it)."""
+    role = value.removeprefix("role:")
+    if role != value:
+        if role not in ("viewer", "trainer", "releaser", "admin", "validator"):
+            raise ValueError(f"unknown role in {value!r}: viewer, trainer, releaser, admin")
+        return value
+    if not PRINCIPAL.fullmatch(value):
+        raise ValueError(f"invalid principal {value!r}: a name, or role:NAME")
+    return value
+
+
+class ProtectedAlias(_Model):
+    """An alias that moves only when `approvals` distinct approvers, never its requester,
+    approved that exact version (`registry.lifecycle.alias_requests`)."""
+
+    alias: str  # a name or a glob
+    models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    approvers: list[str] = Field(min_length=1)
+    # None: whoever may move the model's aliases (the alias action) may ask
+    requesters: list[str] | None = None
+    approvals: int = Field(default=1, ge=1, le=20)
+    expires: float = 7 * 86400
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_glob(cls, v: str) -> str:
+        if not _GLOB.fullmatch(v):
+            raise ValueError(f"invalid alias glob {v!r}: use names with * and ? only")
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _model_globs(cls, v: list[str]) -> list[str]:
+        for g in v:
+            if not _GLOB.fullmatch(g):
+                raise ValueError(f"invalid glob {g!r}: use names with * and ? only")
+        return v
+
+    @field_validator("approvers", "requesters")
+    @classmethod
+    def _who(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [_principal_or_role(p) for p in v]
+
+    @field_validator("expires", mode="before")
+    @classmethod
+    def _expiry(cls, v: Any) -> float:
+        seconds = parse_duration(v)
+        if not 1 <= seconds <= 366 * 86400:
+            raise ValueError(f"expected a duration from 1s to 366d, got {v!r}")
+        return seconds
+
+
+class Webhook(_Model):
+    """An HTTP subscriber (`registry.webhooks`): POSTs of the events it names, signed with
+    HMAC-SHA256 under the secret in `secret_file` (read by the server alone)."""
+
+    name: str
+    url: str = Field(max_length=2048)
+    events: list[str] = Field(min_length=1)
+    secret_file: str
+    allow_private: bool = False  # loopback and private addresses, and plain http
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _WEBHOOK_NAME.fullmatch(v):
+            raise ValueError(f"invalid webhook name {v!r}: a-z, 0-9, _ and -, at most 64")
+        return v
+
+    @field_validator("events")
+    @classmethod
+    def _events(cls, v: list[str]) -> list[str]:
+        from policies.workflow import WEBHOOK_EVENTS
+
+        for name in v:
+            if name != "*" and name not in WEBHOOK_EVENTS:
+                raise ValueError(f"unknown event {name!r}; known: {', '.join(WEBHOOK_EVENTS)}")
+        return v
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_path(cls, v: str) -> str:
+        if not v.startswith("/") or "\x00" in v:
+            raise ValueError(f"secret_file {v!r} must be an absolute path on the server")
+        return v
+
+    @model_validator(mode="after")
+    def _url(self) -> Webhook:
+        from policies.workflow import check_url
+
+        check_url(self.url, allow_private=self.allow_private)
+        return self
+
+
 class AccessPolicy(_Model):
     grants: list[Grant] = Field(default_factory=list)
     aws: dict[str, str] = Field(default_factory=dict)
@@ -198,6 +304,20 @@ class Policy(_Model):
     resume: ResumePolicy = Field(default_factory=ResumePolicy)
     release: ReleasePolicy = Field(default_factory=ReleasePolicy)
     access: AccessPolicy = Field(default_factory=AccessPolicy)
+    # The release workflow (issue 38, policies/workflow.py): aliases that move only once
+    # approved, and the HTTP subscribers told what happened.
+    protected_aliases: list[ProtectedAlias] = Field(default_factory=list, max_length=1000)
+    webhooks: list[Webhook] = Field(default_factory=list, max_length=100)
+
+    @field_validator("webhooks")
+    @classmethod
+    def _unique_names(cls, v: list[Webhook]) -> list[Webhook]:
+        seen: set[str] = set()
+        for hook in v:
+            if hook.name in seen:
+                raise ValueError(f"two webhooks are named {hook.name!r}: names are unique")
+            seen.add(hook.name)
+        return v
 
 
 def _overlay(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from registry.results import (
         Advice,
         AliasMoved,
+        AliasRequest,
         AuditEvent,
         AuditSealed,
         AuditVerification,
@@ -63,6 +64,10 @@ if TYPE_CHECKING:
         TokenRevoked,
         ValidationReport,
         VerifyReport,
+        WebhookDeliveryInfo,
+        WebhookInfo,
+        WebhooksDelivered,
+        WebhookTested,
     )
 
 
@@ -301,8 +306,28 @@ class Registry:
         raise NotImplementedError
 
     @http("POST", "/alias")
-    def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
-        """Point `alias` (e.g. prod) at version `version` of `model`."""
+    def set_alias(self, model: str, alias: str, version: str | int) -> AliasRequest | AliasMoved:
+        """Point `alias` (e.g. prod) at version `version` of `model`; where the policy
+        protects the alias, open a request instead (`approve`) and move nothing."""
+        raise NotImplementedError
+
+    @http("POST", "/alias/approve")
+    def approve(self, request: int, version: str | None = None) -> AliasRequest:
+        """Approve a protected alias's request (never one's own); `version`: only if the
+        request moves it to that version. The last approval needed moves the alias."""
+        raise NotImplementedError
+
+    @http("POST", "/alias/reject")
+    def reject(self, request: int, reason: str) -> AliasRequest:
+        """Turn a protected alias's request down (an approver, or the requester)."""
+        raise NotImplementedError
+
+    @http("GET", "/alias/requests")
+    def alias_requests(
+        self, model: str | None = None, state: str | None = None
+    ) -> list[AliasRequest]:
+        """Requests to move protected aliases, oldest first (`state`: open, approved,
+        rejected, cancelled, expired)."""
         raise NotImplementedError
 
     @http("POST", "/status", fixed={"status": "deprecated"})
@@ -440,6 +465,29 @@ class Registry:
     @http("GET", "/keys")
     def signing_keys(self) -> list[SigningKeyInfo]:
         """The release signing keys, their states and PEM public keys (what consumers pin)."""
+        raise NotImplementedError
+
+    # -- webhooks (admin) ------------------------------------------------------------------------
+    @http("GET", "/webhooks")
+    def webhooks(self) -> list[WebhookInfo]:
+        """The policy's webhook subscribers, their secret files' state and deliveries."""
+        raise NotImplementedError
+
+    @http("POST", "/webhooks/test")
+    def test_webhook(self, name: str) -> WebhookTested:
+        """Send a signed `ping` to subscriber `name` now and report its reply."""
+        raise NotImplementedError
+
+    @http("GET", "/webhooks/deliveries")
+    def webhook_deliveries(
+        self, name: str | None = None, status: str | None = None, limit: int = 50
+    ) -> list[WebhookDeliveryInfo]:
+        """Deliveries, newest first (`status`: pending, delivered, given-up)."""
+        raise NotImplementedError
+
+    @http("POST", "/webhooks/deliver")
+    def deliver_webhooks(self, budget_s: float = 60.0) -> WebhooksDelivered:
+        """Deliver what is due now, retrying within `budget_s` (the server: at most 30 s)."""
         raise NotImplementedError
 
     @http("POST", "/mlflow/sync")

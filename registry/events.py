@@ -32,6 +32,11 @@ class EventKind(StrEnum):
     # The run's checkpoint economics changed (a background save's cost measured, a restore)
     RUN_ECONOMICS = "run.economics"
     RELEASE_SIGNED = "release.signed"  # `reg sign-release` added files to a committed release
+    # A protected alias's move asked for, approved (once per approver), rejected or cancelled
+    # (issue 38): for webhooks; the mirror shows only the move itself (release.alias).
+    ALIAS_REQUESTED = "alias.requested"
+    ALIAS_APPROVED = "alias.approved"
+    ALIAS_REJECTED = "alias.rejected"
 
 
 # The kinds by name, as emitters write them (`events.CHECKPOINT_COMMITTED`).
@@ -49,6 +54,9 @@ class EventKind(StrEnum):
     RELEASE_VERIFIED,
     RUN_ECONOMICS,
     RELEASE_SIGNED,
+    ALIAS_REQUESTED,
+    ALIAS_APPROVED,
+    ALIAS_REJECTED,
 ) = EventKind
 
 
@@ -60,10 +68,13 @@ class EventSink(Protocol):
 
 class Outbox:
     """The embedded sink: events go to the outbox table; `flush()`, when the command is done,
-    starts a detached drain if any were written (`registry.mirror.spawn`)."""
+    starts a detached drain if any were written (`registry.mirror.spawn`), and where the policy
+    has webhooks, a detached deliverer (`registry.webhooks.deliver`; `reg server` delivers from
+    its own loop)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, webhooks: bool = False) -> None:
         self._settings = settings
+        self._webhooks = webhooks  # embedded: deliver them after the command (issue 38)
         self._written = False
 
     def emit(self, session: Session, kind: str, **payload: Any) -> None:
@@ -77,3 +88,7 @@ class Outbox:
             self._written = False
 
             spawn_drain(self._settings)
+            if self._webhooks:
+                from registry.webhooks.deliver import spawn
+
+                spawn(self._settings)

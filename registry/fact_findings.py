@@ -17,6 +17,8 @@
     signing_key-unsigned a signing key's event (created, retired, revoked) written around the
                          server: behind it, that event counts for nothing
     release_sig-unsigned a release's signature record written around the server
+    alias_request-unsigned, alias_decision-unsigned  a protected alias's request, or a decision
+                         on one, written around the server: behind it, it counts for nothing
     (each also -forged)
     signature-forged     a signature row that verifies for no row
 
@@ -46,6 +48,7 @@ from registry.catalog.models import (
     SigningKeyEvent,
     Validation,
 )
+from registry.catalog.workflow_models import AliasDecision, AliasRequest
 from registry.proven_policy import prove
 
 if TYPE_CHECKING:
@@ -98,6 +101,12 @@ def fact_problems(session: Session, store: BaseStore, key: bytes) -> list[dict[s
     for r in session.exec(select(ReleaseSignature)):
         target = f"the signature record of release {r.release_id}"
         judge(facts.RELEASE_SIGNATURE, r.id or 0, facts.release_signature_content(r), target)
+    for q in session.exec(select(AliasRequest)):
+        target = f"alias request {q.id}"
+        judge(facts.ALIAS_REQUEST, q.id or 0, facts.alias_request_content(q), target)
+    for d in session.exec(select(AliasDecision)):
+        target = f"decision {d.id} ({d.decision} by {d.by}) on alias request {d.request_id}"
+        judge(facts.ALIAS_DECISION, d.id or 0, facts.alias_decision_content(d), target)
     for (kind, row_id), macs_ in signatures.items():
         if (kind, row_id) not in used and not _unjudged(session, kind, row_id):
             out.append(

@@ -26,6 +26,7 @@ from registry.refs import (
 from registry.results import (
     Advice,
     AliasMoved,
+    AliasRequest,
     AuditEvent,
     AuditSealed,
     AuditVerification,
@@ -61,6 +62,10 @@ from registry.results import (
     TokenRevoked,
     ValidationReport,
     VerifyReport,
+    WebhookDeliveryInfo,
+    WebhookInfo,
+    WebhooksDelivered,
+    WebhookTested,
     results_of,
 )
 
@@ -146,7 +151,7 @@ class LocalRegistry(Registry):
                 )
             )
             if self._events is None:
-                self._events = Outbox(self.settings)
+                self._events = Outbox(self.settings, webhooks=policy.has_webhooks)
             self._context = Context(
                 catalog=self.catalog,
                 store=self.store,
@@ -450,10 +455,51 @@ class LocalRegistry(Registry):
             progress=progress,
         )
 
-    def set_alias(self, model: str, alias: str, version: str | int) -> AliasMoved:
-        from registry.lifecycle.releases import set_alias
+    def set_alias(self, model: str, alias: str, version: str | int) -> AliasRequest | AliasMoved:
+        from registry.lifecycle.alias_workflow import set_alias
 
-        return AliasMoved.from_json(set_alias(self.context, model, alias, version))
+        out = set_alias(self.context, model, alias, version)
+        return AliasRequest.from_json(out) if "request" in out else AliasMoved.from_json(out)
+
+    def approve(self, request: int, version: str | None = None) -> AliasRequest:
+        from registry.lifecycle.alias_workflow import approve
+
+        return AliasRequest.from_json(approve(self.context, request, version))
+
+    def reject(self, request: int, reason: str) -> AliasRequest:
+        from registry.lifecycle.alias_workflow import reject
+
+        return AliasRequest.from_json(reject(self.context, request, reason))
+
+    def alias_requests(
+        self, model: str | None = None, state: str | None = None
+    ) -> list[AliasRequest]:
+        from registry.lifecycle.alias_workflow import list_requests
+
+        return results_of(AliasRequest, list_requests(self.context, model, state=state))
+
+    def webhooks(self) -> list[WebhookInfo]:
+        from registry.webhooks import admin
+
+        return results_of(WebhookInfo, admin.subscribers(self.context))
+
+    def test_webhook(self, name: str) -> WebhookTested:
+        from registry.webhooks import admin
+
+        return WebhookTested.from_json(admin.test(self.context, name))
+
+    def webhook_deliveries(
+        self, name: str | None = None, status: str | None = None, limit: int = 50
+    ) -> list[WebhookDeliveryInfo]:
+        from registry.webhooks import admin
+
+        found = admin.deliveries(self.context, name, status, limit)
+        return results_of(WebhookDeliveryInfo, found)
+
+    def deliver_webhooks(self, budget_s: float = 60.0) -> WebhooksDelivered:
+        from registry.webhooks import admin
+
+        return WebhooksDelivered.from_json(admin.deliver_now(self.context, budget_s))
 
     def deprecate(self, ref: str | ReleaseRef, reason: str | None = None) -> ReleaseStatusChanged:
         from registry.catalog.models import DEPRECATED

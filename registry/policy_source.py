@@ -134,6 +134,14 @@ class EffectivePolicy:
             return True
         return not isinstance(access, dict) or access.get("grants") not in (None, [])
 
+    @cached_property
+    def has_webhooks(self) -> bool:
+        """Whether the document names webhook subscribers (from the TOML alone)."""
+        try:
+            return bool(tomllib.loads(self.text).get("webhooks"))
+        except tomllib.TOMLDecodeError:
+            return False
+
     @property
     def retention(self) -> RetentionPolicy:
         return self.rules.retention

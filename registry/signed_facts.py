@@ -10,6 +10,9 @@ under its audit key, as tokens (`registry.tokens`) and audit events (`registry.a
     signing_key a release signing key's event (created with its public key, retired, revoked):
                 behind the server a key whose creation is not signed is no key
     release_sig which key signed a release, and the digests of its model.sig and provenance
+    alias_request   a protected alias's move asked for: by whom, to which version, until when
+    alias_decision  an approval, rejection or cancellation of one: behind the server an
+                unsigned approval never counts towards a move
 
 Each signature is a row of the append-only `fact_mac` table: HMAC-SHA256(key, "reg.fact/1\\n" +
 canonical JSON of {kind, id, content}). It names the signed row's id, so a signature cannot be
@@ -47,13 +50,24 @@ from registry.timeutil import now
 
 if TYPE_CHECKING:
     from registry.catalog.models import Validation
+    from registry.catalog.workflow_models import AliasDecision, AliasRequest
     from registry.context import Context
 
 log = logging.getLogger("reg.policy")
 
 POLICY, VALIDATION, MODEL, DELETION = "policy", "validation", "model", "deletion"
 SIGNING_KEY, RELEASE_SIGNATURE = "signing_key", "release_sig"  # issue 37 (migration 0017)
-KINDS = (POLICY, VALIDATION, MODEL, DELETION, SIGNING_KEY, RELEASE_SIGNATURE)
+ALIAS_REQUEST, ALIAS_DECISION = "alias_request", "alias_decision"  # issue 38 (0019)
+KINDS = (
+    POLICY,
+    VALIDATION,
+    MODEL,
+    DELETION,
+    SIGNING_KEY,
+    RELEASE_SIGNATURE,
+    ALIAS_REQUEST,
+    ALIAS_DECISION,
+)
 _IN = 500  # ids per IN (...) query
 
 
@@ -115,6 +129,30 @@ def release_signature_content(row: ReleaseSignature) -> dict[str, Any]:
         "signed_by": row.signed_by,
         # only where `reg sign-release` added the files: the MACs made before 0018 still hold
         **({"added_bytes": row.added_bytes} if row.added_bytes else {}),
+    }
+
+
+def alias_request_content(row: AliasRequest) -> dict[str, Any]:
+    return {
+        "model_id": row.model_id,
+        "alias": row.alias,
+        "version": row.version,
+        "release_id": row.release_id,
+        "requested_by": row.requested_by,
+        "requested_at": row.requested_at,
+        "expires_at": row.expires_at,
+        "approvals_needed": row.approvals_needed,
+        "rule": row.rule,
+    }
+
+
+def alias_decision_content(row: AliasDecision) -> dict[str, Any]:
+    return {
+        "request_id": row.request_id,
+        "decision": row.decision,
+        "by": row.by,
+        "at": row.at,
+        "reason": row.reason,
     }
 
 

@@ -39,6 +39,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "policy_document": READ_APPEND,
     "fact_mac": READ_APPEND,  # signatures of policies, validations, model owners (0015)
     "release_signature": READ_APPEND,  # who signed a release, with which key (0017)
+    # The release workflow (0019): requests of protected aliases and the decisions on them,
+    # derived, never rewritten.
+    "alias_request": READ_APPEND,
+    "alias_decision": READ_APPEND,
     # Signing keys' life: `reg server init` and an operator's `reg keys` on the server's host
     # (beside the private keys, which the server holds anyway) append; no route writes them.
     "signing_key_event": READ_APPEND,
@@ -66,6 +70,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "checkpoint": (*READ_WRITE, "DELETE"),
     "release": (*READ_WRITE, "DELETE"),
     "lease": (*READ_WRITE, "DELETE"),
+    # Webhook deliveries (0019): fanned out from the outbox, their attempts updated in place.
+    "webhook_cursor": READ_WRITE,
+    "webhook_delivery": READ_WRITE,
     "alembic_version": ("SELECT",),  # read at every open; only the owner migrates
 }
 

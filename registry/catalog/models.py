@@ -347,6 +347,10 @@ class AliasEvent(SQLModel, table=True):
     to_version: int
     ts: float
     actor: str
+    # A protected alias's move (migration 0019): its request, who asked, who approved
+    request_id: int | None = None
+    requested_by: str | None = None
+    approved_by: str | None = None  # names, comma-separated, in the order they approved
 
 
 class AuditEvent(SQLModel, table=True):
@@ -490,3 +494,7 @@ class ReleaseSignature(SQLModel, table=True):
     # The bytes of the files `reg sign-release` added to a release committed unsigned (0018);
     # 0 where the promotion signed it. Release.bytes never counts them.
     added_bytes: int = Field(default=0, sa_type=BigInteger)
+
+
+# The release workflow's tables share this metadata (the migrations' and the grants' check).
+from registry.catalog import workflow_models as _workflow_models  # noqa: E402, F401

@@ -9,7 +9,11 @@ another key, to move it in time, no longer matches. Kinds, their target and thei
 
     pin, unpin          project, run, step        reason (pin)
     yank, deprecate     model, version            reason
-    alias               model, version            alias, from (the version it left, or null)
+    alias               model, version            alias, from (the version it left, or null);
+                                                  a protected alias's move also request,
+                                                  requested_by, approved_by (names)
+    alias-request       model, version            alias, request (its id), expires_at, approvals
+    alias-decision      model, version            alias, request, decision, reason
     policy              version                   text, sha256
     validation          project, run, step        the Validation row's columns, and its id
     aborted             event (another event's id)  error: its catalog commit failed
@@ -52,9 +56,22 @@ class JournalKind(StrEnum):
     POLICY = "policy"
     VALIDATION = "validation"
     ABORTED = "aborted"
+    ALIAS_REQUEST = "alias-request"
+    ALIAS_DECISION = "alias-decision"
 
 
-PIN, UNPIN, YANK, DEPRECATE, ALIAS, POLICY, VALIDATION, ABORTED = JournalKind
+(
+    PIN,
+    UNPIN,
+    YANK,
+    DEPRECATE,
+    ALIAS,
+    POLICY,
+    VALIDATION,
+    ABORTED,
+    ALIAS_REQUEST,
+    ALIAS_DECISION,
+) = JournalKind
 KINDS = tuple(JournalKind)
 _DOMAIN = b"reg.journal.event/1\n"
 _ID = re.compile(r"[0-9]{20}-[0-9a-f]{32}")
@@ -214,7 +231,7 @@ def _target(r: StrictReader, kind: str, value: Any) -> dict[str, Any]:
             "run": r.name(t["run"], "target.run"),
             "step": r.integer(t["step"], "target.step", minimum=0),
         }
-    if kind in (YANK, DEPRECATE, ALIAS):
+    if kind in (YANK, DEPRECATE, ALIAS, ALIAS_REQUEST, ALIAS_DECISION):
         t = r.mapping(value, "target", "model version")
         return {
             "model": r.name(t["model"], "target.model"),
@@ -240,10 +257,40 @@ def _fact(r: StrictReader, kind: str, value: Any) -> dict[str, Any]:
     if kind == UNPIN:
         return r.mapping(value, "fact", "")
     if kind == ALIAS:
-        f = r.mapping(value, "fact", "alias from")
-        return {
+        approved = isinstance(value, dict) and "approved_by" in value
+        f = r.mapping(
+            value, "fact", "alias from" + (" request requested_by approved_by" if approved else "")
+        )
+        out = {
             "alias": r.name(f["alias"], "fact.alias"),
             "from": r.optional(f["from"], lambda v, k: r.integer(v, k, minimum=1), "fact.from"),
+        }
+        if approved:
+            names = f["approved_by"]
+            if not isinstance(names, list) or len(names) > 100:
+                raise r.error("fact.approved_by", "is not a list of names")
+            out["request"] = r.integer(f["request"], "fact.request", minimum=1)
+            out["requested_by"] = r.text(f["requested_by"], "fact.requested_by")
+            out["approved_by"] = [r.text(n, "fact.approved_by") for n in names]
+        return out
+    if kind == ALIAS_REQUEST:
+        f = r.mapping(value, "fact", "alias request expires_at approvals")
+        return {
+            "alias": r.name(f["alias"], "fact.alias"),
+            "request": r.integer(f["request"], "fact.request", minimum=1),
+            "expires_at": r.number(f["expires_at"], "fact.expires_at"),
+            "approvals": r.integer(f["approvals"], "fact.approvals", minimum=1, maximum=1000),
+        }
+    if kind == ALIAS_DECISION:
+        f = r.mapping(value, "fact", "alias request decision reason")
+        decision = r.text(f["decision"], "fact.decision")
+        if decision not in ("approved", "rejected", "cancelled"):
+            raise r.error("fact.decision", f"is {decision!r}")
+        return {
+            "alias": r.name(f["alias"], "fact.alias"),
+            "request": r.integer(f["request"], "fact.request", minimum=1),
+            "decision": decision,
+            "reason": r.optional(f["reason"], lambda v, k: _string(r, v, k), "fact.reason"),
         }
     if kind == POLICY:
         f = r.mapping(value, "fact", "text sha256")

@@ -261,6 +261,10 @@ def apply_decisions(ctx: Context, out: Replay) -> None:
             if since is not None and since <= e.ts:
                 out.skip(e.key, f"{e.describe()}: the release was yanked before it")
                 continue
+            unapproved = _unapproved(ctx, e)
+            if unapproved:
+                out.skip(e.key, f"{e.describe()}: {unapproved}")
+                continue
             _one(ctx, out, e, [e], _alias)
     for last, group in _grouped(out.events, (YANK, DEPRECATE), ("model", "version"), _strongest):
         if (last.target["model"], last.target["version"]) in out.releases:
@@ -272,6 +276,26 @@ def apply_decisions(ctx: Context, out: Replay) -> None:
             _one(ctx, out, last, group, _pin)
         else:
             out.current.update(e.kind for e in group)
+
+
+def _unapproved(ctx: Context, e: Event) -> str | None:
+    """Why a move of an alias the policy protects may not be replayed: the journal must record
+    as many distinct approvers, none its requester, as the rule in force asks (a journal event
+    written around the command moves nothing the command would not have)."""
+    from policies.workflow import protection_for
+
+    model, alias = e.target["model"], e.fact["alias"]
+    rule = protection_for(ctx.policy.rules.protected_aliases, model, alias)
+    if rule is None:
+        return None
+    requester = e.fact.get("requested_by")
+    approvers = {n for n in e.fact.get("approved_by") or () if n != requester}
+    if len(approvers) < rule.approvals:
+        return (
+            f"{model}@{alias} is protected (approvals = {rule.approvals}) and the journal "
+            f"records {len(approvers)} approval(s) of this move"
+        )
+    return None
 
 
 def _grouped(
@@ -463,6 +487,9 @@ def _alias(s: Session, e: Event, out: Replay) -> str:
             to_version=release.version,
             ts=e.ts,
             actor=e.actor,
+            request_id=e.fact.get("request"),
+            requested_by=e.fact.get("requested_by"),
+            approved_by=",".join(e.fact["approved_by"]) if e.fact.get("approved_by") else None,
         )
     )
     return REPLAYED

@@ -26,6 +26,7 @@ from registry.formats.documents import FileRecord
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
 from registry.layout import release_prefix
+from registry.lifecycle import alias_requests
 from registry.lifecycle.views import ReleaseView, signing_key_states
 from registry.mirror.artifacts import unpublish_everywhere
 from registry.refs import ReleaseRef, check_alias, check_name, check_reason
@@ -35,6 +36,7 @@ from registry.transfer import download
 
 if TYPE_CHECKING:
     from registry.context import Context
+    from registry.lifecycle.alias_requests import Request
     from registry.progress import Progress
 
 
@@ -143,6 +145,16 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
             "to": f"v{e.to_version}",
             "at": iso(e.ts),
             "by": e.actor,
+            # a protected alias's move: its request, who asked and who approved (issue 38)
+            **(
+                {
+                    "request": e.request_id,
+                    "requested_by": e.requested_by,
+                    "approved_by": (e.approved_by or "").split(",") if e.approved_by else [],
+                }
+                if e.request_id is not None
+                else {}
+            ),
         }
         for e in history
         if release.version in (e.to_version, e.from_version)
@@ -243,10 +255,17 @@ def pull(
 # -- status and aliases -------------------------------------------------------------------------
 
 
-def move_alias(
-    ctx: Context, session: Session, model: Model, alias: str, release: Release
+def apply_alias_move(
+    ctx: Context,
+    session: Session,
+    model: Model,
+    alias: str,
+    release: Release,
+    request: Request | None = None,
 ) -> int | None:
-    """Point `alias` at `release` (in the caller's transaction); returns the previous version."""
+    """Point `alias` at `release` (in the caller's transaction); returns the previous version.
+    Only once the alias's protection allowed it: `alias_workflow.change_alias` decides, and
+    `request` is the approved request of a protected alias."""
     check_alias(alias)
     if release.status == YANKED:
         raise Conflict(
@@ -271,6 +290,15 @@ def move_alias(
         row.release_id, row.updated_at, row.updated_by = release.id or 0, when, ctx.actor
     session.add(row)
     if previous != release.version:
+        approval: dict[str, Any] = (
+            {}
+            if request is None
+            else {
+                "request": request.id,
+                "requested_by": request.row.requested_by,
+                "approved_by": request.approvers,
+            }
+        )
         session.add(
             AliasEvent(
                 model_id=model.id or 0,
@@ -279,6 +307,9 @@ def move_alias(
                 to_version=release.version,
                 ts=when,
                 actor=ctx.actor,
+                request_id=request.id if request else None,
+                requested_by=request.row.requested_by if request else None,
+                approved_by=",".join(request.approvers) if request else None,
             )
         )
         ctx.audit(
@@ -287,33 +318,26 @@ def move_alias(
             f"{model.name}@{alias}",
             to=f"v{release.version}",
             **{"from": f"v{previous}" if previous else None},
+            **approval,
         )
         ctx.events.emit(
-            session, events.ALIAS_MOVED, model=model.name, alias=alias, version=release.version
+            session,
+            events.ALIAS_MOVED,
+            model=model.name,
+            alias=alias,
+            version=release.version,
+            previous=previous,
+            **approval,
         )
         journal_record(
             ctx,
             session,
             ALIAS,
             {"model": model.name, "version": release.version},
-            {"alias": alias, "from": previous},
+            {"alias": alias, "from": previous, **approval},
             ts=when,
         )
     return previous
-
-
-def set_alias(ctx: Context, model_name: str, alias: str, version: str | int) -> dict[str, Any]:
-    check_name(model_name, "model name")
-    check_alias(alias)
-    number = _version_number(version)
-    ctx.authorize(Action.ALIAS, model=model_name, target=f"{model_name}@{alias}")
-    with ctx.catalog.session(write=True) as s:
-        model, release = resolve_release(s, ReleaseRef(model_name, version=number))
-        previous = move_alias(ctx, s, model, alias, release)
-        out = ReleaseView.load(s, model, release, ctx.audit_key).to_json()
-    out["alias"] = alias
-    out["previous"] = f"v{previous}" if previous else None
-    return out
 
 
 def set_status(
@@ -334,6 +358,8 @@ def set_status(
         release.status, release.status_reason = status, reason
         release.status_changed_at, release.status_changed_by = now(), ctx.actor
         s.add(release)
+        # no protected alias moves to a version withdrawn while its request waited
+        cancelled = alias_requests.cancel_for_release(ctx, s, model, release, status)
         ctx.audit(s, action, f"{model.name}:v{release.version}", reason=reason)
         ctx.events.emit(
             s,
@@ -352,6 +378,7 @@ def set_status(
             {"reason": reason},
             ts=release.status_changed_at,
         )
+    out["requests_cancelled"] = cancelled
     if status == YANKED:
         out.update(_stop_serving(ctx, model.name, release.version))
     return out

@@ -203,6 +203,12 @@ class Mirror:
         self.releases.created(p["model"], p["version"])  # its version exists first
         self.client.set_registered_model_alias(mirror_name(p["model"]), p["alias"], p["version"])
 
+    def on_alias_requested(self, p: dict[str, Any]) -> None:
+        """A protected alias's request and its decisions are for webhooks and `reg
+        requests`: MLflow shows the alias once it moves (release.alias)."""
+
+    on_alias_approved = on_alias_rejected = on_alias_requested
+
     def on_run_finished(self, p: dict[str, Any]) -> None:
         status = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}[p["status"]]
         run_id = self.run(p["project"], p["run"])

@@ -42,6 +42,7 @@ from registry.results.operations import (
 )
 from registry.results.releases import (
     AliasMoved,
+    AliasRequest,
     ReleaseDetails,
     ReleaseFetched,
     ReleasePromoted,
@@ -50,10 +51,17 @@ from registry.results.releases import (
     ReleaseStatusChanged,
     ReleaseSummary,
 )
+from registry.results.workflow import (
+    WebhookDeliveryInfo,
+    WebhookInfo,
+    WebhooksDelivered,
+    WebhookTested,
+)
 
 __all__ = [
     "Advice",
     "AliasMoved",
+    "AliasRequest",
     "AuditEvent",
     "AuditSealed",
     "AuditVerification",
@@ -90,6 +98,10 @@ __all__ = [
     "TokenRevoked",
     "ValidationReport",
     "VerifyReport",
+    "WebhookDeliveryInfo",
+    "WebhookInfo",
+    "WebhookTested",
+    "WebhooksDelivered",
     "read",
     "results_of",
     "to_json",

@@ -46,6 +46,8 @@ class ReleasePromoted(ReleaseSummary):
     hf: dict[str, Any] | None = None
     hf_config: dict[str, Any] | None = None
     code_extras: list[str] | None = None
+    # `--alias` named a protected alias: the request opened instead of a move (issue 38)
+    alias_request: dict[str, Any] | None = None
 
 
 @RESULT
@@ -86,6 +88,31 @@ class ReleaseFetched(ReleaseSummary):
 
 
 @RESULT
+class AliasRequest(Result):
+    """A request to move a protected alias (`reg requests`, `reg approve`, `reg reject`, and
+    `reg alias set` on a protected alias, which moves nothing): its state is open, approved
+    (the alias moved), rejected, cancelled (the version was withdrawn) or expired."""
+
+    request: int
+    model: str
+    alias: str
+    version: int
+    release: str
+    state: str
+    requested_by: str
+    requested_at: str
+    expires_at: str
+    approvals_needed: int
+    approved_by: list[str]
+    closed_by: str | None
+    reason: str | None
+    rule: str
+    moved: bool = False  # this call's approval was the last one needed: the alias moved
+    previous: str | None = None  # the version the alias left, when it moved
+    advisory: str | None = None  # embedded: identities are asserted, not proven
+
+
+@RESULT
 class AliasMoved(ReleaseSummary):
     """An alias moved to this release; `previous` is the version it pointed at before."""
 
@@ -98,3 +125,4 @@ class ReleaseStatusChanged(ReleaseSummary):
     """A release deprecated or yanked; a yank counts the served copies it removed."""
 
     served_files_removed: int | None = None
+    requests_cancelled: list[int] | None = None  # protected aliases' requests to move to it

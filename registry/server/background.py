@@ -1,5 +1,5 @@
 """Work the server does on its own: the MLflow drain, sweeping what dead requests left in its
-upload directory, sealing the audit log, and, when asked, the GC schedule.
+upload directory, sealing the audit log, delivering webhooks, and, when asked, the GC schedule.
 
 Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
 for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("reg.server")
 SCHEDULE_LEASE = "gc-schedule"
 DRAIN_EVERY_S = 30.0
+WEBHOOKS_EVERY_S = 1.0
+POLICY_EVERY_S = 10.0  # the webhook loop's view of the policy is at most this old
 
 
 class Background:
@@ -42,6 +44,7 @@ class Background:
         self._spawn(self._audit_loop, "reg-audit-seal")
         if self.gc_every_s:
             self._spawn(self._gc_loop, "reg-gc-schedule")
+        self._spawn(self._webhook_loop, "reg-webhooks")
 
     def _spawn(self, target: object, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
@@ -97,6 +100,25 @@ class Background:
                     log.exception("audit sealing failed")
         finally:
             schedule.close()
+
+    def _webhook_loop(self) -> None:
+        """Deliver the policy's webhooks (`registry.webhooks.deliver`): on a thread of its own,
+        so a receiver that hangs delays only its own deliveries, never a request."""
+        import time
+
+        from registry.webhooks.deliver import drain
+
+        hooks, read_at = [], -POLICY_EVERY_S
+        while not self.stop.wait(WEBHOOKS_EVERY_S):
+            try:
+                if time.monotonic() - read_at >= POLICY_EVERY_S:  # proving it reads the store
+                    hooks, read_at = list(self.state.policy().rules.webhooks), time.monotonic()
+                if hooks:
+                    out = drain(self.state.catalog, hooks, WEBHOOKS_EVERY_S * 5, SERVER_PRINCIPAL)
+                    if out.get("delivered") or out.get("failed"):
+                        log.info(json.dumps({"webhooks": out}))
+            except Exception:
+                log.exception("webhook delivery failed")
 
     def _gc_loop(self) -> None:
         assert self.gc_every_s is not None

@@ -23,6 +23,7 @@ from registry.catalog import claims
 from registry.catalog.leases import hold
 from registry.catalog.models import ACTIVE, Model, Release
 from registry.errors import RegistryError
+from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion.plan import (
     PromotionPlan,
     check_resumable,
@@ -37,7 +38,7 @@ from registry.lifecycle.promotion.stages import (
     proved,
     reserve,
 )
-from registry.lifecycle.releases import move_alias, uri_of
+from registry.lifecycle.releases import uri_of
 from registry.lifecycle.views import ReleaseView
 from registry.mirror.names import refuse_colliding_model
 from registry.refs import CheckpointRef, ReleaseRef
@@ -141,8 +142,8 @@ def _existing(ctx: Context, plan: PromotionPlan) -> dict[str, Any] | None:
         if row is None:
             return None
         model, release = row
-        if plan.alias is not None:
-            move_alias(ctx, s, model, plan.alias, release)
+        moved = change_alias(ctx, s, model, plan.alias, release) if plan.alias else {}
         out = ReleaseView.load(s, model, release).to_json(uri_of(ctx, model.name, release.version))
+        out["alias_request"] = moved.get("request")
     out["existing"] = True
     return out

@@ -28,6 +28,7 @@ from registry.errors import GateNotMet, UsageError, ValidationFailed
 from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
+from registry.lifecycle.alias_workflow import check_may_move
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
@@ -153,6 +154,8 @@ def plan_promotion(
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}", "use bf16, fp16 or fp32")
     ctx.authorize(Action.PROMOTE, project=ref.project, model=model, target=f"{ref} -> {model}")
+    if alias is not None:  # a protected alias's requesters, refused before any work
+        check_may_move(ctx, model, alias)
     max_bytes = _shard_bytes(max_shard_size)
     checked = _check_extras(extras, allow_code=ctx.policy.release.allow_code_extras)
     hf_config = plan_config(checked, dtype, model_factory)  # an invalid config.json: refused

@@ -47,12 +47,12 @@ from registry.formats.documents import (
 )
 from registry.formats.hf_folder import CONFIG, GENERATION_CONFIG, generation_config
 from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
+from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
-from registry.lifecycle.releases import move_alias
 from registry.lifecycle.views import ReleaseView
 from registry.mirror.names import refuse_colliding_model
 from registry.timeutil import iso, now
@@ -433,8 +433,7 @@ def commit(
         release = s.get(Release, reservation.release_id)
         assert release is not None
         _emit_created(ctx, s, plan, reservation, document, digest, uri)
-        if plan.alias is not None:
-            move_alias(ctx, s, model, plan.alias, release)
+        moved = change_alias(ctx, s, model, plan.alias, release) if plan.alias else {}
         ctx.audit(
             s,
             "promote",
@@ -451,7 +450,9 @@ def commit(
             allow_unclassified=plan.allow_unclassified or None,
         )
         s.flush()
-        return ReleaseView.load(s, model, release).to_json(uri)
+        out = ReleaseView.load(s, model, release).to_json(uri)
+        out["alias_request"] = moved.get("request")  # a protected alias: asked, not moved
+        return out
 
 
 def _emit_created(

@@ -1,0 +1,247 @@
+"""Delivering what is due: attempts, retries and backoff, one subscriber's queue at a time.
+
+A delivery is attempted when due; a 2xx reply marks it delivered and it is never sent again.
+Any other outcome records the attempt (status, a one-line error, never the reply's body) and
+schedules the next: 2 s after the first failure, then doubling, at most 30 s apart. A delivery
+still failing `GIVE_UP_S` after it was made is given up (`reg webhook deliveries` lists it).
+Each subscriber's due deliveries go in order on a thread of their own, and a failure ends that
+subscriber's turn in the pass: a receiver that is down or hangs delays only its own.
+
+One deliverer at a time per registry (the `webhooks` lease): `reg server`'s background loop,
+or embedded, the process a command starts when it wrote events and the policy has webhooks
+(`spawn`), or `reg webhook deliver`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+from sqlmodel import col, select
+
+from registry.catalog import leases
+from registry.catalog.workflow_models import DELIVERED, GIVEN_UP, PENDING, WebhookDelivery
+from registry.errors import RegistryError
+from registry.timeutil import now
+from registry.webhooks import net
+from registry.webhooks.fanout import fan_out
+from registry.webhooks.signing import HEADER, read_secret, signature
+
+if TYPE_CHECKING:
+    from policies.loader import Webhook
+    from registry.catalog.engine import Catalog
+    from registry.config import Settings
+
+log = logging.getLogger("reg.webhooks")
+LEASE = "webhooks"
+FIRST_RETRY_S, MAX_BACKOFF_S = 2.0, 30.0
+GIVE_UP_S = 3 * 86400.0
+DUE_PER_PASS = 200
+USER_AGENT = "reg-webhooks/1"
+
+
+@dataclass
+class Pass:
+    """What one or more passes did."""
+
+    delivered: int = 0
+    failed: int = 0
+    given_up: int = 0
+    added: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: Pass) -> None:
+        self.delivered += other.delivered
+        self.failed += other.failed
+        self.given_up += other.given_up
+        self.added += other.added
+        self.errors += other.errors[-5:]
+
+
+def backoff(attempts: int) -> float:
+    """Seconds before the next attempt after `attempts` failed ones (1: the first)."""
+    return float(min(MAX_BACKOFF_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1)))
+
+
+def headers_for(delivery_event: str, ident: str, text: str, secret: bytes) -> dict[str, str]:
+    return {
+        "Content-Type": "application/json",
+        "User-Agent": USER_AGENT,
+        "X-Reg-Event": delivery_event,
+        "X-Reg-Delivery": ident,
+        HEADER: signature(secret, int(time.time()), text),
+    }
+
+
+def run_pass(catalog: Catalog, hooks: list[Webhook]) -> Pass:
+    """Fan out, then attempt every delivery due now."""
+    out = Pass(added=fan_out(catalog, hooks))
+    by_name = {h.name: h for h in hooks}
+    with catalog.session() as s:
+        due = list(
+            s.exec(
+                select(WebhookDelivery)
+                .where(
+                    WebhookDelivery.status == PENDING,
+                    col(WebhookDelivery.next_attempt_at) <= now(),
+                    col(WebhookDelivery.subscriber).in_(list(by_name)),
+                )
+                .order_by(col(WebhookDelivery.id))
+                .limit(DUE_PER_PASS)
+            )
+        )
+    queues: dict[str, list[WebhookDelivery]] = {}
+    for d in due:
+        queues.setdefault(d.subscriber, []).append(d)
+    if not queues:
+        return out
+    with ThreadPoolExecutor(max_workers=min(8, len(queues))) as pool:
+        done = pool.map(lambda n: _queue(catalog, by_name[n], queues[n]), list(queues))
+        for result in done:
+            out.add(result)
+    return out
+
+
+def _queue(catalog: Catalog, hook: Webhook, due: list[WebhookDelivery]) -> Pass:
+    out = Pass()
+    secret, problem = None, ""
+    try:
+        secret = read_secret(hook.secret_file)
+    except RegistryError as exc:
+        problem = exc.message
+    for d in due:
+        started = now()
+        status = None
+        try:
+            if secret is None:
+                raise net.SendError(problem)
+            reply = net.post(
+                hook.url,
+                d.body.encode(),
+                headers_for(d.event, d.event_id, d.body, secret),
+                allow_private=hook.allow_private,
+            )
+            status = reply.status
+            error = None
+        except net.SendError as exc:
+            status, error = exc.status, exc.message
+        _record(catalog, d, status, error, started)
+        if error is None:
+            out.delivered += 1
+            continue
+        out.failed += 1
+        out.errors.append(f"{hook.name}: {error}")
+        if started - d.created_at >= GIVE_UP_S:
+            out.given_up += 1
+        break  # the rest of this subscriber's queue waits for its next turn
+    return out
+
+
+def _record(
+    catalog: Catalog, d: WebhookDelivery, status: int | None, error: str | None, at: float
+) -> None:
+    attempts = d.attempts + 1
+    values: dict[str, Any] = {"attempts": attempts, "last_status": status, "last_error": error}
+    if error is None:
+        values.update(status=DELIVERED, delivered_at=now(), last_error=None)
+    elif at - d.created_at >= GIVE_UP_S:
+        values.update(status=GIVEN_UP)
+    else:
+        values.update(next_attempt_at=now() + backoff(attempts))
+    with catalog.session(write=True) as s:
+        s.exec(
+            update(WebhookDelivery)
+            .where(col(WebhookDelivery.id) == d.id, col(WebhookDelivery.status) == PENDING)
+            .values(**values)
+        )
+
+
+def pending(catalog: Catalog, names: list[str]) -> tuple[int, float | None]:
+    """How many deliveries of these subscribers wait, and when the first is due."""
+    from sqlalchemy import func
+
+    with catalog.session() as s:
+        count, due = s.exec(
+            select(func.count(), func.min(WebhookDelivery.next_attempt_at)).where(
+                WebhookDelivery.status == PENDING, col(WebhookDelivery.subscriber).in_(names)
+            )
+        ).one()
+    return int(count), due
+
+
+def drain(catalog: Catalog, hooks: list[Webhook], budget_s: float, holder: str) -> dict[str, Any]:
+    """Passes until nothing is pending or the budget is spent, holding the lease (another
+    deliverer running: nothing is done)."""
+    deadline = time.monotonic() + budget_s
+    total = Pass()
+    token, _ = leases.try_acquire(catalog, LEASE, holder, budget_s + 30)
+    if token is None:
+        left, _ = pending(catalog, [h.name for h in hooks])
+        return {"delivered": 0, "failed": 0, "given_up": 0, "pending": left, "busy": True}
+    try:
+        while True:
+            total.add(run_pass(catalog, hooks))
+            left, due = pending(catalog, [h.name for h in hooks])
+            if not left or due is None:
+                break
+            wait = max(0.2, due - now())
+            if time.monotonic() + wait >= deadline:
+                break
+            time.sleep(min(wait, 1.0))
+    finally:
+        leases.release(catalog, LEASE, token)
+    return {
+        "delivered": total.delivered,
+        "failed": total.failed,
+        "given_up": total.given_up,
+        "pending": left,
+        "errors": total.errors[-5:],
+    }
+
+
+# -- the embedded deliverer ----------------------------------------------------------------------
+
+
+def spawn(settings: Settings) -> None:
+    """Start the deliverer after a command, detached: the command never waits for receivers."""
+    log_path = settings.home / "webhooks.log"
+    try:
+        with open(log_path, "ab") as out:
+            subprocess.Popen(
+                [sys.executable, "-m", "registry.webhooks.deliver", "--budget", "60"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                close_fds=True,
+                env={**os.environ, "REG_HOME": str(settings.home)},
+            )
+    except OSError:
+        pass  # the deliveries wait for the next command, or `reg webhook deliver`
+
+
+def main(argv: list[str] | None = None) -> int:
+    from registry.config import Settings
+    from registry.local import LocalRegistry
+
+    parser = argparse.ArgumentParser(prog="python -m registry.webhooks.deliver")
+    parser.add_argument("--budget", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    with LocalRegistry(Settings.from_env()) as reg:
+        ctx = reg.context
+        out = drain(ctx.catalog, ctx.policy.rules.webhooks, args.budget, ctx.actor)
+    print(json.dumps({"ts": now(), **out}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

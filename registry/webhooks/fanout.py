@@ -1,0 +1,98 @@
+"""The outbox's events, copied into one delivery row per subscriber that wants them.
+
+A subscriber starts with the events after it first appears in the policy in force (its cursor
+is made at the outbox's end); none older reach it. Each pass reads the events past the cursor
+and, again, those of the last `LOOKBACK_S` (a transaction can commit after one with a higher id
+was read: its event is not skipped), skips what a delivery row already holds, and adds the rest
+in one transaction with the cursor's move. The mirror's progress (`done_at`) plays no part:
+webhooks are delivered whether or not MLflow is on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func
+from sqlmodel import col, select
+
+from registry.catalog.models import OutboxEvent
+from registry.catalog.workflow_models import WebhookCursor, WebhookDelivery
+from registry.timeutil import now
+from registry.webhooks.events import body, event_id, wanted, webhook_event
+
+if TYPE_CHECKING:
+    from policies.loader import Webhook
+    from registry.catalog.engine import Catalog
+
+LOOKBACK_S = 120.0
+BATCH = 1000
+
+
+def fan_out(catalog: Catalog, hooks: list[Webhook]) -> int:
+    """Add the delivery rows due; how many were added."""
+    if not hooks:
+        return 0
+    added = 0
+    with catalog.session(write=True) as s:
+        at = now()
+        top = s.exec(select(func.max(OutboxEvent.id))).one() or 0
+        cursors = {c.subscriber: c for c in s.exec(select(WebhookCursor))}
+        live = []
+        for hook in hooks:
+            if hook.name not in cursors:
+                cursors[hook.name] = WebhookCursor(subscriber=hook.name, outbox_id=top, since=at)
+                s.add(cursors[hook.name])
+            else:
+                live.append(hook)
+        if not live:
+            return 0
+        low = min(cursors[h.name].outbox_id for h in live)
+        ahead = list(
+            s.exec(
+                select(OutboxEvent)
+                .where(col(OutboxEvent.id) > low)
+                .order_by(col(OutboxEvent.id))
+                .limit(BATCH)
+            )
+        )
+        late = list(  # committed after a higher id was read: within the lookback
+            s.exec(
+                select(OutboxEvent)
+                .where(col(OutboxEvent.id) <= low, col(OutboxEvent.ts) >= at - LOOKBACK_S)
+                .order_by(col(OutboxEvent.id))
+                .limit(BATCH)
+            )
+        )
+        found = late + ahead
+        for hook in live:
+            cursor = cursors[hook.name]
+            mine = [e for e in found if e.ts >= cursor.since]
+            have = set(
+                s.exec(
+                    select(WebhookDelivery.outbox_id).where(
+                        WebhookDelivery.subscriber == hook.name,
+                        col(WebhookDelivery.outbox_id).in_([e.id for e in mine]),
+                    )
+                )
+            )
+            for e in mine:
+                name = webhook_event(e.kind, e.payload)
+                if e.id in have or name is None or not wanted(hook.events, name):
+                    continue
+                ident = event_id(e.id or 0, e.ts, e.kind)
+                s.add(
+                    WebhookDelivery(
+                        subscriber=hook.name,
+                        event_id=ident,
+                        event=name,
+                        outbox_id=e.id or 0,
+                        body=body(name, ident, e.ts, e.payload),
+                        created_at=at,
+                        next_attempt_at=at,
+                    )
+                )
+                added += 1
+            if ahead:
+                cursor.outbox_id = max(cursor.outbox_id, ahead[-1].id or 0)
+                s.add(cursor)
+    return added
