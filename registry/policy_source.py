@@ -32,9 +32,12 @@ if TYPE_CHECKING:
 
 
 class EffectivePolicy:
-    def __init__(self, text: str, source: str) -> None:
+    def __init__(self, text: str, source: str, since: float | None = None) -> None:
         self.text = text
         self.source = source  # where it came from, for people: a path or "catalog policy vN"
+        # When it took effect: applied to the catalog, or the file's last change (a webhook
+        # subscriber it adds gets the events from then on); None: the shipped default.
+        self.since = since
 
     @classmethod
     def for_server(
@@ -57,7 +60,7 @@ class EffectivePolicy:
             raise found.error
         if found.version is None:
             return cls._local(policy_path, home)
-        return cls(found.text, found.source)
+        return cls(found.text, found.source, found.applied_at)
 
     @classmethod
     def on_host(
@@ -83,7 +86,8 @@ class EffectivePolicy:
                 stacklevel=3,
             )
             local = cls._local(policy_path, home)
-            return cls(local.text, f"{local.source} (the catalog's policy is unproven)")
+            source = f"{local.source} (the catalog's policy is unproven)"
+            return cls(local.text, source, local.since)
 
     @classmethod
     def load(cls, catalog: Catalog, *, policy_path: Path | None, home: Path) -> EffectivePolicy:
@@ -91,7 +95,7 @@ class EffectivePolicy:
         with catalog.dbapi() as (conn, _):
             cursor = conn.cursor()
             cursor.execute(
-                "SELECT version, text, applied_by FROM policy_document "
+                "SELECT version, text, applied_by, applied_at FROM policy_document "
                 "ORDER BY version DESC LIMIT 1"
             )
             applied = cursor.fetchone()
@@ -103,7 +107,8 @@ class EffectivePolicy:
                     "which every client uses",
                     stacklevel=3,
                 )
-            return cls(applied[1], f"catalog policy v{applied[0]} (applied by {applied[2]})")
+            source = f"catalog policy v{applied[0]} (applied by {applied[2]})"
+            return cls(applied[1], source, applied[3])
         return cls._local(policy_path, home)
 
     @classmethod
@@ -111,7 +116,9 @@ class EffectivePolicy:
         local = policy_path or home / "policy.toml"
         path = policy_path or (local if local.exists() else DEFAULT_POLICY_PATH)
         try:
-            return cls(Path(path).read_text(), str(path))
+            text = Path(path).read_text()
+            since = None if path == DEFAULT_POLICY_PATH else Path(path).stat().st_mtime
+            return cls(text, str(path), since)
         except OSError as exc:
             raise PolicyError(
                 f"cannot read policy {path}: {exc.strerror}", "check REG_POLICY"

@@ -56,6 +56,7 @@ class InForce:
     version: int | None = None
     text: str = ""
     applied_by: str = ""
+    applied_at: float | None = None
     seal: int | None = None
     error: UnprovenFact | None = None
     ignored: tuple[str, ...] = ()
@@ -165,6 +166,7 @@ def prove(session: Session, store: BaseStore, key: bytes) -> InForce:
             version=row.version,
             text=row.text,
             applied_by=row.applied_by,
+            applied_at=row.applied_at,
             seal=proof.seq,
             ignored=tuple(ignored),
             pending=pending,

@@ -108,13 +108,16 @@ class Background:
 
         from registry.webhooks.deliver import drain
 
-        hooks, read_at = [], -POLICY_EVERY_S
+        hooks, since, read_at = [], None, -POLICY_EVERY_S
         while not self.stop.wait(WEBHOOKS_EVERY_S):
             try:
                 if time.monotonic() - read_at >= POLICY_EVERY_S:  # proving it reads the store
-                    hooks, read_at = list(self.state.policy().rules.webhooks), time.monotonic()
+                    policy = self.state.policy()
+                    hooks, since = list(policy.rules.webhooks), policy.since
+                    read_at = time.monotonic()
                 if hooks:
-                    out = drain(self.state.catalog, hooks, WEBHOOKS_EVERY_S * 5, SERVER_PRINCIPAL)
+                    budget = WEBHOOKS_EVERY_S * 5
+                    out = drain(self.state.catalog, hooks, budget, SERVER_PRINCIPAL, since)
                     if out.get("delivered") or out.get("failed"):
                         log.info(json.dumps({"webhooks": out}))
             except Exception:

@@ -82,9 +82,9 @@ def headers_for(delivery_event: str, ident: str, text: str, secret: bytes) -> di
     }
 
 
-def run_pass(catalog: Catalog, hooks: list[Webhook]) -> Pass:
+def run_pass(catalog: Catalog, hooks: list[Webhook], since: float | None = None) -> Pass:
     """Fan out, then attempt every delivery due now."""
-    out = Pass(added=fan_out(catalog, hooks))
+    out = Pass(added=fan_out(catalog, hooks, since))
     by_name = {h.name: h for h in hooks}
     with catalog.session() as s:
         due = list(
@@ -178,7 +178,13 @@ def pending(catalog: Catalog, names: list[str]) -> tuple[int, float | None]:
     return int(count), due
 
 
-def drain(catalog: Catalog, hooks: list[Webhook], budget_s: float, holder: str) -> dict[str, Any]:
+def drain(
+    catalog: Catalog,
+    hooks: list[Webhook],
+    budget_s: float,
+    holder: str,
+    since: float | None = None,
+) -> dict[str, Any]:
     """Passes until nothing is pending or the budget is spent, holding the lease (another
     deliverer running: nothing is done)."""
     deadline = time.monotonic() + budget_s
@@ -189,7 +195,7 @@ def drain(catalog: Catalog, hooks: list[Webhook], budget_s: float, holder: str) 
         return {"delivered": 0, "failed": 0, "given_up": 0, "pending": left, "busy": True}
     try:
         while True:
-            total.add(run_pass(catalog, hooks))
+            total.add(run_pass(catalog, hooks, since))
             left, due = pending(catalog, [h.name for h in hooks])
             if not left or due is None:
                 break
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with LocalRegistry(Settings.from_env()) as reg:
         ctx = reg.context
-        out = drain(ctx.catalog, ctx.policy.rules.webhooks, args.budget, ctx.actor)
+        hooks = ctx.policy.rules.webhooks
+        out = drain(ctx.catalog, hooks, args.budget, ctx.actor, ctx.policy.since)
     print(json.dumps({"ts": now(), **out}), flush=True)
     return 0
 

@@ -1,11 +1,11 @@
 """The outbox's events, copied into one delivery row per subscriber that wants them.
 
-A subscriber starts with the events after it first appears in the policy in force (its cursor
-is made at the outbox's end); none older reach it. Each pass reads the events past the cursor
-and, again, those of the last `LOOKBACK_S` (a transaction can commit after one with a higher id
-was read: its event is not skipped), skips what a delivery row already holds, and adds the rest
-in one transaction with the cursor's move. The mirror's progress (`done_at`) plays no part:
-webhooks are delivered whether or not MLflow is on.
+A subscriber starts with the events from when the policy naming it took effect (applied to
+the catalog, or the policy file's last change); none older reach it. Each pass reads the events
+past the cursor and, again, those of the last `LOOKBACK_S` (a transaction can commit after one
+with a higher id was read: its event is not skipped), skips what a delivery row already holds,
+and adds the rest in one transaction with the cursor's move. The mirror's progress (`done_at`)
+plays no part: webhooks are delivered whether or not MLflow is on.
 """
 
 from __future__ import annotations
@@ -28,24 +28,26 @@ LOOKBACK_S = 120.0
 BATCH = 1000
 
 
-def fan_out(catalog: Catalog, hooks: list[Webhook]) -> int:
-    """Add the delivery rows due; how many were added."""
+def fan_out(catalog: Catalog, hooks: list[Webhook], since: float | None = None) -> int:
+    """Add the delivery rows due; how many were added. A subscriber seen for the first time
+    starts with the events from `since` (when the policy naming it took effect; None: now)."""
     if not hooks:
         return 0
     added = 0
     with catalog.session(write=True) as s:
         at = now()
-        top = s.exec(select(func.max(OutboxEvent.id))).one() or 0
+        start = at if since is None else min(at, since)
         cursors = {c.subscriber: c for c in s.exec(select(WebhookCursor))}
-        live = []
         for hook in hooks:
             if hook.name not in cursors:
-                cursors[hook.name] = WebhookCursor(subscriber=hook.name, outbox_id=top, since=at)
+                before = s.exec(
+                    select(func.max(OutboxEvent.id)).where(col(OutboxEvent.ts) < start)
+                ).one()
+                cursors[hook.name] = WebhookCursor(
+                    subscriber=hook.name, outbox_id=before or 0, since=start
+                )
                 s.add(cursors[hook.name])
-            else:
-                live.append(hook)
-        if not live:
-            return 0
+        live = list(hooks)
         low = min(cursors[h.name].outbox_id for h in live)
         ahead = list(
             s.exec(
