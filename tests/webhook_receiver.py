@@ -17,6 +17,7 @@ class Received:
     headers: dict[str, str]
     body: str
     at: float
+    hung: bool = False  # held past the sender's deadline: the sender saw no reply
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -39,17 +40,22 @@ class Receiver:
             def do_POST(self) -> None:
                 size = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(size).decode()
-                if receiver.hang_s:
-                    time.sleep(receiver.hang_s)
+                self.close_connection = True
+                hung = receiver.hang_s
+                if hung:
+                    time.sleep(hung)
                 receiver.received.append(
-                    Received(self.path, dict(self.headers.items()), body, time.time())
+                    Received(self.path, dict(self.headers.items()), body, time.time(), bool(hung))
                 )
-                self.send_response(receiver.status)
-                if receiver.location:
-                    self.send_header("Location", receiver.location)
-                self.send_header("Content-Length", "17")
-                self.end_headers()
-                self.wfile.write(b"secret reply body")
+                try:
+                    self.send_response(receiver.status)
+                    if receiver.location:
+                        self.send_header("Location", receiver.location)
+                    self.send_header("Content-Length", "17")
+                    self.end_headers()
+                    self.wfile.write(b"secret reply body")
+                except OSError:
+                    pass  # the sender gave up on a hung reply
 
             def log_message(self, *args: Any) -> None:
                 pass

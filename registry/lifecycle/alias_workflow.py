@@ -16,7 +16,7 @@ from sqlmodel import select
 
 from policies.access import Action, check_grants
 from policies.workflow import named_by, protection_for
-from registry.catalog.models import ACTIVE, Model, Release
+from registry.catalog.models import ACTIVE, Alias, Model, Release
 from registry.catalog.workflow_models import APPROVED, OPEN, REJECTED
 from registry.errors import Conflict, NotFound, PermissionDenied, UsageError
 from registry.lifecycle import alias_requests
@@ -62,7 +62,10 @@ def change_alias(
     {"request": ...}."""
     check_alias(alias)
     rule = _protection(ctx, model.name, alias)
-    if rule is None:
+    current = session.exec(
+        select(Alias.release_id).where(Alias.model_id == model.id, Alias.name == alias)
+    ).first()
+    if rule is None or current == release.id:  # free, or there already (nothing moves)
         previous = apply_alias_move(ctx, session, model, alias, release)
         return {"previous": f"v{previous}" if previous else None}
     if rule.requesters is not None and not _named(ctx, rule.requesters, model.name):

@@ -108,6 +108,7 @@ def _connect(address: str, port: int, host: str, *, https: bool) -> socket.socke
         sock = socket.create_connection((address, port), timeout=CONNECT_S)
     except OSError as exc:
         raise SendError(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
+    sock.settimeout(DEADLINE_S)  # connected: the exchange's deadline bounds it from here
     if not https:
         return sock
     try:
