@@ -26,6 +26,7 @@ from pydantic import (
 from policies import DEFAULT_POLICY_PATH
 from policies.durations import NEVER, parse_duration
 from policies.layouts import RESUME_CLASSES
+from policies.workflow import WEBHOOK_EVENTS, check_url
 from registry.errors import PolicyError
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?i?B|B)?", re.IGNORECASE)
@@ -271,8 +272,6 @@ class Webhook(_Model):
     @field_validator("events")
     @classmethod
     def _events(cls, v: list[str]) -> list[str]:
-        from policies.workflow import WEBHOOK_EVENTS
-
         for name in v:
             if name != "*" and name not in WEBHOOK_EVENTS:
                 raise ValueError(f"unknown event {name!r}; known: {', '.join(WEBHOOK_EVENTS)}")
@@ -287,8 +286,6 @@ class Webhook(_Model):
 
     @model_validator(mode="after")
     def _url(self) -> Webhook:
-        from policies.workflow import check_url
-
         check_url(self.url, allow_private=self.allow_private)
         return self
 

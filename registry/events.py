@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.mirror.spawn import spawn_drain
 from registry.timeutil import now
+from registry.webhooks.spawn import spawn_deliverer
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -89,6 +90,4 @@ class Outbox:
 
             spawn_drain(self._settings)
             if self._webhooks:
-                from registry.webhooks.deliver import spawn
-
-                spawn(self._settings)
+                spawn_deliverer(self._settings)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, select
 
+from policies.workflow import protection_for
 from registry import audit, signed_facts
 from registry.audit_chain.keys import key_id
 from registry.catalog import queries
@@ -282,8 +283,6 @@ def _unapproved(ctx: Context, e: Event) -> str | None:
     """Why a move of an alias the policy protects may not be replayed: the journal must record
     as many distinct approvers, none its requester, as the rule in force asks (a journal event
     written around the command moves nothing the command would not have)."""
-    from policies.workflow import protection_for
-
     model, alias = e.target["model"], e.fact["alias"]
     rule = protection_for(ctx.policy.rules.protected_aliases, model, alias)
     if rule is None:

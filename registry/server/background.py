@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from registry.audit_chain import keys
@@ -104,8 +105,6 @@ class Background:
     def _webhook_loop(self) -> None:
         """Deliver the policy's webhooks (`registry.webhooks.deliver`): on a thread of its own,
         so a receiver that hangs delays only its own deliveries, never a request."""
-        import time
-
         from registry.webhooks.deliver import drain
 
         hooks, since, read_at = [], None, -POLICY_EVERY_S

@@ -3,6 +3,7 @@ secrets are the server's; behind it, secrets never leave it, and only their stat
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -114,7 +115,6 @@ def test(ctx: Context, name: str) -> dict[str, Any]:
     ctx.authorize(Action.POLICY, target=f"webhook {name}")
     hook = _named(ctx, name)
     ident = f"evt_ping_{uuid.uuid4().hex[:24]}"
-    import json
 
     text = json.dumps(
         {

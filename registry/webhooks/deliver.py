@@ -9,17 +9,12 @@ subscriber's turn in the pass: a receiver that is down or hangs delays only its 
 
 One deliverer at a time per registry (the `webhooks` lease): `reg server`'s background loop,
 or embedded, the process a command starts when it wrote events and the policy has webhooks
-(`spawn`), or `reg webhook deliver`.
+(`registry.webhooks.spawn`, running `python -m registry.webhooks`), or `reg webhook deliver`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +34,6 @@ from registry.webhooks.signing import HEADER, read_secret, signature
 if TYPE_CHECKING:
     from policies.loader import Webhook
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
 
 log = logging.getLogger("reg.webhooks")
 LEASE = "webhooks"
@@ -212,43 +206,3 @@ def drain(
         "pending": left,
         "errors": total.errors[-5:],
     }
-
-
-# -- the embedded deliverer ----------------------------------------------------------------------
-
-
-def spawn(settings: Settings) -> None:
-    """Start the deliverer after a command, detached: the command never waits for receivers."""
-    log_path = settings.home / "webhooks.log"
-    try:
-        with open(log_path, "ab") as out:
-            subprocess.Popen(
-                [sys.executable, "-m", "registry.webhooks.deliver", "--budget", "60"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,
-                close_fds=True,
-                env={**os.environ, "REG_HOME": str(settings.home)},
-            )
-    except OSError:
-        pass  # the deliveries wait for the next command, or `reg webhook deliver`
-
-
-def main(argv: list[str] | None = None) -> int:
-    from registry.config import Settings
-    from registry.local import LocalRegistry
-
-    parser = argparse.ArgumentParser(prog="python -m registry.webhooks.deliver")
-    parser.add_argument("--budget", type=float, default=60.0)
-    args = parser.parse_args(argv)
-    with LocalRegistry(Settings.from_env()) as reg:
-        ctx = reg.context
-        hooks = ctx.policy.rules.webhooks
-        out = drain(ctx.catalog, hooks, args.budget, ctx.actor, ctx.policy.since)
-    print(json.dumps({"ts": now(), **out}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
