@@ -265,3 +265,21 @@ def test_the_webhook_commands(
     assert res.returncode == 2 and "unknown status" in res.stderr
     audit = [e["action"] for e in Registry().audit_log()]
     assert audit.count("webhook-test") == 2  # an unknown name is refused before it
+
+
+def test_the_readme_receiver_example_checks_what_reg_signs():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = readme.split("A receiver checks it so:", 1)[1]
+    code = after.split("```python\n", 1)[1].split("```", 1)[0]
+    space: dict[str, object] = {}
+    exec(code, space)
+    verified = space["verified"]
+    secret, body = b"s" * 32, '{"id":"evt_1","event":"ping"}'
+    header = signature(secret, int(time.time()), body)
+    seen: set[str] = set()
+    assert verified(secret, header, body.encode(), seen)  # type: ignore[operator]
+    assert not verified(secret, header, body.encode(), seen)  # type: ignore[operator]  # repeat
+    other: set[str] = set()
+    assert not verified(b"t" * 32, header, body.encode(), other)  # type: ignore[operator]
+    old = signature(secret, int(time.time()) - 3600, body)
+    assert not verified(secret, old, body.encode(), other)  # type: ignore[operator]
