@@ -134,14 +134,17 @@ def approve(ctx: Context, request_id: int, version: str | int | None = None) -> 
             ),
         )
     with ctx.catalog.session(write=True) as s:
-        request = _decidable(ctx, request_id, s)  # again, under the write lock
+        # The release's row locked first (PostgreSQL; SQLite's write lock is the catalog's):
+        # two approvals of one request, or an approval and a yank, take turns, so the one
+        # that completes the request sees the other and moves the alias.
+        release = s.get(Release, request.row.release_id, with_for_update=True)
+        request = _decidable(ctx, request_id, s)  # again, under the lock
         if ctx.actor in request.approvers:
             raise Conflict(
                 f"{ctx.actor} already approved request {request.id}",
                 f"it waits for {request.row.approvals_needed - len(request.approvers)} more "
                 "approval(s) from others",
             )
-        release = s.get(Release, request.row.release_id)
         model = s.get(Model, request.row.model_id)
         if release is None or model is None or release.status != ACTIVE:
             raise Conflict(
@@ -168,6 +171,7 @@ def reject(ctx: Context, request_id: int, reason: str) -> dict[str, Any]:
     if not requester and not _named(ctx, rule.approvers, request.model):
         raise _refused(ctx, "reject", _target(request), rule.approvers, request=request.id)
     with ctx.catalog.session(write=True) as s:
+        s.get(Release, request.row.release_id, with_for_update=True)  # as approve: in turn
         request = _decidable(ctx, request_id, s)
         return _shown(ctx, alias_requests.decide(ctx, s, request, REJECTED, text))
 
