@@ -283,3 +283,11 @@ def test_the_readme_receiver_example_checks_what_reg_signs():
     assert not verified(b"t" * 32, header, body.encode(), other)  # type: ignore[operator]
     old = signature(secret, int(time.time()) - 3600, body)
     assert not verified(secret, old, body.encode(), other)  # type: ignore[operator]
+
+
+def test_applying_a_policy_names_a_subscriber_whose_secret_is_unusable(tmp_path: Path):
+    policy = tmp_path / "p.toml"
+    policy.write_text(hook_policy("https://deploy.example/hook", tmp_path / "absent"))
+    with Registry() as reg:
+        applied = reg.apply_policy(policy)
+    assert any("webhook deploy: secret file" in w for w in applied["warnings"]), applied

@@ -12,17 +12,18 @@ from sqlalchemy import func
 from sqlmodel import select
 
 from policies.access import Action, check_grants, scoped_admin_grants
-from policies.loader import Policy, load_policy_file, parse_policy
+from policies.loader import Policy, Webhook, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry import signed_facts
 from registry.audit_chain.service import seal_now
 from registry.catalog.models import PolicyDocument
-from registry.errors import PolicyError, UnprovenFact, UsageError
+from registry.errors import PolicyError, RegistryError, UnprovenFact, UsageError
 from registry.journal.event import POLICY
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
 from registry.operations.gc import emit_expiry_changes
 from registry.timeutil import now
+from registry.webhooks.signing import read_secret
 
 if TYPE_CHECKING:
     from registry.context import Context
@@ -93,8 +94,20 @@ def apply_text(ctx: Context, text: str, name: str) -> dict[str, Any]:
         # committed before the catalog kept key paths: not decided until `reg catalog migrate`
         # (or their first show, pull, validate or promote) records them
         "resume_undecided": len(undecided(ctx)),
-        "warnings": resume_overrides(parsed.resume),
+        "warnings": resume_overrides(parsed.resume) + _webhook_warnings(parsed.webhooks),
     }
+
+
+def _webhook_warnings(hooks: list[Webhook]) -> list[str]:
+    """Subscribers whose secret file this process (the server, embedded the user) cannot use:
+    applied all the same (the file may come later), their deliveries wait and say why."""
+    out = []
+    for hook in hooks:
+        try:
+            read_secret(hook.secret_file)
+        except RegistryError as exc:
+            out.append(f"webhook {hook.name}: {exc.message}; its deliveries wait until it is fixed")
+    return out
 
 
 def _in_force_now(ctx: Context, version: int) -> None:
