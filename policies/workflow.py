@@ -130,8 +130,22 @@ def address_problem(
     address: ipaddress.IPv4Address | ipaddress.IPv6Address, *, allow_private: bool
 ) -> str | None:
     """Why the server must not connect to `address` (None: it may)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:169.254.169.254 is 169.254.169.254
+    if isinstance(address, ipaddress.IPv6Address):
+        # an IPv4 address inside (::ffff:169.254.169.254, 6to4 2002:a9fe:a9fe::, Teredo's
+        # client) is judged as that address too
+        if address.ipv4_mapped is not None:  # the same address, as IPv4 (the kernel's view)
+            return address_problem(address.ipv4_mapped, allow_private=allow_private)
+        inner = address.sixtofour or (address.teredo or (None, None))[1]
+        if inner is not None:
+            problem = address_problem(inner, allow_private=allow_private)
+            if problem:
+                return f"{address} carries {problem}"
+        if address.is_site_local:  # fec0::/10, deprecated but still routed privately
+            return (
+                None
+                if allow_private
+                else f"{address} is a site-local address: allowed only with allow_private"
+            )
     if address.is_link_local or address in _METADATA:
         return f"{address} is link-local or a cloud metadata address: never allowed"
     private = address.is_loopback or address.is_private or address in _SHARED

@@ -5,6 +5,7 @@ all; drained into MLflow after the command, never adding to its latency.
 
 from __future__ import annotations
 
+import uuid
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,15 +74,21 @@ class Outbox:
     has webhooks, a detached deliverer (`registry.webhooks.deliver`; `reg server` delivers from
     its own loop)."""
 
-    def __init__(self, settings: Settings, *, webhooks: bool = False) -> None:
+    def __init__(
+        self, settings: Settings, *, webhooks: bool = False, audit_key: bytes | None = None
+    ) -> None:
         self._settings = settings
         self._webhooks = webhooks  # embedded: deliver them after the command (issue 38)
+        self._key = audit_key  # the server's (or its host's): each event carries its MAC
         self._written = False
 
     def emit(self, session: Session, kind: str, **payload: Any) -> None:
+        from registry.audit_chain.macs import normalized, outbox_mac
         from registry.catalog.models import OutboxEvent
 
-        session.add(OutboxEvent(ts=now(), kind=kind, payload=payload))
+        uid, ts, body = uuid.uuid4().hex, now(), normalized(payload)
+        mac = outbox_mac(self._key, uid, ts, kind, body) if self._key else None
+        session.add(OutboxEvent(ts=ts, kind=kind, payload=body, uid=uid, mac=mac))
         self._written = True
 
     def flush(self) -> None:

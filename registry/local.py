@@ -151,7 +151,7 @@ class LocalRegistry(Registry):
                 )
             )
             if self._events is None:
-                self._events = Outbox(self.settings, webhooks=policy.has_webhooks)
+                self._events = Outbox(self.settings, webhooks=policy.has_webhooks, audit_key=key)
             self._context = Context(
                 catalog=self.catalog,
                 store=self.store,

@@ -249,3 +249,46 @@ def test_a_journal_replay_keeps_approved_moves_and_skips_unapproved_ones(
         assert ops.show("tiny@prod")["version"] == 1
         moved = [h for h in ops.show("tiny:v1")["alias_history"] if h["alias"] == "prod"]
         assert moved[0]["requested_by"] == "alice" and moved[0]["approved_by"] == ["bob"]
+
+
+def test_a_policy_change_applies_to_the_requests_already_open(policy_file, two_versions):
+    rule = '[[protected_aliases]]\nalias = "prod"\napprovers = {who}\napprovals = {n}\n'
+    policy_file(CPU + rule.format(who='["bob", "carol"]', n=1))
+    with as_user("alice") as alice:
+        asked = alice.set_alias("tiny", "prod", "v1")
+    policy_file(CPU + rule.format(who='["bob", "carol", "dave"]', n=2))  # stricter since
+    with as_user("bob") as bob:
+        assert not bob.approve(asked.request).moved  # 2 are needed now
+    policy_file(CPU + rule.format(who='["carol", "dave"]', n=2))  # bob is no approver any more
+    with as_user("carol") as carol:
+        counted = carol.approve(asked.request)
+        assert not counted.moved and counted.state == "open"  # bob's approval no longer counts
+        with pytest.raises(NotFound):
+            carol.show("tiny@prod")
+    with as_user("dave") as dave:
+        assert dave.approve(asked.request).moved
+        moved = [h for h in dave.show("tiny:v1")["alias_history"] if h["alias"] == "prod"]
+        assert moved[0]["approved_by"] == ["carol", "dave"]
+
+
+def test_a_rebuild_keeps_a_move_made_before_its_alias_was_protected(two_versions, tmp_path: Path):
+    open_policy, strict = tmp_path / "open.toml", tmp_path / "strict.toml"
+    open_policy.write_text(CPU)
+    strict.write_text(protected(approvals=2))
+    with as_user("alice") as alice:
+        alice.apply_policy(open_policy)
+    with as_user("alice") as alice:
+        assert isinstance(alice.set_alias("tiny", "prod", "v2"), AliasMoved)  # free then
+        alice.apply_policy(strict)
+    lose_catalog(Settings.from_env().home)
+    with as_user("ops") as ops:
+        rebuilt = ops.rebuild_catalog()
+        assert not [s for s in rebuilt.events_skipped if "protected" in s["reason"]]
+        assert ops.show("tiny@prod")["version"] == 2
+
+
+def test_request_ids_out_of_range_are_one_line(two_versions, cli):
+    for bad in ("99999999999999999999", "0", "-3"):
+        res = cli("approve", "--", bad) if bad.startswith("-") else cli("approve", bad)
+        assert res.returncode == 2, (bad, res.stderr)
+        assert "Traceback" not in res.stderr and "internal error" not in res.stderr

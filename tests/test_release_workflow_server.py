@@ -116,6 +116,20 @@ def test_protected_aliases_and_webhooks_through_the_server(
         assert {d["status"] for d in deliveries} == {"delivered"}
         hung = [d for d in deliveries if d["attempts"] > 1]
         assert hung and hung[0]["event"] in ("alias.rejected", "release.deprecated")
+
+        # Rows written around the server are never signed with the subscriber's secret.
+        forged_id = _forge_webhook_rows(catalog_url)
+        deadline = time.monotonic() + 20
+        while True:
+            shown = {d["id"]: d for d in _json(cli("webhook", "deliveries", "--json"))}
+            if shown.get(forged_id, {}).get("status") == "given-up":
+                break
+            assert time.monotonic() < deadline, shown.get(forged_id)
+            time.sleep(0.3)
+        assert "not the server's" in shown[forged_id]["last_error"]
+        time.sleep(2.5)  # the forged outbox event had as long as the real ones took
+        assert not [r for r in receiver.received if "forged" in r.body]
+        assert "unsigned or its MAC does not verify" in reg_server.log_text()
     finally:
         receiver.stop()
 
@@ -133,3 +147,30 @@ def _forge_approval(catalog_url: str, request: int, by: str) -> None:
     with catalog.session(write=True) as s:
         s.add(AliasDecision(request_id=request, decision="approved", by=by, at=time.time()))
     catalog.dispose()
+
+
+def _forge_webhook_rows(catalog_url: str) -> int:
+    """An outbox event and a delivery row inserted as any catalog writer could: the delivery's
+    id."""
+    from registry.catalog.engine import Catalog
+    from registry.catalog.models import OutboxEvent
+    from registry.catalog.workflow_models import WebhookDelivery
+
+    catalog = Catalog(catalog_url)
+    payload = {"model": "forged", "alias": "prod", "version": 9}
+    with catalog.session(write=True) as s:
+        s.add(OutboxEvent(ts=time.time(), kind="release.alias", payload=payload, uid="f" * 32))
+        row = WebhookDelivery(
+            subscriber="deploy",
+            event_id="evt_forged",
+            event="alias.moved",
+            outbox_id=0,
+            body='{"event":"alias.moved","id":"evt_forged","data":{"model":"forged"}}',
+            created_at=time.time(),
+            next_attempt_at=time.time(),
+        )
+        s.add(row)
+        s.flush()
+        forged = row.id or 0
+    catalog.dispose()
+    return forged

@@ -173,6 +173,9 @@ def test_where_the_server_may_send(receiver: Receiver):
         ("https://169.254.169.254/latest/meta-data", True, "link-local or a cloud metadata"),
         ("http://[fd00:ec2::254]/", True, "cloud metadata"),
         ("https://100.100.100.200/", True, "cloud metadata"),
+        ("https://[2002:a9fe:a9fe::]/", True, "carries 169.254.169.254"),  # 6to4
+        ("https://[::ffff:169.254.169.254]/", True, "cloud metadata"),
+        ("https://[fec0::1]/", False, "site-local"),
         (receiver.url, False, "must be https"),
         ("https://127.0.0.1/x", False, "allowed only with allow_private"),
         ("https://localhost:9/x", False, "resolves to 127.0.0.1 is a loopback"),
@@ -214,6 +217,12 @@ def test_the_secret_file_is_the_servers_alone(tmp_path: Path):
         read_secret(str(link))
     with pytest.raises(UsageError, match="No such file"):
         read_secret(str(tmp_path / "missing"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    started = time.monotonic()
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_secret(str(fifo))  # never blocks on a FIFO planted there
+    assert time.monotonic() - started < 1.0
 
 
 def test_bad_webhook_entries_are_refused(tmp_path: Path):

@@ -37,6 +37,18 @@ def normalized(details: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def outbox_mac(key: bytes, uid: str, ts: float, kind: str, payload: dict[str, Any]) -> str:
+    """An outbox event's MAC (issue 38): what webhooks send is what the server emitted."""
+    content = {"uid": uid, "ts": ts, "kind": kind, "payload": payload}
+    return hmac.new(key, b"reg.outbox/1\n" + canonical(content), hashlib.sha256).hexdigest()
+
+
+def delivery_mac(key: bytes, subscriber: str, event_id: str, body: str) -> str:
+    """A webhook delivery's MAC: its body is sent, and signed for the receiver, only as made."""
+    content = {"subscriber": subscriber, "event_id": event_id, "body": body}
+    return hmac.new(key, b"reg.delivery/1\n" + canonical(content), hashlib.sha256).hexdigest()
+
+
 def event_content(row: Any) -> dict[str, Any]:
     return {name: getattr(row, name) for name in EVENT_FIELDS}
 

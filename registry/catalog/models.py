@@ -440,6 +440,10 @@ class OutboxEvent(SQLModel, table=True):
     done_at: float | None = Field(default=None, index=True)
     attempts: int = 0
     last_error: str | None = None
+    # (migration 0019) a random id, the webhook event's; behind the server a MAC over the
+    # event (`macs.outbox_mac`): a row written around it is never delivered to a subscriber
+    uid: str | None = Field(default=None, max_length=32)
+    mac: str | None = Field(default=None, max_length=64)
 
 
 class ApiToken(SQLModel, table=True):

@@ -38,7 +38,6 @@ class AliasDecision(SQLModel, table=True):
     """One principal's decision on a request: approved, rejected or cancelled."""
 
     __tablename__ = "alias_decision"
-    __table_args__ = (UniqueConstraint("request_id", "by", "decision"),)
     id: int | None = Field(default=None, primary_key=True)
     request_id: int = Field(foreign_key="alias_request.id", index=True)
     decision: str = Field(max_length=16)
@@ -52,6 +51,7 @@ class WebhookCursor(SQLModel, table=True):
     subscriber: str = Field(primary_key=True, max_length=64)
     outbox_id: int = Field(sa_type=BigInteger)  # fanned out up to here
     since: float  # when the subscriber first got events: none older reach it
+    url: str = Field(max_length=2048)  # a name reused for another URL starts afresh
 
 
 class WebhookDelivery(SQLModel, table=True):
@@ -66,6 +66,7 @@ class WebhookDelivery(SQLModel, table=True):
     event: str = Field(max_length=32)
     outbox_id: int = Field(sa_type=BigInteger)
     body: str = Field(sa_type=Text)  # the exact bytes every attempt sends
+    body_mac: str | None = Field(default=None, max_length=64)  # `macs.delivery_mac`, with a key
     created_at: float
     status: str = Field(default=PENDING, max_length=16)
     attempts: int = 0

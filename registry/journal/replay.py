@@ -249,6 +249,7 @@ def apply_decisions(ctx: Context, out: Replay) -> None:
     for e in out.events:
         if e.kind == YANK:
             yanked.setdefault((e.target["model"], e.target["version"]), e.ts)
+    policies = [e for e in out.events if e.kind == POLICY]  # in time order, as events are
     for model, moves in _grouped(out.events, (ALIAS,), ("model",), _last):
         del model
         lost = moves[0].target["model"] in out.models or all(
@@ -262,7 +263,7 @@ def apply_decisions(ctx: Context, out: Replay) -> None:
             if since is not None and since <= e.ts:
                 out.skip(e.key, f"{e.describe()}: the release was yanked before it")
                 continue
-            unapproved = _unapproved(ctx, e)
+            unapproved = _unapproved(ctx, e, policies)
             if unapproved:
                 out.skip(e.key, f"{e.describe()}: {unapproved}")
                 continue
@@ -279,12 +280,28 @@ def apply_decisions(ctx: Context, out: Replay) -> None:
             out.current.update(e.kind for e in group)
 
 
-def _unapproved(ctx: Context, e: Event) -> str | None:
-    """Why a move of an alias the policy protects may not be replayed: the journal must record
-    as many distinct approvers, none its requester, as the rule in force asks (a journal event
-    written around the command moves nothing the command would not have)."""
+def _unapproved(ctx: Context, e: Event, policies: list[Event]) -> str | None:
+    """Why a move of a protected alias may not be replayed. A signed event (its MAC checked by
+    `read`) was written by the command, through the protection: it stands. An unsigned one
+    must record as many distinct approvers, none its requester, as the rule in force at its
+    time asked: the journal's last policy before it, else (none journaled: a policy file) the
+    one in force now. So an event a store writer added moves nothing the command would not
+    have, and a move made before its alias was protected is not undone."""
+    from policies.loader import parse_policy  # pydantic: as _policy's
+
+    if e.mac is not None:
+        return None
     model, alias = e.target["model"], e.fact["alias"]
-    rule = protection_for(ctx.policy.rules.protected_aliases, model, alias)
+    earlier = [p for p in policies if p.ts <= e.ts]
+    try:
+        if earlier:
+            then = earlier[-1]
+            rules = parse_policy(then.fact["text"], f"journal policy v{then.target['version']}")
+        else:
+            rules = ctx.policy.rules
+    except PolicyError as exc:
+        return f"the policy in force then cannot be read ({exc.message})"
+    rule = protection_for(rules.protected_aliases, model, alias)
     if rule is None:
         return None
     requester = e.fact.get("requested_by")

@@ -2,8 +2,9 @@
 
 A request names the exact version; its state is derived, never stored:
 
-    approved   `approvals_needed` distinct approvers, never the requester, approved it (the
-               alias moved in the transaction of the last approval)
+    approved   the alias moved: in the transaction of the approval that made enough distinct
+               approvers (never the requester) that the rule in force still names, at least
+               `approvals_needed` and the rule's own count (`alias_workflow.approve`)
     rejected   an approver, or the requester, turned it down (with a reason)
     cancelled  its version was yanked or deprecated
     expired    none of these before `expires_at`
@@ -26,6 +27,7 @@ from sqlmodel import Session, col, select
 
 from registry import events
 from registry import signed_facts as facts
+from registry.catalog.models import AliasEvent
 from registry.catalog.workflow_models import (
     APPROVED,
     CANCELLED,
@@ -53,6 +55,7 @@ class Request:
     model: str
     decisions: tuple[AliasDecision, ...]
     at: float
+    moved: bool = False  # an alias move names it: it was approved
 
     @property
     def id(self) -> int:
@@ -74,7 +77,7 @@ class Request:
 
     @property
     def state(self) -> str:
-        if len(self.approvers) >= self.row.approvals_needed:
+        if self.moved:
             return APPROVED
         closing = self.closing
         if closing is not None:
@@ -138,8 +141,14 @@ def load(
     by_request: dict[int, list[AliasDecision]] = {}
     for d in decided:
         by_request.setdefault(d.request_id, []).append(d)
+    moved = set(
+        session.exec(select(AliasEvent.request_id).where(col(AliasEvent.request_id).in_(ids)))
+    )
     at = now()
-    return [Request(r, name, tuple(by_request.get(r.id or 0, ())), at) for r, name in rows]
+    return [
+        Request(r, name, tuple(by_request.get(r.id or 0, ())), at, r.id in moved)
+        for r, name in rows
+    ]
 
 
 def _signed(

@@ -10,6 +10,7 @@ names a version approves only that version.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
@@ -26,6 +27,7 @@ from registry.lifecycle.releases import (
     resolve_release,
 )
 from registry.lifecycle.views import ReleaseView
+from registry.principal import Principal
 from registry.refs import ReleaseRef, check_alias, check_name, check_reason
 
 if TYPE_CHECKING:
@@ -153,10 +155,23 @@ def approve(ctx: Context, request_id: int, version: str | int | None = None) -> 
                 "reject it, and ask for an active version",
             )
         after = alias_requests.decide(ctx, s, request, APPROVED)
-        out = _shown(ctx, after)
-        if after.state == APPROVED:
-            previous = apply_alias_move(ctx, s, model, request.row.alias, release, after)
-            out.update(moved=True, previous=f"v{previous}" if previous else None)
+        # Counted: approvers the rule in force still names (a policy change since the request
+        # applies to it), against the stricter of the request's count and the rule's.
+        counted = [
+            name
+            for name in after.approvers
+            if name == ctx.actor or _names(ctx, _recorded(ctx, name), rule.approvers, model.name)
+        ]
+        if len(counted) < max(request.row.approvals_needed, rule.approvals):
+            return _shown(ctx, after)
+        approval = {
+            "request": request.id,
+            "requested_by": request.row.requested_by,
+            "approved_by": counted,
+        }
+        previous = apply_alias_move(ctx, s, model, request.row.alias, release, approval)
+        out = _shown(ctx, replace(after, moved=True))
+        out.update(moved=True, previous=f"v{previous}" if previous else None)
         return out
 
 
@@ -226,7 +241,11 @@ def _rule_in_force(ctx: Context, request: Request) -> ProtectedAlias:
 def _decidable(ctx: Context, request_id: int, session: Session | None = None) -> Request:
     """The open request `request_id` the caller may read (NotFound, or Conflict naming its
     state); read in `session` where given (the write transaction that decides it)."""
-    if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 1:
+    if (
+        isinstance(request_id, bool)
+        or not isinstance(request_id, int)
+        or not 0 < request_id < 2**31
+    ):
         raise UsageError(f"bad request id {request_id!r}", "reg requests lists them")
     if session is None:
         with ctx.catalog.session() as s:
@@ -253,7 +272,15 @@ def _decidable(ctx: Context, request_id: int, session: Session | None = None) ->
 
 def _named(ctx: Context, entries: list[str], model: str) -> bool:
     """Does the policy name this Context's principal among `entries` for `model`?"""
-    principal = ctx.principal
+    return _names(ctx, ctx.principal, entries, model)
+
+
+def _recorded(ctx: Context, name: str) -> Principal:
+    """An approver recorded earlier, with what the policy in force grants that name now."""
+    return Principal.under(name, "recorded approval", ctx.policy)
+
+
+def _names(ctx: Context, principal: Principal, entries: list[str], model: str) -> bool:
     owner = None if principal.single_user else ctx.model_owner(model)
 
     def covers(grant: Grant) -> bool:

@@ -36,7 +36,6 @@ from registry.transfer import download
 
 if TYPE_CHECKING:
     from registry.context import Context
-    from registry.lifecycle.alias_requests import Request
     from registry.progress import Progress
 
 
@@ -261,11 +260,12 @@ def apply_alias_move(
     model: Model,
     alias: str,
     release: Release,
-    request: Request | None = None,
+    approval: dict[str, Any] | None = None,
 ) -> int | None:
     """Point `alias` at `release` (in the caller's transaction); returns the previous version.
     Only once the alias's protection allowed it: `alias_workflow.change_alias` decides, and
-    `request` is the approved request of a protected alias."""
+    `approval` names a protected alias's request, its requester and the approvers counted
+    ({"request", "requested_by", "approved_by"})."""
     check_alias(alias)
     if release.status == YANKED:
         raise Conflict(
@@ -290,15 +290,7 @@ def apply_alias_move(
         row.release_id, row.updated_at, row.updated_by = release.id or 0, when, ctx.actor
     session.add(row)
     if previous != release.version:
-        approval: dict[str, Any] = (
-            {}
-            if request is None
-            else {
-                "request": request.id,
-                "requested_by": request.row.requested_by,
-                "approved_by": request.approvers,
-            }
-        )
+        approval = approval or {}
         session.add(
             AliasEvent(
                 model_id=model.id or 0,
@@ -307,9 +299,9 @@ def apply_alias_move(
                 to_version=release.version,
                 ts=when,
                 actor=ctx.actor,
-                request_id=request.id if request else None,
-                requested_by=request.row.requested_by if request else None,
-                approved_by=",".join(request.approvers) if request else None,
+                request_id=approval.get("request"),
+                requested_by=approval.get("requested_by"),
+                approved_by=",".join(approval.get("approved_by") or ()) or None,
             )
         )
         ctx.audit(

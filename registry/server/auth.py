@@ -52,7 +52,7 @@ def context_for(request: Request) -> Context:
         store=state.store,
         policy=policy,
         principal=principal,
-        events=Outbox(state.settings),
+        events=Outbox(state.settings, audit_key=state.key),
         workers=state.settings.workers,
         server=True,
         audit_key=state.key,  # signs its events and facts

@@ -116,7 +116,14 @@ class Background:
                     read_at = time.monotonic()
                 if hooks:
                     budget = WEBHOOKS_EVERY_S * 5
-                    out = drain(self.state.catalog, hooks, budget, SERVER_PRINCIPAL, since)
+                    out = drain(
+                        self.state.catalog,
+                        hooks,
+                        budget,
+                        SERVER_PRINCIPAL,
+                        since,
+                        self.state.key,
+                    )
                     if out.get("delivered") or out.get("failed"):
                         log.info(json.dumps({"webhooks": out}))
             except Exception:
@@ -148,7 +155,7 @@ class Background:
         # ttl = "0s").
         policy = state.policy()
         # The schedule acts for the server itself, registry-wide: an admin by construction.
-        events = Outbox(state.settings)
+        events = Outbox(state.settings, audit_key=state.key)
         ctx = Context(
             catalog=state.catalog,
             store=state.store,

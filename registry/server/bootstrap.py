@@ -117,7 +117,7 @@ def _as_admin(
         store=open_store(settings.store_url, s3=settings.s3),
         policy=policy,
         principal=Principal.under(admin, f"reg server init by {operator}", policy),
-        events=Outbox(settings),
+        events=Outbox(settings, audit_key=audit_key),
         audit_key=audit_key,
         signing_dir=settings.signing_dir,
     )

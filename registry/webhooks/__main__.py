@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     with LocalRegistry(Settings.from_env()) as reg:
         ctx = reg.context
         hooks = ctx.policy.rules.webhooks
-        out = drain(ctx.catalog, hooks, args.budget, ctx.actor, ctx.policy.since)
+        out = drain(ctx.catalog, hooks, args.budget, ctx.actor, ctx.policy.since, ctx.audit_key)
     print(json.dumps({"ts": now(), **out}), flush=True)
     return 0
 

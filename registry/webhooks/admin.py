@@ -152,7 +152,8 @@ def deliver_now(ctx: Context, budget_s: float) -> dict[str, Any]:
         raise UsageError(f"budget {budget_s} s is not in (0, 3600]")
     if ctx.server:
         budget_s = min(budget_s, SERVER_BUDGET_S)
-    out = drain(ctx.catalog, ctx.policy.rules.webhooks, budget_s, ctx.actor, ctx.policy.since)
+    hooks, since = ctx.policy.rules.webhooks, ctx.policy.since
+    out = drain(ctx.catalog, hooks, budget_s, ctx.actor, since, ctx.audit_key)
     return {k: out.get(k, 0) for k in ("delivered", "failed", "given_up", "pending")} | {
         "busy": bool(out.get("busy")),
         "errors": list(out.get("errors", [])),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import update
 from sqlmodel import col, select
 
+from registry.audit_chain.macs import delivery_mac, same
 from registry.catalog import leases
 from registry.catalog.workflow_models import DELIVERED, GIVEN_UP, PENDING, WebhookDelivery
 from registry.errors import RegistryError
@@ -41,6 +42,7 @@ FIRST_RETRY_S, MAX_BACKOFF_S = 2.0, 30.0
 GIVE_UP_S = 3 * 86400.0
 DUE_PER_PASS = 200
 USER_AGENT = "reg-webhooks/1"
+LEASE_MARGIN_S = net.CONNECT_S + net.DEADLINE_S + 30
 
 
 @dataclass
@@ -76,9 +78,16 @@ def headers_for(delivery_event: str, ident: str, text: str, secret: bytes) -> di
     }
 
 
-def run_pass(catalog: Catalog, hooks: list[Webhook], since: float | None = None) -> Pass:
-    """Fan out, then attempt every delivery due now."""
-    out = Pass(added=fan_out(catalog, hooks, since))
+def run_pass(
+    catalog: Catalog,
+    hooks: list[Webhook],
+    since: float | None = None,
+    deadline: float | None = None,
+    key: bytes | None = None,
+) -> Pass:
+    """Fan out, then attempt the deliveries due now; none is started after `deadline` (a
+    monotonic time), so a pass ends at most one exchange (`net.DEADLINE_S`) after it."""
+    out = Pass(added=fan_out(catalog, hooks, since, key))
     by_name = {h.name: h for h in hooks}
     with catalog.session() as s:
         due = list(
@@ -99,13 +108,21 @@ def run_pass(catalog: Catalog, hooks: list[Webhook], since: float | None = None)
     if not queues:
         return out
     with ThreadPoolExecutor(max_workers=min(8, len(queues))) as pool:
-        done = pool.map(lambda n: _queue(catalog, by_name[n], queues[n]), list(queues))
+        done = pool.map(
+            lambda n: _queue(catalog, by_name[n], queues[n], deadline, key), list(queues)
+        )
         for result in done:
             out.add(result)
     return out
 
 
-def _queue(catalog: Catalog, hook: Webhook, due: list[WebhookDelivery]) -> Pass:
+def _queue(
+    catalog: Catalog,
+    hook: Webhook,
+    due: list[WebhookDelivery],
+    deadline: float | None,
+    key: bytes | None,
+) -> Pass:
     out = Pass()
     secret, problem = None, ""
     try:
@@ -113,8 +130,16 @@ def _queue(catalog: Catalog, hook: Webhook, due: list[WebhookDelivery]) -> Pass:
     except RegistryError as exc:
         problem = exc.message
     for d in due:
+        if deadline is not None and time.monotonic() >= deadline:
+            break  # the rest in the next pass: the lease and the caller's budget hold
         started = now()
         status = None
+        if key is not None and not (
+            d.body_mac and same(d.body_mac, delivery_mac(key, d.subscriber, d.event_id, d.body))
+        ):  # written or changed around the server: never signed with the subscriber's secret
+            _record(catalog, d, None, "its body is not the server's (MAC): not sent", started, True)
+            out.given_up += 1
+            continue
         try:
             if secret is None:
                 raise net.SendError(problem)
@@ -141,13 +166,18 @@ def _queue(catalog: Catalog, hook: Webhook, due: list[WebhookDelivery]) -> Pass:
 
 
 def _record(
-    catalog: Catalog, d: WebhookDelivery, status: int | None, error: str | None, at: float
+    catalog: Catalog,
+    d: WebhookDelivery,
+    status: int | None,
+    error: str | None,
+    at: float,
+    give_up: bool = False,
 ) -> None:
     attempts = d.attempts + 1
     values: dict[str, Any] = {"attempts": attempts, "last_status": status, "last_error": error}
     if error is None:
         values.update(status=DELIVERED, delivered_at=now(), last_error=None)
-    elif at - d.created_at >= GIVE_UP_S:
+    elif give_up or at - d.created_at >= GIVE_UP_S:
         values.update(status=GIVEN_UP)
     else:
         values.update(next_attempt_at=now() + backoff(attempts))
@@ -178,18 +208,20 @@ def drain(
     budget_s: float,
     holder: str,
     since: float | None = None,
+    key: bytes | None = None,
 ) -> dict[str, Any]:
     """Passes until nothing is pending or the budget is spent, holding the lease (another
     deliverer running: nothing is done)."""
     deadline = time.monotonic() + budget_s
     total = Pass()
-    token, _ = leases.try_acquire(catalog, LEASE, holder, budget_s + 30)
+    # held past the budget by at most one exchange (no send starts after the deadline)
+    token, _ = leases.try_acquire(catalog, LEASE, holder, budget_s + LEASE_MARGIN_S)
     if token is None:
         left, _ = pending(catalog, [h.name for h in hooks])
         return {"delivered": 0, "failed": 0, "given_up": 0, "pending": left, "busy": True}
     try:
         while True:
-            total.add(run_pass(catalog, hooks, since))
+            total.add(run_pass(catalog, hooks, since, deadline, key))
             left, due = pending(catalog, [h.name for h in hooks])
             if not left or due is None:
                 break

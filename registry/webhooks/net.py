@@ -60,7 +60,7 @@ def post(
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     address = _resolve(host, port, allow_private)
-    sock = _connect(address, port, host, https=parts.scheme == "https")
+    sock = _connect(address, port, host, https=parts.scheme == "https", deadline_s=deadline_s)
     cutoff = threading.Timer(max(0.1, deadline_s - (time.monotonic() - started)), _cut, [sock])
     cutoff.daemon = True
     cutoff.start()
@@ -103,12 +103,16 @@ def _resolve(host: str, port: int, allow_private: bool) -> str:
     return addresses[0]
 
 
-def _connect(address: str, port: int, host: str, *, https: bool) -> socket.socket:
+def _connect(
+    address: str, port: int, host: str, *, https: bool, deadline_s: float
+) -> socket.socket:
+    started = time.monotonic()
     try:
-        sock = socket.create_connection((address, port), timeout=CONNECT_S)
+        sock = socket.create_connection((address, port), timeout=min(CONNECT_S, deadline_s))
     except OSError as exc:
         raise SendError(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
-    sock.settimeout(DEADLINE_S)  # connected: the exchange's deadline bounds it from here
+    # connected: what is left of the deadline bounds the handshake and the exchange
+    sock.settimeout(max(0.1, deadline_s - (time.monotonic() - started)))
     if not https:
         return sock
     try:

@@ -24,7 +24,8 @@ MIN_BYTES, MAX_BYTES = 16, 4096
 def read_secret(path: str) -> bytes:
     """The secret in `path`, or UsageError saying what is wrong with the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted there fails the regular-file check, never blocks us
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(
             f"secret file {path}: {exc.strerror}",

@@ -6,7 +6,9 @@
 - `alias_event.request_id`, `requested_by`, `approved_by`: a protected alias's history names
   who asked and who approved. Plain ADD COLUMNs: 0001's append-only triggers stay.
 - `webhook_cursor`, `webhook_delivery`: the outbox's events fanned out to each webhook
-  subscriber, one delivery row per subscriber and event, retried until a 2xx reply.
+  subscriber, one delivery row per subscriber and event, retried until a 2xx reply; behind the
+  server each body carries a MAC (`body_mac`).
+- `outbox_event.uid`, `mac`: an event's own id (the webhook's) and, behind the server, its MAC.
 
 Revision ID: 0019
 Revises: 0018
@@ -46,7 +48,8 @@ def upgrade() -> None:
         sa.Column("by", sa.String(), nullable=False),
         sa.Column("at", sa.Float(), nullable=False),
         sa.Column("reason", sa.String(), nullable=True),
-        sa.UniqueConstraint("request_id", "by", "decision"),
+        # no UNIQUE (request, by, decision): a row written around the server, which the
+        # server ignores, must not block the genuine decision of the same name
     )
     op.create_index("ix_alias_decision_request_id", "alias_decision", ["request_id"])
     for table in _APPEND_ONLY:
@@ -64,11 +67,14 @@ def upgrade() -> None:
     op.add_column("alias_event", sa.Column("request_id", sa.Integer(), nullable=True))
     op.add_column("alias_event", sa.Column("requested_by", sa.String(), nullable=True))
     op.add_column("alias_event", sa.Column("approved_by", sa.String(), nullable=True))
+    op.add_column("outbox_event", sa.Column("uid", sa.String(length=32), nullable=True))
+    op.add_column("outbox_event", sa.Column("mac", sa.String(length=64), nullable=True))
     op.create_table(
         "webhook_cursor",
         sa.Column("subscriber", sa.String(length=64), primary_key=True),
         sa.Column("outbox_id", sa.BigInteger(), nullable=False),
         sa.Column("since", sa.Float(), nullable=False),
+        sa.Column("url", sa.String(length=2048), nullable=False),
     )
     op.create_table(
         "webhook_delivery",
@@ -78,6 +84,7 @@ def upgrade() -> None:
         sa.Column("event", sa.String(length=32), nullable=False),
         sa.Column("outbox_id", sa.BigInteger(), nullable=False),
         sa.Column("body", sa.Text(), nullable=False),
+        sa.Column("body_mac", sa.String(length=64), nullable=True),
         sa.Column("created_at", sa.Float(), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
@@ -93,6 +100,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("webhook_delivery")
     op.drop_table("webhook_cursor")
+    for column in ("mac", "uid"):
+        op.drop_column("outbox_event", column)
     for column in ("approved_by", "requested_by", "request_id"):
         op.drop_column("alias_event", column)  # no table rebuild: its triggers stay
     for table in reversed(_APPEND_ONLY):
