@@ -9,6 +9,7 @@ import uuid
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from registry.audit_chain.macs import normalized, outbox_mac
 from registry.mirror.spawn import spawn_drain
 from registry.timeutil import now
 from registry.webhooks.spawn import spawn_deliverer
@@ -83,7 +84,6 @@ class Outbox:
         self._written = False
 
     def emit(self, session: Session, kind: str, **payload: Any) -> None:
-        from registry.audit_chain.macs import normalized, outbox_mac
         from registry.catalog.models import OutboxEvent
 
         uid, ts, body = uuid.uuid4().hex, now(), normalized(payload)

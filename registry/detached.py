@@ -1,0 +1,32 @@
+"""Start a module of reg as a process of its own, detached from the command that asks for it:
+the MLflow drain and the webhook deliverer run after a command without adding to its time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from registry.config import Settings
+
+
+def start(settings: Settings, module: str, *args: str, log: str) -> None:
+    """`python -m module args...` in a new session, its output appended to REG_HOME/`log`. A
+    failure to start is silent: what it would do waits for the next command (each caller
+    says which command catches up)."""
+    try:
+        settings.home.mkdir(parents=True, exist_ok=True)
+        with open(settings.home / log, "ab") as out:
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                close_fds=True,
+                env={**os.environ, "REG_HOME": str(settings.home)},
+            )
+    except OSError:
+        pass
