@@ -292,3 +292,31 @@ def test_request_ids_out_of_range_are_one_line(two_versions, cli):
         res = cli("approve", "--", bad) if bad.startswith("-") else cli("approve", bad)
         assert res.returncode == 2, (bad, res.stderr)
         assert "Traceback" not in res.stderr and "internal error" not in res.stderr
+
+
+def test_two_approvals_at_once_move_the_alias(catalog_url, policy_file, ckpts):
+    """The second of two concurrent approvals sees the first (they take turns on the release's
+    row), so a two-approval request moves the alias, on SQLite and PostgreSQL."""
+    import threading
+
+    policy_file(protected(approvals=2))
+    with as_user("alice") as alice:
+        alice.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)
+        alice.promote("r@step2", model="tiny")
+        asked = alice.set_alias("tiny", "prod", "v1")
+    start, results = threading.Barrier(2), {}
+
+    def approve(who: str) -> None:
+        with as_user(who) as reg:
+            start.wait()
+            results[who] = reg.approve(asked.request)
+
+    threads = [threading.Thread(target=approve, args=(w,)) for w in ("bob", "carol")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(r.moved for r in results.values()) == [False, True]
+    with as_user("dave") as dave:
+        assert dave.show("tiny@prod")["version"] == 1
+        assert dave.alias_requests("tiny")[0].approved_by in (["bob", "carol"], ["carol", "bob"])
