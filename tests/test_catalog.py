@@ -73,7 +73,7 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     _migrate(cat, "0002", down=True)
     added = (
         ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
-        | ADDED_BY_0015 | ADDED_BY_0017
+        | ADDED_BY_0015 | ADDED_BY_0017 | ADDED_BY_0019
     )  # fmt: skip
     assert _triggers(cat) == guards - added
     _migrate(cat, "head")
@@ -110,6 +110,11 @@ ADDED_BY_0010 = {
 ADDED_BY_0017 = {
     f"{table}_{guard}"
     for table in ("signing_key_event", "release_signature")
+    for guard in ("no_update", "no_delete", "append_only")
+}
+ADDED_BY_0019 = {  # requests of protected aliases and the decisions on them
+    f"{table}_{guard}"
+    for table in ("alias_request", "alias_decision")
     for guard in ("no_update", "no_delete", "append_only")
 }
 ADDED_BY_0015 = {
