@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlmodel import col, select
 
 from registry.audit_chain.macs import delivery_mac, same
@@ -153,13 +153,13 @@ def _queue(
             error = None
         except net.SendError as exc:
             status, error = exc.status, exc.message
-        _record(catalog, d, status, error, started)
+        gave_up = _record(catalog, d, status, error, started)
         if error is None:
             out.delivered += 1
             continue
         out.failed += 1
         out.errors.append(f"{hook.name}: {error}")
-        if started - d.created_at >= GIVE_UP_S:
+        if gave_up:
             out.given_up += 1
         break  # the rest of this subscriber's queue waits for its next turn
     return out
@@ -172,13 +172,15 @@ def _record(
     error: str | None,
     at: float,
     give_up: bool = False,
-) -> None:
+) -> bool:
+    """Record one attempt; whether the delivery is given up now."""
     attempts = d.attempts + 1
     values: dict[str, Any] = {"attempts": attempts, "last_status": status, "last_error": error}
     if error is None:
         values.update(status=DELIVERED, delivered_at=now(), last_error=None)
     elif give_up or at - d.created_at >= GIVE_UP_S:
         values.update(status=GIVEN_UP)
+        give_up = True
     else:
         values.update(next_attempt_at=now() + backoff(attempts))
     with catalog.session(write=True) as s:
@@ -187,12 +189,11 @@ def _record(
             .where(col(WebhookDelivery.id) == d.id, col(WebhookDelivery.status) == PENDING)
             .values(**values)
         )
+    return give_up
 
 
 def pending(catalog: Catalog, names: list[str]) -> tuple[int, float | None]:
     """How many deliveries of these subscribers wait, and when the first is due."""
-    from sqlalchemy import func
-
     with catalog.session() as s:
         count, due = s.exec(
             select(func.count(), func.min(WebhookDelivery.next_attempt_at)).where(
