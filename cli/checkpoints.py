@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
+from cli.details import render_details
 from cli.render import emit_json, note, progress_for, table
 from registry.errors import UsageError
 from registry.refs import check_name
@@ -175,7 +176,7 @@ def show(
     if json_output:
         emit_json(out)
         return
-    _print_mapping(out.to_json())
+    sys.stdout.write(render_details(out.to_json()))
 
 
 def pull(
@@ -422,17 +423,3 @@ def unpin(
 
 def _yes(flag: bool, missing: list[str]) -> str:
     return "yes" if flag else f"no (missing {', '.join(missing)})"
-
-
-def _print_mapping(out: dict[str, Any], indent: str = "") -> None:
-    for key, value in out.items():
-        if isinstance(value, dict):
-            print(f"{indent}{key}:")
-            _print_mapping(value, indent + "  ")
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            print(f"{indent}{key}:")
-            for item in value:
-                print(f"{indent}  - " + ", ".join(f"{k}={v}" for k, v in item.items()))
-        else:
-            shown = ", ".join(map(str, value)) if isinstance(value, list) else value
-            print(f"{indent}{key}: {shown}")

@@ -23,15 +23,41 @@ from cli import policy as policy_commands
 from cli import releases as release_commands
 from cli import server as server_commands
 from cli import workflow as workflow_commands
+from cli.help import GroupedHelp, readable
 
 app = typer.Typer(
     name="reg",
-    help="Checkpoint and release-model registry for ML training.",
+    help="Checkpoint and release-model registry for ML training.\n\n"
+    "Docs: docs/ in the repository (mkdocs serve), the CLI reference at docs/reference/cli.md.",
+    cls=GroupedHelp,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"reg {version('reg')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print reg's version and exit.",
+    ),
+) -> None:
+    """Checkpoint and release-model registry for ML training."""
+
+
 checkpoint_commands.register(app)
 claim_commands.register(app)
 release_commands.register(app)
@@ -41,6 +67,11 @@ mirror_commands.register(app)
 server_commands.register(app)
 key_commands.register(app)
 workflow_commands.register(app)
+
+
+def command() -> Any:
+    """The click command tree `reg` runs, as its --help and docs/reference/cli.md show it."""
+    return readable(typer.main.get_command(app))
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
@@ -87,7 +118,7 @@ def run() -> int:
     from registry.errors import RegistryError
 
     try:
-        code = app(standalone_mode=False, prog_name="reg")
+        code = command().main(standalone_mode=False, prog_name="reg")
     except typer.TyperException as exc:  # typer's usage errors (its vendored click)
         return _usage(exc)
     except typer.Abort:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,7 @@ def test_code_allowed_by_policy_is_released_recorded_and_shown(
     shown = json.loads(cli("show", "tiny:v1", "--json").stdout)
     assert shown["code_extras"] == code
     human = cli("show", "tiny:v1")
-    assert "code_extras: config.json, modeling_tiny.py" in human.stdout.splitlines()
+    assert re.search(r"^  code extras +config\.json, modeling_tiny\.py$", human.stdout, re.M)
     again = json.loads(cli("promote", "r@step4", "--model", "tiny", *extras, "--json").stdout)
     assert again["existing"] and again["release"] == "tiny:v1" and again["code_extras"] == code
 

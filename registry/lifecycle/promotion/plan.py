@@ -43,6 +43,7 @@ from registry.signing.bundle import SIGNATURE_FILE
 from registry.signing.provenance import PROVENANCE_FILE
 
 if TYPE_CHECKING:
+    from policies.loader import PromotionPolicy
     from policies.resume import ResumeVerdict
     from registry.context import Context
     from registry.formats.hf_folder import ConfigRewrite
@@ -291,7 +292,7 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     considered = [] if runs_here else records
     gate = mode_gate(policy, considered) or device_gate(policy, considered, here)
     if gate:
-        raise GateNotMet(f"refusing to promote {plan.source}: {gate}")
+        raise GateNotMet(f"refusing to promote {plan.source}: {gate}", _gate_hint(policy, here))
     device = policy.require_device if policy.require_device == "cuda" else "auto"
     request = Request(
         resolve_device(device),
@@ -340,6 +341,16 @@ def _same_names(v: Validation, plan: PromotionPlan) -> bool:
 
     named = any(c.get("name") in ("model", "probe", "tied_weights") for c in v.checks)
     return not named or v.model_path == names_path(plan.resume.model_path, plan.strip_prefix)
+
+
+def _gate_hint(policy: PromotionPolicy, here: str) -> str | None:
+    """The way out for a machine without the device the policy requires: the CPU policy."""
+    if policy.require_device == "any" or here == policy.require_device:
+        return None
+    return (
+        'to promote on this machine instead, apply a policy with [promotion] require_device = "any"'
+        " (`reg policy apply examples/cpu-policy.toml`; docs/how-to/cpu-promotion.md)"
+    )
 
 
 def _cuda_available() -> bool:
