@@ -4,9 +4,9 @@ Runs bench.checkpoints, bench.promotion, bench.validation, bench.s3, bench.presi
 bench.server, bench.training, bench.gc, bench.mlflow_download and bench.fsck in turn on one
 shared 1.2 GiB checkpoint (made once by 2 torchrun ranks; bench.training saves its own state of
 that size from torchrun jobs); each prints ratios against baselines measured in the same run.
-README's validation figures come from `python -m bench.validation --gib 4` (the issue's 4 GiB
-checkpoint). Then bench.torture with 50 kills per operation and backend (`python -m
-bench.torture --n 500` is the large run).
+The validation figures of docs/development/benchmarks.md come from
+`python -m bench.validation --gib 4` (the issue's 4 GiB checkpoint). Then bench.torture with 50
+kills per operation and backend (`python -m bench.torture --n 500` is the large run).
 """
 
 from __future__ import annotations

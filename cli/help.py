@@ -85,7 +85,7 @@ EXAMPLES: dict[str, str] = {
     "keys revoke": 'reg keys revoke 3f2a9c1d --reason "private key leaked"',
     "policy show": "reg policy show",
     "policy check": "reg policy check policy.toml",
-    "policy apply": "reg policy apply examples/cpu-policy.toml",
+    "policy apply": "reg policy apply policy.toml",
     "policy export": "reg policy export --format s3 --bucket ckpts/reg",
     "token create": "reg token create alice --expires 90d",
     "token ls": "reg token ls",

@@ -13,7 +13,8 @@ from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note, table
 
 server_app = typer.Typer(
-    help="Run reg server: the one trusted process of a shared registry (DESIGN §9).",
+    help="Run reg server: the one trusted process of a shared registry "
+    "(docs/concepts/design.md §9).",
     invoke_without_command=True,
 )
 token_app = typer.Typer(help="Tokens of reg server (admin).", no_args_is_help=True)

@@ -7,7 +7,7 @@ train state, per-rank RNG under per-rank keys, and the data-loader position. Bes
 `ckpts/step-N.json` records the probe loss, and with `--full-weights` `ckpts/step-N.full.pt`
 holds the unsharded model weights (for bit-exact tests).
 
-`--layout` saves the same state in the shape another trainer writes (README: Checkpoint layouts):
+`--layout` saves the same state in the shape another trainer writes (docs/reference/layouts.md):
   dcp         {"model", "optimizer", "lr_scheduler", "train_state", "rng", "dataloader"}
   torchtitan  the model's names at the top level, the optimizer flattened (as torchtitan does),
               no RNG state; with --weights-only the model alone (torchtitan's last step)

@@ -11,8 +11,9 @@ and up; the server, behind `reg server`), and never deleted, since a rebuild of 
 replays it. It stays writable by trainers and up, not admins alone: in embedded mode each client
 journals its own decisions, so an admin-only journal would refuse every trainer's pin and
 validation and every releaser's alias move, deprecation and promotion that validates. The cost,
-stated in README: an unkeyed rebuild trusts every writer of `journal/` (into a lost catalog
-only); a deployment that does not trust its store writers runs `reg server`, which signs.
+stated in docs/concepts/security.md: an unkeyed rebuild trusts every writer of `journal/`
+(into a lost catalog only); a deployment that does not trust its store writers runs
+`reg server`, which signs.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ LOGIN_FILE = "login.json"  # `reg login`: {"url", "token"}, mode 0600
 
 def _var(env: str, default: str, meaning: str, *, file: str | None = None) -> Any:
     """A setting's documentation: its variable, its default as written, what it means, and its
-    config.toml key (README's configuration table is made from these: `reference()`)."""
+    config.toml key (docs/reference/configuration.md's table is made from these: `reference()`)."""
     return {"env": env, "default": default, "meaning": meaning, "file": file}
 
 
@@ -271,7 +271,8 @@ class Settings:
         metadata=_var(
             "REG_URL",
             "",
-            "remote mode: every command goes to `reg server` at this URL (DESIGN §9)",
+            "remote mode: every command goes to `reg server` at this URL "
+            "(docs/concepts/design.md §9)",
             file="url",
         ),
     )
@@ -479,7 +480,8 @@ def _server(env: dict[str, str], number: _Numbers) -> ServerSettings:
 
 
 def reference() -> str:
-    """README's configuration table, made from the settings' own documentation."""
+    """The settings table of docs/reference/configuration.md, made from the settings' own
+    documentation (`python -m cli.reference` writes it there)."""
     rows = ["| variable | config.toml | default | meaning |", "|---|---|---|---|"]
 
     def walk(kind: type) -> None:

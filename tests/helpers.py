@@ -341,3 +341,10 @@ def lose_catalog(home: Path) -> None:
     what `reg catalog rebuild` recovers from."""
     for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
         (home / name).unlink(missing_ok=True)
+
+
+def docs_text() -> str:
+    """Every page of the documentation site (docs/**/*.md), whitespace collapsed: what tests
+    that hold the docs to the code's behaviour search, wherever a page puts the passage."""
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    return " ".join(" ".join(page.read_text().split()) for page in pages)

@@ -14,35 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _commands() -> list[str]:
-    from typer.main import get_command
-
-    from cli.main import app
-
-    group = get_command(app)
-    names = []
-    for name, cmd in group.commands.items():  # type: ignore[attr-defined]
-        sub = getattr(cmd, "commands", None)
-        names += [f"{name} {s}" for s in sub] if sub else [name]
-    return names
-
-
-def test_every_command_has_help_and_is_in_readme():
-    from typer.main import get_command
-
-    from cli.main import app
-
-    readme = (ROOT / "README.md").read_text()
-    group = get_command(app)
-    for name in _commands():
-        parts = name.split()
-        cmd = group.commands[parts[0]]  # type: ignore[attr-defined]
-        if len(parts) > 1:
-            cmd = cmd.commands[parts[1]]
-        assert cmd.help, f"reg {name} has no help text"
-        assert f"reg {name}" in readme, f"reg {name} is not documented in README.md"
-
-
 def test_cli_round_trip_with_json(deployment, cli, ckpts, tmp_path, catalog_url):
     res = cli(
         "push-ckpt",

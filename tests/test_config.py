@@ -1,5 +1,5 @@
-"""Settings: read once, typed and nested, secrets hidden in their repr, and README's
-configuration table made from them."""
+"""Settings: read once, typed and nested, secrets hidden in their repr, and the configuration
+reference (docs/reference/configuration.md) made from them."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from registry.errors import UsageError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_configuration_table_is_the_settings_own():
-    readme = (ROOT / "README.md").read_text()
-    assert reference() in readme
+def test_the_configuration_reference_is_the_settings_own():
+    page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    assert reference() in page
     for var in ("REG_CATALOG_URL", "REG_SERVER_UPLOADS", "REG_OIDC_REQUIRE", "AWS_MAX_ATTEMPTS"):
         assert f"| `{var}` |" in reference()
 

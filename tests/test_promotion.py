@@ -25,7 +25,7 @@ from registry.errors import (
     ValidationFailed,
 )
 from tests import tamper
-from tests.conftest import ROOT
+from tests.helpers import docs_text
 from tests.zygote import Running, run_reg
 
 FACTORY = "examples.tiny_model:build_model"
@@ -126,7 +126,7 @@ def test_a_model_factory_is_part_of_what_makes_a_release_the_same(cpu_policy, re
 def test_a_factory_release_made_before_the_factory_was_in_the_key_gets_one_new_version(
     cpu_policy, reg, ckpts, monkeypatch
 ):
-    """What README's "The model factory is part of a release's identity" says of an older
+    """What the docs' "The model factory is part of a release's identity" says of an older
     release made with --model-factory: its key is the one without a factory, so promoting again
     with the factory makes one new version (then returns it); without the factory returns the
     old one. reg does not try to match the older key."""
@@ -154,11 +154,11 @@ def test_a_factory_release_made_before_the_factory_was_in_the_key_gets_one_new_v
     assert repeated["release"] == "tiny:v2" and repeated["existing"]
     plain = reg.promote("r@step4", model="tiny")
     assert plain["release"] == "tiny:v1" and plain["existing"]
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "keep their identity (these options are added to the key only when given)" in readme
-    assert "again with the factory makes one new version" in readme
-    assert "promoting it again without the factory returns the older release" in readme
-    assert "releases made before these rewrites existed keep their identity" not in readme
+    documented = docs_text()
+    assert "keep their identity (these options are added to the key only when given)" in documented
+    assert "again with the factory makes one new version" in documented
+    assert "promoting it again without the factory returns the older release" in documented
+    assert "releases made before these rewrites existed keep their identity" not in documented
 
 
 def test_reserved_names_are_refused_as_extras(cpu_policy, reg, ckpts, tmp_path):

@@ -276,9 +276,9 @@ def test_the_webhook_commands(
     assert audit.count("webhook-test") == 2  # an unknown name is refused before it
 
 
-def test_the_readme_receiver_example_checks_what_reg_signs():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    after = readme.split("A receiver checks it so:", 1)[1]
+def test_the_documented_receiver_example_checks_what_reg_signs():
+    page = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "release-workflow.md"
+    after = page.read_text().split("A receiver checks it so:", 1)[1]
     code = after.split("```python\n", 1)[1].split("```", 1)[0]
     space: dict[str, object] = {}
     exec(code, space)

@@ -348,8 +348,9 @@ def _gate_hint(policy: PromotionPolicy, here: str) -> str | None:
     if policy.require_device == "any" or here == policy.require_device:
         return None
     return (
-        'to promote on this machine instead, apply a policy with [promotion] require_device = "any"'
-        " (`reg policy apply examples/cpu-policy.toml`; docs/how-to/cpu-promotion.md)"
+        'or, to promote without a GPU, add [promotion] require_device = "any" to the policy you'
+        " apply, as examples/cpu-policy.toml does, and `reg policy apply` it:"
+        " docs/how-to/cpu-promotion.md"
     )
 
 
