@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from registry.timeutil import human_bytes
+
 _SIZES = {"bytes", "tensor_bytes", "size", "freed_bytes"}
 _SECONDS = {"seconds", "upload_seconds", "restore_seconds", "save_seconds"}
 _LABELS = {
@@ -117,7 +119,7 @@ def _value(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if key in _SIZES and isinstance(value, int):
-        return human_size(value)
+        return human_bytes(value)
     if key in _SECONDS and isinstance(value, int | float):
         return f"{value:.3g} s"
     if isinstance(value, list):
@@ -125,13 +127,3 @@ def _value(key: str, value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={_value(k, v)}" for k, v in value.items() if not _empty(v))
     return str(value)
-
-
-def human_size(n: int) -> str:
-    """1321592 -> '1.3 MB'; bytes below 1 kB as they are."""
-    size = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
