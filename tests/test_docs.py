@@ -97,3 +97,49 @@ def test_the_readme_is_short_and_links_into_the_docs():
         assert (ROOT / link).is_file(), link
     for task in ("push-ckpt", "require_device", "reg server"):
         assert task in readme
+
+
+def _policy_keys(model: type, prefix: str = "") -> list[str]:
+    """Every key a policy file can write, as `table.key` (nested models walked)."""
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+        keys.append(prefix + name)
+        for inner in (field.annotation, *get_args(field.annotation)):
+            for kind in (inner, *get_args(inner)):
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    keys += _policy_keys(kind, f"{prefix}{name}.")
+    return keys
+
+
+def test_every_policy_key_is_in_the_policy_reference():
+    from policies.loader import Policy
+
+    page = (ROOT / "docs" / "reference" / "policy.md").read_text()
+    keys = _policy_keys(Policy)
+    assert {"retention.keep_last", "promotion.require_device", "webhooks.secret_file"} <= set(keys)
+
+    def documented(key: str) -> bool:
+        parent, _, last = key.rpartition(".")
+        forms = (f"`{last}`", f"[{key}]", f"[[{key}]]", f"`{parent.rpartition('.')[2]}[].{last}`")
+        return any(form in page for form in forms)
+
+    missing = [key for key in keys if not documented(key)]
+    assert not missing, f"policy keys not in docs/reference/policy.md: {missing}"
+    # The shipped default, quoted whole, is the file itself.
+    assert (ROOT / "policies" / "default.toml").read_text() in page
+
+
+def test_every_result_shape_is_in_the_json_reference():
+    from registry import results
+    from registry.results.base import Result
+
+    page = (ROOT / "docs" / "reference" / "json-and-exit-codes.md").read_text()
+    shapes = [n for n, c in vars(results).items() if isinstance(c, type) and issubclass(c, Result)]
+    assert len(shapes) > 30
+    for name in shapes:
+        if name != "Result":
+            assert f"\n### {name}\n" in page, name
