@@ -26,7 +26,7 @@ def advise(
         False, "--fleet", help="Estimate the failure rate from every run of the project."
     ),
     plot: Path | None = typer.Option(
-        None, "--plot", help="Write expected waste vs interval to FILE.svg."
+        None, "--plot", help="Write expected waste vs interval to this .svg file."
     ),
     node_loss_share: float | None = typer.Option(
         None,

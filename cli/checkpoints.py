@@ -10,7 +10,7 @@ import typer
 from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.details import render_details
-from cli.render import emit_json, note, progress_for, table
+from cli.render import emit_json, note, plural, progress_for, table
 from registry.errors import UsageError
 from registry.refs import check_name
 
@@ -32,7 +32,9 @@ def register(app: typer.Typer) -> None:
 
 
 def push_ckpt(
-    directory: Path = typer.Argument(..., help="The DCP checkpoint directory."),
+    directory: Path = typer.Argument(
+        ..., help="The checkpoint directory (DCP, or a trainer's save: docs/reference/layouts.md)."
+    ),
     run: str = typer.Option(..., "--run", help="Run name."),
     step: int | None = typer.Option(
         None,
@@ -56,7 +58,7 @@ def push_ckpt(
     ),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Register a DCP checkpoint directory as RUN@stepN (copied, hashed, committed)."""
+    """Register a checkpoint directory as RUN@stepN (copied, hashed, committed)."""
     if claim is not None:  # one node's part: the step is the claim's, its files a subset
         if step is None:
             raise UsageError("--claim needs --step", "give the step `reg claim-ckpt` claimed")
@@ -103,7 +105,7 @@ def push_ckpt(
     else:
         speed = out.bytes / out.upload_seconds / 1e6 if out.upload_seconds else 0
         print(
-            f"pushed {out.ref}: {len(out.files)} files, {human_bytes(out.bytes)} "
+            f"pushed {out.ref}: {plural(len(out.files), 'file')}, {human_bytes(out.bytes)} "
             f"in {out.upload_seconds:.1f}s ({speed:.0f} MB/s), world size "
             f"{out.world_size}, {out.get('layout')} layout, resumable: "
             f"{_yes(out.resumable, out.missing_state)}"
@@ -128,7 +130,7 @@ def _push_part(
     from registry.timeutil import human_bytes
 
     print(
-        f"pushed {len(out.files)} files ({human_bytes(out.bytes)}) of {out.ref} "
+        f"pushed {plural(len(out.files), 'file')} ({human_bytes(out.bytes)}) of {out.ref} "
         f"in {out.upload_seconds:.1f}s; commit with `reg commit-ckpt --claim` once every "
         "node has pushed"
     )
@@ -191,7 +193,7 @@ def pull(
         emit_json(out)
     else:
         kept = f", {out.kept} kept for reg verify --dir" if out.kept else ""
-        print(f"pulled {out.ref} into {out.dest} ({len(out.files)} files verified{kept})")
+        print(f"pulled {out.ref} into {out.dest} ({plural(len(out.files), 'file')} verified{kept})")
 
 
 def verify(
@@ -281,7 +283,7 @@ def verify(
             by = (
                 f", signed by key {signed['key_id'][:16]} ({signed['key_state']})" if signed else ""
             )
-            print(f"{out.ref or out.release}: ok, {out.files} files verified{by}")
+            print(f"{out.ref or out.release}: ok, {plural(out.files, 'file')} verified{by}")
     if not out.ok:
         signed = out.signature or {}
         if signed and len(signed["problems"]) == len(out.problems):  # the bytes are intact

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
-from cli.render import emit_json
+from cli.render import emit_json, plural
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +56,6 @@ def commit_ckpt(
     from registry.timeutil import human_bytes
 
     print(
-        f"committed {out.ref}: {len(out.files)} files, {human_bytes(out.bytes)}, "
+        f"committed {out.ref}: {plural(len(out.files), 'file')}, {human_bytes(out.bytes)}, "
         f"world size {out.world_size}, resumable: {out.resumable}"
     )

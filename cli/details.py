@@ -28,6 +28,9 @@ _LABELS = {
 }
 # Shown in the headline, not again below it.
 _HEADLINE = {"ref", "release", "state", "status"}
+# Maps whose keys are the user's or the layout's names (metrics, resume classes): printed as
+# they are, never relabelled or read as sizes.
+_NAMED_BY_USER = {"metrics", "resume_state"}
 _DIGEST_CELL = 16
 
 
@@ -40,7 +43,7 @@ def render_details(doc: dict[str, Any]) -> str:
         if key in _HEADLINE or not _is_nested(value) or _empty(value):
             continue
         lines += ["", _label(key)]
-        lines += _nested(value, "  ")
+        lines += _nested(value, "  ", raw=key in _NAMED_BY_USER)
     return "\n".join(lines) + "\n"
 
 
@@ -73,19 +76,22 @@ def _label(key: str) -> str:
     return _LABELS.get(key, key.replace("_", " "))
 
 
-def _aligned(fields: dict[str, Any], indent: str) -> list[str]:
-    shown = [(_label(k), _value(k, v)) for k, v in fields.items() if not _empty(v)]
+def _aligned(fields: dict[str, Any], indent: str, raw: bool = False) -> list[str]:
+    if raw:
+        shown = [(k, _value("", v)) for k, v in fields.items() if not _empty(v)]
+    else:
+        shown = [(_label(k), _value(k, v)) for k, v in fields.items() if not _empty(v)]
     width = max((len(label) for label, _ in shown), default=0)
     return [f"{indent}{label.ljust(width)}  {value}" for label, value in shown]
 
 
-def _nested(value: Any, indent: str) -> list[str]:
+def _nested(value: Any, indent: str, raw: bool = False) -> list[str]:
     if isinstance(value, dict):
-        lines = _aligned({k: v for k, v in value.items() if not _is_nested(v)}, indent)
+        lines = _aligned({k: v for k, v in value.items() if not _is_nested(v)}, indent, raw)
         for key, inner in value.items():
             if _is_nested(inner) and not _empty(inner):
-                lines += [f"{indent}{_label(key)}"]
-                lines += _nested(inner, indent + "  ")
+                lines += [f"{indent}{key if raw else _label(key)}"]
+                lines += _nested(inner, indent + "  ", raw)
         return lines
     records = [v for v in value if isinstance(v, dict)]
     return _table(records, indent)
@@ -118,6 +124,8 @@ def _cell(key: str, value: Any) -> str:
 def _value(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if key == "version" and isinstance(value, int):
+        return f"v{value}"
     if key in _SIZES and isinstance(value, int):
         return human_bytes(value)
     if key in _SECONDS and isinstance(value, int | float):

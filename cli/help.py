@@ -60,11 +60,20 @@ EXAMPLES: dict[str, str] = {
     "verify": "reg verify run42@step9000",
     "pin": 'reg pin run42@step9000 --reason "paper baseline"',
     "unpin": "reg unpin run42@step9000",
+    "run": "reg run finish run42 --status failed",
+    "alias": "reg alias set llama-tiny prod v3",
+    "keys": "reg keys ls",
+    "policy": "reg policy show",
+    "token": "reg token create alice --expires 90d",
+    "webhook": "reg webhook ls",
+    "catalog": "reg catalog migrate",
+    "storage": "REG_STORE_URL=s3://ckpts/reg reg storage init",
+    "mlflow": "reg mlflow sync",
     "run finish": "reg run finish run42 --status failed",
     "run restart": "reg run restart run42 --planned",
-    "advise": "reg advise run42 --gpus 64 --plot waste",
+    "advise": "reg advise run42 --gpus 64 --plot waste.svg",
     "recovery": "reg recovery run42",
-    "validate": "reg validate run42@step9000 --device cpu --world-size 2",
+    "validate": "reg validate run42@step9000 --device cpu",
     "promote": "reg promote run42@step9000 --model llama-tiny --alias prod --dtype bf16",
     "releases": "reg releases llama-tiny",
     "pull-release": "reg pull-release llama-tiny@prod ./model",
@@ -100,7 +109,7 @@ EXAMPLES: dict[str, str] = {
     "webhook deliveries": "reg webhook deliveries --status given-up",
     "webhook deliver": "reg webhook deliver --budget 60",
     "gc": "reg gc --dry-run",
-    "fsck": "reg fsck --repair",
+    "fsck": "reg fsck",
     "catalog rebuild": "REG_CATALOG_URL=sqlite:////tmp/new.db reg catalog rebuild --dry-run",
     "catalog migrate": "reg catalog migrate --grant reg_runtime",
     "catalog grants": "reg catalog grants reg_runtime --dry-run",
@@ -157,6 +166,8 @@ _METAVARS: dict[str, str] = {
     "cache_dir": "DIR",
     "hf_cache": "DIR",
     "dir": "DIR",
+    "ssl_certfile": "FILE",
+    "ssl_keyfile": "FILE",
 }
 
 
@@ -201,6 +212,10 @@ def readable(command: Any, path: tuple[str, ...] = ()) -> Any:
             param.__class__ = _ReadableOption
             if param.multiple and "repeat" not in (param.help or ""):
                 param.help = f"{param.help or ''} Repeatable.".strip()
+    if isinstance(command, TyperGroup) and not isinstance(command, GroupedHelp):
+        command.__class__ = GroupedHelp  # whole first sentences in its list of commands
+    if isinstance(command, TyperGroup) and command.invoke_without_command:
+        command.subcommand_metavar = "[COMMAND [ARGS]...]"  # runs on its own too
     key = " ".join(path)
     if key in EXAMPLES and command.epilog is None:
         command.epilog = f"\b\nExample:\n  {EXAMPLES[key]}"  # \b: click keeps the line as is
@@ -231,11 +246,18 @@ class GroupedHelp(TyperGroup):
         }
         if not shown:
             return
-        limit = formatter.width - 6 - max(len(name) for name in shown)
         sections = [(title, [n for n in names if n in shown]) for title, names in GROUPS.items()]
         grouped = {n for _, names in sections for n in names}
-        sections.append(("Other", [n for n in shown if n not in grouped]))
+        rest = [n for n in shown if n not in grouped]
+        sections.append(("Other" if grouped & set(shown) else "Commands", rest))
         for title, names in sections:
             if names:
                 with formatter.section(title):
-                    formatter.write_dl([(n, shown[n].get_short_help_str(limit)) for n in names])
+                    formatter.write_dl([(n, summary(shown[n])) for n in names])
+
+
+def summary(command: Any) -> str:
+    """A command's first sentence, whole (`write_dl` wraps it), for the list of commands."""
+    text = " ".join((command.short_help or command.help or "").split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]

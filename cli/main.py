@@ -28,7 +28,8 @@ from cli.help import GroupedHelp, readable
 app = typer.Typer(
     name="reg",
     help="Checkpoint and release-model registry for ML training.\n\n"
-    "Docs: docs/ in the repository (mkdocs serve), the CLI reference at docs/reference/cli.md.",
+    "Docs: the docs/ folder of reg's source (`mkdocs serve` shows them as a site); every "
+    "command and option: docs/reference/cli.md.",
     cls=GroupedHelp,
     no_args_is_help=True,
     add_completion=False,

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from cli.common import JSON_OPTION, LAYOUT_OPTION, STRIP_PREFIX_OPTION, open_registry
-from cli.render import emit_json, note, progress_for, table
+from cli.render import emit_json, note, plural, progress_for, table
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
 
@@ -114,8 +114,9 @@ def promote(
         None,
         "--convert",
         help="Name converter: megatron (the default for Megatron checkpoints: one tensor per "
-        "layer, Transformer Engine names), megatron-local (the local spec's names), or peft (a "
-        "LoRA adapter alone, with --extra adapter_config.json).",
+        "layer, Transformer Engine names), megatron-local (the local spec's names), "
+        "megatron-llama:heads=H,query_groups=G (Hugging Face's LlamaForCausalLM names), or peft "
+        "(a LoRA adapter alone, with --extra adapter_config.json).",
     ),
     base: str | None = typer.Option(
         None, "--base", help="An adapter's base model: a release, NAME@ALIAS or NAME:vK."
@@ -148,7 +149,8 @@ def promote(
     verb = "already released as" if out.existing else "promoted to"
     aliases = f" ({', '.join('@' + a for a in out.aliases)})" if out.aliases else ""
     print(
-        f"{out.source} {verb} {out.release}{aliases}: {len(out.files)} files, sha256 {out.sha256}"
+        f"{out.source} {verb} {out.release}{aliases}: {plural(len(out.files), 'file')}, "
+        f"sha256 {out.sha256}"
     )
     print(f"  {out.get('uri', '')}")
     for key, change in ((out.hf_config or {}).get("rewritten") or {}).items():
@@ -220,7 +222,8 @@ def pull_release(
         out = reg.pull_release(ref, dest, public_key=pem, progress=progress_for(json_output))
     signed = ", signature verified" if pem else ""
     emit_json(out) if json_output else print(
-        f"pulled {out.release} into {out.dest} ({len(out.files) + 1} files verified{signed})"
+        f"pulled {out.release} into {out.dest} "
+        f"({plural(len(out.files) + 1, 'file')} verified{signed})"
     )
 
 
@@ -293,7 +296,7 @@ def alias_set(
 
 
 def deprecate(
-    ref: str = typer.Argument(..., help="MODEL:vK."),
+    ref: str = typer.Argument(..., help="MODEL:vK or MODEL@ALIAS."),
     reason: str | None = typer.Option(None, "--reason", help="Why (recorded and shown)."),
     json_output: bool = JSON_OPTION,
 ) -> None:

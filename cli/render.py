@@ -103,3 +103,8 @@ def progress_for(json_output: bool) -> Any:
     if json_output or not sys.stderr.isatty():
         return None
     return TerminalProgress()
+
+
+def plural(n: int, noun: str) -> str:
+    """`1 file`, `3 files`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

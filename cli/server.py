@@ -144,7 +144,8 @@ def login(
     token_stdin: bool = typer.Option(False, "--token-stdin", help="Read the token from stdin."),
     json_output: bool = JSON_OPTION,
 ) -> None:
-    """Check a token against URL and store both under REG_HOME (mode 0600) for later commands."""
+    """Check a token against URL and keep it under REG_HOME (mode 0600) for the commands that
+    run with REG_URL=URL (export it; REG_TOKEN is then not needed)."""
     from registry.config import LOGIN_FILE, Settings
     from registry.remote.client import Client
 

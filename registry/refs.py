@@ -106,8 +106,8 @@ def parse_checkpoint_ref(text: str, project: str | None = None) -> CheckpointRef
     if not isinstance(ref, CheckpointRef):
         raise MalformedRef(
             f"{text!r} names a release, not a checkpoint",
-            f"a release is copied out with `reg pull-release {text} DIR`; a checkpoint is "
-            "RUN@stepN or RUN@latest",
+            "this command takes a checkpoint, RUN@stepN or RUN@latest; a release is shown with "
+            f"`reg show {text}` and copied out with `reg pull-release {text} DIR`",
         )
     return ref
 

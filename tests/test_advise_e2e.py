@@ -61,4 +61,4 @@ def test_a_job_killed_twice_is_advised_from_what_it_paid(cli, tmp_path: Path) ->
     (tmp_path / "advise.json").write_text(res.stdout)
     table = cli("advise", "e2e")
     assert table.returncode == 0 and "failure 2" in table.stdout
-    print(table.stdout)  # the figures README quotes (pytest -s)
+    print(table.stdout)  # the figures docs/concepts/economics.md quotes (pytest -s)

@@ -1,7 +1,7 @@
 """`reg ui` with MLflow's auth app, against a real MLflow server on 127.0.0.1: people log in with
 their reg principal and token, see and download only what reg's grants let them read, never a
 yanked release's bytes, and cannot edit. The UI is checked in headless Chromium as a viewer of
-one project (screenshot for README). SIGTERM stops the server and its workers."""
+one project (screenshots for docs/how-to/mlflow.md). SIGTERM stops the server and its workers."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_a_viewer_sees_one_project_in_the_ui(ui, tmp_path):
         browser.close()
     for shot in (models_shot, experiments_shot, yanked_shot):
         assert shot.stat().st_size > 10_000
-        if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes README's pictures
+        if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes docs/how-to/mlflow.md's pictures
             shutil.copy(shot, ROOT / "docs" / shot.name)
 
 

@@ -1,5 +1,6 @@
 """The MLflow UI in a real headless browser (Debian's Chromium driven by Playwright): a release
-with its alias and digest, and the run's checkpoints, are visible. Saves the README screenshot."""
+with its alias and digest, and the run's checkpoints, are visible. Saves the screenshot of
+docs/how-to/mlflow.md."""
 
 from __future__ import annotations
 
@@ -88,5 +89,5 @@ def test_release_and_checkpoints_are_visible_in_the_mlflow_ui(ui, tmp_path):
         assert "run42-step2" in body and "run42-step4" in body
         browser.close()
     assert shot.stat().st_size > 10_000
-    if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes README's picture
+    if os.environ.get("SAVE_SCREENSHOTS") == "1":  # refreshes the picture in docs/how-to/mlflow.md
         shutil.copy(shot, ROOT / "docs" / "mlflow-release.png")

@@ -181,7 +181,8 @@ def test_default_policy_requires_cuda(reg, ckpts, cli):
     res = cli("promote", "r@step4", "--model", "tiny")
     assert res.returncode == 1 and res.stderr.count("\n") == 1 and "require_device" in res.stderr
     # ... and names the way out on a machine without a GPU: the CPU policy.
-    assert 'require_device = "any"' in res.stderr and "examples/cpu-policy.toml" in res.stderr
+    assert 'require_device = "any"' in res.stderr and "REG_POLICY=" in res.stderr
+    assert "examples/cpu-policy.toml" in res.stderr and "cpu-promotion.md" in res.stderr
     assert reg.releases() == []
     # A passing CUDA validation recorded on a GPU node satisfies the gate from anywhere.
     from registry.catalog import queries

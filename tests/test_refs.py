@@ -62,5 +62,6 @@ def test_default_project_applies_only_without_one():
 
 
 def test_release_ref_is_not_a_checkpoint_ref():
-    with pytest.raises(MalformedRef, match="names a release"):
-        parse_checkpoint_ref("model:v1")
+    with pytest.raises(MalformedRef, match="names a release") as info:
+        parse_checkpoint_ref("model@prod")
+    assert "`reg pull-release model@prod DIR`" in str(info.value)  # the way out, named

@@ -29,6 +29,7 @@ def test_show_prints_a_checkpoint_and_a_release_for_people(filled, cli):
     release = cli("show", "tiny@prod").stdout
     assert release.splitlines()[0] == "release tiny:v1 (active)"
     assert re.search(r"^  source +r@step4$", release, re.M) and "None" not in release
+    assert re.search(r"^  version +v1$", release, re.M)
     history = release.splitlines()[release.splitlines().index("alias history") + 1 :]
     assert history[0].split() == ["ALIAS", "TO", "AT", "BY"]
 
@@ -43,8 +44,10 @@ def test_unknown_and_empty_fields_print_by_name_or_not_at_all():
             "empty": None,
             "nothing": [],
             "nested": {"a": None, "b": True, "deeper": [{"x": 1, "y": None}]},
+            "metrics": {"probe_loss": 1.5, "bytes": 7},  # the user's names, as they are
         }
     )
     assert text.splitlines()[0] == "checkpoint r@step1 (committed, not resumable)"
     assert "  new field  7" in text.splitlines() and "empty" not in text and "None" not in text
     assert "nested\n  b  yes\n  deeper\n    X\n    1\n" in text
+    assert "metrics\n  probe_loss  1.5\n  bytes       7\n" in text

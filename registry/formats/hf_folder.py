@@ -299,8 +299,10 @@ def completeness(
         if note:
             notes.append(note)
             unsure = True
-    else:
+    elif CONFIG in names:
         notes.append("no tokenizer_config.json: weights and config only (no tokenizer)")
+    else:
+        notes.append("no tokenizer_config.json either (no tokenizer)")
     return Completeness(not missing and not unsure, missing, notes)
 
 

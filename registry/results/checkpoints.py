@@ -79,6 +79,7 @@ class CheckpointDetails(CheckpointFacts):
     deleted_at: str | None = None
     deleted_by: str | None = None
     delete_reason: str | None = None
+    tiers: list[dict[str, Any]] | None = None  # where its copies are: tier 0 (nodes), 1 (store)
 
 
 @RESULT

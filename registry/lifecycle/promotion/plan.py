@@ -348,9 +348,9 @@ def _gate_hint(policy: PromotionPolicy, here: str) -> str | None:
     if policy.require_device == "any" or here == policy.require_device:
         return None
     return (
-        'or, to promote without a GPU, add [promotion] require_device = "any" to the policy you'
-        " apply, as examples/cpu-policy.toml does, and `reg policy apply` it:"
-        " docs/how-to/cpu-promotion.md"
+        'or, to promote without a GPU, use a policy with [promotion] require_device = "any": on'
+        " your machine `export REG_POLICY=.../examples/cpu-policy.toml` (reg's source), on a"
+        " shared registry add the key to the policy you apply: docs/how-to/cpu-promotion.md"
     )
 
 
