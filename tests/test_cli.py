@@ -179,6 +179,8 @@ def test_promotion_refusals_exit_codes_and_one_line(
             "cannot import nope",
         ),
         (["show", "m:v1"], 3, "model m not found"),
+        (["show", "r@v1"], 3, "a version is written MODEL:vK (r:v1)"),  # the slip, named
+        (["show", "r@nope"], 3, "a checkpoint is RUN@stepN or RUN@latest"),
         (["promote", "r@step4", "--model", "m", "--alias", "prod"], 0, ""),
         (["show", "m@staging"], 3, "alias m@staging not found"),
         (["yank", "m:v1", "--reason", "bad"], 0, ""),

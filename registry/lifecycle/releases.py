@@ -3,6 +3,7 @@ move, and every move is recorded (DESIGN §1, §3)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,10 +43,18 @@ if TYPE_CHECKING:
 # -- lookups ----------------------------------------------------------------------------------
 
 
+def _model_hint(ref: ReleaseRef) -> str:
+    """The likely slip behind a release ref naming no model, said without looking anything
+    else up (a run of that name may be one the caller may not read)."""
+    if ref.alias is not None and re.fullmatch(r"v\d+", ref.alias):
+        return f"a version is written MODEL:vK ({ref.model}:{ref.alias}); reg releases lists models"
+    return "reg releases lists the models you may read; a checkpoint is RUN@stepN or RUN@latest"
+
+
 def resolve_release(session: Session, ref: ReleaseRef) -> tuple[Model, Release]:
     model = session.exec(select(Model).where(Model.name == ref.model)).first()
     if model is None:  # no list of names here: the caller may not be allowed to read them
-        raise NotFound(f"model {ref.model} not found", "reg releases lists the models you may read")
+        raise NotFound(f"model {ref.model} not found", _model_hint(ref))
     if ref.alias is not None:
         alias = session.exec(
             select(Alias).where(Alias.model_id == model.id, Alias.name == ref.alias)
