@@ -150,6 +150,8 @@ def ls(
         return
     from registry.timeutil import human_bytes
 
+    if not rows and run is not None:  # a model's name given here, most likely
+        note(f"no checkpoints of run {run}; the releases of a model are `reg releases {run}`")
     table(
         ["REF", "WORLD", "SIZE", "FILES", "RESUMABLE", "PINNED", "STATE", "CREATED"],
         [

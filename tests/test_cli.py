@@ -57,6 +57,8 @@ def test_cli_round_trip_with_json(deployment, cli, ckpts, tmp_path, catalog_url)
     assert res.returncode == 0 and "ok" in res.stdout
     human = cli("ls")
     assert "run42@step4" in human.stdout and human.returncode == 0
+    empty = cli("ls", "llama-tiny")  # a model's name where a run's goes: the way to its releases
+    assert empty.returncode == 0 and "`reg releases llama-tiny`" in empty.stderr
 
 
 @pytest.mark.parametrize(
