@@ -261,8 +261,8 @@ def verify(
     if directory is not None or sha256 is not None or public_key is not None:
         if ref is not None or repair or provenance or directory is None:
             raise UsageError(
-                "give either REF, or --dir PATH [--sha256 HEX] [--public-key FILE]",
-                "reg verify REF checks the store; reg verify --dir PATH a pulled folder",
+                "give either REF, or --dir DIR [--sha256 HEX] [--public-key FILE]",
+                "reg verify REF checks the store; reg verify --dir DIR a pulled folder",
             )
         _verify_dir(directory, sha256, public_key, json_output)
         return
