@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
-# The sections of `reg --help`, in order; every command is in exactly one (tests/test_cli.py).
+# The sections of `reg --help`, in order; every command is in exactly one (tests/test_docs.py).
 GROUPS: dict[str, tuple[str, ...]] = {
     "Checkpoints": (
         "push-ckpt",
@@ -49,7 +49,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 DEPRECATED = ("recovery",)  # still runs; left out of --help
 
-# One example per command, by its path under `reg` (tests/test_cli.py: every command has one).
+# One example per command, by its path under `reg` (tests/test_docs.py: every command has one).
 EXAMPLES: dict[str, str] = {
     "push-ckpt": "reg push-ckpt ./ckpt/step9000 --run run42 --step 9000",
     "claim-ckpt": "reg claim-ckpt --run run42 --step 9000 --lease 2h",
@@ -236,7 +236,8 @@ def walk(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
 
 
 class GroupedHelp(TyperGroup):
-    """`reg --help` with its commands in the sections of GROUPS."""
+    """`reg --help` with its commands in the sections of GROUPS; a group under it (`reg keys`)
+    lists its own commands in one section."""
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         shown = {
@@ -246,10 +247,11 @@ class GroupedHelp(TyperGroup):
         }
         if not shown:
             return
-        sections = [(title, [n for n in names if n in shown]) for title, names in GROUPS.items()]
+        groups = GROUPS.items() if ctx.parent is None else ()  # `keys ls` is not `reg ls`
+        sections = [(title, [n for n in names if n in shown]) for title, names in groups]
         grouped = {n for _, names in sections for n in names}
         rest = [n for n in shown if n not in grouped]
-        sections.append(("Other" if grouped & set(shown) else "Commands", rest))
+        sections.append(("Other" if grouped else "Commands", rest))
         for title, names in sections:
             if names:
                 with formatter.section(title):

@@ -73,6 +73,8 @@ def test_help_is_grouped_and_readable(cli):
     assert "Usage: reg promote [OPTIONS] REF" in promote
     assert "--extra FILE" in promote and "--model MODEL" in promote and "<" not in promote
     assert "Example:\n    reg promote run42@step9000" in promote
+    keys = cli("keys", "--help").stdout  # a group's own commands: one section, not reg's
+    assert "Commands:\n  create " in keys and "Checkpoints:" not in keys
     version = cli("--version")
     assert version.returncode == 0 and re.fullmatch(r"reg \d+\.\d+\.\d+\S*\n", version.stdout)
 
