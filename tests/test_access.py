@@ -375,7 +375,9 @@ def test_only_a_trainer_pull_protects_a_checkpoint_from_retention(applied, tmp_p
 def test_not_found_hints_name_nothing_the_caller_cannot_read(applied):
     with as_user("bob") as bob, pytest.raises(NotFound) as info:
         bob.show("tiny-missing:v1")  # bob may read tiny*, not every model's name
-    assert info.value.hint == "reg releases lists the models you may read"
+    assert info.value.hint == (
+        "reg releases lists the models you may read; a checkpoint is RUN@stepN or RUN@latest"
+    )
 
 
 def test_an_admin_of_one_project_is_not_an_admin_of_the_registry():

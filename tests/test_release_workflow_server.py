@@ -112,8 +112,13 @@ def test_protected_aliases_and_webhooks_through_the_server(
         while not {"alias.rejected", "release.deprecated"} <= set(_answered(receiver)):
             assert time.monotonic() < deadline, receiver.events()
             time.sleep(0.3)
+        # The server records a delivery once the receiver's answer is back: a moment after the
+        # receiver counted it.
         deliveries = _json(cli("webhook", "deliveries", "--json"))
-        assert {d["status"] for d in deliveries} == {"delivered"}
+        while {d["status"] for d in deliveries} != {"delivered"}:
+            assert time.monotonic() < deadline, deliveries
+            time.sleep(0.3)
+            deliveries = _json(cli("webhook", "deliveries", "--json"))
         hung = [d for d in deliveries if d["attempts"] > 1]
         assert hung and hung[0]["event"] in ("alias.rejected", "release.deprecated")
 
