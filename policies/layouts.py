@@ -199,15 +199,17 @@ MEGATRON = Layout(
 )
 TRANSFORMERS = Layout(
     "transformers",
-    "the transformers Trainer with FSDP's SHARDED_STATE_DICT: accelerate's DCP roots "
-    "pytorch_model_fsdp_0/ and optimizer_0/ beside trainer_state.json, scheduler.pt, "
-    "rng_state_N.pth",
-    model="pytorch_model_fsdp_0.model",
+    "the transformers Trainer: with FSDP's SHARDED_STATE_DICT accelerate's DCP roots "
+    "pytorch_model_fsdp_0/ and optimizer_0/, else model.safetensors and optimizer.pt; beside "
+    "them trainer_state.json, scheduler.pt, rng_state_N.pth",
+    model="pytorch_model_fsdp_0.model",  # or every key without it (place)
     classes={},  # optimizer_0.optimizer: found by its structure
     required=("model", "optimizer", "lr_scheduler", "train_state", "dataloader"),
     recommended=("rng",),
     sidecars=(
         SidecarRule(r"trainer_state\.json", "global_step", "train_state"),
+        # the plain save: the optimizer's state_dict, torch.save'd
+        SidecarRule(r"optimizer\.pt", "state", "optimizer"),
         # the Trainer keeps no data-loader state: it skips global_step batches of its
         # (seeded) sampler on resume, so the step is the data position
         SidecarRule(r"trainer_state\.json", "global_step", "dataloader"),
@@ -215,7 +217,7 @@ TRANSFORMERS = Layout(
         SidecarRule(r"rng_state(_\d+)?\.pth", "", "rng"),
         SidecarRule(r"scaler\.pt", "", "grad_scaler"),
     ),
-    files=r"trainer_state\.json|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt",
+    files=r"trainer_state\.json|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt",
     marks=("trainer_state.json",),
 )
 STATEFUL = Layout(
@@ -326,10 +328,14 @@ def _wrappers(keys: Sequence[str], top: set[str]) -> list[str]:
 
 def place(layout: Layout, keys: Sequence[str]) -> Placement:
     """`layout` against these keys: Lightning's model is "state_dict", or "model" where there
-    is none (FSDPStrategy, Fabric); the stateful wrapper is the top-level key holding "model"
-    (one that holds an optimizer too first; the note names the others)."""
+    is none (FSDPStrategy, Fabric); the Trainer's is "pytorch_model_fsdp_0.model", or every
+    key where there is none (its plain save: the tensors of model.safetensors); the stateful
+    wrapper is the top-level key holding "model" (one that holds an optimizer too first; the
+    note names the others)."""
     if layout is LIGHTNING and not has_path(keys, "state_dict") and has_path(keys, "model"):
         return Placement(layout, "model", layout.classes)
+    if layout is TRANSFORMERS and not has_path(keys, "pytorch_model_fsdp_0"):
+        return Placement(layout, "", layout.classes)  # the plain save: model.safetensors
     if layout is not STATEFUL:
         return Placement(layout, layout.model, layout.classes)
     found = _wrappers(keys, children(keys, ""))

@@ -178,16 +178,15 @@ def layout(root: Path, files: list[str]) -> Path:
     ("files", "what", "hint"),
     [
         (
-            ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
+            ["pytorch_model.bin", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
              "trainer_state.json", "training_args.bin"],
-            "transformers Trainer checkpoint with model.safetensors and a pickled optimizer.pt",
-            '"state_dict_type": "SHARDED_STATE_DICT"',
+            "transformers Trainer checkpoint with a pickled model (pytorch_model.bin)",
+            "save_safetensors=True",
         ),
         (
-            ["adapter_model.safetensors", "adapter_config.json", "optimizer.pt",
-             "trainer_state.json"],
-            "transformers Trainer checkpoint with a PEFT adapter",
-            "then push checkpoint-N/",
+            ["pytorch_model_fsdp.bin", "optimizer.pt", "trainer_state.json"],
+            "transformers Trainer checkpoint with FSDP's FULL_STATE_DICT",
+            '"state_dict_type": "SHARDED_STATE_DICT"',
         ),
         (
             ["adapter_model.safetensors", "adapter_config.json", "README.md"],

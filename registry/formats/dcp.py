@@ -69,6 +69,18 @@ class ChunkRange:
     file: str
     offset: int
     length: int
+    raw: bool = False  # the tensor's own bytes (a safetensors file), not a torch.save archive
+
+
+@dataclass(frozen=True, slots=True)
+class RawStorage:
+    """Where a tensor's raw bytes are in a safetensors file (`safetensors_root.py`): built from
+    a checked header only, never from a `.metadata` (DCP's unpickler cannot make one)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Any = None
 
 
 @dataclass(slots=True)
@@ -229,7 +241,7 @@ def _inventory(metadata: Any) -> Inventory:
                 f".metadata gives {fqn} two storage locations at offsets {offsets}",
                 "the file is corrupt or crafted",
             )
-        where[key] = ChunkRange(offsets, (), path, offset, length)
+        where[key] = ChunkRange(offsets, (), path, offset, length, type(info) is RawStorage)
 
     tensors: dict[str, TensorInfo] = {}
     byte_items: dict[str, list[ChunkRange]] = {}
@@ -254,7 +266,9 @@ def _inventory(metadata: Any) -> Inventory:
                         f".metadata lists chunk {i} of {fqn} with no storage location",
                         "the checkpoint is incomplete",
                     )
-                chunks.append(ChunkRange(offsets, sizes, found.file, found.offset, found.length))
+                chunks.append(
+                    ChunkRange(offsets, sizes, found.file, found.offset, found.length, found.raw)
+                )
             problem = cover_problem(fqn, shape, chunks)
             if problem is not None:
                 raise InvalidCheckpoint(

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
-from registry.formats.dcp import METADATA, ChunkRange, TensorInfo, inventory
+from registry.formats.dcp import METADATA, ChunkRange, RawStorage, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.sidecars import numpy_globals, torch_load
 from registry.formats.torch_archive import (
@@ -63,6 +63,22 @@ def load_chunk(data: bytes, where: str) -> torch.Tensor:
     return tensor.resolve_conj().resolve_neg()  # the values torch means, as plain bytes
 
 
+def raw_tensor(data: Any, dtype: str, sizes: tuple[int, ...], where: str) -> torch.Tensor:
+    """A tensor whose bytes are its own, little-endian and contiguous (a safetensors file's):
+    a view of `data`, which must be exactly that long."""
+    torch_dtype = getattr(torch, dtype)
+    count = 1
+    for size in sizes:
+        count *= size
+    if len(data) != count * torch_dtype.itemsize:
+        raise IntegrityError(
+            f"{where}: {len(data)} bytes for {dtype} {sizes}", "the file is truncated or corrupt"
+        )
+    if not count:
+        return torch.empty(sizes, dtype=torch_dtype)
+    return torch.frombuffer(data, dtype=torch_dtype).view(sizes)
+
+
 def load_object(data: bytes, where: str) -> Any:
     """A non-tensor item, with torch's restricted unpickler and exactly the numpy globals an
     RNG state's arrays need (Megatron's `rng_state` holds numpy's, as accelerate's files do)."""
@@ -97,6 +113,7 @@ class StoreReader(StorageReader):
         self.store, self.prefix, self.versions = store, prefix, versions or {}
         self._metadata = metadata
         self.storage_data: dict[Any, Any] = {}
+        self.tensors: dict[str, Any] = {}
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -115,6 +132,7 @@ class StoreReader(StorageReader):
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.storage_data = metadata.storage_data
+        self.tensors = metadata.state_dict_metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -146,9 +164,13 @@ class StoreReader(StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data))
                 continue
-            tensor = narrow_tensor_by_index(
-                load_chunk(data, where), req.storage_offsets, req.lengths
-            )
+            if type(info) is RawStorage:  # a safetensors tensor, whole
+                target = planner.resolve_tensor(req).detach()
+                stored = self.tensors[req.storage_index.fqn]
+                chunk = raw_tensor(bytearray(data), _dtype_name(stored), tuple(stored.size), where)
+            else:
+                chunk = load_chunk(data, where)
+            tensor = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise IntegrityError(
@@ -179,8 +201,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def _dtype_name(meta: Any) -> str:
+    return str(meta.properties.dtype).removeprefix("torch.")
+
+
 def read_chunk(source: ChunkSource, fqn: str, chunk: ChunkRange, dtype: str) -> torch.Tensor:
     data = source.read(chunk.file, chunk.offset, chunk.length)
+    if chunk.raw:
+        return raw_tensor(data, dtype, chunk.sizes, f"{fqn} in {chunk.file}")
     fast = stored_tensor_view(data, dtype, chunk.sizes)
     if fast is not None:
         return fast
@@ -198,6 +226,10 @@ def read_chunk_row(
     contiguous tensor) is read by range: its head and tail, to find the storage, then that
     row's bytes alone, so a promotion reading one layer of Megatron's stacked layers at a time
     reads each chunk about once, not once per layer. Anything else is read whole."""
+    if chunk.raw and chunk.sizes and chunk.sizes[0] > 0:
+        size = chunk.length // chunk.sizes[0]
+        data = source.read(chunk.file, chunk.offset + row * size, size)
+        return raw_tensor(data, dtype, chunk.sizes[1:], f"{fqn} in {chunk.file}")
     if chunk.length > HEAD_MAX + TAIL_MAX and chunk.sizes and chunk.sizes[0] > 1:
         head = source.read(chunk.file, chunk.offset, HEAD_MAX)
         tail = source.read(chunk.file, chunk.offset + chunk.length - TAIL_MAX, TAIL_MAX)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, RegistryError
+from registry.formats import safetensors_root
 from registry.formats.dcp import (
     METADATA,
     STRUCTURE_ERRORS,
@@ -52,8 +53,11 @@ def metadata_path(root: str) -> str:
 
 
 def metadata_paths(paths: Iterable[str]) -> tuple[str, ...]:
-    """The `.metadata` files of a checkpoint's roots (see `roots_of`)."""
-    return tuple(metadata_path(r) for r in roots_of(paths))
+    """The files a checkpoint's metadata is read from: its roots' `.metadata` (see `roots_of`),
+    or, with none, the Trainer's safetensors model files (`safetensors_root.roots`), whose
+    headers describe their tensors."""
+    paths = list(paths)
+    return tuple(metadata_path(r) for r in roots_of(paths)) or safetensors_root.roots(paths)
 
 
 def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
@@ -61,6 +65,8 @@ def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
     reg can take."""
     paths = list(paths)
     roots = roots_of(paths)
+    if not roots and (models := safetensors_root.roots(paths)):
+        return models
     if roots != ("",):
         _refuse_unfinished_roots(label, paths, roots)
     if not roots:
@@ -98,7 +104,10 @@ def _refuse_unfinished_roots(label: str, paths: list[str], roots: tuple[str, ...
 def merged_metadata(parts: Mapping[str, bytes], *, light: bool = False) -> Any:
     """One metadata for the roots whose `.metadata` bytes are `parts` (path -> bytes): the
     root's own when there is one at the top, else the roots merged with prefixed key paths and
-    files. `light` as in `load_metadata` (stand-ins, no torch)."""
+    files. `light` as in `load_metadata` (stand-ins, no torch). Safetensors roots (their
+    first bytes, at least the header) give one metadata of their headers' tensors."""
+    if parts and all(safetensors_root.is_root_name(p) for p in parts):
+        return safetensors_root.metadata(parts, light=light)
     loaded = {}
     for path, data in sorted(parts.items()):
         root = path[: -len(METADATA)].rstrip("/")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import InvalidCheckpoint
+from registry.formats import safetensors_root
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
 from registry.formats.dcp_roots import check_roots, merged_metadata, metadata_paths
 from registry.formats.foreign import refuse_foreign
@@ -112,8 +113,9 @@ def open_checked(root: Path, path: str, identity: Any, size: int) -> int:
 
 
 def check_kind(root: Path) -> None:
-    """A directory holding DCP metadata (at the top, or one level down), not another stack's
-    save: InvalidCheckpoint, one line naming what it is, otherwise. Cheap: nothing is walked,
+    """A directory holding DCP metadata (at the top, or one level down), or the transformers
+    Trainer's plain save (its model in safetensors), not another stack's save:
+    InvalidCheckpoint, one line naming what it is, otherwise. Cheap: nothing is walked,
     so `reg push-ckpt ~` answers at once."""
     try:
         st = os.lstat(root)
@@ -124,8 +126,7 @@ def check_kind(root: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidCheckpoint(f"{root} is not a directory", "give the checkpoint directory")
     has_metadata = _has_metadata(root)
-    refuse_foreign(root, has_metadata=has_metadata)
-    if not has_metadata:
+    if not refuse_foreign(root, has_metadata=has_metadata) and not has_metadata:
         raise InvalidCheckpoint(
             f"{root} has no .metadata: not a complete DCP checkpoint",
             "DCP writes .metadata last; the save may not have finished",
@@ -148,7 +149,12 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
     metadata_bytes = {}
     for path in metadata_paths(files):
         with os.fdopen(open_checked(root, path, identity[path], files[path]), "rb") as f:
-            metadata_bytes[path] = f.read()
+            if safetensors_root.is_root_name(path):  # its header alone
+                first = f.read(safetensors_root.LENGTH_BYTES)
+                n = safetensors_root.header_length(first, files[path], f"{root}/{path}")
+                metadata_bytes[path] = first + f.read(n)
+            else:
+                metadata_bytes[path] = f.read()
 
     def read_head(path: str, offset: int) -> bytes:
         with open(root / path, "rb") as f:
@@ -193,7 +199,7 @@ def _check_names_and_sizes(label: str, files: dict[str, int]) -> None:
             f"{label} contains {reserved[0]}, a name the registry reserves", "remove or rename it"
         )
     for path in metadata_paths(files):
-        if files[path] > MAX_METADATA_BYTES:
+        if path.endswith(METADATA) and files[path] > MAX_METADATA_BYTES:
             raise InvalidCheckpoint(
                 f"{label}/{path} is {files[path]} bytes; refused", "not a DCP metadata file"
             )
@@ -238,7 +244,11 @@ def scan_merged(
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv, read_head)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
-    digests = {p: hashlib.sha256(data).hexdigest() for p, data in metadata_bytes.items()}
+    digests = {  # a safetensors root's bytes here are its header: not a digest of the file
+        p: hashlib.sha256(data).hexdigest()
+        for p, data in metadata_bytes.items()
+        if not safetensors_root.is_root_name(p)
+    }
     return ScannedDir(root, files, metadata, inv, ranks, {}, digests)
 
 
@@ -270,6 +280,8 @@ def _check_serialization(root: Path, inv: Inventory, read_head: ReadHead | None)
     firsts: dict[str, int] = {}
     for info in inv.tensors.values():
         for chunk in info.chunks:
+            if chunk.raw:  # a safetensors tensor: its header was checked, its bytes are data
+                continue
             firsts[chunk.file] = min(firsts.get(chunk.file, chunk.offset), chunk.offset)
     for path, offset in sorted(firsts.items()):
         head = read_head(path, offset)

@@ -25,12 +25,16 @@ _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _ITERATION = re.compile(r"iter_\d{7,18}/")  # a subdirectory (names() marks them with "/")
 
 
-def refuse_foreign(root: Path, *, has_metadata: bool) -> None:
-    """InvalidCheckpoint naming what `root` is, when its files say; else nothing. A directory
-    with DCP metadata (`has_metadata`, at the top or one level down) is refused only when it
-    is Megatron-LM's save directory: its iter_N/ subdirectories are checkpoints of their own,
-    not roots of one."""
+def refuse_foreign(root: Path, *, has_metadata: bool) -> bool:
+    """InvalidCheckpoint naming what `root` is, when its files say; else whether it is a
+    checkpoint reg takes without DCP metadata: the transformers Trainer's plain save, its
+    model in safetensors (`safetensors_root.py`). A directory with DCP metadata
+    (`has_metadata`, at the top or one level down) is refused only when it is Megatron-LM's
+    save directory: its iter_N/ subdirectories are checkpoints of their own, not roots of
+    one."""
     names = _names(root)
+    if not has_metadata and trainer_safetensors(names):
+        return True
     checks = (
         (_megatron_save_dir,)
         if has_metadata
@@ -47,6 +51,16 @@ def refuse_foreign(root: Path, *, has_metadata: bool) -> None:
         problem = check(root, names)
         if problem is not None:
             raise problem
+    return False
+
+
+def trainer_safetensors(names: set[str]) -> bool:
+    """The Trainer's save without FSDP: trainer_state.json beside its model in safetensors
+    (`model.safetensors`, the sharded `model-0000K-of-0000N.safetensors`, or a PEFT adapter's
+    `adapter_model.safetensors`)."""
+    return "trainer_state.json" in names and any(
+        n.endswith(".safetensors") and not n.endswith("/") for n in names
+    )
 
 
 def _names(root: Path) -> set[str]:
@@ -145,17 +159,19 @@ def _trainer(root: Path, names: set[str]) -> InvalidCheckpoint | None:
     a PEFT adapter) beside a pickled optimizer.pt."""
     if "trainer_state.json" not in names:
         return None
-    if "adapter_model.safetensors" in names or "adapter_config.json" in names:
-        what = "a PEFT adapter (adapter_model.safetensors) and its optimizer"
-    elif names & {"model.safetensors", "pytorch_model.bin", HF_INDEX}:
-        what = "model.safetensors and a pickled optimizer.pt"
-    elif "pytorch_model_fsdp.bin" in names or "pytorch_model_fsdp_0.bin" in names:
+    if names & {"pytorch_model.bin", "adapter_model.bin"}:
+        return InvalidCheckpoint(
+            f"{root} is a transformers Trainer checkpoint with a pickled model "
+            "(pytorch_model.bin): reg reads models in safetensors, never by unpickling",
+            "train with save_safetensors=True (the default), then push checkpoint-N/",
+        )
+    if "pytorch_model_fsdp.bin" in names or "pytorch_model_fsdp_0.bin" in names:
         what = "FSDP's FULL_STATE_DICT (pytorch_model_fsdp.bin)"
     else:
-        what = "no sharded model"
+        what = "no model reg can read"
     return InvalidCheckpoint(
         f"{root} is a transformers Trainer checkpoint with {what}: reg takes the Trainer's "
-        "sharded saves, not this one",
+        "sharded saves and its plain ones (model.safetensors), not this one",
         'train with fsdp="full_shard" and fsdp_config {"version": 2, "state_dict_type": '
         '"SHARDED_STATE_DICT"} (pytorch_model_fsdp_0/, optimizer_0/), then push checkpoint-N/',
     )

@@ -2,7 +2,8 @@
 
 Lightning writes `meta.pt` (global step, epoch, loop progress, LR schedulers); accelerate writes
 `scheduler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`, `sampler.bin`, `scaler.pt`;
-the transformers Trainer `trainer_state.json`, `scheduler.pt`, `rng_state_N.pth`.
+the transformers Trainer `trainer_state.json`, `scheduler.pt`, `rng_state_N.pth` (and, in its
+plain save, `optimizer.pt`).
 What they hold decides whether a checkpoint can resume, so the registry reads them, never
 trusting them:
   - `torch.load(weights_only=True)`: torch's restricted unpickler, nothing imported or called
@@ -78,6 +79,7 @@ READ = (
     (re.compile(r"trainer_state\.json"), JSON),
     (re.compile(r"scheduler\.pt"), TORCH),
     (re.compile(r"rng_state(_\d+)?\.pth"), TORCH_NUMPY),
+    (re.compile(r"optimizer\.pt"), TORCH),  # its plain save's optimizer state_dict
     # Megatron-LM's common state: iteration, LR scheduler, optimizer param groups beside the
     # run's argparse.Namespace, whose values name Megatron's enums: read for its structure only
     (re.compile(r"common\.pt"), TORCH_STRUCTURE),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import IntegrityError, NotFound
+from registry.errors import IntegrityError, NotFound, RegistryError
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -101,3 +101,34 @@ def changed(label: str, record: FileRecord, detail: str) -> IntegrityError:
         f"{label}: {record.path} is not the file that was pushed ({detail})",
         f"the stored copy changed after the push: run `reg verify {label}`",
     )
+
+
+def verified_header(
+    store: BaseStore, key: str, *, size: int, sha256: str, version: str | None, label: str
+) -> bytes:
+    """A safetensors file's header (its length, then the JSON), proven: the whole object is
+    streamed through sha256 and must be `size` bytes of `sha256`; only the header is kept.
+    (One pass over the model file: its digest is the only one recorded.)"""
+    from registry.formats.safetensors_root import LENGTH_BYTES, header_length
+
+    digest, kept, need, total = hashlib.sha256(), bytearray(), LENGTH_BYTES, 0
+    for piece in store.stream(key, version=version):
+        digest.update(piece)
+        total += len(piece)
+        if total > size:
+            break
+        view = memoryview(piece)
+        while len(kept) < need and len(view):
+            take = need - len(kept)
+            kept += view[:take]
+            view = view[take:]
+            if need == LENGTH_BYTES and len(kept) == LENGTH_BYTES:
+                try:
+                    need += header_length(bytes(kept), size, label)
+                except RegistryError:
+                    break  # said below, once the bytes are proven to be the pushed ones
+    if total != size or digest.hexdigest() != sha256:
+        raise IntegrityError(
+            f"{label} does not match the catalog's sha256", "run `reg verify` on the checkpoint"
+        )
+    return bytes(kept)

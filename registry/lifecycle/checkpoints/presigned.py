@@ -48,6 +48,7 @@ from registry.errors import (
     RegistryError,
     UsageError,
 )
+from registry.formats import safetensors_root
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.layout import checkpoint_prefix, manifest_key
@@ -60,6 +61,7 @@ from registry.lifecycle.checkpoints.push import (
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
 from registry.refs import CheckpointRef
 from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
+from registry.storage.verified_stream import verified_header
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, Stored, put_reconciled
 
@@ -444,10 +446,21 @@ def _one_version(store: S3Store, key: str, path: str) -> None:
 
 
 def _proven_reader(ctx: Context, prefix: str, plan: Plan) -> Callable[[str], bytes]:
-    """Reads an uploaded file whole, refused unless it holds the bytes the push declared."""
+    """Reads an uploaded file whole, refused unless it holds the bytes the push declared; of
+    a safetensors model file, its header."""
     declared = {f.path: f.sha256 for f in plan.files}
+    sizes = {f.path: f.size for f in plan.files}
 
     def read(path: str) -> bytes:
+        if safetensors_root.is_root_name(path):
+            return verified_header(
+                ctx.store,
+                prefix + path,
+                size=sizes[path],
+                sha256=declared[path],
+                version=None,
+                label=f"{plan.ref}: {path}",
+            )
         data = bytes(ctx.store.get_bytes(prefix + path))
         if hashlib.sha256(data).hexdigest() != declared[path]:
             raise IntegrityError(

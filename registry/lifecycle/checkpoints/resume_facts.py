@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 from policies.layouts import check_layout, detect, known_layout
 from policies.resume import ResumeVerdict, classify, missing_from_heads
 from registry.errors import IntegrityError, RegistryError
-from registry.formats import sidecars
+from registry.formats import safetensors_root, sidecars
 from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import metadata_paths, stored_metadata
 from registry.formats.documents import ResumeRecord
 from registry.layout import checkpoint_prefix
+from registry.storage.verified_stream import verified_header
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -313,11 +314,20 @@ def proven_reader(
     store: BaseStore, prefix: str, files: Sequence[FileRecord]
 ) -> Callable[[str], bytes]:
     """Reads a stored file of a checkpoint whole (at its recorded version), refused unless it
-    holds the bytes the catalog recorded."""
+    holds the bytes the catalog recorded; of a safetensors model file, its header."""
     records = {f.path: f for f in files}
 
     def read(path: str) -> bytes:
         record = records[path]
+        if safetensors_root.is_root_name(path):
+            return verified_header(
+                store,
+                prefix + path,
+                size=record.size,
+                sha256=record.sha256,
+                version=record.version,
+                label=f"{prefix}{path}",
+            )
         data = bytes(store.get_bytes(prefix + path, version=record.version))
         if len(data) != record.size or hashlib.sha256(data).hexdigest() != record.sha256:
             raise IntegrityError(

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
+from registry.formats.dcp import METADATA
 from registry.formats.dcp_roots import merged_metadata, metadata_paths
 from registry.formats.dcp_scan import (
     CLAIM_RECORD_PREFIX,
@@ -311,7 +312,7 @@ def commit_written(
         raise Conflict(f"{ref}: a file was written twice", "each file has one writer")
     sizes = {f.path: f.size for f in files}
     paths = metadata_paths(sizes)
-    if not paths:
+    if not paths or not paths[0].endswith(METADATA):  # a Trainer's plain save is one writer's
         raise IntegrityError(
             f"{ref}: no .metadata was written", "DCP's coordinator writes it last: push it too"
         )

@@ -39,14 +39,14 @@ def plan_config(
     given = next((e for e in extras if e.name == CONFIG), None)
     if given is None:
         return None
-    label = f"--extra {given.path}"
-    size = given.path.stat().st_size
+    label = given.label
+    size = len(given.data) if given.data is not None else given.path.stat().st_size
     if size > MAX_DOCUMENT:  # not read: `reg show` would not read it either
         raise UsageError(
             f"{label} is {size} bytes, over {MAX_DOCUMENT}: not a config",
             "give the config.json that save_pretrained wrote",
         )
-    data = given.path.read_bytes()
+    data = given.data if given.data is not None else given.path.read_bytes()
     if hashlib.sha256(data).hexdigest() != given.sha256:
         raise Conflict(f"{label} changed while being promoted", "promote again")
     if dtype is None and model_factory is None:

@@ -27,6 +27,7 @@ from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
 from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
+from registry.formats.hf_folder import MAX_DOCUMENT
 from registry.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.lifecycle.alias_workflow import check_may_move
 from registry.lifecycle.checkpoints.read import resolve
@@ -57,10 +58,20 @@ class Extra:
     path: Path
     sha256: str
     code: str | None = None  # what code it is, when the policy allowed code extras
+    data: bytes | None = None  # a file of the checkpoint's, carried (proven bytes); else `path`
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} of the checkpoint" if self.data is not None else f"--extra {self.path}"
+
+
+# What a release takes from its checkpoint unless an --extra of that name is given: the model's
+# config, as the transformers Trainer's plain save writes it beside model.safetensors.
+CARRIED = ("config.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,9 @@ def plan_promotion(
     resume = verdict(facts, ctx.policy.resume, layout)
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
     converter = converter_for(resume.layout, convert)
+    if converter is None and (carried := _carried(ctx, source, files, checked)):
+        checked += carried
+        hf_config = plan_config(checked, dtype, model_factory)
     if converter is not None:
         check_llama_config(converter, json.loads(hf_config.data) if hf_config else None)
     base_model = None
@@ -203,6 +217,38 @@ def _shard_bytes(text: str) -> int:
     if not size or size < 1024:
         raise UsageError(f"--max-shard-size {text} is too small", "e.g. 5GB")
     return size
+
+
+def _carried(
+    ctx: Context, source: CheckpointRef, files: list[FileRecord], given: tuple[Extra, ...]
+) -> tuple[Extra, ...]:
+    """The checkpoint's own `CARRIED` files no --extra replaces, read proven against the
+    catalog and judged as extras are (a config that is not JSON is refused, naming it)."""
+    from registry.layout import checkpoint_prefix
+    from registry.lifecycle.checkpoints.resume_facts import proven_reader
+
+    names = {e.name for e in given}
+    wanted = [f for f in files if f.path in CARRIED and f.path not in names]
+    if not wanted:
+        return ()
+    prefix = checkpoint_prefix(source.project, source.run, source.step or 0)
+    read = proven_reader(ctx.store, prefix, files)
+    out = []
+    for record in wanted:
+        label = f"{record.path} of the checkpoint"
+        if record.size > MAX_DOCUMENT:
+            raise UsageError(
+                f"{label} is {record.size} bytes, over {MAX_DOCUMENT}: not a config",
+                f"give the release its own: --extra {record.path}",
+            )
+        data = read(record.path)
+        judged = judge(record.path, data, label)
+        if judged.kind == CODE or not judged.accepted:
+            raise UsageError(
+                f"{label} is {judged.why}", f"give the release its own: --extra {record.path}"
+            )
+        out.append(Extra(Path(record.path), record.sha256, None, data))
+    return tuple(out)
 
 
 def _check_extras(extras: list[Path], *, allow_code: bool) -> tuple[Extra, ...]:

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, RegistryError
+from registry.formats import safetensors_root
 from registry.formats.dcp import ChunkRange
 from registry.formats.dcp_roots import metadata_paths
 from registry.progress import Counter
-from registry.storage.verified_stream import Span, read_verified
+from registry.storage.verified_stream import Span, read_verified, verified_header
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -63,7 +64,7 @@ class ProvenCheckpoint:
         self._starts: dict[str, list[int]] = {}
         self.bytes_hashed = 0
         self._stop = threading.Event()
-        self.metadata = {p: self._whole(p) for p in metadata_paths(self.records)}
+        self.metadata = {p: self._root(p) for p in metadata_paths(self.records)}
         self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
 
     def __enter__(self) -> ProvenCheckpoint:
@@ -136,6 +137,25 @@ class ProvenCheckpoint:
             )
         except IntegrityError as exc:
             raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
+
+    def _root(self, path: str) -> bytes:
+        """A root's metadata: a `.metadata` whole, a safetensors model file's header."""
+        if not safetensors_root.is_root_name(path):
+            return self._whole(path)
+        record = self._record(path)
+        try:
+            header = verified_header(
+                self.store,
+                self.prefix + path,
+                size=record.size,
+                sha256=record.sha256,
+                version=record.version,
+                label=f"{self.label}: {path}",
+            )
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
+        self.bytes_hashed += record.size
+        return header
 
     def _whole(self, path: str) -> bytes:
         record = self._record(path)

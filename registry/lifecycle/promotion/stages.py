@@ -336,12 +336,12 @@ def build(
         stored = put_reconciled(
             ctx.store,
             dest + extra.name,
-            path=extra.path,
+            **({"data": extra.data} if extra.data is not None else {"path": extra.path}),
             immutable=True,
             on_mismatch=OnMismatch.CONFLICT,
         )
         if stored.sha256 != extra.sha256:
-            raise Conflict(f"--extra {extra.path} changed while being promoted", "promote again")
+            raise Conflict(f"{extra.label} changed while being promoted", "promote again")
         built.files.append(
             FileRecord(extra.name, stored.size, stored.sha256, version=stored.version)
         )

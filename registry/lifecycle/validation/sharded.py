@@ -151,6 +151,26 @@ def _nest(path: str, value: Any) -> dict[str, Any]:
     return dict(out)
 
 
+def stored_roots(store: Any, job: ShardedJob) -> Any:
+    """The checkpoint's metadata, each root read from the store (the streamed pass before
+    proved every file): a `.metadata` whole, a safetensors model file's header alone."""
+    from registry.formats import safetensors_root
+    from registry.formats.dcp import inventory
+    from registry.formats.dcp_roots import stored_metadata
+
+    def read(path: str) -> bytes:
+        version = job.versions.get(path)
+        if not safetensors_root.is_root_name(path):
+            return bytes(store.get_bytes(job.prefix + path, version=version))
+        first = bytes(store.read_range(job.prefix + path, 0, 8, version=version))
+        n = safetensors_root.header_length(first, None, path)
+        return first + bytes(store.read_range(job.prefix + path, 8, n, version=version))
+
+    metadata = stored_metadata(read, job.paths)
+    inventory(metadata)  # the same checks as everywhere: every tensor tiled exactly
+    return metadata
+
+
 def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
@@ -196,7 +216,7 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
         started = time.perf_counter()
         dcp.load(
             state,
-            storage_reader=StoreReader(store, job.prefix, None, job.versions),
+            storage_reader=StoreReader(store, job.prefix, stored_roots(store, job), job.versions),
             planner=SafeLoadPlanner(),
         )
         if optim is None or osd is None:

@@ -155,6 +155,36 @@ class StreamPass:
             self.result.shapes.extend(reader.shapes)
 
 
+class RawStream:
+    """A chunk that is the tensor's own bytes (a safetensors file's), handed on in pieces of
+    whole elements as they pass."""
+
+    def __init__(self, dtype: str, where: str) -> None:
+        self.item, self.where = ITEMSIZE[dtype], where
+        self.head = bytearray()  # nothing is held: a raw chunk always streams
+        self._carry = b""
+
+    def feed(self, view: memoryview) -> list[memoryview | bytes]:
+        out: list[memoryview | bytes] = []
+        if self._carry:  # an element split between two reads
+            need = self.item - len(self._carry)
+            self._carry += bytes(view[:need])
+            view = view[need:]
+            if len(self._carry) < self.item:
+                return out
+            out.append(self._carry)
+            self._carry = b""
+        whole = len(view) - len(view) % self.item
+        if whole:
+            out.append(view[:whole])
+        self._carry = bytes(view[whole:])
+        return out
+
+    def finish(self) -> None:
+        if self._carry:
+            raise IntegrityError(f"{self.where}: it ends inside an element", "run `reg verify`")
+
+
 class _FileReader:
     """The chunks of one file as its bytes pass (spans arrive in order)."""
 
@@ -164,7 +194,7 @@ class _FileReader:
         self.restore: list[str] = []
         self.shapes: list[str] = []
         self._key: object = None
-        self._stream: ArchiveStream | None = None
+        self._stream: ArchiveStream | RawStream | None = None
         self._held: bytearray | None = None
         self._elements = 0  # elements of the current tensor chunk handed to the batches
         self._failed = False
@@ -187,7 +217,9 @@ class _FileReader:
     def _begin(self, key: Any) -> None:
         self._key, self._failed, self._elements, self._held = key, False, 0, None
         self._stream = None
-        if isinstance(key, _TensorChunk):
+        if isinstance(key, _TensorChunk) and key.chunk.raw:
+            self._stream = RawStream(key.info.dtype, self._where(key))
+        elif isinstance(key, _TensorChunk):
             self._stream = ArchiveStream(
                 key.chunk.length, key.info.dtype, key.chunk.sizes, self._where(key)
             )

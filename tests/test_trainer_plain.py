@@ -1,0 +1,272 @@
+"""The transformers Trainer's plain save (no FSDP): `model.safetensors` beside `optimizer.pt`,
+`scheduler.pt`, `rng_state_R.pth` and `trainer_state.json` (registry/formats/
+safetensors_root.py). Its model file's header is a root of the checkpoint, checked before
+anything is built from it; the tensors are read as raw bytes; the header is proven against the
+catalog's digest wherever a stored copy is read; the release carries the checkpoint's own
+config.json. The Trainer's own save and resume of this layout are in tests/test_frameworks.py
+(`trainer-plain`)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from registry import Registry
+from registry.errors import IntegrityError, InvalidCheckpoint
+from registry.formats import safetensors_root
+from registry.formats.dcp import inventory
+from registry.formats.foreign import refuse_foreign
+from registry.lifecycle.validation.streamed import RawStream
+from tests import tamper
+from tests.helpers import saved
+from tests.test_trainer_files import trainer_files
+
+KEY = "ckpt/default/hf/step-3/"
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], header: Any = None) -> bytes:
+    """A safetensors file as the format says (the `header` given as is, when given)."""
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data, at = b"", 0
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        doc[name] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + len(raw)],
+        }
+        data += raw
+        at += len(raw)
+    text = (json.dumps(doc) if header is None else header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(16, 8, generator=g),
+    }
+
+
+def plain_trainer_dir(root: Path, model: bytes | None = None) -> Path:
+    """checkpoint-3/ as the Trainer writes it without FSDP on 2 ranks."""
+    root.mkdir(parents=True)
+    tensors = model_tensors()
+    params = [torch.nn.Parameter(t.detach().clone().float()) for t in tensors.values()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    sum(p.sum() for p in params).backward()  # type: ignore[union-attr]
+    optimizer.step()
+    files = {
+        **trainer_files(world=2, step=3),
+        "model.safetensors": model if model is not None else safetensors_bytes(tensors),
+        "optimizer.pt": saved(optimizer.state_dict()),
+        "config.json": json.dumps({"model_type": "llama", "vocab_size": 16}).encode(),
+        "training_args.bin": b"not read",
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+# -- the header, checked ------------------------------------------------------------------------
+
+
+def test_a_header_gives_each_tensor_its_own_byte_range() -> None:
+    tensors = model_tensors()
+    data = safetensors_bytes(tensors)
+    entries = safetensors_root.parse(data, len(data), "model.safetensors")
+    assert [(e.name, e.dtype, e.shape) for e in entries] == [
+        ("model.embed_tokens.weight", "float32", (16, 8)),
+        ("model.norm.weight", "bfloat16", (8,)),
+        ("lm_head.weight", "float32", (16, 8)),
+    ]
+    for e in entries:
+        got = torch.frombuffer(
+            bytearray(data[e.offset : e.offset + e.length]), dtype=getattr(torch, e.dtype)
+        )
+        assert torch.equal(got.view(e.shape), tensors[e.name])
+    inv = inventory(safetensors_root.metadata({"model.safetensors": data}, light=True))
+    assert all(
+        c.raw and c.file == "model.safetensors" for t in inv.tensors.values() for c in t.chunks
+    )
+
+
+def _entry(dtype: str = "F32", shape: Any = (2,), offsets: Any = (0, 8)) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("[1, 2]", "its header is not a JSON object"),
+        ('{"a": 1, "a": 2}', "appears twice"),
+        ("{not json", "not valid JSON"),
+        (json.dumps({"a": _entry(dtype="F128")}), "has dtype 'F128'"),
+        (json.dumps({"a": _entry(shape=[3])}), "does not fill bytes 0..8"),
+        (json.dumps({"a": _entry(shape=[-2])}), "are not numbers"),
+        (json.dumps({"a": _entry(shape=[True, 2])}), "are not numbers"),
+        (json.dumps({"a": _entry(offsets=[8, 16])}), "of a 8-byte data section"),
+        (json.dumps({"a": _entry(), "b": _entry(offsets=[4, 8], shape=[1])}), "overlap"),
+        (json.dumps({"a": _entry(offsets=[0, 8, 9])}), "are not numbers"),
+        (json.dumps({"__metadata__": {"k": 1}}), "__metadata__ is not text to text"),
+        (json.dumps({"a": "x"}), "is not a tensor entry"),
+    ],
+)  # fmt: skip
+def test_a_header_that_is_not_sound_is_refused_in_one_line(header: str, message: str) -> None:
+    data = struct.pack("<Q", len(header)) + header.encode() + bytes(8)
+    with pytest.raises(InvalidCheckpoint) as caught:
+        safetensors_root.parse(data, len(data), "model.safetensors")
+    assert message in caught.value.message and "\n" not in caught.value.message
+
+
+@pytest.mark.parametrize("length", [0, 1, 10**12, 2**64 - 1])
+def test_a_header_length_that_cannot_be_is_refused_before_anything_is_read(length: int) -> None:
+    with pytest.raises(InvalidCheckpoint, match="its safetensors header says"):
+        safetensors_root.header_length(struct.pack("<Q", length), 1000, "model.safetensors")
+    with pytest.raises(InvalidCheckpoint, match="not safetensors"):
+        safetensors_root.header_length(b"\x01\x02", None, "model.safetensors")
+
+
+def test_one_name_in_two_model_files_is_refused() -> None:
+    one = safetensors_bytes({"w": torch.zeros(2)})
+    with pytest.raises(InvalidCheckpoint, match="w is in both a.safetensors and b.safetensors"):
+        safetensors_root.metadata({"a.safetensors": one, "b.safetensors": one}, light=True)
+
+
+def test_raw_bytes_stream_in_whole_elements_however_they_are_split() -> None:
+    values = torch.arange(10, dtype=torch.float32)
+    data = values.numpy().tobytes()
+    stream, pieces, at = RawStream("float32", "w"), [], 0
+    for size in (3, 1, 7, 2, 13, 14):
+        pieces += [bytes(p) for p in stream.feed(memoryview(data[at : at + size]))]
+        at += size
+    stream.finish()
+    assert all(len(p) % 4 == 0 for p in pieces)
+    assert b"".join(pieces) == data
+    cut = RawStream("float32", "w")
+    cut.feed(memoryview(data[:6]))
+    with pytest.raises(IntegrityError, match="ends inside an element"):
+        cut.finish()
+
+
+# -- push, validate, promote --------------------------------------------------------------------
+
+
+def test_a_plain_trainer_folder_is_taken_and_a_save_pretrained_folder_still_named(
+    tmp_path: Path,
+) -> None:
+    assert refuse_foreign(plain_trainer_dir(tmp_path / "ckpt"), has_metadata=False) is True
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(safetensors_bytes({"w": torch.zeros(2)}))
+    with pytest.raises(InvalidCheckpoint, match="is a Hugging Face safetensors directory"):
+        refuse_foreign(hf, has_metadata=False)
+
+
+def test_push_records_step_world_size_and_every_resume_class(
+    tmp_path: Path, cli: Any, cpu_policy: Path
+) -> None:
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    pushed = cli("push-ckpt", root, "--run", "hf", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["step"], out["world_size"], out["layout"]) == (3, 2, "transformers")
+    assert out["model_path"] == "" and out["resumable"] is True, out
+    assert out["resume_state"]["optimizer"] == ["optimizer.pt:state"]
+    assert out["resume_state"]["model"] == ["lm_head", "model"]
+
+    validated = cli("validate", "hf@step3", "--json")
+    assert validated.returncode == 0, validated.stderr
+    assert json.loads(validated.stdout)["passed"] is True
+
+    promoted = cli("promote", "hf@step3", "--model", "llama", "--json")
+    assert promoted.returncode == 0, promoted.stderr
+    release = json.loads(promoted.stdout)
+    assert sorted(f["path"] for f in release["files"]) == ["config.json", "model.safetensors"]
+    assert cli("pull-release", "llama:v1", tmp_path / "release").returncode == 0
+    assert (tmp_path / "release" / "config.json").read_bytes() == (
+        root / "config.json"
+    ).read_bytes()
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "release" / "model.safetensors")
+    want = model_tensors()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+    # an --extra of that name is the release's config instead
+    mine = tmp_path / "config.json"
+    mine.write_text(json.dumps({"model_type": "llama", "vocab_size": 16, "mine": True}))
+    again = cli("promote", "hf@step3", "--model", "llama", "--extra", mine, "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["version"] == 2
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda data: data[: len(data) - 5], "model.safetensors is truncated"),
+        (lambda data: struct.pack("<Q", 10**9) + data[8:], "its safetensors header says"),
+        (lambda data: data[:8] + b"[" + data[9:], "model.safetensors"),
+    ],
+)
+def test_a_damaged_model_file_is_refused_at_push_and_nothing_is_committed(
+    tmp_path: Path, cli: Any, damage: Any, message: str
+) -> None:
+    good = safetensors_bytes(model_tensors())
+    root = plain_trainer_dir(tmp_path / "checkpoint-3", model=damage(good))
+    got = cli("push-ckpt", root, "--run", "hf")
+    assert got.returncode == 2, got.stderr
+    assert message in got.stderr and "Traceback" not in got.stderr
+    assert len(got.stderr.strip().splitlines()) <= 2
+    assert "hf" not in cli("ls", "--json").stdout
+
+
+def test_a_config_json_that_is_no_config_is_named_at_promotion(
+    tmp_path: Path, cli: Any, cpu_policy: Path
+) -> None:
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    (root / "config.json").write_bytes(b"\x80\x04pickle")
+    assert cli("push-ckpt", root, "--run", "hf").returncode == 0
+    got = cli("promote", "hf@step3", "--model", "llama")
+    assert got.returncode == 2 and "config.json of the checkpoint is" in got.stderr
+    assert "--extra config.json" in got.stderr and "Traceback" not in got.stderr
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "memory":
+        monkeypatch.setenv("REG_STORE_URL", f"memory://{uuid.uuid4().hex}")
+    elif request.param == "s3":
+        request.getfixturevalue("s3_env")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_a_model_file_changed_in_the_store_fails_validation_and_promotes_nothing(
+    store_kind: str, cpu_policy: Path, tmp_path: Path, where: str
+) -> None:
+    """The header is proven against the catalog's digest before a tensor is placed by it; a
+    flipped data byte fails the restore's one pass."""
+    from registry.errors import ValidationFailed
+
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    with Registry() as reg:
+        reg.push_checkpoint(root, run="hf", step=3, world_size=2)
+        tamper.flip_byte(reg.store, KEY + "model.safetensors", 20 if where == "header" else None)
+        report = reg.validate("hf@step3")
+        assert report["passed"] is False
+        integrity = next(c for c in report["checks"] if c["name"] == "integrity")
+        assert integrity["passed"] is False and "model.safetensors" in integrity["detail"]
+        with pytest.raises((IntegrityError, ValidationFailed)):
+            reg.promote("hf@step3", model="llama")
+        assert reg.releases() == []  # no model was even created
