@@ -42,8 +42,11 @@ FRAMEWORKS = {
     "accelerate": ("accelerate", f"step-{SAVE_AT}"),
     "torchtitan": ("torchtitan", f"checkpoint/step-{SAVE_AT}"),
     "trainer": ("transformers", f"checkpoint-{SAVE_AT}"),
+    "trainer-plain": ("transformers", f"checkpoint-{SAVE_AT}"),  # no FSDP: model.safetensors
     "megatron": ("megatron.core", f"iter_{SAVE_AT:07d}"),
 }
+# A framework run by another's script: (the script, its arguments)
+VARIANTS = {"trainer-plain": ("trainer", ("--no-fsdp",))}
 # What a framework's promotion adds: Megatron's release in its local layer spec's names (the
 # example's model), one tensor per layer
 PROMOTE_ARGS = {"megatron": ("--convert", "megatron-local")}
@@ -53,9 +56,10 @@ def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
     """Run examples/frameworks/<framework>_train.py on 2 processes; its losses file. gloo on a
     2-core machine now and then aborts a rank: the run is retried from scratch."""
     losses = out.with_suffix(".losses.json")
-    args = ["--out", str(out), "--steps", str(STEPS), "--losses", str(losses), *args]
+    script, more = VARIANTS.get(framework, (framework, ()))
+    args = ["--out", str(out), "--steps", str(STEPS), "--losses", str(losses), *more, *args]
     helpers.torchrun(
-        f"examples.frameworks.{framework}_train",
+        f"examples.frameworks.{script}_train",
         2,
         args,
         clean=out,
@@ -121,6 +125,7 @@ EXPECTED_LAYOUT = {
     "accelerate": ("accelerate", "pytorch_model_fsdp_0.model"),
     "torchtitan": ("torchtitan", ""),
     "trainer": ("transformers", "pytorch_model_fsdp_0.model"),  # HF names: model.embed_tokens
+    "trainer-plain": ("transformers", ""),  # model.safetensors: the HF names as they are
     "megatron": ("megatron", ""),  # Megatron's sharded names, layers stacked
 }
 
@@ -264,6 +269,42 @@ def test_trainer_checkpoint_records_its_step_and_loads_with_from_pretrained(
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "release")
     want = torch.load(run.model, weights_only=True)
     assert_same_tensors(loaded.state_dict(), want)
+
+
+def test_the_trainers_plain_save_releases_with_its_own_config_and_loads_with_from_pretrained(
+    cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Without FSDP the Trainer writes model.safetensors and optimizer.pt: pushed with no
+    --step or --world-size, every resume class found, and released with the checkpoint's own
+    config.json and generation_config.json, so from_pretrained loads it as is."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = trained("trainer-plain", tmp_path_factory)
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "plain", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["step"], out["world_size"], out["layout"]) == (SAVE_AT, 2, "transformers")
+    assert out["resume_state"]["optimizer"] == ["optimizer.pt:state"]
+    assert out["resume_state"]["lr_scheduler"] == ["scheduler.pt"]
+
+    promoted = cli("promote", f"fw/plain@step{SAVE_AT}", "--model", "plain", "--json")
+    assert promoted.returncode == 0, promoted.stderr
+    release = json.loads(promoted.stdout)
+    assert sorted(f["path"] for f in release["files"]) == [
+        "config.json", "generation_config.json", "model.safetensors"
+    ]  # fmt: skip
+    assert release["hf"]["complete"] is True
+    pulled = tmp_path / "release"
+    assert cli("pull-release", "plain:v1", pulled).returncode == 0
+    for name in ("config.json", "generation_config.json"):
+        assert (pulled / name).read_bytes() == (run.checkpoint / name).read_bytes()
+    assert_same_tensors(
+        load_file(pulled / "model.safetensors"), load_file(run.checkpoint / "model.safetensors")
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(pulled)
+    assert_same_tensors(loaded.state_dict(), torch.load(run.model, weights_only=True))
 
 
 def test_megatron_loads_its_release_and_computes_the_runs_next_loss(
