@@ -270,3 +270,98 @@ def test_a_model_file_changed_in_the_store_fails_validation_and_promotes_nothing
         with pytest.raises((IntegrityError, ValidationFailed)):
             reg.promote("hf@step3", model="llama")
         assert reg.releases() == []  # no model was even created
+
+
+# -- an optimizer.pt too large to read whole ----------------------------------------------------
+
+
+def adamw_state() -> bytes:
+    params = [torch.nn.Parameter(torch.ones(64, 64)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params)
+    sum(p.sum() for p in params).backward()  # type: ignore[union-attr]
+    optimizer.step()
+    return saved(optimizer.state_dict())
+
+
+def ends_of(data: bytes) -> Any:
+    return lambda _path, head, tail: (data[:head], data[len(data) - min(tail, len(data) - head) :])
+
+
+def test_a_large_optimizer_file_is_read_for_its_structure_by_its_two_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over MAX_BYTES (a real model's optimizer.pt is gigabytes) the archive's data.pkl is
+    found through its central directory and read for its structure, tensors opaque; without a
+    reader of its ends it stays present but unread."""
+    from registry.formats import sidecars
+
+    data = adamw_state()
+    monkeypatch.setattr(sidecars, "MAX_BYTES", 1024)
+    monkeypatch.setattr(sidecars, "ENDS_HEAD", 4096)
+    monkeypatch.setattr(sidecars, "ENDS_TAIL", 2048)
+    sizes = {"optimizer.pt": len(data)}
+    got = sidecars.entries(["optimizer.pt"], sizes, lambda _: b"", ends_of(data))
+    assert {"optimizer.pt:", "optimizer.pt:state", "optimizer.pt:param_groups"} <= set(got)
+    unread = sidecars.entries(["optimizer.pt"], sizes, lambda _: b"")
+    assert unread == ["optimizer.pt", "optimizer.pt!it is over 0 MiB"]
+
+
+def _zip(records: list[tuple[str, bytes]], method: int) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=method) as z:
+        for name, body in records:
+            z.writestr(name, body)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"\x80\x04not a zip at all" * 200, "read by its ends"),
+        (_zip([("a/version", b"3"), ("a/data.pkl", b"\x80\x02}q\x00."), ("a/x", b"")], 0),
+         "the first record is not ROOT/data.pkl at byte 0"),
+        (_zip([("a/data.pkl", b"\x80\x02}q\x00." * 300), ("a/version", b"3"), ("a/x", b"")], 8),
+         "not a stored record"),
+        (_zip([("a/data.pkl", b"\x80\x02}q\x00."), ("b/version", b"3"), ("a/x", b"")], 0),
+         "outside a/"),
+        (_zip([("a/data.pkl", b"\x80\x02" + b"(" * 3000), ("a/version", b"3"), ("a/x", b"")], 0),
+         "its pickle does not read"),
+    ],
+)  # fmt: skip
+def test_a_large_archive_that_torch_save_did_not_write_is_present_but_unread(
+    monkeypatch: pytest.MonkeyPatch, data: bytes, why: str
+) -> None:
+    from registry.formats import sidecars
+
+    monkeypatch.setattr(sidecars, "MAX_BYTES", 16)
+    got = sidecars.entries(
+        ["optimizer.pt"], {"optimizer.pt": len(data)}, lambda _: b"", ends_of(data)
+    )
+    assert got[0] == "optimizer.pt" and len(got) == 2 and got[1].startswith("optimizer.pt!")
+    assert why in got[1], got
+
+
+def test_a_large_optimizer_file_counts_at_push_and_at_validation_and_is_proven(
+    monkeypatch: pytest.MonkeyPatch, cpu_policy: Path, tmp_path: Path
+) -> None:
+    from registry.formats import sidecars
+
+    monkeypatch.setattr(sidecars, "MAX_BYTES", 1024)
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    with Registry() as reg:
+        pushed = reg.push_checkpoint(root, run="hf", step=3, world_size=2)
+        assert pushed["resume_state"]["optimizer"] == ["optimizer.pt:state"]
+        report = reg.validate("hf@step3")
+        assert report["passed"] is True and report["resume_state"]["optimizer"] == [
+            "optimizer.pt:state"
+        ]
+        tamper.flip_byte(reg.store, KEY + "optimizer.pt", 40)
+        report = reg.validate("hf@step3")
+        assert report["passed"] is False
+        assert (
+            "optimizer.pt"
+            in next(c for c in report["checks"] if c["name"] == "integrity")["detail"]
+        )

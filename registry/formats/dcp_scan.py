@@ -67,6 +67,18 @@ class ScannedDir:
         with os.fdopen(self.open(path), "rb") as f:
             return f.read(self.files[path] + 1)
 
+    def read_ends(self, path: str, head: int, tail: int) -> tuple[bytes, bytes]:
+        """The first `head` and last `tail` bytes of a file the scan checked (a large sidecar,
+        read for its structure)."""
+        size = self.files[path]
+        head = min(head, size)
+        tail = min(tail, size - head)
+        fd = self.open(path)
+        try:
+            return os.pread(fd, head, 0), os.pread(fd, tail, size - tail)
+        finally:
+            os.close(fd)
+
     def rank_of(self, path: str) -> int | None:
         match = RANK_FILE.fullmatch(Path(path).name)
         return int(match.group(1)) if match else None

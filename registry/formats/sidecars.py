@@ -36,6 +36,7 @@ import itertools
 import json
 import pickletools
 import re
+import struct
 import threading
 import zipfile
 from collections.abc import Callable, Iterable
@@ -96,9 +97,24 @@ def readable(path: str) -> str | None:
     return None
 
 
-def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], bytes]) -> list[str]:
+# A torch.save archive over MAX_BYTES (the Trainer's optimizer.pt of a real model) is read for
+# its structure alone from its first and last bytes: data.pkl is its first record, the central
+# directory (at most MAX_RECORDS entries, some 90 bytes each) its end.
+ENDS_HEAD = MAX_PICKLE + 64 * 1024
+ENDS_TAIL = 16 * 1024 * 1024
+# (path, head bytes, tail bytes) -> the file's first and last bytes, proven by the caller
+ReadEnds = Callable[[str, int, int], tuple[bytes, bytes]]
+
+
+def entries(
+    paths: Iterable[str],
+    sizes: dict[str, int],
+    read: Callable[[str], bytes],
+    read_ends: ReadEnds | None = None,
+) -> list[str]:
     """The sidecar entries of the files `paths` (beside the shards): each file, and for those
-    reg reads, what they hold (`read(path)` gives the bytes, proven by the caller)."""
+    reg reads, what they hold (`read(path)` gives the bytes, proven by the caller; a torch
+    archive over MAX_BYTES is read for its structure through `read_ends`, where given)."""
     out: list[str] = []
     for path in sorted(paths):
         out.append(path)
@@ -106,12 +122,18 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
         if kind is None:
             continue
         limit = MAX_JSON if kind == JSON else MAX_BYTES
-        if sizes.get(path, 0) > limit:
+        size = sizes.get(path, 0)
+        large = size > limit and kind in (TORCH, TORCH_STRUCTURE) and read_ends is not None
+        if size > limit and not large:
             out.append(f"{path}{UNREAD_MARK}it is over {limit >> 20} MiB")
             continue
         try:
-            data = read(path)
-            value = load_json(data) if kind == JSON else load(data, kind=kind)
+            if large:
+                assert read_ends is not None
+                value = large_structure(path, size, read_ends)
+            else:
+                data = read(path)
+                value = load_json(data) if kind == JSON else load(data, kind=kind)
         except Unreadable as exc:
             out.append(f"{path}{UNREAD_MARK}{str(exc)[:MAX_WHY]}")
             continue
@@ -122,6 +144,24 @@ def entries(paths: Iterable[str], sizes: dict[str, int], read: Callable[[str], b
 
 class Unreadable(Exception):
     """Why a sidecar could not be read (one short line)."""
+
+
+def large_structure(path: str, size: int, read_ends: ReadEnds) -> Any:
+    """The structure of a torch.save archive too large to read whole (tensors opaque, nothing
+    run: `torch_archive.read_structure`), from its data.pkl found through its two ends."""
+    from registry.formats.torch_zip import NotCanonical, Region, archive_pickle
+
+    head, tail = read_ends(path, ENDS_HEAD, ENDS_TAIL)
+    try:
+        region = Region(head, size - len(head) - len(tail), tail)
+        pickled = archive_pickle(region, MAX_RECORDS, MAX_PICKLE)
+    except (NotCanonical, struct.error, UnicodeDecodeError) as exc:
+        why = str(exc) if isinstance(exc, NotCanonical) else "it is not a zip archive"
+        raise Unreadable(f"read by its ends (over {MAX_BYTES >> 20} MiB): {why}") from None
+    try:
+        return read_structure(pickled)
+    except Exception as exc:  # any malformed pickle: one line, never a traceback
+        raise Unreadable(f"its pickle does not read ({type(exc).__name__})") from None
 
 
 def load(data: bytes, *, kind: str = TORCH) -> Any:

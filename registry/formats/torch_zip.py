@@ -61,22 +61,7 @@ def canonical(region: Region) -> Canonical:
     ignoring case), one storage record, stored uncompressed; the local records lie back to back
     from byte 0 in directory order, each followed only by its data descriptor. Any other zip
     reader (Python's, torch's) then reads the same bytes for every name."""
-    size = region.size
-    end = region.read(size - 22, 22)
-    sig, disk, cd_disk, count, total, cd_size, cd_at, comment = struct.unpack("<IHHHHIIH", end)
-    if sig != 0x06054B50 or comment or disk or cd_disk or count != total:
-        raise NotCanonical("the end record is not the archive's last 22 bytes")
-    cd_end = size - 22
-    if size >= 22 + 20 + 56 and region.read(size - 42, 4) == b"PK\x06\x07":
-        _, loc_disk, z64_at, disks = struct.unpack("<IIQI", region.read(size - 42, 20))
-        if loc_disk or disks != 1 or z64_at != size - 42 - 56:
-            raise NotCanonical("a zip64 locator that does not point just before it")
-        z = struct.unpack("<IQHHIIQQQQ", region.read(z64_at, 56))
-        if z[0] != 0x06064B50 or z[1] != 44 or z[4] or z[5] or z[6] != z[7]:
-            raise NotCanonical("a malformed zip64 end record")
-        count, cd_size, cd_at, cd_end = z[7], z[8], z[9], z64_at
-    if count < 3 or count > _MAX_ENTRIES or cd_at + cd_size != cd_end:
-        raise NotCanonical("the central directory does not end where the end record begins")
+    count, cd_size, cd_at = _end_record(region, _MAX_ENTRIES)
     entries = _directory(region, cd_at, cd_size, count)
     first = entries[0][0]
     root, _, rest = first.partition("/")
@@ -108,6 +93,58 @@ def canonical(region: Region) -> Canonical:
         data_len,
         None if order is None else region.read(*order),
     )
+
+
+def _end_record(region: Region, most: int) -> tuple[int, int, int]:
+    """(entries, central directory size, where it starts) from the end record, the last 22
+    bytes (no comment), after torch's zip64 end record and locator where present; the
+    directory must end exactly where they begin and hold 3 to `most` entries."""
+    size = region.size
+    end = region.read(size - 22, 22)
+    sig, disk, cd_disk, count, total, cd_size, cd_at, comment = struct.unpack("<IHHHHIIH", end)
+    if sig != 0x06054B50 or comment or disk or cd_disk or count != total:
+        raise NotCanonical("the end record is not the archive's last 22 bytes")
+    cd_end = size - 22
+    if size >= 22 + 20 + 56 and region.read(size - 42, 4) == b"PK\x06\x07":
+        _, loc_disk, z64_at, disks = struct.unpack("<IIQI", region.read(size - 42, 20))
+        if loc_disk or disks != 1 or z64_at != size - 42 - 56:
+            raise NotCanonical("a zip64 locator that does not point just before it")
+        z = struct.unpack("<IQHHIIQQQQ", region.read(z64_at, 56))
+        if z[0] != 0x06064B50 or z[1] != 44 or z[4] or z[5] or z[6] != z[7]:
+            raise NotCanonical("a malformed zip64 end record")
+        count, cd_size, cd_at, cd_end = z[7], z[8], z[9], z64_at
+    if count < 3 or count > most or cd_at + cd_size != cd_end:
+        raise NotCanonical("the central directory does not end where the end record begins")
+    return count, cd_size, cd_at
+
+
+def archive_pickle(region: Region, most: int, max_pickle: int) -> bytes:
+    """The data.pkl of a torch.save archive of many records (an optimizer's state_dict), read
+    from its head and tail alone: the central directory (in the tail, at most `most` entries,
+    every one stored and under one ROOT/, no name twice) names ROOT/data.pkl first, at byte 0,
+    and its local record there agrees; its bytes must lie in the head. What torch.load reads
+    as data.pkl is then these bytes."""
+    count, cd_size, cd_at = _end_record(region, most)
+    entries = _directory(region, cd_at, cd_size, count)
+    first, offset, size = entries[0]
+    root, _, rest = first.partition("/")
+    if rest != "data.pkl" or not root or offset != 0:
+        raise NotCanonical("the first record is not ROOT/data.pkl at byte 0")
+    if size > max_pickle:
+        raise NotCanonical(f"its pickle is over {max_pickle >> 20} MiB")
+    seen: set[str] = set()
+    for name, *_ in entries:
+        if not name.startswith(root + "/") or name.lower() in seen:
+            raise NotCanonical(f"a record {name[:80]!r} outside {root}/ or named twice")
+        seen.add(name.lower())
+    sig, _, flags, method, _, _, _, csize, usize, nlen, elen = struct.unpack(
+        "<IHHHHHIIIHH", region.read(0, 30)
+    )
+    if sig != LOCAL_HEADER or method or region.read(30, nlen) != first.encode("utf-8"):
+        raise NotCanonical("the local record of data.pkl disagrees with the directory")
+    if not flags & 0x08 and (csize, usize) not in ((size, size), (0xFFFFFFFF, 0xFFFFFFFF)):
+        raise NotCanonical("the local sizes of data.pkl disagree with the directory")
+    return region.read(30 + nlen + elen, size)
 
 
 def _directory(region: Region, at: int, size: int, count: int) -> list[tuple[str, int, int]]:

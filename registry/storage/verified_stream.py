@@ -132,3 +132,36 @@ def verified_header(
             f"{label} does not match the catalog's sha256", "run `reg verify` on the checkpoint"
         )
     return bytes(kept)
+
+
+def verified_ends(
+    store: BaseStore,
+    key: str,
+    *,
+    size: int,
+    sha256: str,
+    version: str | None,
+    label: str,
+    head: int,
+    tail: int,
+) -> tuple[bytes, bytes]:
+    """A file's first `head` and last `tail` bytes (never overlapping), proven: the whole
+    object is streamed through sha256 and must be `size` bytes of `sha256`."""
+    head = min(head, size)
+    tail = min(tail, size - head)
+    digest, first, last, total = hashlib.sha256(), bytearray(), bytearray(), 0
+    for piece in store.stream(key, version=version):
+        digest.update(piece)
+        if len(first) < head:
+            first += piece[: head - len(first)]
+        start = size - tail  # where the tail begins
+        if total + len(piece) > start:
+            last += piece[max(0, start - total) :]
+        total += len(piece)
+        if total > size:
+            break
+    if total != size or digest.hexdigest() != sha256:
+        raise IntegrityError(
+            f"{label} does not match the catalog's sha256", "run `reg verify` on the checkpoint"
+        )
+    return bytes(first), bytes(last)

@@ -51,6 +51,7 @@ from registry.errors import (
 from registry.formats import safetensors_root
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
+from registry.formats.documents import FileRecord
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import (
     build_manifest,
@@ -199,7 +200,7 @@ def complete(
     ctx: Context, ref: CheckpointRef, token: str, notes: list[str] | None = None
 ) -> PushResult:
     from registry.lifecycle.checkpoints import commit
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields, proven_ends
 
     claim, plan = _resume(ctx, ref, token)
     store = _s3(ctx)
@@ -210,8 +211,13 @@ def complete(
         faults.point("presigned-assembled")
         scanned = _scan_stored(ctx, prefix, plan)
         world = world_size_of(scanned, plan.world_size, notes)
+        declared = [FileRecord(f.path, f.size, f.sha256) for f in plan.files]
         facts = facts_of(
-            scanned.inventory, scanned.files, _proven_reader(ctx, prefix, plan), plan.layout
+            scanned.inventory,
+            scanned.files,
+            _proven_reader(ctx, prefix, plan),
+            plan.layout,
+            proven_ends(store, prefix, declared),
         )
         manifest = build_manifest(
             ctx, ref, scanned, stored, world, facts.record(ctx.policy.resume), plan.metrics

@@ -89,7 +89,7 @@ def push(
         from registry.lifecycle.checkpoints import commit
         from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
-        facts = facts_of(scanned.inventory, scanned.files, scanned.read, layout)
+        facts = facts_of(scanned.inventory, scanned.files, scanned.read, layout, scanned.read_ends)
         resume_record = facts.record(ctx.policy.resume)
         claim, existing = commit.claim_step(ctx, ref)
         resume = fields(facts, ctx.policy.resume)

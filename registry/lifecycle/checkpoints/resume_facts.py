@@ -28,7 +28,7 @@ from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import metadata_paths, stored_metadata
 from registry.formats.documents import ResumeRecord
 from registry.layout import checkpoint_prefix
-from registry.storage.verified_stream import verified_header
+from registry.storage.verified_stream import verified_ends, verified_header
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -71,13 +71,14 @@ def facts_of(
     files: Mapping[str, int],
     read: Callable[[str], bytes],
     layout: str | None = None,
+    read_ends: sidecars.ReadEnds | None = None,
 ) -> KeyFacts:
     """The key paths of a checkpoint's inventory; its sidecars are the files (path -> size)
     that are neither a `.metadata` nor a shard the metadata names, with what reg reads in them
-    through `read(path)` (bytes the caller vouches for)."""
+    through `read(path)` and `read_ends` (bytes the caller vouches for)."""
     metadata = set(metadata_paths(files))
     beside = [p for p in files if p not in metadata and p not in inv.files]
-    entries = tuple(sorted(sidecars.entries(beside, dict(files), read)))
+    entries = tuple(sorted(sidecars.entries(beside, dict(files), read, read_ends)))
     keys = key_paths(inv)
     chosen = check_layout(layout) or detect(keys, entries).name
     return KeyFacts(keys, entries, chosen)
@@ -339,6 +340,26 @@ def proven_reader(
     return read
 
 
+def proven_ends(store: BaseStore, prefix: str, files: Sequence[FileRecord]) -> sidecars.ReadEnds:
+    """A stored file's first and last bytes (a large sidecar's), proven by one pass over it."""
+    records = {f.path: f for f in files}
+
+    def read_ends(path: str, head: int, tail: int) -> tuple[bytes, bytes]:
+        record = records[path]
+        return verified_ends(
+            store,
+            prefix + path,
+            size=record.size,
+            sha256=record.sha256,
+            version=record.version,
+            label=f"{prefix}{path}",
+            head=head,
+            tail=tail,
+        )
+
+    return read_ends
+
+
 def from_stored_metadata(
     ctx: Context, ref: CheckpointRef, ckpt: Checkpoint, files: Sequence[FileRecord]
 ) -> KeyFacts:
@@ -348,4 +369,5 @@ def from_stored_metadata(
         raise IntegrityError(f"{ref}: the catalog lists no .metadata", "run `reg verify` on it")
     proven = proven_reader(ctx.store, prefix, files)
     inv = inventory(stored_metadata(proven, records, light=True))
-    return facts_of(inv, {p: r.size for p, r in records.items()}, proven)
+    sizes = {p: r.size for p, r in records.items()}
+    return facts_of(inv, sizes, proven, read_ends=proven_ends(ctx.store, prefix, files))

@@ -165,7 +165,12 @@ def run_checks(
     (None: where its keys show); no catalog access, so a validator reading through `reg
     server` runs the same code."""
     from policies.resume import names_path, suggest
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, proven_reader, verdict
+    from registry.lifecycle.checkpoints.resume_facts import (
+        facts_of,
+        proven_ends,
+        proven_reader,
+        verdict,
+    )
 
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
@@ -177,7 +182,8 @@ def run_checks(
         metadata = stored_metadata(proven, [f.path for f in files])
         inv = inventory(metadata)
         check_ranges(inv, {f.path: f.size for f in files}, str(ref))
-        facts = facts_of(inv, {f.path: f.size for f in files}, proven, request.layout)
+        ends = proven_ends(store, prefix, files)  # a large sidecar's: one more pass over it
+        facts = facts_of(inv, {f.path: f.size for f in files}, proven, request.layout, ends)
     except (IntegrityError, NotFound) as exc:
         out.add("integrity", False, str(exc))
         out.add("resume_state", False, "not decided: the integrity check failed")
