@@ -2,14 +2,18 @@
 
 A layout is a fact about how a checkpoint was written, not a policy: it says under which dotted
 key path the model lives (and so which prefix a release strips from its names), which key paths
-hold which resume-state class, which files beside the DCP shards carry state, and which classes a
+hold which resume-state class, which files beside the DCP shards (or a safetensors model) carry
+state, and which classes a
 resume of that trainer needs (required) or should have (recommended: missing ones are warnings).
 
   megatron    Megatron-core's torch_dist: model keys at the top, optimizer.*, rng_state/shard_*,
               beside metadata.json and common.pt
   lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
   transformers  the Trainer's sharded FSDP save: accelerate's DCP roots beside trainer_state.json,
-              scheduler.pt and rng_state_N.pth
+              scheduler.pt and rng_state_N.pth; or its plain save, model.safetensors (or a PEFT
+              adapter's adapter_model.safetensors) beside optimizer.pt and the same files
+  peft        a PEFT adapter's save_pretrained folder: adapter_model.safetensors beside
+              adapter_config.json (weights alone: not resumable)
   accelerate  DCP roots pytorch_model_fsdp_0/ and optimizer_0/ (their key paths prefixed with the
               root's name) beside scheduler.bin, random_states_N.pkl
   dcp         {"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}
@@ -220,6 +224,18 @@ TRANSFORMERS = Layout(
     files=r"trainer_state\.json|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt",
     marks=("trainer_state.json",),
 )
+PEFT = Layout(
+    "peft",
+    "a PEFT adapter as save_pretrained writes it: adapter_model.safetensors beside "
+    "adapter_config.json; the adapter's weights alone, no optimizer (not resumable; it "
+    "promotes as an adapter, which needs no resume state)",
+    model="",
+    classes={},
+    required=("model", "optimizer"),
+    recommended=(),
+    files=r"adapter_config\.json",
+    marks=("adapter_config.json",),
+)
 STATEFUL = Layout(
     "stateful",
     'one wrapper key (e.g. "app") holding "model" and "optim", as in the DCP tutorial',
@@ -230,7 +246,7 @@ STATEFUL = Layout(
 )
 LAYOUTS: dict[str, Layout] = {
     lay.name: lay
-    for lay in (MEGATRON, LIGHTNING, TRANSFORMERS, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
+    for lay in (MEGATRON, LIGHTNING, TRANSFORMERS, PEFT, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
 }  # in detection order
 
 
@@ -293,7 +309,7 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     """The layout the key paths and files show: Megatron's metadata.json and common.pt;
     Lightning's "state_dict" or meta.pt; the
-    Trainer's trainer_state.json; accelerate's pytorch_model_fsdp_N root; a top-level
+    Trainer's trainer_state.json; PEFT's adapter_config.json; accelerate's pytorch_model_fsdp_N root; a top-level
     "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
     sidecars = set(sidecars)
     if set(MEGATRON.marks) <= sidecars:
@@ -303,6 +319,8 @@ def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
         return LIGHTNING
     if set(TRANSFORMERS.marks) <= sidecars:
         return TRANSFORMERS
+    if set(PEFT.marks) <= sidecars:
+        return PEFT
     if any(re.fullmatch(r"pytorch_model_fsdp_\d+", name) for name in top):
         return ACCELERATE
     if "model" in top:

@@ -435,6 +435,80 @@ def test_a_lora_adapter_trained_under_fsdp_releases_as_peft_writes_it(
     assert resumed == {s: run.losses[s] for s in resumed} and len(resumed) == STEPS - SAVE_AT
 
 
+def test_a_lora_run_without_fsdp_and_its_save_pretrained_folder_release_as_adapters(
+    cli: Any,
+    cpu_policy: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without FSDP the Trainer saves a LoRA run as adapter_model.safetensors and its
+    adapter_config.json beside optimizer.pt: a resumable checkpoint that promotes as an
+    adapter with nothing to add (PEFT's file name, the checkpoint's own adapter_config.json,
+    its base model as the config names it, unverified). PEFT's save_pretrained folder pushes
+    as a `peft` checkpoint of the weights alone (not resumable) and promotes the same way.
+    Both load with PeftModel.from_pretrained, and the run resumes bit for bit from a pull."""
+    import torch
+    from safetensors.torch import load_file
+
+    pytest.importorskip("peft", reason="peft is not installed (the frameworks extra)")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def build(base: Path) -> Run:
+        out = base / "a"
+        losses = torchrun("trainer", out, "--save-at", str(SAVE_AT), "--export-model",
+                          str(base / "model.pt"), "--lora", "--no-fsdp")  # fmt: skip
+        return Run("lora-plain", out / f"checkpoint-{SAVE_AT}", losses["losses"], base / "model.pt")
+
+    run = build_once(tmp_path_factory, "framework-trainer-lora-plain", build)
+    saved = run.checkpoint.parent
+    want = torch.load(run.model, weights_only=True)
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "lp", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["layout"], out["resumable"]) == ("transformers", True), out
+    assert out["resume_state"]["optimizer"] == ["optimizer.pt:state"]
+
+    folder = cli("push-ckpt", saved / "adapter", "--project", "fw", "--run", "sp", "--json")
+    assert folder.returncode == 2 and "--step is required" in folder.stderr
+    folder = cli("push-ckpt", saved / "adapter", "--project", "fw", "--run", "sp", "--step",
+                 str(SAVE_AT), "--json")  # fmt: skip
+    assert folder.returncode == 0, folder.stderr
+    out = json.loads(folder.stdout)
+    assert (out["layout"], out["resumable"], out["missing_state"]) == ("peft", False, ["optimizer"])
+
+    for i, ref in enumerate((f"fw/lp@step{SAVE_AT}", f"fw/sp@step{SAVE_AT}"), start=1):
+        promoted = cli("promote", ref, "--model", "adapter", "--json")
+        assert promoted.returncode == 0, promoted.stderr
+        release = json.loads(promoted.stdout)
+        assert release["convert"] == "peft" and release["version"] == i
+        assert release["base"] == {"name": str(saved / "base"), "sha256": None, "resolved": False}
+        files = sorted(f["path"] for f in release["files"])
+        assert files == ["adapter_config.json", "adapter_model.safetensors"]
+        pulled = tmp_path / f"release-{i}"
+        assert cli("pull-release", f"adapter:v{i}", pulled).returncode == 0
+        assert (pulled / "adapter_config.json").read_bytes() == (
+            saved / "adapter" / "adapter_config.json"
+        ).read_bytes()
+        assert_same_tensors(
+            load_file(pulled / "adapter_model.safetensors"),
+            load_file(saved / "adapter" / "adapter_model.safetensors"),
+        )
+        loaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(saved / "base"), pulled
+        )
+        assert_same_tensors(loaded.state_dict(), want)
+
+    pulled = tmp_path / "pulled"
+    assert cli("pull", f"fw/lp@step{SAVE_AT}", pulled).returncode == 0
+    resumed = torchrun("trainer", tmp_path / "b", "--resume", str(pulled), "--lora", "--no-fsdp")
+    got = resumed["losses"]
+    assert got == {s: run.losses[s] for s in got} and len(got) == STEPS - SAVE_AT
+
+
 def test_an_adapters_base_is_a_release_resolved_to_one_version(
     trainer_run: Run,
     cli: Any,

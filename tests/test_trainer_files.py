@@ -189,9 +189,9 @@ def layout(root: Path, files: list[str]) -> Path:
             '"state_dict_type": "SHARDED_STATE_DICT"',
         ),
         (
-            ["adapter_model.safetensors", "adapter_config.json", "README.md"],
-            "is a PEFT adapter (save_pretrained)",
-            "push the training checkpoint the adapter was trained in",
+            ["adapter_model.bin", "adapter_config.json", "README.md"],
+            "is a PEFT adapter without adapter_model.safetensors",
+            "safe_serialization=True",
         ),
         (
             ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],

@@ -33,7 +33,7 @@ def refuse_foreign(root: Path, *, has_metadata: bool) -> bool:
     save directory: its iter_N/ subdirectories are checkpoints of their own, not roots of
     one."""
     names = _names(root)
-    if not has_metadata and trainer_safetensors(names):
+    if not has_metadata and safetensors_checkpoint(names):
         return True
     checks = (
         (_megatron_save_dir,)
@@ -54,10 +54,12 @@ def refuse_foreign(root: Path, *, has_metadata: bool) -> bool:
     return False
 
 
-def trainer_safetensors(names: set[str]) -> bool:
+def safetensors_checkpoint(names: set[str]) -> bool:
     """The Trainer's save without FSDP: trainer_state.json beside its model in safetensors
     (`model.safetensors`, the sharded `model-0000K-of-0000N.safetensors`, or a PEFT adapter's
-    `adapter_model.safetensors`)."""
+    `adapter_model.safetensors`); or a PEFT adapter as save_pretrained writes it."""
+    if "adapter_config.json" in names and "adapter_model.safetensors" in names:
+        return True
     return "trainer_state.json" in names and any(
         n.endswith(".safetensors") and not n.endswith("/") for n in names
     )
@@ -181,9 +183,9 @@ def _peft_adapter(root: Path, names: set[str]) -> InvalidCheckpoint | None:
     if "adapter_config.json" not in names:
         return None
     return InvalidCheckpoint(
-        f"{root} is a PEFT adapter (save_pretrained): inference weights, not resumable "
-        "training state, and reg does not take adapters as checkpoints yet",
-        "push the training checkpoint the adapter was trained in (a DCP save), and promote it",
+        f"{root} is a PEFT adapter without adapter_model.safetensors (a pickled "
+        "adapter_model.bin?): reg reads adapters in safetensors, never by unpickling",
+        "save it again with save_pretrained(..., safe_serialization=True), the default",
     )
 
 

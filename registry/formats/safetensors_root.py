@@ -1,8 +1,10 @@
-"""A checkpoint whose model is in safetensors files: the transformers Trainer's plain save.
+"""A checkpoint whose model is in safetensors files: the transformers Trainer's plain save, and
+a PEFT adapter as `save_pretrained` writes it.
 
 Without FSDP's sharded state dict the Trainer writes the model as `model.safetensors` (or
 `model-0000K-of-0000N.safetensors` with an index) beside `optimizer.pt`, `scheduler.pt`,
-`rng_state_R.pth` and `trainer_state.json`. Such a file is a root of the checkpoint, as a
+`rng_state_R.pth` and `trainer_state.json`; PEFT's save_pretrained writes
+`adapter_model.safetensors` beside `adapter_config.json`. Such a file is a root of the checkpoint, as a
 DCP `.metadata` is (docs/concepts/design.md §3): its header (8 bytes of length, then JSON
 naming each tensor's dtype, shape and byte range) is read, checked, and turned into the same
 metadata a DCP root gives, with one chunk per tensor whose bytes are the tensor's own,
@@ -30,6 +32,7 @@ from registry.formats.dcp import MAX_DIMS, MAX_INT, RawStorage
 
 SUFFIX = ".safetensors"
 TRAINER_STATE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's save_pretrained, beside adapter_model.safetensors
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 LENGTH_BYTES = 8
 # safetensors dtype -> torch's name (docs: huggingface/safetensors, "Format")
@@ -71,9 +74,10 @@ ITEMSIZE = {
 
 def roots(paths: Iterable[str]) -> tuple[str, ...]:
     """The safetensors roots of a checkpoint with no DCP root: its top-level `*.safetensors`
-    files, where `trainer_state.json` says the transformers Trainer wrote it; else ()."""
+    files, where `trainer_state.json` says the transformers Trainer wrote it or
+    `adapter_config.json` that PEFT's save_pretrained did; else ()."""
     paths = list(paths)
-    if TRAINER_STATE not in paths:
+    if TRAINER_STATE not in paths and ADAPTER_CONFIG not in paths:
         return ()
     return tuple(sorted(p for p in paths if "/" not in p and p.endswith(SUFFIX)))
 

@@ -81,6 +81,7 @@ READ = (
     (re.compile(r"scheduler\.pt"), TORCH),
     (re.compile(r"rng_state(_\d+)?\.pth"), TORCH_NUMPY),
     (re.compile(r"optimizer\.pt"), TORCH),  # its plain save's optimizer state_dict
+    (re.compile(r"adapter_config\.json"), JSON),  # a PEFT adapter's (save_pretrained)
     # Megatron-LM's common state: iteration, LR scheduler, optimizer param groups beside the
     # run's argparse.Namespace, whose values name Megatron's enums: read for its structure only
     (re.compile(r"common\.pt"), TORCH_STRUCTURE),

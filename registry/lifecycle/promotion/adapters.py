@@ -50,16 +50,16 @@ def adapter_base(ctx: Context, extras: Sequence[Extra], base: str | None) -> Bas
             f"an adapter release needs its {ADAPTER_CONFIG}",
             f"add --extra {ADAPTER_CONFIG} (what the adapter's save_pretrained wrote)",
         )
-    data = config.path.read_bytes()
+    data = config.data if config.data is not None else config.path.read_bytes()
     if len(data) > MAX_DOCUMENT:
-        raise UsageError(f"--extra {ADAPTER_CONFIG} is over {MAX_DOCUMENT >> 20} MiB")
-    doc = parse_object(data, f"--extra {ADAPTER_CONFIG}")
+        raise UsageError(f"{config.label} is over {MAX_DOCUMENT >> 20} MiB")
+    doc = parse_object(data, config.label)
     if not isinstance(doc.get("peft_type"), str):
         raise UsageError(
-            f"--extra {ADAPTER_CONFIG} names no peft_type",
+            f"{config.label} names no peft_type",
             "give the adapter_config.json PEFT's save_pretrained wrote",
         )
-    _check_lora_only(doc)
+    _check_lora_only(doc, config.label)
     named = doc.get("base_model_name_or_path")
     named = named if isinstance(named, str) else None
     if base is None:
@@ -68,7 +68,7 @@ def adapter_base(ctx: Context, extras: Sequence[Extra], base: str | None) -> Bas
     return replace(found, config_names=named) if named and named != found.name else found
 
 
-def _check_lora_only(doc: dict[str, Any]) -> None:
+def _check_lora_only(doc: dict[str, Any], label: str) -> None:
     """What a release of the LoRA tensors alone holds all of: a LORA adapter training no
     biases, no whole modules and no token rows (those live outside lora_A / lora_B, and
     leaving them out would release a broken adapter)."""
@@ -82,7 +82,7 @@ def _check_lora_only(doc: dict[str, Any]) -> None:
             problems.append(key)
     if problems:
         raise UsageError(
-            f"--extra {ADAPTER_CONFIG}: {', '.join(problems)}: the adapter trains more than "
+            f"{label}: {', '.join(problems)}: the adapter trains more than "
             "its LoRA tensors, which is all reg releases as an adapter",
             "promote the whole model (without --convert peft)",
         )

@@ -34,6 +34,8 @@ from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
 from registry.lifecycle.promotion.converters import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
     check_adapter,
     check_converter,
     check_llama_config,
@@ -69,9 +71,10 @@ class Extra:
         return f"{self.name} of the checkpoint" if self.data is not None else f"--extra {self.path}"
 
 
-# What a release takes from its checkpoint unless an --extra of that name is given: the model's
-# config, as the transformers Trainer's plain save writes it beside model.safetensors.
-CARRIED = ("config.json", "generation_config.json")
+# What a release takes from its checkpoint unless an --extra of that name is given, by converter:
+# the model's config, as the transformers Trainer's plain save writes it beside
+# model.safetensors; an adapter's config, beside adapter_model.safetensors.
+CARRIED = {None: ("config.json", "generation_config.json"), "peft": (ADAPTER_CONFIG,)}
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,10 @@ def plan_promotion(
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
     resume = verdict(facts, ctx.policy.resume, layout)
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
+    if convert is None and any(f.path == ADAPTER_FILE for f in files):
+        convert = "peft"  # a PEFT adapter's weights, in the file PEFT names them
     converter = converter_for(resume.layout, convert)
-    if converter is None and (carried := _carried(ctx, source, files, checked)):
+    if carried := _carried(ctx, source, files, checked, CARRIED.get(converter, ())):
         checked += carried
         hf_config = plan_config(checked, dtype, model_factory)
     if converter is not None:
@@ -220,15 +225,19 @@ def _shard_bytes(text: str) -> int:
 
 
 def _carried(
-    ctx: Context, source: CheckpointRef, files: list[FileRecord], given: tuple[Extra, ...]
+    ctx: Context,
+    source: CheckpointRef,
+    files: list[FileRecord],
+    given: tuple[Extra, ...],
+    carried: tuple[str, ...],
 ) -> tuple[Extra, ...]:
-    """The checkpoint's own `CARRIED` files no --extra replaces, read proven against the
+    """The checkpoint's own `carried` files no --extra replaces, read proven against the
     catalog and judged as extras are (a config that is not JSON is refused, naming it)."""
     from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.resume_facts import proven_reader
 
     names = {e.name for e in given}
-    wanted = [f for f in files if f.path in CARRIED and f.path not in names]
+    wanted = [f for f in files if f.path in carried and f.path not in names]
     if not wanted:
         return ()
     prefix = checkpoint_prefix(source.project, source.run, source.step or 0)
