@@ -308,9 +308,9 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     """The layout the key paths and files show: Megatron's metadata.json and common.pt;
-    Lightning's "state_dict" or meta.pt; the
-    Trainer's trainer_state.json; PEFT's adapter_config.json; accelerate's pytorch_model_fsdp_N root; a top-level
-    "model"; a wrapper holding "model"; else the model at the top (torchtitan)."""
+    Lightning's "state_dict" or meta.pt; the Trainer's trainer_state.json; PEFT's
+    adapter_config.json; accelerate's pytorch_model_fsdp_N root; a top-level "model"; a
+    wrapper holding "model"; else the model at the top (torchtitan)."""
     sidecars = set(sidecars)
     if set(MEGATRON.marks) <= sidecars:
         return MEGATRON
