@@ -5,9 +5,9 @@ Without FSDP's sharded state dict the Trainer writes the model as `model.safeten
 `model-0000K-of-0000N.safetensors` with an index) beside `optimizer.pt`, `scheduler.pt`,
 `rng_state_R.pth` and `trainer_state.json`; PEFT's save_pretrained writes
 `adapter_model.safetensors` beside `adapter_config.json`. Such a file is a root of the
-checkpoint, as a DCP `.metadata` is (docs/concepts/design.md §3): its header (8 bytes of length, then JSON
-naming each tensor's dtype, shape and byte range) is read, checked, and turned into the same
-metadata a DCP root gives, with one chunk per tensor whose bytes are the tensor's own,
+checkpoint, as a DCP `.metadata` is (docs/concepts/design.md §3): its header (8 bytes of
+length, then JSON naming each tensor's dtype, shape and byte range) is read, checked, and turned
+into the same metadata a DCP root gives, with one chunk per tensor whose bytes are the tensor's own,
 little-endian and contiguous (`dcp.RawStorage`). Inventory, validation and consolidation then read
 it as they read any checkpoint; only decoding a chunk differs (`torch.frombuffer`, no
 `torch.load`). Key paths are the tensors' names, as the model's `state_dict()` has them.
