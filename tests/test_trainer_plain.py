@@ -23,11 +23,13 @@ from registry.formats import safetensors_root
 from registry.formats.dcp import inventory
 from registry.formats.foreign import refuse_foreign
 from registry.lifecycle.validation.streamed import RawStream
-from tests import tamper
+from tests import tamper, test_presigned
 from tests.helpers import saved
 from tests.test_trainer_files import trainer_files
 
 KEY = "ckpt/default/hf/step-3/"
+# reg server on a real S3 server (tests/test_presigned.py), as the fixture `on_s3`
+on_s3 = test_presigned.reg_on_s3
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor], header: Any = None) -> bytes:
@@ -365,3 +367,42 @@ def test_a_large_optimizer_file_counts_at_push_and_at_validation_and_is_proven(
             "optimizer.pt"
             in next(c for c in report["checks"] if c["name"] == "integrity")["detail"]
         )
+
+
+# -- through reg server -------------------------------------------------------------------------
+
+
+def _through_server(cli: Any, server: Any, root: Path, tmp_path: Path) -> None:
+    """Push as alice (no --step or --world-size: the files record them), validate as the
+    validator, promote as the releaser, pull both back: every byte through the server's
+    paths."""
+    alice = server.client_env("alice")
+    pushed = cli("push-ckpt", root, "--project", "team-a", "--run", "hf", "--json", env=alice)
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["step"], out["world_size"], out["layout"], out["resumable"]) == (
+        3, 2, "transformers", True
+    )  # fmt: skip
+    ref = "team-a/hf@step3"
+    validated = cli("validate", ref, "--device", "cpu", "--json", env=server.client_env("val"))
+    assert validated.returncode == 0, validated.stderr
+    assert json.loads(validated.stdout)["passed"] is True
+    promoted = cli("promote", ref, "--model", "tiny-llama", "--json", env=server.client_env("rel"))
+    assert promoted.returncode == 0, promoted.stderr
+    files = sorted(f["path"] for f in json.loads(promoted.stdout)["files"])
+    assert {"config.json", "model.safetensors"} <= set(files)  # beside what signing adds
+    assert cli("pull", ref, tmp_path / "pulled", env=alice).returncode == 0
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        assert (tmp_path / "pulled" / name).read_bytes() == (root / name).read_bytes()
+
+
+def test_a_plain_trainer_save_goes_through_reg_server(
+    cli: Any, reg_server: Any, tmp_path: Path
+) -> None:
+    _through_server(cli, reg_server, plain_trainer_dir(tmp_path / "checkpoint-3"), tmp_path)
+
+
+def test_a_plain_trainer_save_goes_straight_to_s3(cli: Any, on_s3: Any, tmp_path: Path) -> None:
+    """The presigned push: the server proves the model file's header from the object S3 holds
+    (one pass through sha256) before it reads a tensor's place from it."""
+    _through_server(cli, on_s3, plain_trainer_dir(tmp_path / "checkpoint-3"), tmp_path)

@@ -52,6 +52,7 @@ from registry.formats import safetensors_root
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.formats.documents import FileRecord
+from registry.formats.recorded import recorded, resolve_step, resolve_world_size
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import (
     build_manifest,
@@ -210,12 +211,18 @@ def complete(
         stored = _assemble(ctx, presigner, prefix, plan)
         faults.point("presigned-assembled")
         scanned = _scan_stored(ctx, prefix, plan)
-        world = world_size_of(scanned, plan.world_size, notes)
+        # what the trainer's own files record, read from the objects as declared (proven)
+        read = _proven_reader(ctx, prefix, plan)
+        found = recorded("", scanned.files, read)
+        resolve_step(plan.ref.step, found)
+        source = "--world-size" if plan.world_size is not None else found.world_source
+        world_size = resolve_world_size(plan.world_size, found)
+        world = world_size_of(scanned, world_size, notes, source)
         declared = [FileRecord(f.path, f.size, f.sha256) for f in plan.files]
         facts = facts_of(
             scanned.inventory,
             scanned.files,
-            _proven_reader(ctx, prefix, plan),
+            read,
             plan.layout,
             proven_ends(store, prefix, declared),
         )

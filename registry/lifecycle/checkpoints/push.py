@@ -163,7 +163,12 @@ def world_size_of(
     came from (the option, or the trainer's files)."""
     inferred = scanned.inferred_world_size
     if given is None:
-        if notes is not None:
+        if notes is not None and not scanned.ranks:  # a safetensors save: no rank files
+            notes.append(
+                f"world size {inferred} assumed: no file records one "
+                "(pass --world-size to record the real one)"
+            )
+        elif notes is not None:
             notes.append(
                 f"world size {inferred} inferred from rank file names "
                 "(a lower bound; pass --world-size to record the real one)"
