@@ -112,6 +112,9 @@ class Placement:
     classes: Mapping[str, tuple[str, ...]]
     wrapper: str | None = None
     note: str | None = None  # how the layout was chosen, when that is worth saying
+    # Optimizer state is found by its shape among the keys; not where every key is a model
+    # file's tensor (a safetensors save: its optimizer is a file beside it, never a key)
+    shapes: bool = True
 
     @property
     def name(self) -> str:
@@ -226,9 +229,9 @@ TRANSFORMERS = Layout(
 )
 PEFT = Layout(
     "peft",
-    "a PEFT adapter as save_pretrained writes it: adapter_model.safetensors beside "
-    "adapter_config.json; the adapter's weights alone, no optimizer (not resumable; it "
-    "promotes as an adapter, which needs no resume state)",
+    "a PEFT adapter as save_pretrained writes it: adapter_model.safetensors (every name "
+    'under "base_model") beside adapter_config.json; the adapter\'s weights alone, no '
+    "optimizer (not resumable; it promotes as an adapter, which needs no resume state)",
     model="",
     classes={},
     required=("model", "optimizer"),
@@ -309,8 +312,9 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     """The layout the key paths and files show: Megatron's metadata.json and common.pt;
     Lightning's "state_dict" or meta.pt; the Trainer's trainer_state.json; PEFT's
-    adapter_config.json; accelerate's pytorch_model_fsdp_N root; a top-level "model"; a
-    wrapper holding "model"; else the model at the top (torchtitan)."""
+    adapter_config.json beside its saved names (all under "base_model"); accelerate's
+    pytorch_model_fsdp_N root; a top-level "model"; a wrapper holding "model"; else the model
+    at the top (torchtitan)."""
     sidecars = set(sidecars)
     if set(MEGATRON.marks) <= sidecars:
         return MEGATRON
@@ -319,7 +323,7 @@ def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
         return LIGHTNING
     if set(TRANSFORMERS.marks) <= sidecars:
         return TRANSFORMERS
-    if set(PEFT.marks) <= sidecars:
+    if set(PEFT.marks) <= sidecars and top == {"base_model"}:  # PEFT's saved names
         return PEFT
     if any(re.fullmatch(r"pytorch_model_fsdp_\d+", name) for name in top):
         return ACCELERATE
@@ -353,7 +357,9 @@ def place(layout: Layout, keys: Sequence[str]) -> Placement:
     if layout is LIGHTNING and not has_path(keys, "state_dict") and has_path(keys, "model"):
         return Placement(layout, "model", layout.classes)
     if layout is TRANSFORMERS and not has_path(keys, "pytorch_model_fsdp_0"):
-        return Placement(layout, "", layout.classes)  # the plain save: model.safetensors
+        return Placement(layout, "", layout.classes, shapes=False)  # its plain save
+    if layout is PEFT:
+        return Placement(layout, "", layout.classes, shapes=False)
     if layout is not STATEFUL:
         return Placement(layout, layout.model, layout.classes)
     found = _wrappers(keys, children(keys, ""))

@@ -122,6 +122,8 @@ def classify(
     chosen = LAYOUTS[layout] if layout else detect(keys, sidecars)
     placed, model_path, entries = _entries(chosen, keys, policy)
     roots = optimizer_roots(keys) if roots is None else roots
+    if not placed.shapes:  # every key is a model file's tensor
+        roots = []
     longest = _matcher(entries)
     root_of = _root_finder(roots)
 

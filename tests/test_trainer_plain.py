@@ -121,6 +121,9 @@ def _entry(dtype: str = "F32", shape: Any = (2,), offsets: Any = (0, 8)) -> dict
         (json.dumps({"a": _entry(offsets=[0, 8, 9])}), "are not numbers"),
         (json.dumps({"__metadata__": {"k": 1}}), "__metadata__ is not text to text"),
         (json.dumps({"a": "x"}), "is not a tensor entry"),
+        (json.dumps({"a": _entry(shape=[1], offsets=[4, 8])}), "leaves a gap before it"),
+        (json.dumps({"a": _entry(shape=[1], offsets=[0, 4])}), "its tensors end at byte"),
+        (json.dumps({"a": _entry(shape=[0, 2**62, 2**62], offsets=[0, 0])}), "is too large"),
     ],
 )  # fmt: skip
 def test_a_header_that_is_not_sound_is_refused_in_one_line(header: str, message: str) -> None:
@@ -216,7 +219,7 @@ def test_push_records_step_world_size_and_every_resume_class(
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda data: data[: len(data) - 5], "model.safetensors is truncated"),
+        (lambda data: data[: len(data) - 5], "the file is truncated"),
         (lambda data: struct.pack("<Q", 10**9) + data[8:], "its safetensors header says"),
         (lambda data: data[:8] + b"[" + data[9:], "model.safetensors"),
     ],
@@ -406,3 +409,63 @@ def test_a_plain_trainer_save_goes_straight_to_s3(cli: Any, on_s3: Any, tmp_path
     """The presigned push: the server proves the model file's header from the object S3 holds
     (one pass through sha256) before it reads a tensor's place from it."""
     _through_server(cli, on_s3, plain_trainer_dir(tmp_path / "checkpoint-3"), tmp_path)
+
+
+def test_a_tensor_with_no_elements_validates_and_is_released(
+    tmp_path: Path, cli: Any, cpu_policy: Path
+) -> None:
+    tensors = {**model_tensors(), "model.empty": torch.zeros(0, 8)}
+    root = plain_trainer_dir(tmp_path / "checkpoint-3", model=safetensors_bytes(tensors))
+    assert cli("push-ckpt", root, "--run", "hf").returncode == 0
+    validated = cli("validate", "hf@step3", "--json")
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    assert cli("promote", "hf@step3", "--model", "llama").returncode == 0
+    assert cli("pull-release", "llama:v1", tmp_path / "release").returncode == 0
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "release" / "model.safetensors")
+    assert got["model.empty"].shape == (0, 8) and sorted(got) == sorted(tensors)
+
+
+def test_a_dcp_checkpoint_with_stray_adapter_files_is_neither_peft_nor_an_adapter(
+    tmp_path: Path, cli: Any, cpu_policy: Path, ckpts: Any
+) -> None:
+    """adapter_config.json or adapter_model.safetensors beside DCP shards are files of the
+    checkpoint, nothing more: the layout is the shards', the promotion converts nothing and
+    carries no config from the checkpoint."""
+    import shutil
+
+    root = Path(shutil.copytree(ckpts.ws2.step_dir(2), tmp_path / "dcp"))
+    (root / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    (root / "adapter_model.safetensors").write_bytes(safetensors_bytes({"w": torch.zeros(2)}))
+    (root / "config.json").write_text("lr: 0.1  # a training config, not a model's")
+    pushed = cli("push-ckpt", root, "--run", "r", "--step", "2", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["layout"] == "dcp"
+    promoted = cli("promote", "r@step2", "--model", "tiny", "--json")
+    assert promoted.returncode == 0, promoted.stderr
+    out = json.loads(promoted.stdout)
+    assert "convert" not in out or out["convert"] is None
+    assert [f["path"] for f in out["files"]] == ["model.safetensors"]
+
+
+def test_the_layout_option_names_every_layout() -> None:
+    from cli.common import LAYOUT_OPTION
+    from policies.layouts import LAYOUTS
+
+    assert all(name in str(LAYOUT_OPTION.help) for name in LAYOUTS)
+
+
+def test_optimizer_shaped_names_in_the_model_file_are_no_optimizer(
+    tmp_path: Path, cli: Any
+) -> None:
+    """A model file whose tensors are named like an optimizer's state is the model: without
+    optimizer.pt the checkpoint is not resumable."""
+    tensors = {"state.0.exp_avg": torch.zeros(2), "param_groups.0.lr": torch.zeros(1)}
+    root = plain_trainer_dir(tmp_path / "checkpoint-3", model=safetensors_bytes(tensors))
+    (root / "optimizer.pt").unlink()
+    pushed = cli("push-ckpt", root, "--run", "hf", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert out["resumable"] is False and out["missing_state"] == ["optimizer"]
+    assert out["resume_state"]["model"] == ["param_groups", "state"]

@@ -101,13 +101,16 @@ def _refuse_unfinished_roots(label: str, paths: list[str], roots: tuple[str, ...
             )
 
 
-def merged_metadata(parts: Mapping[str, bytes], *, light: bool = False) -> Any:
+def merged_metadata(
+    parts: Mapping[str, bytes], *, light: bool = False, sizes: Mapping[str, int] | None = None
+) -> Any:
     """One metadata for the roots whose `.metadata` bytes are `parts` (path -> bytes): the
     root's own when there is one at the top, else the roots merged with prefixed key paths and
     files. `light` as in `load_metadata` (stand-ins, no torch). Safetensors roots (their
-    first bytes, at least the header) give one metadata of their headers' tensors."""
+    first bytes, at least the header) give one metadata of their headers' tensors (`sizes`:
+    the files', where known)."""
     if parts and all(safetensors_root.is_root_name(p) for p in parts):
-        return safetensors_root.metadata(parts, light=light)
+        return safetensors_root.metadata(parts, light=light, sizes=sizes)
     loaded = {}
     for path, data in sorted(parts.items()):
         root = path[: -len(METADATA)].rstrip("/")

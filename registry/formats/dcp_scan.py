@@ -52,6 +52,7 @@ class ScannedDir:
     ranks: set[int]
     identity: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # dev, inode, ctime
     metadata_digests: dict[str, str] = field(default_factory=dict)  # each .metadata parsed
+    headers: dict[str, bytes] = field(default_factory=dict)  # each safetensors root's, parsed
 
     @property
     def inferred_world_size(self) -> int:
@@ -240,7 +241,7 @@ def scan_contents(
     the same checks wherever the files are (a local directory, or objects a client uploaded).
     `read_head=None`: reg's own StoreWriter wrote the shards (torch.save, no transforms), so
     their serialization is known and no shard is read."""
-    merged = merged_metadata(metadata_bytes, light=True)
+    merged = merged_metadata(metadata_bytes, light=True, sizes=files)
     return scan_merged(root, files, merged, metadata_bytes, read_head)
 
 
@@ -261,7 +262,8 @@ def scan_merged(
         for p, data in metadata_bytes.items()
         if not safetensors_root.is_root_name(p)
     }
-    return ScannedDir(root, files, metadata, inv, ranks, {}, digests)
+    headers = {p: data for p, data in metadata_bytes.items() if safetensors_root.is_root_name(p)}
+    return ScannedDir(root, files, metadata, inv, ranks, {}, digests, headers)
 
 
 def _has_metadata(root: Path) -> bool:

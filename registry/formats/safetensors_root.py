@@ -21,7 +21,6 @@ streamed whole through sha256 (`header_length`, `registry.storage.verified_prefi
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -137,10 +136,20 @@ def parse(prefix: bytes, size: int | None, label: str) -> list[Entry]:
                 raise InvalidCheckpoint(f"{label}: __metadata__ is not text to text", _SAVE_AGAIN)
             continue
         out.append(_entry(name, spec, base, data, label))
+    # As safetensors itself reads a file: the tensors tile the data section, back to back from
+    # its start to the file's end (a gap, an overlap or trailing bytes make it refuse to load).
     spans = sorted((e.offset, e.offset + e.length, e.name) for e in out)
-    for (_, end, before), (start, _, after) in itertools.pairwise(spans):
-        if start < end:
-            raise InvalidCheckpoint(f"{label}: {before} and {after} overlap", _SAVE_AGAIN)
+    at = base
+    for start, end, name in spans:
+        if start != at:
+            what = "overlaps the tensor before it" if start < at else "leaves a gap before it"
+            raise InvalidCheckpoint(f"{label}: {name[:80]!r} {what}", _SAVE_AGAIN)
+        at = end
+    if size is not None and at != size:
+        raise InvalidCheckpoint(
+            f"{label}: its tensors end at byte {at} of {size}: not a whole safetensors file",
+            _SAVE_AGAIN,
+        )
     return out
 
 
@@ -157,6 +166,8 @@ def _entry(name: str, spec: Any, base: int, data: int, label: str) -> Entry:
     if not _whole_numbers(shape, MAX_DIMS) or not _whole_numbers(offsets, 2) or len(offsets) != 2:
         raise InvalidCheckpoint(f"{where}: shape or data_offsets are not numbers", _SAVE_AGAIN)
     begin, end = offsets
+    if math.prod(d for d in shape if d) > MAX_INT:  # an empty tensor too: torch cannot make it
+        raise InvalidCheckpoint(f"{where}: shape {shape[:8]} is too large", _SAVE_AGAIN)
     count = math.prod(shape)
     if count * ITEMSIZE[dtype] != end - begin or not 0 <= begin <= end <= data:
         raise InvalidCheckpoint(
@@ -175,13 +186,15 @@ def _whole_numbers(value: Any, most: int) -> bool:
     )
 
 
-def metadata(headers: Mapping[str, bytes], *, light: bool) -> Any:
+def metadata(
+    headers: Mapping[str, bytes], *, light: bool, sizes: Mapping[str, int] | None = None
+) -> Any:
     """One DCP metadata for the safetensors files `headers` (path -> first bytes, at least
     the header): a tensor per entry, one chunk covering it, stored raw. `light`: stand-ins,
-    no torch."""
+    no torch. `sizes`: the files' sizes, where known (a push: the tensors must end the file)."""
     entries: dict[str, tuple[str, Entry]] = {}
     for path, prefix in sorted(headers.items()):
-        for entry in parse(prefix, None, path):
+        for entry in parse(prefix, (sizes or {}).get(path), path):
             if entry.name in entries:
                 raise InvalidCheckpoint(
                     f"{entry.name} is in both {entries[entry.name][0]} and {path}",

@@ -67,6 +67,20 @@ BEAT_JOIN_S = 10.0  # close() and flush() wait this long for a heartbeat in flig
 _now: Callable[[], float] = time.monotonic  # the step-timing clock (a test's fake clock)
 
 
+def _dcp_metadata(reader: Any, step: int, manager: Any) -> Any:
+    """The checkpoint's DCP metadata; a step without one (a transformers Trainer's plain save
+    or a PEFT folder pushed to this run) is named as such, not as damage to the store."""
+    try:
+        return reader.read_metadata()
+    except NotFound:
+        ref = f"{manager.project}/{manager.run}@step{step}"
+        raise NotFound(
+            f"{ref} has no DCP .metadata in the store: a save CheckpointManager did not write "
+            "(a Trainer or PEFT save pushed to this run), or a damaged store",
+            f"`reg verify {ref}` says which; restore a trainer's own save with that trainer",
+        ) from None
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -325,7 +339,7 @@ class CheckpointManager:
                     raise NotFound(f"{self.project}/{self.run}@step{step} is gone", "restore again")
                 _, tiered, prefix, versions = located
             reader = TimedReader(tiered, prefix, versions=versions)
-            loaded, notes = ranks.per_rank_to_load(reader.read_metadata(), per_rank)
+            loaded, notes = ranks.per_rank_to_load(_dcp_metadata(reader, step, self), per_rank)
             self.resume_notes = tier_notes + notes
             full = ranks.with_per_rank(state, loaded)
         except RegistryError as exc:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from policies.layouts import check_layout
@@ -281,12 +281,22 @@ class _Uploader:
         for r in results:
             path = r.key.removeprefix(self.prefix)
             digest = self.scanned.metadata_digests.get(path)
-            if r.size != self.scanned.files[path] or (digest and r.sha256 != digest):
+            header = self.scanned.headers.get(path)  # a safetensors root's: read back
+            if (
+                r.size != self.scanned.files[path]
+                or (digest and r.sha256 != digest)
+                or (header and self._stored_head(r, len(header)) != header)
+            ):
                 raise IntegrityError(
                     f"{self.scanned.root / path} changed while being pushed",
                     "push a checkpoint that is no longer being written",
                 )
         return sorted(results, key=lambda r: r.key)
+
+    def _stored_head(self, result: Any, length: int) -> bytes:
+        """The first bytes of a published object: a model file's header, to compare with the
+        one the scan parsed (its digest covers the whole file, which the scan did not read)."""
+        return bytes(self.ctx.store.read_range(result.key, 0, length, version=result.version))
 
     def cancel(self) -> None:
         for future in self.staging.values():

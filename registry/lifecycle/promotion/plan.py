@@ -25,6 +25,7 @@ from policies.layouts import check_layout
 from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
 from registry.errors import GateNotMet, UsageError, ValidationFailed
+from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
 from registry.formats.hf_folder import MAX_DOCUMENT
@@ -71,9 +72,9 @@ class Extra:
         return f"{self.name} of the checkpoint" if self.data is not None else f"--extra {self.path}"
 
 
-# What a release takes from its checkpoint unless an --extra of that name is given, by converter:
-# the model's config, as the transformers Trainer's plain save writes it beside
-# model.safetensors; an adapter's config, beside adapter_model.safetensors.
+# What a release takes from a checkpoint whose model is in safetensors unless an --extra of that
+# name is given, by converter: the model's config, as the transformers Trainer's plain save
+# writes it beside model.safetensors; an adapter's config, beside adapter_model.safetensors.
 CARRIED = {None: ("config.json", "generation_config.json"), "peft": (ADAPTER_CONFIG,)}
 
 
@@ -179,10 +180,15 @@ def plan_promotion(
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
     resume = verdict(facts, ctx.policy.resume, layout)
     resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
-    if convert is None and any(f.path == ADAPTER_FILE for f in files):
+    roots = metadata_paths(f.path for f in files)
+    if convert is None and ADAPTER_FILE in roots:
         convert = "peft"  # a PEFT adapter's weights, in the file PEFT names them
     converter = converter_for(resume.layout, convert)
-    if carried := _carried(ctx, source, files, checked, CARRIED.get(converter, ())):
+    # a save whose model is in safetensors (the Trainer's plain save, a PEFT folder) keeps the
+    # model's own config beside it; a DCP checkpoint's files are the trainer's, not a release's
+    from_safetensors = bool(roots) and all(r.endswith(".safetensors") for r in roots)
+    carry = CARRIED.get(converter, ()) if from_safetensors else ()
+    if carried := _carried(ctx, source, files, checked, carry):
         checked += carried
         hf_config = plan_config(checked, dtype, model_factory)
     if converter is not None:

@@ -88,6 +88,9 @@ class StreamPass:
         self._spans: dict[str, list[Span]] = {}
         for info in inv.tensors.values():
             for c in info.chunks:
+                if c.raw and not c.length:  # a tensor with no elements: no byte to read
+                    self.result.chunks += 1
+                    continue
                 self._spans.setdefault(c.file, []).append(
                     Span(c.offset, c.offset + c.length, _TensorChunk(info, c))
                 )
