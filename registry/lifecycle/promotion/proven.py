@@ -8,7 +8,10 @@ that holds model chunks exactly once, front to back, through the reader validati
 byte ranges of the model's chunks are copied, as they pass, into a local spool (an unnamed temp
 file, gone when the promotion ends). Consolidation reads its chunks from the spool only, and
 only after the whole file hashed to the digest the catalog recorded. `.metadata` is proved the
-same way before it is parsed. Shards are proved in parallel (hashlib releases the GIL).
+same way before it is parsed. A safetensors model file's header (the Trainer's plain save) is
+read by range first, to place its chunks, and proved in the same pass as them: the spooled copy
+of its first bytes must equal what was parsed, or nothing is promoted. Shards are proved in
+parallel (hashlib releases the GIL).
 
 On a versioned bucket each read names the version the manifest recorded, so a newer object put
 under the same key is never read.
@@ -31,7 +34,7 @@ from registry.formats import safetensors_root
 from registry.formats.dcp import ChunkRange
 from registry.formats.dcp_roots import metadata_paths
 from registry.progress import Counter
-from registry.storage.verified_stream import Span, read_verified, verified_header
+from registry.storage.verified_stream import Span, read_verified
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -64,6 +67,7 @@ class ProvenCheckpoint:
         self._starts: dict[str, list[int]] = {}
         self.bytes_hashed = 0
         self._stop = threading.Event()
+        self._headers: dict[str, bytes] = {}  # safetensors roots' headers, proved in `prove`
         self.metadata = {p: self._root(p) for p in metadata_paths(self.records)}
         self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
 
@@ -90,6 +94,8 @@ class ProvenCheckpoint:
                     "the checkpoint metadata is inconsistent; it cannot be promoted",
                 )
             wanted.setdefault(c.file, []).append((c.offset, c.offset + c.length))
+        for path, header in self._headers.items():  # the headers the chunks were placed by
+            wanted.setdefault(path, []).append((0, len(header)))
         at = 0
         for path in sorted(wanted):
             spans = []
@@ -117,6 +123,9 @@ class ProvenCheckpoint:
             pool.shutdown(wait=True, cancel_futures=True)
             if progress:
                 progress.finish()
+        for path, header in self._headers.items():
+            if bytes(self.read(path, 0, len(header))) != header:
+                raise self._mismatch(path, "its header changed between two reads")
 
     def _pass(self, path: str, counter: Counter) -> int:
         spans = [Span(s.start, s.end, s.spool_at) for s in self._spans[path]]
@@ -139,22 +148,17 @@ class ProvenCheckpoint:
             raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
 
     def _root(self, path: str) -> bytes:
-        """A root's metadata: a `.metadata` whole, a safetensors model file's header."""
+        """A root's metadata: a `.metadata` whole and proved; a safetensors model file's
+        header by range, proved by `prove` in its pass over that file (which places the
+        model's chunks from it, and must hash to the catalog's digest anyway)."""
         if not safetensors_root.is_root_name(path):
             return self._whole(path)
         record = self._record(path)
-        try:
-            header = verified_header(
-                self.store,
-                self.prefix + path,
-                size=record.size,
-                sha256=record.sha256,
-                version=record.version,
-                label=f"{self.label}: {path}",
-            )
-        except IntegrityError as exc:
-            raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
-        self.bytes_hashed += record.size
+        key, version = self.prefix + path, record.version
+        first = bytes(self.store.read_range(key, 0, safetensors_root.LENGTH_BYTES, version=version))
+        n = safetensors_root.header_length(first, record.size, f"{self.label}: {path}")
+        header = first + bytes(self.store.read_range(key, len(first), n, version=version))
+        self._headers[path] = header
         return header
 
     def _whole(self, path: str) -> bytes:
