@@ -469,3 +469,80 @@ def test_optimizer_shaped_names_in_the_model_file_are_no_optimizer(
     out = json.loads(pushed.stdout)
     assert out["resumable"] is False and out["missing_state"] == ["optimizer"]
     assert out["resume_state"]["model"] == ["param_groups", "state"]
+
+
+# -- each big file read once ----------------------------------------------------------------
+
+
+class Counted:
+    """Bytes read from the store per key (`stream` and `read_range`), over LocalStore."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, lie: dict[str, bytes] | None = None):
+        from registry.storage.local import LocalStore
+
+        self.read: dict[str, int] = {}
+        stream, ranged = LocalStore._stream, LocalStore._read_range
+
+        def counted_stream(store: Any, key: str, version: Any) -> Any:
+            for piece in stream(store, key, version):
+                self.read[key] = self.read.get(key, 0) + len(piece)
+                yield piece
+
+        def counted_range(store: Any, key: str, offset: int, length: int, version: Any) -> Any:
+            self.read[key] = self.read.get(key, 0) + length
+            data = ranged(store, key, offset, length, version)
+            for suffix, fake in (lie or {}).items():  # a store that answers ranges otherwise
+                if key.endswith(suffix) and offset < len(fake):
+                    data = bytearray(fake[offset : offset + length])
+            return data
+
+        monkeypatch.setattr(LocalStore, "_stream", counted_stream)
+        monkeypatch.setattr(LocalStore, "_read_range", counted_range)
+
+    def of(self, path: str) -> int:
+        return sum(n for key, n in self.read.items() if key.endswith("/" + path))
+
+
+def test_validation_and_promotion_read_each_big_file_once(
+    monkeypatch: pytest.MonkeyPatch, cpu_policy: Path, tmp_path: Path
+) -> None:
+    """A model file's header and a large optimizer.pt's two ends are read by range and proved
+    in the one pass over each file: about one read of each, not two."""
+    from registry.formats import sidecars
+
+    monkeypatch.setattr(sidecars, "MAX_BYTES", 1024)  # optimizer.pt read by its ends
+    monkeypatch.setattr(sidecars, "ENDS_HEAD", 2048)  # as a real one: ends << the file
+    monkeypatch.setattr(sidecars, "ENDS_TAIL", 2048)
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    sizes = {name: (root / name).stat().st_size for name in ("model.safetensors", "optimizer.pt")}
+    with Registry() as reg:
+        reg.push_checkpoint(root, run="hf", step=3, world_size=2)
+        counted = Counted(monkeypatch)
+        assert reg.validate("hf@step3")["passed"] is True
+        for name, size in sizes.items():
+            assert size <= counted.of(name) < 1.2 * size + 4096, (name, counted.read)
+        counted.read.clear()
+        reg.promote("hf@step3", model="llama")
+        size = sizes["model.safetensors"]
+        assert size <= counted.of("model.safetensors") < 1.2 * size + 4096, counted.read
+
+
+def test_a_header_that_changes_between_two_reads_fails_validation(
+    monkeypatch: pytest.MonkeyPatch, cpu_policy: Path, tmp_path: Path
+) -> None:
+    """A store that answers the header's range with other (well-formed) bytes than the pass
+    hashes: what was parsed is not what was proved, and validation fails."""
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    real = (root / "model.safetensors").read_bytes()
+    fake = real.replace(b'"format": "pt"', b'"format": "px"')
+    assert fake != real and len(fake) == len(real)
+    with Registry() as reg:
+        reg.push_checkpoint(root, run="hf", step=3, world_size=2)
+        Counted(monkeypatch, lie={"/model.safetensors": fake})
+        report = reg.validate("hf@step3")
+        integrity = next(c for c in report["checks"] if c["name"] == "integrity")
+        assert report["passed"] is False and "changed while it was validated" in integrity["detail"]
+        from registry.errors import ValidationFailed
+
+        with pytest.raises((IntegrityError, ValidationFailed), match="changed"):
+            reg.promote("hf@step3", model="llama")

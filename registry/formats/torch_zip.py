@@ -125,13 +125,15 @@ def archive_pickle(region: Region, most: int, max_pickle: int) -> bytes:
     and its local record there agrees; its bytes must lie in the head. What torch.load reads
     as data.pkl is then these bytes."""
     count, cd_size, cd_at = _end_record(region, most)
+    if region.gap and cd_at < region.size - len(region.tail):
+        raise NotCanonical(f"its central directory is over the {len(region.tail)} bytes read")
     entries = _directory(region, cd_at, cd_size, count)
     first, offset, size = entries[0]
     root, _, rest = first.partition("/")
     if rest != "data.pkl" or not root or offset != 0:
         raise NotCanonical("the first record is not ROOT/data.pkl at byte 0")
-    if size > max_pickle:
-        raise NotCanonical(f"its pickle is over {max_pickle >> 20} MiB")
+    if size > max_pickle or (region.gap and 30 + len(first) + size > len(region.head)):
+        raise NotCanonical(f"its pickle is over the {len(region.head)} bytes read")
     seen: set[str] = set()
     for name, *_ in entries:
         if not name.startswith(root + "/") or name.lower() in seen:

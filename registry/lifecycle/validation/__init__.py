@@ -165,25 +165,23 @@ def run_checks(
     (None: where its keys show); no catalog access, so a validator reading through `reg
     server` runs the same code."""
     from policies.resume import names_path, suggest
-    from registry.lifecycle.checkpoints.resume_facts import (
-        facts_of,
-        proven_ends,
-        proven_reader,
-        verdict,
-    )
+    from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
+    from registry.lifecycle.validation.deferred import DeferredReads
 
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     device = request.device
     budget = choose_budget(request.memory_budget, device)
-    proven = proven_reader(store, prefix, files)  # .metadata and sidecars: read whole, proven
+    # .metadata and small sidecars read whole and proven; a model file's header and a large
+    # sidecar's ends by range, proven in the one pass (deferred.py)
+    reads = DeferredReads(store, prefix, files)
     started = time.perf_counter()
     try:
-        metadata = stored_metadata(proven, [f.path for f in files])
+        metadata = stored_metadata(reads.read, [f.path for f in files])
         inv = inventory(metadata)
         check_ranges(inv, {f.path: f.size for f in files}, str(ref))
-        ends = proven_ends(store, prefix, files)  # a large sidecar's: one more pass over it
-        facts = facts_of(inv, {f.path: f.size for f in files}, proven, request.layout, ends)
+        sizes = {f.path: f.size for f in files}
+        facts = facts_of(inv, sizes, reads.read, request.layout, reads.read_ends)
     except (IntegrityError, NotFound) as exc:
         out.add("integrity", False, str(exc))
         out.add("resume_state", False, "not decided: the integrity check failed")
@@ -220,6 +218,7 @@ def run_checks(
         workers=workers,
         progress=progress,
         probe=request.world_size == 1,
+        expected=reads.expected,
     )
     if passed and model is not None and request.world_size > 1:
         _run_sharded(store, prefix, files, device, request, model, resume, out)

@@ -58,9 +58,11 @@ def run_streamed(
     workers: int,
     progress: Progress | None,
     probe: bool = True,
+    expected: dict[str, list[tuple[int, bytes]]] | None = None,
 ) -> bool:
     """The one pass and its checks into `out`; whether the tensors passed (integrity, restore,
-    shapes, finite). With `probe` False the model is matched on meta only."""
+    shapes, finite). With `probe` False the model is matched on meta only. `expected`: bytes
+    read before the pass (path -> offset, bytes) that it must find unchanged (deferred.py)."""
 
     out.mode = STREAMED
     out.phases["memory_budget_mib"] = round(budget.total / 2**20, 1)
@@ -75,7 +77,16 @@ def run_streamed(
         targets = {fqn: Target(state[name]) for name, fqn in model.names.items()}  # type: ignore[union-attr]
     try:
         streamed = StreamPass(
-            store, prefix, files, inv, device, budget, label=label, workers=workers, targets=targets
+            store,
+            prefix,
+            files,
+            inv,
+            device,
+            budget,
+            label=label,
+            workers=workers,
+            targets=targets,
+            expected=expected,
         )
     except OutOfDeviceMemory as exc:
         out.add("integrity", False, "not checked: the device batches did not fit")

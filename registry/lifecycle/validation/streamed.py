@@ -51,6 +51,20 @@ class _ObjectChunk:
     chunk: ChunkRange
 
 
+@dataclass(frozen=True, slots=True)
+class _Expected:
+    """Bytes read before the pass (a model file's header, a large sidecar's ends), which the
+    pass must find there (deferred.py)."""
+
+    path: str
+    offset: int
+    data: bytes
+
+    @property
+    def fqn(self) -> str:  # as overlaps name a span
+        return f"bytes {self.offset}..{self.offset + len(self.data)} read before the pass"
+
+
 @dataclass
 class PassResult:
     integrity: list[str] = field(default_factory=list)  # files that are not what was pushed
@@ -76,6 +90,7 @@ class StreamPass:
         label: str,
         workers: int,
         targets: dict[str, Target] | None = None,
+        expected: dict[str, list[tuple[int, bytes]]] | None = None,
     ) -> None:
         self.store, self.prefix, self.files, self.inv = store, prefix, list(files), inv
         self.device, self.budget, self.label = device, budget, label
@@ -98,6 +113,11 @@ class StreamPass:
             for c in chunks:
                 self._spans.setdefault(c.file, []).append(
                     Span(c.offset, c.offset + c.length, _ObjectChunk(fqn, c))
+                )
+        for path, parts in (expected or {}).items():  # bytes read before the pass
+            for offset, data in parts:
+                self._spans.setdefault(path, []).append(
+                    Span(offset, offset + len(data), _Expected(path, offset, data))
                 )
         for path, spans in self._spans.items():  # DCP never writes two items over one byte
             spans.sort(key=lambda s: (s.start, s.end))
@@ -130,6 +150,14 @@ class StreamPass:
                 progress.finish()
         self.result.seconds = time.perf_counter() - started
         return self.result
+
+    def changed(self, path: str) -> None:
+        """Bytes of `path` read before the pass differ from those it hashes."""
+        with self._lock:
+            self.result.integrity.append(
+                f"{path} changed while it was validated (its first read and the pass differ)"
+            )
+        self._stop.set()
 
     def _one_file(self, record: FileRecord, counter: Callable[[int], None]) -> None:
         reader = _FileReader(self, record.path)
@@ -203,6 +231,10 @@ class _FileReader:
         self._failed = False
 
     def deliver(self, key: Any, at: int, view: memoryview) -> None:
+        if isinstance(key, _Expected):
+            if view != key.data[at : at + len(view)]:
+                self.owner.changed(self.path)
+            return
         if key is not self._key:
             self._begin(key)
         if not self._failed:
