@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import struct
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,14 @@ from registry.formats import safetensors_root
 from registry.formats.dcp import inventory
 from registry.formats.foreign import refuse_foreign
 from registry.lifecycle.validation.streamed import RawStream
-from tests import tamper, test_presigned
+from tests import tamper, test_integrity, test_presigned
 from tests.helpers import saved
 from tests.test_trainer_files import trainer_files
 
 KEY = "ckpt/default/hf/step-3/"
 # reg server on a real S3 server (tests/test_presigned.py), as the fixture `on_s3`
 on_s3 = test_presigned.reg_on_s3
+store_kind = test_integrity.store_kind  # memory, local, and S3 over HTTP
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor], header: Any = None) -> bytes:
@@ -245,15 +245,6 @@ def test_a_config_json_that_is_no_config_is_named_at_promotion(
     got = cli("promote", "hf@step3", "--model", "llama")
     assert got.returncode == 2 and "config.json of the checkpoint is" in got.stderr
     assert "--extra config.json" in got.stderr and "Traceback" not in got.stderr
-
-
-@pytest.fixture(params=["memory", "local", "s3"])
-def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "memory":
-        monkeypatch.setenv("REG_STORE_URL", f"memory://{uuid.uuid4().hex}")
-    elif request.param == "s3":
-        request.getfixturevalue("s3_env")
-    return str(request.param)
 
 
 @pytest.mark.parametrize("where", ["header", "data"])

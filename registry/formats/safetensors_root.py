@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, UsageError
-from registry.formats.dcp import MAX_DIMS, MAX_INT, RawStorage
+from registry.formats.dcp import DTYPE_SIZES, MAX_DIMS, MAX_INT, RawStorage
 
 SUFFIX = ".safetensors"
 TRAINER_STATE = "trainer_state.json"
@@ -51,23 +51,6 @@ DTYPES = {
     "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
-}
-ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
 }
 
 
@@ -169,7 +152,7 @@ def _entry(name: str, spec: Any, base: int, data: int, label: str) -> Entry:
     if math.prod(d for d in shape if d) > MAX_INT:  # an empty tensor too: torch cannot make it
         raise InvalidCheckpoint(f"{where}: shape {shape[:8]} is too large", _SAVE_AGAIN)
     count = math.prod(shape)
-    if count * ITEMSIZE[dtype] != end - begin or not 0 <= begin <= end <= data:
+    if count * DTYPE_SIZES[dtype] != end - begin or not 0 <= begin <= end <= data:
         raise InvalidCheckpoint(
             f"{where}: {dtype} {tuple(shape)} does not fill bytes {begin}..{end} of a "
             f"{data}-byte data section",

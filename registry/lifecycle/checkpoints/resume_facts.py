@@ -321,14 +321,7 @@ def proven_reader(
     def read(path: str) -> bytes:
         record = records[path]
         if safetensors_root.is_root_name(path):
-            return verified_header(
-                store,
-                prefix + path,
-                size=record.size,
-                sha256=record.sha256,
-                version=record.version,
-                label=f"{prefix}{path}",
-            )
+            return verified_header(store, prefix + path, **_recorded(prefix, record))
         data = bytes(store.get_bytes(prefix + path, version=record.version))
         if len(data) != record.size or hashlib.sha256(data).hexdigest() != record.sha256:
             raise IntegrityError(
@@ -345,19 +338,20 @@ def proven_ends(store: BaseStore, prefix: str, files: Sequence[FileRecord]) -> s
     records = {f.path: f for f in files}
 
     def read_ends(path: str, head: int, tail: int) -> tuple[bytes, bytes]:
-        record = records[path]
-        return verified_ends(
-            store,
-            prefix + path,
-            size=record.size,
-            sha256=record.sha256,
-            version=record.version,
-            label=f"{prefix}{path}",
-            head=head,
-            tail=tail,
-        )
+        record = _recorded(prefix, records[path])
+        return verified_ends(store, prefix + path, **record, head=head, tail=tail)
 
     return read_ends
+
+
+def _recorded(prefix: str, record: FileRecord) -> dict[str, Any]:
+    """What a whole-file proof checks a stored file against, and how it names it."""
+    return {
+        "size": record.size,
+        "sha256": record.sha256,
+        "version": record.version,
+        "label": f"{prefix}{record.path}",
+    }
 
 
 def from_stored_metadata(
