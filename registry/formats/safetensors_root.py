@@ -28,6 +28,7 @@ from typing import Any
 
 from registry.errors import InvalidCheckpoint, UsageError
 from registry.formats.dcp import DTYPE_SIZES, MAX_DIMS, MAX_INT, RawStorage
+from registry.formats.hf_folder import parse_strict
 
 SUFFIX = ".safetensors"
 TRAINER_STATE = "trainer_state.json"
@@ -99,8 +100,6 @@ def parse(prefix: bytes, size: int | None, label: str) -> list[Entry]:
     """The tensors a safetensors file holds, from its first bytes (at least the header) and
     its size where known (else the callers check each range against it: `check_ranges`);
     InvalidCheckpoint, one line, for anything that is not a sound header."""
-    from registry.formats.hf_folder import parse_strict
-
     n = header_length(prefix, size, label)
     if len(prefix) < LENGTH_BYTES + n:
         raise InvalidCheckpoint(f"{label}: {len(prefix)} bytes read of a {n}-byte header")

@@ -45,6 +45,7 @@ from typing import Any
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
 from registry.formats.torch_archive import NotPlain, Unbounded, read_structure
+from registry.formats.torch_zip import NotCanonical, Region, archive_pickle
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_JSON = 16 * 1024 * 1024  # parsed JSON takes some 20 times its size in memory
@@ -150,8 +151,6 @@ class Unreadable(Exception):
 def large_structure(path: str, size: int, read_ends: ReadEnds) -> Any:
     """The structure of a torch.save archive too large to read whole (tensors opaque, nothing
     run: `torch_archive.read_structure`), from its data.pkl found through its two ends."""
-    from registry.formats.torch_zip import NotCanonical, Region, archive_pickle
-
     head, tail = read_ends(path, ENDS_HEAD, ENDS_TAIL)
     try:
         region = Region(head, size - len(head) - len(tail), tail)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, NotFound, RegistryError
+from registry.formats.safetensors_root import LENGTH_BYTES, header_length
 
 if TYPE_CHECKING:
     from registry.formats.documents import FileRecord
@@ -109,8 +110,6 @@ def verified_header(
     """A safetensors file's header (its length, then the JSON), proven: the whole object is
     streamed through sha256 and must be `size` bytes of `sha256`; only the header is kept.
     (One pass over the model file: its digest is the only one recorded.)"""
-    from registry.formats.safetensors_root import LENGTH_BYTES, header_length
-
     digest, kept, need, total = hashlib.sha256(), bytearray(), LENGTH_BYTES, 0
     for piece in store.stream(key, version=version):
         digest.update(piece)

@@ -29,7 +29,7 @@ from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
 from registry.formats.hf_folder import MAX_DOCUMENT
-from registry.layout import MANIFEST, RELEASE_DOCUMENT
+from registry.layout import MANIFEST, RELEASE_DOCUMENT, checkpoint_prefix
 from registry.lifecycle.alias_workflow import check_may_move
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
@@ -239,7 +239,6 @@ def _carried(
 ) -> tuple[Extra, ...]:
     """The checkpoint's own `carried` files no --extra replaces, read proven against the
     catalog and judged as extras are (a config that is not JSON is refused, naming it)."""
-    from registry.layout import checkpoint_prefix
     from registry.lifecycle.checkpoints.resume_facts import proven_reader
 
     names = {e.name for e in given}

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import UsageError
+from registry.formats import safetensors_root
+from registry.formats.dcp import inventory
+from registry.formats.dcp_roots import stored_metadata
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
 from registry.storage import open_store
 
@@ -154,9 +157,6 @@ def _nest(path: str, value: Any) -> dict[str, Any]:
 def stored_roots(store: Any, job: ShardedJob) -> Any:
     """The checkpoint's metadata, each root read from the store (the streamed pass before
     proved every file): a `.metadata` whole, a safetensors model file's header alone."""
-    from registry.formats import safetensors_root
-    from registry.formats.dcp import inventory
-    from registry.formats.dcp_roots import stored_metadata
 
     def read(path: str) -> bytes:
         version = job.versions.get(path)
