@@ -14,9 +14,11 @@ it as they read any checkpoint; only decoding a chunk differs (`torch.frombuffer
 
 A header is checked before anything is built from it: at most `MAX_HEADER` bytes of strict
 JSON (duplicate keys refused), every entry a known dtype with a shape whose byte size is its
-range's, ranges inside the data section and not overlapping, no name twice across the files.
-Proving the header's bytes is the caller's: read from the descriptor a push checked, or
-streamed whole through sha256 (`header_length`, `registry.storage.verified_prefix`).
+range's, the ranges tiling the data section to the file's end (as safetensors itself reads a
+file), no name twice across the files. Proving the header's bytes is the caller's: read from
+the descriptor a push checked (and read back once stored), proved in the one pass validation
+and promotion make over the file (validation/deferred.py, promotion/proven.py), or streamed
+whole through sha256 (`storage.verified_stream.verified_header`).
 """
 
 from __future__ import annotations
