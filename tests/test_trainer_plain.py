@@ -537,3 +537,46 @@ def test_a_header_that_changes_between_two_reads_fails_validation(
 
         with pytest.raises((IntegrityError, ValidationFailed), match="changed"):
             reg.promote("hf@step3", model="llama")
+
+
+def test_a_release_name_safetensors_reserves_is_refused_before_any_work(
+    tmp_path: Path, cli: Any, cpu_policy: Path
+) -> None:
+    tensors = {"x.w": torch.ones(2), "x.__metadata__": torch.zeros(2)}
+    root = plain_trainer_dir(tmp_path / "checkpoint-3", model=safetensors_bytes(tensors))
+    assert cli("push-ckpt", root, "--run", "hf").returncode == 0
+    got = cli("promote", "hf@step3", "--model", "llama", "--strip-prefix", "x.")
+    assert got.returncode == 2, got.stderr
+    assert "would name x.__metadata__ __metadata__" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_a_sharded_model_and_its_index_push_and_release_as_one_model(
+    tmp_path: Path, cli: Any, cpu_policy: Path
+) -> None:
+    """save_pretrained of a model over max_shard_size (every large model) writes
+    model-0000K-of-0000N.safetensors and an index: each shard is a root, the index a file
+    beside them, and the release holds every tensor once."""
+    tensors = model_tensors()
+    names = sorted(tensors)
+    root = plain_trainer_dir(tmp_path / "checkpoint-3")
+    (root / "model.safetensors").unlink()
+    shards = {
+        "model-00001-of-00002.safetensors": {n: tensors[n] for n in names[:2]},
+        "model-00002-of-00002.safetensors": {n: tensors[n] for n in names[2:]},
+    }
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    for name, part in shards.items():
+        (root / name).write_bytes(safetensors_bytes(part))
+    index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    pushed = cli("push-ckpt", root, "--run", "hf", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert out["resumable"] is True and out["resume_state"]["model"] == ["lm_head", "model"]
+    assert cli("validate", "hf@step3").returncode == 0
+    assert cli("promote", "hf@step3", "--model", "llama").returncode == 0
+    assert cli("pull-release", "llama:v1", tmp_path / "release").returncode == 0
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "release" / "model.safetensors")
+    assert sorted(got) == names and all(torch.equal(got[n], tensors[n]) for n in names)

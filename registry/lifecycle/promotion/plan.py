@@ -179,7 +179,13 @@ def plan_promotion(
     source = CheckpointRef(ref.project, ref.run, ckpt.step)
     facts = facts_of_checkpoint(ctx, source, ckpt, files, record=True)
     resume = verdict(facts, ctx.policy.resume, layout)
-    resume.model_names(facts.keys, strip)  # every model key has the prefix (else UsageError)
+    names = resume.model_names(facts.keys, strip)  # every model key has the prefix (else exit 2)
+    if "__metadata__" in names:  # safetensors keeps its header's metadata under that name
+        raise UsageError(
+            f"the release would name {names['__metadata__']} __metadata__, which safetensors "
+            "reserves for the file's metadata",
+            "promote with another --strip-prefix, or none",
+        )
     roots = metadata_paths(f.path for f in files)
     if convert is None and ADAPTER_FILE in roots:
         convert = "peft"  # a PEFT adapter's weights, in the file PEFT names them
