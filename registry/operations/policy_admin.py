@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     from registry.context import Context
 
 
-# How long an apply waits for a concurrent sealer's anchor. Only that state waits: 5 s was not
-# enough once on a loaded 2-core CI run on PostgreSQL (the apply failed "not anchored yet").
-IN_FORCE_WAIT_S = 30.0
+IN_FORCE_WAIT_S = 5.0  # how long an apply waits for a concurrent sealer's anchor
 
 
 def check(path: Path) -> Policy:
