@@ -163,9 +163,12 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
     for path in metadata_paths(files):
         with os.fdopen(open_checked(root, path, identity[path], files[path]), "rb") as f:
             if safetensors_root.is_root_name(path):  # its header alone
-                first = f.read(safetensors_root.LENGTH_BYTES)
-                n = safetensors_root.header_length(first, files[path], f"{root}/{path}")
-                metadata_bytes[path] = first + f.read(n)
+
+                def pread(at: int, n: int, fd: int = f.fileno()) -> bytes:
+                    return os.pread(fd, n, at)
+
+                label = f"{root}/{path}"
+                metadata_bytes[path] = safetensors_root.read_header(pread, files[path], label)
             else:
                 metadata_bytes[path] = f.read()
 

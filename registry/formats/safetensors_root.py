@@ -24,7 +24,7 @@ whole through sha256 (`storage.verified_stream.verified_header`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,14 @@ def header_length(first: bytes, size: int | None, label: str) -> int:
 
 
 _SAVE_AGAIN = "the file is truncated, corrupt or not safetensors; save it again"
+
+
+def read_header(read: Callable[[int, int], bytes], size: int | None, label: str) -> bytes:
+    """A file's header (its length, then the JSON) through `read(offset, length)`: the first
+    8 bytes, checked (`header_length`), then the JSON they announce. Proving it is the caller's."""
+    first = bytes(read(0, LENGTH_BYTES))
+    n = header_length(first, size, label)
+    return first + bytes(read(LENGTH_BYTES, n))
 
 
 def parse(prefix: bytes, size: int | None, label: str) -> list[Entry]:

@@ -155,9 +155,11 @@ class ProvenCheckpoint:
             return self._whole(path)
         record = self._record(path)
         key, version = self.prefix + path, record.version
-        first = bytes(self.store.read_range(key, 0, safetensors_root.LENGTH_BYTES, version=version))
-        n = safetensors_root.header_length(first, record.size, f"{self.label}: {path}")
-        header = first + bytes(self.store.read_range(key, len(first), n, version=version))
+        header = safetensors_root.read_header(
+            lambda at, n: self.store.read_range(key, at, n, version=version),
+            record.size,
+            f"{self.label}: {path}",
+        )
         self._headers[path] = header
         return header
 

@@ -36,9 +36,9 @@ class DeferredReads:
         if not safetensors_root.is_root_name(path):
             return self.whole(path)
         size = self.records[path].size
-        first = self._range(path, 0, min(size, safetensors_root.LENGTH_BYTES))
-        n = safetensors_root.header_length(first, size, f"{self.prefix}{path}")
-        header = first + self._range(path, len(first), n)
+        header = safetensors_root.read_header(
+            lambda at, n: self._range(path, at, min(n, size - at)), size, f"{self.prefix}{path}"
+        )
         self._expect(path, 0, header)
         return header
 

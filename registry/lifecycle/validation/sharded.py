@@ -162,9 +162,9 @@ def stored_roots(store: Any, job: ShardedJob) -> Any:
         version = job.versions.get(path)
         if not safetensors_root.is_root_name(path):
             return bytes(store.get_bytes(job.prefix + path, version=version))
-        first = bytes(store.read_range(job.prefix + path, 0, 8, version=version))
-        n = safetensors_root.header_length(first, None, path)
-        return first + bytes(store.read_range(job.prefix + path, 8, n, version=version))
+        return safetensors_root.read_header(
+            lambda at, n: store.read_range(job.prefix + path, at, n, version=version), None, path
+        )
 
     metadata = stored_metadata(read, job.paths)
     inventory(metadata)  # the same checks as everywhere: every tensor tiled exactly
