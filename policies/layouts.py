@@ -8,6 +8,8 @@ resume of that trainer needs (required) or should have (recommended: missing one
 
   megatron    Megatron-core's torch_dist: model keys at the top, optimizer.*, rng_state/shard_*,
               beside metadata.json and common.pt
+  deepspeed   DeepSpeed ZeRO's global_stepN/: module.* (the fp32 weights) and optimizer.* read
+              from the ranks' *_optim_states.pt, beside the model states file
   lightning   {"state_dict": ..., "optimizer_0": ...} and the `meta.pt` sidecar Lightning writes
   transformers  the Trainer's sharded FSDP save: accelerate's DCP roots beside trainer_state.json,
               scheduler.pt and rng_state_N.pth; or its plain save, model.safetensors (or a PEFT
@@ -204,6 +206,27 @@ MEGATRON = Layout(
     files=r"common\.pt",
     marks=("metadata.json", "common.pt"),
 )
+# rank 0's model states: ZeRO-1/2's, or ZeRO-3's per-rank file
+_DS_STATES = r"(zero_pp_rank_0_)?mp_rank_00_model_states\.pt"
+DEEPSPEED = Layout(
+    "deepspeed",
+    "DeepSpeed ZeRO's save_checkpoint (global_stepN/): the fp32 weights as zero_to_fp32 "
+    "rebuilds them from every rank's *_optim_states.pt (\"module.*\"), the optimizer's flat "
+    'state ("optimizer.*"), and the model states file\'s global_steps, lr_scheduler and '
+    "data_sampler",
+    model="module",
+    classes={"optimizer": ("optimizer",)},
+    required=("model", "optimizer", "train_state"),
+    recommended=("lr_scheduler", "rng", "dataloader"),
+    sidecars=(
+        SidecarRule(_DS_STATES, "global_steps", "train_state"),
+        SidecarRule(_DS_STATES, "lr_scheduler", "lr_scheduler"),
+        # DeepSpeed's own data sampler (data efficiency); a loop of its own keeps none here
+        SidecarRule(_DS_STATES, "data_sampler", "dataloader"),
+    ),
+    files=_DS_STATES,
+    marks=("mp_rank_00_model_states.pt",),  # or ZeRO-3's rank-0 file (`detect`)
+)
 TRANSFORMERS = Layout(
     "transformers",
     "the transformers Trainer: with FSDP's SHARDED_STATE_DICT accelerate's DCP roots "
@@ -249,7 +272,17 @@ STATEFUL = Layout(
 )
 LAYOUTS: dict[str, Layout] = {
     lay.name: lay
-    for lay in (MEGATRON, LIGHTNING, TRANSFORMERS, PEFT, ACCELERATE, DCP, STATEFUL, TORCHTITAN)
+    for lay in (
+        MEGATRON,
+        DEEPSPEED,
+        LIGHTNING,
+        TRANSFORMERS,
+        PEFT,
+        ACCELERATE,
+        DCP,
+        STATEFUL,
+        TORCHTITAN,
+    )
 }  # in detection order
 
 
@@ -311,6 +344,7 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     """The layout the key paths and files show: Megatron's metadata.json and common.pt;
+    DeepSpeed's model states;
     Lightning's "state_dict" or meta.pt; the Trainer's trainer_state.json; PEFT's
     adapter_config.json beside its saved names (all under "base_model"); accelerate's
     pytorch_model_fsdp_N root; a top-level "model"; a wrapper holding "model"; else the model
@@ -318,6 +352,8 @@ def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     sidecars = set(sidecars)
     if set(MEGATRON.marks) <= sidecars:
         return MEGATRON
+    if sidecars & {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}:
+        return DEEPSPEED
     top = children(keys, "")
     if "state_dict" in top or "meta.pt" in sidecars:
         return LIGHTNING

@@ -194,9 +194,9 @@ def layout(root: Path, files: list[str]) -> Path:
             "safe_serialization=True",
         ),
         (
-            ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
-            "is a DeepSpeed checkpoint: pickled model and ZeRO optimizer states",
-            "never run the zero_to_fp32.py",
+            ["mp_rank_00_model_states.pt", "zero_to_fp32.py"],
+            "holds DeepSpeed model states but no *_optim_states.pt",
+            "push the whole global_stepN/ directory",
         ),
         (
             ["model.safetensors", "config.json"],
@@ -216,10 +216,17 @@ def test_a_foreign_directory_is_named_with_what_would_work(
     assert got.returncode == 2 and what in got.stderr and "Traceback" not in got.stderr
 
 
-def test_deepspeeds_save_dir_names_its_latest_step(tmp_path: Path) -> None:
+def test_deepspeeds_save_dir_names_its_latest_step(tmp_path: Path, cli: Any) -> None:
     root = layout(tmp_path / "ds", ["global_step3/mp_rank_00_model_states.pt", "zero_to_fp32.py"])
     (root / "latest").write_text("global_step3")
-    with pytest.raises(InvalidCheckpoint, match=r"DeepSpeed checkpoint \(its latest is "):
+    got = cli("push-ckpt", root, "--run", "r")
+    assert got.returncode == 2, got.stderr
+    assert "is a DeepSpeed save directory, not one checkpoint: its latest is global_step3/" in (
+        got.stderr
+    )
+    assert f"reg push-ckpt {root / 'global_step3'} --run RUN" in got.stderr
+    (root / "latest").write_text("../../etc")  # a pointer is a plain sibling, never a path
+    with pytest.raises(InvalidCheckpoint, match="whose `latest` names no checkpoint in it"):
         refuse_foreign(root, has_metadata=False)
 
 

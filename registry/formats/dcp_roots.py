@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.errors import InvalidCheckpoint, RegistryError
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.formats.dcp import (
     METADATA,
     STRUCTURE_ERRORS,
@@ -54,10 +54,10 @@ def metadata_path(root: str) -> str:
 
 def metadata_paths(paths: Iterable[str]) -> tuple[str, ...]:
     """The files a checkpoint's metadata is read from: its roots' `.metadata` (see `roots_of`),
-    or, with none, the Trainer's safetensors model files (`safetensors_root.roots`), whose
-    headers describe their tensors."""
+    or, with none, the files whose own bytes describe their tensors (`file_roots.roots`: the
+    Trainer's safetensors model files, DeepSpeed's states files)."""
     paths = list(paths)
-    return tuple(metadata_path(r) for r in roots_of(paths)) or safetensors_root.roots(paths)
+    return tuple(metadata_path(r) for r in roots_of(paths)) or file_roots.roots(paths)
 
 
 def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
@@ -65,7 +65,7 @@ def check_roots(label: str, paths: Iterable[str]) -> tuple[str, ...]:
     reg can take."""
     paths = list(paths)
     roots = roots_of(paths)
-    if not roots and (models := safetensors_root.roots(paths)):
+    if not roots and (models := file_roots.roots(paths)):
         return models
     if roots != ("",):
         _refuse_unfinished_roots(label, paths, roots)
@@ -109,8 +109,8 @@ def merged_metadata(
     files. `light` as in `load_metadata` (stand-ins, no torch). Safetensors roots (their
     first bytes, at least the header) give one metadata of their headers' tensors (`sizes`:
     the files', where known)."""
-    if parts and all(safetensors_root.is_root_name(p) for p in parts):
-        return safetensors_root.metadata(parts, light=light, sizes=sizes)
+    if file_roots.is_file_roots(parts):
+        return file_roots.metadata(parts, light=light, sizes=sizes)
     loaded = {}
     for path, data in sorted(parts.items()):
         root = path[: -len(METADATA)].rstrip("/")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import InvalidCheckpoint
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
 from registry.formats.dcp_roots import check_roots, merged_metadata, metadata_paths
 from registry.formats.foreign import refuse_foreign
@@ -52,7 +52,8 @@ class ScannedDir:
     ranks: set[int]
     identity: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # dev, inode, ctime
     metadata_digests: dict[str, str] = field(default_factory=dict)  # each .metadata parsed
-    headers: dict[str, bytes] = field(default_factory=dict)  # each safetensors root's, parsed
+    headers: dict[str, bytes] = field(default_factory=dict)  # each file root's bytes, parsed
+    spans: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # what they hold
 
     @property
     def inferred_world_size(self) -> int:
@@ -64,7 +65,10 @@ class ScannedDir:
         return open_checked(self.root, path, self.identity.get(path), self.files[path])
 
     def read(self, path: str) -> bytes:
-        """The bytes of a file the scan checked (a sidecar reg reads)."""
+        """The bytes of a file the scan checked (a sidecar reg reads); of a file root, the
+        root bytes the scan read (file_roots.py)."""
+        if path in self.headers:
+            return self.headers[path]
         with os.fdopen(self.open(path), "rb") as f:
             return f.read(self.files[path] + 1)
 
@@ -159,16 +163,18 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
     check_file_set(str(root), files)
     # Parsed from the descriptors the identity check gave, hashed: the push later refuses a
     # stored .metadata with another digest, so what was checked is what gets committed.
-    metadata_bytes = {}
+    metadata_bytes, spans = {}, {}
     for path in metadata_paths(files):
         with os.fdopen(open_checked(root, path, identity[path], files[path]), "rb") as f:
-            if safetensors_root.is_root_name(path):  # its header alone
+            if file_roots.is_root_name(path):  # the ranges that describe its tensors
 
                 def pread(at: int, n: int, fd: int = f.fileno()) -> bytes:
                     return os.pread(fd, n, at)
 
                 label = f"{root}/{path}"
-                metadata_bytes[path] = safetensors_root.read_header(pread, files[path], label)
+                metadata_bytes[path], spans[path] = file_roots.read_root(
+                    path, pread, files[path], label
+                )
             else:
                 metadata_bytes[path] = f.read()
 
@@ -179,6 +185,7 @@ def scan_directory(root: Path, *, skip: frozenset[str] = frozenset()) -> Scanned
 
     scanned = scan_contents(root, files, metadata_bytes, read_head)
     scanned.identity = identity
+    scanned.spans = spans
     return scanned
 
 
@@ -260,12 +267,12 @@ def scan_merged(
     check_ranges(inv, files, str(root))
     _check_serialization(root, inv, read_head)
     ranks = {int(m.group(1)) for p in files if (m := RANK_FILE.fullmatch(Path(p).name))}
-    digests = {  # a safetensors root's bytes here are its header: not a digest of the file
+    digests = {  # a file root's bytes here are ranges of it: not a digest of the file
         p: hashlib.sha256(data).hexdigest()
         for p, data in metadata_bytes.items()
-        if not safetensors_root.is_root_name(p)
+        if not file_roots.is_root_name(p)
     }
-    headers = {p: data for p, data in metadata_bytes.items() if safetensors_root.is_root_name(p)}
+    headers = {p: data for p, data in metadata_bytes.items() if file_roots.is_root_name(p)}
     return ScannedDir(root, files, metadata, inv, ranks, {}, digests, headers)
 
 

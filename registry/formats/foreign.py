@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 from registry.errors import InvalidCheckpoint
+from registry.formats import deepspeed_root
 
 HF_INDEX = "model.safetensors.index.json"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -33,7 +34,7 @@ def refuse_foreign(root: Path, *, has_metadata: bool) -> bool:
     save directory: its iter_N/ subdirectories are checkpoints of their own, not roots of
     one."""
     names = _names(root)
-    if not has_metadata and safetensors_checkpoint(names):
+    if not has_metadata and (safetensors_checkpoint(names) or deepspeed_root.roots(names)):
         return True
     checks = (
         (_megatron_save_dir,)
@@ -135,24 +136,26 @@ def _megatron_save_dir(root: Path, names: set[str]) -> InvalidCheckpoint | None:
 
 
 def _deepspeed(root: Path, names: set[str]) -> InvalidCheckpoint | None:
-    """DeepSpeed's save_checkpoint: `latest` naming global_stepN/, which holds
-    mp_rank_00_model_states.pt and per-rank *_optim_states.pt pickles."""
-    inside = any(
-        n.startswith(("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_"))
-        and n.endswith("_states.pt")
-        for n in names
-    )
-    parent = DEEPSPEED_LATEST in names and any(n.startswith("global_step") for n in names)
-    if not (inside or parent):
+    """DeepSpeed's save_checkpoint directory: `latest` naming global_stepN/, the checkpoint
+    (its model states and per-rank *_optim_states.pt); or a global_stepN/ missing its
+    optimizer states."""
+    if any(deepspeed_root.is_root_name(n) for n in names):
+        return InvalidCheckpoint(
+            f"{root} holds DeepSpeed model states but no *_optim_states.pt",
+            "push the whole global_stepN/ directory as DeepSpeed's save_checkpoint wrote it",
+        )
+    if DEEPSPEED_LATEST not in names or not any(n.startswith("global_step") for n in names):
         return None
-    where = ""
-    if parent and (step := pointer(root, DEEPSPEED_LATEST)) and _subdirectory(root, step):
-        where = f" (its latest is {step}/)"
+    step = pointer(root, DEEPSPEED_LATEST)
+    if step is None or not _subdirectory(root, step):
+        return InvalidCheckpoint(
+            f"{root} is a DeepSpeed save directory whose `latest` names no checkpoint in it",
+            "push one of its global_stepN/ directories",
+        )
     return InvalidCheckpoint(
-        f"{root} is a DeepSpeed checkpoint{where}: pickled model and ZeRO optimizer states, "
-        "not a DCP checkpoint, and reg does not read them yet",
-        "save through torch.distributed.checkpoint (FSDP2 with a sharded state dict) to push "
-        "it; never run the zero_to_fp32.py stored beside it on untrusted checkpoints",
+        f"{root} is a DeepSpeed save directory, not one checkpoint: its latest is {step}/",
+        f"push that directory: reg push-ckpt {root / step} --run RUN (never run the "
+        "zero_to_fp32.py stored beside it on a checkpoint you did not write)",
     )
 
 

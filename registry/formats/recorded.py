@@ -5,7 +5,9 @@
   - Megatron-LM: `common.pt`'s `iteration` (read for its structure only), which the
     directory's name, `iter_NNNNNNN`, must agree with (its `latest_checkpointed_iteration.txt`
     names that directory in the parent). Megatron records no world size: TP x PP x DP is
-    given on the command line (`requires_world_size`).
+    given on the command line (`requires_world_size`);
+  - DeepSpeed: the model states' `global_steps`, and `dp_world_size` x `mp_world_size`
+    (read for their structure only, from the ranges the push read: deepspeed_root.py).
 
 A value given on the command line that disagrees with one recorded is refused (exit 2): one of
 them names the wrong checkpoint. Files are read through the caller's `read` (bounded, proven
@@ -22,7 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry.errors import UsageError
+from registry.errors import InvalidCheckpoint, UsageError
+from registry.formats import deepspeed_root
 from registry.formats.sidecars import MAX_BYTES, TORCH_STRUCTURE, Unreadable, load
 
 TRAINER_STATE = "trainer_state.json"
@@ -51,7 +54,32 @@ def recorded(name: str, files: Mapping[str, int], read: Callable[[str], bytes]) 
         if step is None:
             step, step_source = _megatron_step(name, files, read)
     world, world_source = _trainer_world(files)
+    if step is None and world is None:
+        step, step_source, world, world_source = _deepspeed(files, read)
     return Recorded(step, step_source, world, world_source, requires)
+
+
+def _deepspeed(
+    files: Mapping[str, int], read: Callable[[str], bytes]
+) -> tuple[int | None, str | None, int | None, str | None]:
+    name = next((n for n in deepspeed_root.MODEL_STATES if n in files), None)
+    if name is None:
+        return None, None, None, None
+    try:
+        states = deepspeed_root.states_structure(read(name), name)
+    except (InvalidCheckpoint, OSError):
+        return None, None, None, None  # the push's scan says what is wrong with it
+    if not isinstance(states, dict):
+        return None, None, None, None
+    step, dp, mp = (states.get(k) for k in ("global_steps", "dp_world_size", "mp_world_size"))
+    step_ok = type(step) is int and 0 <= step < MAX_STEP
+    world_ok = type(dp) is int and type(mp) is int and 0 < dp * mp <= 1 << 20
+    return (
+        step if step_ok else None,
+        f"{name}:global_steps" if step_ok else None,
+        dp * mp if world_ok else None,
+        f"{name}:dp_world_size x mp_world_size" if world_ok else None,
+    )
 
 
 def recorded_in(directory: Path) -> Recorded:

@@ -44,6 +44,8 @@ from typing import Any
 
 from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
+from registry.errors import InvalidCheckpoint
+from registry.formats import deepspeed_root
 from registry.formats.torch_archive import NotPlain, Unbounded, read_structure
 from registry.formats.torch_zip import NotCanonical, Region, archive_pickle
 
@@ -68,6 +70,9 @@ NUMPY_GLOBALS = (
 # How a sidecar is read: torch.load(weights_only=True), the same with numpy's RNG arrays
 # allowed, for its structure alone (no torch: every object an opaque stand-in), or as JSON.
 TORCH, TORCH_NUMPY, TORCH_STRUCTURE, JSON = "torch", "torch+numpy", "structure", "json"
+# DeepSpeed's model states (rank 0's): a root of the checkpoint too (deepspeed_root.py), read
+# for its structure from the ranges read as a root, whatever the file's size
+DEEPSPEED_STATES = "deepspeed-states"
 
 # The sidecar files reg reads (file-name patterns) and how.
 READ = (
@@ -87,6 +92,8 @@ READ = (
     # run's argparse.Namespace, whose values name Megatron's enums: read for its structure only
     (re.compile(r"common\.pt"), TORCH_STRUCTURE),
     (re.compile(r"metadata\.json"), JSON),
+    # DeepSpeed: global_steps, lr_scheduler, dp_world_size, data_sampler
+    (re.compile(r"(zero_pp_rank_0_)?mp_rank_00_model_states\.pt"), DEEPSPEED_STATES),
 )
 
 
@@ -122,6 +129,15 @@ def entries(
         out.append(path)
         kind = readable(path)
         if kind is None:
+            continue
+        if kind == DEEPSPEED_STATES:
+            try:
+                value = deepspeed_root.states_structure(read(path), path)
+            except InvalidCheckpoint as exc:
+                out.append(f"{path}{UNREAD_MARK}{exc.message[:MAX_WHY]}")
+                continue
+            out.append(f"{path}{READ_MARK}")
+            out.extend(f"{path}{READ_MARK}{p}" for p in content_paths(value))
             continue
         limit = MAX_JSON if kind == JSON else MAX_BYTES
         size = sizes.get(path, 0)

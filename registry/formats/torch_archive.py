@@ -362,6 +362,65 @@ def read_structure(pickled: bytes) -> Any:
     return _TorchLoadBounds(pickled).load()
 
 
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A tensor a torch.save pickle names (`read_tensors`): its storage record
+    (`ROOT/data/<key>`, `storage_numel` elements of `dtype`) and where in it the tensor lies."""
+
+    key: str
+    dtype: str
+    storage_numel: int
+    offset: int  # elements into the storage
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def read_tensors(pickled: bytes) -> Any:
+    """`read_structure`, with each tensor torch's `_rebuild_tensor_v2` would build from a
+    storage of a known dtype a `StoredTensor` and each `torch.Size` a tuple of its dimensions
+    (anything else still an opaque stand-in). Nothing is read from the storages here."""
+    unpickler = _TorchLoadBounds(pickled)
+    unpickler.tensors = True
+    return unpickler.load()
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageRef:
+    key: str
+    dtype: str
+    numel: int
+
+
+def _storage_ref(pid: Any) -> Any:
+    """('storage', torch.FloatStorage, key, location, numel), as torch.save writes a typed
+    storage; anything else opaque."""
+    if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+        return _Made(1)
+    _, kind, key, _, numel = pid
+    name = kind.name.rpartition(".")[2] if isinstance(kind, _Global) else None
+    dtype = LEGACY_STORAGES.get(name or "")
+    if dtype is None or type(key) is not str or type(numel) is not int or numel < 0:
+        return _Made(1)
+    return _StorageRef(key, dtype, numel)
+
+
+def _whole(values: Any) -> bool:
+    return type(values) is tuple and all(type(v) is int and v >= 0 for v in values)
+
+
+def _tensor(args: tuple[Any, ...]) -> Any:
+    """torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...) as a StoredTensor,
+    when every argument is what torch.save writes; else opaque."""
+    if len(args) < 4 or not isinstance(args[0], _StorageRef):
+        return _Made(1)
+    storage, offset, shape, stride = args[:4]
+    if type(offset) is not int or offset < 0 or not _whole(shape) or not _whole(stride):
+        return _Made(1)
+    if len(shape) != len(stride):
+        return _Made(1)
+    return StoredTensor(storage.key, storage.dtype, storage.numel, offset, shape, stride)
+
+
 class _TorchLoadBounds(CheckedUnpickler):
     """Reads a pickle as torch's weights_only unpickler would, with every global an inert
     stand-in (`_Global`), and charges it what torch's unpickler will spend:
@@ -383,6 +442,7 @@ class _TorchLoadBounds(CheckedUnpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(data)
         self.encoding = "utf-8"  # torch.load's: SHORT_BINSTRING is text
+        self.tensors = False  # `read_tensors`: tensors and torch.Size as values
         self._others = 0
         self._bounds: dict[int, tuple[Any, _Bounds]] = {}  # id(container) -> it, its bounds
         self._attrs: dict[int, tuple[Any, dict[Any, Any]]] = {}  # id(object) -> it, its dict
@@ -395,7 +455,7 @@ class _TorchLoadBounds(CheckedUnpickler):
         return _Global(self, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        return _Made(1)
+        return _storage_ref(pid) if self.tensors else _Made(1)
 
     def checked_key(self, value: Any, target: Any) -> Any:
         kind = type(value)
@@ -614,6 +674,10 @@ class _Global:
             return owner.fill(self.new(), args[0], pairs=name == "collections.OrderedDict")
         if name == "builtins.bytearray" and args and type(args[0]) is int:
             owner.charge(max(args[0], 0))  # bytearray(n) allocates n bytes
+        if owner.tensors and name == "torch._utils._rebuild_tensor_v2":
+            return _tensor(args)
+        if owner.tensors and name == "torch.Size" and len(args) == 1 and _whole(args[0]):
+            return args[0]
         if name == "torch._tensor._rebuild_from_type_v2" and len(args) == 4:
             func, _, func_args, state = args  # torch calls func(*func_args), sets the state
             owner.spend(func_args)

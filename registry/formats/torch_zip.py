@@ -61,8 +61,8 @@ def canonical(region: Region) -> Canonical:
     ignoring case), one storage record, stored uncompressed; the local records lie back to back
     from byte 0 in directory order, each followed only by its data descriptor. Any other zip
     reader (Python's, torch's) then reads the same bytes for every name."""
-    count, cd_size, cd_at = _end_record(region, _MAX_ENTRIES)
-    entries = _directory(region, cd_at, cd_size, count)
+    count, cd_size, cd_at = end_record(region, _MAX_ENTRIES)
+    entries = directory(region, cd_at, cd_size, count)
     first = entries[0][0]
     root, _, rest = first.partition("/")
     if rest != "data.pkl" or not root:
@@ -95,7 +95,7 @@ def canonical(region: Region) -> Canonical:
     )
 
 
-def _end_record(region: Region, most: int) -> tuple[int, int, int]:
+def end_record(region: Region, most: int) -> tuple[int, int, int]:
     """(entries, central directory size, where it starts) from the end record, the last 22
     bytes (no comment), after torch's zip64 end record and locator where present; the
     directory must end exactly where they begin and hold 3 to `most` entries."""
@@ -124,10 +124,10 @@ def archive_pickle(region: Region, most: int, max_pickle: int) -> bytes:
     every one stored and under one ROOT/, no name twice) names ROOT/data.pkl first, at byte 0,
     and its local record there agrees; its bytes must lie in the head. What torch.load reads
     as data.pkl is then these bytes."""
-    count, cd_size, cd_at = _end_record(region, most)
+    count, cd_size, cd_at = end_record(region, most)
     if region.gap and cd_at < region.size - len(region.tail):
         raise NotCanonical(f"its central directory is over the {len(region.tail)} bytes read")
-    entries = _directory(region, cd_at, cd_size, count)
+    entries = directory(region, cd_at, cd_size, count)
     first, offset, size = entries[0]
     root, _, rest = first.partition("/")
     if rest != "data.pkl" or not root or offset != 0:
@@ -149,7 +149,7 @@ def archive_pickle(region: Region, most: int, max_pickle: int) -> bytes:
     return region.read(30 + nlen + elen, size)
 
 
-def _directory(region: Region, at: int, size: int, count: int) -> list[tuple[str, int, int]]:
+def directory(region: Region, at: int, size: int, count: int) -> list[tuple[str, int, int]]:
     """(name, local header offset, size) of each central directory entry."""
     out = []
     end = at + size

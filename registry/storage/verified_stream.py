@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, NotFound, RegistryError
+from registry.formats import file_roots
 from registry.formats.safetensors_root import LENGTH_BYTES, header_length
 
 if TYPE_CHECKING:
@@ -164,3 +165,48 @@ def verified_ends(
             f"{label} does not match the catalog's sha256", "run `reg verify` on the checkpoint"
         )
     return bytes(first), bytes(last)
+
+
+def verified_root(
+    store: BaseStore,
+    prefix: str,
+    path: str,
+    *,
+    size: int,
+    sha256: str,
+    version: str | None,
+    label: str,
+) -> bytes:
+    """A file root's bytes (file_roots.read_root: a safetensors header, a DeepSpeed archive's
+    ranges), proven: the ranges are read, then the whole object is streamed through sha256,
+    must be `size` bytes of `sha256` and hold those ranges where they were read."""
+    key = prefix + path
+    if not file_roots.deepspeed_root.is_root_name(path):
+        return verified_header(store, key, size=size, sha256=sha256, version=version, label=label)
+
+    def read(at: int, n: int) -> bytes:
+        return bytes(store.read_range(key, at, min(n, size - at), version=version)) if n else b""
+
+    root, spans = file_roots.read_root(path, read, size, label)
+    wanted = [Span(at, at + len(data), data) for at, data in spans if data]
+    mismatched: list[int] = []
+
+    def compare(data: Any, at: int, view: memoryview) -> None:
+        if bytes(view) != data[at : at + len(view)]:
+            mismatched.append(at)
+
+    record = _Record(path, size, sha256, version)
+    read_verified(store, prefix, record, wanted, compare, label=label)  # type: ignore[arg-type]
+    if mismatched:
+        raise IntegrityError(f"{label} changed while it was read", "run `reg verify` on it")
+    return root
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What read_verified needs of a FileRecord."""
+
+    path: str
+    size: int
+    sha256: str
+    version: str | None

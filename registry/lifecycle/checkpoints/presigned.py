@@ -48,7 +48,7 @@ from registry.errors import (
     RegistryError,
     UsageError,
 )
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.formats.documents import FileRecord
@@ -63,7 +63,7 @@ from registry.lifecycle.checkpoints.push import (
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
 from registry.refs import CheckpointRef
 from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
-from registry.storage.verified_stream import verified_header
+from registry.storage.verified_stream import verified_root
 from registry.timeutil import iso, now
 from registry.transfer import OnMismatch, Stored, put_reconciled
 
@@ -465,10 +465,11 @@ def _proven_reader(ctx: Context, prefix: str, plan: Plan) -> Callable[[str], byt
     sizes = {f.path: f.size for f in plan.files}
 
     def read(path: str) -> bytes:
-        if safetensors_root.is_root_name(path):
-            return verified_header(
+        if file_roots.is_root_name(path):
+            return verified_root(
                 ctx.store,
-                prefix + path,
+                prefix,
+                path,
                 size=sizes[path],
                 sha256=declared[path],
                 version=None,

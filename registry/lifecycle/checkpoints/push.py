@@ -281,11 +281,11 @@ class _Uploader:
         for r in results:
             path = r.key.removeprefix(self.prefix)
             digest = self.scanned.metadata_digests.get(path)
-            header = self.scanned.headers.get(path)  # a safetensors root's: read back
+            spans = self.scanned.spans.get(path, ())  # a file root's ranges: read back
             if (
                 r.size != self.scanned.files[path]
                 or (digest and r.sha256 != digest)
-                or (header and self._stored_head(r, len(header)) != header)
+                or any(self._stored(r, at, len(data)) != data for at, data in spans)
             ):
                 raise IntegrityError(
                     f"{self.scanned.root / path} changed while being pushed",
@@ -293,10 +293,11 @@ class _Uploader:
                 )
         return sorted(results, key=lambda r: r.key)
 
-    def _stored_head(self, result: Any, length: int) -> bytes:
-        """The first bytes of a published object: a model file's header, to compare with the
-        one the scan parsed (its digest covers the whole file, which the scan did not read)."""
-        return bytes(self.ctx.store.read_range(result.key, 0, length, version=result.version))
+    def _stored(self, result: Any, at: int, length: int) -> bytes:
+        """Bytes of a published object: a file root's ranges (a model file's header), to
+        compare with those the scan parsed (its digest covers the whole file, which the scan
+        did not read)."""
+        return bytes(self.ctx.store.read_range(result.key, at, length, version=result.version))
 
     def cancel(self) -> None:
         for future in self.staging.values():

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from policies.layouts import check_layout, detect, known_layout
 from policies.resume import ResumeVerdict, classify, missing_from_heads
 from registry.errors import IntegrityError, RegistryError
-from registry.formats import safetensors_root, sidecars
+from registry.formats import deepspeed_root, file_roots, sidecars
 from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import metadata_paths, stored_metadata
 from registry.formats.documents import ResumeRecord
 from registry.layout import checkpoint_prefix
-from registry.storage.verified_stream import verified_ends, verified_header
+from registry.storage.verified_stream import verified_ends, verified_root
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
@@ -77,7 +77,12 @@ def facts_of(
     that are neither a `.metadata` nor a shard the metadata names, with what reg reads in them
     through `read(path)` and `read_ends` (bytes the caller vouches for)."""
     metadata = set(metadata_paths(files))
-    beside = [p for p in files if p not in metadata and p not in inv.files]
+    beside = [  # DeepSpeed's model states are a root, and hold the step, scheduler, world size
+        p
+        for p in files
+        if (p in metadata and deepspeed_root.is_model_states(p))
+        or (p not in metadata and p not in inv.files)
+    ]
     entries = tuple(sorted(sidecars.entries(beside, dict(files), read, read_ends)))
     keys = key_paths(inv)
     chosen = check_layout(layout) or detect(keys, entries).name
@@ -320,8 +325,8 @@ def proven_reader(
 
     def read(path: str) -> bytes:
         record = records[path]
-        if safetensors_root.is_root_name(path):
-            return verified_header(store, prefix + path, **_recorded(prefix, record))
+        if file_roots.is_root_name(path):
+            return verified_root(store, prefix, path, **_recorded(prefix, record))
         data = bytes(store.get_bytes(prefix + path, version=record.version))
         if len(data) != record.size or hashlib.sha256(data).hexdigest() != record.sha256:
             raise IntegrityError(

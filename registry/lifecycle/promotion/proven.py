@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, RegistryError
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.formats.dcp import ChunkRange
 from registry.formats.dcp_roots import metadata_paths
 from registry.progress import Counter
@@ -67,7 +67,7 @@ class ProvenCheckpoint:
         self._starts: dict[str, list[int]] = {}
         self.bytes_hashed = 0
         self._stop = threading.Event()
-        self._headers: dict[str, bytes] = {}  # safetensors roots' headers, proved in `prove`
+        self._read: dict[str, list[tuple[int, bytes]]] = {}  # file roots' ranges: `prove`
         self.metadata = {p: self._root(p) for p in metadata_paths(self.records)}
         self._spool = tempfile.TemporaryFile(prefix="reg-promote-")  # noqa: SIM115 (closed by close())
 
@@ -94,8 +94,8 @@ class ProvenCheckpoint:
                     "the checkpoint metadata is inconsistent; it cannot be promoted",
                 )
             wanted.setdefault(c.file, []).append((c.offset, c.offset + c.length))
-        for path, header in self._headers.items():  # the headers the chunks were placed by
-            wanted.setdefault(path, []).append((0, len(header)))
+        for path, spans in self._read.items():  # the ranges the chunks were placed by
+            wanted.setdefault(path, []).extend((at, at + len(data)) for at, data in spans)
         at = 0
         for path in sorted(wanted):
             spans = []
@@ -123,9 +123,9 @@ class ProvenCheckpoint:
             pool.shutdown(wait=True, cancel_futures=True)
             if progress:
                 progress.finish()
-        for path, header in self._headers.items():
-            if bytes(self.read(path, 0, len(header))) != header:
-                raise self._mismatch(path, "its header changed between two reads")
+        for path, spans in self._read.items():
+            if any(bytes(self.read(path, at, len(data))) != data for at, data in spans if data):
+                raise self._mismatch(path, "it changed between two reads")
 
     def _pass(self, path: str, counter: Counter) -> int:
         spans = [Span(s.start, s.end, s.spool_at) for s in self._spans[path]]
@@ -148,20 +148,21 @@ class ProvenCheckpoint:
             raise IntegrityError(f"{exc.message}; nothing was promoted", exc.hint) from None
 
     def _root(self, path: str) -> bytes:
-        """A root's metadata: a `.metadata` whole and proved; a safetensors model file's
-        header by range, proved by `prove` in its pass over that file (which places the
-        model's chunks from it, and must hash to the catalog's digest anyway)."""
-        if not safetensors_root.is_root_name(path):
+        """A root's metadata: a `.metadata` whole and proved; a file root's ranges (a
+        safetensors header, a DeepSpeed archive's ends and record headers) by range, proved by
+        `prove` in its pass over that file (which places the model's chunks from them, and must
+        hash to the catalog's digest anyway)."""
+        if not file_roots.is_root_name(path):
             return self._whole(path)
         record = self._record(path)
         key, version = self.prefix + path, record.version
-        header = safetensors_root.read_header(
-            lambda at, n: self.store.read_range(key, at, n, version=version),
+        root, self._read[path] = file_roots.read_root(
+            path,
+            lambda at, n: bytes(self.store.read_range(key, at, n, version=version)),
             record.size,
             f"{self.label}: {path}",
         )
-        self._headers[path] = header
-        return header
+        return root
 
     def _whole(self, path: str) -> bytes:
         record = self._record(path)

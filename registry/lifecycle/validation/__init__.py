@@ -258,6 +258,7 @@ def _run_sharded(
         request.world_size,
         model,
         optimizer_path,
+        {f.path: f.size for f in files},
     )
     run_sharded(job, out)
 

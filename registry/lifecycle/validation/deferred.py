@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.lifecycle.checkpoints.resume_facts import proven_reader
 
 if TYPE_CHECKING:
@@ -33,14 +33,18 @@ class DeferredReads:
         self.expected: dict[str, list[tuple[int, bytes]]] = {}
 
     def read(self, path: str) -> bytes:
-        if not safetensors_root.is_root_name(path):
+        if not file_roots.is_root_name(path):
             return self.whole(path)
         size = self.records[path].size
-        header = safetensors_root.read_header(
-            lambda at, n: self._range(path, at, min(n, size - at)), size, f"{self.prefix}{path}"
+        root, spans = file_roots.read_root(
+            path,
+            lambda at, n: self._range(path, at, min(n, size - at)),
+            size,
+            f"{self.prefix}{path}",
         )
-        self._expect(path, 0, header)
-        return header
+        for at, data in spans:
+            self._expect(path, at, data)
+        return root
 
     def read_ends(self, path: str, head: int, tail: int) -> tuple[bytes, bytes]:
         size = self.records[path].size

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import UsageError
-from registry.formats import safetensors_root
+from registry.formats import file_roots
 from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import stored_metadata
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
@@ -43,6 +43,7 @@ class ShardedJob:
     world_size: int
     model: ModelCheck
     optimizer_path: str | None  # the optimizer's key path, with --with-optimizer
+    sizes: dict[str, int]  # path -> bytes, as recorded
 
 
 def require_hooks(spec: str, world_size: int, with_optimizer: bool) -> None:
@@ -156,15 +157,20 @@ def _nest(path: str, value: Any) -> dict[str, Any]:
 
 def stored_roots(store: Any, job: ShardedJob) -> Any:
     """The checkpoint's metadata, each root read from the store (the streamed pass before
-    proved every file): a `.metadata` whole, a safetensors model file's header alone."""
+    proved every file): a `.metadata` whole, a file root's ranges alone (file_roots.py)."""
 
     def read(path: str) -> bytes:
         version = job.versions.get(path)
-        if not safetensors_root.is_root_name(path):
+        if not file_roots.is_root_name(path):
             return bytes(store.get_bytes(job.prefix + path, version=version))
-        return safetensors_root.read_header(
-            lambda at, n: store.read_range(job.prefix + path, at, n, version=version), None, path
+        key = job.prefix + path
+        root, _ = file_roots.read_root(
+            path,
+            lambda at, n: bytes(store.read_range(key, at, n, version=version)),
+            job.sizes[path],
+            path,
         )
+        return root
 
     metadata = stored_metadata(read, job.paths)
     inventory(metadata)  # the same checks as everywhere: every tensor tiled exactly
