@@ -2,7 +2,10 @@
 
 Each framework trains a tiny model with FSDP2 on 2 CPU processes (gloo) and saves at step 3
 with its own code: Lightning's ModelParallelStrategy (`trainer.save_checkpoint`), accelerate's
-`save_state` (FSDP2, sharded state dict), torchtitan's CheckpointManager. Each checkpoint is
+`save_state` (FSDP2, sharded state dict), torchtitan's CheckpointManager, the transformers
+Trainer, Megatron-core, DeepSpeed ZeRO-2 and ZeRO-3 (`save_checkpoint`; there the model is the
+fp32 weights DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` rebuilds, and the
+resume is DeepSpeed's `load_checkpoint` of the pulled directory). Each checkpoint is
 pushed, validated and promoted under the shipped resume rules (CPU validation allowed); the
 release must equal the model's own full `state_dict()` (names and bytes, after the documented
 prefix rule), and a run resumed from a `reg pull` copy, the original deleted, must reproduce
@@ -44,9 +47,15 @@ FRAMEWORKS = {
     "trainer": ("transformers", f"checkpoint-{SAVE_AT}"),
     "trainer-plain": ("transformers", f"checkpoint-{SAVE_AT}"),  # no FSDP: model.safetensors
     "megatron": ("megatron.core", f"iter_{SAVE_AT:07d}"),
+    "deepspeed": ("deepspeed", f"global_step{SAVE_AT}"),  # ZeRO-2
+    "deepspeed-zero3": ("deepspeed", f"global_step{SAVE_AT}"),
 }
 # A framework run by another's script: (the script, its arguments)
-VARIANTS = {"trainer-plain": ("trainer", ("--no-fsdp",))}
+VARIANTS = {
+    "trainer-plain": ("trainer", ("--no-fsdp",)),
+    "deepspeed": ("deepspeed", ("--zero", "2")),
+    "deepspeed-zero3": ("deepspeed", ("--zero", "3")),
+}
 # What a framework's promotion adds: Megatron's release in its local layer spec's names (the
 # example's model), one tensor per layer
 PROMOTE_ARGS = {"megatron": ("--convert", "megatron-local")}
@@ -127,6 +136,9 @@ EXPECTED_LAYOUT = {
     "trainer": ("transformers", "pytorch_model_fsdp_0.model"),  # HF names: model.embed_tokens
     "trainer-plain": ("transformers", ""),  # model.safetensors: the HF names as they are
     "megatron": ("megatron", ""),  # Megatron's sharded names, layers stacked
+    # the fp32 weights zero_to_fp32 rebuilds, named as the module's parameters
+    "deepspeed": ("deepspeed", "module"),
+    "deepspeed-zero3": ("deepspeed", "module"),
 }
 
 
@@ -609,3 +621,37 @@ def test_a_megatron_llama_releases_in_hugging_face_names_and_loads_with_from_pre
     assert torch.allclose(got, want["logits"], atol=1e-5, rtol=0), (
         (got - want["logits"]).abs().max()
     )
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "deepspeed-zero3"])
+def test_deepspeed_records_its_step_and_world_size_and_its_release_loads_strictly(
+    framework: str, cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: Any
+) -> None:
+    """DeepSpeed's model states record the step (global_steps) and the world size
+    (dp_world_size x mp_world_size): push needs neither, and refuses a value that disagrees.
+    The release is zero_to_fp32's state dict, which the model loads strictly."""
+    import torch
+    from safetensors.torch import load_file
+
+    from examples.frameworks.common import Tiny
+
+    run = trained(framework, tmp_path_factory)
+    wrong = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "ds", "--world-size", "4")
+    assert wrong.returncode == 2 and "disagrees with" in wrong.stderr, wrong.stderr
+    assert "dp_world_size x mp_world_size, which show 2 ranks" in wrong.stderr
+    wrong = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "ds", "--step", "4")
+    assert wrong.returncode == 2 and "global_steps, which says 3" in wrong.stderr, wrong.stderr
+    pushed = cli("push-ckpt", run.checkpoint, "--project", "fw", "--run", "ds", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    out = json.loads(pushed.stdout)
+    assert (out["step"], out["world_size"], out["layout"]) == (SAVE_AT, 2, "deepspeed")
+    assert "train_state" in out["resume_state"] and "lr_scheduler" in out["resume_state"]
+    promoted = cli("promote", "fw/ds@step3", "--model", "ds", "--dtype", "bf16", "--json")
+    assert promoted.returncode == 0, promoted.stderr
+    got = cli("pull-release", "ds:v1", tmp_path / "release")
+    assert got.returncode == 0, got.stderr
+    weights = load_file(tmp_path / "release" / "model.safetensors")
+    want = torch.load(run.model, weights_only=True)
+    assert {k: v.dtype for k, v in weights.items()} == {k: torch.bfloat16 for k in want}
+    assert all(torch.equal(weights[k], want[k].to(torch.bfloat16)) for k in want)
+    Tiny().load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
