@@ -13,7 +13,7 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on std
 LAYOUT_OPTION = typer.Option(
     None,
     "--layout",
-    help="The checkpoint's layout: megatron, lightning, transformers, peft, accelerate, dcp, "
+    help="The checkpoint's layout: megatron, deepspeed, lightning, transformers, peft, accelerate, dcp, "
     "stateful or torchtitan (default: the one its keys and files show).",
 )
 

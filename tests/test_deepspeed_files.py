@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from registry import Registry
 from registry.errors import IntegrityError, InvalidCheckpoint
-from registry.formats import deepspeed_root
+from registry.formats import deepspeed_root, deepspeed_zero
 from tests import tamper, test_integrity, test_presigned
 
 store_kind = test_integrity.store_kind  # memory, local, and S3 over HTTP
@@ -144,7 +144,7 @@ def read_as_root(root: Path) -> Any:
             parts[name], _ = deepspeed_root.read_root(
                 lambda at, n, d=data: d[at : at + n], len(data), name
             )
-    return deepspeed_root.build(parts)
+    return deepspeed_zero.build(parts)
 
 
 # -- the arithmetic ------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_boxes_tile_a_flat_range_in_order_each_contiguous(
     start, stop = sorted(int(c * numel) for c in cut)
     index = torch.arange(numel).reshape(shape) if numel else None
     covered = []
-    for offsets, sizes, first in deepspeed_root.boxes(shape, start, stop):
+    for offsets, sizes, first in deepspeed_zero.boxes(shape, start, stop):
         assert len(offsets) == len(sizes) == len(shape)
         assert index is not None
         box = index[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
@@ -171,7 +171,7 @@ def test_boxes_tile_a_flat_range_in_order_each_contiguous(
         covered += flat
     assert covered == list(range(start, stop))
     if shape:
-        assert len(deepspeed_root.boxes(shape, start, stop)) <= max(1, 2 * len(shape) - 1)
+        assert len(deepspeed_zero.boxes(shape, start, stop)) <= max(1, 2 * len(shape) - 1)
 
 
 @pytest.mark.parametrize(("stage", "ranks"), [(2, 2), (2, 3), (3, 2), (3, 3)])
@@ -361,4 +361,4 @@ def test_a_zero_save_goes_straight_to_s3(cli: Any, on_s3: Any, tmp_path: Path) -
 
 def test_a_crafted_ranges_blob_is_refused() -> None:
     with pytest.raises(InvalidCheckpoint, match="not the ranges reg read"):
-        deepspeed_root.build({OPTIM.format(0): b"not ranges"})
+        deepspeed_zero.build({OPTIM.format(0): b"not ranges"})

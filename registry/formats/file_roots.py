@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from registry.formats import deepspeed_root, safetensors_root
+from registry.formats import deepspeed_root, deepspeed_zero, safetensors_root
 
 Spans = list[tuple[int, bytes]]  # (offset, bytes) read of one file
 
@@ -47,7 +47,7 @@ def metadata(
 ) -> Any:
     """One DCP metadata for root files of one kind (path -> root bytes)."""
     if all(deepspeed_root.is_root_name(p) for p in parts):
-        return deepspeed_root.metadata(parts, light=light, sizes=sizes)
+        return deepspeed_zero.metadata(parts, light=light, sizes=sizes)
     return safetensors_root.metadata(parts, light=light, sizes=sizes)
 
 

@@ -73,11 +73,12 @@ def _deepspeed(
         return None, None, None, None
     step, dp, mp = (states.get(k) for k in ("global_steps", "dp_world_size", "mp_world_size"))
     step_ok = type(step) is int and 0 <= step < MAX_STEP
-    world_ok = type(dp) is int and type(mp) is int and 0 < dp * mp <= 1 << 20
+    world = dp * mp if type(dp) is int and type(mp) is int else 0
+    world_ok = 0 < world <= 1 << 20
     return (
         step if step_ok else None,
         f"{name}:global_steps" if step_ok else None,
-        dp * mp if world_ok else None,
+        world if world_ok else None,
         f"{name}:dp_world_size x mp_world_size" if world_ok else None,
     )
 

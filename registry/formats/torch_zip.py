@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 LOCAL_HEADER = 0x04034B50
 
 
 class NotCanonical(Exception):
     pass
+
+
+class Readable(Protocol):
+    """An archive's bytes, where read: a Region, a DeepSpeed file's ranges."""
+
+    size: int
+
+    def read(self, at: int, n: int) -> bytes: ...
 
 
 class Region:
@@ -95,7 +103,7 @@ def canonical(region: Region) -> Canonical:
     )
 
 
-def end_record(region: Region, most: int) -> tuple[int, int, int]:
+def end_record(region: Readable, most: int) -> tuple[int, int, int]:
     """(entries, central directory size, where it starts) from the end record, the last 22
     bytes (no comment), after torch's zip64 end record and locator where present; the
     directory must end exactly where they begin and hold 3 to `most` entries."""
@@ -149,7 +157,7 @@ def archive_pickle(region: Region, most: int, max_pickle: int) -> bytes:
     return region.read(30 + nlen + elen, size)
 
 
-def directory(region: Region, at: int, size: int, count: int) -> list[tuple[str, int, int]]:
+def directory(region: Readable, at: int, size: int, count: int) -> list[tuple[str, int, int]]:
     """(name, local header offset, size) of each central directory entry."""
     out = []
     end = at + size

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import IntegrityError, NotFound, RegistryError
-from registry.formats import file_roots
+from registry.formats import deepspeed_root, file_roots
 from registry.formats.safetensors_root import LENGTH_BYTES, header_length
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def verified_root(
     ranges), proven: the ranges are read, then the whole object is streamed through sha256,
     must be `size` bytes of `sha256` and hold those ranges where they were read."""
     key = prefix + path
-    if not file_roots.deepspeed_root.is_root_name(path):
+    if not deepspeed_root.is_root_name(path):
         return verified_header(store, key, size=size, sha256=sha256, version=version, label=label)
 
     def read(at: int, n: int) -> bytes:

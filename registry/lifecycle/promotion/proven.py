@@ -94,8 +94,8 @@ class ProvenCheckpoint:
                     "the checkpoint metadata is inconsistent; it cannot be promoted",
                 )
             wanted.setdefault(c.file, []).append((c.offset, c.offset + c.length))
-        for path, spans in self._read.items():  # the ranges the chunks were placed by
-            wanted.setdefault(path, []).extend((at, at + len(data)) for at, data in spans)
+        for path, ranges in self._read.items():  # the ranges the chunks were placed by
+            wanted.setdefault(path, []).extend((at, at + len(data)) for at, data in ranges)
         at = 0
         for path in sorted(wanted):
             spans = []
@@ -123,8 +123,8 @@ class ProvenCheckpoint:
             pool.shutdown(wait=True, cancel_futures=True)
             if progress:
                 progress.finish()
-        for path, spans in self._read.items():
-            if any(bytes(self.read(path, at, len(data))) != data for at, data in spans if data):
+        for path, ranges in self._read.items():
+            if any(bytes(self.read(path, at, len(data))) != data for at, data in ranges if data):
                 raise self._mismatch(path, "it changed between two reads")
 
     def _pass(self, path: str, counter: Counter) -> int:
