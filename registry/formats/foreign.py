@@ -141,8 +141,10 @@ def _deepspeed(root: Path, names: set[str]) -> InvalidCheckpoint | None:
     optimizer states."""
     if any(deepspeed_root.is_root_name(n) for n in names):
         return InvalidCheckpoint(
-            f"{root} holds DeepSpeed model states but no *_optim_states.pt",
-            "push the whole global_stepN/ directory as DeepSpeed's save_checkpoint wrote it",
+            f"{root} holds DeepSpeed model states but no *_optim_states.pt: a save without "
+            "ZeRO (its optimizer pickled inside), or one missing its ranks' optimizer states",
+            "train with zero_optimization stage 1, 2 or 3, and push the whole global_stepN/ "
+            "directory save_checkpoint wrote",
         )
     if DEEPSPEED_LATEST not in names or not any(n.startswith("global_step") for n in names):
         return None
