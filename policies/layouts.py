@@ -208,6 +208,9 @@ MEGATRON = Layout(
 )
 # rank 0's model states: ZeRO-1/2's, or ZeRO-3's per-rank file
 _DS_STATES = r"(zero_pp_rank_0_)?mp_rank_00_model_states\.pt"
+_DS_MODEL_STATES = frozenset(
+    {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}
+)
 DEEPSPEED = Layout(
     "deepspeed",
     "DeepSpeed ZeRO's save_checkpoint (global_stepN/): the fp32 weights as zero_to_fp32 "
@@ -344,7 +347,7 @@ def _under(keys: Sequence[str], prefix: str) -> Iterable[str]:
 
 def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     """The layout the key paths and files show: Megatron's metadata.json and common.pt;
-    DeepSpeed's model states;
+    DeepSpeed's model states beside the "module" its files give;
     Lightning's "state_dict" or meta.pt; the Trainer's trainer_state.json; PEFT's
     adapter_config.json beside its saved names (all under "base_model"); accelerate's
     pytorch_model_fsdp_N root; a top-level "model"; a wrapper holding "model"; else the model
@@ -352,9 +355,9 @@ def detect(keys: Sequence[str], sidecars: Iterable[str]) -> Layout:
     sidecars = set(sidecars)
     if set(MEGATRON.marks) <= sidecars:
         return MEGATRON
-    if sidecars & {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}:
-        return DEEPSPEED
     top = children(keys, "")
+    if "module" in top and sidecars & _DS_MODEL_STATES:  # the weights read from its files
+        return DEEPSPEED
     if "state_dict" in top or "meta.pt" in sidecars:
         return LIGHTNING
     if set(TRANSFORMERS.marks) <= sidecars:

@@ -362,3 +362,21 @@ def test_a_zero_save_goes_straight_to_s3(cli: Any, on_s3: Any, tmp_path: Path) -
 def test_a_crafted_ranges_blob_is_refused() -> None:
     with pytest.raises(InvalidCheckpoint, match="not the ranges reg read"):
         deepspeed_zero.build({OPTIM.format(0): b"not ranges"})
+
+
+def test_a_stray_deepspeed_file_beside_dcp_shards_is_neither_a_root_nor_the_layout(
+    tmp_path: Path, cli: Any, ckpts: Any
+) -> None:
+    """DCP metadata decides: a file with DeepSpeed's name beside it (even a garbage one) is a
+    file beside the shards, read by its ranges (never whole) and unread, and the checkpoint
+    keeps its own layout."""
+    import shutil
+
+    root = shutil.copytree(ckpts.ws2.step_dir(2), tmp_path / "step-2")
+    (root / "mp_rank_00_model_states.pt").write_bytes(os.urandom(4096))
+    got = cli("push-ckpt", root, "--run", "r", "--step", "2", "--json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["layout"] == "dcp"
+    assert json.loads(got.stdout)["resumable"] is True
+    validated = cli("validate", "r@step2", "--json")
+    assert validated.returncode == 0 and json.loads(validated.stdout)["passed"], validated.stderr

@@ -69,6 +69,15 @@ class ScannedDir:
         root bytes the scan read (file_roots.py)."""
         if path in self.headers:
             return self.headers[path]
+        if file_roots.is_root_name(path):  # by its ranges, as every reader of a stored copy
+            fd = self.open(path)
+            try:
+                root, _ = file_roots.read_root(
+                    path, lambda at, n: os.pread(fd, n, at), self.files[path], str(self.root / path)
+                )
+            finally:
+                os.close(fd)
+            return root
         with os.fdopen(self.open(path), "rb") as f:
             return f.read(self.files[path] + 1)
 

@@ -130,28 +130,8 @@ def entries(
         kind = readable(path)
         if kind is None:
             continue
-        if kind == DEEPSPEED_STATES:
-            try:
-                value = deepspeed_root.states_structure(read(path), path)
-            except InvalidCheckpoint as exc:
-                out.append(f"{path}{UNREAD_MARK}{exc.message[:MAX_WHY]}")
-                continue
-            out.append(f"{path}{READ_MARK}")
-            out.extend(f"{path}{READ_MARK}{p}" for p in content_paths(value))
-            continue
-        limit = MAX_JSON if kind == JSON else MAX_BYTES
-        size = sizes.get(path, 0)
-        large = size > limit and kind in (TORCH, TORCH_STRUCTURE) and read_ends is not None
-        if size > limit and not large:
-            out.append(f"{path}{UNREAD_MARK}it is over {limit >> 20} MiB")
-            continue
         try:
-            if large:
-                assert read_ends is not None
-                value = large_structure(path, size, read_ends)
-            else:
-                data = read(path)
-                value = load_json(data) if kind == JSON else load(data, kind=kind)
+            value = _read_one(path, kind, sizes.get(path, 0), read, read_ends)
         except Unreadable as exc:
             out.append(f"{path}{UNREAD_MARK}{str(exc)[:MAX_WHY]}")
             continue
@@ -162,6 +142,24 @@ def entries(
 
 class Unreadable(Exception):
     """Why a sidecar could not be read (one short line)."""
+
+
+def _read_one(
+    path: str, kind: str, size: int, read: Callable[[str], bytes], read_ends: ReadEnds | None
+) -> Any:
+    """What one sidecar holds (Unreadable, with the reason, when reg cannot read it safely)."""
+    if kind == DEEPSPEED_STATES:  # `read` gives the ranges read of it as a root
+        try:
+            return deepspeed_root.states_structure(read(path), path)
+        except InvalidCheckpoint as exc:
+            raise Unreadable(exc.message) from None
+    limit = MAX_JSON if kind == JSON else MAX_BYTES
+    if size > limit:
+        if kind not in (TORCH, TORCH_STRUCTURE) or read_ends is None:
+            raise Unreadable(f"it is over {limit >> 20} MiB")
+        return large_structure(path, size, read_ends)
+    data = read(path)
+    return load_json(data) if kind == JSON else load(data, kind=kind)
 
 
 def large_structure(path: str, size: int, read_ends: ReadEnds) -> Any:
