@@ -8,6 +8,7 @@ hostile checkpoint gets."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ KEY = "ckpt/default/ds/step-3/"
 OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 # Two groups; shapes whose elements split mid-row over the ranks' partitions.
 GROUPS = [
-    OrderedDict(embed=(7, 3), bias=(3,)),
+    OrderedDict(embed=(7, 3), empty=(0, 3), bias=(3,)),  # a parameter with no element too
     OrderedDict([("head.weight", (5, 4)), ("head.bias", (5,))]),
 ]
 
@@ -380,3 +381,51 @@ def test_a_stray_deepspeed_file_beside_dcp_shards_is_neither_a_root_nor_the_layo
     assert json.loads(got.stdout)["resumable"] is True
     validated = cli("validate", "r@step2", "--json")
     assert validated.returncode == 0 and json.loads(validated.stdout)["passed"], validated.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(reads=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 120)), max_size=12))
+def test_ranges_merge_what_was_read_and_answer_only_inside_it(
+    reads: list[tuple[int, int]],
+) -> None:
+    data = bytes(range(256)) * 2
+    ranges = deepspeed_root.Ranges(len(data), [])
+    read = bytearray(len(data))
+    for at, n in reads:
+        n = min(n, len(data) - at)
+        ranges.add(at, data[at : at + n])
+        read[at : at + n] = b"\x01" * n
+    spans = ranges.spans
+    assert all(a + len(d) < b for (a, d), (b, _) in itertools.pairwise(spans))
+    for at, chunk in spans:
+        assert chunk == data[at : at + len(chunk)]
+    for at in range(len(data)):
+        for n in (1, 7):
+            inside = at + n <= len(data) and all(read[at : at + n])
+            same = [a for a, d in spans if a <= at and at + n <= a + len(d)]
+            if same:
+                assert ranges.read(at, n) == data[at : at + n]
+            else:  # whatever was read back to back is one span
+                assert not inside and not ranges.covers(at, n)
+
+
+def test_a_large_states_file_is_read_in_a_few_small_ranges(tmp_path: Path) -> None:
+    """What a push, validation or a server reads of a big optimizer states file before its one
+    pass: its two ends, its central directory, data.pkl and the local header of each record a
+    tensor comes from; never the tensors' bytes."""
+    root = zero_dir(tmp_path / "global_step3")
+    path = root / OPTIM.format(0)
+    state = torch.load(path, weights_only=False)
+    big = torch.zeros(4 * 1024 * 1024)  # 16 MiB of exp_avg
+    state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"] = big
+    torch.save(state, path)
+    data = path.read_bytes()
+    asked: list[int] = []
+
+    def read(at: int, n: int) -> bytes:
+        asked.append(n)
+        return data[at : at + n]
+
+    blob, spans = deepspeed_root.read_root(read, len(data), path.name)
+    assert sum(asked) < 256 * 1024 and len(asked) <= 12, asked
+    assert sum(len(d) for _, d in spans) <= sum(asked) and len(blob) < 256 * 1024

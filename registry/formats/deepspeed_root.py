@@ -20,6 +20,7 @@ Not read: tensor- or pipeline-parallel saves (`mp_rank_01...`), frozen and share
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import struct
@@ -39,9 +40,11 @@ NAME = re.compile(
     r"(?P<kind>model|optim)_states\.pt"
 )
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-HEAD = 8 * 1024 * 1024 + 64 * 1024  # a pickle is at most 8 MiB (sidecars.MAX_PICKLE)
-TAIL = 16 * 1024 * 1024  # the central directory
+FIRST = 64 * 1024  # read first at each end: the end records, data.pkl's local header
+MAX_PICKLE = 8 * 1024 * 1024  # as sidecars.MAX_PICKLE
+MAX_DIRECTORY = 16 * 1024 * 1024  # a central directory of MAX_RECORDS entries is about 9 MiB
 MAX_RECORDS = 100_000
+MAX_USED = 65_536  # records a file's tensors come from (a few per parameter group)
 MAX_RANKS = 65_536
 _MAGIC = b"reg-deepspeed-ranges/1\n"
 AGAIN = "the checkpoint is truncated, corrupt or not DeepSpeed's; save it again"
@@ -68,19 +71,56 @@ def is_model_states(path: str) -> bool:
 
 
 class Ranges:
-    """A file's bytes where they were read: `read(at, n)` inside one range, else NotCanonical
-    (torch_zip's readers take it as they take a Region)."""
+    """A file's bytes where they were read, as disjoint spans: `read(at, n)` inside one, else
+    NotCanonical (torch_zip's readers take it as they take a Region)."""
 
     def __init__(self, size: int, spans: list[tuple[int, bytes]]) -> None:
-        self.size, self.spans = size, sorted(spans)
+        self.size = size
+        self.spans: list[tuple[int, bytes]] = []
+        self._starts: list[int] = []
+        for at, data in spans:
+            self.add(at, data)
+
+    def _find(self, at: int) -> int:
+        """The index of the last span starting at or before `at` (-1 for none)."""
+        return bisect.bisect_right(self._starts, at) - 1
+
+    def covers(self, at: int, n: int) -> bool:
+        i = self._find(at)
+        return i >= 0 and at + n <= self.spans[i][0] + len(self.spans[i][1])
+
+    def add(self, at: int, data: bytes) -> None:
+        """`data` read at `at`, merged with the spans it touches (where two reads overlap,
+        the earlier one's bytes stand: the proof of the whole compares them with the file)."""
+        if not data:
+            return
+        lo = max(0, self._find(at))
+        merged_at, merged = at, data
+        keep: list[tuple[int, bytes]] = []
+        for start, held in self.spans[lo:]:
+            if start > merged_at + len(merged):
+                keep.append((start, held))
+                continue
+            if start + len(held) < merged_at:
+                keep.append((start, held))
+                continue
+            begin = min(start, merged_at)
+            end = max(start + len(held), merged_at + len(merged))
+            joined = bytearray(end - begin)
+            joined[merged_at - begin : merged_at - begin + len(merged)] = merged
+            joined[start - begin : start - begin + len(held)] = held
+            merged_at, merged = begin, bytes(joined)
+        self.spans = [*self.spans[:lo], *keep, (merged_at, merged)]
+        self.spans.sort(key=lambda span: span[0])
+        self._starts = [start for start, _ in self.spans]
 
     def read(self, at: int, n: int) -> bytes:
         if at < 0 or n < 0 or at + n > self.size:
             raise torch_zip.NotCanonical(f"a record points outside the file ({at}+{n})")
-        for start, data in self.spans:
-            if start <= at and at + n <= start + len(data):
-                return data[at - start : at - start + n]
-        raise torch_zip.NotCanonical(f"bytes {at}..{at + n} were not read")
+        if not self.covers(at, n):
+            raise torch_zip.NotCanonical(f"bytes {at}..{at + n} were not read")
+        start, data = self.spans[self._find(at)]
+        return data[at - start : at - start + n]
 
     def encode(self) -> bytes:
         out = [_MAGIC, struct.pack("<QI", self.size, len(self.spans))]
@@ -121,7 +161,7 @@ def _archive(ranges: Ranges, label: str) -> _Archive:
         entries = torch_zip.directory(ranges, cd_at, cd_size, count)
         first, offset, size = entries[0]
         root, _, rest = first.partition("/")
-        if rest != "data.pkl" or not root or offset != 0 or size > HEAD - 4096:
+        if rest != "data.pkl" or not root or offset != 0 or size > MAX_PICKLE:
             raise torch_zip.NotCanonical("the first record is not ROOT/data.pkl at byte 0")
         records: dict[str, tuple[int, int]] = {}
         for name, at, length in entries:
@@ -131,9 +171,12 @@ def _archive(ranges: Ranges, label: str) -> _Archive:
         start = _data_start(ranges, first, 0, size)
         return _Archive(root, records, ranges.read(start, size))
     except (torch_zip.NotCanonical, struct.error, UnicodeDecodeError) as exc:
-        why = str(exc) if isinstance(exc, torch_zip.NotCanonical) else "not a zip archive"
-        raise InvalidCheckpoint(f"{label} is not a torch.save archive reg can read: {why}",
-                                AGAIN) from None  # fmt: skip
+        raise _not_archive(label, exc) from None
+
+
+def _not_archive(label: str, exc: Exception) -> InvalidCheckpoint:
+    why = str(exc) if isinstance(exc, torch_zip.NotCanonical) else "not a zip archive"
+    return InvalidCheckpoint(f"{label} is not a torch.save archive reg can read: {why}", AGAIN)
 
 
 def _data_start(ranges: Ranges, name: str, offset: int, size: int) -> int:
@@ -154,30 +197,44 @@ def read_root(
 ) -> tuple[bytes, list[tuple[int, bytes]]]:
     """The ranges of one DeepSpeed file that its tensors are found from, through
     `read(offset, length)`: (what `metadata` takes, [(offset, bytes) read]), the spans for the
-    caller to prove."""
-    head_n = min(size, HEAD)
-    tail_n = min(size - head_n, TAIL)
-    spans = [(0, bytes(read(0, head_n)))]
-    if tail_n:
-        spans.append((size - tail_n, bytes(read(size - tail_n, tail_n))))
-    ranges = Ranges(size, spans)
+    caller to prove. A few reads, each small: the two ends, the central directory, data.pkl,
+    and the local header of each record a tensor is taken from."""
+    ranges = Ranges(size, [])
+
+    def need(at: int, n: int) -> None:
+        n = min(n, size - at)
+        if n > 0 and not ranges.covers(at, n):
+            ranges.add(at, bytes(read(at, n)))
+
+    need(max(0, size - FIRST), FIRST)
+    need(0, FIRST)
+    try:
+        count, cd_size, cd_at = torch_zip.end_record(ranges, MAX_RECORDS)
+        if cd_size > MAX_DIRECTORY:
+            raise torch_zip.NotCanonical(f"a central directory of {cd_size} bytes")
+        need(cd_at, cd_size)
+        _, offset, pickled = torch_zip.directory(ranges, cd_at, cd_size, count)[0]
+        if offset != 0 or pickled > MAX_PICKLE:
+            raise torch_zip.NotCanonical("the first record is not ROOT/data.pkl at byte 0")
+        nlen, elen = struct.unpack("<HH", ranges.read(26, 4))
+        need(0, 30 + nlen + elen + pickled)
+    except (torch_zip.NotCanonical, struct.error, UnicodeDecodeError) as exc:
+        raise _not_archive(label, exc) from None
     archive = _archive(ranges, label)
-    for key in _used_records(archive, label):
+    used = _used_records(archive, label)
+    if len(used) > MAX_USED:
+        raise InvalidCheckpoint(f"{label}: its tensors are in {len(used)} records", AGAIN)
+    for key in sorted(used):
         name = f"{archive.root}/data/{key}"
         found = archive.records.get(name)
         if found is None:
             raise InvalidCheckpoint(f"{label}: its pickle names a record {name[:80]!r} it lacks",
                                     AGAIN)  # fmt: skip
         at = found[0]
-        if _has(ranges, at):
-            continue  # read already (a small file is read whole)
-        fixed = bytes(read(at, min(30, size - at)))
-        more = b""
-        if len(fixed) == 30:
-            nlen, elen = struct.unpack_from("<HH", fixed, 26)
-            more = bytes(read(at + 30, min(nlen + elen, size - at - 30)))
-        ranges.spans.append((at, fixed + more))
-        ranges.spans.sort()
+        need(at, 30)
+        if ranges.covers(at, 30):
+            nlen, elen = struct.unpack("<HH", ranges.read(at + 26, 4))
+            need(at, 30 + nlen + elen)
     return ranges.encode(), list(ranges.spans)
 
 
@@ -189,16 +246,6 @@ def states_structure(data: bytes, label: str) -> Any:
         Ranges.decode(data, label) if data.startswith(_MAGIC) else Ranges(len(data), [(0, data)])
     )
     return _structure(_archive(ranges, label), label)
-
-
-def _has(ranges: Ranges, at: int) -> bool:
-    """Whether a local header at `at` lies whole in what was read."""
-    try:
-        nlen, elen = struct.unpack("<HH", ranges.read(at + 26, 4))
-        ranges.read(at, 30 + nlen + elen)
-    except (torch_zip.NotCanonical, struct.error):
-        return False
-    return True
 
 
 def _structure(archive: _Archive, label: str) -> Any:

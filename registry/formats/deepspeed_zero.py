@@ -376,9 +376,9 @@ def metadata(
     for key, (dtype, shape, pieces) in built.tensors.items():
         itemsize = DTYPE_SIZES[dtype]
         placed = []
-        if not math.prod(shape):
+        if not math.prod(shape):  # no element: one empty chunk, no byte read
             zeros = (0,) * len(shape)
-            placed.append((zeros, shape, RawStorage(pieces[0].file if pieces else "", 0, 0)))
+            placed.append((zeros, shape, RawStorage(min(parts), 0, 0)))
         for piece in pieces:
             for offsets, box, first in boxes(shape, piece.start, piece.start + piece.count):
                 at = piece.at + (first - piece.start) * itemsize
