@@ -13,8 +13,8 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on std
 LAYOUT_OPTION = typer.Option(
     None,
     "--layout",
-    help="The checkpoint's layout: megatron, deepspeed, lightning, transformers, peft, accelerate, dcp, "
-    "stateful or torchtitan (default: the one its keys and files show).",
+    help="The checkpoint's layout: megatron, deepspeed, lightning, transformers, peft, "
+    "accelerate, dcp, stateful or torchtitan (default: the one its keys and files show).",
 )
 
 STRIP_PREFIX_OPTION = typer.Option(

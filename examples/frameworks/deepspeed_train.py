@@ -26,12 +26,12 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import deepspeed.ops  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import deepspeed
+import deepspeed.ops
+import torch
+import torch.distributed as dist
 
-from examples.frameworks.common import (  # noqa: E402
+from examples.frameworks.common import (
     SEED,
     Tiny,
     batch,
