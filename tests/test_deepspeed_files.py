@@ -37,19 +37,28 @@ GROUPS = [
 ]
 
 
+BUFFERS = {"norm.running_mean": torch.arange(4.0)}  # a buffer: in the model states, kept
+
+
 def weights() -> dict[str, torch.Tensor]:
+    """The parameters, as the fp32 partitions hold them."""
     g = torch.Generator().manual_seed(7)
     return {
         name: torch.randn(shape, generator=g) for group in GROUPS for name, shape in group.items()
     }
 
 
+def released() -> dict[str, torch.Tensor]:
+    """What zero_to_fp32 rebuilds: the buffers and the parameters."""
+    return {**BUFFERS, **weights()}
+
+
 def _states(stage: int, ranks: int, rank: int, **facts: Any) -> dict[str, Any]:
     full = weights()
     module = {k: (v.clone() if stage < 3 else torch.empty(0)) for k, v in full.items()}
     states = {
-        "module": module,
-        "buffer_names": [],
+        "module": {**module, **{k: v.clone() for k, v in BUFFERS.items()}},
+        "buffer_names": list(BUFFERS),
         "optimizer": None,
         "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in GROUPS],
         "frozen_param_shapes": {},
@@ -190,6 +199,7 @@ def test_each_parameter_is_found_where_zero_to_fp32_finds_it(
             raw = files[p.file][p.at : p.at + 4 * p.count]
             got[p.start : p.start + p.count] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
         assert torch.equal(got.reshape(want.shape), want), name
+    assert set(built.tensors) >= {f"module.{name}" for name in BUFFERS}
     exp_avg = built.tensors["optimizer.state.0.exp_avg"]
     assert exp_avg[0] == "float32" and len(exp_avg[2]) == ranks
     assert built.tensors["optimizer.state.1.step"][1] == ()
@@ -218,7 +228,7 @@ def test_push_validate_promote_pull_as_the_files_record(
     from safetensors.torch import load_file
 
     got = load_file(tmp_path / "release" / "model.safetensors")
-    want = weights()
+    want = released()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert cli("pull", "ds@step3", tmp_path / "pulled").returncode == 0
@@ -262,6 +272,73 @@ def _frozen(root: Path) -> None:
     torch.save(state, root / "mp_rank_00_model_states.pt")
 
 
+def _optimizer_state(root: Path, rank: int, change: Any) -> None:
+    path = root / OPTIM.format(rank)
+    state = torch.load(path, weights_only=False)
+    change(state["optimizer_state_dict"])
+    torch.save(state, path)
+
+
+def _half_partition(root: Path) -> None:
+    def change(opt: dict[str, Any]) -> None:
+        groups = opt["single_partition_of_fp32_groups"]
+        groups[0] = groups[0].half()
+
+    _optimizer_state(root, 1, change)
+
+
+def _both_stages(root: Path) -> None:
+    def change(opt: dict[str, Any]) -> None:
+        opt["fp32_flat_groups"] = opt["single_partition_of_fp32_groups"]
+
+    _optimizer_state(root, 0, change)
+
+
+def _partition_count(root: Path) -> None:
+    _optimizer_state(root, 0, lambda opt: opt.update(partition_count=[4, 4]))
+
+
+def _paddings_tuple(root: Path) -> None:
+    _optimizer_state(root, 0, lambda opt: opt.update(param_alignment_paddings=([1, 0, 0], [0, 0])))
+
+
+def _a_rank_twice(root: Path) -> None:
+    data = (root / OPTIM.format(0)).read_bytes()
+    (root / ("bf16_" + OPTIM.format(0))).write_bytes(data)
+
+
+def _shape_of_text(root: Path) -> None:
+    state = torch.load(root / "mp_rank_00_model_states.pt", weights_only=False)
+    state["param_shapes"][0]["embed"] = ("x", 3)
+    torch.save(state, root / "mp_rank_00_model_states.pt")
+
+
+def _rezip(path: Path, change: Any) -> None:
+    """The archive written again record by record (stored, in order), `change(name, data)`
+    giving each record's new (name, data)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as old:
+        records = [(i.filename, old.read(i)) for i in old.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as new:
+        for name, data in records:
+            new.writestr(*change(name, data))
+
+
+def _big_endian(root: Path) -> None:
+    _rezip(root / OPTIM.format(0), lambda n, d: (n, b"big" if n.endswith("/byteorder") else d))
+
+
+def _a_name_twice_in_two_cases(root: Path) -> None:
+    """A second record whose name differs from the storage record's only in case: torch's zip
+    reader finds either for the pickle's key."""
+    import zipfile
+
+    with zipfile.ZipFile(root / OPTIM.format(0), "a", zipfile.ZIP_STORED) as z:
+        name = next(n for n in z.namelist() if n.endswith("/data/0"))
+        z.writestr(name.replace("/data/", "/DATA/"), bytes(4))
+
+
 def _no_pickle_first(root: Path) -> None:
     (root / OPTIM.format(0)).write_bytes(b"PK\x03\x04" + os.urandom(300))
 
@@ -276,6 +353,14 @@ def _no_pickle_first(root: Path) -> None:
         (_strided, "is not contiguous"),
         (_frozen, "records frozen_param_shapes: reg does not rebuild"),
         (_no_pickle_first, "is not a torch.save archive reg can read"),
+        (_half_partition, "single_partition_of_fp32_groups[0] is float16, not float32"),
+        (_both_stages, "holds both ZeRO-2 and ZeRO-3 fp32 partitions"),
+        (_partition_count, "records partition_count 4, with 2 optimizer states files"),
+        (_paddings_tuple, "param_alignment_paddings do not match param_shapes"),
+        (_a_rank_twice, "are both rank 0's optim states"),
+        (_shape_of_text, "param_shapes has an entry that is not a name and a shape"),
+        (_big_endian, "it was saved big-endian"),
+        (_a_name_twice_in_two_cases, "mp_rank_00_optim_states/ or twice"),
     ],
 )
 def test_a_damaged_or_partial_save_is_refused_in_one_line_and_nothing_is_committed(
@@ -346,7 +431,7 @@ def _through_server(cli: Any, server: Any, root: Path, tmp_path: Path) -> None:
     assert cli("pull-release", "tiny-llama:v1", tmp_path / "rel", env=alice).returncode == 0
     from safetensors.torch import load_file
 
-    got, want = load_file(tmp_path / "rel" / "model.safetensors"), weights()
+    got, want = load_file(tmp_path / "rel" / "model.safetensors"), released()
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -429,3 +514,52 @@ def test_a_large_states_file_is_read_in_a_few_small_ranges(tmp_path: Path) -> No
     blob, spans = deepspeed_root.read_root(read, len(data), path.name)
     assert sum(asked) < 256 * 1024 and len(asked) <= 12, asked
     assert sum(len(d) for _, d in spans) <= sum(asked) and len(blob) < 256 * 1024
+
+
+class _Storage:
+    """Pickled by reference: what torch.save's persistent id names."""
+
+    def __init__(self, kind: Any, key: str, numel: int) -> None:
+        self.kind, self.key, self.numel = kind, key, numel
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, size: tuple[int, ...]) -> None:
+        self.storage, self.size = storage, size
+
+    def __reduce__(self) -> Any:
+        from torch._utils import _rebuild_tensor_v2
+
+        stride = (1,) * len(self.size)
+        return (_rebuild_tensor_v2, (self.storage, 0, self.size, stride, False, OrderedDict()))
+
+
+def _pickled(value: Any) -> bytes:
+    import io
+    import pickle
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, _Storage):
+                return ("storage", obj.kind, obj.key, "cpu", obj.numel)
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(value)
+    return buf.getvalue()
+
+
+def test_a_storage_record_named_as_two_dtypes_is_refused() -> None:
+    """torch.load makes a record's storage at its first mention and hands it to every later
+    one: a pickle that names record 0 as float32, then as float16 for the tensor reg would use,
+    would have reg read other values than torch. Refused; one name, one way, reads."""
+    from registry.formats.torch_archive import StoredTensor, read_tensors
+
+    first = _Tensor(_Storage(torch.FloatStorage, "0", 2), (2,))
+    again = _Tensor(_Storage(torch.HalfStorage, "0", 4), (4,))
+    with pytest.raises(Exception, match="named twice, in two ways"):
+        read_tensors(_pickled({"a": first, "b": again}))
+    same = read_tensors(
+        _pickled({"a": first, "b": _Tensor(_Storage(torch.FloatStorage, "0", 2), (1,))})
+    )
+    assert isinstance(same["b"], StoredTensor) and same["b"].dtype == "float32"

@@ -44,7 +44,8 @@ FIRST = 64 * 1024  # read first at each end: the end records, data.pkl's local h
 MAX_PICKLE = 8 * 1024 * 1024  # as sidecars.MAX_PICKLE
 MAX_DIRECTORY = 16 * 1024 * 1024  # a central directory of MAX_RECORDS entries is about 9 MiB
 MAX_RECORDS = 100_000
-MAX_USED = 65_536  # records a file's tensors come from (a few per parameter group)
+MAX_USED = 4096  # records a file's tensors come from (a few per parameter group)
+MAX_EXTRA = 1024  # a local header's extra field: torch's alignment padding, zip64 sizes
 MAX_RANKS = 65_536
 _MAGIC = b"reg-deepspeed-ranges/1\n"
 AGAIN = "the checkpoint is truncated, corrupt or not DeepSpeed's; save it again"
@@ -164,10 +165,17 @@ def _archive(ranges: Ranges, label: str) -> _Archive:
         if rest != "data.pkl" or not root or offset != 0 or size > MAX_PICKLE:
             raise torch_zip.NotCanonical("the first record is not ROOT/data.pkl at byte 0")
         records: dict[str, tuple[int, int]] = {}
-        for name, at, length in entries:
-            if not name.startswith(root + "/") or name in records:
+        seen: set[str] = set()
+        for name, at, length in entries:  # torch finds a name whatever its case
+            if not name.startswith(root + "/") or name.lower() in seen:
                 raise torch_zip.NotCanonical(f"a record {name[:80]!r} outside {root}/ or twice")
+            seen.add(name.lower())
             records[name] = (at, length)
+        order = records.get(f"{root}/byteorder")
+        if order is not None:  # torch swaps the bytes of a big-endian save: refused here
+            at = _data_start(ranges, f"{root}/byteorder", *order)
+            if ranges.read(at, order[1]) != b"little":
+                raise torch_zip.NotCanonical("it was saved big-endian")
         start = _data_start(ranges, first, 0, size)
         return _Archive(root, records, ranges.read(start, size))
     except (torch_zip.NotCanonical, struct.error, UnicodeDecodeError) as exc:
@@ -213,11 +221,16 @@ def read_root(
         if cd_size > MAX_DIRECTORY:
             raise torch_zip.NotCanonical(f"a central directory of {cd_size} bytes")
         need(cd_at, cd_size)
-        _, offset, pickled = torch_zip.directory(ranges, cd_at, cd_size, count)[0]
+        entries = torch_zip.directory(ranges, cd_at, cd_size, count)
+        first, offset, pickled = entries[0]
         if offset != 0 or pickled > MAX_PICKLE:
             raise torch_zip.NotCanonical("the first record is not ROOT/data.pkl at byte 0")
-        nlen, elen = struct.unpack("<HH", ranges.read(26, 4))
-        need(0, 30 + nlen + elen + pickled)
+        order = f"{first.partition('/')[0]}/byteorder"
+        for name, at, length in entries:  # data.pkl, and the byte order _archive checks
+            if name == first or (name == order and length <= 16):
+                _read_local_header(need, ranges, name, at, size)
+                nlen, elen = struct.unpack("<HH", ranges.read(at + 26, 4))
+                need(at, 30 + nlen + elen + length)
     except (torch_zip.NotCanonical, struct.error, UnicodeDecodeError) as exc:
         raise _not_archive(label, exc) from None
     archive = _archive(ranges, label)
@@ -230,22 +243,32 @@ def read_root(
         if found is None:
             raise InvalidCheckpoint(f"{label}: its pickle names a record {name[:80]!r} it lacks",
                                     AGAIN)  # fmt: skip
-        at = found[0]
-        need(at, 30)
-        if ranges.covers(at, 30):
-            nlen, elen = struct.unpack("<HH", ranges.read(at + 26, 4))
-            need(at, 30 + nlen + elen)
+        try:
+            _read_local_header(need, ranges, name, found[0], size)
+        except (torch_zip.NotCanonical, struct.error) as exc:
+            raise _not_archive(label, exc) from None
     return ranges.encode(), list(ranges.spans)
+
+
+def _read_local_header(
+    need: Callable[[int, int], None], ranges: Ranges, name: str, at: int, size: int
+) -> None:
+    """Read the local header at `at` of the record `name`: its fixed part, then its name and
+    extra field, which must be that name and at most MAX_EXTRA bytes (never a large read)."""
+    if at >= size:
+        raise torch_zip.NotCanonical(f"the record {name[:80]!r} starts past the file's end")
+    need(at, 30)
+    nlen, elen = struct.unpack("<HH", ranges.read(at + 26, 4))
+    if nlen != len(name.encode()) or elen > MAX_EXTRA:
+        raise torch_zip.NotCanonical(f"the local header of {name[:80]!r} disagrees")
+    need(at, 30 + nlen + elen)
 
 
 def states_structure(data: bytes, label: str) -> Any:
     """What a DeepSpeed states file's pickle holds (tensors as `StoredTensor`s, DeepSpeed's
-    own objects opaque), from its root bytes (`read_root`) or, for a file read whole, its
-    bytes; InvalidCheckpoint, one line, for anything else."""
-    ranges = (
-        Ranges.decode(data, label) if data.startswith(_MAGIC) else Ranges(len(data), [(0, data)])
-    )
-    return _structure(_archive(ranges, label), label)
+    own objects opaque), from its root bytes (`read_root`, never the file's own bytes);
+    InvalidCheckpoint, one line, for anything else."""
+    return _structure(_archive(Ranges.decode(data, label), label), label)
 
 
 def _structure(archive: _Archive, label: str) -> Any:
@@ -266,8 +289,15 @@ def _used_records(archive: _Archive, label: str) -> set[str]:
 
 
 def _tensors_used(state: Any) -> list[StoredTensor]:
+    """The tensors reg takes: a model states file's buffers; an optimizer states file's fp32
+    partitions and optimizer state."""
     if not isinstance(state, dict):
         return []
+    names, module = state.get("buffer_names"), state.get("module")
+    if isinstance(names, list) and isinstance(module, dict):
+        return [
+            t for n in names if isinstance(n, str) and isinstance(t := module.get(n), StoredTensor)
+        ]
     opt = state.get("optimizer_state_dict")
     if not isinstance(opt, dict):
         return []

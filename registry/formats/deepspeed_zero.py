@@ -15,6 +15,7 @@ optimizer's state: each flat value's partitions, rank after rank, as one tensor;
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -75,7 +76,13 @@ def build(parts: Mapping[str, bytes]) -> Built:
                 "consolidate it with DeepSpeed first, or save without model parallelism",
             )
         rank = int(found["rank"] or 0)
-        (optim if found["kind"] == "optim" else model)[rank] = open_file(path, blob, path)
+        files = optim if found["kind"] == "optim" else model
+        if rank in files:  # zero_to_fp32 counts every file: two for one rank are refused
+            raise InvalidCheckpoint(
+                f"{files[rank].path} and {path} are both rank {rank}'s {found['kind']} states",
+                "push the global_stepN/ directory of one save, as DeepSpeed wrote it",
+            )
+        files[rank] = open_file(path, blob, path)
     if not model:
         raise InvalidCheckpoint("a DeepSpeed checkpoint without its model states file "
                                 f"({MODEL_STATES[0]})", AGAIN)  # fmt: skip
@@ -113,24 +120,71 @@ def build(parts: Mapping[str, bytes]) -> Built:
                 f"{optim[r].path} holds no optimizer_state_dict: not DeepSpeed's", AGAIN
             )
         opts.append(opt)
-    if "fp32_flat_groups" in opts[0]:
+    kinds = {"fp32_flat_groups", "single_partition_of_fp32_groups"} & set(opts[0])
+    if kinds == {"fp32_flat_groups"}:
         stage, key, inner = 3, "fp32_flat_groups", "optimizer_state_dict"
-    elif "single_partition_of_fp32_groups" in opts[0]:
+    elif kinds == {"single_partition_of_fp32_groups"}:
         stage, key, inner = 2, "single_partition_of_fp32_groups", "base_optimizer_state"
     else:
         raise InvalidCheckpoint(
-            f"{optim[0].path} holds no ZeRO fp32 partitions: not a ZeRO-1/2/3 save", AGAIN
+            f"{optim[0].path} holds {'both ZeRO-2 and ZeRO-3' if kinds else 'no ZeRO'} fp32 "
+            "partitions: not a ZeRO-1/2/3 save",
+            AGAIN,
         )
+    for r, opt in enumerate(opts):
+        count = opt.get("partition_count")
+        counts = count if isinstance(count, list) else [count]
+        whole = bool(counts) and all(type(c) is int for c in counts)
+        if not whole or max(counts) != ranks:
+            raise InvalidCheckpoint(
+                f"{optim[r].path} records partition_count "
+                f"{max(counts) if whole else _short(count)}, with {ranks} optimizer states files",
+                AGAIN,
+            )
     flats = [_flat_groups(optim[r], opts[r].get(key), len(shapes), key) for r in range(ranks)]
     tensors: dict[str, tuple[str, tuple[int, ...], list[Piece]]] = {}
+    _buffers(tensors, states)
     if stage == 2:
-        paddings = opts[0].get("param_alignment_paddings")
+        paddings = _paddings(opts[0].get("param_alignment_paddings"), shapes, optim[0].path)
         _zero2(tensors, shapes, flats, paddings)
     else:
         _zero3(tensors, shapes, flats)
     _optimizer(tensors, optim, opts, inner)
     step = facts.get("global_steps")
     return Built(tensors, stage, ranks, step if type(step) is int and step >= 0 else None)
+
+
+def _buffers(tensors: dict[str, Any], states: File) -> None:
+    """The module's buffers (`buffer_names`), as the model states file holds them (zero_to_fp32
+    casts floating ones to fp32; `reg promote --dtype fp32` does the same)."""
+    names, module = states.state.get("buffer_names"), states.state.get("module")
+    if names in (None, []):
+        return
+    if not isinstance(names, list) or not isinstance(module, dict):
+        raise InvalidCheckpoint(f"{states.path}: buffer_names is not a list of names", AGAIN)
+    for name in names:
+        if not isinstance(name, str) or not name or len(name) > 4096:
+            raise InvalidCheckpoint(f"{states.path}: buffer_names holds a non-name", AGAIN)
+        dtype, at, numel = where(states, module.get(name), f"{states.path}: buffer {name[:80]!r}")
+        shape = module[name].shape
+        _add(tensors, name, dtype, shape, [Piece(0, numel, states.path, at)] if numel else [])
+
+
+def _paddings(value: Any, shapes: list[list[tuple[str, tuple[int, ...]]]], label: str) -> Any:
+    """param_alignment_paddings: none (an older DeepSpeed), or a whole number per parameter."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == len(shapes)
+    ok = ok and all(
+        isinstance(pads, list)
+        and len(pads) == len(group)
+        and all(type(p) is int and 0 <= p <= MAX_INT for p in pads)
+        for pads, group in zip(value, shapes, strict=False)
+    )
+    if not ok:
+        raise InvalidCheckpoint(f"{label}: param_alignment_paddings do not match param_shapes",
+                                AGAIN)  # fmt: skip
+    return value
 
 
 def _short(value: Any) -> str:
@@ -147,6 +201,7 @@ def _param_shapes(value: Any, label: str) -> list[list[tuple[str, tuple[int, ...
         shapes = []
         for name, shape in group.items():
             ok = isinstance(name, str) and 0 < len(name) <= 4096 and isinstance(shape, tuple)
+            ok = ok and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
             if not ok or len(shape) > MAX_DIMS or math.prod(shape) > MAX_INT:
                 raise InvalidCheckpoint(f"{label}: param_shapes has an entry that is not a "
                                         "name and a shape", AGAIN)  # fmt: skip
@@ -177,6 +232,8 @@ def _flat_groups(file: File, value: Any, groups: int, key: str) -> list[_Flat]:
         if not isinstance(tensor, StoredTensor) or len(tensor.shape) != 1:
             raise InvalidCheckpoint(f"{file.path}: {key}[{g}] is not a flat tensor", AGAIN)
         dtype, at, numel = where(file, tensor, f"{file.path}: {key}[{g}]")
+        if dtype != "float32":  # the fp32 master weights, whatever the training dtype
+            raise InvalidCheckpoint(f"{file.path}: {key}[{g}] is {dtype}, not float32", AGAIN)
         out.append(_Flat(file.path, dtype, at, numel))
     return out
 
@@ -199,10 +256,7 @@ def _zero2(
         starts = [0]
         for part in parts:
             starts.append(starts[-1] + part.numel)
-        pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
-        if pads is not None and (not isinstance(pads, list) or len(pads) != len(group)):
-            raise InvalidCheckpoint(f"param_alignment_paddings of group {g} do not match its "
-                                    "parameters", AGAIN)  # fmt: skip
+        pads = paddings[g] if paddings is not None else None  # checked by _paddings
         offset = 0
         for i, (name, shape) in enumerate(group):
             numel = math.prod(shape)
@@ -232,10 +286,9 @@ def _zero2(
 
 
 def _rank_of(starts: list[int], at: int) -> int:
-    for r in range(len(starts) - 1):
-        if starts[r] <= at < starts[r + 1]:
-            return r
-    return len(starts) - 1
+    """Which part of `starts` (cumulative, from 0) holds element `at`; len(starts) - 1 past
+    the end."""
+    return min(bisect.bisect_right(starts, at) - 1, len(starts) - 1)
 
 
 def _zero3(
@@ -265,7 +318,7 @@ def _zero3(
                 AGAIN,
             )
         pieces = []
-        for r in range(ranks):
+        for r in range(math.ceil(numel / part) if part else 0):  # the ranks holding some
             want_from, want_to = r * part, min((r + 1) * part, numel)
             at = offset
             while want_from < want_to:

@@ -391,17 +391,24 @@ class _StorageRef:
     numel: int
 
 
-def _storage_ref(pid: Any) -> Any:
+def _storage_ref(pid: Any, seen: dict[Any, Any]) -> Any:
     """('storage', torch.FloatStorage, key, location, numel), as torch.save writes a typed
-    storage; anything else opaque."""
+    storage; anything else opaque. torch.load makes a record's storage at its first mention and
+    hands that one to every later one: a record named twice, in two ways, is refused (one read
+    as another dtype than torch reads it)."""
     if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
         return _Made(1)
     _, kind, key, _, numel = pid
-    name = kind.name.rpartition(".")[2] if isinstance(kind, _Global) else None
-    dtype = LEGACY_STORAGES.get(name or "")
-    if dtype is None or type(key) is not str or type(numel) is not int or numel < 0:
+    module, _, name = kind.name.rpartition(".") if isinstance(kind, _Global) else ("", "", "")
+    dtype = LEGACY_STORAGES.get(name) if module == "torch" else None
+    described = (dtype, numel) if dtype is not None and type(numel) is int and numel >= 0 else None
+    # (torch reads the record data/{key}: 0 and "0" name one)
+    named = str(key) if type(key) is str or type(key) is int else None
+    if named is not None and seen.setdefault(named, described) != described:
+        raise pickle.UnpicklingError("a storage record named twice, in two ways")
+    if described is None or type(key) is not str:
         return _Made(1)
-    return _StorageRef(key, dtype, numel)
+    return _StorageRef(key, *described)
 
 
 def _whole(values: Any) -> bool:
@@ -443,6 +450,7 @@ class _TorchLoadBounds(CheckedUnpickler):
         super().__init__(data)
         self.encoding = "utf-8"  # torch.load's: SHORT_BINSTRING is text
         self.tensors = False  # `read_tensors`: tensors and torch.Size as values
+        self._storages: dict[Any, Any] = {}  # key -> (dtype, numel) as first named
         self._others = 0
         self._bounds: dict[int, tuple[Any, _Bounds]] = {}  # id(container) -> it, its bounds
         self._attrs: dict[int, tuple[Any, dict[Any, Any]]] = {}  # id(object) -> it, its dict
@@ -455,7 +463,7 @@ class _TorchLoadBounds(CheckedUnpickler):
         return _Global(self, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        return _storage_ref(pid) if self.tensors else _Made(1)
+        return _storage_ref(pid, self._storages) if self.tensors else _Made(1)
 
     def checked_key(self, value: Any, target: Any) -> Any:
         kind = type(value)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
+from registry.formats import deepspeed_root
 from registry.formats.dcp import METADATA
 from registry.formats.dcp_roots import merged_metadata, metadata_paths
 from registry.formats.dcp_scan import (
@@ -322,6 +323,8 @@ def commit_written(
         check_listed(ctx, shared, sizes)
 
     def read(path: str) -> bytes:  # a file whole, refused unless it holds the recorded bytes
+        if deepspeed_root.is_root_name(path):  # read only as a DeepSpeed root: none in DCP
+            return b""
         if local is not None:
             data = local.read(path)
         else:
