@@ -51,6 +51,11 @@ def deterministic() -> None:
 
 
 def arguments() -> argparse.Namespace:
+    return parser().parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options every example takes; one with more adds its own."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -58,7 +63,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--losses", type=Path, required=True)
     p.add_argument("--export-model", type=Path, default=None)
-    return p.parse_args()
+    return p
 
 
 def mean_loss(loss: torch.Tensor) -> str:

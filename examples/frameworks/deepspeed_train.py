@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -38,6 +37,7 @@ from examples.frameworks.common import (
     deterministic,
     loss_of,
     mean_loss,
+    parser,
     write_losses,
 )
 
@@ -63,15 +63,8 @@ def without_shm_allreduce() -> None:
 
 
 def main() -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--save-at", type=int, default=-1)
-    p.add_argument("--resume", type=Path, default=None)
-    p.add_argument("--losses", type=Path, required=True)
-    p.add_argument("--export-model", type=Path, default=None)
+    p = parser()
+    p.description = __doc__
     p.add_argument("--zero", type=int, choices=(2, 3), default=2)
     args = p.parse_args()
 

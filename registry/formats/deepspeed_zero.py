@@ -37,7 +37,6 @@ from registry.formats.deepspeed_root import (
 from registry.formats.torch_archive import StoredTensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, first element
-Placed = list[tuple[tuple[int, ...], tuple[int, ...], RawStorage]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,12 +422,10 @@ def metadata(
         if sizes is not None and path in sizes and sizes[path] != size:
             raise InvalidCheckpoint(f"{path} is {sizes[path]} bytes; its ranges were read "
                                     f"from {size}", AGAIN)  # fmt: skip
-    chunks: dict[
-        str, tuple[str, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...], RawStorage]]]
-    ] = {}
+    chunks: dict[str, tuple[str, st.Shape, st.Placed]] = {}
     for key, (dtype, shape, pieces) in built.tensors.items():
         itemsize = DTYPE_SIZES[dtype]
-        placed = []
+        placed: st.Placed = []
         if not math.prod(shape):  # no element: one empty chunk, no byte read
             zeros = (0,) * len(shape)
             placed.append((zeros, shape, RawStorage(min(parts), 0, 0)))
@@ -437,33 +434,4 @@ def metadata(
                 at = piece.at + (first - piece.start) * itemsize
                 placed.append((offsets, box, RawStorage(piece.file, at, math.prod(box) * itemsize)))
         chunks[key] = (dtype, shape, placed)
-    if light:
-        out = st._Metadata()
-        for key, (dtype, shape, placed) in chunks.items():
-            out.state_dict_metadata[key] = st._Tensor(
-                st._Props(st._Dtype(dtype)), shape, [st._Chunk(o, s) for o, s, _ in placed]
-            )
-            for o, _, raw in placed:
-                out.storage_data[st._Index(key, o)] = raw
-        return out
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    state: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    for key, (dtype, shape, placed) in chunks.items():
-        props = TensorProperties(dtype=getattr(torch, dtype))
-        state[key] = TensorStorageMetadata(
-            props,
-            torch.Size(shape),
-            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in placed],
-        )
-        for o, _, raw in placed:
-            storage[MetadataIndex(key, torch.Size(o), 0)] = raw
-    return Metadata(state_dict_metadata=state, storage_data=storage)
+    return st.raw_metadata(chunks, light=light)

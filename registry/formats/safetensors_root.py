@@ -193,13 +193,33 @@ def metadata(
                     "a model's tensors are each in one file: save it again",
                 )
             entries[entry.name] = (path, entry)
+    return raw_metadata(
+        {
+            name: (
+                e.dtype,
+                e.shape,
+                [((0,) * len(e.shape), e.shape, RawStorage(path, e.offset, e.length))],
+            )
+            for name, (path, e) in entries.items()
+        },
+        light=light,
+    )
+
+
+Shape = tuple[int, ...]
+Placed = list[tuple[Shape, Shape, RawStorage]]  # a chunk's offsets, sizes, raw bytes
+
+
+def raw_metadata(tensors: Mapping[str, tuple[str, Shape, Placed]], *, light: bool) -> Any:
+    """One DCP metadata for `tensors` (key -> dtype, shape, chunks as (offsets, sizes, where the
+    raw bytes are)). `light`: stand-ins, no torch; otherwise torch's own classes."""
     if light:
         out = _Metadata()
-        for name, (path, e) in entries.items():
-            zeros = (0,) * len(e.shape)
-            chunks = [_Chunk(zeros, e.shape)]
-            out.state_dict_metadata[name] = _Tensor(_Props(_Dtype(e.dtype)), e.shape, chunks)
-            out.storage_data[_Index(name, zeros)] = RawStorage(path, e.offset, e.length)
+        for key, (dtype, shape, placed) in tensors.items():
+            chunks = [_Chunk(o, size) for o, size, _ in placed]
+            out.state_dict_metadata[key] = _Tensor(_Props(_Dtype(dtype)), shape, chunks)
+            for o, _, raw in placed:
+                out.storage_data[_Index(key, o)] = raw
         return out
     import torch
     from torch.distributed.checkpoint.metadata import (
@@ -212,12 +232,12 @@ def metadata(
 
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    for name, (path, e) in entries.items():
-        size = torch.Size(e.shape)
-        zeros = torch.Size([0] * len(e.shape))
-        props = TensorProperties(dtype=getattr(torch, e.dtype))
-        state[name] = TensorStorageMetadata(props, size, [ChunkStorageMetadata(zeros, size)])
-        storage[MetadataIndex(name, zeros, 0)] = RawStorage(path, e.offset, e.length)
+    for key, (dtype, shape, placed) in tensors.items():
+        props = TensorProperties(dtype=getattr(torch, dtype))
+        pieces = [ChunkStorageMetadata(torch.Size(o), torch.Size(size)) for o, size, _ in placed]
+        state[key] = TensorStorageMetadata(props, torch.Size(shape), pieces)
+        for o, _, raw in placed:
+            storage[MetadataIndex(key, torch.Size(o), 0)] = raw
     return Metadata(state_dict_metadata=state, storage_data=storage)
 
 
