@@ -47,12 +47,14 @@ FRAMEWORKS = {
     "trainer": ("transformers", f"checkpoint-{SAVE_AT}"),
     "trainer-plain": ("transformers", f"checkpoint-{SAVE_AT}"),  # no FSDP: model.safetensors
     "megatron": ("megatron.core", f"iter_{SAVE_AT:07d}"),
+    "deepspeed-zero1": ("deepspeed", f"global_step{SAVE_AT}"),
     "deepspeed": ("deepspeed", f"global_step{SAVE_AT}"),  # ZeRO-2
     "deepspeed-zero3": ("deepspeed", f"global_step{SAVE_AT}"),
 }
 # A framework run by another's script: (the script, its arguments)
 VARIANTS = {
     "trainer-plain": ("trainer", ("--no-fsdp",)),
+    "deepspeed-zero1": ("deepspeed", ("--zero", "1")),
     "deepspeed": ("deepspeed", ("--zero", "2")),
     "deepspeed-zero3": ("deepspeed", ("--zero", "3")),
 }
@@ -137,6 +139,7 @@ EXPECTED_LAYOUT = {
     "trainer-plain": ("transformers", ""),  # model.safetensors: the HF names as they are
     "megatron": ("megatron", ""),  # Megatron's sharded names, layers stacked
     # the fp32 weights zero_to_fp32 rebuilds, named as the module's parameters
+    "deepspeed-zero1": ("deepspeed", "module"),
     "deepspeed": ("deepspeed", "module"),
     "deepspeed-zero3": ("deepspeed", "module"),
 }
@@ -623,7 +626,7 @@ def test_a_megatron_llama_releases_in_hugging_face_names_and_loads_with_from_pre
     )
 
 
-@pytest.mark.parametrize("framework", ["deepspeed", "deepspeed-zero3"])
+@pytest.mark.parametrize("framework", ["deepspeed-zero1", "deepspeed", "deepspeed-zero3"])
 def test_deepspeed_records_its_step_and_world_size_and_its_release_loads_strictly(
     framework: str, cli: Any, cpu_policy: Path, tmp_path: Path, tmp_path_factory: Any
 ) -> None:

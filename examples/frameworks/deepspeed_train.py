@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO on CPU (2 processes, gloo), checkpointed by DeepSpeed's own `save_checkpoint`.
 
 The tiny model of common.py trains under `deepspeed.initialize` with ZeRO stage `--zero`
-(2 or 3, fp32, torch's AdamW as the client optimizer and a LambdaLR warmup as the client
+(1, 2 or 3, fp32, torch's AdamW as the client optimizer and a LambdaLR warmup as the client
 scheduler, so nothing is JIT-built). `engine.save_checkpoint(<out>, tag="global_stepK")` writes
 `<out>/latest` and `<out>/global_stepK/`: `mp_rank_00_model_states.pt` (ZeRO-3: per-rank
 `zero_pp_rank_R_mp_rank_00_model_states.pt` holding placeholders), per-rank
@@ -65,7 +65,7 @@ def without_shm_allreduce() -> None:
 def main() -> None:
     p = parser()
     p.description = __doc__
-    p.add_argument("--zero", type=int, choices=(2, 3), default=2)
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
     args = p.parse_args()
 
     deterministic()
