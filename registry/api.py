@@ -120,7 +120,7 @@ class Registry:
         src: str | Path,
         *,
         run: str,
-        step: int,
+        step: int | None = None,
         project: str = "default",
         world_size: int | None = None,
         metrics: dict[str, float] | None = None,
@@ -128,7 +128,10 @@ class Registry:
         notes: list[str] | None = None,
         layout: str | None = None,
     ) -> CheckpointPushed:
-        """`layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful)
+        """Register the checkpoint directory `src` as project/run@step. `step` may be left out
+        where the checkpoint's files record it (the transformers Trainer, DeepSpeed, Megatron),
+        and `world_size` likewise; a value given that disagrees with the files is a UsageError.
+        `layout` forces the checkpoint's layout (dcp, torchtitan, lightning, stateful, ...)
         instead of detecting it from its keys."""
         raise NotImplementedError
 

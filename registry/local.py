@@ -195,7 +195,7 @@ class LocalRegistry(Registry):
         src: str | Path,
         *,
         run: str,
-        step: int,
+        step: int | None = None,
         project: str = "default",
         world_size: int | None = None,
         metrics: dict[str, float] | None = None,
@@ -203,14 +203,14 @@ class LocalRegistry(Registry):
         notes: list[str] | None = None,
         layout: str | None = None,
     ) -> CheckpointPushed:
-        from registry.lifecycle.checkpoints.push import push
+        from registry.lifecycle.checkpoints.push import push, step_to_push
 
         return CheckpointPushed.from_json(
             push(
                 self.context,
                 Path(src),
                 run=run,
-                step=step,
+                step=step_to_push(Path(src), step),
                 project=project,
                 world_size=world_size,
                 metrics=metrics,

@@ -563,3 +563,24 @@ def test_a_storage_record_named_as_two_dtypes_is_refused() -> None:
         _pickled({"a": first, "b": _Tensor(_Storage(torch.FloatStorage, "0", 2), (1,))})
     )
     assert isinstance(same["b"], StoredTensor) and same["b"].dtype == "float32"
+
+
+def test_the_library_takes_the_step_and_world_size_the_files_record(
+    deployment: Any, tmp_path: Path
+) -> None:
+    """`Registry.push_checkpoint` without a step, embedded and through `reg server` (whose
+    client reads the step from the files before sending a byte): DeepSpeed's `global_steps`
+    and its ranks; a step given that disagrees is refused; a save directory rather than the
+    checkpoint in it is named as such, not asked for a step."""
+    from registry.errors import UsageError
+
+    root = zero_dir(tmp_path / "saved" / "global_step3")
+    with Registry() as reg:
+        out = reg.push_checkpoint(root, run="ds")
+        assert (out.step, out.world_size, out.layout) == (3, 2, "deepspeed")
+        assert [(c["step"], c["state"]) for c in reg.list_checkpoints("ds")] == [(3, "committed")]
+        with pytest.raises(UsageError, match="--step 4 disagrees with .*global_steps"):
+            reg.push_checkpoint(root, run="ds", step=4)
+        (root.parent / "latest").write_text("global_step3")
+        with pytest.raises(InvalidCheckpoint, match="DeepSpeed save directory"):
+            reg.push_checkpoint(root.parent, run="ds")

@@ -152,7 +152,7 @@ class RemoteRegistry(Registry):
         src: str | Path,
         *,
         run: str,
-        step: int,
+        step: int | None = None,
         project: str = "default",
         world_size: int | None = None,
         metrics: dict[str, float] | None = None,
@@ -163,10 +163,11 @@ class RemoteRegistry(Registry):
         from policies.layouts import check_layout
         from registry.formats.dcp_scan import scan_directory
         from registry.lifecycle.checkpoints.pulled import KeptManifest
-        from registry.lifecycle.checkpoints.push import check_metrics, check_request
+        from registry.lifecycle.checkpoints.push import check_metrics, check_request, step_to_push
         from registry.remote.presigned_push import PresignedPush
         from registry.remote.push_stream import body
 
+        step = step_to_push(Path(src), step)  # the server checks it against the files again
         check_request(project, run, step)  # refused here as embedded, before a byte moves
         check_layout(layout)
         metrics = check_metrics(metrics or {})
