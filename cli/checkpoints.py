@@ -65,16 +65,12 @@ def push_ckpt(
         _push_part(directory, claim, run, step, project, json_output)
         return
     # at use: 30 ms of imports every other command (and `reg --help`) would pay
-    from registry.formats.dcp_scan import check_kind
-    from registry.formats.recorded import recorded_in, resolve_step, resolve_world_size
+    from registry.formats.recorded import recorded_step
 
     metrics = parse_metrics(metric)  # the command line first, then the directory
     check_name(project, "project name")
     check_name(run, "run name")
-    check_kind(directory)  # what the directory is, before asking for what it lacks
-    found = recorded_in(directory)
-    step = resolve_step(step, found)
-    resolve_world_size(world_size, found)  # refused here at once; the push records which
+    step = recorded_step(directory, step, world_size)  # refused here at once, before the catalog
     notes: list[str] = []
     with open_registry() as reg:
         out = reg.push_checkpoint(

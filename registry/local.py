@@ -203,14 +203,17 @@ class LocalRegistry(Registry):
         notes: list[str] | None = None,
         layout: str | None = None,
     ) -> CheckpointPushed:
-        from registry.lifecycle.checkpoints.push import push, step_to_push
+        from registry.formats.recorded import recorded_step
+        from registry.lifecycle.checkpoints.push import push
 
+        if step is None:
+            step = recorded_step(Path(src), None, world_size)
         return CheckpointPushed.from_json(
             push(
                 self.context,
                 Path(src),
                 run=run,
-                step=step_to_push(Path(src), step),
+                step=step,
                 project=project,
                 world_size=world_size,
                 metrics=metrics,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from registry.errors import InvalidCheckpoint, UsageError
 from registry.formats import deepspeed_root
+from registry.formats.dcp_scan import check_kind
 from registry.formats.sidecars import MAX_BYTES, TORCH_STRUCTURE, Unreadable, load
 
 TRAINER_STATE = "trainer_state.json"
@@ -194,3 +195,16 @@ def resolve_world_size(given: int | None, found: Recorded) -> int | None:
             "leave --world-size out to use the recorded one",
         )
     return given
+
+
+def recorded_step(src: Path, step: int | None, world_size: int | None) -> int:
+    """The step to push `src` as: the one given, else the one the checkpoint's own files record
+    (the Trainer's, DeepSpeed's, Megatron's). A step or world size given that disagrees with
+    them is a UsageError here, before a byte moves; so is a step neither gives. What the
+    directory is gets said first (a save directory rather than the checkpoint in it, another
+    stack's save), since that is why nothing would be found."""
+    check_kind(src)
+    found = recorded_in(src)
+    step = resolve_step(step, found)
+    resolve_world_size(world_size, found)
+    return step

@@ -162,12 +162,14 @@ class RemoteRegistry(Registry):
     ) -> CheckpointPushed:
         from policies.layouts import check_layout
         from registry.formats.dcp_scan import scan_directory
+        from registry.formats.recorded import recorded_step
         from registry.lifecycle.checkpoints.pulled import KeptManifest
-        from registry.lifecycle.checkpoints.push import check_metrics, check_request, step_to_push
+        from registry.lifecycle.checkpoints.push import check_metrics, check_request
         from registry.remote.presigned_push import PresignedPush
         from registry.remote.push_stream import body
 
-        step = step_to_push(Path(src), step)  # the server checks it against the files again
+        if step is None:  # the server checks it against the files again
+            step = recorded_step(Path(src), None, world_size)
         check_request(project, run, step)  # refused here as embedded, before a byte moves
         check_layout(layout)
         metrics = check_metrics(metrics or {})

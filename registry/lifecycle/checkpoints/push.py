@@ -29,9 +29,9 @@ from policies.layouts import check_layout
 from registry import faults
 from registry.catalog.lookups import step_state
 from registry.errors import IntegrityError, UsageError
-from registry.formats.dcp_scan import ScannedDir, check_kind, scan_directory
+from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
-from registry.formats.recorded import recorded, recorded_in, resolve_step, resolve_world_size
+from registry.formats.recorded import recorded, resolve_step, resolve_world_size
 from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.pulled import KeptManifest
 from registry.progress import Counter, Progress
@@ -123,17 +123,6 @@ def push(
                 ctx, claim, manifest, data, stored.version, uploader.seconds, reused
             )
             return replace(result, resume=resume)
-
-
-def step_to_push(src: Path, step: int | None) -> int:
-    """The step given, else the one the checkpoint's own files record (the Trainer's,
-    DeepSpeed's, Megatron's): UsageError when there is none. What the directory is gets said
-    first (a save directory rather than the checkpoint in it, another stack's save), since
-    that is why no step would be found."""
-    if step is not None:
-        return step
-    check_kind(src)
-    return resolve_step(None, recorded_in(src))
 
 
 def check_request(project: str, run: str, step: int) -> CheckpointRef:
