@@ -20,7 +20,6 @@ import struct
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -36,14 +35,26 @@ P = 2**61 - 1  # k and k + P hash alike
 BASE = 12345  # every colliding key below hashes to this
 
 
-@contextmanager
-def cpu_bound() -> Iterator[None]:
-    """The CPU this thread spends parsing (the parsers run in the caller's thread): not the
-    process's, which counts whatever threads earlier tests in this worker left running."""
-    start = time.thread_time()
-    yield
-    spent = time.thread_time() - start
-    assert spent < BOUND, f"{spent:.1f} s of CPU"
+def cheap(parse: Callable[[], Any]) -> Any:
+    """What `parse()` returns or raises, once it has cost under BOUND of this thread's CPU (the
+    parsers run in the caller's thread; the process's time would count whatever threads earlier
+    tests in this worker left running). The least of up to three tries: on a loaded, shared
+    machine a try's CPU time only ever grows (2.1 s once in CI for a 0.3 s parse), while a parse
+    that is not linear costs tens of seconds every time."""
+    spent = []
+    for _ in range(3):
+        start = time.thread_time()
+        try:
+            outcome: Any = ("returned", parse())
+        except Exception as exc:  # what is measured is often a refusal
+            outcome = ("raised", exc)
+        spent.append(time.thread_time() - start)
+        if spent[-1] < BOUND:
+            break
+    assert min(spent) < BOUND, f"{min(spent):.1f} s of CPU"
+    if outcome[0] == "raised":
+        raise outcome[1]
+    return outcome[1]
 
 
 # -- crafting ---------------------------------------------------------------------------------
@@ -147,8 +158,7 @@ def archive(pickled: bytes) -> bytes:
 def sidecar_entries(name: str, data: bytes) -> list[str]:
     import torch  # noqa: F401  (imported before the clock starts: it takes seconds)
 
-    with cpu_bound():
-        return sidecars.entries([name], {name: len(data)}, lambda _: data)
+    return cheap(lambda: sidecars.entries([name], {name: len(data)}, lambda _: data))
 
 
 # -- .metadata --------------------------------------------------------------------------------
@@ -160,8 +170,8 @@ def test_metadata_keys_crafted_to_share_a_hash_are_refused_at_once(kind, light):
     """DCP keys its dicts by names and MetadataIndex objects only: a number or a tuple as a key
     is refused before it is hashed (the int file took 58 s before)."""
     crafted = dict_pickle(colliding(kind))
-    with cpu_bound(), pytest.raises(InvalidCheckpoint, match="as a key") as info:
-        load_metadata(crafted, light=light)
+    with pytest.raises(InvalidCheckpoint, match="as a key") as info:
+        cheap(lambda: load_metadata(crafted, light=light))
     assert info.value.exit_code == 2
     assert "\n" not in str(info.value)
 
@@ -171,8 +181,8 @@ def test_a_crafted_metadata_is_refused_at_push_within_the_bound(ckpts, tmp_path)
 
     d = ckpts.ws2.copy_step(2, tmp_path / "crafted")
     (d / ".metadata").write_bytes(dict_pickle(colliding("int")))
-    with cpu_bound(), pytest.raises(InvalidCheckpoint, match="as a key") as info:
-        scan_directory(d)
+    with pytest.raises(InvalidCheckpoint, match="as a key") as info:
+        cheap(lambda: scan_directory(d))
     assert info.value.exit_code == 2
 
 
@@ -185,8 +195,8 @@ def test_a_crafted_metadata_is_refused_at_push_within_the_bound(ckpts, tmp_path)
 )
 def test_metadata_crowded_memo_and_containers_handed_again_are_refused(crafted, message):
     blob = crafted()
-    with cpu_bound(), pytest.raises(InvalidCheckpoint, match=message):
-        load_metadata(blob, light=True)
+    with pytest.raises(InvalidCheckpoint, match=message):
+        cheap(lambda: load_metadata(blob, light=True))
 
 
 def _indexes_sharing_one_hash(count: int) -> bytes:
@@ -220,10 +230,10 @@ def test_storage_keys_sharing_one_hash_are_refused():
 
     crafted = _indexes_sharing_one_hash(10_000)
     assert len(crafted) > MB
-    with cpu_bound(), pytest.raises(InvalidCheckpoint, match="share one hash"):
-        load_metadata(crafted)
-    with cpu_bound(), pytest.raises(InvalidCheckpoint, match="share one hash"):
-        merged_metadata({"a/.metadata": crafted, "b/.metadata": crafted}, light=True)
+    with pytest.raises(InvalidCheckpoint, match="share one hash"):
+        cheap(lambda: load_metadata(crafted))
+    with pytest.raises(InvalidCheckpoint, match="share one hash"):
+        cheap(lambda: merged_metadata({"a/.metadata": crafted, "b/.metadata": crafted}, light=True))
 
 
 # -- sidecars (torch.load) --------------------------------------------------------------------
@@ -295,7 +305,7 @@ def test_a_chunk_pickle_that_would_be_quadratic_is_refused(crafted: Callable[[],
     from registry.formats.torch_archive import read_layout
 
     blob = crafted()
-    with cpu_bound(), pytest.raises((pickle.UnpicklingError, EOFError)):
-        read_layout(blob)
-    with cpu_bound(), pytest.raises(IntegrityError, match="does not load"):
-        load_object(archive(blob), "__0_0.distcp: optimizer.step")
+    with pytest.raises((pickle.UnpicklingError, EOFError)):
+        cheap(lambda: read_layout(blob))
+    with pytest.raises(IntegrityError, match="does not load"):
+        cheap(lambda: load_object(archive(blob), "__0_0.distcp: optimizer.step"))
