@@ -55,12 +55,12 @@ def worker(mode: str, src: str, out: str, home: str) -> None:
     elif mode == "reg":
         os.environ["REG_HOME"] = home
         from registry import Registry
+        from registry.core.refs import CheckpointRef
         from registry.formats.dcp import inventory
         from registry.formats.dcp_roots import merged_metadata
         from registry.lifecycle.checkpoints.read import resolve
         from registry.lifecycle.promotion.consolidate import consolidate
         from registry.lifecycle.promotion.proven import ProvenCheckpoint
-        from registry.refs import CheckpointRef
 
         with Registry() as reg:
             prefix = "ckpt/default/bench/step-0/"

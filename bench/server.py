@@ -105,7 +105,7 @@ def _in_process(home: Path, requests: int) -> list[str]:
     import os
 
     from registry import Registry
-    from registry.config import Settings
+    from registry.core.config import Settings
 
     os.environ.pop("REG_URL", None)
     settings = Settings.from_env({"REG_HOME": str(home), "REG_USER": "admin"})

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from registry.remote.push_stream import frame_header
+from registry.api.remote.push_stream import frame_header
 
 
 @dataclass

@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from bench.common import PY, ROOT, evict, rm, settle
-from registry.layout import checkpoint_prefix
+from registry.core.layout import checkpoint_prefix
 from registry.storage.local import LocalStore
 from registry.training import CheckpointManager
 from registry.training.local_tier import node_name

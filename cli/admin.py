@@ -45,10 +45,10 @@ def catalog_migrate(
     and after. Then record the key paths of checkpoints committed before the catalog kept them,
     from each one's .metadata in the store (REG_STORE_URL)."""
     from policies.resume import resume_overrides
+    from registry.api.local import LocalRegistry
     from registry.catalog import grants
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.lifecycle.checkpoints.resume_changes import record_all
-    from registry.local import LocalRegistry
 
     settings = Settings.from_env()
     out = grants.migrate(settings, grant)
@@ -81,7 +81,7 @@ def catalog_grants(
     """Give ROLE least privilege on the catalog (PostgreSQL; run as the owner): read and append
     history, update only what the server updates, no DDL."""
     from registry.catalog import grants
-    from registry.config import Settings
+    from registry.core.config import Settings
 
     out = grants.grant(Settings.from_env(), role, dry_run=dry_run)
     if json_output:
@@ -152,7 +152,7 @@ def _where_the_catalog_is(command: str, also: str = "") -> Any:
     """The embedded registry, for a `reg catalog` command that runs on the catalog's host (its
     work needs the catalog and the store themselves); refused through the server."""
     from registry import Registry
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.errors import UsageError
 
     settings = Settings.from_env()
@@ -229,7 +229,7 @@ def gc(
     if json_output:
         emit_json(out)
         return
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     table(
         ["REF", "ACTION", "REASON", "SIZE"],
@@ -269,7 +269,7 @@ def fsck(
     """Check the whole registry, catalog against store: missing, damaged, unlisted objects,
     dead claims, unfinished deletions. Exit 1 when anything but leftovers is found."""
     from cli.render import progress_for
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     with open_registry() as reg:
         out = reg.fsck(
@@ -376,7 +376,7 @@ def audit_verify(
 ) -> None:
     """Check every audit event, seal and anchor against the server's key (admin); exit 1
     naming each edit, reordering, deletion, forged event, truncated tail or stalled sealer."""
-    from registry.timeutil import positive_duration
+    from registry.core.timeutil import positive_duration
 
     def seconds(text: str | None, flag: str) -> float | None:
         return None if text is None else positive_duration(text, flag, "15m")

@@ -11,8 +11,8 @@ from cli import advise
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.details import render_details
 from cli.render import emit_json, note, plural, progress_for, table
+from registry.core.refs import check_name
 from registry.errors import UsageError
-from registry.refs import check_name
 
 
 def register(app: typer.Typer) -> None:
@@ -94,7 +94,7 @@ def push_ckpt(
     if json_output:
         emit_json(out)
         return
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     if out.unchanged:
         print(f"{out.ref} already holds this content; nothing copied")
@@ -123,7 +123,7 @@ def _push_part(
     if json_output:
         emit_json(out)
         return
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     print(
         f"pushed {plural(len(out.files), 'file')} ({human_bytes(out.bytes)}) of {out.ref} "
@@ -144,7 +144,7 @@ def ls(
     if json_output:
         emit_json(rows)
         return
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     if not rows and run is not None:  # a model's name given here, most likely
         note(f"no checkpoints of run {run}; the releases of a model are `reg releases {run}`")
@@ -316,8 +316,8 @@ def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: 
     if json_output:
         emit_json(out)
     else:
+        from registry.core.timeutil import human_bytes
         from registry.text import inert
-        from registry.timeutil import human_bytes
 
         for d in out.damaged:
             for p in d["problems"]:
@@ -352,7 +352,7 @@ def _verify_dir(
 
     from registry.errors import UsageError
     from registry.lifecycle.checkpoints.pulled import verify_folder
-    from registry.signing.bundle import read_public_key
+    from registry.trust.release_signing.bundle import read_public_key
 
     if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise UsageError(f"--sha256 {sha256[:80]!r} is not a sha256", "64 lowercase hex digits")
@@ -366,7 +366,7 @@ def _verify_dir(
         for p in out["problems"]:
             print(f"{out['dir']}: {p['path']}: {p['problem']}")
         if report.ok:
-            from registry.timeutil import human_bytes
+            from registry.core.timeutil import human_bytes
 
             pinned = " and its digest" if sha256 else ""
             pinned += ", signed by the pinned key" if pem else ""

@@ -24,7 +24,7 @@ def claim_ckpt(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Claim RUN@stepN for writers on several nodes; prints the claim token they share."""
-    from registry.timeutil import positive_duration
+    from registry.core.timeutil import positive_duration
 
     lease_s = positive_duration(lease, "--lease", "1h")
     with open_registry() as reg:
@@ -53,7 +53,7 @@ def commit_ckpt(
     if json_output:
         emit_json(out)
         return
-    from registry.timeutil import human_bytes
+    from registry.core.timeutil import human_bytes
 
     print(
         f"committed {out.ref}: {plural(len(out.files), 'file')}, {human_bytes(out.bytes)}, "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.api.contract import Registry
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 LAYOUT_OPTION = typer.Option(
@@ -26,7 +26,7 @@ STRIP_PREFIX_OPTION = typer.Option(
 
 
 def open_registry() -> Registry:
-    from registry.api import Registry
+    from registry.api.contract import Registry
     from registry.errors import UsageError
 
     reg = Registry()
@@ -40,8 +40,8 @@ def open_registry() -> Registry:
 
 
 def parse_metrics(items: list[str]) -> dict[str, float]:
+    from registry.core.refs import check_name
     from registry.errors import UsageError
-    from registry.refs import check_name
 
     out: dict[str, float] = {}
     for item in items:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from registry.timeutil import human_bytes
+from registry.core.timeutil import human_bytes
 
 _SIZES = {"bytes", "tensor_bytes", "size", "freed_bytes"}
 _SECONDS = {"seconds", "upload_seconds", "restore_seconds", "save_seconds"}

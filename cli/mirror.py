@@ -83,9 +83,9 @@ def ui(
     ),
 ) -> None:
     """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
+    from registry.api.local import LocalRegistry
     from registry.errors import UsageError
-    from registry.local import LocalRegistry
-    from registry.mirror.ui import plan_ui, run_ui
+    from registry.integrations.mirror.ui import plan_ui, run_ui
     from registry.text import redact_url
 
     with open_registry() as reg:

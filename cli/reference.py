@@ -1,5 +1,5 @@
 """The generated reference pages: docs/reference/cli.md from the command tree `reg` runs, and
-the settings table of docs/reference/configuration.md from `registry.config.reference()`.
+the settings table of docs/reference/configuration.md from `registry.core.config.reference()`.
 
     python -m cli.reference          # rewrite both pages
     python -m cli.reference --check  # exit 1 naming a stale page (tests/test_docs.py runs it)
@@ -121,14 +121,14 @@ def _escape(text: str) -> str:
 
 def configuration_page(current: str) -> str:
     """docs/reference/configuration.md with its settings table made anew from the settings."""
-    from registry.config import reference
+    from registry.core.config import reference
 
     return _between(current, TABLE_START, TABLE_END, reference())
 
 
 def json_page(current: str) -> str:
     """docs/reference/json-and-exit-codes.md with its exit codes by error class and its result
-    shapes made anew from registry.errors, the Registry contract and registry.results."""
+    shapes made anew from registry.errors, the Registry contract and registry.api.results."""
     return _between(current, SHAPES_START, SHAPES_END, result_shapes())
 
 
@@ -143,9 +143,10 @@ def result_shapes() -> str:
     import dataclasses
     import re
 
-    from registry import errors, results
-    from registry.api import Registry
-    from registry.results.base import Result
+    from registry import errors
+    from registry.api import results
+    from registry.api.contract import Registry
+    from registry.api.results.base import Result
 
     lines = ["### Exit codes by error class", "", "| exit code | error classes |", "|---|---|"]
     by_code: dict[int, list[str]] = {}

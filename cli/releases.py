@@ -210,7 +210,7 @@ def pull_release(
 ) -> None:
     """Copy a release out, verifying every file (and with --verify-signature its signature)."""
     from registry.errors import UsageError
-    from registry.signing.bundle import read_public_key
+    from registry.trust.release_signing.bundle import read_public_key
 
     if verify_signature != (public_key is not None):
         raise UsageError(
@@ -250,9 +250,9 @@ def fetch_release(
 ) -> None:
     """Print the path of a verified local copy of a release, pulled once per release.json
     digest and reused after (`$(reg fetch-release NAME@prod)`)."""
-    from registry.consumers.hf_cache import default_hub_cache
+    from registry.api.consumers.hf_cache import default_hub_cache
     from registry.errors import UsageError
-    from registry.signing.bundle import read_public_key
+    from registry.trust.release_signing.bundle import read_public_key
 
     if cache_dir is not None and (hf or hf_cache is not None):
         raise UsageError(
@@ -281,7 +281,7 @@ def alias_set(
     """Point ALIAS of model NAME at version vK (recorded in the alias history). Where the
     policy protects the alias, open a request for approval instead (reg approve)."""
     from cli.workflow import show_request
-    from registry.results import AliasRequest
+    from registry.api.results import AliasRequest
 
     with open_registry() as reg:
         out = reg.set_alias(name, alias, version)

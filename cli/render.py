@@ -18,9 +18,9 @@ def to_json(obj: Any) -> str:
     a bare `NaN` no parser but Python's accepts, becomes null. Compact on purpose: with `indent`
     the json module falls back to its pure-Python encoder, 10x slower on a 10,000-checkpoint
     listing. Pipe through `jq` to read it."""
-    from registry import results  # 30 ms of dataclasses `reg --help` does without
+    from registry.api import results  # 30 ms of dataclasses `reg --help` does without
 
-    obj = results.to_json(obj)  # a typed result (registry.results) prints as its JSON
+    obj = results.to_json(obj)  # a typed result (registry.api.results) prints as its JSON
     try:
         return json.dumps(obj, default=_default, allow_nan=False)
     except ValueError:

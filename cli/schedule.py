@@ -13,8 +13,8 @@ from cli.render import to_json
 
 
 def repeat(interval: str, cycle: Callable[[], dict[str, Any]]) -> None:
+    from registry.core.timeutil import iso, now, positive_duration
     from registry.errors import RegistryError
-    from registry.timeutil import iso, now, positive_duration
 
     seconds = positive_duration(interval, "--every")
     stop = threading.Event()

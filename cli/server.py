@@ -67,7 +67,7 @@ def init(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Bootstrap the first admin and print its token once (run on the server's host)."""
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.errors import UsageError
     from registry.server.bootstrap import init_admin
 
@@ -94,7 +94,7 @@ def token_create(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Mint a token for PRINCIPAL (admin); it is printed once, only its hash is kept."""
-    from registry.timeutil import positive_duration
+    from registry.core.timeutil import positive_duration
 
     expires_s = None if expires is None else positive_duration(expires, "--expires", "90d")
     with open_registry() as reg:
@@ -146,8 +146,8 @@ def login(
 ) -> None:
     """Check a token against URL and keep it under REG_HOME (mode 0600) for the commands that
     run with REG_URL=URL (export it; REG_TOKEN is then not needed)."""
-    from registry.config import LOGIN_FILE, Settings
-    from registry.remote.client import Client
+    from registry.api.remote.client import Client
+    from registry.core.config import LOGIN_FILE, Settings
 
     token = sys.stdin.readline().strip() if token_stdin else getpass.getpass("token: ").strip()
     settings = Settings.from_env()
@@ -173,7 +173,7 @@ def login(
 
 def whoami(json_output: bool = JSON_OPTION) -> None:
     """Who the registry takes you for: the token's principal (remote) or REG_USER/OS login."""
-    from registry.local import LocalRegistry
+    from registry.api.local import LocalRegistry
 
     with open_registry() as reg:
         if not isinstance(reg, LocalRegistry):

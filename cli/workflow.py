@@ -11,7 +11,7 @@ from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note, table
 
 if TYPE_CHECKING:
-    from registry.results import AliasRequest
+    from registry.api.results import AliasRequest
 
 webhook_app = typer.Typer(
     help="Webhook subscribers of the policy and their deliveries (admin).", no_args_is_help=True

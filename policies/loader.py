@@ -253,8 +253,8 @@ class ProtectedAlias(_Model):
 
 
 class Webhook(_Model):
-    """An HTTP subscriber (`registry.webhooks`): POSTs of the events it names, signed with
-    HMAC-SHA256 under the secret in `secret_file` (read by the server alone)."""
+    """An HTTP subscriber (`registry.integrations.webhooks`): POSTs of the events it names,
+    signed with HMAC-SHA256 under the secret in `secret_file` (read by the server alone)."""
 
     name: str
     url: str = Field(max_length=2048)

@@ -6,8 +6,15 @@ with Registry() as reg:
     reg.promote("run42@step9000", model="llama-tiny", alias="prod")
 """
 
-from registry.api import Registry
-from registry.config import Settings
+from registry.api.contract import Registry
+from registry.core.config import Settings
+from registry.core.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    parse_checkpoint_ref,
+    parse_ref,
+    parse_release_ref,
+)
 from registry.errors import (
     CatalogLocked,
     Collected,
@@ -23,13 +30,6 @@ from registry.errors import (
     UnsafeMetadata,
     UsageError,
     ValidationFailed,
-)
-from registry.refs import (
-    CheckpointRef,
-    ReleaseRef,
-    parse_checkpoint_ref,
-    parse_ref,
-    parse_release_ref,
 )
 
 __all__ = [

@@ -190,7 +190,7 @@ class Deployment:
     def direct(self) -> Any:
         """An embedded Registry over the registry's own catalog and store."""
         from registry import Registry
-        from registry.config import Settings
+        from registry.core.config import Settings
 
         if self.server is None:
             return Registry()

@@ -177,7 +177,7 @@ def test_mtbf_override_fleet_and_the_cli(clean_env: Path, cli, tmp_path: Path):
 def test_economics_are_mirrored_to_mlflow(clean_env: Path):
     from mlflow import MlflowClient
 
-    from registry.mirror.drain import drain
+    from registry.integrations.mirror.drain import drain
 
     _attempt("m", 9)
     _attempt("m", 10, close=True)

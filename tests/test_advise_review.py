@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from registry import Registry
+from registry.core.refs import CheckpointRef
 from registry.economics import model, simulate
 from registry.economics.advise import summary
 from registry.economics.facts import RunFacts
@@ -158,7 +159,7 @@ def test_heartbeats_never_block_or_break_the_training_loop() -> None:
 
     broken = _manager(_Backend(fail=True), heartbeat_s=1.0)
     broken._restore = saves_mod.RestoreRecord(
-        __import__("registry.refs", fromlist=["CheckpointRef"]).CheckpointRef("default", "fake", 4),
+        CheckpointRef("default", "fake", 4),
         {"total_seconds": 1.0},
         False,
     )

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from registry import Registry
-from registry.audit_chain import keys
 from registry.catalog.engine import Catalog
-from registry.config import Settings
+from registry.core.config import Settings
+from registry.trust.audit_chain import keys
 
 GUARDS_SQLITE = ("audit_event_no_update", "audit_event_no_delete")
 GUARDS_SQLITE += ("audit_seal_no_update", "audit_seal_no_delete")
@@ -177,7 +177,7 @@ def test_a_rewritten_tail_does_not_match_its_anchor(sealed, cli, catalog_url):
     )
     for _ in range(2):
         _activity(sealed, 2)
-        from registry.audit_chain.sealer import seal_pending
+        from registry.trust.audit_chain.sealer import seal_pending
 
         seal_pending(sealed.catalog, keys.read(_key_path()))
     code, out, _ = verify(cli)
@@ -323,7 +323,7 @@ def test_the_key_file_is_created_once(tmp_path):
 
 
 def test_history_before_the_key_goes_into_the_genesis_seal_only(catalog_url, cli, monkeypatch):
-    from registry.audit_chain import sealer
+    from registry.trust.audit_chain import sealer
 
     monkeypatch.setattr(sealer, "BATCH", 2)  # signed events per seal, after the history
     with Registry() as reg:  # no key yet: events are recorded unsigned
@@ -349,7 +349,7 @@ def test_concurrent_writers_end_in_a_fully_sealed_verifying_chain(catalog_url, c
     """Writers sign their own events while a sealer runs: nobody waits on a shared row. On
     PostgreSQL each writer holds its transaction open after its id was assigned, so commits
     land out of id order; the sealer still takes every event exactly once."""
-    from registry.audit_chain.sealer import seal_pending
+    from registry.trust.audit_chain.sealer import seal_pending
 
     keys.create(_key_path())
     key = keys.read(_key_path())
@@ -407,7 +407,7 @@ def test_a_sealer_that_lost_the_race_for_a_link_says_so_and_raises_nothing(
     the server's background sealer did, in CI): the database refuses the second (SQLite: the
     unique key; PostgreSQL: the next-link trigger's own error first), and the loser reports
     that it raced instead of failing the request that sealed."""
-    from registry.audit_chain import sealer
+    from registry.trust.audit_chain import sealer
 
     keys.create(_key_path())
     key = keys.read(_key_path())
@@ -528,7 +528,7 @@ def test_anchors_on_s3_are_write_once_and_compliance_locked(s3_server, monkeypat
 def _plant_lease(catalog_url: str) -> None:
     """What a stolen runtime role (or the owner) can do: hold the sealer's lease for a holder
     on another host, far into the future."""
-    from registry.audit_chain.schedule import LEASE
+    from registry.trust.audit_chain.schedule import LEASE
 
     as_owner(
         catalog_url,
@@ -538,7 +538,7 @@ def _plant_lease(catalog_url: str) -> None:
 
 
 def _schedule(reg: Registry, **kw: Any) -> Any:
-    from registry.audit_chain.schedule import SealSchedule
+    from registry.trust.audit_chain.schedule import SealSchedule
 
     kw.setdefault("anchor_every_s", 0)
     return SealSchedule(
@@ -578,8 +578,8 @@ def test_a_held_lease_stalls_sealing_and_verify_fails_past_the_bound(sealed, cli
 def test_events_older_than_the_default_bound_fail_without_a_flag(sealed, cli, catalog_url):
     """An event signed 20 minutes ago (the key holder's own clock) and never sealed: the
     default bound (15 min for a 10s sealer) fails it; a larger bound given accepts it."""
-    from registry.audit_chain.macs import event_mac
     from registry.catalog.models import AuditEvent
+    from registry.trust.audit_chain.macs import event_mac
 
     content: dict[str, Any] = {
         "uid": os.urandom(16).hex(),
@@ -644,7 +644,7 @@ def test_reg_audit_seal_recovers_from_a_held_lease(sealed, cli, catalog_url):
 def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
     """Seals made, none anchored (anchoring stopped): the store holds nothing of them, so the
     owner could cut them unseen; past the bound that is `anchor-stale`."""
-    from registry.audit_chain.sealer import seal_pending
+    from registry.trust.audit_chain.sealer import seal_pending
 
     began = time.monotonic()  # the fixture's anchors (seal 3) are older than this
     time.sleep(1.2)  # the anchors of the fixture are older than the bound now
@@ -678,8 +678,8 @@ def test_a_late_event_with_an_old_ts_is_sealed_by_the_periodic_full_scan(sealed,
     """A routine cycle re-looks below the head only at the last 15 minutes; an event with a
     low id and a ts older than that (a replica's clock behind, a transaction held open) is
     sealed by the next full scan, every `full_every` cycles."""
-    from registry.audit_chain.macs import event_mac
     from registry.catalog.models import AuditEvent
+    from registry.trust.audit_chain.macs import event_mac
 
     key = keys.read(_key_path())
     high = _seals(sealed)[-1][2]
@@ -780,7 +780,7 @@ def test_empty_seals_verify_link_and_anchor(catalog_url, cli):
     """Heartbeats on an empty log (an empty genesis), between sealed events and after them:
     each links to the one before, its MAC covers zero entries, the anchors hold them; an
     empty seal edited by the owner is named."""
-    from registry.audit_chain.sealer import heartbeat, seal_pending
+    from registry.trust.audit_chain.sealer import heartbeat, seal_pending
 
     assert keys.create(_key_path())
     key = keys.read(_key_path())

@@ -6,8 +6,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from registry import audit
 from registry.catalog.engine import HEAD_REVISION, Catalog
+from registry.trust import audit
 
 
 def test_migrations_run_once_and_reopen_is_cheap(catalog_url):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.config import Settings, reference
+from registry.core.config import Settings, reference
 from registry.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pytest
 
 from registry import Registry, Settings
 from registry.errors import PermissionDenied
-from registry.policy_source import EffectivePolicy
-from registry.principal import Principal
+from registry.trust.policy_source import EffectivePolicy
+from registry.trust.principal import Principal
 
 GRANTS = """
 [[access.grants]]

@@ -1,4 +1,4 @@
-"""One registry contract (`registry.api.Registry`), two implementations: mypy checks each
+"""One registry contract (`registry.api.contract.Registry`), two implementations: mypy checks each
 method's signature against the contract (both subclass it); this checks that neither leaves one
 out, and that `Registry(...)` opens the one the settings name."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from registry import Registry, Settings
-from registry.local import LocalRegistry
-from registry.remote.registry import RemoteRegistry
+from registry.api.local import LocalRegistry
+from registry.api.remote.registry import RemoteRegistry
 
 
 def _contract() -> list[str]:

@@ -99,9 +99,9 @@ def test_live_claim_is_a_conflict_naming_the_holder(reg, ckpts):
     from sqlmodel import select
 
     from registry.catalog.models import Checkpoint
+    from registry.core.refs import CheckpointRef
     from registry.errors import Conflict
     from registry.lifecycle.checkpoints.commit import claim_step as _claim
-    from registry.refs import CheckpointRef
 
     claim, existing = _claim(reg.context, CheckpointRef("default", "held", 1))
     assert existing is None

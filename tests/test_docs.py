@@ -13,7 +13,7 @@ from pathlib import Path
 from cli.help import DEPRECATED, EXAMPLES, GROUPS, walk
 from cli.main import command
 from cli.reference import CLI_PAGE, CONFIG_PAGE, cli_reference
-from registry.config import reference
+from registry.core.config import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,8 +136,8 @@ def test_every_policy_key_is_in_the_policy_reference():
 
 
 def test_every_result_shape_is_in_the_json_reference():
-    from registry import results
-    from registry.results.base import Result
+    from registry.api import results
+    from registry.api.results.base import Result
 
     page = (ROOT / "docs" / "reference" / "json-and-exit-codes.md").read_text()
     shapes = [n for n, c in vars(results).items() if isinstance(c, type) and issubclass(c, Result)]

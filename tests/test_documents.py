@@ -7,6 +7,15 @@ import json
 
 import pytest
 
+from registry.core.layout import (
+    checkpoint_prefix,
+    manifest_key,
+    parse_checkpoint_key,
+    parse_release_key,
+    release_document_key,
+    release_prefix,
+)
+from registry.core.refs import CheckpointRef
 from registry.errors import InvalidDocument
 from registry.formats.documents import (
     FileRecord,
@@ -17,15 +26,6 @@ from registry.formats.documents import (
     TensorSummary,
     ValidationRecord,
 )
-from registry.layout import (
-    checkpoint_prefix,
-    manifest_key,
-    parse_checkpoint_key,
-    parse_release_key,
-    release_document_key,
-    release_prefix,
-)
-from registry.refs import CheckpointRef
 
 SHA = "ab" * 32
 RESUME = ResumeRecord({"model": ["model"]}, ["rng"], False, [], "dcp", ("model.w",), ("meta.pt",))

@@ -257,6 +257,7 @@ def test_code_allowed_by_policy_is_released_recorded_and_shown(
 def test_release_json_records_code_extras_in_a_format_of_its_own() -> None:
     from dataclasses import replace
 
+    from registry.core.refs import CheckpointRef
     from registry.errors import InvalidDocument
     from registry.formats.documents import (
         FileRecord,
@@ -265,7 +266,6 @@ def test_release_json_records_code_extras_in_a_format_of_its_own() -> None:
         SourceRecord,
         ValidationRecord,
     )
-    from registry.refs import CheckpointRef
 
     sha = "a" * 64
     plain = ReleaseDocument(

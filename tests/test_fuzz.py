@@ -47,7 +47,7 @@ REF_ALPHABET = st.sampled_from(list("abcXYZ019._-/@:vstep latest\x00\n\u202e%"))
 @FUZZ
 @given(st.one_of(st.text(), st.text(REF_ALPHABET, max_size=60)))
 def test_any_ref_text_parses_or_is_a_malformed_ref(text):
-    from registry.refs import parse_ref
+    from registry.core.refs import parse_ref
 
     _ends_well(parse_ref, text)
 

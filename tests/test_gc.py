@@ -129,8 +129,8 @@ def test_gc_killed_after_marking_is_finished_by_the_next_run(aggressive, catalog
 
 def test_orphans_are_swept(aggressive, reg, ckpts):
     from registry.catalog import claims
+    from registry.core.refs import CheckpointRef
     from registry.lifecycle.checkpoints.commit import claim_step as _claim
-    from registry.refs import CheckpointRef
 
     claim, _ = _claim(reg.context, CheckpointRef("default", "dead", 1))
     reg.store.put_bytes("ckpt/default/dead/step-1/__0_0.distcp", b"half an upload")
@@ -216,8 +216,8 @@ def test_an_orphan_that_cannot_be_deleted_keeps_its_step_until_a_later_gc(
     aggressive, reg, ckpts, monkeypatch
 ):
     from registry.catalog import claims
+    from registry.core.refs import CheckpointRef
     from registry.lifecycle.checkpoints.commit import claim_step
-    from registry.refs import CheckpointRef
     from registry.storage import local
 
     claim, _ = claim_step(reg.context, CheckpointRef("default", "dead", 1))

@@ -11,9 +11,9 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 from registry import Registry
-from registry.audit_chain import keys
+from registry.core.layout import JOURNAL, journal_key
 from registry.journal.event import MAX_BYTES, parse, sign
-from registry.layout import JOURNAL, journal_key
+from registry.trust.audit_chain import keys
 from tests.helpers import PG_URL
 
 POLICY = """
@@ -315,7 +315,7 @@ def test_a_failed_catalog_commit_is_not_resurrected(cli, tmp_path, clean_env, mo
 def test_the_server_signs_what_it_journals_and_refuses_what_it_did_not(reg_server, cli):
     """Behind `reg server` the server writes the journal, signed with its audit key; an event
     put into the store by anyone else (store credentials, no key) is not replayed."""
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.journal.event import signature_problem
 
     with Registry(Settings.from_env(reg_server.env)) as direct:
@@ -507,7 +507,7 @@ def test_a_signed_journal_is_not_replayed_without_its_key(ckpts, cli, clean_env)
     import shutil
     import time
 
-    from registry.audit_chain.macs import canonical
+    from registry.trust.audit_chain.macs import canonical
 
     key_path = clean_env / "audit.key"
     assert keys.create(key_path)
@@ -598,7 +598,7 @@ def test_replay_refuses_what_the_live_commands_refuse(cpu_policy, ckpts, cli, cl
     the actor's name, a plausible time that is the id's; no alias onto a yanked release."""
     import time
 
-    from registry.audit_chain.macs import canonical
+    from registry.trust.audit_chain.macs import canonical
 
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(2), run="r", step=2)

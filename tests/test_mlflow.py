@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.mirror.drain import drain
+from registry.integrations.mirror.drain import drain
 from tests.zygote import run_reg
 
 POLICY = '[retention]\nkeep_last = 1\nttl = "0s"\n[promotion]\nrequire_device = "any"\n'
@@ -332,7 +332,7 @@ def test_a_retention_change_moves_the_expiry_tags(policy, ckpts, tmp_path):
 
 def test_an_event_that_can_never_apply_can_be_set_aside(policy, ckpts, cli):
     from registry.catalog.models import OutboxEvent
-    from registry.timeutil import now
+    from registry.core.timeutil import now
 
     with Registry() as reg:
         reg.push_checkpoint(ckpts.ws2.step_dir(4), run="r", step=4)

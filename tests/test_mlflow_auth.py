@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from registry import Registry
-from registry.mirror.drain import drain
+from registry.integrations.mirror.drain import drain
 from tests.conftest import ROOT
 from tests.helpers import start_ui, stock_verify
 from tests.test_mlflow_ui import CHROMIUM, FLAGS
@@ -294,7 +294,7 @@ def test_every_mlflow_write_is_refused_by_the_login():
     path parameter shaped like a search, too); only the searches pass."""
     from mlflow.server.handlers import get_endpoints
 
-    from registry.mirror.login import writes
+    from registry.integrations.mirror.login import writes
 
     routes = {(m, path) for path, _, methods in get_endpoints() for m in methods}
     assert len(routes) > 100

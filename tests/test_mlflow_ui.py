@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.mirror.drain import drain
+from registry.integrations.mirror.drain import drain
 from tests.conftest import ROOT
 from tests.helpers import start_ui
 

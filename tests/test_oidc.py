@@ -547,7 +547,7 @@ def test_a_partial_or_unsafe_oidc_setting_stops_the_server_in_one_line(
 
 
 def test_config_toml_holds_the_same_keys(tmp_path, jwks_file):
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.server.oidc_config import config_from
 
     (tmp_path / "config.toml").write_text(
@@ -620,7 +620,7 @@ def test_a_weak_rsa_key_in_the_jwks_is_refused(tmp_path):
 
 def test_a_plain_http_jwks_url_is_accepted_only_on_loopback(tmp_path):
     """A man in the middle of an http:// JWKS fetch picks the keys, so only loopback may use it."""
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.errors import UsageError
     from registry.server.oidc_config import config_from
 

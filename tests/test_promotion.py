@@ -187,7 +187,7 @@ def test_default_policy_requires_cuda(reg, ckpts, cli):
     # A passing CUDA validation recorded on a GPU node satisfies the gate from anywhere.
     from registry.catalog import queries
     from registry.catalog.models import Validation
-    from registry.refs import CheckpointRef
+    from registry.core.refs import CheckpointRef
 
     with reg.catalog.session(write=True) as s:
         _, row = queries.resolve_checkpoint(s, CheckpointRef("default", "r", 4))

@@ -10,11 +10,11 @@ import pytest
 
 from registry import Registry
 from registry.catalog import claims, leases
+from registry.core.refs import CheckpointRef
 from registry.errors import Conflict, PolicyError
 from registry.lifecycle.checkpoints.commit import claim_step
-from registry.refs import CheckpointRef
+from registry.lifecycle.transfer import OnMismatch, put_reconciled
 from registry.storage import open_store
-from registry.transfer import OnMismatch, put_reconciled
 
 
 @pytest.fixture(params=["memory", "local"])

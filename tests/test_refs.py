@@ -1,7 +1,7 @@
 import pytest
 
+from registry.core.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.errors import MalformedRef
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 
 
 @pytest.mark.parametrize(

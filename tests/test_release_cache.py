@@ -435,7 +435,7 @@ def test_the_hub_cache_is_reused_repaired_and_refused_like_reg_s_own(hf_home, tm
 def test_a_model_name_is_a_repo_id_exactly_when_huggingface_hub_says_so(name):
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from registry.consumers.hf_cache import check_repo_id
+    from registry.api.consumers.hf_cache import check_repo_id
 
     try:
         validate_repo_id(name)
@@ -450,7 +450,7 @@ def test_a_model_name_is_a_repo_id_exactly_when_huggingface_hub_says_so(name):
 
 
 def test_the_default_hub_cache_is_huggingface_hub_s(tmp_path):
-    from registry.consumers.hf_cache import default_hub_cache
+    from registry.api.consumers.hf_cache import default_hub_cache
 
     home = Path("~").expanduser()
     assert default_hub_cache({}) == home / ".cache" / "huggingface" / "hub"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.config import Settings
+from registry.api.results import AliasMoved, AliasRequest
+from registry.core.config import Settings
 from registry.errors import Conflict, NotFound, PermissionDenied, PolicyError, UsageError
-from registry.results import AliasMoved, AliasRequest
 from tests.helpers import lose_catalog
 
 CPU = '[promotion]\nrequire_device = "any"\n'

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from registry.config import Settings, loopback_url
+from registry.core.config import Settings, loopback_url
 from registry.errors import UsageError
 
 REMOTE = ("http://10.1.2.3:8080", "http://reg.example.com", "http://[fd00::1]:8080")

@@ -1,4 +1,4 @@
-"""Typed results (`registry.results`): every `Registry` method returns a frozen dataclass whose
+"""Typed results (`registry.api.results`): every `Registry` method returns a frozen dataclass whose
 `to_json()` is exactly the JSON `--json` prints and `reg server` answers, embedded and remote."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import json
 import pytest
 
 from registry import Registry, Settings
-from registry.errors import RegistryError
-from registry.results import (
+from registry.api.results import (
     BY_NAME,
     CheckpointDetails,
     CheckpointPushed,
@@ -21,6 +20,7 @@ from registry.results import (
     Result,
     read,
 )
+from registry.errors import RegistryError
 
 SUMMARY = {
     "ref": "p/r@step3",

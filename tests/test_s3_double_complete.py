@@ -24,8 +24,8 @@ import pytest
 from sqlalchemy import update
 
 from registry import Registry
+from registry.core.refs import CheckpointRef
 from registry.errors import Conflict, IntegrityError, ObjectExists
-from registry.refs import CheckpointRef
 from registry.storage.s3 import S3Store
 from registry.storage.s3_client import new_client
 from tests.zygote import Running

@@ -145,7 +145,7 @@ def test_every_repeats_the_scrub_until_sigterm(filled):
 def test_findings_reach_mlflow(filled, monkeypatch):
     from mlflow import MlflowClient
 
-    from registry.mirror.drain import drain
+    from registry.integrations.mirror.drain import drain
 
     _damage("ckpt/default/r/step-4")
     filled.scrub()

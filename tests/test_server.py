@@ -675,13 +675,13 @@ def _apply_as_an_older_reg(server, catalog_url: str, text: str, *, version: int)
     checks of today's apply."""
     import hashlib
 
-    from registry import audit, signed_facts
-    from registry.audit_chain import keys
-    from registry.audit_chain.service import seal_now
     from registry.catalog.engine import Catalog
     from registry.catalog.models import PolicyDocument
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.storage import open_store
+    from registry.trust import audit, signed_facts
+    from registry.trust.audit_chain import keys
+    from registry.trust.audit_chain.service import seal_now
 
     key = keys.read(server.home / "audit.key")
     catalog = Catalog(catalog_url)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from registry import Registry
-from registry.config import Settings
+from registry.core.config import Settings
 from tests.helpers import Ckpts, split_as_nodes, torchrun
 
 

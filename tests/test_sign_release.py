@@ -154,7 +154,7 @@ def test_behind_the_server_only_an_admin_signs_with_the_servers_key(
     """Through `reg server` (whose key init created), a release promoted while the policy did
     not require signing is signed by an admin's call with the server's key; a releaser is
     refused; a yanked release is not signed."""
-    from registry.config import Settings
+    from registry.core.config import Settings
     from tests.serverproc import team_policy
 
     reg_server.apply_policy(
@@ -238,9 +238,9 @@ def test_a_statement_planted_in_the_store_is_not_signed(cpu_policy, ckpts):
     """Whoever can write the store but not the catalog plants the statement sign-release will
     find, the same but for what it may differ in (reg's version) and a claim of their own:
     refused, nothing signed. Only reg's own rendering, naming another version, is kept."""
+    from registry.core.refs import parse_release_ref
     from registry.lifecycle.late_signing import _release
-    from registry.refs import parse_release_ref
-    from registry.signing import provenance
+    from registry.trust.release_signing import provenance
 
     with Registry() as reg:
         _unsigned(reg, ckpts)
@@ -266,12 +266,12 @@ def test_a_statement_planted_in_the_store_is_not_signed(cpu_policy, ckpts):
 def test_a_release_yanked_while_it_is_signed_is_not_signed(cpu_policy, ckpts, monkeypatch):
     """The yank commits between the signature's upload and the catalog's record: the record
     is refused (the release row is read again, locked, in the committing transaction)."""
-    import registry.faults
+    import registry.core.faults
 
     with Registry() as reg:
         _unsigned(reg, ckpts)
         reg.create_signing_key()
-    real = registry.faults.point
+    real = registry.core.faults.point
 
     def yank_now(name: str, path: object = None) -> None:
         if name == "sign-release-signed":
@@ -279,7 +279,7 @@ def test_a_release_yanked_while_it_is_signed_is_not_signed(cpu_policy, ckpts, mo
                 other.yank("tiny:v1", "leaked eval data")
         real(name, path)
 
-    monkeypatch.setattr(registry.faults, "point", yank_now)
+    monkeypatch.setattr(registry.core.faults, "point", yank_now)
     with Registry() as reg:
         with pytest.raises(Conflict, match="yanked while it was being signed"):
             reg.sign_release("tiny:v1")

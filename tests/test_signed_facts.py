@@ -289,9 +289,9 @@ def test_catalog_sign_checks_and_signs_a_registry_from_before_signed_facts(
     server = RegServer(env, home).init()  # the audit key; the policy has grants: kept
     # A forged policy row beside them: the sign refuses it (no apply event names it).
     # And one with an apply event inserted beside it: by hand, so neither signed nor sealed.
-    from registry import audit
     from registry.catalog.engine import Catalog
     from registry.catalog.models import PolicyDocument
+    from registry.trust import audit
 
     catalog = Catalog(catalog_url)
     forged = team_policy('\n[[access.grants]]\nprincipals = ["mallory"]\nrole = "admin"\n')

@@ -122,7 +122,7 @@ def test_keys_are_private_files_and_one_is_active(cpu_policy, ckpts, tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from registry.signing.bundle import read_public_key
+    from registry.trust.release_signing.bundle import read_public_key
 
     k1 = tmp_path / "k1.pub"
     k1.write_bytes(
@@ -211,7 +211,7 @@ def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy
     server a promotion without an active key is refused before any work; with a key (created
     by an operator on the server's host) it is signed, and the consumer pins the key the
     server publishes."""
-    from registry.config import Settings
+    from registry.core.config import Settings
 
     def operator() -> Registry:  # on the server's host, with its settings
         return Registry(Settings.from_env(reg_server.env), user="admin")
@@ -238,7 +238,7 @@ def test_behind_reg_server_every_release_is_signed(reg_server, ckpts, cpu_policy
         from cryptography.hazmat.primitives.asymmetric import ec
         from sqlalchemy import text
 
-        from registry.signing.keys import key_id_of
+        from registry.trust.release_signing.keys import key_id_of
 
         forged = (
             ec.generate_private_key(ec.SECP256R1())
@@ -388,7 +388,7 @@ def test_a_promotion_killed_before_commit_completes_after_an_upgrade(
         )
     proc = Running(("promote", "r@step4", "--model", "tiny"), fault="promote-documented")
     assert proc.wait(timeout=300) != 0, proc.err()
-    monkeypatch.setattr("registry.signing.provenance.reg_version", lambda: "99.0.0")
+    monkeypatch.setattr("registry.trust.release_signing.provenance.reg_version", lambda: "99.0.0")
     with Registry() as reg:
         out = reg.promote("r@step4", model="tiny")
         assert out["release"] == "tiny:v1" and reg.verify("tiny:v1", provenance=True).ok

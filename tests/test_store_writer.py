@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from registry import Registry, faults
+from registry import Registry
+from registry.core import faults
 from registry.errors import Conflict, NotFound, RegistryError, UsageError
 from registry.training import CheckpointManager
 from tests.helpers import ROOT
@@ -121,7 +122,7 @@ def test_a_failed_async_save_raises_on_the_next_call_and_leaves_nothing(
 
 KILLED = """
 import torch
-from registry import faults
+from registry.core import faults
 from registry.training import CheckpointManager
 
 state = {"model": {"w": torch.arange(1 << 18, dtype=torch.float32)}, "train_state": {"step": 0}}
@@ -238,8 +239,8 @@ def test_the_commit_of_4096_ranks_is_a_few_queries(reg: Registry) -> None:
     SQLite and PostgreSQL."""
     from sqlalchemy import event
 
+    from registry.core.refs import CheckpointRef
     from registry.lifecycle.checkpoints.shared import claim, commit_written
-    from registry.refs import CheckpointRef
 
     ctx = reg.context
     shared = claim(ctx, CheckpointRef("default", "wide", 1))
@@ -266,9 +267,9 @@ def test_the_commit_of_4096_ranks_is_a_few_queries(reg: Registry) -> None:
 
 
 def test_a_wide_commit_names_the_missing_ranks(reg: Registry) -> None:
+    from registry.core.refs import CheckpointRef
     from registry.errors import IntegrityError
     from registry.lifecycle.checkpoints.shared import claim, commit_written
-    from registry.refs import CheckpointRef
 
     ctx = reg.context
     shared = claim(ctx, CheckpointRef("default", "wide", 2))

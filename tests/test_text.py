@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from registry.refs import check_reason
+from registry.core.refs import check_reason
 from registry.text import inert, redact, redact_url
 
 

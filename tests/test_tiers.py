@@ -105,12 +105,12 @@ def test_the_copy_to_the_store_commits_only_what_tier0_recorded(reg, tmp_path):
     """A node's copy changed after the save is not copied (the step stays at tier 0); a part
     record that names other bytes is refused by the commit; the real copy commits at tier 1
     and the store then holds exactly the recorded bytes."""
+    from registry.core.refs import CheckpointRef
     from registry.lifecycle.checkpoints.shared import record_part
     from registry.lifecycle.checkpoints.tiers import claim_replication, commit_replicated
-    from registry.refs import CheckpointRef
+    from registry.lifecycle.transfer import Stored
     from registry.training.replicator import Job, Replicator
     from registry.training.tier_catalog import EmbeddedTiers
-    from registry.transfer import Stored
 
     local = tmp_path / "node"
     mgr = _manager(reg, local, replicate=False)
@@ -459,8 +459,8 @@ def test_through_reg_server_tier0_and_its_copy_to_the_store(reg_server, tmp_path
 def test_through_reg_server_a_forged_tier0_commit_or_copy_is_refused(reg_server, tmp_path):
     """A `.metadata` other than the one recorded, a manifest other than the one tier 0
     recorded, and a copy's file with other bytes: each refused by the server in one line."""
+    from registry.core.refs import CheckpointRef
     from registry.lifecycle.checkpoints.shared import SharedClaim
-    from registry.refs import CheckpointRef
     from registry.training.tier_catalog import ServerTiers
 
     local = tmp_path / "node"

@@ -150,7 +150,7 @@ def test_a_nan_in_the_last_element_is_found_with_a_small_budget(poisoned, cli):
 
 
 def test_a_tampered_file_is_named_and_nothing_else_is_judged(big, cli, clean_env):
-    from registry.api import Registry
+    from registry.api.contract import Registry
 
     ref = push(cli, big, "tampered")
     with Registry() as reg:

@@ -14,10 +14,10 @@ import pytest
 
 from policies.loader import parse_policy
 from registry import Registry
-from registry.config import Settings
+from registry.core.config import Settings
 from registry.errors import PolicyError, UsageError
-from registry.webhooks import net
-from registry.webhooks.signing import read_secret, signature, verify
+from registry.integrations.webhooks import net
+from registry.integrations.webhooks.signing import read_secret, signature, verify
 from tests.webhook_receiver import Receiver
 
 CPU = '[promotion]\nrequire_device = "any"\n'

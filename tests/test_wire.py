@@ -1,4 +1,4 @@
-"""The contract's HTTP form (`registry.wire`): each `@http` method's remote call and server
+"""The contract's HTTP form (`registry.api.wire`): each `@http` method's remote call and server
 endpoint are derived from its signature, so they cannot disagree. These check the derivation;
 the server tests run every derived route end to end."""
 
@@ -8,10 +8,10 @@ import inspect
 
 import pytest
 
-from registry.api import Registry
+from registry.api.contract import Registry
+from registry.api.wire import Route, http, route_of, routes
+from registry.core.refs import CheckpointRef
 from registry.errors import UsageError
-from registry.refs import CheckpointRef
-from registry.wire import Route, http, route_of, routes
 
 # Written by hand on both sides, each for a reason its module docstring gives.
 BY_HAND = {
@@ -23,7 +23,7 @@ BY_HAND = {
     "commit_claimed",
     "pull",
     "pull_release",
-    "fetch_release",  # no route: registry/consumers runs it on the client, over show and pull
+    "fetch_release",  # no route: registry/api/consumers runs it on the client, over show and pull
     "validate",
     "promote",
     "heartbeat",
@@ -186,7 +186,7 @@ def test_a_whole_number_past_what_the_catalog_holds_is_refused():
 
 
 def test_a_version_in_a_query_is_a_number_only_in_ascii_digits():
-    from registry.wire import Version
+    from registry.api.wire import Version
 
     assert Version().from_query("version", "12") == 12
     assert Version().from_query("version", "²") == "²"

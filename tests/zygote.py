@@ -44,7 +44,7 @@ _SETTINGS = ("REG_", "AWS_", "MLFLOW_")
 WARM = (
     "cli.main",
     "registry",
-    "registry.api",
+    "registry.api.contract",
     "registry.catalog.engine",
     "registry.catalog.models",
     "registry.storage.local",
@@ -54,7 +54,7 @@ WARM = (
     "registry.lifecycle.promotion",
     "registry.lifecycle.validation",
     "registry.server.run",
-    "registry.remote",
+    "registry.api.remote",
     "alembic.command",
     "sqlmodel",
     "psycopg",
@@ -358,7 +358,7 @@ def run_reg(
 def _command_env(env: dict[str, str] | None, fault: str | None) -> dict[str, str]:
     full = dict(os.environ if env is None else env)
     if fault:
-        full["REG_FAULT"] = fault  # registry/faults.py: the command dies at that point
+        full["REG_FAULT"] = fault  # registry/core/faults.py: the command dies at that point
     return full
 
 

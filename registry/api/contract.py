@@ -1,12 +1,13 @@
 """`Registry`: the one object a Python user (and the CLI) works through, and its contract.
 
 `Registry(settings)` opens the registry the settings name: the embedded one
-(`registry.local.LocalRegistry`, which opens the catalog and the store itself, DESIGN §9), or with
-`REG_URL` set the one behind `reg server` (`registry.remote.registry.RemoteRegistry`, the same
-methods run by the server under the identity of a token). Both subclass `Registry`, so mypy
-checks every method of each against the signatures here; `tests/test_contract.py` checks that
-neither leaves one out. A method's `@http` names its route (`registry.wire`): the remote
-registry's call and the server's endpoint are derived from the signature here.
+(`registry.api.local.LocalRegistry`, which opens the catalog and the store itself, DESIGN §9),
+or with `REG_URL` set the one behind `reg server`
+(`registry.api.remote.registry.RemoteRegistry`, the same methods run by the server under the
+identity of a token). Both subclass `Registry`, so mypy checks every method of each against
+the signatures here; `tests/test_contract.py` checks that neither leaves one out. A method's
+`@http` names its route (`registry.api.wire`): the remote registry's call and the server's
+endpoint are derived from the signature here.
 
 The implementations are named, not imported, here (as fsspec names its filesystems): the
 contract depends on neither, and opening one imports only it.
@@ -18,14 +19,11 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from registry.config import Settings
-from registry.wire import http
+from registry.api.wire import http
+from registry.core.config import Settings
 
 if TYPE_CHECKING:
-    from registry.policy_source import EffectivePolicy
-    from registry.progress import Progress
-    from registry.refs import CheckpointRef, ReleaseRef
-    from registry.results import (
+    from registry.api.results import (
         Advice,
         AliasMoved,
         AliasRequest,
@@ -69,6 +67,9 @@ if TYPE_CHECKING:
         WebhooksDelivered,
         WebhookTested,
     )
+    from registry.core.progress import Progress
+    from registry.core.refs import CheckpointRef, ReleaseRef
+    from registry.trust.policy_source import EffectivePolicy
 
 
 class Registry:
@@ -76,8 +77,8 @@ class Registry:
     name. Every method raises the errors of `registry.errors` (one line, an exit code)."""
 
     IMPLEMENTATIONS: ClassVar[dict[str, str]] = {
-        "local": "registry.local:LocalRegistry",
-        "remote": "registry.remote.registry:RemoteRegistry",
+        "local": "registry.api.local:LocalRegistry",
+        "remote": "registry.api.remote.registry:RemoteRegistry",
     }
     settings: Settings
 
@@ -305,7 +306,7 @@ class Registry:
         reused after a check that reads no weights. With `hf_cache` (a hub cache directory,
         e.g. huggingface_hub's HF_HUB_CACHE) laid out as a Hugging Face download instead; the
         path is then the snapshot's. With `public_key` (a pinned PEM) refused unless that key
-        signed exactly its files. Both registries run the same code (`registry.consumers`)."""
+        signed exactly its files. Both registries run the same code (`registry.api.consumers`)."""
         raise NotImplementedError
 
     @http("POST", "/alias")

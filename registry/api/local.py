@@ -4,8 +4,8 @@ It builds a `Context` from local settings and delegates every call to the lifecy
 access checks live there, in the library, not in the CLI. The catalog and the store are opened
 lazily, so a command pays only for what it touches; the Context is built on first use and
 rebuilt after `apply_policy`. The lifecycle functions answer in JSON, which each method hands
-back as the contract's typed result (`registry.results`). Each method means what the contract
-(`registry.api.Registry`) documents.
+back as the contract's typed result (`registry.api.results`). Each method means what the contract
+(`registry.api.contract.Registry`) documents.
 """
 
 from __future__ import annotations
@@ -14,16 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
-from registry.api import Registry
-from registry.config import Settings
-from registry.refs import (
-    CheckpointRef,
-    ReleaseRef,
-    parse_checkpoint_ref,
-    parse_ref,
-    parse_release_ref,
-)
-from registry.results import (
+from registry.api.contract import Registry
+from registry.api.results import (
     Advice,
     AliasMoved,
     AliasRequest,
@@ -68,14 +60,22 @@ from registry.results import (
     WebhookTested,
     results_of,
 )
+from registry.core.config import Settings
+from registry.core.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    parse_checkpoint_ref,
+    parse_ref,
+    parse_release_ref,
+)
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
-    from registry.context import Context
-    from registry.events import Outbox
-    from registry.policy_source import EffectivePolicy
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.integrations.outbox import Outbox
+    from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
+    from registry.trust.policy_source import EffectivePolicy
 
 
 class LocalRegistry(Registry):
@@ -133,11 +133,11 @@ class LocalRegistry(Registry):
     @property
     def context(self) -> Context:
         if self._context is None:
-            from registry.audit_chain import keys
-            from registry.context import Context
-            from registry.events import Outbox
-            from registry.policy_source import EffectivePolicy
-            from registry.principal import Principal
+            from registry.integrations.outbox import Outbox
+            from registry.lifecycle.context import Context
+            from registry.trust.audit_chain import keys
+            from registry.trust.policy_source import EffectivePolicy
+            from registry.trust.principal import Principal
 
             # Where this process can read the server's key (its host's operator) it signs
             # what it writes, so it decides under the proven policy, as the server does.
@@ -447,7 +447,7 @@ class LocalRegistry(Registry):
         hf_cache: str | Path | None = None,
         progress: Progress | None = None,
     ) -> ReleaseFetched:
-        from registry.consumers.fetch import fetch_release
+        from registry.api.consumers.fetch import fetch_release
 
         return fetch_release(
             self,
@@ -482,25 +482,25 @@ class LocalRegistry(Registry):
         return results_of(AliasRequest, list_requests(self.context, model, state=state))
 
     def webhooks(self) -> list[WebhookInfo]:
-        from registry.webhooks import admin
+        from registry.integrations.webhooks import admin
 
         return results_of(WebhookInfo, admin.subscribers(self.context))
 
     def test_webhook(self, name: str) -> WebhookTested:
-        from registry.webhooks import admin
+        from registry.integrations.webhooks import admin
 
         return WebhookTested.from_json(admin.test(self.context, name))
 
     def webhook_deliveries(
         self, name: str | None = None, status: str | None = None, limit: int = 50
     ) -> list[WebhookDeliveryInfo]:
-        from registry.webhooks import admin
+        from registry.integrations.webhooks import admin
 
         found = admin.deliveries(self.context, name, status, limit)
         return results_of(WebhookDeliveryInfo, found)
 
     def deliver_webhooks(self, budget_s: float = 60.0) -> WebhooksDelivered:
-        from registry.webhooks import admin
+        from registry.integrations.webhooks import admin
 
         return WebhooksDelivered.from_json(admin.deliver_now(self.context, budget_s))
 
@@ -606,7 +606,7 @@ class LocalRegistry(Registry):
     def audit_verify(
         self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
     ) -> AuditVerification:
-        from registry.audit_chain.service import verify
+        from registry.trust.audit_chain.service import verify
 
         return AuditVerification.from_json(
             verify(
@@ -617,7 +617,7 @@ class LocalRegistry(Registry):
         )
 
     def audit_seal(self) -> AuditSealed:
-        from registry.audit_chain.service import seal
+        from registry.trust.audit_chain.service import seal
 
         return AuditSealed.from_json(seal(self.context))
 
@@ -651,7 +651,7 @@ class LocalRegistry(Registry):
         return results_of(TokenInfo, token_admin.listing(self.context))
 
     def signing_keys(self) -> list[SigningKeyInfo]:
-        from registry.signing import keys
+        from registry.trust.release_signing import keys
 
         with self.context.catalog.session() as s:
             found = keys.all_keys(s, self.context.audit_key)  # behind the server: signed only
@@ -659,7 +659,7 @@ class LocalRegistry(Registry):
 
     # Operators' commands on the host that holds the private keys (not through the server).
     def create_signing_key(self, *, rotate: bool = False) -> SigningKeyInfo:
-        from registry.signing import keys
+        from registry.trust.release_signing import keys
 
         return SigningKeyInfo.from_json(keys.create(self.context, retire_active=rotate).to_json())
 
@@ -673,7 +673,7 @@ class LocalRegistry(Registry):
     def change_signing_key(
         self, key_id: str, event: str, reason: str | None = None
     ) -> SigningKeyInfo:
-        from registry.signing import keys
+        from registry.trust.release_signing import keys
 
         return SigningKeyInfo.from_json(keys.change(self.context, key_id, event, reason).to_json())
 
@@ -684,7 +684,7 @@ class LocalRegistry(Registry):
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
         from registry.errors import UsageError
-        from registry.mirror.drain import drain, skip_event
+        from registry.integrations.mirror.drain import drain, skip_event
         from registry.text import redact_url
 
         if not 0 < budget_s <= 3600:

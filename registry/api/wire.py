@@ -1,6 +1,7 @@
 """How a `Registry` method travels over HTTP, declared on the contract's own method.
 
-`@http("POST", "/gc")` on a method of `registry.api.Registry` is its whole wire description.
+`@http("POST", "/gc")` on a method of `registry.api.contract.Registry` is its whole wire
+description.
 The remote registry sends the method's arguments under their own names (a JSON body, or the
 query string of a GET); `reg server` registers the route, reads and checks each argument by its
 annotation, and runs the embedded implementation under the request's identity. So a new method
@@ -195,8 +196,8 @@ class Route:
         return path, sent | dict(self.fixed)
 
     def result(self, answer: Any) -> Any:
-        """The contract's result of the server's JSON answer (`registry.results`)."""
-        from registry import results  # 30 ms of dataclasses `reg --help` does without
+        """The contract's result of the server's JSON answer (`registry.api.results`)."""
+        from registry.api import results  # 30 ms of dataclasses `reg --help` does without
 
         if self.result_keys:
             return tuple(answer[k] for k in self.result_keys)
@@ -235,7 +236,7 @@ class Route:
 
     def answer(self, result: Any) -> Any:
         """The JSON answer of the implementation's result."""
-        from registry import results  # 30 ms of dataclasses `reg --help` does without
+        from registry.api import results  # 30 ms of dataclasses `reg --help` does without
 
         if self.result_keys:
             return dict(zip(self.result_keys, result, strict=True))

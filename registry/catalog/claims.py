@@ -27,8 +27,8 @@ from sqlmodel import Session, col, select
 
 from registry.catalog.leases import Heartbeat, is_stale
 from registry.catalog.models import ClaimColumns
+from registry.core.timeutil import iso, now
 from registry.errors import RegistryError
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
     from sqlmodel import Session
 
-    from registry.config import CatalogSettings
+    from registry.core.config import CatalogSettings
 
 HEAD_REVISION = "0019"
 MIGRATIONS = Path(__file__).with_name("migrations")

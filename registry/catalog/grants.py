@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 READ_APPEND = ("SELECT", "INSERT")
 READ_WRITE = ("SELECT", "INSERT", "UPDATE")

@@ -27,8 +27,8 @@ from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import Session, col, select
 
 from registry.catalog.models import Lease
+from registry.core.timeutil import now
 from registry.errors import CatalogLocked, RegistryError
-from registry.timeutil import now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

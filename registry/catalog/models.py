@@ -364,7 +364,7 @@ class AuditEvent(SQLModel, table=True):
     target: str
     outcome: str = Field(max_length=16)  # allowed | denied | failed
     details: dict[str, Any] = _json()
-    # A random id and the HMAC of the event under the server's key (`registry.audit_chain`);
+    # A random id and the HMAC of the event under the server's key (`registry.trust.audit_chain`);
     # both NULL for events recorded where no key was at hand.
     uid: str | None = Field(default=None, max_length=32, unique=True)
     mac: str | None = Field(default=None, max_length=64)
@@ -373,7 +373,7 @@ class AuditEvent(SQLModel, table=True):
 class AuditSeal(SQLModel, table=True):
     """One block of the audit chain: the events a sealer took (compact id ranges, in id order),
     a short tag of each, and an HMAC over seq, the previous seal's MAC and every id:event MAC.
-    Append-only (triggers, migration 0006); see `registry.audit_chain`."""
+    Append-only (triggers, migration 0006); see `registry.trust.audit_chain`."""
 
     __tablename__ = "audit_seal"
     seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
@@ -402,7 +402,7 @@ class PolicyDocument(SQLModel, table=True):
 class FactMac(SQLModel, table=True):
     """A signature of a row the server decides from (a policy document, a validation, a
     model's owner): an HMAC under the audit key over the row's id and content
-    (`registry.signed_facts`). Append-only (triggers, migration 0015); a row may have several,
+    (`registry.trust.signed_facts`). Append-only (triggers, migration 0015); a row may have several,
     and one that verifies is enough."""
 
     __tablename__ = "fact_mac"
@@ -460,7 +460,7 @@ class ApiToken(SQLModel, table=True):
     revoked_at: float | None = None
     revoked_by: str | None = None
     last_used_at: float | None = None
-    # HMAC under the server's audit key over the content (`registry.tokens.token_mac`): a row
+    # HMAC under the server's audit key over the content (`registry.trust.tokens.token_mac`): a row
     # written around the server opens nothing (migration 0009).
     mac: str | None = Field(default=None, max_length=64)
 
@@ -469,7 +469,7 @@ class SigningKeyEvent(SQLModel, table=True):
     """A signing key's life (issue 37, migration 0017): `created` (with its PEM public key),
     `retired` (signs nothing more; its releases still verify) or `revoked` (its signatures are
     reported, not trusted). Append-only; a key's state is its latest event. The private key is
-    a file beside the catalog's holder (`registry.signing.keys`), never a row."""
+    a file beside the catalog's holder (`registry.trust.release_signing.keys`), never a row."""
 
     __tablename__ = "signing_key_event"
     id: int | None = Field(default=None, primary_key=True)

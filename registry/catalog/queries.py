@@ -20,10 +20,10 @@ from registry.catalog.models import (
     Project,
     Run,
 )
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso, now
 from registry.errors import Collected, NotFound
 from registry.formats.documents import FileRecord
-from registry.refs import CheckpointRef
-from registry.timeutil import iso, now
 
 
 def get_or_create_run(session: Session, project: str, run: str) -> tuple[Project, Run]:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from registry.core.timeutil import positive_duration
 from registry.errors import UsageError
 from registry.text import redact_url
-from registry.timeutil import positive_duration
 
 _OIDC_KEYS = (
     "issuer",
@@ -354,7 +354,7 @@ class Settings:
 
     @property
     def cache_dir(self) -> Path:
-        """Where fetched releases are kept (`registry.consumers`)."""
+        """Where fetched releases are kept (`registry.api.consumers`)."""
         return self.cache_dir_path or self.home / "cache"
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 
 def start(settings: Settings, module: str, *args: str, log: str) -> None:

@@ -6,8 +6,8 @@
                                            yanks, aliases, policies, validations), one object
                                            each, written before the catalog commits them
 
-Names are checked by `registry.refs.check_name` before they reach here, so each is one safe path
-segment; the inverses refuse anything that is not exactly such a key.
+Names are checked by `registry.core.refs.check_name` before they reach here, so each is one safe
+path segment; the inverses refuse anything that is not exactly such a key.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from sqlmodel import select
 
 from registry.catalog import queries
 from registry.catalog.models import Project, Run
+from registry.core.refs import CheckpointRef, check_name
 from registry.economics import levels, model, simulate
 from registry.economics.facts import RunFacts, gather
 from registry.errors import NotFound, UsageError
-from registry.refs import CheckpointRef, check_name
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 ASSUMED_MTBF_S = 86400.0  # the prior: no failure measured, no --mtbf, no --fleet failures
 MIN_GAPS = 2  # failures needed to resample their gaps

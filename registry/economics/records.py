@@ -36,17 +36,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
-from registry import events
 from registry.catalog import queries
+from registry.core.refs import CheckpointRef, check_name
+from registry.core.timeutil import iso, now
 from registry.errors import NotFound, UsageError
-from registry.refs import CheckpointRef, check_name
-from registry.timeutil import iso, now
+from registry.integrations import outbox as events
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
     from registry.catalog.models import CheckpointRestore, Run
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 MAX_HEARTBEAT_SECONDS = 7 * 86400.0  # one heartbeat's time at risk (a week without one: a bug)
 MAX_SAVES = 64  # finished background saves one heartbeat reports

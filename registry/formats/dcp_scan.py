@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from registry.core.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.errors import InvalidCheckpoint
 from registry.formats import file_roots
 from registry.formats.dcp import METADATA, Inventory, check_ranges, inventory
 from registry.formats.dcp_roots import check_roots, merged_metadata, metadata_paths
 from registry.formats.foreign import refuse_foreign
-from registry.layout import MANIFEST, RELEASE_DOCUMENT
 
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _NAME_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")

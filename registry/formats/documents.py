@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from policies.layouts import LAYOUTS
+from registry.core.layout import MANIFEST, RELEASE_DOCUMENT
+from registry.core.refs import CheckpointRef
 from registry.formats.strict_json import StrictReader
-from registry.layout import MANIFEST, RELEASE_DOCUMENT
-from registry.refs import CheckpointRef
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from registry.core.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.errors import InvalidDocument, RegistryError
-from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")

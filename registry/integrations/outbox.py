@@ -9,15 +9,15 @@ import uuid
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from registry.audit_chain.macs import normalized, outbox_mac
-from registry.mirror.spawn import spawn_drain
-from registry.timeutil import now
-from registry.webhooks.spawn import spawn_deliverer
+from registry.core.timeutil import now
+from registry.integrations.mirror.spawn import spawn_drain
+from registry.integrations.webhooks.spawn import spawn_deliverer
+from registry.trust.audit_chain.macs import normalized, outbox_mac
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 
 class EventKind(StrEnum):
@@ -71,8 +71,8 @@ class EventSink(Protocol):
 
 class Outbox:
     """The embedded sink: events go to the outbox table; `flush()`, when the command is done,
-    starts a detached drain if any were written (`registry.mirror.spawn`), and where the policy
-    has webhooks, a detached deliverer (`registry.webhooks.deliver`; `reg server` delivers from
+    starts a detached drain if any were written (`mirror.spawn`), and where the policy
+    has webhooks, a detached deliverer (`webhooks.deliver`; `reg server` delivers from
     its own loop)."""
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Pins, yanks and deprecations, alias moves, applied policies (and with them the grants) and
 validations are catalog rows that no MANIFEST.json or release.json records. Each is also written
-to the store as one small append-only object under `journal/` (registry.layout), so that
+to the store as one small append-only object under `journal/` (registry.core.layout), so that
 `reg catalog rebuild` brings them back after the catalog is lost:
 
     event.py   the format (`reg.event/1`): strict parsing, the HMAC under the audit key

@@ -44,7 +44,7 @@ from registry.journal.event import (
 )
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 # kind, target, fact, ts (None: now), actor, and what identifies the fact among events
 Fact = tuple[str, dict[str, Any], dict[str, Any], float | None, str, tuple[Any, ...]]

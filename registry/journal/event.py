@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from registry.audit_chain.keys import key_id
-from registry.audit_chain.macs import canonical, same
+from registry.core.layout import journal_key, parse_journal_key
 from registry.errors import InvalidDocument
 from registry.formats.strict_json import StrictReader
-from registry.layout import journal_key, parse_journal_key
+from registry.trust.audit_chain.keys import key_id
+from registry.trust.audit_chain.macs import canonical, same
 
 FORMAT = "reg.event/1"
 MAX_BYTES = 1024 * 1024

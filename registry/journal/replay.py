@@ -39,8 +39,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, select
 
 from policies.workflow import protection_for
-from registry import audit, signed_facts
-from registry.audit_chain.keys import key_id
 from registry.catalog import queries
 from registry.catalog.models import (
     DELETED,
@@ -55,7 +53,9 @@ from registry.catalog.models import (
     Release,
     Validation,
 )
-from registry.config import checked_user
+from registry.core.config import checked_user
+from registry.core.layout import JOURNAL
+from registry.core.refs import check_alias, check_reason
 from registry.errors import InvalidDocument, PolicyError, RegistryError, UsageError
 from registry.journal.event import (
     ABORTED,
@@ -71,12 +71,12 @@ from registry.journal.event import (
     parse,
     signature_problem,
 )
-from registry.layout import JOURNAL
-from registry.refs import check_alias, check_reason
 from registry.storage.base import ObjectInfo
+from registry.trust import audit, signed_facts
+from registry.trust.audit_chain.keys import key_id
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 SAME_TIME = 1e-6  # seconds: a float time read back from either catalog
 CURRENT, REPLAYED = "current", "replayed"
@@ -105,7 +105,7 @@ class Replay:
     releases: set[tuple[str, int]] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
     # With the audit key, what replay writes that the server decides from is signed
-    # (`registry.signed_facts`), by whoever runs the rebuild.
+    # (`registry.trust.signed_facts`), by whoever runs the rebuild.
     audit_key: bytes | None = field(default=None, repr=False)
     actor: str = ""
 
@@ -454,7 +454,7 @@ def _policy(s: Session, e: Event, out: Replay) -> str:
     s.add(row)
     if out.audit_key is not None and e.mac is not None:
         # A policy the server signed in the journal is in force behind it again once signed
-        # and named by an apply event the chain seals (registry.proven_policy).
+        # and named by an apply event the chain seals (registry.trust.proven_policy).
         s.flush()
         content = signed_facts.policy_content(row)
         signed_facts.sign(

@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event as sa_event
 
-from registry.audit_chain.keys import key_id
 from registry.errors import ObjectExists, RegistryError, UsageError
 from registry.journal.event import ABORTED, MAX_BYTES, Event, sign
+from registry.trust.audit_chain.keys import key_id
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
     from registry.catalog.models import Validation
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 def record(

@@ -11,7 +11,7 @@ A request names the exact version; its state is derived, never stored:
     open       otherwise
 
 Rows are append-only (migration 0019). Behind `reg server` each carries the server's MAC
-(`registry.signed_facts`): a request or decision written around the server is ignored (an
+(`registry.trust.signed_facts`): a request or decision written around the server is ignored (an
 approval forged into the catalog never counts). Every request and decision is audited,
 journaled (`alias-request`, `alias-decision`) and an outbox event (`alias.requested`,
 `alias.approved`, `alias.rejected`), which webhooks deliver. The commands that open and decide
@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from registry import events
-from registry import signed_facts as facts
 from registry.catalog.models import AliasEvent
 from registry.catalog.workflow_models import (
     APPROVED,
@@ -37,14 +35,16 @@ from registry.catalog.workflow_models import (
     AliasDecision,
     AliasRequest,
 )
+from registry.core.timeutil import iso, now
+from registry.integrations import outbox as events
 from registry.journal.event import ALIAS_DECISION, ALIAS_REQUEST
 from registry.journal.write import record as journal_record
-from registry.timeutil import iso, now
+from registry.trust import signed_facts as facts
 
 if TYPE_CHECKING:
     from policies.loader import ProtectedAlias
     from registry.catalog.models import Model, Release
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from policies.access import Action, check_grants
 from policies.workflow import named_by, protection_for
 from registry.catalog.models import ACTIVE, Alias, Model, Release
 from registry.catalog.workflow_models import APPROVED, OPEN, REJECTED
+from registry.core.refs import ReleaseRef, check_alias, check_name, check_reason
 from registry.errors import Conflict, NotFound, PermissionDenied, UsageError
 from registry.lifecycle import alias_requests
 from registry.lifecycle.releases import (
@@ -27,15 +28,14 @@ from registry.lifecycle.releases import (
     resolve_release,
 )
 from registry.lifecycle.views import ReleaseView
-from registry.principal import Principal
-from registry.refs import ReleaseRef, check_alias, check_name, check_reason
+from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
     from policies.loader import Grant, ProtectedAlias
-    from registry.context import Context
     from registry.lifecycle.alias_requests import Request
+    from registry.lifecycle.context import Context
 
 STATES = ("open", "approved", "rejected", "cancelled", "expired")
 ADVISORY = (

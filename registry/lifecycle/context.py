@@ -9,8 +9,8 @@
     server     True inside `reg server`: identities are verified, so the GPU gate accepts only
                validations a validator attested
     audit_key  the audit log's HMAC key where this process holds it (the server, an operator
-               on its host): events are then signed at insert (`registry.audit_chain`)
-    signing_dir  where this process keeps release signing keys (`registry.signing.keys`):
+               on its host): events are then signed at insert (`registry.trust.audit_chain`)
+    signing_dir  where this process keeps release signing keys (`release_signing.keys`):
                REG_HOME/signing of the server, or of the one embedded user
 
 Lifecycle functions take a Context; `Registry` builds one from local settings (embedded mode),
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from registry.catalog.engine import Catalog
-    from registry.events import EventSink
-    from registry.policy_source import EffectivePolicy
-    from registry.principal import Principal
+    from registry.integrations.outbox import EventSink
     from registry.storage.base import BaseStore
+    from registry.trust.policy_source import EffectivePolicy
+    from registry.trust.principal import Principal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +66,7 @@ class Context:
         **details: Any,
     ) -> None:
         """Record an audit event by this Context's principal (with the token it used, if any)."""
-        from registry import audit
+        from registry.trust import audit
 
         audit.record(
             session,
@@ -104,7 +104,7 @@ class Context:
 
     def model_owner(self, model: str, *, new: str | None = None) -> str | None:
         """The project that owns `model`; `new` where there is no such model yet. Behind the
-        server only a signed owner counts (`registry.signed_facts`): an unsigned or forged
+        server only a signed owner counts (`registry.trust.signed_facts`): an unsigned or forged
         one is unknown (None), which only grants on every project cover."""
         from sqlmodel import select
 
@@ -122,7 +122,7 @@ class Context:
         """`row.project` (a Model row) where this Context may rely on it."""
         if not self.server or row.project is None:
             return row.project  # type: ignore[no-any-return]
-        from registry.signed_facts import model_is_signed
+        from registry.trust.signed_facts import model_is_signed
 
         if self.audit_key is not None and model_is_signed(session, self.audit_key, row):
             return row.project  # type: ignore[no-any-return]

@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 
 from policies.access import Action
-from registry import events, faults
-from registry import signed_facts as facts
 from registry.catalog.models import (
     YANKED,
     Checkpoint,
@@ -37,21 +35,24 @@ from registry.catalog.models import (
     ReleaseSignature,
     Run,
 )
+from registry.core import faults
+from registry.core.layout import RELEASE_DOCUMENT, release_prefix
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, GateNotMet, IntegrityError
 from registry.formats.documents import ReleaseDocument
-from registry.layout import RELEASE_DOCUMENT, release_prefix
+from registry.integrations import outbox as events
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.releases import resolve_release, stored_files, uri_of
 from registry.lifecycle.verify import verify_files
 from registry.lifecycle.views import UNVERIFIED, ReleaseView
-from registry.signing import bundle, provenance
-from registry.timeutil import iso, now
+from registry.trust import signed_facts as facts
+from registry.trust.release_signing import bundle, provenance
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.core.progress import Progress
+    from registry.core.refs import ReleaseRef
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
-    from registry.refs import ReleaseRef
+    from registry.lifecycle.context import Context
 
 
 def sign_release(ctx: Context, ref: ReleaseRef, progress: Progress | None = None) -> dict[str, Any]:

@@ -18,17 +18,17 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from registry import signed_facts as facts
 from registry.catalog.models import Checkpoint, Project, Run
+from registry.core.layout import RELEASE_DOCUMENT, release_prefix
 from registry.errors import IntegrityError, RegistryError
-from registry.layout import RELEASE_DOCUMENT, release_prefix
-from registry.signing import bundle
-from registry.signing.keys import REVOKED, find
-from registry.signing.provenance import CARD_FILE, MAX_PROVENANCE, PROVENANCE_FILE
+from registry.trust import signed_facts as facts
+from registry.trust.release_signing import bundle
+from registry.trust.release_signing.keys import REVOKED, find
+from registry.trust.release_signing.provenance import CARD_FILE, MAX_PROVENANCE, PROVENANCE_FILE
 
 if TYPE_CHECKING:
-    from registry.context import Context
     from registry.formats.documents import FileRecord
+    from registry.lifecycle.context import Context
     from registry.lifecycle.views import ReleaseView
 
 GENERATED = (PROVENANCE_FILE, CARD_FILE, RELEASE_DOCUMENT, bundle.SIGNATURE_FILE)

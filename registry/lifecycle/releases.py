@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from policies.access import Action
-from registry import events
 from registry.catalog.models import (
     DEPRECATED,
     RELEASE_PENDING,
@@ -22,22 +21,23 @@ from registry.catalog.models import (
     Release,
     ReleaseStatus,
 )
+from registry.core.layout import release_prefix
+from registry.core.refs import ReleaseRef, check_alias, check_name, check_reason
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
+from registry.integrations import outbox as events
+from registry.integrations.mirror.artifacts import unpublish_everywhere
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
-from registry.layout import release_prefix
 from registry.lifecycle import alias_requests
+from registry.lifecycle.transfer import download
 from registry.lifecycle.views import ReleaseView, signing_key_states
-from registry.mirror.artifacts import unpublish_everywhere
-from registry.refs import ReleaseRef, check_alias, check_name, check_reason
-from registry.signing.bundle import check_pulled
-from registry.timeutil import iso, now
-from registry.transfer import download
+from registry.trust.release_signing.bundle import check_pulled
 
 if TYPE_CHECKING:
-    from registry.context import Context
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
 
 
 # -- lookups ----------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
-from registry import events
+from registry.core.refs import check_name
+from registry.core.timeutil import iso, now
 from registry.errors import NotFound, UsageError
-from registry.refs import check_name
-from registry.timeutil import iso, now
+from registry.integrations import outbox as events
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 RUN_STATUSES = ("finished", "failed", "killed")
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from registry.core.progress import Counter, Progress
 from registry.errors import Conflict, IntegrityError, NotFound, ObjectExists, UsageError
 from registry.formats.documents import FileRecord
-from registry.progress import Counter, Progress
 from registry.storage.base import BaseStore, Producer, Staged, check_key
 
 

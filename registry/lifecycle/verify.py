@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from policies.access import Action
-from registry import events
 from registry.catalog.models import (
     COMMITTED,
     RELEASE_PENDING,
@@ -26,18 +25,19 @@ from registry.catalog.models import (
     Release,
     Run,
 )
-from registry.errors import RegistryError
-from registry.layout import (
+from registry.core.layout import (
     parse_checkpoint_key,
     parse_release_key,
 )
-from registry.timeutil import now
-from registry.transfer import repair_stored, verify_stored
+from registry.core.timeutil import now
+from registry.errors import RegistryError
+from registry.integrations import outbox as events
+from registry.lifecycle.transfer import repair_stored, verify_stored
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
+    from registry.lifecycle.context import Context
 
 
 def verify_files(

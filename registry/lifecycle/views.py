@@ -1,5 +1,5 @@
 """A checkpoint's and a release's catalog rows as the lifecycles read them; `to_json()` is the
-shape DESIGN §7 documents for `--json` (the typed results of `registry.results` read it)."""
+shape DESIGN §7 documents for `--json` (the typed results of `registry.api.results` read it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from registry import signed_facts as facts
 from registry.catalog.models import (
     DELETED,
     DELETING,
@@ -21,11 +20,12 @@ from registry.catalog.models import (
     ReleaseSignature,
     Validation,
 )
+from registry.core.layout import RELEASE_DOCUMENT
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso
 from registry.formats.documents import FileRecord
-from registry.layout import RELEASE_DOCUMENT
-from registry.refs import CheckpointRef
-from registry.signing.keys import all_keys
-from registry.timeutil import iso
+from registry.trust import signed_facts as facts
+from registry.trust.release_signing.keys import all_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
-from registry import audit
+from registry.trust import audit
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 def storage_init(ctx: Context) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`reg catalog sign`: the upgrade of a registry whose rows predate signed facts (issue 32).
 
 Behind the server, a policy document, an attested validation or a model's owner counts only
-with a signature under the audit key (`registry.signed_facts`); rows written before this reg
+with a signature under the audit key (`registry.trust.signed_facts`); rows written before this reg
 have none, so the server decides nothing (policy) or ignores them (validations, owners) until
 an admin, on the server's host with the key, runs this once. It signs only what the registry's
 own history vouches for, and names the rest. An audit event vouches only when it is authentic:
@@ -27,22 +27,22 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from policies.access import Action
-from registry import signed_facts as facts
-from registry.audit_chain import macs
-from registry.audit_chain.keys import AuditKeyMissing
-from registry.audit_chain.service import seal_now
 from registry.catalog.models import (
     AuditEvent,
     Model,
     PolicyDocument,
     Validation,
 )
+from registry.core.refs import parse_checkpoint_ref
 from registry.errors import RegistryError, UsageError
-from registry.proven_policy import apply_events, prove, sealed
-from registry.refs import parse_checkpoint_ref
+from registry.trust import signed_facts as facts
+from registry.trust.audit_chain import macs
+from registry.trust.audit_chain.keys import AuditKeyMissing
+from registry.trust.audit_chain.service import seal_now
+from registry.trust.proven_policy import apply_events, prove, sealed
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 def sign_catalog(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:

@@ -17,7 +17,7 @@ artifact; fsck checks every one and what lies between them:
     policy-*, validation-*, model-*, signature-forged
                           where the audit key is at hand (the server, its host), for the whole
                           registry: a fact the server decides from that does not prove itself
-                          (`registry.fact_findings`)
+                          (`registry.trust.fact_findings`)
 
 A finding is `sweepable` when it is a leftover of interrupted work, not damage and not something
 a person must look at: the registry is `clean` when every finding is. `repair` (fsck_repair.py)
@@ -57,9 +57,7 @@ from registry.catalog.models import (
     ReleaseSignature,
     Run,
 )
-from registry.errors import NotFound, RegistryError, UsageError
-from registry.formats.documents import FileRecord
-from registry.layout import (
+from registry.core.layout import (
     CHECKPOINTS,
     MANIFEST,
     RELEASE_DOCUMENT,
@@ -69,6 +67,11 @@ from registry.layout import (
     parse_release_key,
     release_prefix,
 )
+from registry.core.progress import Counter
+from registry.core.refs import CheckpointRef, check_name
+from registry.core.timeutil import iso, now
+from registry.errors import NotFound, RegistryError, UsageError
+from registry.formats.documents import FileRecord
 from registry.lifecycle.views import release_document
 from registry.operations.fsck_findings import (
     DAMAGE,
@@ -87,14 +90,11 @@ from registry.operations.fsck_findings import (
     Snapshot,
 )
 from registry.operations.fsck_repair import repair as run_repair
-from registry.progress import Counter
-from registry.refs import CheckpointRef, check_name
 from registry.storage.base import check_key
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
-    from registry.context import Context
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
 
 DEFAULT_SAMPLE = 32  # data files hashed per fsck without `full` (documents are always hashed)
 
@@ -135,7 +135,7 @@ def _run(
     snap = snapshot(ctx, project)
     findings, hashed = check(ctx, snap, full=full, sample=sample, progress=progress)
     if project is None and ctx.audit_key is not None:  # where the key is: the signed facts
-        from registry.fact_findings import fact_problems
+        from registry.trust.fact_findings import fact_problems
 
         with ctx.catalog.session() as s:
             findings += [

@@ -28,9 +28,12 @@ from sqlmodel import col, select
 
 from registry.catalog import claims, queries
 from registry.catalog.models import PENDING, SWEEPING, Checkpoint
+from registry.core.layout import parse_checkpoint_key
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.formats.documents import FileRecord
-from registry.layout import parse_checkpoint_key
+from registry.lifecycle.transfer import Problem, repair_stored
 from registry.operations import gc
 from registry.operations.fsck_findings import (
     DAMAGE,
@@ -43,12 +46,9 @@ from registry.operations.fsck_findings import (
     Finding,
     Snapshot,
 )
-from registry.refs import CheckpointRef
-from registry.timeutil import now
-from registry.transfer import Problem, repair_stored
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 def repair(

@@ -19,7 +19,6 @@ from sqlmodel import Session, col, select
 
 from policies.access import Action
 from policies.retention import DELETE, CheckpointRecord, Decision, Protections, plan
-from registry import events, faults, signed_facts
 from registry.catalog import claims, leases
 from registry.catalog.models import (
     COMMITTED,
@@ -35,13 +34,16 @@ from registry.catalog.models import (
     Release,
     Run,
 )
+from registry.core import faults
+from registry.core.layout import CHECKPOINTS, MANIFEST, checkpoint_prefix, parse_checkpoint_key
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, RegistryError
-from registry.layout import CHECKPOINTS, MANIFEST, checkpoint_prefix, parse_checkpoint_key
-from registry.refs import CheckpointRef
-from registry.timeutil import iso, now
+from registry.integrations import outbox as events
+from registry.trust import signed_facts
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 GC_LEASE = "gc"
 GC_LEASE_SECONDS = 600.0
@@ -397,7 +399,7 @@ def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> t
 def delete_checkpoint(ctx: Context, ref: CheckpointRef, errors: list[str]) -> int:
     """Delete a checkpoint's objects, then leave the tombstone (a row marked `deleting`).
     Behind the server only a mark GC signed is carried out: one written into the catalog
-    around it is reported and left (`registry.signed_facts`)."""
+    around it is reported and left (`registry.trust.signed_facts`)."""
     if ctx.server and not _mark_is_signed(ctx, ref):
         errors.append(
             f"{ref}: its deletion mark is unsigned or forged (not made by this server's GC): "

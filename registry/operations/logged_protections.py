@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 from sqlmodel import Session, col, select
 
-from registry.audit_chain import macs
 from registry.catalog.models import AuditEvent
-from registry.refs import CheckpointRef, parse_checkpoint_ref
+from registry.core.refs import CheckpointRef, parse_checkpoint_ref
+from registry.trust.audit_chain import macs
 
 _IN = 500
 

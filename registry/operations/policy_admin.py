@@ -14,19 +14,19 @@ from sqlmodel import select
 from policies.access import Action, check_grants, scoped_admin_grants
 from policies.loader import Policy, Webhook, load_policy_file, parse_policy
 from policies.resume import resume_overrides
-from registry import signed_facts
-from registry.audit_chain.service import seal_now
 from registry.catalog.models import PolicyDocument
+from registry.core.timeutil import now
 from registry.errors import PolicyError, RegistryError, UnprovenFact, UsageError
+from registry.integrations.webhooks.signing import read_secret
 from registry.journal.event import POLICY
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
 from registry.operations.gc import emit_expiry_changes
-from registry.timeutil import now
-from registry.webhooks.signing import read_secret
+from registry.trust import signed_facts
+from registry.trust.audit_chain.service import seal_now
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 IN_FORCE_WAIT_S = 5.0  # how long an apply waits for a concurrent sealer's anchor
@@ -111,10 +111,10 @@ def _webhook_warnings(hooks: list[Webhook]) -> list[str]:
 
 
 def _in_force_now(ctx: Context, version: int) -> None:
-    """The applied version is the proven one (`registry.proven_policy`); else the apply is
+    """The applied version is the proven one (`registry.trust.proven_policy`); else the apply is
     recorded but decides nothing, and the admin must hear it (a seal row written around the
     sealer can keep its event from being sealed)."""
-    from registry.proven_policy import in_force
+    from registry.trust.proven_policy import in_force
 
     assert ctx.audit_key is not None
     # The server's sealer may seal the event between our seal and our anchor (it commits its
@@ -198,7 +198,7 @@ def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], lis
         bucket, prefix = url.netloc, url.path.strip("/")
     else:
         bucket, _, prefix = bucket.partition("/")
-    from registry.signed_facts import model_owners
+    from registry.trust.signed_facts import model_owners
 
     with ctx.catalog.session() as s:
         owners = model_owners(s, ctx.audit_key if ctx.server else None)

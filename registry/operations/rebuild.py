@@ -41,11 +41,7 @@ from registry.catalog.models import (
     Release,
     ReleaseFile,
 )
-from registry.errors import IntegrityError, InvalidDocument
-from registry.formats.dcp_roots import metadata_paths
-from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
-from registry.journal import replay as journal
-from registry.layout import (
+from registry.core.layout import (
     CHECKPOINTS,
     MANIFEST,
     RELEASE_DOCUMENT,
@@ -54,13 +50,17 @@ from registry.layout import (
     parse_release_key,
     release_prefix,
 )
+from registry.core.timeutil import now
+from registry.errors import IntegrityError, InvalidDocument
+from registry.formats.dcp_roots import metadata_paths
+from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
+from registry.journal import replay as journal
 from registry.lifecycle.checkpoints.commit import save_key_facts
-from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, claimed_digests
-from registry.signing.provenance import CARD_FILE, PROVENANCE_FILE
-from registry.timeutil import now
+from registry.trust.release_signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, claimed_digests
+from registry.trust.release_signing.provenance import CARD_FILE, PROVENANCE_FILE
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 
 def _ts(text: str) -> float:
@@ -105,7 +105,7 @@ def rebuild(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
                 events=replayed or None,
             )
     if not dry_run and ctx.audit_key is not None and replayed:
-        from registry.audit_chain.service import seal_now
+        from registry.trust.audit_chain.service import seal_now
 
         seal_now(ctx.catalog, ctx.store, ctx.audit_key)  # a replayed policy is in force now
     return out
@@ -238,7 +238,7 @@ def _release(
             s.add(model)
             s.flush()
             if ctx.audit_key is not None and not dry_run:
-                from registry.signed_facts import MODEL, model_content, sign
+                from registry.trust.signed_facts import MODEL, model_content, sign
 
                 sign(
                     s,

@@ -23,18 +23,18 @@ from registry.catalog.models import (
     Release,
     Run,
 )
-from registry.errors import Conflict, RegistryError, UsageError
-from registry.layout import (
+from registry.core.layout import (
     checkpoint_prefix,
     release_prefix,
 )
+from registry.core.refs import CheckpointRef
+from registry.errors import Conflict, RegistryError, UsageError
 from registry.lifecycle.verify import record, row_at, verify_files
-from registry.refs import CheckpointRef
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
+    from registry.lifecycle.context import Context
 
 
 # -- scrubs -----------------------------------------------------------------------------------

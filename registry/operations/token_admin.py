@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from policies.loader import PRINCIPAL
-from registry import tokens
 from registry.errors import UsageError
+from registry.trust import tokens
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 MAX_EXPIRY_S = 10 * 365 * 86400.0
 SERVER_PRINCIPAL = "reg-server"  # who the server's own scheduled work acts as

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from registry.audit_chain import keys
-from registry.audit_chain import keys as audit_keys
 from registry.catalog.engine import Catalog
 from registry.errors import (
     Conflict,
@@ -29,19 +27,21 @@ from registry.errors import (
     UnprovenFact,
     UsageError,
 )
-from registry.policy_source import EffectivePolicy
 from registry.server import metrics
 from registry.server.oidc import verifier_from
 from registry.storage import open_store
+from registry.trust.audit_chain import keys
+from registry.trust.audit_chain import keys as audit_keys
+from registry.trust.policy_source import EffectivePolicy
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
-    from registry.policy_source import EffectivePolicy
+    from registry.core.config import Settings
     from registry.server.oidc import OidcVerifier
     from registry.storage.base import BaseStore
+    from registry.trust.policy_source import EffectivePolicy
 
 log = logging.getLogger("reg.server")
 API_VERSION = "v1"
@@ -61,7 +61,7 @@ class ServerState:
         return keys.for_server(self.settings.audit_key_path)
 
     def policy(self) -> EffectivePolicy:
-        """The policy in force, as proven (`registry.proven_policy`): never merely the newest
+        """The policy in force, as proven (`registry.trust.proven_policy`): never merely the newest
         row. UnprovenFact when it cannot be established."""
         return EffectivePolicy.for_server(
             self.catalog,

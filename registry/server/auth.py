@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 
-from registry.audit_chain import keys as audit_keys
-from registry.context import Context
 from registry.errors import Unauthenticated
-from registry.events import Outbox
-from registry.principal import Principal
+from registry.integrations.outbox import Outbox
+from registry.lifecycle.context import Context
 from registry.server.oidc import looks_like_jwt
+from registry.trust.audit_chain import keys as audit_keys
+from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
     from registry.server.app import ServerState
 
 
@@ -64,7 +64,7 @@ def context_for(request: Request) -> Context:
 
 def _identify(state: ServerState, request: Request, token: str) -> tuple[str, str, str]:
     """(principal, how it was proven, credential id) of a reg token or an OIDC JWT."""
-    from registry.tokens import PREFIX, split, verify
+    from registry.trust.tokens import PREFIX, split, verify
 
     if not token.startswith(PREFIX) and looks_like_jwt(token):
         request.state.token_id = "oidc"  # logged even when the JWT is refused

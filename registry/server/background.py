@@ -3,8 +3,8 @@ upload directory, sealing the audit log, delivering webhooks, and, when asked, t
 
 Replicas share the work through catalog leases: a scheduled GC takes the `gc-schedule` lease
 for one interval (whichever replica gets it runs that cycle; the GC lease still keeps any two
-GCs apart), the drain holds the drain lease while it runs (`registry.mirror.drain`), and one
-replica at a time seals the audit log (`audit-seal`, `registry.audit_chain.schedule`).
+GCs apart), the drain holds the drain lease while it runs (`mirror.drain`), and one
+replica at a time seals the audit log (`audit-seal`, `registry.trust.audit_chain.schedule`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from registry.audit_chain import keys
-from registry.context import Context
-from registry.events import Outbox
-from registry.mirror.spawn import spawn_drain
+from registry.integrations.mirror.spawn import spawn_drain
+from registry.integrations.outbox import Outbox
+from registry.lifecycle.context import Context
 from registry.operations.token_admin import SERVER_PRINCIPAL
-from registry.principal import Principal
 from registry.server.upload import sweep
+from registry.trust.audit_chain import keys
+from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
     from registry.server.app import ServerState
@@ -67,7 +67,7 @@ class Background:
     def _housekeeping_loop(self) -> None:
         """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
         requests' upload directories are removed."""
-        from registry.mirror.drain import pending_count
+        from registry.integrations.mirror.drain import pending_count
 
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
@@ -80,7 +80,7 @@ class Background:
     def _audit_loop(self) -> None:
         """Seal the audit events every few seconds and anchor the chain head now and then;
         only the replica holding the lease does (requests only sign their own events)."""
-        from registry.audit_chain.schedule import SealSchedule, intervals
+        from registry.trust.audit_chain.schedule import SealSchedule, intervals
 
         every, anchor_every = intervals()
         schedule = SealSchedule(
@@ -103,9 +103,9 @@ class Background:
             schedule.close()
 
     def _webhook_loop(self) -> None:
-        """Deliver the policy's webhooks (`registry.webhooks.deliver`): on a thread of its own,
+        """Deliver the policy's webhooks (`webhooks.deliver`): on a thread of its own,
         so a receiver that hangs delays only its own deliveries, never a request."""
-        from registry.webhooks.deliver import drain
+        from registry.integrations.webhooks.deliver import drain
 
         hooks, since, read_at = [], None, -POLICY_EVERY_S
         while not self.stop.wait(WEBHOOKS_EVERY_S):

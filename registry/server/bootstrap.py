@@ -18,24 +18,24 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action, check_grants
-from registry.audit_chain import keys
-from registry.audit_chain.service import seal_now
 from registry.catalog.engine import Catalog
-from registry.config import checked_user
-from registry.context import Context
+from registry.core.config import checked_user
 from registry.errors import PolicyError
-from registry.events import Outbox
-from registry.policy_source import EffectivePolicy
-from registry.principal import Principal
+from registry.integrations.outbox import Outbox
+from registry.lifecycle.context import Context
 from registry.storage import open_store
+from registry.trust.audit_chain import keys
+from registry.trust.audit_chain.service import seal_now
+from registry.trust.policy_source import EffectivePolicy
+from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 
 def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
     from registry.operations.policy_admin import apply_text
-    from registry.tokens import mint
+    from registry.trust.tokens import mint
 
     checked_user(admin, "--admin")
     created = keys.create(settings.audit_key_path)
@@ -62,7 +62,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
         created_by = f"reg server init ({operator})"
         token = mint(catalog, admin, created_by=created_by, expires_s=None, key=key)
         with catalog.session(write=True) as s:
-            from registry import audit
+            from registry.trust import audit
 
             audit.record(
                 s,
@@ -92,7 +92,7 @@ def _signing_key(
     """The release signing key (issue 37): created unless one is active already, its private
     half under REG_HOME/signing beside the audit key (a registry behind the server signs every
     release: `[promotion] require_signature = "auto"`)."""
-    from registry.signing import keys as signing_keys
+    from registry.trust.release_signing import keys as signing_keys
 
     policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
     ctx = _as_admin(settings, catalog, policy, admin, operator, audit_key)

@@ -22,10 +22,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from registry.core.layout import MANIFEST
 from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError, UsageError
 from registry.formats.dcp_scan import check_path, is_reserved
-from registry.layout import MANIFEST
 from registry.lifecycle.checkpoints import claimed, shared, tiers
+from registry.lifecycle.transfer import Stored
 from registry.server.auth import context_for
 from registry.server.requests import (
     authed_body,
@@ -37,7 +38,6 @@ from registry.server.requests import (
     text,
 )
 from registry.server.upload import MAX_DEPTH, MAX_PATH, MAX_SEGMENT, path_problem
-from registry.transfer import Stored
 
 router = APIRouter()
 MAX_FILE = 1 << 44  # 16 TiB: far above any shard

@@ -1,8 +1,9 @@
-"""The endpoints derived from the contract: one per `@http` method of `registry.api.Registry`.
+"""The endpoints derived from the contract: one per `@http` method of
+`registry.api.contract.Registry`.
 
 Each reads the token first (an anonymous caller gets nothing read), then the method's
 arguments from the query string or a bounded JSON body, checked by their annotations
-(`registry.wire`), and runs the embedded implementation (`LocalRegistry.serving`) under the
+(`registry.api.wire`), and runs the embedded implementation (`LocalRegistry.serving`) under the
 request's Context in a worker thread: access checks and audit happen there, as embedded.
 """
 
@@ -16,12 +17,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from registry.api import Registry
+from registry.api.contract import Registry
+from registry.api.local import LocalRegistry
+from registry.api.wire import Route, routes
 from registry.errors import UsageError
-from registry.local import LocalRegistry
 from registry.server.auth import context_for
 from registry.server.requests import json_body
-from registry.wire import Route, routes
 
 router = APIRouter()
 

@@ -13,13 +13,13 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from policies.access import Action
-from registry.context import Context
+from registry.api.remote.push_stream import MAGIC
+from registry.core.layout import MANIFEST, checkpoint_prefix, release_prefix
+from registry.core.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST, checkpoint_prefix, release_prefix
 from registry.lifecycle.checkpoints.push import push
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
-from registry.remote.push_stream import MAGIC
+from registry.lifecycle.context import Context
 from registry.server.auth import CTX, context_for
 from registry.server.requests import authed_body, idle_limited, text
 from registry.server.upload import MAX_HEADER, Receiver, Writer, parse_header

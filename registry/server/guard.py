@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from registry.config import Settings
+from registry.core.config import Settings
 
 if TYPE_CHECKING:
     import asyncio
 
-    from registry.config import ServerSettings
+    from registry.core.config import ServerSettings
 
 log = logging.getLogger("reg.server")
 RESERVED_FDS = 128  # beside the connections: pool, store files, logs, the sealer, the drain

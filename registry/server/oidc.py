@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.core.timeutil import iso
 from registry.errors import Unauthenticated
 from registry.server.jwks import FileJwks, JwksSource, JwksUnavailable, UrlJwks
 from registry.server.oidc_config import OidcConfig, config_from
-from registry.timeutil import iso
 
 if TYPE_CHECKING:
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 log = logging.getLogger("reg.server.oidc")
 

@@ -18,7 +18,7 @@ from registry.errors import UsageError
 from registry.text import redact_url
 
 if TYPE_CHECKING:
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 ASYMMETRIC = (
     "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from registry.context import Context
+from registry.core.refs import CheckpointRef, parse_checkpoint_ref
 from registry.errors import UsageError
 from registry.formats.documents import FileRecord
 from registry.lifecycle.checkpoints.upload_plan import declared_files
-from registry.refs import CheckpointRef, parse_checkpoint_ref
+from registry.lifecycle.context import Context
 from registry.server.auth import CTX
 from registry.server.requests import authed_body, opt_text, text
 from registry.server.upload import MAX_HEADER

@@ -16,7 +16,7 @@ from registry.errors import RegistryError, UsageError
 from registry.server.auth import context_for
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 MAX_JSON_BYTES = 1 << 20  # JSON request bodies; a push streams, a promotion's extras get more
 MAX_PROMOTE_BYTES = 64 << 20

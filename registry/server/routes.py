@@ -18,10 +18,10 @@ from starlette.concurrency import run_in_threadpool
 
 from policies.access import Action
 from registry.catalog.leases import HOLD_PREFIX, release, take_hold
-from registry.context import Context
+from registry.core.layout import checkpoint_prefix
+from registry.core.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.errors import UsageError
-from registry.layout import checkpoint_prefix
-from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
+from registry.lifecycle.context import Context
 from registry.server.auth import CTX, context_for
 from registry.server.requests import MAX_PROMOTE_BYTES, authed_body, flag, json_body, opt_text, text
 from registry.server.upload import private_dir, release_dir

@@ -10,18 +10,18 @@ import sys
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from registry.audit_chain import keys
-from registry.config import Settings
+from registry.core.config import Settings
+from registry.core.timeutil import positive_duration
 from registry.errors import UsageError
 from registry.server.oidc_config import config_from
-from registry.timeutil import positive_duration
+from registry.trust.audit_chain import keys
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from fastapi import FastAPI
 
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 
 class JsonLines(logging.Formatter):
@@ -66,7 +66,7 @@ def build_app() -> FastAPI:
 def audit_ready(settings: Settings) -> None:
     """No audit key (or a bad sealing interval): no server. Every replica signs with the one
     key file (`reg server init` creates it)."""
-    from registry.audit_chain.schedule import intervals
+    from registry.trust.audit_chain.schedule import intervals
 
     keys.for_server(settings.audit_key_path)
     intervals()

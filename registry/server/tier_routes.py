@@ -28,11 +28,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from registry.core.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import check_path
 from registry.formats.documents import FileRecord
 from registry.lifecycle.checkpoints import shared, tiers
-from registry.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.server.auth import context_for
 from registry.server.requests import authed_body, flag, json_body, number, text
 

@@ -1,4 +1,4 @@
-"""A push's bytes, received: the stream of `registry.remote.push_stream`. The server
+"""A push's bytes, received: the stream of `registry.api.remote.push_stream`. The server
 writes the files into a private directory, hashing each as it lands and stopping at its declared
 size, then pushes that directory with the same code as the embedded mode: it scans and
 inventories `.metadata` itself, so nothing the client says about the checkpoint's content is
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from policies.layouts import check_layout
+from registry.api.remote.push_stream import DIGEST
 from registry.errors import IntegrityError, RegistryError, UsageError
-from registry.remote.push_stream import DIGEST
 
 MAX_HEADER = 16 << 20
 MAX_FILES = 100_000

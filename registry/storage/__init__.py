@@ -19,7 +19,7 @@ from registry.storage.local import LocalStore
 from registry.text import redact_url
 
 if TYPE_CHECKING:
-    from registry.config import S3Settings
+    from registry.core.config import S3Settings
 
 __all__ = ["BaseStore", "ObjectInfo", "PutResult", "Swept", "open_store"]
 

@@ -7,7 +7,7 @@ Conveniences (`put_bytes`, `get_bytes`, `sha256`, `get_file`) are built on the h
 backend overrides one only where it has a faster way.
 
 Every write is put-if-absent: an existing object is never replaced (`ObjectExists`). A caller
-that finds an object already there compares digests (`registry.transfer.put_reconciled`).
+that finds an object already there compares digests (`registry.lifecycle.transfer.put_reconciled`).
 Keys are `/`-separated relative paths.
 
 A writer that may not publish yet (a push waiting for its claim) stages: `stage_file` writes and
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from registry import faults
+from registry.core import faults
 from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 
 Progress = Callable[[int], None] | None

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from registry import faults
+from registry.core import faults
 from registry.errors import IntegrityError, NotFound, ObjectExists
 from registry.storage.base import (
     CHUNK,

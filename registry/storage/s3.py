@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from registry import faults
+from registry.core import faults
 from registry.errors import CompletedOver, Conflict, NotFound, ObjectExists, UsageError
 from registry.storage.base import (
     CHUNK,
@@ -54,7 +54,7 @@ from registry.storage.s3_client import (
 )
 
 if TYPE_CHECKING:
-    from registry.config import S3Settings
+    from registry.core.config import S3Settings
 
 IN_FLIGHT = 4  # parts in memory per upload
 PART_RETRIES = 4

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
-from registry.config import Settings
+from registry.core.config import Settings
 from registry.errors import NotFound, RegistryError, UsageError
 
 if TYPE_CHECKING:
-    from registry.config import S3Settings
+    from registry.core.config import S3Settings
 
 
 def new_client(settings: S3Settings | None = None) -> Any:

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
+from registry.core.layout import checkpoint_prefix
+from registry.core.refs import CheckpointRef, parse_checkpoint_ref
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import (
     SharedClaim,
     claim,
@@ -24,11 +25,10 @@ from registry.lifecycle.checkpoints.shared import (
     give_up,
     is_token,
 )
-from registry.refs import CheckpointRef, parse_checkpoint_ref
 from registry.storage.base import PutResult
 
 if TYPE_CHECKING:
-    from registry.api import Registry
+    from registry.api.contract import Registry
     from registry.storage.base import BaseStore
     from registry.training.store_writer import ObjectSink, Written
 
@@ -38,7 +38,7 @@ HEARTBEAT_TIMEOUT_S = 5.0  # one heartbeat request (sent off the training loop)
 
 class EmbeddedBackend:
     def __init__(self, registry: Registry) -> None:
-        from registry.local import LocalRegistry  # the embedded side only: opened already
+        from registry.api.local import LocalRegistry  # the embedded side only: opened already
 
         assert isinstance(registry, LocalRegistry)
         self.registry: LocalRegistry = registry
@@ -125,7 +125,7 @@ class EmbeddedBackend:
 
 class ServerBackend:
     def __init__(self, registry: Registry) -> None:
-        from registry.remote.registry import RemoteRegistry
+        from registry.api.remote.registry import RemoteRegistry
 
         assert isinstance(registry, RemoteRegistry)
         self.registry = registry
@@ -182,7 +182,7 @@ class ServerBackend:
         a server that does not answer costs the job a dropped beat, never a stuck thread."""
         import httpx
 
-        from registry.remote.client import error_from
+        from registry.api.remote.client import error_from
 
         client = self.registry.client
         body = {"project": ref.project, "run": ref.run, **figures}
@@ -233,7 +233,7 @@ class ServerSink:
 def remote_reader(registry: Any, listing: dict[str, Any], prefix: str) -> Any:
     """A store-like reader of the files `GET /files` listed, through the server (or the
     presigned URLs it hands out), for keys under `prefix`."""
-    from registry.remote.reader import RemoteReader
+    from registry.api.remote.reader import RemoteReader
 
     files = [
         FileRecord(f["path"], f["size"], f["sha256"], None, f.get("version"))

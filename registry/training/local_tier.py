@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
+from registry.core.layout import MANIFEST
+from registry.core.refs import check_name
 from registry.errors import IntegrityError, UsageError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST
-from registry.refs import check_name
 from registry.storage.base import hash_stream
 from registry.training import ranks
 

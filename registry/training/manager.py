@@ -46,9 +46,9 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from registry.api import Registry
+from registry.api.contract import Registry
+from registry.core.refs import CheckpointRef, check_name
 from registry.errors import NotFound, RegistryError
-from registry.refs import CheckpointRef, check_name
 from registry.training import ranks
 from registry.training.backends import EmbeddedBackend, ServerBackend
 from registry.training.local_tier import check_local_dir

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from registry.catalog.claims import LEASE_SECONDS
 from registry.catalog.leases import Heartbeat
+from registry.core.layout import MANIFEST
 from registry.errors import Conflict, RegistryError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST
 from registry.lifecycle.checkpoints.shared import SharedClaim
 
 if TYPE_CHECKING:

@@ -9,9 +9,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from registry import faults
+from registry.core import faults
+from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError
-from registry.refs import CheckpointRef
 from registry.training import ranks
 from registry.training.backends import SERVER_LEASE_S
 

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.core.layout import checkpoint_prefix
+from registry.core.refs import CheckpointRef
 from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
-from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import (
     LocalCopy,
     SharedClaim,
@@ -29,21 +30,20 @@ from registry.lifecycle.checkpoints.shared import (
     record_part,
     renew,
 )
-from registry.refs import CheckpointRef
+from registry.lifecycle.transfer import Stored
 from registry.training.backends import SERVER_LEASE_S, ServerBackend, remote_reader, server_token
-from registry.transfer import Stored
 
 if TYPE_CHECKING:
-    from registry.api import Registry
-    from registry.local import LocalRegistry
-    from registry.remote.registry import RemoteRegistry
+    from registry.api.contract import Registry
+    from registry.api.local import LocalRegistry
+    from registry.api.remote.registry import RemoteRegistry
 
 CHUNK = 8 << 20
 Take = Callable[[int], None]  # the replicator's rate limit: called with each chunk's size
 
 
 def tier_catalog(registry: Registry) -> EmbeddedTiers | ServerTiers:
-    from registry.local import LocalRegistry  # the embedded side: opened already, if at all
+    from registry.api.local import LocalRegistry  # the embedded side: opened already, if at all
 
     if isinstance(registry, LocalRegistry):
         return EmbeddedTiers(registry)

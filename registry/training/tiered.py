@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.models import LOCAL
+from registry.core.layout import checkpoint_prefix
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import now
 from registry.errors import IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.shared import SharedClaim
-from registry.refs import CheckpointRef
-from registry.timeutil import now
 from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
 from registry.training.replicator import Job, Replicator

@@ -7,9 +7,9 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from registry.audit_chain.macs import event_mac, normalized
 from registry.catalog.models import AuditEvent
-from registry.timeutil import iso, now
+from registry.core.timeutil import iso, now
+from registry.trust.audit_chain.macs import event_mac, normalized
 
 ALLOWED, DENIED, FAILED = "allowed", "denied", "failed"
 
@@ -27,7 +27,7 @@ def record(
 ) -> None:
     """Add the event to the caller's transaction. With the audit key it is signed here (a MAC
     of its own content and a random uid: no shared row, so concurrent writers never wait on
-    each other); the sealer chains it later (`registry.audit_chain`)."""
+    each other); the sealer chains it later (`registry.trust.audit_chain`)."""
     content: dict[str, Any] = {
         "uid": uuid.uuid4().hex if audit_key else None,
         "ts": now(),

@@ -1,4 +1,4 @@
-"""Which facts the server decides from do not prove themselves (`registry.signed_facts`): what
+"""Which facts the server decides from do not prove themselves (`registry.trust.signed_facts`): what
 `reg audit verify` and `reg fsck` report, where the audit key is at hand.
 
     policy-unsigned      a policy document without a signature
@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from registry import signed_facts as facts
-from registry.audit_chain.macs import same
 from registry.catalog.models import (
     DELETING,
     Checkpoint,
@@ -49,7 +47,9 @@ from registry.catalog.models import (
     Validation,
 )
 from registry.catalog.workflow_models import AliasDecision, AliasRequest
-from registry.proven_policy import prove
+from registry.trust import signed_facts as facts
+from registry.trust.audit_chain.macs import same
+from registry.trust.proven_policy import prove
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore

@@ -50,10 +50,10 @@ class EffectivePolicy:
         home: Path,
     ) -> EffectivePolicy:
         """The policy in force behind `reg server`: the newest one proven applied by an admin
-        (signed, sealed and anchored: `registry.proven_policy`), never merely the newest row.
+        (signed, sealed and anchored: `registry.trust.proven_policy`), never merely the newest row.
         UnprovenFact when the catalog's policy cannot be proven: the server then decides
         nothing. Until any policy is applied, the local file, as `load`."""
-        from registry.proven_policy import in_force
+        from registry.trust.proven_policy import in_force
 
         found = in_force(catalog, store, key)
         if found.error is not None:

@@ -23,7 +23,7 @@ from policies.access import (
 
 if TYPE_CHECKING:
     from policies.loader import Grant
-    from registry.policy_source import EffectivePolicy
+    from registry.trust.policy_source import EffectivePolicy
 
 
 @dataclass(frozen=True, slots=True)

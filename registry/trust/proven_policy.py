@@ -5,7 +5,7 @@ A row of `policy_document` decides who is an admin, so a row inserted by whoever
 catalog (the runtime role, the owner) must grant nothing. The policy in force is the one named
 by the newest `policy-apply` (or `policy-sign`) event that is sealed in the audit chain under
 the server's key and anchored in the store, and its row must carry a valid signature
-(`registry.signed_facts`) over the same document. So:
+(`registry.trust.signed_facts`) over the same document. So:
 
 - a forged row (no signature, or one that does not verify) is ignored and logged;
 - a forged apply event is not sealed (the sealer refuses a bad MAC) and is ignored;
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 from sqlmodel import Session, col, select
 
-from registry.audit_chain import anchors, macs
-from registry.audit_chain.keys import key_id
-from registry.audit_chain.sealer import seal_verifies
 from registry.catalog.models import AuditEvent, AuditSeal, PolicyDocument
 from registry.errors import RegistryError, UnprovenFact
-from registry.signed_facts import POLICY, policy_content, policy_intact, signed_ids
+from registry.trust.audit_chain import anchors, macs
+from registry.trust.audit_chain.keys import key_id
+from registry.trust.audit_chain.sealer import seal_verifies
+from registry.trust.signed_facts import POLICY, policy_content, policy_intact, signed_ids
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

@@ -1,5 +1,5 @@
 """Facts the catalog cannot forge (DESIGN §10): the rows `reg server` decides from carry a MAC
-under its audit key, as tokens (`registry.tokens`) and audit events (`registry.audit_chain`) do.
+under its audit key, as tokens (`trust.tokens`) and audit events (`trust.audit_chain`) do.
 
     policy      a policy document: who may do what (its version, text digest, applier, time)
     validation  a recorded validation: the GPU gate (its checkpoint's ref and manifest digest,
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from registry.audit_chain.macs import canonical, normalized, same
 from registry.catalog.models import (
     Checkpoint,
     FactMac,
@@ -46,12 +45,13 @@ from registry.catalog.models import (
     Run,
     SigningKeyEvent,
 )
-from registry.timeutil import now
+from registry.core.timeutil import now
+from registry.trust.audit_chain.macs import canonical, normalized, same
 
 if TYPE_CHECKING:
     from registry.catalog.models import Validation
     from registry.catalog.workflow_models import AliasDecision, AliasRequest
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 log = logging.getLogger("reg.policy")
 

@@ -23,8 +23,8 @@ from sqlalchemy import update
 from sqlmodel import col, select
 
 from registry.catalog.models import ApiToken
+from registry.core.timeutil import iso, now
 from registry.errors import NotFound, Unauthenticated, UsageError
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

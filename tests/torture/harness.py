@@ -8,7 +8,7 @@ a child per operation: the child builds its own `Registry` after the fork (no ca
 connection, boto client or thread crosses a fork: the warm-up's registry is closed and its
 threads gone before the first), says "started", and runs the operation. The zygote SIGKILLs
 it after a random delay drawn around the operation's measured duration, or arms a named crash
-point (registry/faults.py) in the child instead. A forked checker then checks the invariants,
+point (registry/core/faults.py) in the child instead. A forked checker then checks the invariants,
 the killed operation is run again to completion, and the checker runs once more:
 
   - no partial artifact visible: list/show return only committed artifacts; a killed push's
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 OPS = ("push", "pull", "promote", "alias", "gc", "rebuild", "mlflow")
 SERVER_OPS = ("push", "pull", "promote", "alias")
 BACKENDS = ("local", "s3pg", "server")
-# Named crash points on each operation's path (registry/faults.py).
+# Named crash points on each operation's path (registry/core/faults.py).
 FAULTS: dict[str, tuple[str, ...]] = {
     "push": ("push-published", "push-manifest"),
     "promote": ("promote-consolidated", "promote-documented"),
@@ -117,7 +117,7 @@ def fork_call(
             os.close(r_start)
             os.environ.clear()
             os.environ.update(env)
-            from registry import faults
+            from registry.core import faults
 
             faults._ARMED = fault  # read at import, in the zygote: armed here, per child
 
@@ -178,7 +178,7 @@ def _write_atomic(path: Path, data: dict[str, Any]) -> None:
 def _registry(env_key: str = "") -> Any:
     """A Registry on this child's environment, or (env_key) on the one named in it."""
     from registry import Registry
-    from registry.config import Settings
+    from registry.core.config import Settings
 
     if env_key:
         return Registry(Settings.from_env(json.loads(os.environ[env_key])))
@@ -303,7 +303,7 @@ def child_check(arg: dict[str, Any]) -> Any:
         targets_c: set[str] = set(spec.get("target_ckpts", []))
         targets_r: set[str] = set(spec.get("target_releases", []))
         if spec["op"] == "mlflow" and phase == "rerun":  # before the checks add events
-            from registry.mirror.drain import pending_count
+            from registry.integrations.mirror.drain import pending_count
 
             if pending := pending_count(direct.catalog):
                 bad.append(f"mlflow: {pending} events still pending after the rerun")
@@ -866,6 +866,7 @@ def preload(with_mlflow: bool) -> None:
     import torch
     import torch.distributed.checkpoint  # noqa: F401
 
+    import registry.api.remote.registry
     import registry.catalog.engine
     import registry.catalog.models
     import registry.lifecycle.checkpoints.listing
@@ -876,7 +877,6 @@ def preload(with_mlflow: bool) -> None:
     import registry.lifecycle.validation
     import registry.operations.gc
     import registry.operations.rebuild
-    import registry.remote.registry
     import registry.storage.local
     import registry.storage.s3
     import tests.serverproc  # noqa: F401
@@ -889,7 +889,7 @@ def preload(with_mlflow: bool) -> None:
         import mlflow.store.model_registry.sqlalchemy_store
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
-        import registry.mirror.drain  # noqa: F401
+        import registry.integrations.mirror.drain  # noqa: F401
     sqlalchemy.orm.configure_mappers()
     warm_s3_models()
 
@@ -910,7 +910,7 @@ def warm_up(work: Path, src: Path) -> None:
     import threading
 
     from registry import Registry
-    from registry.config import Settings
+    from registry.core.config import Settings
 
     home = work / "warm-up"
     env = base_env(work) | {"REG_HOME": str(home)}

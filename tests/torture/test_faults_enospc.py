@@ -1,6 +1,6 @@
 """A full disk mid-write (issue 17): `REG_FAULT=store-write:enospc` makes the local store's
 write of an object's bytes fail with ENOSPC, `pull-write:enospc` a pull's write of a destination
-file (registry/faults.py). A push or pull that hits it fails with one line naming the full disk
+file (registry/core/faults.py). A push or pull that hits it fails with one line naming the full disk
 and the path (exit 1, DESIGN §7), leaves no temp file in the store and nothing half-visible, and
 the same command completes once space is back (the fault unset)."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from registry import Registry, faults
+from registry import Registry
+from registry.core import faults
 from registry.errors import NotFound, RegistryError
 
 

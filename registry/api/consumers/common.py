@@ -31,17 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.api.results import ReleaseDetails
+from registry.core.layout import RELEASE_DOCUMENT
+from registry.core.refs import ReleaseRef, check_alias, check_name, parse_release_ref
 from registry.errors import Conflict, IntegrityError, MalformedRef, UsageError
 from registry.formats.documents import FileRecord, ReleaseDocument
-from registry.layout import RELEASE_DOCUMENT
 from registry.lifecycle.checkpoints.pulled import hash_all
-from registry.refs import ReleaseRef, check_alias, check_name, parse_release_ref
-from registry.results import ReleaseDetails
-from registry.signing.bundle import check_pulled
+from registry.trust.release_signing.bundle import check_pulled
 
 if TYPE_CHECKING:
-    from registry.api import Registry
-    from registry.progress import Progress
+    from registry.api.contract import Registry
+    from registry.core.progress import Progress
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 _SEGMENT = re.compile(r"[A-Za-z0-9._=-][A-Za-z0-9._=+-]*")  # a store key's (storage.base)

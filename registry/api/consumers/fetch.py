@@ -7,16 +7,16 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from registry.consumers import hf_cache as hub
-from registry.consumers import release_cache
-from registry.consumers.common import resolve
+from registry.api.consumers import hf_cache as hub
+from registry.api.consumers import release_cache
+from registry.api.consumers.common import resolve
+from registry.api.results import ReleaseFetched, ReleaseSummary
 from registry.errors import UsageError
-from registry.results import ReleaseFetched, ReleaseSummary
 
 if TYPE_CHECKING:
-    from registry.api import Registry
-    from registry.progress import Progress
-    from registry.refs import ReleaseRef
+    from registry.api.contract import Registry
+    from registry.core.progress import Progress
+    from registry.core.refs import ReleaseRef
 
 _SUMMARY = frozenset(f.name for f in dataclasses.fields(ReleaseSummary) if f.name[0] != "_")
 

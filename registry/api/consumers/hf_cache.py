@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from registry.consumers.common import (
+from registry.api.consumers.common import (
     Target,
     check_signed,
     links,
@@ -41,14 +41,14 @@ from registry.consumers.common import (
     usable_dir,
     write_atomic,
 )
+from registry.core.layout import RELEASE_DOCUMENT
 from registry.errors import UsageError
-from registry.layout import RELEASE_DOCUMENT
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from registry.api import Registry
-    from registry.progress import Progress
+    from registry.api.contract import Registry
+    from registry.core.progress import Progress
 
 # huggingface_hub's validate_repo_id, for a name without a namespace: 1-96 characters, starting
 # and ending with a letter, digit or `_`, no `--` (its folder separator) and no `..`

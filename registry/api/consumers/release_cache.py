@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.consumers.common import (
+from registry.api.consumers.common import (
     Target,
     check_signed,
     locked,
@@ -41,12 +41,12 @@ from registry.consumers.common import (
     usable_dir,
     write_atomic,
 )
+from registry.core.layout import RELEASE_DOCUMENT
 from registry.errors import IntegrityError
-from registry.layout import RELEASE_DOCUMENT
 
 if TYPE_CHECKING:
-    from registry.api import Registry
-    from registry.progress import Progress
+    from registry.api.contract import Registry
+    from registry.core.progress import Progress
 
 FORMAT = "reg.fetched/1"
 

@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.core.progress import Counter, Progress
+from registry.core.refs import CheckpointRef
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import open_checked, scan_part
 from registry.lifecycle.checkpoints.claimed import DEFAULT_LEASE_S, RENEW_EVERY_S
 from registry.lifecycle.checkpoints.shared import check_token
-from registry.progress import Counter, Progress
-from registry.refs import CheckpointRef
 
 if TYPE_CHECKING:
-    from registry.remote.registry import RemoteRegistry
+    from registry.api.remote.registry import RemoteRegistry
 
 CHUNK = 4 << 20
 

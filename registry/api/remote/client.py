@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from registry import errors
-from registry.config import check_cleartext
+from registry.core.config import check_cleartext
 from registry.errors import PermissionDenied, RegistryError, Unauthenticated, UsageError
 from registry.text import redact_url
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from registry.core.progress import Counter
 from registry.errors import IntegrityError, RegistryError
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, part_sizes
-from registry.progress import Counter
 
 if TYPE_CHECKING:
+    from registry.api.remote.client import Client
+    from registry.core.progress import Progress
     from registry.formats.dcp_scan import ScannedDir
-    from registry.progress import Progress
-    from registry.remote.client import Client
 
 PIECE = 1 << 20
 RETRIES = 4

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import IntegrityError
 
 if TYPE_CHECKING:
+    from registry.core.progress import Progress
     from registry.formats.dcp_scan import ScannedDir
-    from registry.progress import Progress
 
 MAGIC = b"REGPUSH1"
 DIGEST = 32  # the sha256 after each file

@@ -18,8 +18,8 @@ from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.storage.base import BaseStore, ObjectInfo, Producer
 
 if TYPE_CHECKING:
+    from registry.api.remote.client import Client
     from registry.formats.documents import FileRecord
-    from registry.remote.client import Client
 
 MAX_RANGE = 64 << 20  # the server's limit for one ranged read
 

@@ -4,7 +4,7 @@ Same methods, same typed results, same errors as the embedded Registry; identity
 from the token. The client never opens the catalog or the store: pushes stream through the
 server, pulls and validations read through it, and promotion, GC and policy changes run in it.
 
-A contract method that declares its route (`@http`, `registry.wire`) is sent as declared: those
+A contract method that declares its route (`@http`, `registry.api.wire`) is sent as declared: those
 methods are derived at the end of this module, not written here. What is written here is the
 client's own work: the data path, a validation on this machine's device, a promotion's extras,
 a policy file, a heartbeat's figures.
@@ -20,14 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.api import Registry
-from registry.config import Settings
-from registry.errors import RegistryError, UsageError
-from registry.formats.documents import FileRecord
-from registry.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_release_ref
-from registry.remote.client import Client
-from registry.remote.reader import RemoteReader
-from registry.results import (
+from registry.api.contract import Registry
+from registry.api.remote.client import Client
+from registry.api.remote.reader import RemoteReader
+from registry.api.results import (
     CheckpointPulled,
     CheckpointPushed,
     HeartbeatRecorded,
@@ -38,14 +34,18 @@ from registry.results import (
     ReleasePulled,
     ValidationReport,
 )
-from registry.wire import Route, routes
+from registry.api.wire import Route, routes
+from registry.core.config import Settings
+from registry.core.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_release_ref
+from registry.errors import RegistryError, UsageError
+from registry.formats.documents import FileRecord
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
-    from registry.context import Context
-    from registry.policy_source import EffectivePolicy
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
+    from registry.trust.policy_source import EffectivePolicy
 
 
 class RemoteRegistry(Registry):
@@ -90,7 +90,7 @@ class RemoteRegistry(Registry):
 
     @property
     def policy(self) -> EffectivePolicy:
-        from registry.policy_source import EffectivePolicy
+        from registry.trust.policy_source import EffectivePolicy
 
         out = self.policy_show()
         return EffectivePolicy(out["document"], out["source"])
@@ -102,7 +102,7 @@ class RemoteRegistry(Registry):
         return dict(self.client.call("GET", "/whoami"))
 
     def call(self, route: Route, arguments: dict[str, Any]) -> Any:
-        """One contract method over HTTP, as its `@http` describes it (`registry.wire`)."""
+        """One contract method over HTTP, as its `@http` describes it (`registry.api.wire`)."""
         path, sent = route.request(arguments)
         if route.query:
             return route.result(self.client.call(route.verb, path, params=sent))
@@ -161,12 +161,12 @@ class RemoteRegistry(Registry):
         layout: str | None = None,
     ) -> CheckpointPushed:
         from policies.layouts import check_layout
+        from registry.api.remote.presigned_push import PresignedPush
+        from registry.api.remote.push_stream import body
         from registry.formats.dcp_scan import scan_directory
         from registry.formats.recorded import recorded_step
         from registry.lifecycle.checkpoints.pulled import KeptManifest
         from registry.lifecycle.checkpoints.push import check_metrics, check_request
-        from registry.remote.presigned_push import PresignedPush
-        from registry.remote.push_stream import body
 
         if step is None:  # the server checks it against the files again
             step = recorded_step(Path(src), None, world_size)
@@ -237,7 +237,7 @@ class RemoteRegistry(Registry):
         project: str = "default",
         progress: Progress | None = None,
     ) -> PartPushed:
-        from registry.remote.claims import push_part
+        from registry.api.remote.claims import push_part
 
         ref = CheckpointRef(project, run, step)
         return PartPushed.from_json(push_part(self, Path(src), claim, ref, progress))
@@ -285,7 +285,7 @@ class RemoteRegistry(Registry):
         progress: Progress | None,
         check: Callable[[Path, list[FileRecord]], None] | None = None,
     ) -> tuple[str, Path, Any]:
-        from registry.transfer import download
+        from registry.lifecycle.transfer import download
 
         listing = self.client.call("GET", "/files", params={"ref": ref})
         # A checkpoint's MANIFEST.json is kept beside its files (`reg verify --dir`)
@@ -331,7 +331,7 @@ class RemoteRegistry(Registry):
         a validator may (refused before any work otherwise)."""
         from policies.layouts import check_layout, known_layout
         from policies.loader import parse_policy
-        from registry.layout import checkpoint_prefix
+        from registry.core.layout import checkpoint_prefix
         from registry.lifecycle.validation import Attempt, Request, run_checks
 
         parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
@@ -419,7 +419,7 @@ class RemoteRegistry(Registry):
         public_key: str | None = None,
         progress: Progress | None = None,
     ) -> ReleasePulled:
-        from registry.signing.bundle import check_pulled
+        from registry.trust.release_signing.bundle import check_pulled
 
         asked = parse_release_ref(ref) if isinstance(ref, str) else ref
 
@@ -443,7 +443,7 @@ class RemoteRegistry(Registry):
         hf_cache: str | Path | None = None,
         progress: Progress | None = None,
     ) -> ReleaseFetched:
-        from registry.consumers.fetch import fetch_release
+        from registry.api.consumers.fetch import fetch_release
 
         return fetch_release(
             self,

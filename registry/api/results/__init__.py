@@ -1,13 +1,12 @@
-"""Typed results of the `Registry` methods (`registry.results.base.Result`): frozen dataclasses,
+"""Typed results of the `Registry` methods (`registry.api.results.base.Result`): frozen dataclasses,
 each with `to_json()` (what `--json` prints and the server answers) and `from_json()`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from registry.errors import RegistryError
-from registry.results.base import Result, results_of, to_json
-from registry.results.checkpoints import (
+from registry.api.results.base import Result, results_of, to_json
+from registry.api.results.checkpoints import (
     CheckpointDetails,
     CheckpointFacts,
     CheckpointPulled,
@@ -21,7 +20,7 @@ from registry.results.checkpoints import (
     ValidationReport,
     VerifyReport,
 )
-from registry.results.operations import (
+from registry.api.results.operations import (
     Advice,
     AuditEvent,
     AuditSealed,
@@ -40,7 +39,7 @@ from registry.results.operations import (
     TokenInfo,
     TokenRevoked,
 )
-from registry.results.releases import (
+from registry.api.results.releases import (
     AliasMoved,
     AliasRequest,
     ReleaseDetails,
@@ -51,12 +50,13 @@ from registry.results.releases import (
     ReleaseStatusChanged,
     ReleaseSummary,
 )
-from registry.results.workflow import (
+from registry.api.results.workflow import (
     WebhookDeliveryInfo,
     WebhookInfo,
     WebhooksDelivered,
     WebhookTested,
 )
+from registry.errors import RegistryError
 
 __all__ = [
     "Advice",

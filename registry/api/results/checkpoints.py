@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from registry.results.base import Result
+from registry.api.results.base import Result
 
 RESULT = dataclass(frozen=True, eq=False, kw_only=True)  # every result: keyword fields
 

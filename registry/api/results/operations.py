@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from registry.results.base import Result
-from registry.results.checkpoints import RESULT
+from registry.api.results.base import Result
+from registry.api.results.checkpoints import RESULT
 
 
 @RESULT

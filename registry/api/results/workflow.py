@@ -1,10 +1,10 @@
 """The results of the webhook methods (issue 38); a protected alias's request is
-`registry.results.releases.AliasRequest`."""
+`registry.api.results.releases.AliasRequest`."""
 
 from __future__ import annotations
 
-from registry.results.base import Result
-from registry.results.checkpoints import RESULT
+from registry.api.results.base import Result
+from registry.api.results.checkpoints import RESULT
 
 
 @RESULT

@@ -3,7 +3,7 @@ to MLflow's clients; the catalog stays the source of truth (DESIGN §2). Nothing
 mlflow at import time: a command pays for it only when it drains or serves.
 
     drain.py      the drain: catalog events -> MLflow runs, metrics, model versions
-                  (`python -m registry.mirror.drain`, started detached by spawn.py)
+                  (`python -m registry.integrations.mirror.drain`, started detached by spawn.py)
     spawn.py      start the drain after a command, detached
     releases.py   release versions as MLflow registered-model versions
     artifacts.py  release bytes published for MLflow's artifact proxy; yanks withdraw them

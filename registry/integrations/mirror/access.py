@@ -2,7 +2,7 @@
 permissions kept in step with reg's grants.
 
 Everyone reg knows (a principal a grant names, or one holding a live token) is an MLflow user
-who logs in with a reg token (`registry.mirror.login`); the password MLflow stores for them is
+who logs in with a reg token (`mirror.login`); the password MLflow stores for them is
 random and never given out. Default permission: none. Each gets READ on the experiment of every
 project and on the registered model and releases experiment of every model their grants let
 them read; reg's admins get READ on everything. Nobody gets more: every write through MLflow is
@@ -20,18 +20,18 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.audit_chain import keys
-from registry.mirror.names import RELEASES_EXPERIMENT, mirror_name
-from registry.policy_source import EffectivePolicy
-from registry.principal import Principal
+from registry.core.timeutil import now
+from registry.integrations.mirror.names import RELEASES_EXPERIMENT, mirror_name
 from registry.storage import open_store
-from registry.timeutil import now
+from registry.trust.audit_chain import keys
+from registry.trust.policy_source import EffectivePolicy
+from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 READ = "READ"
 ADMIN_USER = "reg-mlflow-admin"  # the auth app's bootstrap admin: nobody can log in as it
@@ -110,7 +110,7 @@ class AccessSync:
     # -- what reg says -------------------------------------------------------------------------
     def _policy(self) -> Any:
         """The policy in force; on the server's host (the audit key readable) the proven one,
-        as the server decides with (`registry.proven_policy`): a forged row grants no read."""
+        as the server decides with (`registry.trust.proven_policy`): a forged row grants no read."""
         key = keys.optional(self.settings.audit_key_path)
         if key is None:
             return EffectivePolicy.load(
@@ -159,7 +159,7 @@ class AccessSync:
         projects: dict[str, str],
         models: dict[str, tuple[str, str | None]],
     ) -> Wanted:
-        from registry.signed_facts import model_owners
+        from registry.trust.signed_facts import model_owners
 
         principal = Principal.under(name, "token", self._policy())
         with self.catalog.session() as s:

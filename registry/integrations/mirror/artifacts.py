@@ -15,7 +15,7 @@ inode), an S3 copy must carry the recorded sha256 and size; anything else in the
 removed and the folder published again. `reconcile` removes what no active release explains
 (a yanked release, an experiment id the tracking store no longer has, a crashed publish's
 leftovers). The experiment in the path is the model's releases experiment
-(`registry.mirror.names`), so MLflow's auth app judges a download by READ on it.
+(`registry.integrations.mirror.names`), so MLflow's auth app judges a download by READ on it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from registry.core.layout import RELEASE_DOCUMENT, release_prefix
 from registry.errors import RegistryError
-from registry.layout import RELEASE_DOCUMENT, release_prefix
 from registry.storage.local import LocalStore
 
 if TYPE_CHECKING:

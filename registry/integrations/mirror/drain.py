@@ -12,9 +12,9 @@ external LoggedModel (nothing copied) named like `run42-step9000`, linked to the
 with params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, pin,
 and `reg.resumable` / `reg.missing_state`, which follow a policy change that changes them), and
 the push metrics logged on the run at that step; model -> registered model (names one to one,
-`registry.mirror.names`) plus a `releases/<model>` experiment whose artifacts are the release
+`mirror.names`) plus a `releases/<model>` experiment whose artifacts are the release
 bytes; release -> model version with reg's number, its bytes served by MLflow's artifact proxy
-until it is yanked (`registry.mirror.releases`, `registry.mirror.artifacts`); aliases as set.
+until it is yanked (`mirror.releases`, `mirror.artifacts`); aliases as set.
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ from sqlmodel import col, select
 from registry.catalog import leases
 from registry.catalog.engine import Catalog
 from registry.catalog.models import OutboxEvent
-from registry.config import Settings
+from registry.core.config import Settings
+from registry.core.timeutil import iso, now
 from registry.errors import NotFound
-from registry.mirror import access
-from registry.mirror.names import mirror_name
+from registry.integrations.mirror import access
+from registry.integrations.mirror.names import mirror_name
 from registry.storage import open_store
 from registry.text import redact
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
-    from registry.context import Context
+    from registry.core.config import Settings
+    from registry.lifecycle.context import Context
 
 DRAIN_LEASE = "mlflow-drain"
 
@@ -52,7 +52,7 @@ class Mirror:
         import mlflow  # noqa: F401 - seconds of import, paid only by the drain
         from mlflow import MlflowClient
 
-        from registry.mirror.releases import ReleaseMirror
+        from registry.integrations.mirror.releases import ReleaseMirror
 
         self.settings = settings
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
@@ -177,7 +177,7 @@ class Mirror:
             )
 
     def on_checkpoint_verified(self, p: dict[str, Any]) -> None:
-        from registry.mirror.releases import verified_tags
+        from registry.integrations.mirror.releases import verified_tags
 
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:
@@ -393,7 +393,8 @@ def _note_failure(catalog: Catalog, event_id: int, error: str) -> None:
 
 
 def main() -> None:
-    """The detached drain started after a command (`python -m registry.mirror.drain`)."""
+    """The detached drain started after a command
+    (`python -m registry.integrations.mirror.drain`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=30.0)
     args = parser.parse_args()

@@ -7,7 +7,7 @@ principals get a reg token for the UI.
 
 A verified token is remembered for LOGIN_CACHE_S (the MLflow UI sends it with every request):
 a revoked token stops working within that time. Each verification also brings the principal's
-MLflow permissions in step with reg's grants (`registry.mirror.access`).
+MLflow permissions in step with reg's grants (`registry.integrations.mirror.access`).
 
 The mirror is read-only for everyone: every write through MLflow (tags, deletes, new
 experiments, models or versions, artifact uploads) is refused here, before MLflow sees it.
@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Any
 
-from registry.audit_chain import keys
 from registry.catalog.engine import Catalog
-from registry.config import Settings
-from registry.mirror.access import ADMIN_USER, LOCAL_USER, sync_access
+from registry.core.config import Settings
+from registry.integrations.mirror.access import ADMIN_USER, LOCAL_USER, sync_access
+from registry.trust.audit_chain import keys
 
 LOGIN_CACHE_S = 30.0
 
@@ -83,7 +83,7 @@ def verified(user: str, token: str) -> bool:
             return True
     try:
         settings, catalog, audit_key = _registry()
-        from registry.tokens import verify
+        from registry.trust.tokens import verify
 
         if verify(catalog, token, audit_key).principal != user:
             return False

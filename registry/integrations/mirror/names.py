@@ -1,7 +1,7 @@
 """How reg's names appear in MLflow, one to one.
 
 MLflow refuses `/ : . % " '` in registered-model and LoggedModel names; reg's names may hold `.`
-(`registry.refs`), so `llama.v2` appears as `llama-v2`. That mapping is not one to one, so the
+(`registry.core.refs`), so `llama.v2` appears as `llama-v2`. That mapping is not one to one, so the
 registry refuses a model whose MLflow name another model already has: `llama.v2` and `llama-v2`
 cannot both exist. Checked where a model is first created, in the same write transaction.
 """

@@ -1,5 +1,5 @@
 """Releases in MLflow: one registered model per reg model, one model version per reg version
-with the same number, bytes served through MLflow's artifact proxy (`registry.mirror.artifacts`).
+with the same number, bytes served through MLflow's artifact proxy (`mirror.artifacts`).
 
 Every event is answered from the catalog as it is now, not from the event's payload, so a
 replay or a late drain never writes a stale fact. Numbers match because versions are created in
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
 
-from registry.layout import release_prefix
-from registry.mirror import artifacts
-from registry.mirror.names import mirror_name, releases_experiment
-from registry.timeutil import iso
+from registry.core.layout import release_prefix
+from registry.core.timeutil import iso
+from registry.integrations.mirror import artifacts
+from registry.integrations.mirror.names import mirror_name, releases_experiment
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from registry import detached
+from registry.core import detached
 
 if TYPE_CHECKING:
-    from registry.config import Settings
+    from registry.core.config import Settings
 
 DRAIN_BUDGET_S = 30
 
@@ -19,7 +19,7 @@ def spawn_drain(settings: Settings) -> None:
     if settings.mlflow_drain:
         detached.start(
             settings,
-            "registry.mirror.drain",
+            "registry.integrations.mirror.drain",
             "--budget",
             str(DRAIN_BUDGET_S),
             log="mlflow-drain.log",

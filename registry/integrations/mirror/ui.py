@@ -1,13 +1,13 @@
 """`reg ui`: the MLflow server over the mirror's tracking store.
 
 - It serves the release bytes (`--serve-artifacts` from the store's `mlflow-artifacts/`,
-  `registry.mirror.artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
+  `mirror.artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
   returns the weights, on a local or an S3 store, with the server's credentials, never the
   client's.
-- It always runs MLflow's auth app with reg's login function (`registry.mirror.login`): every
+- It always runs MLflow's auth app with reg's login function (`mirror.login`): every
   write through MLflow is refused. On a registry with grants, default permission none, people
   log in with their reg principal and a reg token, and see what reg's grants let them read
-  (`registry.mirror.access`). A registry without grants (one person, embedded) has no one to
+  (`mirror.access`). A registry without grants (one person, embedded) has no one to
   tell apart: no login, on 127.0.0.1 only.
 - Before the server starts, a drain brings MLflow up to date (events, permissions, what is
   served).
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import UsageError
-from registry.mirror.access import ADMIN_USER, AccessSync, auth_db_uri
-from registry.mirror.artifacts import destination
+from registry.integrations.mirror.access import ADMIN_USER, AccessSync, auth_db_uri
+from registry.integrations.mirror.artifacts import destination
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from registry.catalog.engine import Catalog
-    from registry.config import Settings
+    from registry.core.config import Settings
     from registry.storage.base import BaseStore
 
 
@@ -68,7 +68,7 @@ def plan_ui(
 ) -> UiPlan:
     """The MLflow server command and environment; `auth` None: a login when the policy has
     grants."""
-    from registry.mirror.drain import drain
+    from registry.integrations.mirror.drain import drain
 
     use_auth = has_grants if auth is None else auth
     if use_auth and not settings.audit_key_path.exists():
@@ -124,7 +124,7 @@ def _auth_environment(settings: Settings) -> dict[str, str]:
         f"admin_username = {ADMIN_USER}\n"
         # The bootstrap admin's password: never given out, and refused by the login anyway.
         f"admin_password = {_secret(home / 'mlflow-admin-password')}\n"
-        "authorization_function = registry.mirror.login:authenticate\n"
+        "authorization_function = registry.integrations.mirror.login:authenticate\n"
     )
     _write_private(config, text)
     return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secret}

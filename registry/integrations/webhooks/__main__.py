@@ -1,5 +1,5 @@
-"""`python -m registry.webhooks [--budget S]`: the embedded deliverer a command starts
-(`registry.webhooks.spawn`). It delivers as the registry's own process, not as a user: the
+"""`python -m registry.integrations.webhooks [--budget S]`: the embedded deliverer a command starts
+(`webhooks.spawn`). It delivers as the registry's own process, not as a user: the
 policy in force names the subscribers; one line of JSON goes to REG_HOME/webhooks.log."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import argparse
 import json
 import sys
 
-from registry.config import Settings
-from registry.local import LocalRegistry
-from registry.timeutil import now
-from registry.webhooks.deliver import drain
+from registry.api.local import LocalRegistry
+from registry.core.config import Settings
+from registry.core.timeutil import now
+from registry.integrations.webhooks.deliver import drain
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m registry.webhooks")
+    parser = argparse.ArgumentParser(prog="python -m registry.integrations.webhooks")
     parser.add_argument("--budget", type=float, default=60.0)
     args = parser.parse_args(argv)
     with LocalRegistry(Settings.from_env()) as reg:

@@ -13,16 +13,16 @@ from sqlmodel import col, select
 
 from policies.access import Action
 from registry.catalog.workflow_models import DELIVERED, GIVEN_UP, PENDING, WebhookDelivery
+from registry.core.timeutil import iso
 from registry.errors import NotFound, RegistryError, UsageError
-from registry.timeutil import iso
-from registry.webhooks import net
-from registry.webhooks.deliver import drain, headers_for
-from registry.webhooks.events import PING, SCHEMA
-from registry.webhooks.signing import read_secret
+from registry.integrations.webhooks import net
+from registry.integrations.webhooks.deliver import drain, headers_for
+from registry.integrations.webhooks.events import PING, SCHEMA
+from registry.integrations.webhooks.signing import read_secret
 
 if TYPE_CHECKING:
     from policies.loader import Webhook
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 STATUSES = (PENDING, DELIVERED, GIVEN_UP)
 SERVER_BUDGET_S = 30.0  # a request that drains through the server waits at most this

@@ -9,7 +9,7 @@ subscriber's turn in the pass: a receiver that is down or hangs delays only its 
 
 One deliverer at a time per registry (the `webhooks` lease): `reg server`'s background loop,
 or embedded, the process a command starts when it wrote events and the policy has webhooks
-(`registry.webhooks.spawn`, running `python -m registry.webhooks`), or `reg webhook deliver`.
+(`webhooks.spawn`, running `python -m registry.integrations.webhooks`), or `reg webhook deliver`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, update
 from sqlmodel import col, select
 
-from registry.audit_chain.macs import delivery_mac, same
 from registry.catalog import leases
 from registry.catalog.workflow_models import DELIVERED, GIVEN_UP, PENDING, WebhookDelivery
+from registry.core.timeutil import now
 from registry.errors import RegistryError
-from registry.timeutil import now
-from registry.webhooks import net
-from registry.webhooks.fanout import fan_out
-from registry.webhooks.signing import HEADER, read_secret, signature
+from registry.integrations.webhooks import net
+from registry.integrations.webhooks.fanout import fan_out
+from registry.integrations.webhooks.signing import HEADER, read_secret, signature
+from registry.trust.audit_chain.macs import delivery_mac, same
 
 if TYPE_CHECKING:
     from policies.loader import Webhook

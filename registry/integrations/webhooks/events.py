@@ -16,8 +16,8 @@ import hashlib
 import json
 from typing import Any
 
-from registry import events
-from registry.timeutil import iso
+from registry.core.timeutil import iso
+from registry.integrations import outbox as events
 
 SCHEMA = "reg.webhook/1"
 PING = "ping"  # `reg webhook test`: never from the outbox

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func
 from sqlmodel import col, select
 
-from registry.audit_chain.macs import delivery_mac, outbox_mac, same
 from registry.catalog.models import OutboxEvent
 from registry.catalog.workflow_models import WebhookCursor, WebhookDelivery
-from registry.timeutil import now
-from registry.webhooks.events import body, event_id, wanted, webhook_event
+from registry.core.timeutil import now
+from registry.integrations.webhooks.events import body, event_id, wanted, webhook_event
+from registry.trust.audit_chain.macs import delivery_mac, outbox_mac, same
 
 if TYPE_CHECKING:
     from policies.loader import Webhook

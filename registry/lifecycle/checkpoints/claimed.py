@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout
+from registry.core.progress import Counter, Progress
+from registry.core.refs import CheckpointRef
 from registry.errors import IntegrityError, RegistryError, UsageError
 from registry.formats.dcp_scan import open_checked, scan_part
 from registry.lifecycle.checkpoints import shared
-from registry.progress import Counter, Progress
-from registry.refs import CheckpointRef
-from registry.transfer import OnMismatch, Stored, put_reconciled
+from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 DEFAULT_LEASE_S = 3600.0
 RENEW_EVERY_S = 60.0

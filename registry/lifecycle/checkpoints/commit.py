@@ -14,7 +14,6 @@ from sqlalchemy import insert
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import select
 
-from registry import events
 from registry.catalog import claims, queries
 from registry.catalog.claims import Claim
 from registry.catalog.models import (
@@ -28,17 +27,18 @@ from registry.catalog.models import (
     CheckpointFile,
     CheckpointTier,
 )
+from registry.core.layout import checkpoint_prefix
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict
-from registry.layout import checkpoint_prefix
+from registry.integrations import outbox as events
 from registry.lifecycle.views import CheckpointView
 from registry.storage.base import hash_stream
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.core.refs import CheckpointRef
     from registry.formats.dcp_scan import ScannedDir
     from registry.formats.documents import Manifest
-    from registry.refs import CheckpointRef
+    from registry.lifecycle.context import Context
 
 held = claims.held
 

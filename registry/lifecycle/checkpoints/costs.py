@@ -11,14 +11,14 @@ from sqlmodel import col, select
 
 from registry.catalog import queries
 from registry.catalog.models import CheckpointRestore
+from registry.core.timeutil import iso, now
 from registry.errors import UsageError
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
-    from registry.context import Context
-    from registry.refs import CheckpointRef
+    from registry.core.refs import CheckpointRef
+    from registry.lifecycle.context import Context
 
 SHOWN_RESTORES = 5  # the newest restores `reg show` lists
 

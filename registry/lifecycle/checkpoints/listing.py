@@ -13,11 +13,11 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from registry.refs import CheckpointRef, check_name
-from registry.timeutil import iso
+from registry.core.refs import CheckpointRef, check_name
+from registry.core.timeutil import iso
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 _CHECKPOINTS = """
 SELECT c.id, c.step, c.world_size, c.state, c.bytes, c.resumable, c.missing_state, c.pinned,

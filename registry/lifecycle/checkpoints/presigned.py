@@ -35,8 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from policies.layouts import check_layout
-from registry import faults
 from registry.catalog import claims
+from registry.core import faults
+from registry.core.layout import checkpoint_prefix, manifest_key
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso, now
 from registry.errors import (
     CompletedOver,
     Conflict,
@@ -53,7 +56,6 @@ from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.formats.documents import FileRecord
 from registry.formats.recorded import recorded, resolve_step, resolve_world_size
-from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import (
     build_manifest,
     check_metrics,
@@ -61,19 +63,17 @@ from registry.lifecycle.checkpoints.push import (
     world_size_of,
 )
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
-from registry.refs import CheckpointRef
+from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
 from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
 from registry.storage.verified_stream import verified_root
-from registry.timeutil import iso, now
-from registry.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
     from registry.catalog.claims import Claim
     from registry.catalog.models import Checkpoint
-    from registry.context import Context
     from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.lifecycle.context import Context
     from registry.storage.s3 import S3Store
 
 MAX_URLS = 1000  # per answer

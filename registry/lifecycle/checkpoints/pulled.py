@@ -25,11 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from registry.core.layout import MANIFEST, RELEASE_DOCUMENT
 from registry.errors import IntegrityError, InvalidDocument, UsageError
 from registry.formats.documents import FileRecord, Manifest, ReleaseDocument
-from registry.layout import MANIFEST, RELEASE_DOCUMENT
-from registry.signing.bundle import MAX_SIGNATURE, SIGNATURE_FILE, check_folder, claimed_digests
-from registry.signing.provenance import CARD_FILE, PROVENANCE_FILE
+from registry.trust.release_signing.bundle import (
+    MAX_SIGNATURE,
+    SIGNATURE_FILE,
+    check_folder,
+    claimed_digests,
+)
+from registry.trust.release_signing.provenance import CARD_FILE, PROVENANCE_FILE
 
 HASH_WORKERS = 4  # hashlib releases the GIL: files hash in parallel
 # A kept MANIFEST.json or release.json larger than this is not read: reg writes about 200 bytes

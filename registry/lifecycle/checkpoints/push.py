@@ -26,23 +26,23 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from policies.layouts import check_layout
-from registry import faults
 from registry.catalog.lookups import step_state
+from registry.core import faults
+from registry.core.layout import checkpoint_prefix, manifest_key
+from registry.core.progress import Counter, Progress
+from registry.core.refs import CheckpointRef, check_name
+from registry.core.timeutil import iso, now
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import ScannedDir, scan_directory
 from registry.formats.documents import FileRecord, Manifest, ResumeRecord, TensorSummary
 from registry.formats.recorded import recorded, resolve_step, resolve_world_size
-from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.pulled import KeptManifest
-from registry.progress import Counter, Progress
-from registry.refs import CheckpointRef, check_name
+from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
 from registry.storage.base import Staged
-from registry.timeutil import iso, now
-from registry.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
-    from registry.context import Context
     from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.lifecycle.context import Context
 
 
 def push(

@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any
 from policies.access import Action
 from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
+from registry.core.layout import MANIFEST, checkpoint_prefix
+from registry.core.refs import CheckpointRef, check_reason
+from registry.core.timeutil import now
 from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
-from registry.layout import MANIFEST, checkpoint_prefix
 from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.checkpoints.tiers import tiers_json
+from registry.lifecycle.transfer import download
 from registry.lifecycle.views import CheckpointView
-from registry.refs import CheckpointRef, check_reason
-from registry.timeutil import now
-from registry.transfer import download
 
 if TYPE_CHECKING:
-    from registry.context import Context
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
 
 
 def resolve(

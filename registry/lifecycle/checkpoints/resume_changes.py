@@ -8,20 +8,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from registry import events
+from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError
+from registry.integrations import outbox as events
 from registry.lifecycle.checkpoints.resume_facts import (
     from_stored_metadata,
     missing_of,
     record_facts,
 )
-from registry.refs import CheckpointRef
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
     from registry.catalog.models import Checkpoint
-    from registry.context import Context
-    from registry.refs import CheckpointRef
+    from registry.core.refs import CheckpointRef
+    from registry.lifecycle.context import Context
 
 
 def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePolicy) -> int:

@@ -22,21 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout, detect, known_layout
 from policies.resume import ResumeVerdict, classify, missing_from_heads
+from registry.core.layout import checkpoint_prefix
 from registry.errors import IntegrityError, RegistryError
 from registry.formats import deepspeed_root, file_roots, sidecars
 from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import metadata_paths, stored_metadata
 from registry.formats.documents import ResumeRecord
-from registry.layout import checkpoint_prefix
 from registry.storage.verified_stream import verified_ends, verified_root
 
 if TYPE_CHECKING:
     from policies.loader import ResumePolicy
     from registry.catalog.models import Checkpoint
-    from registry.context import Context
+    from registry.core.refs import CheckpointRef
     from registry.formats.dcp import Inventory
     from registry.formats.documents import FileRecord, ResumeRecord
-    from registry.refs import CheckpointRef
+    from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
 
 _LOCK = threading.Lock()

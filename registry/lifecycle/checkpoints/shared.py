@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
+from registry.core.layout import checkpoint_prefix, manifest_key
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import now
 from registry.errors import Conflict, IntegrityError, NotFound, UsageError
 from registry.formats import deepspeed_root
 from registry.formats.dcp import METADATA
@@ -44,23 +47,20 @@ from registry.formats.dcp_scan import (
     scan_merged,
 )
 from registry.formats.documents import FileRecord
-from registry.layout import checkpoint_prefix, manifest_key
 from registry.lifecycle.checkpoints.push import (
     build_manifest,
     check_metrics,
     check_request,
     world_size_of,
 )
-from registry.refs import CheckpointRef
-from registry.timeutil import now
-from registry.transfer import OnMismatch, Stored, put_reconciled
+from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from registry.catalog.claims import Claim
-    from registry.context import Context
     from registry.lifecycle.checkpoints.commit import PushResult
+    from registry.lifecycle.context import Context
 
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"[0-9a-f]{64}")

@@ -36,17 +36,17 @@ from registry.catalog.models import (
     CheckpointFile,
     CheckpointTier,
 )
+from registry.core.layout import MANIFEST, manifest_key
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, IntegrityError
 from registry.formats.documents import Manifest
-from registry.layout import MANIFEST, manifest_key
 from registry.lifecycle.checkpoints.shared import SharedClaim, check_listed, recorded_parts
-from registry.refs import CheckpointRef
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from sqlmodel import Session
 
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 MAX_MANIFEST = 64 << 20  # a manifest's bytes at most (a copy's upload of it stops there)
 MAX_CANDIDATES = 8  # tier-0 steps a restore looks at, newest first, above the newest stored

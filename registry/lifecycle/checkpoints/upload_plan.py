@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from registry.core.refs import CheckpointRef
 from registry.errors import UsageError
 from registry.formats.dcp_scan import check_file_set, check_path
-from registry.refs import CheckpointRef
 from registry.storage.parts import MIN_PART as STORE_MIN_PART
 from registry.storage.parts import part_size_for
 

@@ -22,7 +22,9 @@ from sqlmodel import col, select
 from registry.catalog import claims
 from registry.catalog.leases import hold
 from registry.catalog.models import ACTIVE, Model, Release
+from registry.core.refs import CheckpointRef, ReleaseRef
 from registry.errors import RegistryError
+from registry.integrations.mirror.names import refuse_colliding_model
 from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion.plan import (
     PromotionPlan,
@@ -40,12 +42,10 @@ from registry.lifecycle.promotion.stages import (
 )
 from registry.lifecycle.releases import uri_of
 from registry.lifecycle.views import ReleaseView
-from registry.mirror.names import refuse_colliding_model
-from registry.refs import CheckpointRef, ReleaseRef
 
 if TYPE_CHECKING:
-    from registry.context import Context
-    from registry.progress import Progress
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
 
 
 def promote(

@@ -16,15 +16,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.models import YANKED
+from registry.core.refs import parse_release_ref
 from registry.errors import UsageError
 from registry.formats.hf_folder import MAX_DOCUMENT, parse_object
 from registry.lifecycle.promotion.converters import ADAPTER_CONFIG
-from registry.refs import parse_release_ref
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from registry.context import Context
+    from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import Extra
 
 

@@ -30,11 +30,11 @@ from registry.formats.safetensors_stream import (
     shard_names,
 )
 from registry.lifecycle.promotion.converters import Piece, piece_key, piece_shape
-from registry.transfer import OnMismatch, put_reconciled
+from registry.lifecycle.transfer import OnMismatch, put_reconciled
 
 if TYPE_CHECKING:
+    from registry.core.progress import Progress
     from registry.formats.dcp_load import ChunkSource
-    from registry.progress import Progress
     from registry.storage.base import BaseStore
 
 CAST = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from registry.core.layout import RELEASE_DOCUMENT, release_prefix
 from registry.errors import Conflict, IntegrityError, RegistryError, UsageError
 from registry.formats.documents import FileRecord, HfConfigRecord, ReleaseDocument
 from registry.formats.hf_folder import (
@@ -22,10 +23,9 @@ from registry.formats.hf_folder import (
     completeness,
     rewrite_config,
 )
-from registry.layout import RELEASE_DOCUMENT, release_prefix
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import Extra
     from registry.lifecycle.views import ReleaseView
 

@@ -24,12 +24,13 @@ from policies.gates import (
 from policies.layouts import check_layout
 from policies.loader import parse_size
 from registry.catalog.models import Checkpoint, Validation
+from registry.core.layout import MANIFEST, RELEASE_DOCUMENT, checkpoint_prefix
+from registry.core.refs import CheckpointRef, check_alias, check_name
 from registry.errors import GateNotMet, UsageError, ValidationFailed
 from registry.formats.dcp_roots import metadata_paths
 from registry.formats.documents import FileRecord
 from registry.formats.extras import CODE, judge
 from registry.formats.hf_folder import MAX_DOCUMENT
-from registry.layout import MANIFEST, RELEASE_DOCUMENT, checkpoint_prefix
 from registry.lifecycle.alias_workflow import check_may_move
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
@@ -42,16 +43,15 @@ from registry.lifecycle.promotion.converters import (
     check_llama_config,
     converter_for,
 )
-from registry.refs import CheckpointRef, check_alias, check_name
-from registry.signing.bundle import SIGNATURE_FILE
-from registry.signing.provenance import PROVENANCE_FILE
+from registry.trust.release_signing.bundle import SIGNATURE_FILE
+from registry.trust.release_signing.provenance import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     from policies.loader import PromotionPolicy
     from policies.resume import ResumeVerdict
-    from registry.context import Context
     from registry.formats.hf_folder import ConfigRewrite
     from registry.lifecycle.checkpoints.resume_facts import KeyFacts
+    from registry.lifecycle.context import Context
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -340,7 +340,7 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
             s.exec(select(Validation).where(Validation.checkpoint_id == plan.checkpoint.id)).all()
         )
     if ctx.server:  # identities are proven here: only what a validator attested counts
-        from registry.signed_facts import attested_validations
+        from registry.trust.signed_facts import attested_validations
 
         rows = attested_validations(ctx, str(plan.source), rows)
     rows = [v for v in rows if _same_names(v, plan)]

@@ -29,16 +29,16 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from registry.core.progress import Counter
 from registry.errors import IntegrityError, RegistryError
 from registry.formats import file_roots
 from registry.formats.dcp import ChunkRange
 from registry.formats.dcp_roots import metadata_paths
-from registry.progress import Counter
 from registry.storage.verified_stream import Span, read_verified
 
 if TYPE_CHECKING:
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
     from registry.storage.base import BaseStore
 
 

@@ -1,6 +1,6 @@
 """Signing at promotion (issue 37): before release.json, the provenance statement and the model
 card are stored as files of the release; after it, `model.sig` over every file (release.json
-included), signed with the active key of this process (`registry.signing.keys`).
+included), signed with the active key of this process (`registry.trust.release_signing.keys`).
 
 Everything written is deterministic for one release (the times are the release row's), so a
 killed promotion's rerun finds the same objects put-if-absent, with two exceptions, both kept
@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry import signed_facts as facts
 from registry.catalog.models import ReleaseSignature
+from registry.core.layout import RELEASE_DOCUMENT, release_prefix
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, GateNotMet, IntegrityError, ObjectExists
 from registry.formats.documents import FileRecord
-from registry.layout import RELEASE_DOCUMENT, release_prefix
-from registry.signing import bundle, keys, provenance
-from registry.timeutil import iso, now
-from registry.transfer import OnMismatch, put_reconciled
+from registry.lifecycle.transfer import OnMismatch, put_reconciled
+from registry.trust import signed_facts as facts
+from registry.trust.release_signing import bundle, keys, provenance
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import PromotionPlan
     from registry.lifecycle.promotion.stages import Reservation
 

@@ -25,7 +25,6 @@ from sqlmodel import col, select
 
 from policies.access import Action
 from policies.layouts import count_under
-from registry import events, faults
 from registry.catalog import claims
 from registry.catalog.claims import Claim
 from registry.catalog.models import (
@@ -36,6 +35,9 @@ from registry.catalog.models import (
     ReleaseFile,
     Validation,
 )
+from registry.core import faults
+from registry.core.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
+from registry.core.timeutil import iso, now
 from registry.errors import Conflict, GateNotMet, IntegrityError
 from registry.formats.dcp import Inventory, inventory
 from registry.formats.dcp_roots import merged_metadata
@@ -46,22 +48,21 @@ from registry.formats.documents import (
     ValidationRecord,
 )
 from registry.formats.hf_folder import CONFIG, GENERATION_CONFIG, generation_config
-from registry.layout import RELEASE_DOCUMENT, checkpoint_prefix, release_prefix
+from registry.integrations import outbox as events
+from registry.integrations.mirror.names import refuse_colliding_model
 from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
+from registry.lifecycle.transfer import OnMismatch, put_reconciled
 from registry.lifecycle.views import ReleaseView
-from registry.mirror.names import refuse_colliding_model
-from registry.timeutil import iso, now
-from registry.transfer import OnMismatch, put_reconciled
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.core.progress import Progress
+    from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import PromotionPlan
-    from registry.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
 
 def _create_model(ctx: Context, session: Any, plan: PromotionPlan) -> None:
     """The model, owned by the project it is first released from; signed where the key is."""
-    from registry.signed_facts import MODEL, model_content, sign
+    from registry.trust.signed_facts import MODEL, model_content, sign
 
     row = Model(name=plan.model, created_at=now(), project=plan.source.project)
     session.add(row)

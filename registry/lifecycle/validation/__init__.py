@@ -31,30 +31,30 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
 from policies.layouts import check_layout, known_layout
-from registry import events
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
+from registry.core.layout import checkpoint_prefix
+from registry.core.refs import CheckpointRef
+from registry.core.timeutil import iso, now
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
+from registry.integrations import outbox as events
 from registry.journal.event import VALIDATION
 from registry.journal.write import record as journal_record
 from registry.journal.write import validation_fact
-from registry.layout import checkpoint_prefix
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.budget import choose as choose_budget
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
 from registry.lifecycle.validation.modes import MODES, SHARDED, run_streamed
 from registry.lifecycle.validation.restore import device_name, driver_version, resolve_device
-from registry.refs import CheckpointRef
 from registry.text import inert
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from policies.loader import Policy
-    from registry.context import Context
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
+    from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
 
 
@@ -455,7 +455,7 @@ def record(
         s.add(row)
         s.flush()
         if ctx.audit_key is not None:  # the server's gate counts only signed validations
-            from registry import signed_facts
+            from registry.trust import signed_facts
 
             content = signed_facts.validation_content(
                 row, signed_facts.subject_of(s, row.checkpoint_id)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from registry.core.timeutil import human_bytes
 from registry.errors import UsageError
-from registry.timeutil import human_bytes
 
 MIN_BUDGET = 16 * 1024 * 1024
 CUDA_FRACTION = 0.5

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from policies.loader import VALIDATION_MODES
+from registry.core.timeutil import human_bytes
 from registry.formats.dcp import Inventory
 from registry.lifecycle.validation.batches import OutOfDeviceMemory, Target
 from registry.lifecycle.validation.budget import Budget, out_of_memory
@@ -33,11 +34,10 @@ from registry.lifecycle.validation.checks import (
     run_probe,
 )
 from registry.lifecycle.validation.streamed import StreamPass, model_bytes
-from registry.timeutil import human_bytes
 
 if TYPE_CHECKING:
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
     from registry.storage.base import BaseStore
 
 STREAMED, SHARDED = "streamed", "sharded"

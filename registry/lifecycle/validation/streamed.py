@@ -21,18 +21,18 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from registry.core.progress import Counter
+from registry.core.timeutil import human_bytes
 from registry.errors import IntegrityError, RegistryError
 from registry.formats.dcp import ChunkRange, Inventory, TensorInfo
 from registry.formats.torch_archive import ITEMSIZE, ArchiveStream, NotStreamable
 from registry.lifecycle.validation.batches import Batches, OutOfDeviceMemory, Target
 from registry.lifecycle.validation.budget import Budget, out_of_memory
-from registry.progress import Counter
 from registry.storage.verified_stream import Span, read_verified
-from registry.timeutil import human_bytes
 
 if TYPE_CHECKING:
+    from registry.core.progress import Progress
     from registry.formats.documents import FileRecord
-    from registry.progress import Progress
     from registry.storage.base import BaseStore
 
 

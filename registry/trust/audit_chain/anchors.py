@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.audit_chain import macs
+from registry.core.timeutil import iso, now
 from registry.errors import ObjectExists, RegistryError
-from registry.timeutil import iso, now
+from registry.trust.audit_chain import macs
 
 if TYPE_CHECKING:
     from registry.storage.base import BaseStore

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func
 from sqlmodel import col, select
 
-from registry.audit_chain import anchors
-from registry.audit_chain.sealer import anchor_head, heartbeat, seal_pending
 from registry.catalog import leases
 from registry.catalog.models import AuditEvent, AuditSeal, Lease
-from registry.config import Settings
-from registry.timeutil import iso, now
+from registry.core.config import Settings
+from registry.core.timeutil import iso, now
+from registry.trust.audit_chain import anchors
+from registry.trust.audit_chain.sealer import anchor_head, heartbeat, seal_pending
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

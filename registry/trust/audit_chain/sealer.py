@@ -1,6 +1,6 @@
 """The sealer: chains signed events into append-only seals, block by block.
 
-Writers never wait on each other: each signs its own event at insert (`registry.audit`). One
+Writers never wait on each other: each signs its own event at insert (`registry.trust.audit`). One
 sealer at a time (the server's `audit-seal` lease; an explicit `reg audit seal` needs none) takes
 the events no seal holds yet, in id order, checks each one's MAC and appends one seal over them.
 The seal's sequence number is its primary key, so two sealers that race append one seal, never
@@ -30,11 +30,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import IntegrityError as DBIntegrityError
 from sqlmodel import Session, col, select
 
-from registry.audit_chain import anchors, macs
-from registry.audit_chain.keys import key_id
 from registry.catalog.models import AuditEvent, AuditSeal
+from registry.core.timeutil import now
 from registry.errors import UsageError
-from registry.timeutil import now
+from registry.trust.audit_chain import anchors, macs
+from registry.trust.audit_chain.keys import key_id
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

@@ -10,15 +10,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
-from registry.audit_chain import anchors
-from registry.audit_chain.keys import AuditKeyMissing
-from registry.audit_chain.sealer import anchor_head, seal_pending
-from registry.audit_chain.verify import verify_chain
 from registry.errors import RegistryError, UsageError
+from registry.trust.audit_chain import anchors
+from registry.trust.audit_chain.keys import AuditKeyMissing
+from registry.trust.audit_chain.sealer import anchor_head, seal_pending
+from registry.trust.audit_chain.verify import verify_chain
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
-    from registry.context import Context
+    from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
 
 
@@ -75,7 +75,7 @@ def verify(
     )
     # The signed facts beside the log: a policy, validation or owner the server would ignore
     # (or a policy it cannot prove) is a problem of the history too.
-    from registry.fact_findings import fact_problems
+    from registry.trust.fact_findings import fact_problems
 
     with ctx.catalog.session() as s:
         problems = fact_problems(s, ctx.store, key)
@@ -88,7 +88,7 @@ def verify(
 def seal_now(catalog: Catalog, store: BaseStore, key: bytes) -> dict[str, Any] | None:
     """Seal what is pending and anchor the head at once, with no lease (as `seal`, unaudited):
     a policy just applied (or signed) is then provably in force when the command returns,
-    instead of after the sealer's next cycle and anchor (`registry.proven_policy`). The
+    instead of after the sealer's next cycle and anchor (`registry.trust.proven_policy`). The
     caller's work is committed: a failure here is logged, and the scheduled sealer retries."""
     try:
         seal_pending(catalog, key)

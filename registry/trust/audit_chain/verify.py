@@ -44,10 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col, select
 
-from registry.audit_chain import anchors, macs
-from registry.audit_chain.keys import key_id
-from registry.audit_chain.sealer import WrongKey
-from registry.audit_chain.walk import (
+from registry.catalog.models import AuditSeal
+from registry.core.timeutil import iso, now
+from registry.trust.audit_chain import anchors, macs
+from registry.trust.audit_chain.keys import key_id
+from registry.trust.audit_chain.sealer import WrongKey
+from registry.trust.audit_chain.walk import (
     Report,
     Walk,
     check_duplicates,
@@ -55,8 +57,6 @@ from registry.audit_chain.walk import (
     event_rows,
     seal_ranges,
 )
-from registry.catalog.models import AuditSeal
-from registry.timeutil import iso, now
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -73,7 +73,7 @@ def verify_chain(
 ) -> dict[str, Any]:
     """The report of `reg audit verify`; the bounds default to `schedule.bounds()` (this
     process's REG_AUDIT_SEAL_EVERY / REG_AUDIT_ANCHOR_EVERY)."""
-    from registry.audit_chain.schedule import bounds
+    from registry.trust.audit_chain.schedule import bounds
 
     default_unsealed, default_anchor = bounds()
     unsealed_bound = max_unsealed_age_s or default_unsealed

@@ -13,8 +13,8 @@ from sqlalchemy import func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
-from registry.audit_chain import macs
 from registry.catalog.models import AuditEvent, AuditSeal
+from registry.trust.audit_chain import macs
 
 if TYPE_CHECKING:
     pass

@@ -20,8 +20,8 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from registry.core.layout import RELEASE_DOCUMENT
 from registry.errors import IntegrityError
-from registry.layout import RELEASE_DOCUMENT
 
 SIGNATURE_FILE = "model.sig"  # model-signing's default name
 CURVES = ("secp256r1", "secp384r1", "secp521r1")  # model-signing's key mode

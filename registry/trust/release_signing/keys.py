@@ -24,12 +24,12 @@ from sqlmodel import Session, col, select
 
 from policies.access import Action
 from registry.catalog.models import FactMac, SigningKeyEvent
+from registry.core.timeutil import iso, now
 from registry.errors import IntegrityError, NotFound, UsageError
-from registry.signed_facts import SIGNING_KEY, sign, signed_ids, signing_key_content
-from registry.timeutil import iso, now
+from registry.trust.signed_facts import SIGNING_KEY, sign, signed_ids, signing_key_content
 
 if TYPE_CHECKING:
-    from registry.context import Context
+    from registry.lifecycle.context import Context
 
 CREATED, RETIRED, REVOKED = "created", "retired", "revoked"
 ACTIVE = "active"  # a created key not retired or revoked

@@ -1,4 +1,4 @@
-"""The provable audit log (`registry.audit_chain`): every audit event gets a random `uid` and
+"""The provable audit log (`registry.trust.audit_chain`): every audit event gets a random `uid` and
 a `mac` (HMAC-SHA256 under the server's key, NULL where no key was at hand), and the new table
 `audit_seal` chains the events a sealer took, block by block. Seals are append-only like the
 events themselves: SQLite triggers, and PostgreSQL's `reg_append_only()` of 0001.

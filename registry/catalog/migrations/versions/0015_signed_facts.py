@@ -3,7 +3,7 @@ audit key, like tokens (0009) and audit events (0006).
 
 - `fact_mac`: append-only (triggers, as `audit_seal`), one row per signature: `kind` (policy,
   validation, model), the signed row's id and an HMAC under the server's key over that row's id
-  and content (`registry.signed_facts`). Written in the transaction that writes the row, or
+  and content (`registry.trust.signed_facts`). Written in the transaction that writes the row, or
   later by `reg catalog sign` for rows that predate this revision. No unique key: a forged
   signature cannot block the real one, which is simply another row.
 - `model.project`: the project that owns the model, the one it was first released from
