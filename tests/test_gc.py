@@ -92,7 +92,7 @@ def test_release_sources_are_kept(aggressive, reg, ckpts):
 
 def test_one_gc_at_a_time(aggressive, reg, ckpts):
     from registry.catalog import leases
-    from registry.operations.gc import GC_LEASE, acquire
+    from registry.lifecycle.retention import GC_LEASE, acquire
 
     token = acquire(reg.context)
     try:

@@ -17,7 +17,7 @@ from registry import Registry
 from registry.core.config import Settings
 from registry.errors import PolicyError, UsageError
 from registry.integrations.webhooks import net
-from registry.integrations.webhooks.signing import read_secret, signature, verify
+from registry.trust.webhook_signatures import read_secret, signature, verify
 from tests.webhook_receiver import Receiver
 
 CPU = '[promotion]\nrequire_device = "any"\n'

@@ -72,7 +72,7 @@ from registry.core.refs import (
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
     from registry.core.progress import Progress
-    from registry.integrations.outbox import Outbox
+    from registry.journal.outbox import Outbox
     from registry.lifecycle.context import Context
     from registry.storage.base import BaseStore
     from registry.trust.policy_source import EffectivePolicy
@@ -133,7 +133,7 @@ class LocalRegistry(Registry):
     @property
     def context(self) -> Context:
         if self._context is None:
-            from registry.integrations.outbox import Outbox
+            from registry.journal.outbox import Outbox
             from registry.lifecycle.context import Context
             from registry.trust.audit_chain import keys
             from registry.trust.policy_source import EffectivePolicy
@@ -142,14 +142,7 @@ class LocalRegistry(Registry):
             # Where this process can read the server's key (its host's operator) it signs
             # what it writes, so it decides under the proven policy, as the server does.
             key = keys.optional(self.settings.audit_key_path)
-            path, home = self.settings.policy_path, self.settings.home
-            policy = (
-                EffectivePolicy.load(self.catalog, policy_path=path, home=home)
-                if key is None
-                else EffectivePolicy.on_host(
-                    self.catalog, self.store, key, policy_path=path, home=home
-                )
-            )
+            policy = EffectivePolicy.in_force(self.catalog, self.settings, key, lambda: self.store)
             if self._events is None:
                 self._events = Outbox(self.settings, webhooks=policy.has_webhooks, audit_key=key)
             self._context = Context(

@@ -30,3 +30,23 @@ def start(settings: Settings, module: str, *args: str, log: str) -> None:
             )
     except OSError:
         pass
+
+
+DRAIN_BUDGET_S = 30
+DELIVER_BUDGET_S = 60  # then the next command, or `reg webhook deliver`, retries what waits
+
+
+def spawn_drain(settings: Settings) -> None:
+    """The MLflow drain (`registry.integrations.mirror.drain`): importing mlflow alone takes
+    seconds, and the command that caused the events must not wait for it (DESIGN §2). Unless the
+    mirror is off; not started, the events wait for `reg mlflow sync` or the next command."""
+    if settings.mlflow_drain:
+        module = "registry.integrations.mirror.drain"
+        start(settings, module, "--budget", str(DRAIN_BUDGET_S), log="mlflow-drain.log")
+
+
+def spawn_deliverer(settings: Settings) -> None:
+    """The embedded webhook deliverer (`python -m registry.integrations.webhooks`): the command
+    that caused the events never waits for a receiver."""
+    module = "registry.integrations.webhooks"
+    start(settings, module, "--budget", str(DELIVER_BUDGET_S), log="webhooks.log")

@@ -40,7 +40,7 @@ from registry.catalog import queries
 from registry.core.refs import CheckpointRef, check_name
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound, UsageError
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 
 if TYPE_CHECKING:
     from sqlmodel import Session

@@ -42,6 +42,7 @@ from registry.journal.event import (
     YANK,
     Event,
 )
+from registry.trust import signed_facts
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
@@ -120,7 +121,7 @@ def _facts(s: Session) -> Iterator[Fact]:
         yield (
             VALIDATION,
             where,
-            write.validation_fact(v),
+            signed_facts.validation_fact(v),
             v.created_at,
             v.created_by,
             (VALIDATION, project.name, run.name, ckpt.step, round(v.created_at, 6)),

@@ -9,9 +9,8 @@ import uuid
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from registry.core.detached import spawn_deliverer, spawn_drain
 from registry.core.timeutil import now
-from registry.integrations.mirror.spawn import spawn_drain
-from registry.integrations.webhooks.spawn import spawn_deliverer
 from registry.trust.audit_chain.macs import normalized, outbox_mac
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ class EventSink(Protocol):
 
 class Outbox:
     """The embedded sink: events go to the outbox table; `flush()`, when the command is done,
-    starts a detached drain if any were written (`mirror.spawn`), and where the policy
+    starts a detached drain if any were written (`core.detached.spawn_drain`), and where the policy
     has webhooks, a detached deliverer (`webhooks.deliver`; `reg server` delivers from
     its own loop)."""
 

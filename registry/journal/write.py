@@ -29,7 +29,6 @@ from registry.trust.audit_chain.keys import key_id
 if TYPE_CHECKING:
     from sqlmodel import Session
 
-    from registry.catalog.models import Validation
     from registry.lifecycle.context import Context
 
 
@@ -56,25 +55,6 @@ def record(
         abort(ctx, made, f"its store write failed: {type(exc).__name__}")
         raise
     return made
-
-
-def validation_fact(row: Validation) -> dict[str, Any]:
-    """A validation event's fact: the row's columns (and its id, which release.json names)."""
-    return {
-        "validation_id": row.id,
-        "passed": row.passed,
-        "device": row.device,
-        "device_name": row.device_name,
-        "torch_version": row.torch_version,
-        "world_size": row.world_size,
-        "seconds": row.seconds,
-        "phases": row.phases,
-        "checks": row.checks,
-        "attested": row.attested,
-        "model_path": row.model_path,
-        "mode": row.mode,
-        "driver": row.driver,
-    }
 
 
 def put(

@@ -36,7 +36,7 @@ from registry.catalog.workflow_models import (
     AliasRequest,
 )
 from registry.core.timeutil import iso, now
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.journal.event import ALIAS_DECISION, ALIAS_REQUEST
 from registry.journal.write import record as journal_record
 from registry.trust import signed_facts as facts

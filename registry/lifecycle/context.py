@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from registry.catalog.engine import Catalog
-    from registry.integrations.outbox import EventSink
+    from registry.journal.outbox import EventSink
     from registry.storage.base import BaseStore
     from registry.trust.policy_source import EffectivePolicy
     from registry.trust.principal import Principal

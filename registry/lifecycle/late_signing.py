@@ -40,7 +40,7 @@ from registry.core.layout import RELEASE_DOCUMENT, release_prefix
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict, GateNotMet, IntegrityError
 from registry.formats.documents import ReleaseDocument
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.releases import resolve_release, stored_files, uri_of
 from registry.lifecycle.verify import verify_files

@@ -26,13 +26,13 @@ from registry.core.refs import ReleaseRef, check_alias, check_name, check_reason
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
-from registry.integrations import outbox as events
-from registry.integrations.mirror.artifacts import unpublish_everywhere
+from registry.journal import outbox as events
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
 from registry.lifecycle import alias_requests
 from registry.lifecycle.transfer import download
 from registry.lifecycle.views import ReleaseView, signing_key_states
+from registry.storage.mlflow_artifacts import unpublish_everywhere
 from registry.trust.release_signing.bundle import check_pulled
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from policies.access import Action
 from registry.core.refs import check_name
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound, UsageError
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context

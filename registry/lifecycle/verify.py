@@ -31,7 +31,7 @@ from registry.core.layout import (
 )
 from registry.core.timeutil import now
 from registry.errors import RegistryError
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.lifecycle.transfer import repair_stored, verify_stored
 
 if TYPE_CHECKING:
@@ -66,10 +66,9 @@ def verify_files(
         out["repaired"] = []
     if repair and problems:
         ctx.authorize(Action.REPAIR, target=name, **scope)
-        from registry.catalog import leases
-        from registry.operations import gc
+        from registry.lifecycle import retention
 
-        with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
+        with retention.gc_lease(ctx):
             repaired, left = repair_stored(ctx.store, prefix, files, problems, immutable=immutable)
         with ctx.catalog.session(write=True) as s:
             ctx.audit(s, "repair", name, repaired=repaired, left=len(left))

@@ -115,11 +115,10 @@ def fsck(
     ctx.authorize(Action.FSCK, target=f"fsck {project or 'all projects'}")
     if not repair:
         return _run(ctx, project, full, sample, progress)
-    from registry.catalog import leases
-    from registry.operations import gc
+    from registry.lifecycle import retention
 
     ctx.authorize(Action.REPAIR, target="fsck --repair")
-    with leases.renewed(ctx.catalog, gc.GC_LEASE, gc.acquire(ctx), gc.GC_LEASE_SECONDS):
+    with retention.gc_lease(ctx):
         return _run(ctx, project, full, sample, progress, repair=True)
 
 

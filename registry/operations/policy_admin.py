@@ -17,13 +17,13 @@ from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
 from registry.core.timeutil import now
 from registry.errors import PolicyError, RegistryError, UnprovenFact, UsageError
-from registry.integrations.webhooks.signing import read_secret
 from registry.journal.event import POLICY
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecided
-from registry.operations.gc import emit_expiry_changes
+from registry.lifecycle.retention import emit_expiry_changes
 from registry.trust import signed_facts
 from registry.trust.audit_chain.service import seal_now
+from registry.trust.webhook_signatures import read_secret
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, Request
 
 from registry.errors import Unauthenticated
-from registry.integrations.outbox import Outbox
+from registry.journal.outbox import Outbox
 from registry.lifecycle.context import Context
 from registry.server.oidc import looks_like_jwt
 from registry.trust.audit_chain import keys as audit_keys

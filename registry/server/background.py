@@ -15,8 +15,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from registry.integrations.mirror.spawn import spawn_drain
-from registry.integrations.outbox import Outbox
+from registry.core.detached import spawn_drain
+from registry.journal.outbox import Outbox
 from registry.lifecycle.context import Context
 from registry.operations.token_admin import SERVER_PRINCIPAL
 from registry.server.upload import sweep

@@ -21,7 +21,7 @@ from policies.access import Action, check_grants
 from registry.catalog.engine import Catalog
 from registry.core.config import checked_user
 from registry.errors import PolicyError
-from registry.integrations.outbox import Outbox
+from registry.journal.outbox import Outbox
 from registry.lifecycle.context import Context
 from registry.storage import open_store
 from registry.trust.audit_chain import keys

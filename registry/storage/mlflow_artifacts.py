@@ -15,7 +15,7 @@ inode), an S3 copy must carry the recorded sha256 and size; anything else in the
 removed and the folder published again. `reconcile` removes what no active release explains
 (a yanked release, an experiment id the tracking store no longer has, a crashed publish's
 leftovers). The experiment in the path is the model's releases experiment
-(`registry.integrations.mirror.names`), so MLflow's auth app judges a download by READ on it.
+(`registry.catalog.mlflow_names`), so MLflow's auth app judges a download by READ on it.
 """
 
 from __future__ import annotations

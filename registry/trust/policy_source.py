@@ -19,6 +19,8 @@ from policies import DEFAULT_POLICY_PATH
 from registry.errors import PolicyError, UnprovenFact
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from policies.loader import (
         AccessPolicy,
         Policy,
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
         RetentionPolicy,
     )
     from registry.catalog.engine import Catalog
+    from registry.core.config import Settings
     from registry.storage.base import BaseStore
 
 
@@ -61,6 +64,21 @@ class EffectivePolicy:
         if found.version is None:
             return cls._local(policy_path, home)
         return cls(found.text, found.source, found.applied_at)
+
+    @classmethod
+    def in_force(
+        cls,
+        catalog: Catalog,
+        settings: Settings,
+        key: bytes | None,
+        store: Callable[[], BaseStore],
+    ) -> EffectivePolicy:
+        """The policy an embedded process decides under: proven (`on_host`) where it holds the
+        audit key, else as `load` finds it. `store` is opened only to prove one."""
+        path, home = settings.policy_path, settings.home
+        if key is None:
+            return cls.load(catalog, policy_path=path, home=home)
+        return cls.on_host(catalog, store(), key, policy_path=path, home=home)
 
     @classmethod
     def on_host(

@@ -90,12 +90,30 @@ def model_content(row: Model) -> dict[str, Any]:
     return {"name": row.name, "project": row.project, "created_at": row.created_at}
 
 
+def validation_fact(row: Validation) -> dict[str, Any]:
+    """A validation's fact: the row's columns (and its id, which release.json names), as the
+    journal records them and its signature covers them."""
+    return {
+        "validation_id": row.id,
+        "passed": row.passed,
+        "device": row.device,
+        "device_name": row.device_name,
+        "torch_version": row.torch_version,
+        "world_size": row.world_size,
+        "seconds": row.seconds,
+        "phases": row.phases,
+        "checks": row.checks,
+        "attested": row.attested,
+        "model_path": row.model_path,
+        "mode": row.mode,
+        "driver": row.driver,
+    }
+
+
 def validation_content(row: Validation, subject: Mapping[str, Any]) -> dict[str, Any]:
     """What a validation signature covers: everything the gate and release.json read, and the
     checkpoint it validated by ref and manifest digest (`subject_of`), so the row cannot be
     pointed at another checkpoint, or at this one's row after a different push."""
-    from registry.journal.write import validation_fact
-
     fact = validation_fact(row)  # its columns, as the journal records them
     del fact["validation_id"]  # the signature names the row by id already
     return normalized(

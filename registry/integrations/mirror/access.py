@@ -20,8 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from registry.catalog.mlflow_names import RELEASES_EXPERIMENT, mirror_name
 from registry.core.timeutil import now
-from registry.integrations.mirror.names import RELEASES_EXPERIMENT, mirror_name
 from registry.storage import open_store
 from registry.trust.audit_chain import keys
 from registry.trust.policy_source import EffectivePolicy

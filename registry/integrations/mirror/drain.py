@@ -30,12 +30,12 @@ from sqlmodel import col, select
 
 from registry.catalog import leases
 from registry.catalog.engine import Catalog
+from registry.catalog.mlflow_names import mirror_name
 from registry.catalog.models import OutboxEvent
 from registry.core.config import Settings
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound
 from registry.integrations.mirror import access
-from registry.integrations.mirror.names import mirror_name
 from registry.storage import open_store
 from registry.text import redact
 

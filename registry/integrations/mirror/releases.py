@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import select
 
+from registry.catalog.mlflow_names import mirror_name, releases_experiment
 from registry.core.layout import release_prefix
 from registry.core.timeutil import iso
-from registry.integrations.mirror import artifacts
-from registry.integrations.mirror.names import mirror_name, releases_experiment
+from registry.storage import mlflow_artifacts as artifacts
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import UsageError
 from registry.integrations.mirror.access import ADMIN_USER, AccessSync, auth_db_uri
-from registry.integrations.mirror.artifacts import destination
+from registry.storage.mlflow_artifacts import destination
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -18,7 +18,7 @@ from registry.errors import NotFound, RegistryError, UsageError
 from registry.integrations.webhooks import net
 from registry.integrations.webhooks.deliver import drain, headers_for
 from registry.integrations.webhooks.events import PING, SCHEMA
-from registry.integrations.webhooks.signing import read_secret
+from registry.trust.webhook_signatures import read_secret
 
 if TYPE_CHECKING:
     from policies.loader import Webhook

@@ -29,8 +29,8 @@ from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.integrations.webhooks import net
 from registry.integrations.webhooks.fanout import fan_out
-from registry.integrations.webhooks.signing import HEADER, read_secret, signature
 from registry.trust.audit_chain.macs import delivery_mac, same
+from registry.trust.webhook_signatures import HEADER, read_secret, signature
 
 if TYPE_CHECKING:
     from policies.loader import Webhook

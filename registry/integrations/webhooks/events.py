@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from registry.core.timeutil import iso
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 
 SCHEMA = "reg.webhook/1"
 PING = "ping"  # `reg webhook test`: never from the outbox

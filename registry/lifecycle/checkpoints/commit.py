@@ -30,7 +30,7 @@ from registry.catalog.models import (
 from registry.core.layout import checkpoint_prefix
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.lifecycle.views import CheckpointView
 from registry.storage.base import hash_stream
 

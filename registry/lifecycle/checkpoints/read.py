@@ -38,7 +38,7 @@ def resolve(
 
 def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
     from registry.lifecycle.checkpoints.costs import costs_json
-    from registry.operations.gc import explain
+    from registry.lifecycle.retention import explain
 
     ctx.authorize_read(project=ref.project)
     run, ckpt, files = resolve(ctx, ref, tombstones=True, local=True)
@@ -208,7 +208,7 @@ def set_pin(
 
 def emit_protection(ctx: Context, session: Any, ref: CheckpointRef, run: Any, ckpt: Any) -> None:
     """Tell the MLflow mirror the checkpoint's protection and expiry as they are now."""
-    from registry.operations.gc import emit_protection_event, explain
+    from registry.lifecycle.retention import emit_protection_event, explain
 
     retention = explain(ctx, ref.project, run, ckpt, session)
     emit_protection_event(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.lifecycle.checkpoints.resume_facts import (
     from_stored_metadata,
     missing_of,

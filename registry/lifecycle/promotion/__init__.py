@@ -21,10 +21,10 @@ from sqlmodel import col, select
 
 from registry.catalog import claims
 from registry.catalog.leases import hold
+from registry.catalog.mlflow_names import refuse_colliding_model
 from registry.catalog.models import ACTIVE, Model, Release
 from registry.core.refs import CheckpointRef, ReleaseRef
 from registry.errors import RegistryError
-from registry.integrations.mirror.names import refuse_colliding_model
 from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion.plan import (
     PromotionPlan,

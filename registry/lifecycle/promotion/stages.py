@@ -27,6 +27,7 @@ from policies.access import Action
 from policies.layouts import count_under
 from registry.catalog import claims
 from registry.catalog.claims import Claim
+from registry.catalog.mlflow_names import refuse_colliding_model
 from registry.catalog.models import (
     ACTIVE,
     RELEASE_PENDING,
@@ -48,8 +49,7 @@ from registry.formats.documents import (
     ValidationRecord,
 )
 from registry.formats.hf_folder import CONFIG, GENERATION_CONFIG, generation_config
-from registry.integrations import outbox as events
-from registry.integrations.mirror.names import refuse_colliding_model
+from registry.journal import outbox as events
 from registry.lifecycle.alias_workflow import change_alias
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate

@@ -39,16 +39,16 @@ from registry.core.timeutil import iso, now
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.formats.dcp import check_ranges, inventory
 from registry.formats.dcp_roots import stored_metadata
-from registry.integrations import outbox as events
+from registry.journal import outbox as events
 from registry.journal.event import VALIDATION
 from registry.journal.write import record as journal_record
-from registry.journal.write import validation_fact
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.validation.budget import choose as choose_budget
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
 from registry.lifecycle.validation.modes import MODES, SHARDED, run_streamed
 from registry.lifecycle.validation.restore import device_name, driver_version, resolve_device
 from registry.text import inert
+from registry.trust.signed_facts import validation_fact
 
 if TYPE_CHECKING:
     from policies.loader import Policy
