@@ -44,17 +44,11 @@ def catalog_migrate(
     """Migrate the catalog's schema as its owner (REG_CATALOG_URL); print the revision before
     and after. Then record the key paths of checkpoints committed before the catalog kept them,
     from each one's .metadata in the store (REG_STORE_URL)."""
-    from policies.resume import resume_overrides
-    from registry.api.local import LocalRegistry
-    from registry.catalog import grants
+    from registry.api.host import migrate_catalog
     from registry.core.config import Settings
-    from registry.lifecycle.checkpoints.resume_changes import record_all
 
-    settings = Settings.from_env()
-    out = grants.migrate(settings, grant)
-    with LocalRegistry(settings) as reg:  # the catalog's owner migrates it, never through a server
-        out["key_paths"] = record_all(reg.context)
-        out["warnings"] = resume_overrides(reg.context.policy.resume)
+    # the catalog's owner migrates it, never through a server
+    out = migrate_catalog(Settings.from_env(), grant)
     if json_output:
         emit_json(out)
         return
@@ -80,10 +74,10 @@ def catalog_grants(
 ) -> None:
     """Give ROLE least privilege on the catalog (PostgreSQL; run as the owner): read and append
     history, update only what the server updates, no DDL."""
-    from registry.catalog import grants
+    from registry.api.host import grant_runtime_role
     from registry.core.config import Settings
 
-    out = grants.grant(Settings.from_env(), role, dry_run=dry_run)
+    out = grant_runtime_role(Settings.from_env(), role, dry_run=dry_run)
     if json_output:
         emit_json(out)
         return
@@ -106,10 +100,10 @@ def catalog_sign(
     """Sign the policy documents, attested validations and model owners written before signed
     facts, each checked against the audit log first (admin; on the server's host, with its
     audit key). Example: `reg catalog sign --dry-run`, then `reg catalog sign`."""
-    from registry.operations.fact_signing import sign_catalog
+    from registry.api.host import sign_catalog
+    from registry.core.config import Settings
 
-    with _where_the_catalog_is("sign", "and REG_AUDIT_KEY_FILE") as reg:
-        out = sign_catalog(reg.context, dry_run=dry_run)
+    out = sign_catalog(Settings.from_env(), dry_run=dry_run)
     if json_output:
         emit_json(out)
         return
@@ -132,10 +126,10 @@ def catalog_backfill_journal(
     a registry from before the journal): policies, validations, aliases, yanks, deprecations
     and pins, each with its row's time and author, so `reg catalog rebuild` can replay them.
     Idempotent. Runs where the catalog is: embedded, or on the server's host."""
-    from registry.journal.backfill import backfill
+    from registry.api.host import backfill_journal
+    from registry.core.config import Settings
 
-    with _where_the_catalog_is("backfill-journal") as reg:
-        out = backfill(reg.context, dry_run=dry_run)
+    out = backfill_journal(Settings.from_env(), dry_run=dry_run)
     if json_output:
         emit_json(out)
         return
@@ -146,22 +140,6 @@ def catalog_backfill_journal(
         + (f": {kinds}" if kinds else "")
         + f"; {out['already_journaled']} decision(s) already journaled"
     )
-
-
-def _where_the_catalog_is(command: str, also: str = "") -> Any:
-    """The embedded registry, for a `reg catalog` command that runs on the catalog's host (its
-    work needs the catalog and the store themselves); refused through the server."""
-    from registry import Registry
-    from registry.core.config import Settings
-    from registry.errors import UsageError
-
-    settings = Settings.from_env()
-    if settings.remote:
-        raise UsageError(
-            f"reg catalog {command} runs on the server's host, not through the server",
-            f"unset REG_URL; run it with the server's settings {also}".rstrip(),
-        )
-    return Registry(settings)
 
 
 def catalog_rebuild(

@@ -113,8 +113,8 @@ def restart(
 ) -> None:
     """Announce a planned restart of a run (before stopping the job): `reg advise` does not
     count its next restore as a failure."""
+    from registry.core.refs import split_run
     from registry.errors import UsageError
-    from registry.lifecycle.runs import split_run
 
     if not planned:
         raise UsageError(

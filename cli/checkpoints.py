@@ -64,8 +64,7 @@ def push_ckpt(
             raise UsageError("--claim needs --step", "give the step `reg claim-ckpt` claimed")
         _push_part(directory, claim, run, step, project, json_output)
         return
-    # at use: 30 ms of imports every other command (and `reg --help`) would pay
-    from registry.formats.recorded import recorded_step
+    from registry.api.offline import recorded_step
 
     metrics = parse_metrics(metric)  # the command line first, then the directory
     check_name(project, "project name")
@@ -299,7 +298,7 @@ def verify(
 
 
 def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: bool) -> None:
-    from registry.operations.scrub import parse_rate
+    from registry.core.timeutil import parse_rate
 
     bps = parse_rate(rate) if rate is not None else None
     if every is not None:
@@ -350,9 +349,8 @@ def _verify_dir(
     """Offline: no catalog and no store are opened."""
     import re
 
+    from registry.api.offline import read_public_key, verify_folder
     from registry.errors import UsageError
-    from registry.lifecycle.checkpoints.pulled import verify_folder
-    from registry.trust.release_signing.bundle import read_public_key
 
     if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise UsageError(f"--sha256 {sha256[:80]!r} is not a sha256", "64 lowercase hex digits")

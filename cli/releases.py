@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -55,7 +53,7 @@ def validate(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Prove a checkpoint restores: integrity, load, reshard, finite, resume state, probe."""
-    from registry.lifecycle.validation.checks import ADVISORY
+    from policies.gates import ADVISORY_CHECKS
 
     with open_registry() as reg:
         out = reg.validate(
@@ -73,7 +71,7 @@ def validate(
         emit_json(out)
     else:
         for c in out.checks:
-            mark = "ok  " if c["passed"] else "note" if c["name"] in ADVISORY else "FAIL"
+            mark = "ok  " if c["passed"] else "note" if c["name"] in ADVISORY_CHECKS else "FAIL"
             print(f"  {mark} {c['name']:<13} {c['detail']}")
         for s in out.get("suggestions", []):
             print(f"  hint {'':<13} {s}")
@@ -87,7 +85,7 @@ def validate(
     if not out.passed:
         from registry.errors import ValidationFailed
 
-        failed = next(c for c in out.checks if not c["passed"] and c["name"] not in ADVISORY)
+        failed = next(c for c in out.checks if not c["passed"] and c["name"] not in ADVISORY_CHECKS)
         raise ValidationFailed(f"{out.ref} failed validation: {failed['name']}: {failed['detail']}")
 
 
@@ -140,7 +138,7 @@ def promote(
             convert=convert,
             base=base,
         )
-    warning = _hf_warning(out)
+    warning = out.hf_warning()
     if warning:
         note(f"{out.release}: {warning}")
     if json_output:
@@ -157,16 +155,6 @@ def promote(
         print(f"  config.json {key}: {change['from']!r} -> {change['to']!r}")
     if out.code_extras:
         print(f"  code (policy allow_code_extras): {', '.join(out.code_extras)}")
-
-
-def _hf_warning(out: Mapping[str, Any]) -> str | None:
-    """One line when the release is not a complete Hugging Face model folder."""
-    from registry.formats.hf_folder import Completeness
-
-    hf = out.get("hf")
-    if not hf:
-        return None
-    return Completeness(hf["complete"], hf["missing"], hf["notes"]).warning()
 
 
 def releases(
@@ -209,8 +197,8 @@ def pull_release(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Copy a release out, verifying every file (and with --verify-signature its signature)."""
+    from registry.api.offline import read_public_key
     from registry.errors import UsageError
-    from registry.trust.release_signing.bundle import read_public_key
 
     if verify_signature != (public_key is not None):
         raise UsageError(
@@ -251,8 +239,8 @@ def fetch_release(
     """Print the path of a verified local copy of a release, pulled once per release.json
     digest and reused after (`$(reg fetch-release NAME@prod)`)."""
     from registry.api.consumers.hf_cache import default_hub_cache
+    from registry.api.offline import read_public_key
     from registry.errors import UsageError
-    from registry.trust.release_signing.bundle import read_public_key
 
     if cache_dir is not None and (hf or hf_cache is not None):
         raise UsageError(

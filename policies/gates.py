@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from policies.loader import PromotionPolicy
 
+# Checks a validation reports but does not count toward `passed`: whether resume state is
+# complete is the promotion gate's to decide, under the policy in force when it promotes.
+ADVISORY_CHECKS = frozenset({"resume_state"})
+
 
 @dataclass(frozen=True, slots=True)
 class ValidationRecord:

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
+from registry.core.timeutil import parse_rate
 from registry.errors import UsageError
-from registry.operations.scrub import Throttle, parse_rate
+from registry.operations.scrub import Throttle
 from tests.conftest import ROOT
 
 

@@ -206,7 +206,7 @@ def test_pin_is_the_default_of_its_path_when_pinned_is_left_out():
 
 
 def test_a_run_named_with_its_project_may_not_contradict_the_project_given():
-    from registry.lifecycle.runs import split_run
+    from registry.core.refs import split_run
 
     assert split_run("team-a/r", "team-a") == ("team-a", "r")
     assert split_run("r", "team-a") == ("team-a", "r")

@@ -346,7 +346,8 @@ class LocalRegistry(Registry):
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
     ) -> RunFinished:
-        from registry.lifecycle.runs import finish_run, split_run
+        from registry.core.refs import split_run
+        from registry.lifecycle.runs import finish_run
 
         project_name, run_name = split_run(run, project)
         return RunFinished.from_json(finish_run(self.context, project_name, run_name, status))

@@ -157,3 +157,16 @@ def check_reason(reason: str | None, what: str = "reason") -> str | None:
             "write it on one line, printable characters only",
         )
     return reason
+
+
+def split_run(text: str, project: str | None = None) -> tuple[str, str]:
+    """`project/run` or `run` (in `project`, default `default`)."""
+    if "/" in text:
+        head, _, tail = text.partition("/")
+        if project is not None and project != head:
+            raise UsageError(
+                f"run {text} names project {head}, and the project given is {project}",
+                "give the run as PROJECT/RUN or the project apart, not both",
+            )
+        return head, tail
+    return project or "default", text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from datetime import UTC, datetime
 
@@ -37,3 +39,26 @@ def positive_duration(text: str, flag: str, example: str = "1h") -> float:
     if not 0 < seconds < float("inf"):
         raise UsageError(f"{flag} {text} must be a positive, finite duration", f"e.g. {example}")
     return seconds
+
+
+# -- rates (a scrub's --rate) ------------------------------------------------------------------
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKMGT]?)(i?)B/s")
+MIN_RATE, MAX_RATE = 1.0, 1e13  # 1 B/s .. 10 TB/s
+
+
+def parse_rate(text: str) -> float:
+    """`200MB/s` (decimal units; `MiB/s` binary; bytes, never bits) -> bytes per second."""
+    match = _RATE.fullmatch(text.strip())
+    hint = "write it like 200MB/s, 1GB/s or 50MiB/s (bytes per second, 1 B/s to 10 TB/s)"
+    if match is None:
+        raise UsageError(f"--rate {text!r} is not a bandwidth", hint)
+    base = 1024 if match.group(3) else 1000
+    power = " KMGT".index(match.group(2).upper() or " ")
+    return check_rate(float(match.group(1)) * float(base**power), hint)
+
+
+def check_rate(rate: float, hint: str = "give bytes per second, 1 to 1e13") -> float:
+    if not math.isfinite(rate) or not MIN_RATE <= rate <= MAX_RATE:
+        raise UsageError(f"a scrub rate of {rate:g} bytes/s is out of range", hint)
+    return rate

@@ -42,16 +42,3 @@ def finish_run(ctx: Context, project: str, run: str, status: str = "finished") -
             s, events.RUN_FINISHED, project=project, run=run, status=status, ended_at=ended
         )
     return {"project": project, "run": run, "status": status, "ended_at": iso(ended)}
-
-
-def split_run(text: str, project: str | None = None) -> tuple[str, str]:
-    """`project/run` or `run` (in `project`, default `default`)."""
-    if "/" in text:
-        head, _, tail = text.partition("/")
-        if project is not None and project != head:
-            raise UsageError(
-                f"run {text} names project {head}, and the project given is {project}",
-                "give the run as PROJECT/RUN or the project apart, not both",
-            )
-        return head, tail
-    return project or "default", text

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,6 +26,7 @@ from registry.core.layout import (
     release_prefix,
 )
 from registry.core.refs import CheckpointRef
+from registry.core.timeutil import check_rate
 from registry.errors import Conflict, RegistryError, UsageError
 from registry.lifecycle.verify import record, row_at, verify_files
 
@@ -39,26 +38,7 @@ if TYPE_CHECKING:
 
 # -- scrubs -----------------------------------------------------------------------------------
 
-_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKMGT]?)(i?)B/s")
-MIN_RATE, MAX_RATE = 1.0, 1e13  # 1 B/s .. 10 TB/s
 SCRUB_LEASE, SCRUB_LEASE_SECONDS = "scrub", 600.0
-
-
-def parse_rate(text: str) -> float:
-    """`200MB/s` (decimal units; `MiB/s` binary; bytes, never bits) -> bytes per second."""
-    match = _RATE.fullmatch(text.strip())
-    hint = "write it like 200MB/s, 1GB/s or 50MiB/s (bytes per second, 1 B/s to 10 TB/s)"
-    if match is None:
-        raise UsageError(f"--rate {text!r} is not a bandwidth", hint)
-    base = 1024 if match.group(3) else 1000
-    power = " KMGT".index(match.group(2).upper() or " ")
-    return check_rate(float(match.group(1)) * float(base**power), hint)
-
-
-def check_rate(rate: float, hint: str = "give bytes per second, 1 to 1e13") -> float:
-    if not math.isfinite(rate) or not MIN_RATE <= rate <= MAX_RATE:
-        raise UsageError(f"a scrub rate of {rate:g} bytes/s is out of range", hint)
-    return rate
 
 
 class Throttle:

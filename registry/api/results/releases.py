@@ -46,8 +46,17 @@ class ReleasePromoted(ReleaseSummary):
     hf: dict[str, Any] | None = None
     hf_config: dict[str, Any] | None = None
     code_extras: list[str] | None = None
-    # `--alias` named a protected alias: the request opened instead of a move (issue 38)
+    # `--alias` named a protected alias: the request opened instead of a move
     alias_request: dict[str, Any] | None = None
+
+    def hf_warning(self) -> str | None:
+        """One line when the release is not a complete Hugging Face model folder."""
+        if not self.hf:
+            return None
+        # at use: the folder rules load only for a promotion's message
+        from registry.formats.hf_folder import Completeness
+
+        return Completeness(self.hf["complete"], self.hf["missing"], self.hf["notes"]).warning()
 
 
 @RESULT

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.gates import ADVISORY_CHECKS
 from registry.errors import UsageError
 from registry.formats.dcp import Inventory, TensorInfo, cover_problem
 
@@ -28,14 +29,9 @@ class Check:
         return {"name": self.name, "passed": self.passed, "detail": self.detail}
 
 
-# Checks reported but not counted toward `passed`: whether resume state is complete is the
-# promotion gate's to decide, under the policy in force when it promotes.
-ADVISORY = frozenset({"resume_state"})
-
-
 def counted(checks: list[dict[str, Any]]) -> bool:
     """A validation's `passed`: every check that counts passed."""
-    return all(c["passed"] for c in checks if c["name"] not in ADVISORY)
+    return all(c["passed"] for c in checks if c["name"] not in ADVISORY_CHECKS)
 
 
 @dataclass
