@@ -18,10 +18,22 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # the policy models cost pydantic's import; a check needs only their fields
-    from policies.loader import Grant
+
+class Grant(Protocol):
+    """What a check reads of a grant (`policies.loader.Grant`, whose module costs pydantic's
+    import and imports this one)."""
+
+    @property
+    def principals(self) -> list[str]: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def projects(self) -> list[str]: ...
+    @property
+    def models(self) -> list[str] | None: ...
+
 
 ROLES = ("viewer", "trainer", "releaser", "admin")
 VALIDATOR = "validator"

@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from policies.access import gives, is_scoped_admin
+from policies.access import Grant, gives, is_scoped_admin
 
-if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
 
-    from policies.loader import Grant, ProtectedAlias
+class AliasRule(Protocol):
+    """What matching reads of a protected alias (`policies.loader.ProtectedAlias`, whose module
+    imports this one)."""
+
+    @property
+    def alias(self) -> str: ...
+    @property
+    def models(self) -> list[str]: ...
+
+
+R = TypeVar("R", bound=AliasRule)
+G = TypeVar("G", bound=Grant)
 
 # What a subscriber may ask for, as the receiver sees it in the body's `event`.
 WEBHOOK_EVENTS = (
@@ -52,9 +62,7 @@ _SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: private in
 # -- protected aliases ----------------------------------------------------------------------
 
 
-def protection_for(
-    rules: Sequence[ProtectedAlias], model: str, alias: str
-) -> ProtectedAlias | None:
+def protection_for(rules: Sequence[R], model: str, alias: str) -> R | None:
     """The first rule covering `model@alias`, or None: the alias moves freely."""
     for rule in rules:
         if fnmatch.fnmatchcase(alias, rule.alias) and any(
@@ -67,10 +75,10 @@ def protection_for(
 def named_by(
     entries: Sequence[str],
     principal: str,
-    grants: Sequence[Grant],
+    grants: Sequence[G],
     *,
     single_user: bool,
-    covers: Callable[[Grant], bool] | None = None,
+    covers: Callable[[G], bool] | None = None,
 ) -> bool:
     """Is `principal` one of `entries` (names or `role:NAME`)? A role counts through the
     principal's grants that `covers` (a predicate on a grant: it covers the model) accepts;

@@ -259,7 +259,7 @@ def test_an_adapter_training_more_than_its_lora_tensors_is_refused(
     """Its other trained tensors (a classification head, biases, AdaLoRA's lora_E) are not
     LoRA tensors: released without them, the adapter would load broken."""
     from registry.lifecycle.promotion.adapters import adapter_base
-    from registry.lifecycle.promotion.plan import Extra
+    from registry.lifecycle.promotion.records import Extra
 
     path = tmp_path / "adapter_config.json"
     path.write_text(json.dumps(config))

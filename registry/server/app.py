@@ -11,7 +11,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -29,8 +28,8 @@ from registry.errors import (
 )
 from registry.server import metrics
 from registry.server.oidc import verifier_from
+from registry.server.state import ServerState
 from registry.storage import open_store
-from registry.trust.audit_chain import keys
 from registry.trust.audit_chain import keys as audit_keys
 from registry.trust.policy_source import EffectivePolicy
 
@@ -39,37 +38,9 @@ if TYPE_CHECKING:
 
     from registry.catalog.engine import Catalog
     from registry.core.config import Settings
-    from registry.server.oidc import OidcVerifier
-    from registry.storage.base import BaseStore
-    from registry.trust.policy_source import EffectivePolicy
 
 log = logging.getLogger("reg.server")
 API_VERSION = "v1"
-
-
-@dataclass
-class ServerState:
-    settings: Settings
-    catalog: Catalog
-    store: BaseStore
-    oidc: OidcVerifier | None = None  # bearer JWTs accepted beside reg tokens (REG_OIDC_*)
-    uploads: Any = None  # claims.UploadSlots, made at the first upload
-
-    @property
-    def key(self) -> bytes:
-        """The audit key this server signs with (read once per process)."""
-        return keys.for_server(self.settings.audit_key_path)
-
-    def policy(self) -> EffectivePolicy:
-        """The policy in force, as proven (`registry.trust.proven_policy`): never merely the newest
-        row. UnprovenFact when it cannot be established."""
-        return EffectivePolicy.for_server(
-            self.catalog,
-            self.store,
-            self.key,
-            policy_path=self.settings.policy_path,
-            home=self.settings.home,
-        )
 
 
 def _status(exc: RegistryError) -> int:

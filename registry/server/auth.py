@@ -21,7 +21,7 @@ from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
-    from registry.server.app import ServerState
+    from registry.server.state import ServerState
 
 
 def bearer(request: Request) -> str:

@@ -24,7 +24,7 @@ from registry.trust.audit_chain import keys
 from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
-    from registry.server.app import ServerState
+    from registry.server.state import ServerState
 
 log = logging.getLogger("reg.server")
 SCHEDULE_LEASE = "gc-schedule"

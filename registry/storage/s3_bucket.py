@@ -10,23 +10,38 @@ import datetime as dt
 import functools
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from registry.errors import NotFound
-from registry.storage.base import Swept
+from registry.storage.base import ObjectInfo, Swept
 from registry.storage.parts import part_size_for
 from registry.storage.s3_client import content_type, error_code, translate
-
-if TYPE_CHECKING:
-    from registry.storage.s3 import S3Store
 
 MAX_COPY = 5 * 1024**3  # the largest object CopyObject copies in one request
 
 
+class BucketStore(Protocol):
+    """What the bucket's administration uses of its `S3Store` (which holds the Bucket)."""
+
+    @property
+    def bucket(self) -> str: ...
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def client(self) -> Any: ...
+    def full_key(self, key: str) -> str: ...
+    def full_prefix(self, prefix: str) -> str: ...
+    def call(self, key: str, fn: Callable[[], Any]) -> Any: ...
+    def head(self, key: str, *, version: str | None = None) -> ObjectInfo | None: ...
+    def abort_multipart(self, full_key: str, upload_id: str) -> None: ...
+    def retain(self, full_key: str, version_id: str | None, immutable: bool) -> None: ...
+    def lock_args(self, immutable: bool) -> dict[str, Any]: ...
+
+
 class Bucket:
-    def __init__(self, store: S3Store) -> None:
+    def __init__(self, store: BucketStore) -> None:
         self.store = store
         self._versioned: bool | None = None
         self._lock: bool | None = None

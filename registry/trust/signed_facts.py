@@ -49,9 +49,9 @@ from registry.core.timeutil import now
 from registry.trust.audit_chain.macs import canonical, normalized, same
 
 if TYPE_CHECKING:
+    from registry.catalog.engine import Catalog
     from registry.catalog.models import Validation
     from registry.catalog.workflow_models import AliasDecision, AliasRequest
-    from registry.lifecycle.context import Context
 
 log = logging.getLogger("reg.policy")
 
@@ -289,7 +289,9 @@ def model_owners(session: Session, key: bytes | None) -> dict[str, str | None]:
     return {m.name: m.project if m.id in good else None for m in rows}
 
 
-def attested_validations(ctx: Context, source: str, rows: list[Validation]) -> list[Validation]:
+def attested_validations(
+    catalog: Catalog, key: bytes | None, source: str, rows: list[Validation]
+) -> list[Validation]:
     """Behind the server, the validations of checkpoint `source` the gate may count: attested
     by a validator and proven by a signature over what they say and the checkpoint (ref,
     manifest digest) they validated. A row written around the server, or altered, is logged
@@ -298,9 +300,9 @@ def attested_validations(ctx: Context, source: str, rows: list[Validation]) -> l
     if not attested:
         return []
     good: set[int] = set()
-    if ctx.audit_key is not None:
-        with ctx.catalog.session() as s:
-            good = validations_signed(s, ctx.audit_key, attested)
+    if key is not None:
+        with catalog.session() as s:
+            good = validations_signed(s, key, attested)
     for v in attested:
         if v.id not in good:
             log.warning(

@@ -1,4 +1,4 @@
-"""A checkpoint's files pushed under a shared claim through `reg server` (issue 15): one node's
+"""A checkpoint's files pushed under a shared claim through `reg server`: one node's
 part of a step (`reg push-ckpt DIR --claim TOKEN`), each file a streamed PUT that the server
 hashes as it lands; the answer's digest must equal the one computed here while sending."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.core.progress import Counter, Progress
 from registry.core.refs import CheckpointRef
@@ -20,13 +20,22 @@ from registry.lifecycle.checkpoints.claimed import DEFAULT_LEASE_S, RENEW_EVERY_
 from registry.lifecycle.checkpoints.shared import check_token
 
 if TYPE_CHECKING:
-    from registry.api.remote.registry import RemoteRegistry
+    from registry.core.config import Settings
 
 CHUNK = 4 << 20
 
 
+class ClaimServer(Protocol):
+    """What a part's push asks of the server (`RemoteRegistry`, which calls `push_part`)."""
+
+    settings: Settings
+
+    def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]: ...
+    def put_claimed(self, claim: str, path: str, chunks: Iterable[bytes]) -> dict[str, Any]: ...
+
+
 def push_part(
-    registry: RemoteRegistry,
+    registry: ClaimServer,
     root: Path,
     token: str,
     ref: CheckpointRef,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from registry.lifecycle.context import Context
-    from registry.lifecycle.promotion.plan import Extra
+    from registry.lifecycle.promotion.records import Extra
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from registry.formats.hf_folder import (
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
-    from registry.lifecycle.promotion.plan import Extra
+    from registry.lifecycle.promotion.records import Extra
     from registry.lifecycle.views import ReleaseView
 
 

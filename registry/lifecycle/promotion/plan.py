@@ -43,6 +43,7 @@ from registry.lifecycle.promotion.converters import (
     check_llama_config,
     converter_for,
 )
+from registry.lifecycle.promotion.records import Extra
 from registry.trust.release_signing.bundle import SIGNATURE_FILE
 from registry.trust.release_signing.provenance import PROVENANCE_FILE
 
@@ -54,22 +55,6 @@ if TYPE_CHECKING:
     from registry.lifecycle.context import Context
 
 DTYPES = ("bf16", "fp16", "fp32")
-
-
-@dataclass(frozen=True)
-class Extra:
-    path: Path
-    sha256: str
-    code: str | None = None  # what code it is, when the policy allowed code extras
-    data: bytes | None = None  # a file of the checkpoint's, carried (proven bytes); else `path`
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} of the checkpoint" if self.data is not None else f"--extra {self.path}"
 
 
 # What a release takes from a checkpoint whose model is in safetensors unless an --extra of that
@@ -342,7 +327,7 @@ def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     if ctx.server:  # identities are proven here: only what a validator attested counts
         from registry.trust.signed_facts import attested_validations
 
-        rows = attested_validations(ctx, str(plan.source), rows)
+        rows = attested_validations(ctx.catalog, ctx.audit_key, str(plan.source), rows)
     rows = [v for v in rows if _same_names(v, plan)]
     records = [ValidationRecord(v.id or 0, v.passed, v.device, v.mode, _probed(v)) for v in rows]
     usable = usable_validation(policy, records)

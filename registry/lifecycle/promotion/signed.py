@@ -31,7 +31,7 @@ from registry.trust.release_signing import bundle, keys, provenance
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import PromotionPlan
-    from registry.lifecycle.promotion.stages import Reservation
+    from registry.lifecycle.promotion.records import Reservation
 
 
 @dataclass(frozen=True)

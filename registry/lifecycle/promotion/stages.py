@@ -56,6 +56,7 @@ from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
 from registry.lifecycle.promotion.hf import hf_record
 from registry.lifecycle.promotion.proven import ProvenCheckpoint
+from registry.lifecycle.promotion.records import Reservation
 from registry.lifecycle.transfer import OnMismatch, put_reconciled
 from registry.lifecycle.views import ReleaseView
 
@@ -63,17 +64,6 @@ if TYPE_CHECKING:
     from registry.core.progress import Progress
     from registry.lifecycle.context import Context
     from registry.lifecycle.promotion.plan import PromotionPlan
-
-
-@dataclass(frozen=True)
-class Reservation:
-    claim: Claim
-    version: int
-    validation: Validation  # the attempt's: a rerun continues with the one its files name
-
-    @property
-    def release_id(self) -> int:
-        return self.claim.row_id
 
 
 # -- reserve ------------------------------------------------------------------------------------
