@@ -553,7 +553,7 @@ def test_a_storage_record_named_as_two_dtypes_is_refused() -> None:
     """torch.load makes a record's storage at its first mention and hands it to every later
     one: a pickle that names record 0 as float32, then as float16 for the tensor reg would use,
     would have reg read other values than torch. Refused; one name, one way, reads."""
-    from registry.formats.torch_archive import StoredTensor, read_tensors
+    from registry.formats.torch_pickle_bounds import StoredTensor, read_tensors
 
     first = _Tensor(_Storage(torch.FloatStorage, "0", 2), (2,))
     again = _Tensor(_Storage(torch.HalfStorage, "0", 4), (4,))

@@ -29,14 +29,8 @@ from registry.errors import IntegrityError, InvalidCheckpoint, UnsafeMetadata
 from registry.formats.dcp import METADATA, ChunkRange, RawStorage, TensorInfo, inventory
 from registry.formats.dcp_metadata import load_metadata
 from registry.formats.sidecars import numpy_globals, torch_load
-from registry.formats.torch_archive import (
-    HEAD_MAX,
-    TAIL_MAX,
-    NotPlain,
-    check_archive,
-    plain_layout,
-    read_layout,
-)
+from registry.formats.torch_archive import HEAD_MAX, TAIL_MAX, plain_layout, read_layout
+from registry.formats.torch_pickle_bounds import NotPlain, check_archive
 from registry.formats.torch_zip import Region, canonical
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ file is deepspeed_zero.py's arithmetic; this module reads the files.
 Each file is read in a few ranges (`read_root`): its head and tail (the pickle is the first
 record, the zip's central directory the last), then the local header of each record a tensor
 is taken from, so that a record's bytes are where torch.load would find them. The pickle is
-read for its structure only (`torch_archive.read_tensors`: tensors and torch.Size as values,
+read for its structure only (`torch_pickle_bounds.read_tensors`: tensors and torch.Size as values,
 DeepSpeed's LossScaler, ZeroStageEnum and fragment_address opaque stand-ins, nothing imported
 or called). Proving the ranges is the caller's, as for a safetensors header (file_roots.py).
 Not read: tensor- or pipeline-parallel saves (`mp_rank_01...`), frozen and shared parameters
@@ -31,7 +31,7 @@ from typing import Any
 from registry.errors import InvalidCheckpoint
 from registry.formats import torch_zip
 from registry.formats.dcp import DTYPE_SIZES
-from registry.formats.torch_archive import StoredTensor, Unbounded, read_tensors
+from registry.formats.torch_pickle_bounds import StoredTensor, Unbounded, read_tensors
 
 # zero_pp_rank_R_mp_rank_00_optim_states.pt (bf16_ with the BF16 optimizer), and the model
 # states: mp_rank_00_model_states.pt (ZeRO-1/2) or zero_pp_rank_R_mp_rank_00_... (ZeRO-3)

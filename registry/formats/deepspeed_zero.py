@@ -34,7 +34,7 @@ from registry.formats.deepspeed_root import (
     open_file,
     where,
 )
-from registry.formats.torch_archive import StoredTensor
+from registry.formats.torch_pickle_bounds import StoredTensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, first element
 

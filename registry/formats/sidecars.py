@@ -46,7 +46,7 @@ from policies.layouts import READ as READ_MARK
 from policies.layouts import UNREAD as UNREAD_MARK
 from registry.errors import InvalidCheckpoint
 from registry.formats import deepspeed_root
-from registry.formats.torch_archive import NotPlain, Unbounded, read_structure
+from registry.formats.torch_pickle_bounds import NotPlain, Unbounded, read_structure
 from registry.formats.torch_zip import NotCanonical, Region, archive_pickle
 
 MAX_BYTES = 64 * 1024 * 1024
@@ -164,7 +164,7 @@ def _read_one(
 
 def large_structure(path: str, size: int, read_ends: ReadEnds) -> Any:
     """The structure of a torch.save archive too large to read whole (tensors opaque, nothing
-    run: `torch_archive.read_structure`), from its data.pkl found through its two ends."""
+    run: `torch_pickle_bounds.read_structure`), from its data.pkl found through its two ends."""
     head, tail = read_ends(path, ENDS_HEAD, ENDS_TAIL)
     try:
         region = Region(head, size - len(head) - len(tail), tail)

@@ -8,10 +8,8 @@ commits them at tier 1. `wait()` returns when the last save is committed at tier
 `wait(replicated=True)` when every save is at tier 1.
 
 `locate()` (restore) takes the newest step committed at some tier whose every file this job can
-read: from each rank's own node where that node holds a verified copy, from the store otherwise.
-A tier-0 step is read only at the world size it was saved at, and only if every node of the job
-holds all of it (DCP stores a tensor every rank saves alike once, in one rank's file, so no
-rank's files alone make a restore); otherwise it is skipped with a note saying why.
+read; `LocalTier` inherits it from `TierRestore` (tier_restore.py, with `TieredStore`, what a
+restore reads through).
 
 Each node's first rank keeps the node's copies within bounds: the newest `keep_local` steps and
 `local_budget_bytes`; a step not yet in the store is kept unless `evict_unreplicated`.
@@ -23,8 +21,6 @@ design (`tier0_only` in their save costs): no later job copies them, and evictio
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 import warnings
@@ -33,17 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.catalog.models import LOCAL
-from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef
-from registry.core.timeutil import now
-from registry.errors import IntegrityError, RegistryError, UsageError
-from registry.formats.documents import FileRecord
+from registry.errors import RegistryError, UsageError
 from registry.lifecycle.checkpoints.shared import SharedClaim
 from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
 from registry.training.replicator import Job, Replicator
 from registry.training.saves import checked
 from registry.training.tier_catalog import EmbeddedTiers, ServerTiers, tier_catalog
+from registry.training.tier_restore import TierRestore
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -51,7 +45,6 @@ if TYPE_CHECKING:
     from registry.training.manager import CheckpointManager
 
 ON_ERROR = ("warn", "raise")
-ADOPT_WAIT_S = 150.0  # a restore waits this long at most for a dead job's copy claims to lapse
 
 
 @dataclass(slots=True)
@@ -75,7 +68,7 @@ class TierSave:
         return self.thread is not None and not self.thread.is_alive()
 
 
-class LocalTier:
+class LocalTier(TierRestore):
     def __init__(
         self,
         manager: CheckpointManager,
@@ -404,178 +397,6 @@ class LocalTier:
             if state is not None:
                 self.catalog.evicted(CheckpointRef(m.project, m.run, step), self.node)
 
-    # -- restoring ------------------------------------------------------------------------------
-    def locate(self) -> tuple[int, Any, str, dict[str, str], list[str]] | None:
-        """Every rank: (step, a store-like reader routing each file to this node's copy or the
-        store, prefix, versions, notes) of the newest step this job can read; None if none."""
-        import torch.distributed as dist
-
-        m = self.manager
-        try:
-            self.wait()  # a save still in flight finishes first (its eviction included)
-        except RegistryError as exc:
-            warnings.warn(f"reg: the save in flight failed: {exc}", stacklevel=3)
-        layout: list[Any] = [self.node]
-        if dist.is_initialized():
-            layout = [None] * dist.get_world_size()
-            dist.all_gather_object(layout, self.node)
-        chosen = self._choose(layout)
-        # Steps an earlier job saved at tier 0 and died before copying: this job copies them.
-        # Those newer than what it can read now are copied first, and read from the store.
-        adopted = self._adopt(layout, -1 if chosen is None else chosen[0])
-        newer = [j for j in adopted if chosen is None or j.step > chosen[0]]
-        if newer:
-            self._copy_now(newer)
-            chosen = self._choose(layout)
-        for job in adopted:
-            if job not in newer:
-                self.replicator.submit(job)
-        if chosen is None:
-            return None
-        step, cand, usable, notes = chosen
-        directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
-        prefix = checkpoint_prefix(m.project, m.run, step)
-        versions = {f[0]: f[4] for f in cand["files"] if f[4]}
-        store = None  # a tier-0 step: nothing in the store
-        if cand["state"] == "committed":
-            store = self.catalog.store_for(m.project, m.run, step)
-        reader = TieredStore(store, prefix, {p: directory / p for p in usable})
-        return step, reader, prefix, versions, notes
-
-    def _choose(self, layout: list[str]) -> tuple[int, dict[str, Any], set[str], list[str]] | None:
-        """Every rank: the newest step this job can read (its candidate record and the files
-        this rank reads from its node), with notes on the tier-0 steps it could not."""
-        m = self.manager
-        candidates = ranks.from_rank0(lambda: self.catalog.candidates(m.project, m.run))
-        notes: list[str] = []
-        self.notes = notes  # what the manager says (`resume_notes`) if nothing is found
-        for cand in candidates:
-            step = int(cand["step"])
-            directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
-            usable, note = self._usable(cand, directory, layout)
-            if note:
-                notes.append(note)
-            if usable is not None:
-                return step, cand, usable, notes
-        return None
-
-    def _copy_now(self, jobs: list[Job]) -> None:
-        """Copy `jobs` to the store before the restore reads (every rank its share), then
-        rank 0 commits each at tier 1; a failure on any rank leaves the step at tier 0."""
-        now = Replicator(self.catalog, bytes_per_s=None, on_error="raise")
-        for job in sorted(jobs, key=lambda j: j.step):
-            problem: RegistryError | None = None
-            try:
-                now.copy(job, commit=False)
-            except RegistryError as exc:
-                problem = exc
-            except Exception as exc:
-                problem = RegistryError(f"copying {job.claim.ref} failed: {exc}")
-            try:
-                ranks.agree(problem)
-                ranks.from_rank0(lambda job=job: self.catalog.commit_replicated(job.claim, 0.0))
-            except RegistryError as exc:
-                warnings.warn(f"reg: {exc}", stacklevel=1)
-
-    def _adopt(self, layout: list[str], readable: int) -> list[Job]:
-        """Take over the copy to the store of the run's tier-0 steps whose job died before it
-        was done, where this job's nodes hold them: rank 0 takes each replication claim, and
-        each node's ranks share the uploads of the node's files. A step newer than `readable`
-        (the newest this job can read now) whose claim still looks held by another host (a job
-        killed moments ago, its lease not yet run out) is waited for, at most ADOPT_WAIT_S."""
-
-        if not self.replicate:
-            return []
-        m = self.manager
-
-        def take() -> list[tuple[int, int, str, list[Any], dict[str, list[str]]]]:
-            held_until = [
-                s["live_until"]
-                for s in self.catalog.stranded(m.project, m.run, live=True)
-                if s["step"] > readable
-                and tuple(s["holder"]) != (socket.gethostname(), os.getpid())
-            ]
-            if held_until and max(held_until) - now() < ADOPT_WAIT_S:
-                time.sleep(max(0.0, max(held_until) - now()) + 1.0)
-            taken = []
-            for s in self.catalog.stranded(m.project, m.run, live=False):
-                held = {p for files in s["nodes"].values() for p in files}
-                if set(s["nodes"]) - set(layout) or held != {f[0] for f in s["files"]}:
-                    continue  # a node that holds part of it is not in this job
-                try:
-                    shared = self.catalog.adopt(CheckpointRef(m.project, m.run, s["step"]))
-                except RegistryError:  # another job took it, or its leftovers stay: later
-                    continue
-                taken.append((s["step"], shared.row_id, shared.token, s["files"], s["nodes"]))
-            return taken
-
-        peers = [r for r, node in enumerate(layout) if node == self.node]
-        index = peers.index(ranks.current_rank())
-        jobs = []
-        for step, row_id, token, files, nodes in ranks.from_rank0(take):
-            held = sorted(nodes.get(self.node, []))
-            share = set(held[index :: len(peers)])
-            records = [FileRecord(f[0], f[1], f[2], f[3]) for f in files if f[0] in share]
-            claim = SharedClaim(CheckpointRef(m.project, m.run, step), row_id, token)
-            directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
-            manifest = index == 0 and local_tier.METADATA in held
-            commit = ranks.current_rank() == 0
-            jobs.append(Job(claim, directory, records, manifest, commit))
-        return jobs
-
-    def _usable(
-        self, cand: dict[str, Any], directory: Path, layout: list[str]
-    ) -> tuple[set[str] | None, str | None]:
-        """The files this rank reads from its node's copy (None: the step is not readable by
-        this job), and a note when a tier-0 copy could not be used."""
-        import torch.distributed as dist
-
-        step, world = cand["step"], ranks.world_size()
-        records = {f[0]: (f[0], f[1], f[2]) for f in cand["files"]}
-        same_world = cand["world_size"] == world
-        held = cand["nodes"].get(self.node, []) if same_world else []
-        peers = [r for r, node in enumerate(layout) if node == self.node]
-        mine = sorted(held)[peers.index(ranks.current_rank()) :: len(peers)]
-        problems = local_tier.verify_local(directory, [records[p] for p in mine if p in records])
-        # What each rank verified, by file identity: a rank reads a file its peer verified
-        # only if it is the same file (one directory per node, as node_id promises).
-        seen = local_tier.file_ids(directory, mine)
-        verdicts: list[Any] = [(self.node, problems, seen)]
-        if dist.is_initialized():
-            verdicts = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, (self.node, problems, seen))
-        verified = {p: i for node, _, ids in verdicts if node == self.node for p, i in ids.items()}
-        mine_now = local_tier.file_ids(directory, held)
-        if problems == [] and any(mine_now.get(p) != verified.get(p) for p in held):
-            problems = [f"the ranks of node {self.node} do not share one local_dir"]
-        if dist.is_initialized():  # again: a rank that found the directories differ says so
-            dist.all_gather_object(verdicts, (self.node, problems, {}))
-        else:
-            verdicts = [(self.node, problems, {})]
-        damaged = {node: p for node, p, _ in verdicts if p}
-        ok_here = self.node not in damaged and bool(held)
-        local = set(held) if ok_here else set()
-        if cand["state"] == "committed":
-            return local, None
-        if not same_world:
-            return None, (
-                f"step {step} is at tier 0 only, saved at world size {cand['world_size']}: a "
-                f"restore at world size {world} reads the store, which does not hold it yet"
-            )
-        for node in sorted(set(layout)):
-            if node in damaged:
-                return None, (
-                    f"step {step} is not yet in the store, and node {node}'s copy is damaged "
-                    f"({damaged[node][0]})"
-                )
-            lacking = sorted(set(records) - set(cand["nodes"].get(node, [])))
-            if lacking:
-                return None, (
-                    f"step {step} is not yet in the store, and node {node} does not hold "
-                    f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
-                )
-        return local, None
-
     def copied(self, step: int) -> bool:
         """The copy of `step` to the store ended (or there is none to wait for)."""
         job = None if self._replicator is None else self._replicator.jobs.get(step)
@@ -584,53 +405,6 @@ class LocalTier:
     def close(self) -> None:
         if self._replicator is not None:
             self._replicator.close()
-
-
-class TieredStore:
-    """What a restore's StoreReader reads through: each file from this node's verified copy
-    when it has one, from the store otherwise (None: a tier-0 step, nothing in the store)."""
-
-    def __init__(self, store: Any, prefix: str, local: dict[str, Path]) -> None:
-        self.store, self.prefix, self.local = store, prefix, local
-        self.local_bytes = 0
-
-    def _path(self, key: str) -> Path | None:
-        path = self.local.get(key.removeprefix(self.prefix))
-        if path is None and self.store is None:
-            raise IntegrityError(f"{key}: no copy on this node and none in the store")
-        return path
-
-    def get_bytes(self, key: str, *, version: str | None = None) -> bytes:
-        path = self._path(key)
-        if path is None:
-            return bytes(self.store.get_bytes(key, version=version))
-        try:
-            return path.read_bytes()  # `.metadata`: counted apart, as the store's reader does
-        except OSError as exc:
-            raise _unreadable(path, exc) from None
-
-    def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> Any:
-        path = self._path(key)
-        if path is None:
-            return self.store.read_range(key, offset, length, version=version)
-        data = bytearray(length)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                got = f.readinto(data)
-        except OSError as exc:
-            raise _unreadable(path, exc) from None
-        if got != length:
-            raise IntegrityError(f"{path} is truncated", "restore again: it is skipped")
-        self.local_bytes += length
-        return data
-
-
-def _unreadable(path: Path, exc: OSError) -> IntegrityError:
-    return IntegrityError(
-        f"{path}: {exc.strerror or exc} (the node's copy changed after it was verified)",
-        "restore again",
-    )
 
 
 def _tree_bytes(path: Path) -> int:
