@@ -1,3 +1,3 @@
-"""What reg tells other systems: the outbox of catalog events (outbox.py), drained into MLflow
-(mirror/) and delivered as signed webhooks (webhooks/), always after the command that caused
-them."""
+"""What reg tells other systems, from the outbox of catalog events (`journal/outbox.py`): drained
+into MLflow (mirror/) and delivered as signed webhooks (webhooks/), always after the command that
+caused them. Both read the registry; nothing below this layer imports them."""

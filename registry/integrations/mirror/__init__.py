@@ -6,11 +6,11 @@ mlflow at import time: a command pays for it only when it drains or serves.
                   (`python -m registry.integrations.mirror.drain`, started detached after a
                   command by `core.detached.spawn_drain`)
     releases.py   release versions as MLflow registered-model versions
+    access.py     who may see what in the UI: reg's grants as MLflow permissions
+    login.py      the UI's login: reg tokens checked, the UI read-only
+    ui.py         `reg ui`: MLflow's server over the mirror
 
 What the lifecycles call below this layer: MLflow's names of reg's things
 (`catalog/mlflow_names.py`, a colliding model refused where it is created) and the release bytes
 published for MLflow's artifact proxy (`storage/mlflow_artifacts.py`; a yank withdraws them).
-    access.py     who may see what in the UI: reg's grants as MLflow permissions
-    login.py      the UI's login: reg tokens checked, the UI read-only
-    ui.py         `reg ui`: MLflow's server over the mirror
 """

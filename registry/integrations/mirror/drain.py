@@ -12,9 +12,9 @@ external LoggedModel (nothing copied) named like `run42-step9000`, linked to the
 with params (step, world size, bytes, store URI, manifest digest) and tags (state, expiry, pin,
 and `reg.resumable` / `reg.missing_state`, which follow a policy change that changes them), and
 the push metrics logged on the run at that step; model -> registered model (names one to one,
-`mirror.names`) plus a `releases/<model>` experiment whose artifacts are the release
+`catalog.mlflow_names`) plus a `releases/<model>` experiment whose artifacts are the release
 bytes; release -> model version with reg's number, its bytes served by MLflow's artifact proxy
-until it is yanked (`mirror.releases`, `mirror.artifacts`); aliases as set.
+until it is yanked (`mirror.releases`, `storage.mlflow_artifacts`); aliases as set.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Releases in MLflow: one registered model per reg model, one model version per reg version
-with the same number, bytes served through MLflow's artifact proxy (`mirror.artifacts`).
+with the same number, bytes served through MLflow's artifact proxy (`storage.mlflow_artifacts`).
 
 Every event is answered from the catalog as it is now, not from the event's payload, so a
 replay or a late drain never writes a stale fact. Numbers match because versions are created in

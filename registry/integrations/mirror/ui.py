@@ -1,7 +1,7 @@
 """`reg ui`: the MLflow server over the mirror's tracking store.
 
 - It serves the release bytes (`--serve-artifacts` from the store's `mlflow-artifacts/`,
-  `mirror.artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
+  `storage.mlflow_artifacts`), so `mlflow.artifacts.download_artifacts("models:/NAME@prod")`
   returns the weights, on a local or an S3 store, with the server's credentials, never the
   client's.
 - It always runs MLflow's auth app with reg's login function (`mirror.login`): every

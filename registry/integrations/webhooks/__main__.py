@@ -1,5 +1,5 @@
 """`python -m registry.integrations.webhooks [--budget S]`: the embedded deliverer a command starts
-(`webhooks.spawn`). It delivers as the registry's own process, not as a user: the
+(`core.detached.spawn_deliverer`). It delivers as the registry's own process, not as a user: the
 policy in force names the subscribers; one line of JSON goes to REG_HOME/webhooks.log."""
 
 from __future__ import annotations

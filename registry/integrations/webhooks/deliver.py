@@ -9,7 +9,8 @@ subscriber's turn in the pass: a receiver that is down or hangs delays only its 
 
 One deliverer at a time per registry (the `webhooks` lease): `reg server`'s background loop,
 or embedded, the process a command starts when it wrote events and the policy has webhooks
-(`webhooks.spawn`, running `python -m registry.integrations.webhooks`), or `reg webhook deliver`.
+(`core.detached.spawn_deliverer`, running `python -m registry.integrations.webhooks`), or
+`reg webhook deliver`.
 """
 
 from __future__ import annotations
