@@ -1,10 +1,13 @@
-"""No import cycle in reg's own code, function-level imports included (those only under
-`if TYPE_CHECKING:` never run and are not counted). `lint-imports` (scripts/test) checks the
-layers of [tool.importlinter]; this walks every import statement, wherever it sits."""
+"""The shape of reg's own code: no import cycle, function-level and type-only imports included
+(a cycle through `if TYPE_CHECKING:` is still a knot a reader has to untie); every package of
+`registry/` in exactly one layer of [tool.importlinter] (`lint-imports`, run by scripts/test,
+checks the layers themselves); few modules at the root; none over 600 lines; and imports inside
+functions only where they defer something, saying what."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +53,15 @@ def _imported(
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = True) -> dict[str, set[str]]:
+    """Each module's imports of our modules; `type_only=False` leaves out those under
+    `if TYPE_CHECKING:` (the graph of what runs)."""
     modules = _modules()
     known = set(modules)
     graph = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text())
-        skip = _type_checking_only(tree)
+        skip = set() if type_only else _type_checking_only(tree)
         graph[module] = set().union(
             *(
                 _imported(module, path, node, known)
@@ -115,7 +120,91 @@ def test_reg_has_no_import_cycle():
     graph = import_graph()
     assert len(graph) > 150  # every module was read
     assert "registry.lifecycle.verify" in graph["registry.lifecycle.checkpoints.read"]  # in a def
+    # under TYPE_CHECKING only: counted all the same
+    assert "registry.lifecycle.context" in graph["registry.lifecycle.verify"]
+    assert "registry.lifecycle.context" not in import_graph(type_only=False)[
+        "registry.lifecycle.verify"
+    ]
     assert cycles(graph) == []
+
+
+# -- the tree is the layer diagram --------------------------------------------------------------
+
+MAX_ROOT_MODULES = 6
+MAX_LINES = 600
+
+
+def _contracts() -> list[dict[str, object]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return list(config["tool"]["importlinter"]["contracts"])
+
+
+def _layered(contract: dict[str, object]) -> list[str]:
+    """Every name in a layers contract, each layer's `a | b` and `a : b` split."""
+    names: list[str] = []
+    for layer in contract["layers"]:  # type: ignore[attr-defined]
+        names += [n.strip() for n in layer.replace(":", "|").split("|")]
+    return names
+
+
+def unlayered(children: list[str], named: list[str]) -> list[str]:
+    """The children a layers contract does not name, and those it names more than once."""
+    return sorted({c for c in children if named.count(c) != 1})
+
+
+def _children(package: Path, prefix: str) -> list[str]:
+    """A package's modules and subpackages, dotted, its __init__ left out."""
+    found = []
+    for path in sorted(package.iterdir()):
+        if path.name == "__pycache__" or path.name.startswith("."):
+            continue
+        if path.is_dir() and (path / "__init__.py").exists():
+            found.append(f"{prefix}.{path.name}")
+        elif path.suffix == ".py" and path.name != "__init__.py":
+            found.append(f"{prefix}.{path.stem}")
+    return found
+
+
+def test_every_package_is_in_exactly_one_layer():
+    """A new package or module of registry/ (or of registry/api/) fails here until the
+    import-linter contract names it in one layer, which says what it may import."""
+    contracts = _contracts()
+    top = next(c for c in contracts if "cli" in c.get("layers", []))  # type: ignore[operator]
+    assert unlayered(_children(ROOT / "registry", "registry"), _layered(top)) == []
+    api = next(c for c in contracts if c.get("containers") == ["registry.api"])
+    named = [f"registry.api.{n}" for n in _layered(api)]
+    assert unlayered(_children(ROOT / "registry" / "api", "registry.api"), named) == []
+
+
+def test_the_layer_rule_sees_a_module_in_no_layer_and_one_in_two():
+    named = ["registry.a", "registry.b", "registry.b"]
+    assert unlayered(["registry.a", "registry.b", "registry.c"], named) == [
+        "registry.b",
+        "registry.c",
+    ]
+
+
+def test_the_cli_may_import_no_internals():
+    """The CLI talks to the public API: a contract forbids it the packages under the API."""
+    forbidden = next(c for c in _contracts() if c.get("source_modules") == ["cli"])
+    assert set(forbidden["forbidden_modules"]) >= {  # type: ignore[arg-type]
+        *("registry.lifecycle", "registry.operations", "registry.catalog", "registry.storage"),
+        *("registry.formats", "registry.journal", "registry.trust"),
+    }
+
+
+def test_few_modules_at_the_root_of_registry():
+    loose = [p.name for p in (ROOT / "registry").glob("*.py")]
+    assert len(loose) <= MAX_ROOT_MODULES, sorted(loose)
+
+
+def test_no_module_is_over_600_lines():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in _modules().values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
 
 
 # -- function-level imports: only where start-up time needs them -----------------------------------
@@ -136,6 +225,7 @@ ENTRY = (
     "registry",
     "registry.api.contract",
     "registry.api.local",
+    "registry.api.local_admin",
     "registry.api.remote.registry",
 )
 

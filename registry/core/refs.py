@@ -170,3 +170,13 @@ def split_run(text: str, project: str | None = None) -> tuple[str, str]:
             )
         return head, tail
     return project or "default", text
+
+
+def as_checkpoint_ref(ref: str | CheckpointRef) -> CheckpointRef:
+    """`ref` parsed, or as given when it is parsed already."""
+    return parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+
+
+def as_release_ref(ref: str | ReleaseRef) -> ReleaseRef:
+    """`ref` parsed, or as given when it is parsed already."""
+    return parse_release_ref(ref) if isinstance(ref, str) else ref

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from policies.access import Action
 from registry.core.layout import checkpoint_prefix
@@ -34,6 +34,57 @@ if TYPE_CHECKING:
 
 SERVER_LEASE_S = 120.0  # a server claim is held by no server process: rank 0 renews it
 HEARTBEAT_TIMEOUT_S = 5.0  # one heartbeat request (sent off the training loop)
+
+
+class Backend(Protocol):
+    """What `CheckpointManager` asks of where its saves go: `EmbeddedBackend` (the store and
+    catalog themselves) and `ServerBackend` (through `reg server`) both answer it, and mypy
+    checks both against it (`backend_for`)."""
+
+    def prepare(self) -> None:
+        """Open what a save needs now, so an unreachable store fails here, not mid-save."""
+
+    def claim(self, ref: CheckpointRef) -> SharedClaim:
+        """Rank 0's claim of the step."""
+
+    def sink(self, claimed: SharedClaim) -> ObjectSink:
+        """Where this rank's files of the claimed step are written."""
+
+    def renew(self, claimed: SharedClaim) -> None:
+        """Keep the claim alive."""
+
+    def give_up(self, claimed: SharedClaim) -> None:
+        """Release the claim of a save that will not commit."""
+
+    def commit(
+        self,
+        claimed: SharedClaim,
+        written: Written,
+        world_size: int,
+        metrics: dict[str, float] | None,
+        costs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Commit the step from every rank's written files; the committed checkpoint."""
+
+    def latest(self, ref: CheckpointRef) -> tuple[int, BaseStore, str, dict[str, str]] | None:
+        """The newest committed step, a store to read it from, its prefix and file versions."""
+
+    def resumed(self, ref: CheckpointRef) -> None:
+        """Record that the run resumed from `ref` (it protects that step from retention)."""
+
+    def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
+        """Record a restore's measured phases (the recovery time)."""
+
+    def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
+        """Record the run's progress since the last beat."""
+
+    def plan_restart(self, ref: CheckpointRef) -> None:
+        """Announce that the next restore is a planned restart, not a failure."""
+
+
+def backend_for(registry: Registry) -> Backend:
+    """The store itself, or `reg server` when REG_URL is set (every rank alike)."""
+    return ServerBackend(registry) if registry.settings.remote else EmbeddedBackend(registry)
 
 
 class EmbeddedBackend:

@@ -50,7 +50,7 @@ from registry.api.contract import Registry
 from registry.core.refs import CheckpointRef, check_name
 from registry.errors import NotFound, RegistryError
 from registry.training import ranks
-from registry.training.backends import EmbeddedBackend, ServerBackend
+from registry.training.backends import Backend, backend_for
 from registry.training.local_tier import check_local_dir
 from registry.training.saves import RestoreRecord, Save, Track, checked
 from registry.training.tiered import LocalTier
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
-    from registry.training.backends import EmbeddedBackend, ServerBackend
 
 
 HEARTBEAT_FLOOR_S = 1.0  # heartbeats no more often than this
@@ -124,7 +123,7 @@ class CheckpointManager:
             )
         self.thread_count = thread_count
         self._registry = registry
-        self._backend: EmbeddedBackend | ServerBackend | None = None
+        self._backend: Backend | None = None
         self._pending: Save | None = None
         self._async_group: Any = None
         self._restore: RestoreRecord | None = None
@@ -150,13 +149,10 @@ class CheckpointManager:
         return self._registry
 
     @property
-    def backend(self) -> EmbeddedBackend | ServerBackend:
+    def backend(self) -> Backend:
         """The store itself, or `reg server` when REG_URL is set (every rank alike)."""
         if self._backend is None:
-            remote = self.registry.settings.remote
-            self._backend = (
-                ServerBackend(self.registry) if remote else EmbeddedBackend(self.registry)
-            )
+            self._backend = backend_for(self.registry)
         return self._backend
 
     # -- saving ---------------------------------------------------------------------------------
@@ -243,7 +239,7 @@ class CheckpointManager:
                 checked(lambda: dcp.save(state, storage_writer=writer))
                 save.staged(time.monotonic() - started)
                 return save.result(sync=True)
-            group = self._group()
+            group = self.save_group()
             future = checked(
                 lambda: dcp.async_save(state, storage_writer=writer, process_group=group)
             )
@@ -283,7 +279,7 @@ class CheckpointManager:
         """Rank 0 claims the step; every rank gets the claim or rank 0's error."""
         return ranks.from_rank0(lambda: self.backend.claim(ref))  # type: ignore[no-any-return]
 
-    def _group(self) -> Any:
+    def save_group(self) -> Any:
         """async_save's own gloo group: its collectives run on a background thread, which must
         not share a communicator with the training loop's (as torchtitan does)."""
         import torch.distributed as dist

@@ -36,7 +36,7 @@ from registry.formats.documents import FileRecord
 from registry.lifecycle.checkpoints.shared import SharedClaim
 
 if TYPE_CHECKING:
-    from registry.training.tier_catalog import EmbeddedTiers, ServerTiers
+    from registry.training.tier_catalog import TierCatalog
 
 RETRIES = 3
 BACKOFF_S = 1.0
@@ -83,7 +83,7 @@ class RateLimit:
 class Replicator:
     def __init__(
         self,
-        catalog: EmbeddedTiers | ServerTiers,
+        catalog: TierCatalog,
         *,
         bytes_per_s: float | None,
         on_error: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.core import faults
 from registry.core.refs import CheckpointRef
@@ -20,8 +20,15 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from registry.lifecycle.checkpoints.shared import SharedClaim
-    from registry.training.manager import CheckpointManager
+    from registry.training.backends import Backend
     from registry.training.store_writer import Written
+
+
+class SaveOwner(Protocol):
+    """What a save reads of its `CheckpointManager`: where saves go (read when used)."""
+
+    @property
+    def backend(self) -> Backend: ...
 
 
 class RestoreRecord:
@@ -59,7 +66,7 @@ class Save:
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        manager: SaveOwner,
         shared: SharedClaim,
         started: float,
         metrics: dict[str, float] | None,

@@ -1,4 +1,4 @@
-"""What tier 0 (issue 36) asks of the registry, embedded or through `reg server`.
+"""What tier 0 asks of the registry, embedded or through `reg server`.
 
 `LocalTier` and its `Replicator` ask the same questions either way: claim a step, commit it at
 tier 0, copy a file of it to the store under its replication claim, see which files are still
@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef
@@ -42,7 +42,69 @@ CHUNK = 8 << 20
 Take = Callable[[int], None]  # the replicator's rate limit: called with each chunk's size
 
 
-def tier_catalog(registry: Registry) -> EmbeddedTiers | ServerTiers:
+class TierCatalog(Protocol):
+    """What tier 0 asks of the registry: `EmbeddedTiers` answers it on this process's catalog
+    and store, `ServerTiers` through `reg server`; mypy checks both against it (`tier_catalog`)."""
+
+    def claim(self, ref: CheckpointRef) -> SharedClaim:
+        """Rank 0's claim of the step."""
+
+    def give_up(self, claimed: SharedClaim) -> None:
+        """Release the claim of a save that will not commit."""
+
+    def commit_local(
+        self,
+        claimed: SharedClaim,
+        files: list[FileRecord],
+        *,
+        directory: Path,
+        nodes: dict[str, tuple[list[int], list[str]]],
+        world_size: int,
+        metrics: dict[str, float] | None,
+        costs: dict[str, Any],
+        upload_seconds: float,
+        held: bool,
+    ) -> tuple[dict[str, Any], tuple[int, str]]:
+        """The tier-0 commit: (the committed view, (row id, the replication token))."""
+
+    def evicted(self, ref: CheckpointRef, node: str) -> None:
+        """Record that `node` no longer holds its copy of the step."""
+
+    def states(self, project: str, run: str, steps: list[int]) -> dict[int, str]:
+        """Each step's state in the catalog."""
+
+    def candidates(self, project: str, run: str) -> list[dict[str, Any]]:
+        """The committed steps a restore may read, newest first, with where their copies are."""
+
+    def stranded(self, project: str, run: str, *, live: bool) -> list[dict[str, Any]]:
+        """Tier-0 steps whose copy to the store no live claim is making."""
+
+    def adopt(self, ref: CheckpointRef) -> SharedClaim:
+        """Take over a stranded step's replication claim."""
+
+    def store_for(self, project: str, run: str, step: int) -> Any:
+        """Where a restore reads a committed step's files the node does not hold."""
+
+    def renew(self, claimed: SharedClaim) -> None:
+        """Keep the replication claim alive."""
+
+    def put(
+        self, claimed: SharedClaim, path: str, source: Path, record: FileRecord | None, take: Take
+    ) -> Stored:
+        """One file into the step's prefix in the store (`path` MANIFEST: the manifest), refused
+        unless it holds the bytes tier 0 recorded (`record`)."""
+
+    def record(self, claimed: SharedClaim, stored: list[Stored]) -> None:
+        """Record the files this writer copied."""
+
+    def missing(self, claimed: SharedClaim) -> list[str]:
+        """The files no writer has copied yet (MANIFEST when the manifest is not in yet)."""
+
+    def commit_replicated(self, claimed: SharedClaim, seconds: float) -> dict[str, Any]:
+        """Commit the step at tier 1 once every file is in the store."""
+
+
+def tier_catalog(registry: Registry) -> TierCatalog:
     from registry.api.local import LocalRegistry  # the embedded side: opened already, if at all
 
     if isinstance(registry, LocalRegistry):

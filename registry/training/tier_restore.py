@@ -20,7 +20,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef
@@ -32,24 +32,38 @@ from registry.training import local_tier, ranks
 from registry.training.replicator import Job, Replicator
 
 if TYPE_CHECKING:
-    from registry.training.manager import CheckpointManager
-    from registry.training.tier_catalog import EmbeddedTiers, ServerTiers
+    from registry.api.contract import Registry
+    from registry.training.tier_catalog import TierCatalog
 
 ADOPT_WAIT_S = 150.0  # a restore waits this long at most for a dead job's copy claims to lapse
+
+
+class TierOwner(Protocol):
+    """What tier 0 reads of its `CheckpointManager`."""
+
+    project: str
+    run: str
+
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def thread_count(self) -> int: ...
+    def save_group(self) -> Any:
+        """The process group async saves' collectives run on."""
 
 
 class TierRestore:
     """The restoring methods of `tiered.LocalTier`, which holds what they read (below)."""
 
     if TYPE_CHECKING:  # LocalTier's (tiered.py)
-        manager: CheckpointManager
+        manager: TierOwner
         local_dir: Path
         node: str
         replicate: bool
         notes: list[str]
 
         @property
-        def catalog(self) -> EmbeddedTiers | ServerTiers: ...
+        def catalog(self) -> TierCatalog: ...
 
         @property
         def replicator(self) -> Replicator: ...

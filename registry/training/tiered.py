@@ -36,13 +36,12 @@ from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
 from registry.training.replicator import Job, Replicator
 from registry.training.saves import checked
-from registry.training.tier_catalog import EmbeddedTiers, ServerTiers, tier_catalog
-from registry.training.tier_restore import TierRestore
+from registry.training.tier_catalog import TierCatalog, tier_catalog
+from registry.training.tier_restore import TierOwner, TierRestore
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from registry.training.manager import CheckpointManager
 
 ON_ERROR = ("warn", "raise")
 
@@ -71,7 +70,7 @@ class TierSave:
 class LocalTier(TierRestore):
     def __init__(
         self,
-        manager: CheckpointManager,
+        manager: TierOwner,
         local_dir: Path,
         *,
         node_id: str | None,
@@ -104,11 +103,11 @@ class LocalTier(TierRestore):
         self.newest_saved: int | None = None
         self.notes: list[str] = []  # the last restore's, on the tier-0 steps it skipped
         self._replicator: Replicator | None = None
-        self._catalog: EmbeddedTiers | ServerTiers | None = None
+        self._catalog: TierCatalog | None = None
         self._warned_staging = False
 
     @property
-    def catalog(self) -> EmbeddedTiers | ServerTiers:
+    def catalog(self) -> TierCatalog:
         """The catalog and store: this process's own, or `reg server`'s (REG_URL)."""
         if self._catalog is None:
             self._catalog = tier_catalog(self.manager.registry)
@@ -152,7 +151,7 @@ class LocalTier(TierRestore):
         writer = LocalWriter(self._partial(ref), thread_count=self.manager.thread_count)
         # The manager's own group, made here: making it is a collective on the default group,
         # which the background thread must never run beside the loop's own collectives.
-        group = self.manager._group()
+        group = self.manager.save_group()
         future = None
         if async_:
             future = checked(
@@ -282,7 +281,7 @@ class LocalTier(TierRestore):
         if not dist.is_initialized():
             return [value]
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, value, group=self.manager._group())
+        dist.all_gather_object(every, value, group=self.manager.save_group())
         return every
 
     def _from_rank0(self, call: Any) -> Any:
@@ -298,7 +297,7 @@ class LocalTier(TierRestore):
             except Exception as exc:
                 got[0] = RegistryError(f"tier 0: {type(exc).__name__}: {exc}")
         if dist.is_initialized():
-            dist.broadcast_object_list(got, src=0, group=self.manager._group())
+            dist.broadcast_object_list(got, src=0, group=self.manager.save_group())
         return got[0]
 
     def _claim(self, save: TierSave) -> Any:

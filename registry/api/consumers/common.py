@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from registry.api.results import ReleaseDetails
 from registry.core.layout import RELEASE_DOCUMENT
-from registry.core.refs import ReleaseRef, check_alias, check_name, parse_release_ref
+from registry.core.refs import (
+    ReleaseRef,
+    as_release_ref,
+    check_alias,
+    check_name,
+)
 from registry.errors import Conflict, IntegrityError, MalformedRef, UsageError
 from registry.formats.documents import FileRecord, ReleaseDocument
 from registry.lifecycle.checkpoints.pulled import hash_all
@@ -73,7 +78,7 @@ class Target:
 
 
 def resolve(registry: Registry, ref: str | ReleaseRef) -> Target:
-    asked = parse_release_ref(ref) if isinstance(ref, str) else ref
+    asked = as_release_ref(ref)
     if not isinstance(asked, ReleaseRef) or (asked.version is None) == (asked.alias is None):
         raise MalformedRef(f"malformed release ref {ref!r}", "expected MODEL:vK or MODEL@ALIAS")
     check_name(asked.model, "model name")  # a ReleaseRef made in Python was never parsed

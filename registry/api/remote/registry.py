@@ -36,7 +36,13 @@ from registry.api.results import (
 )
 from registry.api.wire import Route, routes
 from registry.core.config import Settings
-from registry.core.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_release_ref
+from registry.core.refs import (
+    CheckpointRef,
+    ReleaseRef,
+    as_checkpoint_ref,
+    as_release_ref,
+    parse_checkpoint_ref,
+)
 from registry.errors import RegistryError, UsageError
 from registry.formats.documents import FileRecord
 
@@ -271,7 +277,7 @@ class RemoteRegistry(Registry):
     def pull(
         self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
     ) -> CheckpointPulled:
-        parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+        parsed = as_checkpoint_ref(ref)
         where = self._download(str(parsed), Path(dest), progress)
         out = dict(self.client.call("POST", "/checkpoints/pulled", body={"ref": where[0]}))
         out["dest"] = str(where[1])
@@ -334,7 +340,7 @@ class RemoteRegistry(Registry):
         from registry.core.layout import checkpoint_prefix
         from registry.lifecycle.validation import Attempt, Request, run_checks
 
-        parsed = parse_checkpoint_ref(ref) if isinstance(ref, str) else ref
+        parsed = as_checkpoint_ref(ref)
         request = Request(
             device, world_size, model_factory, layout, strip_prefix, memory_budget, with_optimizer
         ).checked()
@@ -421,7 +427,7 @@ class RemoteRegistry(Registry):
     ) -> ReleasePulled:
         from registry.trust.release_signing.bundle import check_pulled
 
-        asked = parse_release_ref(ref) if isinstance(ref, str) else ref
+        asked = as_release_ref(ref)
 
         def signed(folder: Path, files: list[FileRecord]) -> None:
             # The files as written and checked: never what the server says of them elsewhere.
