@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from datetime import datetime
 from typing import Any
 
 import typer
 
 from cli.common import JSON_OPTION, open_registry
-from cli.render import emit_json, note, table
+from cli.render import emit_json, note, progress_for, table
+from policies.durations import parse_duration
+from registry.core.config import Settings
+from registry.core.timeutil import human_bytes, positive_duration
+from registry.errors import IntegrityError, UsageError
 from registry.text import inert
 
 storage_app = typer.Typer(help="Object store administration.", no_args_is_help=True)
@@ -45,7 +51,6 @@ def catalog_migrate(
     and after. Then record the key paths of checkpoints committed before the catalog kept them,
     from each one's .metadata in the store (REG_STORE_URL)."""
     from registry.api.host import migrate_catalog
-    from registry.core.config import Settings
 
     # the catalog's owner migrates it, never through a server
     out = migrate_catalog(Settings.from_env(), grant)
@@ -75,7 +80,6 @@ def catalog_grants(
     """Give ROLE least privilege on the catalog (PostgreSQL; run as the owner): read and append
     history, update only what the server updates, no DDL."""
     from registry.api.host import grant_runtime_role
-    from registry.core.config import Settings
 
     out = grant_runtime_role(Settings.from_env(), role, dry_run=dry_run)
     if json_output:
@@ -101,7 +105,6 @@ def catalog_sign(
     facts, each checked against the audit log first (admin; on the server's host, with its
     audit key). Example: `reg catalog sign --dry-run`, then `reg catalog sign`."""
     from registry.api.host import sign_catalog
-    from registry.core.config import Settings
 
     out = sign_catalog(Settings.from_env(), dry_run=dry_run)
     if json_output:
@@ -127,7 +130,6 @@ def catalog_backfill_journal(
     and pins, each with its row's time and author, so `reg catalog rebuild` can replay them.
     Idempotent. Runs where the catalog is: embedded, or on the server's host."""
     from registry.api.host import backfill_journal
-    from registry.core.config import Settings
 
     out = backfill_journal(Settings.from_env(), dry_run=dry_run)
     if json_output:
@@ -207,7 +209,6 @@ def gc(
     if json_output:
         emit_json(out)
         return
-    from registry.core.timeutil import human_bytes
 
     table(
         ["REF", "ACTION", "REASON", "SIZE"],
@@ -246,9 +247,6 @@ def fsck(
 ) -> None:
     """Check the whole registry, catalog against store: missing, damaged, unlisted objects,
     dead claims, unfinished deletions. Exit 1 when anything but leftovers is found."""
-    from cli.render import progress_for
-    from registry.core.timeutil import human_bytes
-
     with open_registry() as reg:
         out = reg.fsck(
             project, repair=repair, full=full, sample=sample, progress=progress_for(json_output)
@@ -288,8 +286,6 @@ def fsck(
 
 def _fsck_failed(out: dict[str, Any], repair: bool, json_output: bool) -> None:
     """Exit 1 with one line on stderr (with --json, the report is the one document)."""
-    from registry.errors import IntegrityError
-
     found = [p for p in (out["left"] if repair else out["problems"]) if not p["sweepable"]]
     damaged = sum(
         p["kind"] in ("missing-object", "size-mismatch", "sha256-mismatch") for p in found
@@ -354,7 +350,6 @@ def audit_verify(
 ) -> None:
     """Check every audit event, seal and anchor against the server's key (admin); exit 1
     naming each edit, reordering, deletion, forged event, truncated tail or stalled sealer."""
-    from registry.core.timeutil import positive_duration
 
     def seconds(text: str | None, flag: str) -> float | None:
         return None if text is None else positive_duration(text, flag, "15m")
@@ -408,11 +403,6 @@ def audit_seal(json_output: bool = JSON_OPTION) -> None:
 def _since(text: str | None) -> float | None:
     if text is None:
         return None
-    import time
-    from datetime import datetime
-
-    from policies.durations import parse_duration
-    from registry.errors import UsageError
 
     try:
         return time.time() - parse_duration(text)

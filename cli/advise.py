@@ -3,6 +3,7 @@ old name, for one release); `reg run restart RUN --planned`."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,6 @@ def advise(
 def _mtbf(text: str) -> float:
     """--mtbf: a duration from MIN_MTBF_S to MAX_MTBF_S; the error suggests only what it
     takes."""
-    import math
-
     from policies.durations import parse_duration
     from registry.economics.advise import MAX_MTBF_S, MIN_MTBF_S
     from registry.errors import UsageError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.details import render_details
 from cli.render import emit_json, note, plural, progress_for, table
 from registry.core.refs import check_name
-from registry.errors import UsageError
+from registry.core.timeutil import human_bytes, parse_rate
+from registry.errors import IntegrityError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -93,7 +95,6 @@ def push_ckpt(
     if json_output:
         emit_json(out)
         return
-    from registry.core.timeutil import human_bytes
 
     if out.unchanged:
         print(f"{out.ref} already holds this content; nothing copied")
@@ -122,7 +123,6 @@ def _push_part(
     if json_output:
         emit_json(out)
         return
-    from registry.core.timeutil import human_bytes
 
     print(
         f"pushed {plural(len(out.files), 'file')} ({human_bytes(out.bytes)}) of {out.ref} "
@@ -143,7 +143,6 @@ def ls(
     if json_output:
         emit_json(rows)
         return
-    from registry.core.timeutil import human_bytes
 
     if not rows and run is not None:  # a model's name given here, most likely
         note(f"no checkpoints of run {run}; the releases of a model are `reg releases {run}`")
@@ -243,8 +242,6 @@ def verify(
 ) -> None:
     """Re-hash the stored copy (or, with --dir, a pulled folder; with --all, everything);
     exit 1 naming each missing or corrupt file."""
-    from registry.errors import UsageError
-
     if every_artifact or rate is not None or every is not None or limit is not None:
         if not every_artifact or ref is not None or repair or directory or sha256:
             raise UsageError(
@@ -298,8 +295,6 @@ def verify(
 
 
 def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: bool) -> None:
-    from registry.core.timeutil import parse_rate
-
     bps = parse_rate(rate) if rate is not None else None
     if every is not None:
         from cli.schedule import repeat
@@ -335,8 +330,6 @@ def _scrub(rate: str | None, every: str | None, limit: int | None, json_output: 
 
 def _damaged(message: str, hint: str, json_output: bool) -> None:
     """Exit 1 with one line on stderr; with --json the report printed is the one document."""
-    from registry.errors import IntegrityError
-
     if json_output:
         note(f"error: {message} ({hint})")
         raise typer.Exit(1)
@@ -347,10 +340,7 @@ def _verify_dir(
     directory: Path, sha256: str | None, public_key: Path | None, json_output: bool
 ) -> None:
     """Offline: no catalog and no store are opened."""
-    import re
-
     from registry.api.offline import read_public_key, verify_folder
-    from registry.errors import UsageError
 
     if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise UsageError(f"--sha256 {sha256[:80]!r} is not a sha256", "64 lowercase hex digits")

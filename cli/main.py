@@ -24,6 +24,8 @@ from cli import releases as release_commands
 from cli import server as server_commands
 from cli import workflow as workflow_commands
 from cli.help import GroupedHelp, readable
+from registry.errors import RegistryError
+from registry.text import inert, redact
 
 app = typer.Typer(
     name="reg",
@@ -76,7 +78,6 @@ def command() -> Any:
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-    from registry.text import inert
 
     sys.stderr.write(f"reg: warning: {inert(str(message))}\n")
 
@@ -100,8 +101,6 @@ class _InertStdout:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from registry.text import inert
-
         if not text.replace("\n", "").isprintable():
             text = "\n".join(inert(line) for line in text.split("\n"))
         return self._stream.write(text)
@@ -116,7 +115,6 @@ def run() -> int:
     if not isinstance(sys.stdout, _InertStdout):
         sys.stdout = _InertStdout(sys.stdout)
     debug = os.environ.get("REG_DEBUG") == "1"
-    from registry.errors import RegistryError
 
     try:
         code = command().main(standalone_mode=False, prog_name="reg")
@@ -176,8 +174,6 @@ def _usage(exc: typer.TyperException) -> int:
 def _failed(line: str, message: str, hint: str | None, code: int) -> int:
     """One line on stderr, inert and without credentials; with --json also the error document
     on stdout."""
-    from registry.text import inert, redact
-
     sys.stderr.write(f"reg: {inert(redact(line))}\n")
     if "--json" in sys.argv[1:]:
         from cli.render import error_json

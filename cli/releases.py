@@ -8,6 +8,7 @@ import typer
 
 from cli.common import JSON_OPTION, LAYOUT_OPTION, STRIP_PREFIX_OPTION, open_registry
 from cli.render import emit_json, note, plural, progress_for, table
+from cli.workflow import show_request
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
 
@@ -268,7 +269,6 @@ def alias_set(
 ) -> None:
     """Point ALIAS of model NAME at version vK (recorded in the alias history). Where the
     policy protects the alias, open a request for approval instead (reg approve)."""
-    from cli.workflow import show_request
     from registry.api.results import AliasRequest
 
     with open_registry() as reg:

@@ -268,6 +268,7 @@ def test_a_failed_pull_creates_no_directory(deployment, cli, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.process
 def test_a_json_error_to_a_reader_that_went_away_is_one_line(tmp_path: Path) -> None:
     """`reg ... --json | head -c 1`: the error document meets a closed pipe; stderr still says
     one line, with no traceback."""

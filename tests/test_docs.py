@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cli.help import DEPRECATED, EXAMPLES, GROUPS, walk
 from cli.main import command
 from cli.reference import CLI_PAGE, CONFIG_PAGE, cli_reference
@@ -18,6 +20,7 @@ from registry.core.config import reference
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.process
 def test_the_generated_pages_are_current():
     res = subprocess.run(
         [sys.executable, "-m", "cli.reference", "--check"], cwd=ROOT, capture_output=True, text=True

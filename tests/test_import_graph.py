@@ -122,9 +122,10 @@ def test_reg_has_no_import_cycle():
     assert "registry.lifecycle.verify" in graph["registry.lifecycle.checkpoints.read"]  # in a def
     # under TYPE_CHECKING only: counted all the same
     assert "registry.lifecycle.context" in graph["registry.lifecycle.verify"]
-    assert "registry.lifecycle.context" not in import_graph(type_only=False)[
-        "registry.lifecycle.verify"
-    ]
+    assert (
+        "registry.lifecycle.context"
+        not in import_graph(type_only=False)["registry.lifecycle.verify"]
+    )
     assert cycles(graph) == []
 
 

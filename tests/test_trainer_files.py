@@ -331,6 +331,7 @@ CRAFTED_ARRAYS = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", sorted(CRAFTED_ARRAYS))
 def test_a_numpy_array_that_is_not_plain_numbers_is_refused_before_numpy_sees_it(
     case: str, tmp_path: Path

@@ -49,6 +49,7 @@ from registry.core.refs import (
     as_checkpoint_ref,
     as_release_ref,
     parse_ref,
+    split_run,
 )
 
 if TYPE_CHECKING:
@@ -330,7 +331,6 @@ class LocalRegistry(Administration, Registry):
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
     ) -> RunFinished:
-        from registry.core.refs import split_run
         from registry.lifecycle.runs import finish_run
 
         project_name, run_name = split_run(run, project)

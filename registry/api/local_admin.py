@@ -33,6 +33,8 @@ from registry.api.results import (
     results_of,
 )
 from registry.core.refs import ReleaseRef, as_release_ref
+from registry.errors import UsageError
+from registry.text import redact_url
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -224,9 +226,7 @@ class Administration:
         return TokenRevoked.from_json(token_admin.revoke(self.context, token_id))
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
-        from registry.errors import UsageError
         from registry.integrations.mirror.drain import drain, skip_event
-        from registry.text import redact_url
 
         if not 0 < budget_s <= 3600:
             raise UsageError("the budget must be a number of seconds in (0, 3600]")

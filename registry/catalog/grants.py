@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import text
+
 from registry.catalog.engine import Catalog
 from registry.errors import NotFound, PermissionDenied, RegistryError, UsageError
 
@@ -178,8 +180,6 @@ def _check_name(role: str) -> None:
 def _inspect(conn: Connection, role: str) -> tuple[str, list[str], list[str]]:
     """The schema, its relations (each with a rule) and sequences; refuses a role that would
     make the grants meaningless, and a caller that cannot grant them."""
-    from sqlalchemy import text
-
     found = conn.execute(
         text(
             "SELECT r.oid, r.rolsuper, r.rolcreaterole, current_user, current_schema()"
@@ -272,8 +272,6 @@ def _statements(schema: str, role: str, relations: list[str], sequences: list[st
 def _verify(conn: Connection, role: str, schema: str, relations: list[str]) -> None:
     """Read the role's effective privileges back: a grant to PUBLIC or to a role it belongs to
     survives the REVOKEs above, and GRANT only warns when it grants nothing."""
-    from sqlalchemy import text
-
     version = int(conn.exec_driver_sql("SHOW server_version_num").scalar() or 0)
     privileges = (*TABLE_PRIVILEGES, *(("MAINTAIN",) if version >= 170000 else ()))
     rows = conn.execute(

@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from sqlmodel import col, func, select
+
+from registry.catalog.models import Model
 from registry.errors import Conflict
 
 if TYPE_CHECKING:
@@ -34,9 +37,6 @@ def releases_experiment(model: str) -> str:
 def refuse_colliding_model(session: Session, name: str) -> None:
     """Raise Conflict if `name` is new and another model already appears in MLflow under
     `name`'s mirror name."""
-    from sqlmodel import col, func, select
-
-    from registry.catalog.models import Model
 
     if session.exec(select(Model.id).where(Model.name == name)).first() is not None:
         return  # it exists: its MLflow name was settled when it was created

@@ -35,10 +35,24 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from sqlmodel import col, select
+
 from policies.access import Action
 from registry.catalog import queries
+from registry.catalog.models import (
+    COMMITTED,
+    DELETED,
+    DELETING,
+    LOCAL,
+    Checkpoint,
+    CheckpointRestore,
+    Project,
+    Run,
+)
 from registry.core.refs import CheckpointRef, check_name
 from registry.core.timeutil import iso, now
+from registry.economics.advise import summary
+from registry.economics.facts import gather
 from registry.errors import NotFound, UsageError
 from registry.journal import outbox as events
 
@@ -114,9 +128,6 @@ def record_heartbeat(
 def _locked_run(s: Session, project: str, run: str) -> Run | None:
     """The run's row, locked until the session ends (PostgreSQL; SQLite's write transactions
     already take turns): heartbeats of one run are added one after the other."""
-    from sqlmodel import select
-
-    from registry.catalog.models import Project, Run
 
     return s.exec(
         select(Run)
@@ -129,9 +140,6 @@ def _locked_run(s: Session, project: str, run: str) -> Run | None:
 def known_world_size(s: Session, run: Run) -> int | None:
     """The world size the registry knows `run` at: its newest saved checkpoint's (committed,
     or collected since), at most MAX_WORLD_SIZE; None before its first commit."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import COMMITTED, DELETED, DELETING, LOCAL, Checkpoint
 
     world = s.exec(
         select(Checkpoint.world_size)
@@ -203,9 +211,6 @@ def classify(session: Session, run: Run, restored_step: int, restore: Checkpoint
 
 def _previous_restored_step(session: Session, run: Run) -> int:
     """The step the run's previous restore loaded (-1: none)."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import Checkpoint, CheckpointRestore
 
     step = session.exec(
         select(Checkpoint.step)
@@ -218,9 +223,6 @@ def _previous_restored_step(session: Session, run: Run) -> int:
 
 def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> list[int]:
     """Each finished background save's slowdown, merged into its checkpoint's save_costs."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import COMMITTED, DELETED, DELETING, LOCAL, Checkpoint
 
     merged = []
     for key, figures in sorted(saves.items()):
@@ -247,9 +249,6 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
 
 def emit_economics(ctx: Context, s: Session, project: str, run: str, row: Run) -> None:
     """The run's economics for MLflow (reg.c_eff_s, reg.rto_s, reg.advised_interval_s)."""
-    from registry.economics.advise import summary
-    from registry.economics.facts import gather
-
     s.flush()
     figures = summary(gather(s, project, row))
     if figures:

@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
@@ -139,8 +141,6 @@ class StoreReader(StorageReader):
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         for req in sorted(plan.items, key=self._position):
             info = self.storage_data[req.storage_index]
             if getattr(info, "transform_descriptors", None):
@@ -186,8 +186,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, but non-tensor items unpickle with `weights_only=True`."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         obj = load_object(value.getvalue(), read_item.dest_index.fqn)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, select
 
+from policies.loader import parse_policy
 from policies.workflow import protection_for
 from registry.catalog import queries
 from registry.catalog.models import (
@@ -287,8 +288,6 @@ def _unapproved(ctx: Context, e: Event, policies: list[Event]) -> str | None:
     time asked: the journal's last policy before it, else (none journaled: a policy file) the
     one in force now. So an event a store writer added moves nothing the command would not
     have, and a move made before its alias was protected is not undone."""
-    from policies.loader import parse_policy  # pydantic: as _policy's
-
     if e.mac is not None:
         return None
     model, alias = e.target["model"], e.fact["alias"]
@@ -434,8 +433,6 @@ def _validation(s: Session, e: Event, out: Replay) -> str:
 
 
 def _policy(s: Session, e: Event, out: Replay) -> str:
-    from policies.loader import parse_policy
-
     version, text, digest = e.target["version"], e.fact["text"], e.fact["sha256"]
     row = s.exec(select(PolicyDocument).where(PolicyDocument.version == version)).first()
     if row is not None:

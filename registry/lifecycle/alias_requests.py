@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from registry.catalog.models import AliasEvent
+from registry.catalog.models import Model as ModelRow
 from registry.catalog.workflow_models import (
     APPROVED,
     CANCELLED,
@@ -114,8 +115,6 @@ def load(
 ) -> list[Request]:
     """The requests asked for (one by id, a model's, a release's), oldest first. Behind the
     server only requests and decisions with a valid MAC are seen."""
-    from registry.catalog.models import Model as ModelRow
-
     stmt = select(AliasRequest, ModelRow.name).join(
         ModelRow, col(ModelRow.id) == AliasRequest.model_id
     )

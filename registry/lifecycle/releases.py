@@ -30,7 +30,9 @@ from registry.journal import outbox as events
 from registry.journal.event import ALIAS
 from registry.journal.write import record as journal_record
 from registry.lifecycle import alias_requests
+from registry.lifecycle.promotion.hf import release_hf
 from registry.lifecycle.transfer import download
+from registry.lifecycle.verify import verify_files
 from registry.lifecycle.views import ReleaseView, signing_key_states
 from registry.storage.mlflow_artifacts import unpublish_everywhere
 from registry.trust.release_signing.bundle import check_pulled
@@ -136,8 +138,6 @@ def list_releases(ctx: Context, model: str | None = None) -> list[dict[str, Any]
 
 
 def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
-    from registry.lifecycle.promotion.hf import release_hf
-
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)
@@ -182,8 +182,6 @@ def verify(
     """Re-hash the stored release, release.json included; `repair` restores damaged files from
     their recorded (locked) versions; `provenance` also checks its signature and provenance
     statement against the catalog (`provenance_check`)."""
-    from registry.lifecycle.verify import verify_files
-
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:
         model, release = resolve_release(s, ref)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sqlmodel import select
+
 from policies.access import Action
+from registry.catalog.models import Project, Run
 from registry.core.refs import check_name
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound, UsageError
@@ -20,9 +23,6 @@ RUN_STATUSES = ("finished", "failed", "killed")
 
 def finish_run(ctx: Context, project: str, run: str, status: str = "finished") -> dict[str, Any]:
     """Mark `project/run` ended with `status` (finished, failed or killed)."""
-    from sqlmodel import select
-
-    from registry.catalog.models import Project, Run
 
     check_name(project, "project name")
     check_name(run, "run name")

@@ -72,6 +72,7 @@ from registry.core.refs import CheckpointRef, check_name
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
+from registry.lifecycle import retention
 from registry.lifecycle.views import release_document
 from registry.operations.fsck_findings import (
     DAMAGE,
@@ -115,7 +116,6 @@ def fsck(
     ctx.authorize(Action.FSCK, target=f"fsck {project or 'all projects'}")
     if not repair:
         return _run(ctx, project, full, sample, progress)
-    from registry.lifecycle import retention
 
     ctx.authorize(Action.REPAIR, target="fsck --repair")
     with retention.gc_lease(ctx):

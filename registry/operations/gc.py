@@ -37,6 +37,7 @@ from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.journal import outbox as events
 from registry.lifecycle import retention
+from registry.lifecycle.checkpoints.tiers import held_copies
 from registry.lifecycle.retention import current_protections, log_key, retention_records
 from registry.trust import signed_facts
 
@@ -160,8 +161,6 @@ def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) ->
     every node copy is gone: nothing can restore or copy them. Marked and collected (their
     partial copy in the store with them), leaving a tombstone that says why; `dry_run`: only
     listed."""
-    from registry.lifecycle.checkpoints.tiers import held_copies
-
     grace = ctx.policy.retention.orphan_grace
     with ctx.catalog.session(write=not dry_run) as s:
         rows = s.exec(

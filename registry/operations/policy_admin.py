@@ -12,6 +12,7 @@ from sqlalchemy import func
 from sqlmodel import select
 
 from policies.access import Action, check_grants, scoped_admin_grants
+from policies.export import bucket_policy
 from policies.loader import Policy, Webhook, load_policy_file, parse_policy
 from policies.resume import resume_overrides
 from registry.catalog.models import PolicyDocument
@@ -23,6 +24,8 @@ from registry.lifecycle.checkpoints.resume_changes import emit_changes, undecide
 from registry.lifecycle.retention import emit_expiry_changes
 from registry.trust import signed_facts
 from registry.trust.audit_chain.service import seal_now
+from registry.trust.proven_policy import in_force
+from registry.trust.signed_facts import model_owners
 from registry.trust.webhook_signatures import read_secret
 
 if TYPE_CHECKING:
@@ -114,8 +117,6 @@ def _in_force_now(ctx: Context, version: int) -> None:
     """The applied version is the proven one (`registry.trust.proven_policy`); else the apply is
     recorded but decides nothing, and the admin must hear it (a seal row written around the
     sealer can keep its event from being sealed)."""
-    from registry.trust.proven_policy import in_force
-
     assert ctx.audit_key is not None
     # The server's sealer may seal the event between our seal and our anchor (it commits its
     # seal after we read the head): then the head we anchored is older than the event's seal,
@@ -184,8 +185,6 @@ def show(ctx: Context) -> dict[str, Any]:
 
 
 def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    from policies.export import bucket_policy
-
     ctx.authorize(Action.POLICY, target="policy export")
     prefix = ""
     if bucket is None:
@@ -198,7 +197,6 @@ def export(ctx: Context, bucket: str | None = None) -> tuple[dict[str, Any], lis
         bucket, prefix = url.netloc, url.path.strip("/")
     else:
         bucket, _, prefix = bucket.partition("/")
-    from registry.trust.signed_facts import model_owners
 
     with ctx.catalog.session() as s:
         owners = model_owners(s, ctx.audit_key if ctx.server else None)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import col, select
 
 from policies.access import Action
-from registry.catalog import queries
+from registry.catalog import leases, queries
 from registry.catalog.models import (
     COMMITTED,
     RELEASE_PENDING,
@@ -28,7 +28,10 @@ from registry.core.layout import (
 from registry.core.refs import CheckpointRef
 from registry.core.timeutil import check_rate
 from registry.errors import Conflict, RegistryError, UsageError
+from registry.lifecycle.checkpoints.read import kept_manifest, rehashed
+from registry.lifecycle.releases import stored_files
 from registry.lifecycle.verify import record, row_at, verify_files
+from registry.lifecycle.views import ReleaseView
 
 if TYPE_CHECKING:
     from registry.core.progress import Progress
@@ -93,8 +96,6 @@ def scrub(
     """Re-hash every committed checkpoint and release (admin), the longest unverified first
     (never verified before all), at most `rate` bytes/s and `limit` artifacts. One scrub at a
     time (the `scrub` lease). An artifact collected or yanked meanwhile is skipped."""
-    from registry.catalog import leases
-
     if rate is not None:
         check_rate(rate)
     if limit is not None and limit < 1:
@@ -185,10 +186,6 @@ def _oldest_verified_first(ctx: Context) -> list[tuple[str, str]]:
 
 def _files_now(ctx: Context, prefix: str) -> list[FileRecord] | None:
     """The artifact's files, its document included, if it is still committed; else None."""
-    from registry.lifecycle.checkpoints.read import kept_manifest
-    from registry.lifecycle.releases import stored_files
-    from registry.lifecycle.views import ReleaseView
-
     with ctx.catalog.session() as s:
         row = row_at(s, prefix)
         if row is None:
@@ -206,8 +203,6 @@ def _files_now(ctx: Context, prefix: str) -> list[FileRecord] | None:
 def _rehashed_if_reported(ctx: Context, prefix: str, name: str) -> None:
     """A scrub that matched every byte of a checkpoint whose digests a client reported makes
     them the registry's own, as `reg verify` does."""
-    from registry.lifecycle.checkpoints.read import rehashed
-
     with ctx.catalog.session() as s:
         row = row_at(s, prefix)
     if isinstance(row, Checkpoint) and row.digests_reported_by is not None:

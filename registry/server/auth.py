@@ -18,6 +18,7 @@ from registry.lifecycle.context import Context
 from registry.server.oidc import looks_like_jwt
 from registry.trust.audit_chain import keys as audit_keys
 from registry.trust.principal import Principal
+from registry.trust.tokens import PREFIX, split, verify
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
@@ -64,8 +65,6 @@ def context_for(request: Request) -> Context:
 
 def _identify(state: ServerState, request: Request, token: str) -> tuple[str, str, str]:
     """(principal, how it was proven, credential id) of a reg token or an OIDC JWT."""
-    from registry.trust.tokens import PREFIX, split, verify
-
     if not token.startswith(PREFIX) and looks_like_jwt(token):
         request.state.token_id = "oidc"  # logged even when the JWT is refused
         if state.oidc is None:

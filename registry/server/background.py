@@ -15,12 +15,17 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from registry.catalog import leases
 from registry.core.detached import spawn_drain
+from registry.integrations.mirror.drain import pending_count
+from registry.integrations.webhooks.deliver import drain
 from registry.journal.outbox import Outbox
 from registry.lifecycle.context import Context
+from registry.operations.gc import run_gc
 from registry.operations.token_admin import SERVER_PRINCIPAL
 from registry.server.upload import sweep
 from registry.trust.audit_chain import keys
+from registry.trust.audit_chain.schedule import SealSchedule, intervals
 from registry.trust.principal import Principal
 
 if TYPE_CHECKING:
@@ -67,8 +72,6 @@ class Background:
     def _housekeeping_loop(self) -> None:
         """Events a request's own drain left behind (MLflow down, a crash) are retried; dead
         requests' upload directories are removed."""
-        from registry.integrations.mirror.drain import pending_count
-
         while not self.stop.wait(DRAIN_EVERY_S):
             try:
                 self.sweep_uploads()
@@ -80,8 +83,6 @@ class Background:
     def _audit_loop(self) -> None:
         """Seal the audit events every few seconds and anchor the chain head now and then;
         only the replica holding the lease does (requests only sign their own events)."""
-        from registry.trust.audit_chain.schedule import SealSchedule, intervals
-
         every, anchor_every = intervals()
         schedule = SealSchedule(
             self.state.catalog,
@@ -105,8 +106,6 @@ class Background:
     def _webhook_loop(self) -> None:
         """Deliver the policy's webhooks (`webhooks.deliver`): on a thread of its own,
         so a receiver that hangs delays only its own deliveries, never a request."""
-        from registry.integrations.webhooks.deliver import drain
-
         hooks, since, read_at = [], None, -POLICY_EVERY_S
         while not self.stop.wait(WEBHOOKS_EVERY_S):
             try:
@@ -141,9 +140,6 @@ class Background:
 
     def run_gc_cycle(self) -> dict[str, object] | None:
         """One scheduled GC, if this replica leads this interval; None if another does."""
-        from registry.catalog import leases
-        from registry.operations.gc import run_gc
-
         state = self.state
         assert self.gc_every_s is not None
         token, _ = leases.try_acquire(

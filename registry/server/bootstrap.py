@@ -23,20 +23,20 @@ from registry.core.config import checked_user
 from registry.errors import PolicyError
 from registry.journal.outbox import Outbox
 from registry.lifecycle.context import Context
+from registry.operations.policy_admin import apply_text
 from registry.storage import open_store
 from registry.trust.audit_chain import keys
 from registry.trust.audit_chain.service import seal_now
 from registry.trust.policy_source import EffectivePolicy
 from registry.trust.principal import Principal
+from registry.trust.release_signing import keys as signing_keys
+from registry.trust.tokens import mint
 
 if TYPE_CHECKING:
     from registry.core.config import Settings
 
 
 def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, Any]:
-    from registry.operations.policy_admin import apply_text
-    from registry.trust.tokens import mint
-
     checked_user(admin, "--admin")
     created = keys.create(settings.audit_key_path)
     key = keys.read(settings.audit_key_path)
@@ -92,8 +92,6 @@ def _signing_key(
     """The release signing key (issue 37): created unless one is active already, its private
     half under REG_HOME/signing beside the audit key (a registry behind the server signs every
     release: `[promotion] require_signature = "auto"`)."""
-    from registry.trust.release_signing import keys as signing_keys
-
     policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)
     ctx = _as_admin(settings, catalog, policy, admin, operator, audit_key)
     with catalog.session() as s:

@@ -26,6 +26,7 @@ from registry.core.layout import MANIFEST
 from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError, UsageError
 from registry.formats.dcp_scan import check_path, is_reserved
 from registry.lifecycle.checkpoints import claimed, shared, tiers
+from registry.lifecycle.checkpoints.costs import check_save_costs
 from registry.lifecycle.transfer import Stored
 from registry.server.auth import context_for
 from registry.server.requests import (
@@ -229,8 +230,6 @@ async def _receive(
 
 @router.post("/claims/{token}/commit")
 async def commit(token: str, request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.costs import check_save_costs
-
     ctx = await run_in_threadpool(context_for, request)
     await run_in_threadpool(shared.find, ctx, token)  # authorized before the body is read
     doc = await json_body(request, MAX_COSTS_BYTES + (1 << 20))

@@ -18,9 +18,14 @@ from registry.core.layout import MANIFEST, checkpoint_prefix, release_prefix
 from registry.core.refs import CheckpointRef, ReleaseRef, parse_checkpoint_ref, parse_ref
 from registry.errors import NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
+from registry.lifecycle.checkpoints.costs import record_restore
 from registry.lifecycle.checkpoints.push import push
+from registry.lifecycle.checkpoints.read import kept_manifest, record_resume, resolve
+from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.context import Context
+from registry.lifecycle.views import CheckpointView
 from registry.server.auth import CTX, context_for
+from registry.server.presigned import read_urls
 from registry.server.requests import authed_body, idle_limited, text
 from registry.server.upload import MAX_HEADER, Receiver, Writer, parse_header
 
@@ -151,9 +156,6 @@ def _pullable(
         view = pullable(ctx, ref)
         prefix = release_prefix(view.model.name, view.row.version)
         return view.name, prefix, stored_files(view), view.to_json()
-    from registry.lifecycle.checkpoints.read import resolve
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
-    from registry.lifecycle.views import CheckpointView
 
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
@@ -169,8 +171,6 @@ def _pullable(
 def files(ref: str, ctx: Context = CTX) -> dict[str, Any]:
     """What a pull of `ref` downloads: the resolved ref and every file (path, size, sha256,
     version), the release's release.json included; on an S3 store, a presigned GET each."""
-    from registry.server.presigned import read_urls
-
     full, prefix, listed, view = _pullable(ctx, parse_ref(ref))
     kept = _kept_manifest(ctx, full)
     urls = read_urls(ctx, prefix, listed if kept is None else [*listed, kept])
@@ -187,8 +187,6 @@ def files(ref: str, ctx: Context = CTX) -> dict[str, Any]:
 def _kept_manifest(ctx: Context, full: str) -> FileRecord | None:
     """A checkpoint's MANIFEST.json as a pull copies it (None for a release: its release.json
     is one of its files already)."""
-    from registry.lifecycle.checkpoints.read import kept_manifest, resolve
-
     ref = parse_ref(full)
     if not isinstance(ref, CheckpointRef):
         return None
@@ -227,18 +225,12 @@ def _range(header: str, size: int) -> tuple[int, int]:
 async def pulled(request: Request) -> dict[str, Any]:
     """After a client downloaded and verified a checkpoint: a trainer's pull records the run
     as resuming from it (retention keeps it), as in the embedded mode."""
-    from registry.lifecycle.checkpoints.read import record_resume, resolve
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
-    from registry.lifecycle.views import CheckpointView
-
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
 
     restore = _restore_phases(doc.get("restore"))
 
     def work() -> dict[str, Any]:
-        from registry.lifecycle.checkpoints.costs import record_restore
-
         ctx.authorize_read(project=ref.project)
         # A training loop restores a step at tier 0 too (issue 36), named by its step.
         _, ckpt, files = resolve(ctx, ref, local=ref.step is not None)

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policies.loader import PRINCIPAL
 from registry.core.timeutil import iso
 from registry.errors import Unauthenticated
+from registry.operations.token_admin import SERVER_PRINCIPAL
 from registry.server.jwks import FileJwks, JwksSource, JwksUnavailable, UrlJwks
 from registry.server.oidc_config import OidcConfig, config_from
 
@@ -166,9 +168,6 @@ class OidcVerifier:
         return f"the JWT is not valid ({_said(exc)})"
 
     def _principal(self, payload: dict[str, Any]) -> str:
-        from policies.loader import PRINCIPAL
-        from registry.operations.token_admin import SERVER_PRINCIPAL
-
         for required, value in self.config.require:
             got = payload.get(required, _ABSENT)
             if not isinstance(got, str) or got != value:

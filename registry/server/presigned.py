@@ -19,6 +19,11 @@ from starlette.concurrency import run_in_threadpool
 from registry.core.refs import CheckpointRef, parse_checkpoint_ref
 from registry.errors import UsageError
 from registry.formats.documents import FileRecord
+from registry.lifecycle.checkpoints.presigned import abort as abort_push
+from registry.lifecycle.checkpoints.presigned import assemble as assemble_file
+from registry.lifecycle.checkpoints.presigned import begin as begin_push
+from registry.lifecycle.checkpoints.presigned import complete as complete_push
+from registry.lifecycle.checkpoints.presigned import urls as more_urls
 from registry.lifecycle.checkpoints.upload_plan import declared_files
 from registry.lifecycle.context import Context
 from registry.server.auth import CTX
@@ -42,8 +47,6 @@ def data_path(ctx: Context = CTX) -> dict[str, Any]:
 
 @router.post("/checkpoints/push/begin")
 async def begin(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.presigned import begin as begin_push
-
     ctx, doc = await authed_body(request, MAX_HEADER)
     step, world, metrics = doc.get("step"), doc.get("world_size"), doc.get("metrics") or {}
     if not isinstance(metrics, dict):
@@ -74,8 +77,6 @@ def _upload(doc: dict[str, Any]) -> tuple[CheckpointRef, str]:
 
 @router.post("/checkpoints/push/urls")
 async def urls(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.presigned import urls as more_urls
-
     ctx, doc = await authed_body(request)
     ref, upload = _upload(doc)
     start, count = doc.get("start", 0), doc.get("count", 0)
@@ -86,8 +87,6 @@ async def urls(request: Request) -> dict[str, Any]:
 
 @router.post("/checkpoints/push/complete")
 async def complete(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.presigned import complete as complete_push
-
     ctx, doc = await authed_body(request)
     ref, upload = _upload(doc)
 
@@ -102,8 +101,6 @@ async def complete(request: Request) -> dict[str, Any]:
 
 @router.post("/checkpoints/push/assemble")
 async def assemble(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.presigned import assemble as assemble_file
-
     ctx, doc = await authed_body(request)
     ref, upload = _upload(doc)
     return await run_in_threadpool(assemble_file, ctx, ref, upload, text(doc, "path"))
@@ -111,8 +108,6 @@ async def assemble(request: Request) -> dict[str, Any]:
 
 @router.post("/checkpoints/push/abort")
 async def abort(request: Request) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.presigned import abort as abort_push
-
     ctx, doc = await authed_body(request)
     ref, upload = _upload(doc)
     return await run_in_threadpool(abort_push, ctx, ref, upload)

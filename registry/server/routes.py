@@ -20,9 +20,16 @@ from policies.access import Action
 from registry.catalog.leases import HOLD_PREFIX, release, take_hold
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef, check_name, parse_checkpoint_ref
+from registry.economics.records import record_heartbeat
 from registry.errors import UsageError
+from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
 from registry.lifecycle.context import Context
+from registry.lifecycle.promotion import promote as run_promotion
+from registry.lifecycle.validation import Attempt, record
+from registry.operations.policy_admin import apply_text
 from registry.server.auth import CTX, context_for
+from registry.server.presigned import read_urls
 from registry.server.requests import MAX_PROMOTE_BYTES, authed_body, flag, json_body, opt_text, text
 from registry.server.upload import private_dir, release_dir
 
@@ -51,10 +58,6 @@ def whoami(ctx: Context = CTX) -> dict[str, Any]:
 async def validation_begin(request: Request) -> dict[str, Any]:
     """A validator is about to validate `ref` on its own device: refused now (and audited)
     unless it may attest; answers what it needs (the checkpoint's files and the policy)."""
-    from registry.lifecycle.checkpoints.read import resolve
-    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
-    from registry.server.presigned import read_urls
-
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
 
@@ -87,9 +90,6 @@ async def validation_begin(request: Request) -> dict[str, Any]:
 @router.post("/validations")
 async def validation_record(request: Request) -> dict[str, Any]:
     """Record a validator's validation: attested, the only kind the server's GPU gate takes."""
-    from registry.lifecycle.checkpoints.read import resolve
-    from registry.lifecycle.validation import Attempt, record
-
     ctx, doc = await authed_body(request)
     ref = parse_checkpoint_ref(text(doc, "ref"))
     attempt = Attempt.from_json(doc.get("attempt"))
@@ -116,8 +116,6 @@ async def validation_record(request: Request) -> dict[str, Any]:
 async def promote(request: Request) -> dict[str, Any]:
     """A promotion, run here: the client only asks, so no client publishes bytes of its own
     choosing. Extras (config.json, ...) come in the body, base64, within MAX_PROMOTE_BYTES."""
-    from registry.lifecycle.promotion import promote as run_promotion
-
     ctx = await run_in_threadpool(context_for, request)
     if not ctx.principal.may_anywhere(Action.PROMOTE):  # refused before 64 MiB are read
         await run_in_threadpool(lambda: ctx.authorize(Action.PROMOTE, target="a promotion"))
@@ -180,8 +178,6 @@ def _write_extra(workdir: Path, entry: object) -> Path:
 @router.post("/runs/heartbeat")
 async def heartbeat(request: Request) -> dict[str, Any]:
     """A training job's heartbeat (`CheckpointManager`; trainer); checked in the lifecycle."""
-    from registry.economics.records import record_heartbeat
-
     ctx, doc = await authed_body(request)
     keys = ("step", "seconds", "world_size", "step_seconds", "saves")
     figures: dict[str, Any] = {k: doc.get(k) for k in keys}
@@ -199,8 +195,6 @@ async def heartbeat(request: Request) -> dict[str, Any]:
 @router.post("/policy")
 async def policy_apply(request: Request) -> dict[str, Any]:
     """`apply_policy`: the client reads its policy file and sends the text."""
-    from registry.operations.policy_admin import apply_text
-
     ctx, doc = await authed_body(request)
     return await run_in_threadpool(
         apply_text, ctx, text(doc, "text"), text(doc, "name", "policy")[:200]

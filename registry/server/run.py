@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 from registry.core.config import Settings
 from registry.core.timeutil import positive_duration
 from registry.errors import UsageError
+from registry.server.background import Background
 from registry.server.oidc_config import config_from
 from registry.trust.audit_chain import keys
+from registry.trust.audit_chain.schedule import intervals
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -42,7 +44,6 @@ class JsonLines(logging.Formatter):
 def build_app() -> FastAPI:
     """The app for this host's settings, with its background work tied to its lifespan."""
     from registry.server.app import create_app
-    from registry.server.background import Background
 
     settings = Settings.from_env()
     audit_ready(settings)
@@ -66,8 +67,6 @@ def build_app() -> FastAPI:
 def audit_ready(settings: Settings) -> None:
     """No audit key (or a bad sealing interval): no server. Every replica signs with the one
     key file (`reg server init` creates it)."""
-    from registry.trust.audit_chain.schedule import intervals
-
     keys.for_server(settings.audit_key_path)
     intervals()
 

@@ -28,11 +28,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from registry.catalog import claims
 from registry.core.refs import CheckpointRef, check_name, parse_checkpoint_ref
 from registry.errors import IntegrityError, UsageError
 from registry.formats.dcp_scan import check_path
 from registry.formats.documents import FileRecord
 from registry.lifecycle.checkpoints import shared, tiers
+from registry.lifecycle.checkpoints.costs import check_save_costs
 from registry.server.auth import context_for
 from registry.server.requests import authed_body, flag, json_body, number, text
 
@@ -103,9 +105,6 @@ def _metadata(doc: object) -> dict[str, bytes]:
 
 @router.post("/claims/{token}/commit-local")
 async def commit_local(token: str, request: Request) -> dict[str, Any]:
-    from registry.catalog import claims
-    from registry.lifecycle.checkpoints.costs import check_save_costs
-
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(shared.find, ctx, token)  # authorized before the body
     doc = await json_body(request, MAX_COMMIT_BYTES)

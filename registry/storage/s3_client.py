@@ -10,6 +10,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import botocore.loaders
+import botocore.session
+from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from registry.core.config import Settings
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
 def new_client(settings: S3Settings | None = None) -> Any:
     """A client with the settings' retries (`None`: the environment's, read now)."""
     import boto3  # here, not at import: opening a store must not cost boto3's import
-    from botocore.config import Config
 
     s3 = settings or Settings.from_env().s3
     config = Config(
@@ -40,7 +42,6 @@ def new_client(settings: S3Settings | None = None) -> Any:
         connect_timeout=10,
         read_timeout=60,
     )
-    import botocore.session
 
     # A session of its own (credentials and settings are read from this moment's environment),
     # over the process's one data loader: a fresh loader parses botocore's S3 model and
@@ -53,8 +54,6 @@ def new_client(settings: S3Settings | None = None) -> Any:
 @functools.cache
 def _data_loader() -> Any:
     """botocore's loader of its JSON models, which caches what it has read (read-only data)."""
-    import botocore.loaders
-
     return botocore.loaders.create_loader()
 
 

@@ -14,10 +14,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from policies.access import Action
+from registry.api.local import LocalRegistry
+from registry.catalog import claims
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef, parse_checkpoint_ref
+from registry.economics.records import plan_restart, record_heartbeat
 from registry.errors import IntegrityError, NotFound, RegistryError, UsageError
 from registry.formats.documents import FileRecord
+from registry.lifecycle.checkpoints.costs import record_restore
+from registry.lifecycle.checkpoints.read import record_resume
 from registry.lifecycle.checkpoints.shared import (
     SharedClaim,
     claim,
@@ -26,6 +31,7 @@ from registry.lifecycle.checkpoints.shared import (
     is_token,
 )
 from registry.storage.base import PutResult
+from registry.training.store_writer import StoreSink
 
 if TYPE_CHECKING:
     from registry.api.contract import Registry
@@ -89,8 +95,6 @@ def backend_for(registry: Registry) -> Backend:
 
 class EmbeddedBackend:
     def __init__(self, registry: Registry) -> None:
-        from registry.api.local import LocalRegistry  # the embedded side only: opened already
-
         assert isinstance(registry, LocalRegistry)
         self.registry: LocalRegistry = registry
 
@@ -101,13 +105,9 @@ class EmbeddedBackend:
         return claim(self.registry.context, ref)
 
     def sink(self, claimed: SharedClaim) -> ObjectSink:
-        from registry.training.store_writer import StoreSink
-
         return StoreSink(self.registry.store)
 
     def renew(self, claimed: SharedClaim) -> None:
-        from registry.catalog import claims
-
         claims.renew(self.registry.context.catalog, claimed.catalog_claim())
 
     def give_up(self, claimed: SharedClaim) -> None:
@@ -145,30 +145,22 @@ class EmbeddedBackend:
         return step, self.registry.store, prefix, versions
 
     def resumed(self, ref: CheckpointRef) -> None:
-        from registry.lifecycle.checkpoints.read import record_resume
-
         context = self.registry.context
         if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             record_resume(context, ref)
 
     def restored(self, ref: CheckpointRef, world_size: int, phases: dict[str, float]) -> None:
-        from registry.lifecycle.checkpoints.costs import record_restore
-
         context = self.registry.context
         if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             record_restore(context, ref, world_size, phases)
 
     def heartbeat(self, ref: CheckpointRef, **figures: Any) -> dict[str, Any]:
-        from registry.economics.records import record_heartbeat
-
         context = self.registry.context
         if not context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             return {"recorded": True}  # a reader's job: nothing to record, nothing to keep
         return record_heartbeat(context, ref.project, ref.run, **figures)
 
     def plan_restart(self, ref: CheckpointRef) -> None:
-        from registry.economics.records import plan_restart
-
         context = self.registry.context
         if context.principal.authorize(Action.PUSH, project=ref.project).allowed:
             plan_restart(context, ref.project, ref.run)

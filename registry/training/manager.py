@@ -46,14 +46,21 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
 from registry.api.contract import Registry
 from registry.core.refs import CheckpointRef, check_name
+from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
 from registry.errors import NotFound, RegistryError
+from registry.formats.dcp_load import SafeLoadPlanner
 from registry.training import ranks
 from registry.training.backends import Backend, backend_for
 from registry.training.local_tier import check_local_dir
 from registry.training.saves import RestoreRecord, Save, Track, checked
+from registry.training.store_writer import StoreWriter
 from registry.training.tiered import LocalTier
+from registry.training.timed_reader import TimedReader
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -190,9 +197,6 @@ class CheckpointManager:
         per_rank: dict[str, Any] | None,
         entered: float,
     ) -> dict[str, Any] | None:
-        import torch.distributed.checkpoint as dcp
-
-        from registry.training.store_writer import StoreWriter
 
         pending: Any = self._pending or (self._tier.pending if self._tier is not None else None)
         self.wait()  # one save in flight: the previous one commits (or raises) first
@@ -282,8 +286,6 @@ class CheckpointManager:
     def save_group(self) -> Any:
         """async_save's own gloo group: its collectives run on a background thread, which must
         not share a communicator with the training loop's (as torchtitan does)."""
-        import torch.distributed as dist
-
         if self._async_group is None and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
@@ -302,10 +304,6 @@ class CheckpointManager:
         place with what this rank saved. At another world size a rank the checkpoint has no
         state for keeps its template, and ranks beyond the new world size are not loaded:
         `resume_notes` says which, class by class."""
-        import torch.distributed.checkpoint as dcp
-
-        from registry.formats.dcp_load import SafeLoadPlanner
-        from registry.training.timed_reader import TimedReader
 
         started = time.monotonic()
 
@@ -442,8 +440,6 @@ class CheckpointManager:
     def _send_beat(self, at: float, *, ended: bool = False, wait: bool = False) -> None:
         """Rank 0: the last step reached and the time at risk since the last heartbeat (with a
         restore's record first), from a background thread. Dropped while one is in flight."""
-        from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
-
         if self._beat_in_flight():
             return
         try:

@@ -13,7 +13,12 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
 from registry.errors import RegistryError, UsageError
+from registry.formats.dcp_load import load_object
 
 
 def with_per_rank(state: dict[str, Any], per_rank: dict[str, Any] | None) -> dict[str, Any]:
@@ -63,24 +68,16 @@ def per_rank_to_load(
 
 
 def current_rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def unloadable(state: dict[str, Any]) -> RegistryError | None:
     """A value `restore` could not load back (it unpickles with weights_only=True): found
     at save time, not after the crash that needs the checkpoint."""
-    import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from registry.formats.dcp_load import load_object
 
     flat, _ = flatten_state_dict(state)
     for fqn, value in flat.items():
@@ -103,8 +100,6 @@ def unloadable(state: dict[str, Any]) -> RegistryError | None:
 def agree(error: RegistryError | None) -> None:
     """Every rank raises if any rank found `error` (the first rank's), so that no rank goes on
     into a collective the others left."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, error)
@@ -133,22 +128,16 @@ def from_rank0(call: Any) -> Any:
 
 
 def distributed() -> bool:
-    import torch.distributed as dist
-
     return dist.is_initialized()
 
 
 def broadcast(values: list[Any]) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.broadcast_object_list(values, src=0)
 
 
 def gather_max(phases: dict[str, float]) -> dict[str, float]:
     """Each phase's slowest rank (the job waits for it)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return phases
     every: list[Any] = [None] * dist.get_world_size()

@@ -9,6 +9,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from registry.catalog.leases import Heartbeat
 from registry.core import faults
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError
@@ -83,7 +86,6 @@ class Save:
     def hold(self) -> None:
         if ranks.current_rank() != 0:
             return
-        from registry.catalog.leases import Heartbeat
 
         backend, shared = self.manager.backend, self.shared
         self._heartbeat = Heartbeat(lambda: backend.renew(shared), SERVER_LEASE_S / 4)
@@ -136,8 +138,6 @@ class Save:
 def checked(call: Any, what: str = "save") -> Any:
     """DCP's own errors are a BaseException (`CheckpointException`) carrying each rank's; the
     registry's error of the first failing rank is raised as it is (one line for the user)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         return call()
     except CheckpointException as exc:

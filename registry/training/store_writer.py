@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -162,8 +163,6 @@ class StoreWriter(FileSystemWriter):
 
 
 def _dcp_version() -> str:
-    from torch.distributed.checkpoint import filesystem
-
     return str(getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"))
 
 

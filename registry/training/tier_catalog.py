@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from registry.api.local import LocalRegistry
+from registry.catalog import claims
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef
 from registry.errors import Conflict, IntegrityError, ObjectExists, RegistryError
@@ -30,7 +32,17 @@ from registry.lifecycle.checkpoints.shared import (
     record_part,
     renew,
 )
+from registry.lifecycle.checkpoints.tiers import (
+    claim_replication,
+    commit_replicated,
+    missing_parts,
+    record_eviction,
+    restore_candidates,
+    step_states,
+    stranded,
+)
 from registry.lifecycle.transfer import Stored
+from registry.training import local_tier
 from registry.training.backends import SERVER_LEASE_S, ServerBackend, remote_reader, server_token
 
 if TYPE_CHECKING:
@@ -105,8 +117,6 @@ class TierCatalog(Protocol):
 
 
 def tier_catalog(registry: Registry) -> TierCatalog:
-    from registry.api.local import LocalRegistry  # the embedded side: opened already, if at all
-
     if isinstance(registry, LocalRegistry):
         return EmbeddedTiers(registry)
     return ServerTiers(registry)  # type: ignore[arg-type]
@@ -149,9 +159,6 @@ class EmbeddedTiers:
         held: bool,
     ) -> tuple[dict[str, Any], tuple[int, str]]:
         """The tier-0 commit: (the committed view, (row id, the replication token))."""
-        from registry.catalog import claims
-        from registry.training import local_tier
-
         token = claims.new_token()
         result = commit_written(
             self.ctx,
@@ -173,28 +180,18 @@ class EmbeddedTiers:
         return result.to_json(), (claimed.row_id, token)
 
     def evicted(self, ref: CheckpointRef, node: str) -> None:
-        from registry.lifecycle.checkpoints.tiers import record_eviction
-
         record_eviction(self.ctx, ref, node)
 
     def states(self, project: str, run: str, steps: list[int]) -> dict[int, str]:
-        from registry.lifecycle.checkpoints.tiers import step_states
-
         return step_states(self.ctx, project, run, steps)
 
     def candidates(self, project: str, run: str) -> list[dict[str, Any]]:
-        from registry.lifecycle.checkpoints.tiers import restore_candidates
-
         return restore_candidates(self.ctx, project, run)
 
     def stranded(self, project: str, run: str, *, live: bool) -> list[dict[str, Any]]:
-        from registry.lifecycle.checkpoints.tiers import stranded
-
         return stranded(self.ctx, project, run, live=live)
 
     def adopt(self, ref: CheckpointRef) -> SharedClaim:
-        from registry.lifecycle.checkpoints.tiers import claim_replication
-
         return claim_replication(self.ctx, ref)
 
     def store_for(self, project: str, run: str, step: int) -> Any:
@@ -237,20 +234,13 @@ class EmbeddedTiers:
 
     def missing(self, claimed: SharedClaim) -> list[str]:
         """The files no writer has copied yet (MANIFEST when the manifest is not in yet)."""
-        from registry.lifecycle.checkpoints.tiers import missing_parts
-
         return missing_parts(self.ctx, claimed)
 
     def commit_replicated(self, claimed: SharedClaim, seconds: float) -> dict[str, Any]:
-        from registry.catalog import claims
-        from registry.lifecycle.checkpoints.tiers import commit_replicated
-
         with claims.held(self.ctx.catalog, claimed.catalog_claim()):
             return commit_replicated(self.ctx, claimed, seconds)
 
     def _still_ours(self, claimed: SharedClaim) -> None:
-        from registry.catalog import claims
-
         if not claims.still_held(self.ctx.catalog, claimed.catalog_claim()):
             raise Conflict(
                 f"lost the claim on the copy of {claimed.ref} (another job took it over)",
@@ -287,8 +277,6 @@ class ServerTiers:
         """The tier-0 commit in the server, from the file records and each `.metadata` (read
         here, checked there against its record): the server builds the manifest, which is
         written here beside the files for the replicator to copy."""
-        from registry.training import local_tier
-
         sizes = {f.path: f.size for f in files}
         metadata = {
             path: base64.b64encode((directory / path).read_bytes()).decode()

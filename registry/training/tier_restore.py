@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch.distributed as dist
+
 from registry.core.layout import checkpoint_prefix
 from registry.core.refs import CheckpointRef
 from registry.core.timeutil import now
@@ -73,8 +75,6 @@ class TierRestore:
     def locate(self) -> tuple[int, Any, str, dict[str, str], list[str]] | None:
         """Every rank: (step, a store-like reader routing each file to this node's copy or the
         store, prefix, versions, notes) of the newest step this job can read; None if none."""
-        import torch.distributed as dist
-
         m = self.manager
         try:
             self.wait()  # a save still in flight finishes first (its eviction included)
@@ -193,8 +193,6 @@ class TierRestore:
     ) -> tuple[set[str] | None, str | None]:
         """The files this rank reads from its node's copy (None: the step is not readable by
         this job), and a note when a tier-0 copy could not be used."""
-        import torch.distributed as dist
-
         step, world = cand["step"], ranks.world_size()
         records = {f[0]: (f[0], f[1], f[2]) for f in cand["files"]}
         same_world = cand["world_size"] == world

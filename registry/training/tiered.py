@@ -28,6 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
 from registry.catalog.models import LOCAL
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError, UsageError
@@ -142,8 +147,6 @@ class LocalTier(TierRestore):
         async_: bool,
         started: float,
     ) -> TierSave:
-        import torch.distributed.checkpoint as dcp
-
         if async_ and self._over_staging_budget(state):
             async_ = False
         copy = self.replicate and self._uncopied + 1 >= self.replicate_every
@@ -173,8 +176,6 @@ class LocalTier(TierRestore):
         is saved synchronously instead (it waits rather than exceed it)."""
         if self.staging_budget is None:
             return False
-        import torch
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         flat, _ = flatten_state_dict(state)
         mine = sum(
@@ -276,8 +277,6 @@ class LocalTier(TierRestore):
 
     def _every_rank(self, value: Any) -> list[Any]:
         """Every rank's `value`, on the manager's own group (a background thread)."""
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             return [value]
         every: list[Any] = [None] * dist.get_world_size()
@@ -286,8 +285,6 @@ class LocalTier(TierRestore):
 
     def _from_rank0(self, call: Any) -> Any:
         """Rank 0's `call()` (a value or an error) on every rank, on the manager's group."""
-        import torch.distributed as dist
-
         got: list[Any] = [None]
         if ranks.current_rank() == 0:
             try:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from registry.catalog.leases import Heartbeat
 from registry.core.progress import Counter, Progress
 from registry.core.refs import CheckpointRef
 from registry.errors import IntegrityError, UsageError
@@ -71,8 +72,6 @@ def push_part(
                 "the file changed while being pushed, or was damaged in transit; push again",
             )
         return {"path": path, "size": files[path], "sha256": digest.hexdigest()}
-
-    from registry.catalog.leases import Heartbeat
 
     try:
         with (

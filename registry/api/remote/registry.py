@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
+from policies.layouts import check_layout, known_layout
 from registry.api.contract import Registry
 from registry.api.remote.client import Client
 from registry.api.remote.reader import RemoteReader
@@ -36,6 +38,7 @@ from registry.api.results import (
 )
 from registry.api.wire import Route, routes
 from registry.core.config import Settings
+from registry.core.layout import checkpoint_prefix
 from registry.core.refs import (
     CheckpointRef,
     ReleaseRef,
@@ -43,7 +46,7 @@ from registry.core.refs import (
     as_release_ref,
     parse_checkpoint_ref,
 )
-from registry.errors import RegistryError, UsageError
+from registry.errors import PolicyError, RegistryError, UsageError
 from registry.formats.documents import FileRecord
 
 if TYPE_CHECKING:
@@ -166,7 +169,6 @@ class RemoteRegistry(Registry):
         notes: list[str] | None = None,
         layout: str | None = None,
     ) -> CheckpointPushed:
-        from policies.layouts import check_layout
         from registry.api.remote.presigned_push import PresignedPush
         from registry.api.remote.push_stream import body
         from registry.formats.dcp_scan import scan_directory
@@ -221,8 +223,6 @@ class RemoteRegistry(Registry):
 
     def put_claimed(self, claim: str, path: str, chunks: Iterable[bytes]) -> dict[str, Any]:
         """One file of the claimed step, streamed; the server's size and sha256 of it."""
-        from urllib.parse import quote
-
         from registry.lifecycle.checkpoints.shared import check_token
 
         where = f"/claims/{check_token(claim)}/files/{quote(path, safe='/')}"
@@ -335,9 +335,7 @@ class RemoteRegistry(Registry):
     ) -> ValidationReport:
         """Validate on this machine's device, reading through the server, and report it: only
         a validator may (refused before any work otherwise)."""
-        from policies.layouts import check_layout, known_layout
         from policies.loader import parse_policy
-        from registry.core.layout import checkpoint_prefix
         from registry.lifecycle.validation import Attempt, Request, run_checks
 
         parsed = as_checkpoint_ref(ref)
@@ -468,8 +466,6 @@ class RemoteRegistry(Registry):
         )
 
     def apply_policy(self, path: str | Path) -> PolicyApplied:
-        from registry.errors import PolicyError
-
         try:
             text = Path(path).read_text()
         except OSError as exc:

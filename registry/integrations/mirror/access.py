@@ -20,12 +20,16 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sqlmodel import col, or_, select
+
 from registry.catalog.mlflow_names import RELEASES_EXPERIMENT, mirror_name
+from registry.catalog.models import ApiToken
 from registry.core.timeutil import now
 from registry.storage import open_store
 from registry.trust.audit_chain import keys
 from registry.trust.policy_source import EffectivePolicy
 from registry.trust.principal import Principal
+from registry.trust.signed_facts import model_owners
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,9 +72,6 @@ class AccessSync:
 
     def principals(self) -> set[str]:
         """Whom a grant names, and whoever holds a live token."""
-        from sqlmodel import col, or_, select
-
-        from registry.catalog.models import ApiToken
 
         policy = self._policy()
         named = {p for grant in policy.access.grants for p in grant.principals}
@@ -159,8 +160,6 @@ class AccessSync:
         projects: dict[str, str],
         models: dict[str, tuple[str, str | None]],
     ) -> Wanted:
-        from registry.trust.signed_facts import model_owners
-
         principal = Principal.under(name, "token", self._policy())
         with self.catalog.session() as s:
             owners = model_owners(s, keys.optional(self.settings.audit_key_path))

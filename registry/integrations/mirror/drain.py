@@ -25,7 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlmodel import col, select
 
 from registry.catalog import leases
@@ -36,6 +36,7 @@ from registry.core.config import Settings
 from registry.core.timeutil import iso, now
 from registry.errors import NotFound
 from registry.integrations.mirror import access
+from registry.integrations.mirror.releases import ReleaseMirror, verified_tags
 from registry.storage import open_store
 from registry.text import redact
 
@@ -51,8 +52,6 @@ class Mirror:
     def __init__(self, settings: Settings, catalog: Catalog) -> None:
         import mlflow  # noqa: F401 - seconds of import, paid only by the drain
         from mlflow import MlflowClient
-
-        from registry.integrations.mirror.releases import ReleaseMirror
 
         self.settings = settings
         self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
@@ -177,8 +176,6 @@ class Mirror:
             )
 
     def on_checkpoint_verified(self, p: dict[str, Any]) -> None:
-        from registry.integrations.mirror.releases import verified_tags
-
         model = self.logged_model(p["project"], p["ref"])
         if model is not None:
             self.client.set_logged_model_tags(model.model_id, verified_tags(p["at"], p["damaged"]))
@@ -371,8 +368,6 @@ def skip_event(ctx: Context, event_id: int) -> dict[str, Any]:
 
 
 def pending_count(catalog: Catalog) -> int:
-    from sqlalchemy import func
-
     with catalog.session() as s:
         return int(
             s.exec(

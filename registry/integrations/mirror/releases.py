@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import select
 
 from registry.catalog.mlflow_names import mirror_name, releases_experiment
+from registry.catalog.models import RELEASE_PENDING, Checkpoint, Model, Project, Release, Run
 from registry.core.layout import release_prefix
 from registry.core.timeutil import iso
+from registry.lifecycle.releases import stored_files
+from registry.lifecycle.views import ReleaseView
 from registry.storage import mlflow_artifacts as artifacts
 
 if TYPE_CHECKING:
@@ -177,10 +180,6 @@ class ReleaseMirror:
 
     def facts(self, model: str, version: int) -> ReleaseFacts:
         """What the catalog says of `model:v<version>` now."""
-        from registry.catalog.models import RELEASE_PENDING, Model, Release
-        from registry.lifecycle.releases import stored_files
-        from registry.lifecycle.views import ReleaseView
-
         with self.catalog.session() as s:
             found = s.exec(
                 select(Model, Release)
@@ -235,8 +234,6 @@ class ReleaseMirror:
 
     @staticmethod
     def _source_run(session: Any, checkpoint_id: int) -> tuple[str, str]:
-        from registry.catalog.models import Checkpoint, Project, Run
-
         found = session.exec(
             select(Project.name, Run.name)
             .select_from(Checkpoint)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import UsageError
 from registry.integrations.mirror.access import ADMIN_USER, AccessSync, auth_db_uri
+from registry.integrations.mirror.drain import drain
 from registry.storage.mlflow_artifacts import destination
 
 if TYPE_CHECKING:
@@ -68,8 +69,6 @@ def plan_ui(
 ) -> UiPlan:
     """The MLflow server command and environment; `auth` None: a login when the policy has
     grants."""
-    from registry.integrations.mirror.drain import drain
-
     use_auth = has_grants if auth is None else auth
     if use_auth and not settings.audit_key_path.exists():
         raise UsageError(

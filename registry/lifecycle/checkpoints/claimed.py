@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout
+from registry.catalog.leases import Heartbeat
 from registry.core.progress import Counter, Progress
 from registry.core.refs import CheckpointRef
 from registry.errors import IntegrityError, RegistryError, UsageError
@@ -75,8 +76,6 @@ def push_part(
             )
         finally:
             os.close(fd)
-
-    from registry.catalog.leases import Heartbeat
 
     try:
         # The claim lives as long as the copy does, however long that is.

@@ -31,6 +31,7 @@ from registry.core.layout import checkpoint_prefix
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict
 from registry.journal import outbox as events
+from registry.lifecycle.checkpoints.resume_facts import KeyFacts, resume_json, save
 from registry.lifecycle.views import CheckpointView
 from registry.storage.base import hash_stream
 
@@ -220,8 +221,6 @@ def lift_resume_protection(session: Any, ref: CheckpointRef) -> None:
 def save_key_facts(session: Any, checkpoint_id: int, manifest: Manifest) -> None:
     """The manifest's key paths into the catalog (format /3 on; older ones get them on first
     use, from their `.metadata`)."""
-    from registry.lifecycle.checkpoints.resume_facts import KeyFacts, save
-
     r = manifest.resume
     if r.layout is not None and r.keys is not None:
         save(session, checkpoint_id, KeyFacts(r.keys, r.sidecars or (), r.layout))
@@ -274,7 +273,6 @@ def compare_existing(
         digests = dict(zip(scanned.files, pool.map(digest, scanned.files), strict=True))
     if any(stored[p][1] != d for p, d in digests.items()):
         raise Conflict(differs, hint)
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
 
     view = CheckpointView.of(ref.project, ref.run, existing, files)
     resume = resume_json(ctx, view.ref, existing, files, full=False)  # as recorded, not asked

@@ -12,6 +12,7 @@ from sqlmodel import col, select
 from registry.catalog import queries
 from registry.catalog.models import CheckpointRestore
 from registry.core.timeutil import iso, now
+from registry.economics.records import classify, emit_economics
 from registry.errors import UsageError
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ def record_restore(
     ctx: Context, ref: CheckpointRef, world_size: int, phases: dict[str, float]
 ) -> None:
     """One restore of `ref` by the training loop, with its phases (seconds; `bytes` read)."""
-    from registry.economics.records import classify, emit_economics
-
     with ctx.catalog.session(write=True) as s:
         run, ckpt = queries.resolve_checkpoint(s, ref, local=True)  # a tier-0 step too
         restore = CheckpointRestore(

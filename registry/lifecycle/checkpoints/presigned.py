@@ -33,9 +33,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sqlmodel import select
+
 from policies.access import Action
 from policies.layouts import check_layout
-from registry.catalog import claims
+from registry.catalog import claims, queries
+from registry.catalog.leases import Heartbeat
+from registry.catalog.models import PENDING, Checkpoint
 from registry.core import faults
 from registry.core.layout import checkpoint_prefix, manifest_key
 from registry.core.refs import CheckpointRef
@@ -56,14 +60,17 @@ from registry.formats.dcp_roots import metadata_paths
 from registry.formats.dcp_scan import UPLOAD_PLAN, ScannedDir, scan_contents
 from registry.formats.documents import FileRecord
 from registry.formats.recorded import recorded, resolve_step, resolve_world_size
+from registry.lifecycle.checkpoints.commit import PushResult
 from registry.lifecycle.checkpoints.push import (
     build_manifest,
     check_metrics,
     check_request,
     world_size_of,
 )
+from registry.lifecycle.checkpoints.resume_facts import facts_of, fields, proven_ends, resume_json
 from registry.lifecycle.checkpoints.upload_plan import LEASE_S, DeclaredFile, Plan, part_sizes
 from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
+from registry.lifecycle.views import CheckpointView
 from registry.storage.s3_presign import Presigner, b64_sha256, composite_sha256
 from registry.storage.verified_stream import verified_root
 
@@ -201,7 +208,6 @@ def complete(
     ctx: Context, ref: CheckpointRef, token: str, notes: list[str] | None = None
 ) -> PushResult:
     from registry.lifecycle.checkpoints import commit
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields, proven_ends
 
     claim, plan = _resume(ctx, ref, token)
     store = _s3(ctx)
@@ -302,8 +308,6 @@ def _held(ctx: Context, claim: Claim) -> Iterator[None]:
     """The claim renewed while a request works; if the request fails, marked abandoned rather
     than expired: URLs signed under it may still be alive, so only their owner may take the
     step back before the lease runs out."""
-    from registry.catalog.leases import Heartbeat
-
     _hold(ctx, claim)
     try:
         with Heartbeat(lambda: _hold(ctx, claim), LEASE_S / 4):
@@ -332,10 +336,6 @@ def _reclaim_own_abandoned(ctx: Context, ref: CheckpointRef) -> Claim | None:
 
 def _pending_row(session: Session, ref: CheckpointRef) -> Checkpoint | None:
     """The pending row of step `ref`, if there is one."""
-    from sqlmodel import select
-
-    from registry.catalog import queries
-    from registry.catalog.models import PENDING, Checkpoint
 
     run = queries.find_run(session, ref.project, ref.run)
     if run is None:
@@ -364,8 +364,6 @@ def _resume(ctx: Context, ref: CheckpointRef, token: str) -> tuple[Claim, Plan]:
 def _claim_of(ctx: Context, ref: CheckpointRef, token: str) -> Claim:
     """The claim of upload `token` of `ref`, if the caller started it and it is still pending
     under that claim (a renewal needs no more; the others read the plan too)."""
-    from registry.catalog.models import Checkpoint
-
     ctx.authorize(Action.PUSH, project=ref.project, target=str(ref))
     if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
         raise UsageError("not an upload id", "start the push again")
@@ -509,11 +507,6 @@ def _compare_existing(
     ctx: Context, ref: CheckpointRef, files: list[DeclaredFile], existing: Checkpoint
 ) -> PushResult:
     """The step is committed: the same files and digests are a no-op, anything else a conflict."""
-    from registry.catalog import queries
-    from registry.lifecycle.checkpoints.commit import PushResult
-    from registry.lifecycle.checkpoints.resume_facts import resume_json
-    from registry.lifecycle.views import CheckpointView
-
     with ctx.catalog.session() as s:
         stored = queries.files_of(s, existing.id or 0)
     if {(f.path, f.size, f.sha256) for f in stored} != {(f.path, f.size, f.sha256) for f in files}:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import update
+
 from policies.access import Action
 from registry.catalog import queries
 from registry.catalog.models import Checkpoint, Run
@@ -17,9 +19,12 @@ from registry.core.refs import CheckpointRef, check_reason
 from registry.core.timeutil import now
 from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
+from registry.lifecycle.checkpoints.costs import costs_json
 from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.checkpoints.tiers import tiers_json
+from registry.lifecycle.retention import emit_protection_event, explain
 from registry.lifecycle.transfer import download
+from registry.lifecycle.verify import verify_files
 from registry.lifecycle.views import CheckpointView
 
 if TYPE_CHECKING:
@@ -37,9 +42,6 @@ def resolve(
 
 
 def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.costs import costs_json
-    from registry.lifecycle.retention import explain
-
     ctx.authorize_read(project=ref.project)
     run, ckpt, files = resolve(ctx, ref, tombstones=True, local=True)
     full = CheckpointRef(ref.project, run.name, ckpt.step)
@@ -139,8 +141,6 @@ def verify(
 ) -> dict[str, Any]:
     """Re-hash the stored copy. Returns a report; `ok` is false when any file is damaged.
     `repair` restores damaged files from their recorded versions (versioned buckets)."""
-    from registry.lifecycle.verify import verify_files
-
     ctx.authorize_read(project=ref.project)
     _, ckpt, files = resolve(ctx, ref)
     full = CheckpointRef(ref.project, ref.run, ckpt.step)
@@ -163,9 +163,6 @@ def verify(
 
 def rehashed(ctx: Context, checkpoint_id: int, ref: str) -> None:
     """Every byte matched the client-reported digests: they are the registry's own now."""
-    from sqlalchemy import update
-
-    from registry.catalog.models import Checkpoint
 
     with ctx.catalog.session(write=True) as s:
         s.exec(
@@ -208,8 +205,6 @@ def set_pin(
 
 def emit_protection(ctx: Context, session: Any, ref: CheckpointRef, run: Any, ckpt: Any) -> None:
     """Tell the MLflow mirror the checkpoint's protection and expiry as they are now."""
-    from registry.lifecycle.retention import emit_protection_event, explain
-
     retention = explain(ctx, ref.project, run, ckpt, session)
     emit_protection_event(
         ctx,

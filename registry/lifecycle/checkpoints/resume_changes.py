@@ -8,6 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import select as sa_select
+from sqlmodel import Session, col, select
+
+from registry.catalog import queries
+from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, KeySet, Project, Run
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError
 from registry.journal import outbox as events
@@ -28,10 +33,6 @@ def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePo
     """A policy change: a `checkpoint.resume` event for every committed checkpoint whose verdict
     it changes. Each distinct (key set, layout) is decided once under each policy; the key
     paths themselves are read only for the sets that change. Returns how many checkpoints."""
-    from sqlalchemy import select as sa_select
-    from sqlmodel import Session, col, select
-
-    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, KeySet, Project, Run
 
     assert isinstance(session, Session)
     if old == new:
@@ -101,9 +102,6 @@ def emit_changes(ctx: Context, session: object, old: ResumePolicy, new: ResumePo
 def undecided(ctx: Context) -> list[tuple[CheckpointRef, Checkpoint]]:
     """Committed checkpoints whose key paths the catalog does not hold (committed before it
     kept them)."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import COMMITTED, Checkpoint, CheckpointKeys, Project, Run
 
     with ctx.catalog.session() as s:
         rows = s.exec(
@@ -120,8 +118,6 @@ def record_all(ctx: Context) -> dict[str, Any]:
     """Record the key paths of every committed checkpoint the catalog has none for, each from
     its `.metadata` proven against the catalog's sha256 (`reg catalog migrate` runs it): the
     ones that cannot be read are named and keep their push-time verdict until first used."""
-    from registry.catalog import queries
-
     recorded, failed = 0, []
     for ref, ckpt in undecided(ctx):
         with ctx.catalog.session() as s:

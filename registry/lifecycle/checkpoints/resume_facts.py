@@ -21,7 +21,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from policies.layouts import check_layout, detect, known_layout
-from policies.resume import ResumeVerdict, classify, missing_from_heads
+from policies.resume import (
+    ResumeVerdict,
+    classify,
+    heads,
+    missing_from_heads,
+    optimizer_roots,
+    suggest,
+)
 from registry.core.layout import checkpoint_prefix
 from registry.errors import IntegrityError, RegistryError
 from registry.formats import deepspeed_root, file_roots, sidecars
@@ -189,8 +196,6 @@ def fields(
 ) -> dict[str, Any]:
     """The verdict as commands show it (--json): layout, resumable, missing_state,
     resume_state, unclassified, warnings, and suggestions for what was not placed."""
-    from policies.resume import suggest
-
     v = verdict(facts, policy, layout)
     out = v.to_json()
     if suggestions:
@@ -204,7 +209,6 @@ def save(session: object, checkpoint_id: int, facts: KeyFacts) -> None:
     from sqlalchemy.exc import IntegrityError
     from sqlmodel import Session
 
-    from policies.resume import heads, optimizer_roots
     from registry.catalog.models import CheckpointKeys, KeySet
 
     assert isinstance(session, Session)

@@ -30,7 +30,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from sqlmodel import col, select
+
 from policies.access import Action
+from registry.catalog import claims
+from registry.catalog.claims import Claim
+from registry.catalog.models import LOCAL, PENDING, Checkpoint, CheckpointTier, Project, Run
 from registry.core.layout import checkpoint_prefix, manifest_key
 from registry.core.refs import CheckpointRef
 from registry.core.timeutil import now
@@ -53,6 +58,7 @@ from registry.lifecycle.checkpoints.push import (
     check_request,
     world_size_of,
 )
+from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 from registry.lifecycle.transfer import OnMismatch, Stored, put_reconciled
 
 if TYPE_CHECKING:
@@ -97,9 +103,6 @@ class SharedClaim:
         return checkpoint_prefix(self.ref.project, self.ref.run, self.ref.step or 0)
 
     def catalog_claim(self) -> Claim:
-        from registry.catalog.claims import Claim
-        from registry.catalog.models import Checkpoint
-
         return Claim(Checkpoint, self.row_id, self.token)
 
     def to_json(self) -> dict[str, Any]:
@@ -110,7 +113,6 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
     """Claim `ref` for writers that will share the token. `lease_s`: the claim outlives this
     process (a launcher's `reg claim-ckpt`) and runs out after that many seconds unless a
     writer renews it; None: held by this process, which renews it (`claims.held`)."""
-    from registry.catalog import claims
     from registry.lifecycle.checkpoints import commit
 
     check_request(ref.project, ref.run, ref.step or 0)
@@ -151,9 +153,6 @@ def check_token(token: str) -> str:
 def find(ctx: Context, token: str, *, local: bool = False) -> SharedClaim:
     """The pending step `token` holds (authorized to push in its project); `local`: or the
     tier-0 step whose copy to the store it holds (issue 36: `tiers.copying`)."""
-    from sqlmodel import col, select
-
-    from registry.catalog.models import LOCAL, PENDING, Checkpoint, Project, Run
 
     check_token(token)
     states = (PENDING, LOCAL) if local else (PENDING,)
@@ -176,9 +175,6 @@ def find(ctx: Context, token: str, *, local: bool = False) -> SharedClaim:
 
 def renew(ctx: Context, shared: SharedClaim, seconds: float) -> None:
     """Keep a launcher's claim alive for `seconds` more (each `push-ckpt --claim` does)."""
-    from registry.catalog import claims
-    from registry.catalog.models import Checkpoint
-
     with ctx.catalog.session(write=True) as s:
         row = s.get(Checkpoint, shared.row_id)
         current = (row.lease_until or 0.0) if row is not None else 0.0
@@ -189,8 +185,6 @@ def renew(ctx: Context, shared: SharedClaim, seconds: float) -> None:
 
 def give_up(ctx: Context, shared: SharedClaim) -> None:
     """The writers failed: the claim may be taken over at once (the step saved again)."""
-    from registry.catalog import claims
-
     claims.expire(ctx.catalog, shared.catalog_claim())
 
 
@@ -299,10 +293,7 @@ def commit_written(
     its record and name only recorded files (else IntegrityError naming the missing ranks'
     files). `own_writer`: reg's StoreWriter wrote the shards (no shard is read). `local`: the
     files are on the nodes' local disks: committed at tier 0 (DCP's own writer wrote them)."""
-    from registry.catalog import claims
-    from registry.catalog.models import CheckpointTier
     from registry.lifecycle.checkpoints import commit
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, fields
 
     ref, prefix = shared.ref, shared.prefix
     checked_metrics = check_metrics(metrics or {})
@@ -415,9 +406,6 @@ def _take_for_commit(ctx: Context, shared: SharedClaim) -> Claim:
     """One committer: the claim's token is swapped for a fresh one held by this process, so a
     second `commit-ckpt` of the same claim (or a writer still renewing it) finds it gone
     instead of writing a MANIFEST.json the first commit does not record."""
-    from registry.catalog import claims
-    from registry.catalog.models import Checkpoint
-
     fresh = claims.new_token()
     with ctx.catalog.session(write=True) as s:
         if not claims.guarded_update(s, shared.catalog_claim(), **claims.claim_columns(fresh)):

@@ -41,6 +41,7 @@ from registry.core.refs import CheckpointRef
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict, IntegrityError
 from registry.formats.documents import Manifest
+from registry.lifecycle.checkpoints.commit import emit_committed, lift_resume_protection
 from registry.lifecycle.checkpoints.shared import SharedClaim, check_listed, recorded_parts
 
 if TYPE_CHECKING:
@@ -109,8 +110,6 @@ def missing_parts(ctx: Context, shared: SharedClaim) -> list[str]:
 def commit_replicated(ctx: Context, shared: SharedClaim, seconds: float) -> dict[str, Any]:
     """The step is in the store: every file as tier 0 recorded it, and its manifest. Commits
     it at tier 1 (`local` -> `committed`), only while the replication claim is ours."""
-    from registry.lifecycle.checkpoints.commit import emit_committed, lift_resume_protection
-
     ref = shared.ref
     with ctx.catalog.session() as s:
         row = s.get(Checkpoint, shared.row_id)

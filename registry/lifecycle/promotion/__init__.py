@@ -26,6 +26,7 @@ from registry.catalog.models import ACTIVE, Model, Release
 from registry.core.refs import CheckpointRef, ReleaseRef
 from registry.errors import RegistryError
 from registry.lifecycle.alias_workflow import change_alias
+from registry.lifecycle.promotion.hf import release_hf
 from registry.lifecycle.promotion.plan import (
     PromotionPlan,
     check_resumable,
@@ -40,7 +41,7 @@ from registry.lifecycle.promotion.stages import (
     proved,
     reserve,
 )
-from registry.lifecycle.releases import uri_of
+from registry.lifecycle.releases import resolve_release, uri_of
 from registry.lifecycle.views import ReleaseView
 
 if TYPE_CHECKING:
@@ -109,9 +110,6 @@ def promote(
 def _with_hf(ctx: Context, out: dict[str, Any]) -> dict[str, Any]:
     """`hf` and `hf_config` of the release (as `reg show` has them). The release is made: a
     file that cannot be read back now is a note, not a failed promotion."""
-    from registry.lifecycle.promotion.hf import release_hf
-    from registry.lifecycle.releases import resolve_release
-
     try:
         with ctx.catalog.session() as s:
             model, release = resolve_release(s, ReleaseRef(out["model"], version=out["version"]))

@@ -20,6 +20,7 @@ from registry.core.refs import parse_release_ref
 from registry.errors import UsageError
 from registry.formats.hf_folder import MAX_DOCUMENT, parse_object
 from registry.lifecycle.promotion.converters import ADAPTER_CONFIG
+from registry.lifecycle.releases import resolve_release
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -90,8 +91,6 @@ def _check_lora_only(doc: dict[str, Any], label: str) -> None:
 
 def _release(ctx: Context, text: str) -> BaseModel:
     """`--base`: a release the caller may read, resolved to one version now."""
-    from registry.lifecycle.releases import resolve_release
-
     ref = parse_release_ref(text)
     ctx.authorize_read(model=ref.model)
     with ctx.catalog.session() as s:

@@ -23,6 +23,7 @@ from registry.formats.hf_folder import (
     completeness,
     rewrite_config,
 )
+from registry.lifecycle.validation.checks import load_factory
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
@@ -63,8 +64,6 @@ def factory_architecture(spec: str) -> str | None:
     load. None for a model that is no transformers `PreTrainedModel`, or whose classes above
     PreTrainedModel are all the user's (AutoModel could not build it from a name)."""
     import torch
-
-    from registry.lifecycle.validation.checks import load_factory
 
     fn, _ = load_factory(spec)
     try:

@@ -23,6 +23,7 @@ from policies.gates import (
 )
 from policies.layouts import check_layout
 from policies.loader import parse_size
+from policies.resume import check_strip_prefix, names_path
 from registry.catalog.models import Checkpoint, Validation
 from registry.core.layout import MANIFEST, RELEASE_DOCUMENT, checkpoint_prefix
 from registry.core.refs import CheckpointRef, check_alias, check_name
@@ -33,6 +34,7 @@ from registry.formats.extras import CODE, judge
 from registry.formats.hf_folder import MAX_DOCUMENT
 from registry.lifecycle.alias_workflow import check_may_move
 from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, proven_reader, verdict
 from registry.lifecycle.promotion.adapters import BaseModel, adapter_base
 from registry.lifecycle.promotion.consolidate import INDEX
 from registry.lifecycle.promotion.converters import (
@@ -43,7 +45,10 @@ from registry.lifecycle.promotion.converters import (
     check_llama_config,
     converter_for,
 )
+from registry.lifecycle.promotion.hf import plan_config
 from registry.lifecycle.promotion.records import Extra
+from registry.lifecycle.validation import Request, validate
+from registry.lifecycle.validation.restore import resolve_device
 from registry.trust.release_signing.bundle import SIGNATURE_FILE
 from registry.trust.release_signing.provenance import PROVENANCE_FILE
 
@@ -142,10 +147,6 @@ def plan_promotion(
 ) -> PromotionPlan:
     """Check the request and resolve the source; nothing is written (but the key paths of a
     checkpoint pushed before the catalog kept them, recorded once)."""
-    from policies.resume import check_strip_prefix
-    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
-    from registry.lifecycle.promotion.hf import plan_config
-
     check_name(model, "model name")
     check_layout(layout)
     check_converter(convert)
@@ -230,8 +231,6 @@ def _carried(
 ) -> tuple[Extra, ...]:
     """The checkpoint's own `carried` files no --extra replaces, read proven against the
     catalog and judged as extras are (a config that is not JSON is refused, naming it)."""
-    from registry.lifecycle.checkpoints.resume_facts import proven_reader
-
     names = {e.name for e in given}
     wanted = [f for f in files if f.path in carried and f.path not in names]
     if not wanted:
@@ -316,9 +315,6 @@ def check_resumable(ctx: Context, plan: PromotionPlan) -> None:
 def validation_for(ctx: Context, plan: PromotionPlan) -> Validation:
     """A recorded validation the policy accepts, or a new one run here. With a model factory a
     new validation always runs (its tied weights and probe are part of the release)."""
-    from registry.lifecycle.validation import Request, validate
-    from registry.lifecycle.validation.restore import resolve_device
-
     policy = ctx.policy.promotion
     with ctx.catalog.session() as s:
         rows = list(
@@ -388,8 +384,6 @@ def _probed(v: Validation) -> bool:
 def _same_names(v: Validation, plan: PromotionPlan) -> bool:
     """A validation whose model or probe check or tied weights named tensors counts only for a
     promotion taking the model from the same path (the names are that path's)."""
-    from policies.resume import names_path
-
     named = any(c.get("name") in ("model", "probe", "tied_weights") for c in v.checks)
     return not named or v.model_path == names_path(plan.resume.model_path, plan.strip_prefix)
 

@@ -51,6 +51,7 @@ from registry.formats.documents import (
 from registry.formats.hf_folder import CONFIG, GENERATION_CONFIG, generation_config
 from registry.journal import outbox as events
 from registry.lifecycle.alias_workflow import change_alias
+from registry.lifecycle.checkpoints.resume_facts import key_paths
 from registry.lifecycle.promotion import signed
 from registry.lifecycle.promotion.consolidate import Consolidated, consolidate
 from registry.lifecycle.promotion.converters import ADAPTER_FILE, Piece, convert, piece_key
@@ -59,6 +60,7 @@ from registry.lifecycle.promotion.proven import ProvenCheckpoint
 from registry.lifecycle.promotion.records import Reservation
 from registry.lifecycle.transfer import OnMismatch, put_reconciled
 from registry.lifecycle.views import ReleaseView
+from registry.trust.signed_facts import MODEL, model_content, sign
 
 if TYPE_CHECKING:
     from registry.core.progress import Progress
@@ -131,8 +133,6 @@ def reserve(ctx: Context, plan: PromotionPlan, validation: Validation) -> Reserv
 
 def _create_model(ctx: Context, session: Any, plan: PromotionPlan) -> None:
     """The model, owned by the project it is first released from; signed where the key is."""
-    from registry.trust.signed_facts import MODEL, model_content, sign
-
     row = Model(name=plan.model, created_at=now(), project=plan.source.project)
     session.add(row)
     session.flush()
@@ -238,8 +238,6 @@ def model_names(plan: PromotionPlan, inv: Inventory) -> dict[str, Piece]:
     """Release name -> checkpoint FQN, from the proven `.metadata`: its key paths must be the
     ones the catalog recorded (which decided the gates), and the model set must hold model
     tensors and no optimizer state."""
-    from registry.lifecycle.checkpoints.resume_facts import key_paths
-
     resume, where = plan.resume, f"{plan.source} ({plan.resume.layout} layout)"
     if key_paths(inv) != plan.facts.keys:
         raise IntegrityError(

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from policies.access import Action
 from policies.layouts import check_layout, known_layout
+from policies.resume import check_strip_prefix, names_path, suggest
 from registry.catalog.leases import hold
 from registry.catalog.models import Checkpoint, Validation
 from registry.core.layout import checkpoint_prefix
@@ -43,10 +44,13 @@ from registry.journal import outbox as events
 from registry.journal.event import VALIDATION
 from registry.journal.write import record as journal_record
 from registry.lifecycle.checkpoints.read import resolve
+from registry.lifecycle.checkpoints.resume_facts import facts_of, facts_of_checkpoint, verdict
 from registry.lifecycle.validation.budget import choose as choose_budget
 from registry.lifecycle.validation.checks import ModelCheck, Outcome, counted, load_factory
+from registry.lifecycle.validation.deferred import DeferredReads
 from registry.lifecycle.validation.modes import MODES, SHARDED, run_streamed
 from registry.lifecycle.validation.restore import device_name, driver_version, resolve_device
+from registry.lifecycle.validation.sharded import ShardedJob, require_hooks, run_sharded
 from registry.text import inert
 from registry.trust.signed_facts import validation_fact
 
@@ -72,9 +76,6 @@ class Request:
 
     def checked(self) -> Request:
         """Every option checked before any work (usage errors, exit 2); the device resolved."""
-        from policies.resume import check_strip_prefix
-        from registry.lifecycle.validation.sharded import require_hooks
-
         check_world_size(self.world_size)
         check_layout(self.layout)
         strip = check_strip_prefix(self.strip_prefix)
@@ -110,8 +111,6 @@ def validate(
     *,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint, verdict
-
     ctx.authorize(Action.VALIDATE, project=ref.project, target=str(ref))
     request = request.checked()
     if request.world_size > 1 and ctx.store.url.startswith("memory://"):
@@ -164,10 +163,6 @@ def run_checks(
     catalog lists them), as `request` (checked) asks, its model where `request.layout` puts it
     (None: where its keys show); no catalog access, so a validator reading through `reg
     server` runs the same code."""
-    from policies.resume import names_path, suggest
-    from registry.lifecycle.checkpoints.resume_facts import facts_of, verdict
-    from registry.lifecycle.validation.deferred import DeferredReads
-
     out = Outcome()
     prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
     device = request.device
@@ -236,8 +231,6 @@ def _run_sharded(
     resume: Any,
     out: Outcome,
 ) -> None:
-    from registry.lifecycle.validation.sharded import ShardedJob, run_sharded
-
     optimizer_path = None
     if request.with_optimizer:
         roots = resume.classes.get("optimizer", [])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from policies.loader import parse_size
 from registry.core.timeutil import human_bytes
 from registry.errors import UsageError
 
@@ -48,8 +49,6 @@ class Budget:
 
 def choose(text: str | None, device: str) -> Budget:
     """`--memory-budget` (a size such as 512MiB or 4GB), else the default for `device`."""
-    from policies.loader import parse_size
-
     if text is not None:
         try:
             size = parse_size(text)

@@ -26,7 +26,7 @@ from registry.errors import UsageError
 from registry.formats import file_roots
 from registry.formats.dcp import inventory
 from registry.formats.dcp_roots import stored_metadata
-from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory
+from registry.lifecycle.validation.checks import ModelCheck, Outcome, load_factory, run_probe
 from registry.storage import open_store
 
 START_ATTEMPTS = 2  # gloo now and then aborts a rank while the group forms on a busy machine
@@ -186,7 +186,6 @@ def _rank_main(rank: int, job: ShardedJob, port: int, tmp: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from registry.formats.dcp_load import SafeLoadPlanner, StoreReader
-    from registry.lifecycle.validation.checks import run_probe
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: dict[str, Any] = {"seconds": 0.0, "params": {}, "stage": "start"}

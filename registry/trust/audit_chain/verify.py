@@ -48,6 +48,7 @@ from registry.catalog.models import AuditSeal
 from registry.core.timeutil import iso, now
 from registry.trust.audit_chain import anchors, macs
 from registry.trust.audit_chain.keys import key_id
+from registry.trust.audit_chain.schedule import bounds
 from registry.trust.audit_chain.sealer import WrongKey
 from registry.trust.audit_chain.walk import (
     Report,
@@ -73,8 +74,6 @@ def verify_chain(
 ) -> dict[str, Any]:
     """The report of `reg audit verify`; the bounds default to `schedule.bounds()` (this
     process's REG_AUDIT_SEAL_EVERY / REG_AUDIT_ANCHOR_EVERY)."""
-    from registry.trust.audit_chain.schedule import bounds
-
     default_unsealed, default_anchor = bounds()
     unsealed_bound = max_unsealed_age_s or default_unsealed
     anchor_bound = max_anchor_age_s or default_anchor
