@@ -1,5 +1,5 @@
 """`reg keys create|rotate|ls|public|retire|revoke`: release signing keys, and `reg
-sign-release` for a release made before them (issue 37)."""
+sign-release` for a release made before them."""
 
 from __future__ import annotations
 

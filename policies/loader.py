@@ -108,7 +108,7 @@ class PromotionPolicy(_Model):
     )
     # Only validations whose probe ran count (one skipped for the memory budget does not).
     require_probe: bool = False
-    # Sign every release (issue 37): "auto" = behind `reg server` yes (a promotion without an
+    # Sign every release: "auto" = behind `reg server` yes (a promotion without an
     # active signing key is refused), embedded where a key exists (`reg keys create`).
     require_signature: Literal["auto"] | bool = "auto"
 
@@ -301,7 +301,7 @@ class Policy(_Model):
     resume: ResumePolicy = Field(default_factory=ResumePolicy)
     release: ReleasePolicy = Field(default_factory=ReleasePolicy)
     access: AccessPolicy = Field(default_factory=AccessPolicy)
-    # The release workflow (issue 38, policies/workflow.py): aliases that move only once
+    # The release workflow (policies/workflow.py): aliases that move only once
     # approved, and the HTTP subscribers told what happened.
     protected_aliases: list[ProtectedAlias] = Field(default_factory=list, max_length=1000)
     webhooks: list[Webhook] = Field(default_factory=list, max_length=100)

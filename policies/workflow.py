@@ -1,4 +1,4 @@
-"""The release workflow's rules (issue 38), pure: which aliases are protected and who may ask
+"""The release workflow's rules, pure: which aliases are protected and who may ask
 or approve, which events a webhook may name, and which addresses the server may send to.
 
 Protected aliases. A `[[protected_aliases]]` entry covers an alias (a name or glob) of the

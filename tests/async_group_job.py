@@ -1,5 +1,5 @@
 """A training loop that all-reduces on the default process group every step (as DDP's gradient
-sync does) while async checkpoint saves persist in the background (issue 36's test of why
+sync does) while async checkpoint saves persist in the background (the test of why
 reg's saves run their collectives on a group of their own).
 
     python -m torch.distributed.run --nproc-per-node=2 -m tests.async_group_job MODE OUT

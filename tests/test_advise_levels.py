@@ -1,4 +1,4 @@
-"""`reg advise` for a run that saves at tier 0 (issue 36): the two-level model (its optimum
+"""`reg advise` for a run that saves at tier 0: the two-level model (its optimum
 against a brute-force search, its Monte Carlo check), `replicate_every` (every k-th save copied
 to the store, the others tier 0 only: never adopted, evictable), and the advice from what a
 job really paid: restores from each tier, the failures each recovered from, the copies' cost."""

@@ -1,4 +1,4 @@
-"""The review of `reg advise` (issue 18), one test per finding: a clean run's MTBF (the prior,
+"""The review of `reg advise`, one test per finding: a clean run's MTBF (the prior,
 not the rate's bound), heartbeats off the training loop, C_eff without eval or RPC time,
 collected checkpoints still counted, the resampled Monte Carlo's censored tail and capped
 trials, preemptions and crash loops, heartbeat lockout and input abuse, the heartbeat floor,
@@ -286,7 +286,7 @@ def test_heartbeat_inputs_are_bounded_and_seconds_clamped(clean_env: Path):
             with pytest.raises(UsageError):
                 reg.heartbeat("hb", **(ok | bad))
         got = reg.heartbeat("hb", **(ok | {"seconds": 6 * 86400.0}))
-        # the registry's clock since the run's previous report, no slack (issue 32)
+        # the registry's clock since the run's previous report, no slack
         assert got["recorded"] and got["seconds"] <= time.time() - started
         reg.heartbeat("hb", **ok, ended=True)
         assert any(e["action"] == "heartbeat-ended" for e in reg.audit_log())

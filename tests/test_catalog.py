@@ -148,7 +148,7 @@ def _triggers(cat: Catalog) -> set[str]:
 
 
 def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
-    """What the server's runtime role could otherwise do to a checkpoint row (issue 14 reviews):
+    """What the server's runtime role could otherwise do to a checkpoint row:
     set it back to pending or to sweeping (its objects would be deleted as leftovers, with no
     tombstone), collect a pinned one, rewrite its content (resume state and metrics feed the
     promotion gate and retention), claim its digests were re-hashed by someone, delete it."""

@@ -1,4 +1,4 @@
-"""Losing the catalog loses no decisions (issue 17): the journal under `journal/` and its replay
+"""Losing the catalog loses no decisions: the journal under `journal/` and its replay
 by `reg catalog rebuild`."""
 
 from __future__ import annotations

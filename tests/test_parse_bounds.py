@@ -1,4 +1,4 @@
-"""Parsing costs time linear in the input, whatever it holds (issue 32): `.metadata`, sidecars
+"""Parsing costs time linear in the input, whatever it holds: `.metadata`, sidecars
 and the pickles of DCP chunks crafted to make an unpickler quadratic, about 1 MB each, are
 refused or read within a fixed CPU bound.
 

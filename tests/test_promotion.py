@@ -240,7 +240,7 @@ def test_release_is_immutable_everywhere(cpu_policy, reg, ckpts):
         "DELETE FROM release",
         "UPDATE release_file SET sha256 = 'x'",
         "DELETE FROM release_file",
-        # As the database owner (issue 14): back to pending to forge it and commit it again,
+        # As the database owner: back to pending to forge it and commit it again,
         # any content column, and the policy history.
         "UPDATE release SET status = 'pending'",
         "UPDATE release SET source_ref = 'r@step2'",

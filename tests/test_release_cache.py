@@ -1,4 +1,4 @@
-"""Consumers in one call (issue 37): `reg fetch-release` keeps a verified folder per release.json
+"""Consumers in one call: `reg fetch-release` keeps a verified folder per release.json
 digest and prints its path; `--hf` lays the release out in the Hugging Face hub cache, where
 stock `transformers` loads it offline by name, by alias and by revision.
 

@@ -1,4 +1,4 @@
-"""Protected aliases (issue 38): a move waits for approvals from other principals, of that exact
+"""Protected aliases: a move waits for approvals from other principals, of that exact
 version, before it expires; yanks cancel; every path that moves an alias is gated; replay too.
 
 Embedded, identities are asserted (REG_USER): the rules hold, the names are advisory. The

@@ -1,4 +1,4 @@
-"""The release workflow behind `reg server` (issue 38): identities from tokens, four eyes, an
+"""The release workflow behind `reg server`: identities from tokens, four eyes, an
 approval forged into the catalog ignored, webhooks delivered by the server while a receiver
 hangs, and only an admin sees subscribers (never their secrets)."""
 

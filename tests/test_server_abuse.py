@@ -1,4 +1,4 @@
-"""A public-facing `reg server` holds under abuse (issue 32): connections that send their
+"""A public-facing `reg server` holds under abuse: connections that send their
 headers one line at a time are cut off, the number of connections stays below the descriptor
 limit, and a normal client and the audit sealer keep working meanwhile."""
 

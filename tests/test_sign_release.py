@@ -1,4 +1,4 @@
-"""`reg sign-release` (issue 37): a release committed before signing existed is signed by an
+"""`reg sign-release`: a release committed before signing existed is signed by an
 admin afterwards. Its stored bytes are re-hashed against the catalog first; the provenance
 statement, model card and model.sig are added as new objects (release.json, immutable, cannot
 list them); a pull then carries five files that the stock model_signing CLI verifies."""

@@ -1,4 +1,4 @@
-"""Facts the catalog cannot forge (issue 32): whoever can write the catalog without the server's
+"""Facts the catalog cannot forge: whoever can write the catalog without the server's
 audit key (the runtime role of README's deployment, the owner) can deny service, never decide.
 
 On real parts: PostgreSQL with the owner and the least-privilege runtime role, `reg server` over

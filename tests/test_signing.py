@@ -1,4 +1,4 @@
-"""Signed releases (issue 37): `reg promote` signs every release in the OpenSSF model-signing
+"""Signed releases: `reg promote` signs every release in the OpenSSF model-signing
 format with the registry's key, over every file of the folder (weights, release.json, the
 provenance statement, the model card); the stock `model_signing` CLI verifies a pulled copy
 with no reg code, and catches a changed byte, an added or a removed file and another key."""

@@ -1,4 +1,4 @@
-"""Tier 0 (issue 36): a training job's saves are committed on its nodes' local disks first and
+"""Tier 0: a training job's saves are committed on its nodes' local disks first and
 copied to the store behind it. In-process tests check the catalog's side on SQLite and
 PostgreSQL (the states, the guards, the copy's commit refusing what tier 0 did not record);
 torchrun jobs on simulated nodes check the restores: from tier 0 after a SIGKILL, from the

@@ -1,4 +1,4 @@
-"""Tokens behind `reg server` are the server's alone (issue 14 review): a token row written into
+"""Tokens behind `reg server` are the server's alone: a token row written into
 the catalog around the server (the runtime role's credentials, or the owner's) opens nothing,
 a token's record never changes, and a revoked token stays revoked."""
 

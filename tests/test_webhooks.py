@@ -1,4 +1,4 @@
-"""Webhooks (issue 38) against a real HTTP receiver on 127.0.0.1: every event arrives once per
+"""Webhooks against a real HTTP receiver on 127.0.0.1: every event arrives once per
 id, signed, even across a receiver outage; where the server may send; the secret file's rules;
 the admin commands. The server's side (a hanging receiver) is in
 test_release_workflow_server.py."""

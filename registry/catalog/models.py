@@ -178,7 +178,7 @@ class CheckpointFile(SQLModel, table=True):
 
 
 class CheckpointTier(SQLModel, table=True):
-    """Where a checkpoint's files are (issue 36, migration 0016): tier 0 is one row per node
+    """Where a checkpoint's files are (migration 0016): tier 0 is one row per node
     whose local directory holds some of them (`files`: which), tier 1 the registry's store
     (node ""). A tier-0 row is written by the tier-0 commit and marked `evicted_at` when its
     node drops the copy; the tier-1 row by the replicator's commit."""
@@ -466,7 +466,7 @@ class ApiToken(SQLModel, table=True):
 
 
 class SigningKeyEvent(SQLModel, table=True):
-    """A signing key's life (issue 37, migration 0017): `created` (with its PEM public key),
+    """A signing key's life (migration 0017): `created` (with its PEM public key),
     `retired` (signs nothing more; its releases still verify) or `revoked` (its signatures are
     reported, not trusted). Append-only; a key's state is its latest event. The private key is
     a file beside the catalog's holder (`registry.trust.release_signing.keys`), never a row."""

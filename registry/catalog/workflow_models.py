@@ -1,4 +1,4 @@
-"""The release workflow's tables (issue 38, migration 0019), beside `registry.catalog.models`.
+"""The release workflow's tables (migration 0019), beside `registry.catalog.models`.
 
 alias_request     a move of a protected alias, asked for: append-only
 alias_decision    an approval, a rejection, or a cancellation (a yank or deprecation of its

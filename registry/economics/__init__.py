@@ -1,4 +1,4 @@
-"""Checkpoint economics (issue 18): what checkpoints cost the training job (C_eff), what a
+"""Checkpoint economics: what checkpoints cost the training job (C_eff), what a
 restart costs (RTO), how often the job fails, and the checkpoint interval that wastes least.
 
     model      the waste model and the formulas (Young, Daly, the availability optimum, regret,

@@ -1,4 +1,4 @@
-"""`reg advise RUN`: checkpoint economics from what the job really paid (issue 18).
+"""`reg advise RUN`: checkpoint economics from what the job really paid.
 
 Reads the run's measured figures (`facts`), estimates the failure rate (the run's own history,
 the project's runs pooled with `fleet`, or `--mtbf`), and answers the intervals (Young, Daly,

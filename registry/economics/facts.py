@@ -5,7 +5,7 @@ Checkpoints that retention collected since (deleting, deleted) still count for t
 the save costs: they were paid for, as do those still (or only ever) at tier 0 (`local`).
 `checkpoints` is every saved one; `committed` the live ones in the store.
 
-A run that saves at tier 0 (issue 36) has two levels: `tiers()` gives each its figures (the
+A run that saves at tier 0 has two levels: `tiers()` gives each its figures (the
 tier-0 saves' C_eff, the copies' cost to the loop and their lag, the restores from each tier,
 and the failures each tier recovered from), for `levels`' model.
 """
@@ -128,7 +128,7 @@ class RunFacts:
             }
         return None
 
-    # -- two levels (issue 36) -------------------------------------------------------------------
+    # -- two levels -------------------------------------------------------------------
     def tiers(self) -> dict[str, Any] | None:
         """Per level: the tier-0 saves' C_eff, the copies' interference and lag, the restores
         from each tier, the failures each recovered from, and how many tier-0 saves there are

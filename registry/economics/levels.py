@@ -1,4 +1,4 @@
-"""Two checkpoint levels (issue 36): saves at tier 0 (the node's own disk) every tau, every k-th
+"""Two checkpoint levels: saves at tier 0 (the node's own disk) every tau, every k-th
 of them also copied to the store (tier 1). The model and a Monte Carlo check of it, pure
 functions of measured figures (no I/O), as `model` is for one level.
 

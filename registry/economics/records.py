@@ -1,4 +1,4 @@
-"""What a training job reports to the catalog for its economics (issue 18), and how a restore
+"""What a training job reports to the catalog for its economics, and how a restore
 is classified when it is recorded.
 
 - A heartbeat (`CheckpointManager.step_done`, flushed every `heartbeat_s`, at each save and at
@@ -73,7 +73,7 @@ SAVE_FIELDS = (
     "blocked_seconds",
     "baseline_step_seconds",
     "steps_during",
-    "copy_interference_seconds",  # a tier-0 step's copy to the store (issue 36)
+    "copy_interference_seconds",  # a tier-0 step's copy to the store
     "copy_steps_during",
 )
 

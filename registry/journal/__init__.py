@@ -1,4 +1,4 @@
-"""The decision journal: what lives only in the catalog, also kept in the store (issue 17).
+"""The decision journal: what lives only in the catalog, also kept in the store.
 
 Pins, yanks and deprecations, alias moves, applied policies (and with them the grants) and
 validations are catalog rows that no MANIFEST.json or release.json records. Each is also written

@@ -34,8 +34,8 @@ class EventKind(StrEnum):
     # The run's checkpoint economics changed (a background save's cost measured, a restore)
     RUN_ECONOMICS = "run.economics"
     RELEASE_SIGNED = "release.signed"  # `reg sign-release` added files to a committed release
-    # A protected alias's move asked for, approved (once per approver), rejected or cancelled
-    # (issue 38): for webhooks; the mirror shows only the move itself (release.alias).
+    # A protected alias's move asked for, approved (once per approver), rejected or cancelled:
+    # for webhooks; the mirror shows only the move itself (release.alias).
     ALIAS_REQUESTED = "alias.requested"
     ALIAS_APPROVED = "alias.approved"
     ALIAS_REJECTED = "alias.rejected"
@@ -78,7 +78,7 @@ class Outbox:
         self, settings: Settings, *, webhooks: bool = False, audit_key: bytes | None = None
     ) -> None:
         self._settings = settings
-        self._webhooks = webhooks  # embedded: deliver them after the command (issue 38)
+        self._webhooks = webhooks  # embedded: deliver them after the command
         self._key = audit_key  # the server's (or its host's): each event carries its MAC
         self._written = False
 

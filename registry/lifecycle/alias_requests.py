@@ -1,4 +1,4 @@
-"""Requests to move a protected alias, and the decisions on them (issue 38): the records.
+"""Requests to move a protected alias, and the decisions on them: the records.
 
 A request names the exact version; its state is derived, never stored:
 

@@ -1,4 +1,4 @@
-"""Moving aliases through their protection (issue 38): every move of an alias, `reg alias set`,
+"""Moving aliases through their protection: every move of an alias, `reg alias set`,
 `reg promote --alias`, the API and the server alike, goes through `change_alias`.
 
 An alias the policy protects (`[[protected_aliases]]`, `policies.workflow`) does not move when

@@ -1,4 +1,4 @@
-"""`reg sign-release MODEL:vK` (issue 37): sign a release committed before signing existed.
+"""`reg sign-release MODEL:vK`: sign a release committed before signing existed.
 
 An admin's call, run where the private key is (the server, or embedded `REG_HOME`):
 

@@ -1,4 +1,4 @@
-"""`reg verify RELEASE --provenance` (issue 37): the release's signature and provenance agree
+"""`reg verify RELEASE --provenance`: the release's signature and provenance agree
 with the catalog.
 
     - the catalog records a signature, by a key it knows and has not revoked;

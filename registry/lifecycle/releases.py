@@ -153,7 +153,7 @@ def show(ctx: Context, ref: ReleaseRef) -> dict[str, Any]:
             "to": f"v{e.to_version}",
             "at": iso(e.ts),
             "by": e.actor,
-            # a protected alias's move: its request, who asked and who approved (issue 38)
+            # a protected alias's move: its request, who asked and who approved
             **(
                 {
                     "request": e.request_id,

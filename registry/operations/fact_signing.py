@@ -1,4 +1,4 @@
-"""`reg catalog sign`: the upgrade of a registry whose rows predate signed facts (issue 32).
+"""`reg catalog sign`: the upgrade of a registry whose rows predate signed facts.
 
 Behind the server, a policy document, an attested validation or a model's owner counts only
 with a signature under the audit key (`registry.trust.signed_facts`); rows written before this reg

@@ -1,4 +1,4 @@
-"""`reg fsck`: the whole registry, catalog against store (issue 17). `reg verify REF` checks one
+"""`reg fsck`: the whole registry, catalog against store. `reg verify REF` checks one
 artifact; fsck checks every one and what lies between them:
 
     missing-object        a file a committed checkpoint or a release lists is not in the store

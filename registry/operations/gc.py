@@ -157,7 +157,7 @@ LOST = "at tier 0 only, and no node holds a copy any more (it never reached the 
 
 
 def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) -> int:
-    """Tier-0 steps (issue 36) nobody is copying to the store, older than orphan_grace, whose
+    """Tier-0 steps nobody is copying to the store, older than orphan_grace, whose
     every node copy is gone: nothing can restore or copy them. Marked and collected (their
     partial copy in the store with them), leaving a tombstone that says why; `dry_run`: only
     listed."""

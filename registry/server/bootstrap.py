@@ -89,7 +89,7 @@ def init_admin(settings: Settings, admin: str, *, operator: str) -> dict[str, An
 def _signing_key(
     settings: Settings, catalog: Catalog, admin: str, operator: str, audit_key: bytes
 ) -> dict[str, Any]:
-    """The release signing key (issue 37): created unless one is active already, its private
+    """The release signing key: created unless one is active already, its private
     half under REG_HOME/signing beside the audit key (a registry behind the server signs every
     release: `[promotion] require_signature = "auto"`)."""
     policy = EffectivePolicy.load(catalog, policy_path=settings.policy_path, home=settings.home)

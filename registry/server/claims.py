@@ -1,4 +1,4 @@
-"""Checkpoints written by many writers under one claim, through `reg server` (issue 15).
+"""Checkpoints written by many writers under one claim, through `reg server`.
 
     POST /v1/claims                        {project, run, step, lease_seconds}: the claim token
     POST /v1/claims/renew                  {claim, seconds}: keep it alive (a writer renews)
@@ -97,7 +97,7 @@ async def put_file(token: str, path: str, request: Request) -> dict[str, Any]:
     """One file of the claimed step, streamed into the store as it arrives."""
     ctx = await run_in_threadpool(context_for, request)
     held = await run_in_threadpool(lambda: shared.find(ctx, token, local=True))
-    # A tier-0 step's copy to the store (issue 36): only the files tier 0 recorded, each with
+    # A tier-0 step's copy to the store: only the files tier 0 recorded, each with
     # the bytes it recorded, and the manifest it recorded.
     copy = await run_in_threadpool(tiers.copying, ctx, held)
     check_path(str(held.ref), path)

@@ -232,7 +232,7 @@ async def pulled(request: Request) -> dict[str, Any]:
 
     def work() -> dict[str, Any]:
         ctx.authorize_read(project=ref.project)
-        # A training loop restores a step at tier 0 too (issue 36), named by its step.
+        # A training loop restores a step at tier 0 too, named by its step.
         _, ckpt, files = resolve(ctx, ref, local=ref.step is not None)
         full = CheckpointRef(ref.project, ref.run, ckpt.step)
         if ctx.principal.authorize(Action.PUSH, project=ref.project).allowed:

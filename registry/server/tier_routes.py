@@ -1,4 +1,4 @@
-"""Tier 0 through `reg server` (issue 36): a training job's saves committed on its nodes' local
+"""Tier 0 through `reg server`: a training job's saves committed on its nodes' local
 disks, and their copy to the store through the server's push path.
 
     POST /v1/claims/{token}/commit-local  {files, nodes, metadata, world_size, metrics,

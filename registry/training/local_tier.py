@@ -1,4 +1,4 @@
-"""Tier 0 of a training job's saves (issue 36): each rank's files go to its node's local
+"""Tier 0 of a training job's saves: each rank's files go to its node's local
 directory through DCP's own file writer, at the speed of a bare `dcp.save` there; what the
 registry adds runs after `save()` returns, in the background:
 

@@ -22,7 +22,7 @@ rank's writes, is recorded on the checkpoint; each restore records its phases.
 reads, the safe metadata reader, resharding to the current world size) and records that the run
 resumed from it, so retention keeps it.
 
-`step_done(step)` after each training step feeds `reg advise` (issue 18): rank 0 keeps step
+`step_done(step)` after each training step feeds `reg advise`: rank 0 keeps step
 times in memory; a step that overlapped a background save is slower than the median of the
 steps that did not, and that slowdown (plus any time the next save waited for it) is the save's
 interference: C_eff = stall + interference, recorded on the checkpoint. Every `heartbeat_s`, at
@@ -111,7 +111,7 @@ class CheckpointManager:
         check_name(project, "project name")
         check_name(run, "run name")
         self.run, self.project = run, project
-        # Tier 0 (issue 36): saves go to this node's local directory first (`tiered.py`).
+        # Tier 0: saves go to this node's local directory first (`tiered.py`).
         self._tier: LocalTier | None = None
         path = check_local_dir(local_dir)
         if path is not None:
@@ -136,7 +136,7 @@ class CheckpointManager:
         self._restore: RestoreRecord | None = None
         self.resume_notes: list[str] = []  # what per-rank state did not carry over (restore)
         self._saved_any = False  # a run exists once a save committed (or a restore found one)
-        # Step timings (rank 0): issue 18's C_eff and heartbeats.
+        # Step timings (rank 0): `reg advise`'s C_eff and heartbeats.
         self.heartbeat_s = max(HEARTBEAT_FLOOR_S, float(heartbeat_s))
         self._flushed_at = _now()  # the time at risk is counted from here
         self._last_step: int | None = None
@@ -388,7 +388,7 @@ class CheckpointManager:
             self.backend.plan_restart(restore.ref)
         self.backend.restored(restore.ref, ranks.world_size(), restore.phases)
 
-    # -- step timings and heartbeats (issue 18) ------------------------------------------------
+    # -- step timings and heartbeats ------------------------------------------------
     def step_done(self, step: int) -> None:
         """Training step `step` is done (call on every rank, after the optimizer step). Cheap:
         rank 0 keeps the step's time in memory; a heartbeat goes out every `heartbeat_s`, from

@@ -1,4 +1,4 @@
-"""The replicator (issue 36): copies each tier-0 step from this rank's node-local directory to
+"""The replicator: copies each tier-0 step from this rank's node-local directory to
 the registry's store (tier 1), in a background thread at low CPU and I/O priority, at most
 `bytes_per_s`, and never in the training loop's way.
 

@@ -1,4 +1,4 @@
-"""A DCP `StorageWriter` whose files go straight into the registry's store (issue 15).
+"""A DCP `StorageWriter` whose files go straight into the registry's store.
 
 Every rank writes its own `__<rank>_<i>.distcp` files into the checkpoint's prefix: each file
 is streamed into the store as DCP serializes it (put-if-absent, hashed as written; no staging

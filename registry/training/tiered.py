@@ -1,4 +1,4 @@
-"""`CheckpointManager(local_dir=...)`: saves at tier 0 first, the store behind it (issue 36).
+"""`CheckpointManager(local_dir=...)`: saves at tier 0 first, the store behind it.
 
 `save()` writes each rank's files into its node's local directory with DCP's own file writer
 (`local_tier.LocalWriter`) and returns once they are durable there (synchronous) or staged

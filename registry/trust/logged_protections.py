@@ -1,6 +1,6 @@
 """Behind the server, the protections GC reads from catalog rows that the server updates in
 place (a checkpoint's pin, a run's resume point, a release's yank) are checked against the
-signed audit log before anything is deleted (issue 32).
+signed audit log before anything is deleted.
 
 Whoever can write the catalog around the server could unpin a checkpoint or clear a run's resume
 point, and the next GC would collect it under the retention rules. The audit log holds every

@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("reg.policy")
 
 POLICY, VALIDATION, MODEL, DELETION = "policy", "validation", "model", "deletion"
-SIGNING_KEY, RELEASE_SIGNATURE = "signing_key", "release_sig"  # issue 37 (migration 0017)
-ALIAS_REQUEST, ALIAS_DECISION = "alias_request", "alias_decision"  # issue 38 (0019)
+SIGNING_KEY, RELEASE_SIGNATURE = "signing_key", "release_sig"  # migration 0017
+ALIAS_REQUEST, ALIAS_DECISION = "alias_request", "alias_decision"  # migration 0019
 KINDS = (
     POLICY,
     VALIDATION,

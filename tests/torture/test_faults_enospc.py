@@ -1,4 +1,4 @@
-"""A full disk mid-write (issue 17): `REG_FAULT=store-write:enospc` makes the local store's
+"""A full disk mid-write: `REG_FAULT=store-write:enospc` makes the local store's
 write of an object's bytes fail with ENOSPC, `pull-write:enospc` a pull's write of a destination
 file (registry/core/faults.py). A push or pull that hits it fails with one line naming the full disk
 and the path (exit 1, DESIGN §7), leaves no temp file in the store and nothing half-visible, and

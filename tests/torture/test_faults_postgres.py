@@ -1,4 +1,4 @@
-"""PostgreSQL restarted under a push (issue 17). Each test runs against a throwaway cluster of
+"""PostgreSQL restarted under a push. Each test runs against a throwaway cluster of
 its module's own (initdb on a free port, never the shared server on 5432) and restarts or stops
 it at a chosen moment of a `reg push-ckpt` of a ~200 MB checkpoint, held there by a pausing
 fault point (registry/core/faults.py, `NAME:pause`):

@@ -1,4 +1,4 @@
-"""S3 through a faulty proxy (issue 17): push, pull, promote, pull-release and gc run with 1%, 10%
+"""S3 through a faulty proxy: push, pull, promote, pull-release and gc run with 1%, 10%
 and 30% of the S3 requests failing (500, 503 SlowDown, connections dropped before or after the
 request was carried out), answered slowly, or answered with a body cut short
 (tests/s3server.py FaultyProxy).

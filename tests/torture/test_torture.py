@@ -1,4 +1,4 @@
-"""The bounded torture run (issue 17): registry operations SIGKILLed at random moments and at
+"""The bounded torture run: registry operations SIGKILLed at random moments and at
 named crash points, on local+SQLite, S3 (SeaweedFS over HTTP)+PostgreSQL and through `reg server`,
 every invariant checked after each kill and after the rerun (tests/torture/harness.py).
 

@@ -213,7 +213,7 @@ class RemoteRegistry(Registry):
                 notes.append(n)
         return CheckpointPushed.from_json(out)
 
-    # -- a checkpoint written by several writers under one claim (issue 15) --------------------
+    # -- a checkpoint written by several writers under one claim --------------------
     def renew_claim(self, claim: str, seconds: float) -> dict[str, Any]:
         """Keep the claim alive `seconds` more (0: give it up); the claim's ref."""
         from registry.lifecycle.checkpoints.shared import check_token

@@ -1,4 +1,4 @@
-"""The results of the webhook methods (issue 38); a protected alias's request is
+"""The results of the webhook methods; a protected alias's request is
 `registry.api.results.releases.AliasRequest`."""
 
 from __future__ import annotations

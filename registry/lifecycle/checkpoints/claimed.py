@@ -1,4 +1,4 @@
-"""A checkpoint pushed by a launcher outside Python, node by node, under one claim (issue 15).
+"""A checkpoint pushed by a launcher outside Python, node by node, under one claim.
 
     reg claim-ckpt --run R --step N              prints a claim token (lease: --lease, 1h)
     reg push-ckpt DIR --claim TOKEN --run R --step N    on each node, for the files it has

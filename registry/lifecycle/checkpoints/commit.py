@@ -151,7 +151,7 @@ def commit(
     the MLflow event, only while the claim is still ours.
 
     `local` (a replication token, whether this process holds it, the tier-0 copies): committed
-    at tier 0 only (issue 36): the row becomes `local`, claimed by the replicator that will copy
+    at tier 0 only: the row becomes `local`, claimed by the replicator that will copy
     it to the store, and the MLflow event waits for that copy (`tiers.commit_replicated`)."""
     ref = manifest.ref
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()

@@ -1,4 +1,4 @@
-"""What checkpoints cost the training job (issue 15): a save's costs are written with its
+"""What checkpoints cost the training job: a save's costs are written with its
 commit (`checkpoint.save_costs`); each restore by the training loop adds a row
 (`checkpoint_restore`). `reg show` shows both; the economics commands read them."""
 
@@ -37,7 +37,7 @@ def record_restore(
             world_size=world_size,
             phases={k: float(v) for k, v in phases.items()},
         )
-        classify(s, run, ckpt.step, restore)  # a failure, a planned restart, ... (issue 18)
+        classify(s, run, ckpt.step, restore)  # a failure, a planned restart, ...
         s.add(restore)
         emit_economics(ctx, s, ref.project, ref.run, run)  # the RTO changed: MLflow follows
 

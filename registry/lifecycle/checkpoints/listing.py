@@ -43,7 +43,7 @@ def list_checkpoints(
     include_deleted: bool = False,
 ) -> list[dict[str, Any]]:
     """Committed checkpoints (and tombstones with `include_deleted`) the caller may read."""
-    states = ["committed", "local"]  # local: at tier 0 only, on its nodes' disks (issue 36)
+    states = ["committed", "local"]  # local: at tier 0 only, on its nodes' disks
     if include_deleted:
         states += ["deleting", "deleted"]
     where, params = "", list(states)

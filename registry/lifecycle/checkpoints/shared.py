@@ -1,4 +1,4 @@
-"""A checkpoint written by many writers under one claim (DESIGN §3, issue 15).
+"""A checkpoint written by many writers under one claim (DESIGN §3).
 
 A push copies one directory; a training job on many nodes has no directory that holds every
 rank's files. Here one process claims the step and hands the claim's token to every writer;
@@ -77,7 +77,7 @@ MAX_PART_RECORD = 64 << 20
 
 @dataclass(frozen=True, slots=True)
 class LocalCopy:
-    """A step committed at tier 0 (issue 36): its files are on the nodes' local disks, not in
+    """A step committed at tier 0: its files are on the nodes' local disks, not in
     the store. `read` gives a file whole from the coordinator's local directory; `nodes` says
     which node holds which ranks' files; the manifest is written beside the files
     (`write_manifest`) for the replicator, which holds the claim `token` from the commit on
@@ -152,7 +152,7 @@ def check_token(token: str) -> str:
 
 def find(ctx: Context, token: str, *, local: bool = False) -> SharedClaim:
     """The pending step `token` holds (authorized to push in its project); `local`: or the
-    tier-0 step whose copy to the store it holds (issue 36: `tiers.copying`)."""
+    tier-0 step whose copy to the store it holds (`tiers.copying`)."""
 
     check_token(token)
     states = (PENDING, LOCAL) if local else (PENDING,)

@@ -1,4 +1,4 @@
-"""Checkpoints at tiers (issue 36): a training job's save is committed once every rank's files
+"""Checkpoints at tiers: a training job's save is committed once every rank's files
 are durable on its node's local disk (tier 0, `shared.commit_written(local=...)`: the row is
 `local`), and a replicator copies it to the registry's store (tier 1) under a claim of its own.
 

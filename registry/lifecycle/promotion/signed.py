@@ -1,4 +1,4 @@
-"""Signing at promotion (issue 37): before release.json, the provenance statement and the model
+"""Signing at promotion: before release.json, the provenance statement and the model
 card are stored as files of the release; after it, `model.sig` over every file (release.json
 included), signed with the active key of this process (`registry.trust.release_signing.keys`).
 

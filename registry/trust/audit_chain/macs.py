@@ -38,7 +38,7 @@ def normalized(details: dict[str, Any]) -> dict[str, Any]:
 
 
 def outbox_mac(key: bytes, uid: str, ts: float, kind: str, payload: dict[str, Any]) -> str:
-    """An outbox event's MAC (issue 38): what webhooks send is what the server emitted."""
+    """An outbox event's MAC: what webhooks send is what the server emitted."""
     content = {"uid": uid, "ts": ts, "kind": kind, "payload": payload}
     return hmac.new(key, b"reg.outbox/1\n" + canonical(content), hashlib.sha256).hexdigest()
 

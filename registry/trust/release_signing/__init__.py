@@ -1,1 +1,1 @@
-"""Release signing (issue 37): keys, the model-signing bundle, provenance."""
+"""Release signing: keys, the model-signing bundle, provenance."""

@@ -1,4 +1,4 @@
-"""Release signing keys (issue 37): ECDSA P-256, the key type OpenSSF model-signing's key mode
+"""Release signing keys: ECDSA P-256, the key type OpenSSF model-signing's key mode
 takes. A key's id is model-signing's public-key hint, the sha256 of its PEM public key.
 
 The private half is a file `SIGNING_DIR/<key_id>.pem` (the directory 0700, the file 0600,

@@ -1,4 +1,4 @@
-"""A release's provenance statement and model card (issue 37), written into the release before
+"""A release's provenance statement and model card, written into the release before
 it is signed, so `model.sig` covers them.
 
 The statement is an in-toto Statement v1 with an SLSA Provenance v1 predicate: its subjects

@@ -1,4 +1,4 @@
-"""What checkpoints cost the training job that wrote and read them (issue 15).
+"""What checkpoints cost the training job that wrote and read them.
 
 - `checkpoint.save_costs`: how a save from the training loop went (`stall_seconds`, the time the
   loop was blocked; `persist_seconds`, from the save's start until the commit; bytes; each

@@ -1,4 +1,4 @@
-"""How a validation restored the checkpoint, and on which driver (issue 21).
+"""How a validation restored the checkpoint, and on which driver.
 
 - `validation.mode`: `streamed` (world size 1, every chunk checked in bounded batches) or
   `sharded` (the model restored as the factory's parallelize shards it). Rows from before are

@@ -1,5 +1,5 @@
 """When every stored byte of a checkpoint or release was last re-hashed, and what that found
-(issue 17: `reg verify`, scheduled scrubs with `reg verify --all`).
+(`reg verify`, scheduled scrubs with `reg verify --all`).
 
 - `checkpoint.verified_at`, `release.verified_at`: the time of the last complete re-hash.
 - `checkpoint.verify_findings`, `release.verify_findings`: its problems, a JSON list of

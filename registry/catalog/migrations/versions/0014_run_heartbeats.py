@@ -1,4 +1,4 @@
-"""What a run's training job reported as it went, and how each restore came about (issue 18:
+"""What a run's training job reported as it went, and how each restore came about (for
 `reg advise`, checkpoint economics from what the job really paid).
 
 - `run.last_step`, `run.last_step_at`: the last step the job reported (`CheckpointManager`'s

@@ -1,4 +1,4 @@
-"""Facts the catalog cannot forge (issue 32): what `reg server` decides from is signed with its
+"""Facts the catalog cannot forge: what `reg server` decides from is signed with its
 audit key, like tokens (0009) and audit events (0006).
 
 - `fact_mac`: append-only (triggers, as `audit_seal`), one row per signature: `kind` (policy,

@@ -1,4 +1,4 @@
-"""Checkpoints at tiers (issue 36): a step committed on its nodes' local disks first (tier 0),
+"""Checkpoints at tiers: a step committed on its nodes' local disks first (tier 0),
 copied to the store by a replicator (tier 1).
 
 - `checkpoint.state` gains `local`: committed at tier 0 only. Its content (files, digests,

@@ -1,4 +1,4 @@
-"""Signed releases (issue 37).
+"""Signed releases.
 
 - `signing_key_event`: each signing key's life (created with its PEM public key, retired,
   revoked); a key's state is its latest event. The private key is never in the catalog.

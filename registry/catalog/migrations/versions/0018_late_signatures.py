@@ -1,4 +1,4 @@
-"""Signatures added after promotion (`reg sign-release`, issue 37).
+"""Signatures added after promotion (`reg sign-release`).
 
 `release_signature.added_bytes`: the bytes of the files the signing added to a release that
 was committed without them (its provenance statement, model card and `model.sig`). A release's

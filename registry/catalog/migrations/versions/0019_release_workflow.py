@@ -1,4 +1,4 @@
-"""The release workflow (issue 38).
+"""The release workflow.
 
 - `alias_request`, `alias_decision`: moves of protected aliases asked for, and the approvals,
   rejections and cancellations of them. Append-only (triggers, as `fact_mac`): a request's
