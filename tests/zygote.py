@@ -51,7 +51,7 @@ WARM = (
     "registry.storage.s3",
     "registry.formats.dcp",
     "registry.lifecycle.checkpoints",
-    "registry.lifecycle.promotion",
+    "registry.lifecycle.promotion.run",
     "registry.lifecycle.validation",
     "registry.server.run",
     "registry.api.remote",

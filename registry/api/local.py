@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
 from registry.api.contract import Registry
+from registry.api.delegation import delegated
 from registry.api.local_admin import Administration
 from registry.api.results import (
     AliasMoved,
@@ -247,15 +248,12 @@ class LocalRegistry(Administration, Registry):
             )
         )
 
-    def list_checkpoints(
-        self, run: str | None = None, project: str | None = None, *, include_deleted: bool = False
-    ) -> list[CheckpointSummary]:
-        from registry.lifecycle.checkpoints.listing import list_checkpoints
-
-        return results_of(
-            CheckpointSummary,
-            list_checkpoints(self.context, run, project, include_deleted=include_deleted),
-        )
+    list_checkpoints = delegated(
+        Registry.list_checkpoints,
+        "registry.lifecycle.checkpoints.listing:list_checkpoints",
+        CheckpointSummary,
+        many=True,
+    )
 
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> CheckpointDetails | ReleaseDetails:
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
@@ -305,16 +303,7 @@ class LocalRegistry(Administration, Registry):
             read.verify(self.context, parsed, repair=repair, progress=progress)
         )
 
-    def scrub(
-        self,
-        *,
-        rate: float | None = None,
-        limit: int | None = None,
-        progress: Progress | None = None,
-    ) -> ScrubReport:
-        from registry.operations.scrub import scrub
-
-        return ScrubReport.from_json(scrub(self.context, rate=rate, limit=limit, progress=progress))
+    scrub = delegated(Registry.scrub, "registry.operations.scrub:scrub", ScrubReport)
 
     def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> CheckpointFacts:
         from registry.lifecycle.checkpoints.read import set_pin
@@ -376,7 +365,7 @@ class LocalRegistry(Administration, Registry):
         convert: str | None = None,
         base: str | None = None,
     ) -> ReleasePromoted:
-        from registry.lifecycle.promotion import promote
+        from registry.lifecycle.promotion.run import promote
 
         return ReleasePromoted.from_json(
             promote(
@@ -397,10 +386,9 @@ class LocalRegistry(Administration, Registry):
             )
         )
 
-    def releases(self, model: str | None = None) -> list[ReleaseSummary]:
-        from registry.lifecycle.releases import list_releases
-
-        return results_of(ReleaseSummary, list_releases(self.context, model))
+    releases = delegated(
+        Registry.releases, "registry.lifecycle.releases:list_releases", ReleaseSummary, many=True
+    )
 
     def pull_release(
         self,
@@ -465,28 +453,26 @@ class LocalRegistry(Administration, Registry):
 
         return results_of(AliasRequest, list_requests(self.context, model, state=state))
 
-    def webhooks(self) -> list[WebhookInfo]:
-        from registry.integrations.webhooks import admin
-
-        return results_of(WebhookInfo, admin.subscribers(self.context))
-
-    def test_webhook(self, name: str) -> WebhookTested:
-        from registry.integrations.webhooks import admin
-
-        return WebhookTested.from_json(admin.test(self.context, name))
-
-    def webhook_deliveries(
-        self, name: str | None = None, status: str | None = None, limit: int = 50
-    ) -> list[WebhookDeliveryInfo]:
-        from registry.integrations.webhooks import admin
-
-        found = admin.deliveries(self.context, name, status, limit)
-        return results_of(WebhookDeliveryInfo, found)
-
-    def deliver_webhooks(self, budget_s: float = 60.0) -> WebhooksDelivered:
-        from registry.integrations.webhooks import admin
-
-        return WebhooksDelivered.from_json(admin.deliver_now(self.context, budget_s))
+    webhooks = delegated(
+        Registry.webhooks,
+        "registry.integrations.webhooks.admin:subscribers",
+        WebhookInfo,
+        many=True,
+    )
+    test_webhook = delegated(
+        Registry.test_webhook, "registry.integrations.webhooks.admin:test", WebhookTested
+    )
+    webhook_deliveries = delegated(
+        Registry.webhook_deliveries,
+        "registry.integrations.webhooks.admin:deliveries",
+        WebhookDeliveryInfo,
+        many=True,
+    )
+    deliver_webhooks = delegated(
+        Registry.deliver_webhooks,
+        "registry.integrations.webhooks.admin:deliver_now",
+        WebhooksDelivered,
+    )
 
     def deprecate(self, ref: str | ReleaseRef, reason: str | None = None) -> ReleaseStatusChanged:
         from registry.catalog.models import DEPRECATED

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.access import Action
+from registry.api.contract import Registry
+from registry.api.delegation import delegated
 from registry.api.results import (
     Advice,
     AuditEvent,
@@ -63,111 +65,50 @@ class Administration:
             target: str = "",
         ) -> None: ...
 
-    def gc(self, *, dry_run: bool = False) -> GcReport:
-        from registry.operations.gc import run_gc
-
-        return GcReport.from_json(run_gc(self.context, dry_run=dry_run))
-
-    def fsck(
-        self,
-        project: str | None = None,
-        *,
-        repair: bool = False,
-        full: bool = False,
-        sample: int = 32,
-        progress: Progress | None = None,
-    ) -> FsckReport:
-        from registry.operations.fsck import fsck
-
-        ctx = self.context
-        return FsckReport.from_json(
-            fsck(ctx, project=project, full=full, sample=sample, repair=repair, progress=progress)
-        )
-
-    def rebuild_catalog(self, *, dry_run: bool = False) -> RebuildReport:
-        from registry.operations.rebuild import rebuild
-
-        return RebuildReport.from_json(rebuild(self.context, dry_run=dry_run))
-
-    def advise(
-        self,
-        run: str,
-        *,
-        project: str = "default",
-        gpus: int | None = None,
-        mtbf_s: float | None = None,
-        fleet: bool = False,
-        node_loss_share: float | None = None,
-    ) -> Advice:
-        from registry.economics import advise
-
-        return Advice.from_json(
-            advise(
-                self.context,
-                run,
-                project=project,
-                gpus=gpus,
-                mtbf_s=mtbf_s,
-                fleet=fleet,
-                node_loss_share=node_loss_share,
-            )
-        )
-
-    def recovery(
-        self, run: str, *, project: str = "default", mtbf_s: float | None = None
-    ) -> RecoveryReport:
-        from registry.economics import advise
-
-        return RecoveryReport.from_json(
-            advise(self.context, run, project=project, mtbf_s=mtbf_s, legacy=True)
-        )
-
-    def plan_restart(self, run: str, *, project: str = "default") -> RestartPlanned:
-        from registry.economics.records import plan_restart
-
-        return RestartPlanned.from_json(plan_restart(self.context, project, run))
+    # Derived from the contract: each is the operation named, with this registry's Context.
+    gc = delegated(Registry.gc, "registry.operations.gc:run_gc", GcReport)
+    fsck = delegated(Registry.fsck, "registry.operations.fsck:fsck", FsckReport)
+    rebuild_catalog = delegated(
+        Registry.rebuild_catalog, "registry.operations.rebuild:rebuild", RebuildReport
+    )
+    advise = delegated(Registry.advise, "registry.economics.advise:advise", Advice)
+    recovery = delegated(
+        Registry.recovery, "registry.economics.advise:advise", RecoveryReport, legacy=True
+    )
+    plan_restart = delegated(
+        Registry.plan_restart, "registry.economics.records:plan_restart", RestartPlanned
+    )
+    storage_init = delegated(
+        Registry.storage_init, "registry.operations.admin:storage_init", StorageReport
+    )
+    audit_log = delegated(
+        Registry.audit_log, "registry.operations.admin:audit_log", AuditEvent, many=True
+    )
+    audit_verify = delegated(
+        Registry.audit_verify, "registry.trust.audit_chain.service:verify", AuditVerification
+    )
+    audit_seal = delegated(
+        Registry.audit_seal, "registry.trust.audit_chain.service:seal", AuditSealed
+    )
+    policy_show = delegated(
+        Registry.policy_show, "registry.operations.policy_admin:show", PolicyInForce
+    )
+    export_policy = delegated(Registry.export_policy, "registry.operations.policy_admin:export")
+    create_token = delegated(
+        Registry.create_token, "registry.operations.token_admin:create", TokenCreated
+    )
+    list_tokens = delegated(
+        Registry.list_tokens, "registry.operations.token_admin:listing", TokenInfo, many=True
+    )
+    revoke_token = delegated(
+        Registry.revoke_token, "registry.operations.token_admin:revoke", TokenRevoked
+    )
 
     def heartbeat(self, run: str, *, project: str = "default", **figures: Any) -> HeartbeatRecorded:
+        # by hand: the figures are keywords of their own (mypy cannot derive **figures)
         from registry.economics.records import record_heartbeat
 
         return HeartbeatRecorded.from_json(record_heartbeat(self.context, project, run, **figures))
-
-    def storage_init(self) -> StorageReport:
-        from registry.operations.admin import storage_init
-
-        return StorageReport.from_json(storage_init(self.context))
-
-    def audit_log(
-        self, *, since: float | None = None, actor: str | None = None, action: str | None = None
-    ) -> list[AuditEvent]:
-        from registry.operations.admin import audit_log
-
-        return results_of(
-            AuditEvent, audit_log(self.context, since=since, actor=actor, action=action)
-        )
-
-    def audit_verify(
-        self, *, max_unsealed_age_s: float | None = None, max_anchor_age_s: float | None = None
-    ) -> AuditVerification:
-        from registry.trust.audit_chain.service import verify
-
-        return AuditVerification.from_json(
-            verify(
-                self.context,
-                max_unsealed_age_s=max_unsealed_age_s,
-                max_anchor_age_s=max_anchor_age_s,
-            )
-        )
-
-    def audit_seal(self) -> AuditSealed:
-        from registry.trust.audit_chain.service import seal
-
-        return AuditSealed.from_json(seal(self.context))
-
-    def policy_show(self) -> PolicyInForce:
-        from registry.operations.policy_admin import show
-
-        return PolicyInForce.from_json(show(self.context))
 
     def apply_policy(self, path: str | Path) -> PolicyApplied:
         from registry.operations.policy_admin import apply
@@ -175,23 +116,6 @@ class Administration:
         out = apply(self.context, Path(path))
         self._context = None  # the next call runs under the applied policy
         return PolicyApplied.from_json(out)
-
-    def export_policy(self, bucket: str | None = None) -> tuple[dict[str, Any], list[str]]:
-        from registry.operations.policy_admin import export
-
-        return export(self.context, bucket)
-
-    def create_token(self, principal: str, *, expires_s: float | None = None) -> TokenCreated:
-        from registry.operations import token_admin
-
-        return TokenCreated.from_json(
-            token_admin.create(self.context, principal, expires_s=expires_s)
-        )
-
-    def list_tokens(self) -> list[TokenInfo]:
-        from registry.operations import token_admin
-
-        return results_of(TokenInfo, token_admin.listing(self.context))
 
     def signing_keys(self) -> list[SigningKeyInfo]:
         from registry.trust.release_signing import keys
@@ -219,11 +143,6 @@ class Administration:
         from registry.trust.release_signing import keys
 
         return SigningKeyInfo.from_json(keys.change(self.context, key_id, event, reason).to_json())
-
-    def revoke_token(self, token_id: str) -> TokenRevoked:
-        from registry.operations import token_admin
-
-        return TokenRevoked.from_json(token_admin.revoke(self.context, token_id))
 
     def mlflow_sync(self, budget_s: float = 300.0, skip: int | None = None) -> MirrorSynced:
         from registry.integrations.mirror.drain import drain, skip_event

@@ -25,7 +25,7 @@ from registry.errors import UsageError
 from registry.lifecycle.checkpoints.read import resolve
 from registry.lifecycle.checkpoints.resume_facts import facts_of_checkpoint
 from registry.lifecycle.context import Context
-from registry.lifecycle.promotion import promote as run_promotion
+from registry.lifecycle.promotion.run import promote as run_promotion
 from registry.lifecycle.validation import Attempt, record
 from registry.operations.policy_admin import apply_text
 from registry.server.auth import CTX, context_for

@@ -872,7 +872,7 @@ def preload(with_mlflow: bool) -> None:
     import registry.lifecycle.checkpoints.listing
     import registry.lifecycle.checkpoints.push
     import registry.lifecycle.checkpoints.read
-    import registry.lifecycle.promotion
+    import registry.lifecycle.promotion.run
     import registry.lifecycle.releases
     import registry.lifecycle.validation
     import registry.operations.gc
