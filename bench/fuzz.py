@@ -1,4 +1,4 @@
-"""The fuzzer of tests/test_fuzz.py at length: many more examples, a random seed each run.
+"""The fuzzer of tests/formats/test_fuzz.py at length: many more examples, a random seed each run.
 
     python -m bench.fuzz [--examples 20000]
 
@@ -22,7 +22,15 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=20000)
     args = parser.parse_args()
     env = dict(os.environ, REG_FUZZ_EXAMPLES=str(args.examples), REG_FUZZ_RANDOM="1")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/formats/test_fuzz.py",
+    ]
     sys.exit(subprocess.run(command, cwd=ROOT, env=env).returncode)
 
 

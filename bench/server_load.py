@@ -6,7 +6,7 @@ writes, then a check that every acknowledged write is there (no lost updates).
 Each client is a thread with its own token and HTTP connection, doing in turn: list its run,
 show a checkpoint, push a new step of its own run (a real DCP checkpoint, streamed), and pin or
 unpin a checkpoint. Expected conflicts (409) are counted apart from errors. The bounded version
-runs in the test suite (tests/test_server_load.py).
+runs in the test suite (tests/server/test_server_load.py).
 """
 
 from __future__ import annotations

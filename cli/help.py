@@ -13,7 +13,8 @@ from typing import Any, get_args, get_origin
 
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
-# The sections of `reg --help`, in order; every command is in exactly one (tests/test_docs.py).
+# The sections of `reg --help`, in order; every command is in exactly one
+# (tests/project/test_docs.py).
 GROUPS: dict[str, tuple[str, ...]] = {
     "Checkpoints": (
         "push-ckpt",
@@ -49,7 +50,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 DEPRECATED = ("recovery",)  # still runs; left out of --help
 
-# One example per command, by its path under `reg` (tests/test_docs.py: every command has one).
+# One example per command, by its path under `reg` (tests/project/test_docs.py: every command
+# has one).
 EXAMPLES: dict[str, str] = {
     "push-ckpt": "reg push-ckpt ./ckpt/step9000 --run run42 --step 9000",
     "claim-ckpt": "reg claim-ckpt --run run42 --step 9000 --lease 2h",

@@ -2,7 +2,7 @@
 the settings table of docs/reference/configuration.md from `registry.core.config.reference()`.
 
     python -m cli.reference          # rewrite both pages
-    python -m cli.reference --check  # exit 1 naming a stale page (tests/test_docs.py runs it)
+    python -m cli.reference --check  # exit 1 naming a stale page (tests/project/test_docs.py)
 
 Made from the code, so the reference cannot drift from what `reg --help` says.
 """

@@ -53,18 +53,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
 
 
 @pytest.fixture(scope="session")
-def moto_server():  # type: ignore[no-untyped-def]
-    """One S3-compatible server (moto) for the session, on a free port on 127.0.0.1."""
-    from tests.s3server import MotoServer
-    from tests.sharing import timed
-
-    with timed("moto S3 server (per worker)"):
-        server = MotoServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A real S3 server (SeaweedFS, SigV4 and checksums enforced) for the session, per worker,
     on free ports on 127.0.0.1, in a directory of its own."""

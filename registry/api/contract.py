@@ -5,7 +5,7 @@
 or with `REG_URL` set the one behind `reg server`
 (`registry.api.remote.registry.RemoteRegistry`, the same methods run by the server under the
 identity of a token). Both subclass `Registry`, so mypy checks every method of each against
-the signatures here; `tests/test_contract.py` checks that neither leaves one out. A method's
+the signatures here; `tests/api/test_contract.py` checks that neither leaves one out. A method's
 `@http` names its route (`registry.api.wire`): the remote registry's call and the server's
 endpoint are derived from the signature here.
 

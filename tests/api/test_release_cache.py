@@ -22,8 +22,8 @@ import pytest
 from registry import Registry, Settings
 from registry.errors import Conflict, IntegrityError, UsageError
 from tests.helpers import stock_verify
+from tests.lifecycle.test_hf import STEPS, hf_trained  # noqa: F401 (the session's HF checkpoints)
 from tests.serverproc import CPU_POLICY, RegServer, server_env
-from tests.test_hf import STEPS, hf_trained  # noqa: F401 (the session's HF checkpoints)
 
 SIGNED = {"README.md", "model.safetensors", "model.sig", "provenance.intoto.json", "release.json"}
 

@@ -22,7 +22,7 @@ from registry.catalog.engine import HEAD_REVISION
 from tests.helpers import PG_URL, pg_available
 from tests.zygote import run_reg
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ADMIN_URL = PG_URL.replace("+psycopg", "")
 INJECTION = 'x"; DROP TABLE audit_event; -- %s :x'
 

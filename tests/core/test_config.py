@@ -10,7 +10,7 @@ import pytest
 from registry.core.config import Settings, reference
 from registry.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_configuration_reference_is_the_settings_own():

@@ -19,8 +19,8 @@ from registry.economics import model
 from registry.economics.advise import summary
 from registry.economics.facts import RunFacts
 from registry.economics.plot import svg
-from tests.test_advise import _attempt
-from tests.test_advise_review import failure, saved_every_100
+from tests.economics.test_advise import _attempt
+from tests.economics.test_advise_review import failure, saved_every_100
 
 advise_mod = importlib.import_module("registry.economics.advise")
 

@@ -28,7 +28,7 @@ from registry.errors import UsageError
 from registry.training import CheckpointManager
 from registry.training import manager as manager_mod
 from registry.training import saves as saves_mod
-from tests.test_advise import _attempt
+from tests.economics.test_advise import _attempt
 
 advise_mod = importlib.import_module("registry.economics.advise")
 

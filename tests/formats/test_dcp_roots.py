@@ -1,6 +1,6 @@
 """Checkpoints with several DCP roots one level down (accelerate's sharded save_state), and the
 ways such a directory can be wrong (registry/formats/dcp_roots.py). The real accelerate
-checkpoint is tests/test_frameworks.py's; these are written by dcp.save in this process."""
+checkpoint is tests/formats/test_frameworks.py's; these are written by dcp.save in this process."""
 
 from __future__ import annotations
 

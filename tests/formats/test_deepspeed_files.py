@@ -2,9 +2,9 @@
 (registry/formats/deepspeed_root.py), from files laid out exactly as DeepSpeed 0.19.8's
 `save_checkpoint` writes them (torch.save of the same dicts; DeepSpeed's own LossScaler and
 ZeroStageEnum become whatever object the pickle names: reg never builds them). DeepSpeed's own
-save, resume and zero_to_fp32 are in tests/test_frameworks.py (`deepspeed`, `deepspeed-zero3`);
-here: the arithmetic on shapes that split mid-row over ranks and groups, and what a careless or
-hostile checkpoint gets."""
+save, resume and zero_to_fp32 are in tests/formats/test_frameworks.py (`deepspeed`,
+`deepspeed-zero3`); here: the arithmetic on shapes that split mid-row over ranks and groups, and
+what a careless or hostile checkpoint gets."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from registry import Registry
 from registry.errors import IntegrityError, InvalidCheckpoint
 from registry.formats import deepspeed_root, deepspeed_zero
-from tests import tamper, test_integrity, test_presigned
+from tests import tamper
+from tests.lifecycle import test_integrity
+from tests.server import test_presigned
 
 store_kind = test_integrity.store_kind  # memory, local, and S3 over HTTP
 on_s3 = test_presigned.reg_on_s3

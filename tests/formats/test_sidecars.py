@@ -34,8 +34,8 @@ ACCELERATE_KEYS = sorted(
 
 
 def lightning_meta(**extra: object) -> dict[str, object]:
-    """What Lightning 2.6's ModelParallelStrategy writes to meta.pt (tests/test_frameworks.py
-    has the real one)."""
+    """What Lightning 2.6's ModelParallelStrategy writes to meta.pt
+    (tests/formats/test_frameworks.py has the real one)."""
     return {
         "epoch": 0,
         "global_step": 3,

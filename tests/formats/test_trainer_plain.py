@@ -3,8 +3,8 @@
 safetensors_root.py). Its model file's header is a root of the checkpoint, checked before
 anything is built from it; the tensors are read as raw bytes; the header is proven against the
 catalog's digest wherever a stored copy is read; the release carries the checkpoint's own
-config.json. The Trainer's own save and resume of this layout are in tests/test_frameworks.py
-(`trainer-plain`)."""
+config.json. The Trainer's own save and resume of this layout are in
+tests/formats/test_frameworks.py (`trainer-plain`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ from registry.formats import safetensors_root
 from registry.formats.dcp import inventory
 from registry.formats.foreign import refuse_foreign
 from registry.lifecycle.validation.streamed import RawStream
-from tests import tamper, test_integrity, test_presigned
+from tests import tamper
+from tests.formats.test_trainer_files import trainer_files
 from tests.helpers import saved
-from tests.test_trainer_files import trainer_files
+from tests.lifecycle import test_integrity
+from tests.server import test_presigned
 
 KEY = "ckpt/default/hf/step-3/"
-# reg server on a real S3 server (tests/test_presigned.py), as the fixture `on_s3`
+# reg server on a real S3 server (tests/server/test_presigned.py), as the fixture `on_s3`
 on_s3 = test_presigned.reg_on_s3
 store_kind = test_integrity.store_kind  # memory, local, and S3 over HTTP
 

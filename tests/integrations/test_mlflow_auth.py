@@ -20,8 +20,8 @@ from registry import Registry
 from registry.integrations.mirror.drain import drain
 from tests.conftest import ROOT
 from tests.helpers import start_ui, stock_verify
-from tests.test_mlflow_ui import CHROMIUM, FLAGS
-from tests.test_mlflow_ui import _open as _open_once
+from tests.integrations.test_mlflow_ui import CHROMIUM, FLAGS
+from tests.integrations.test_mlflow_ui import _open as _open_once
 from tests.zygote import run_reg
 
 GRANTS = """

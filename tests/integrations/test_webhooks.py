@@ -1,7 +1,7 @@
 """Webhooks against a real HTTP receiver on 127.0.0.1: every event arrives once per
 id, signed, even across a receiver outage; where the server may send; the secret file's rules;
 the admin commands. The server's side (a hanging receiver) is in
-test_release_workflow_server.py."""
+tests/lifecycle/test_release_workflow_server.py."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_the_webhook_commands(
 
 
 def test_the_documented_receiver_example_checks_what_reg_signs():
-    page = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "release-workflow.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "release-workflow.md"
     after = page.read_text().split("A receiver checks it so:", 1)[1]
     code = after.split("```python\n", 1)[1].split("```", 1)[0]
     space: dict[str, object] = {}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.server.test_server import _as, _one_line, _push
 from tests.serverproc import team_policy
-from tests.test_server import _as, _one_line, _push
 from tests.webhook_receiver import Receiver
 
 WORKFLOW = """

@@ -130,11 +130,13 @@ def test_factory_errors(reg, ckpts):
         reg.validate("r@step4", device="cpu", model_factory="no_such_module:build")
     with pytest.raises(UsageError, match="write module:function"):
         reg.validate("r@step4", device="cpu", model_factory="examples.tiny_model")
-    out = reg.validate("r@step4", device="cpu", model_factory="tests.factories:wrong_names")
+    out = reg.validate(
+        "r@step4", device="cpu", model_factory="tests.lifecycle.factories:wrong_names"
+    )
     detail = _checks(out)["model"]["detail"]
     assert not out["passed"]
     assert "missing keys: 0.weight" in detail and "unexpected keys: embed.weight" in detail
-    out = reg.validate("r@step4", device="cpu", model_factory="tests.factories:broken")
+    out = reg.validate("r@step4", device="cpu", model_factory="tests.lifecycle.factories:broken")
     assert "factory exploded" in _checks(out)["model"]["detail"]
 
 
@@ -177,7 +179,7 @@ def test_cuda_reshard_onto_two_gpus(reg, ckpts):
 def test_sharded_mode_with_a_mismatched_model_stops_before_the_ranks(reg, ckpts):
     _push(reg, ckpts.ws2, 4)
     wrong = reg.validate(
-        "r@step4", device="cpu", world_size=2, model_factory="tests.factories:wrong_names"
+        "r@step4", device="cpu", world_size=2, model_factory="tests.lifecycle.factories:wrong_names"
     )
     checks = _checks(wrong)
     assert checks["restore"]["passed"] and not wrong["passed"]

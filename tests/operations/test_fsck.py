@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 
 from registry import Registry
-from tests import test_s3
+from tests.storage import test_s3
 
 locked_bucket = test_s3.locked_bucket  # fixtures: a versioned bucket with Object Lock
 locked_registry = test_s3.locked_registry

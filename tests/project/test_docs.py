@@ -17,7 +17,7 @@ from cli.main import command
 from cli.reference import CLI_PAGE, CONFIG_PAGE, cli_reference
 from registry.core.config import reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.process

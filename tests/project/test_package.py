@@ -10,7 +10,7 @@ import pytest
 
 import registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_public_api_is_declared():

@@ -580,7 +580,7 @@ def test_a_forced_layout_travels_in_the_upload_plan(reg_on_s3, layouts, cli) -> 
 def test_several_dcp_roots_push_through_presigned_urls(reg_on_s3, cli, tmp_path) -> None:
     """accelerate's layout (DCP roots one level down and its sidecars) uploads straight to S3:
     the server reads each root's .metadata and the sidecars from what S3 holds."""
-    from tests.test_dcp_roots import accelerate_like
+    from tests.formats.test_dcp_roots import accelerate_like
 
     src = accelerate_like(tmp_path / "src")
     res = _push(cli, reg_on_s3, src, 6, "--json")

@@ -434,7 +434,7 @@ def test_a_server_side_dcp_check_refuses_what_the_client_did_not(reg_server, ckp
 
 
 def test_every_lifecycle_command_works_remotely_with_json(cli, ckpts, reg_server, tmp_path):
-    """The same commands, JSON and exit codes as embedded (tests/test_cli.py)."""
+    """The same commands, JSON and exit codes as embedded (tests/cli/test_cli.py)."""
     alice, rel = _as(reg_server, "alice"), _as(reg_server, "rel")
     res = cli(
         "push-ckpt",
@@ -547,7 +547,7 @@ def test_login_stores_the_token_for_that_url_only(cli, reg_server, clean_env):
         capture_output=True,
         text=True,
         env={**os.environ, **env},
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
     )
     assert out.returncode == 0, out.stderr
     saved = clean_env / "login.json"
@@ -606,7 +606,7 @@ def _big_push_started(server, big_ckpt, files: str = "push-*/*"):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
     )
     uploads = server.home / "uploads"
     deadline = time.monotonic() + 30
@@ -1058,7 +1058,7 @@ def test_layouts_through_the_server(cli, layouts, reg_server):
 def test_several_dcp_roots_and_strip_prefix_through_the_server(cli, reg_server, tmp_path):
     """A streamed push of accelerate's layout, a validator's validation with --strip-prefix
     (run on the client) and a promotion with it in the server."""
-    from tests.test_dcp_roots import accelerate_like
+    from tests.formats.test_dcp_roots import accelerate_like
 
     src = accelerate_like(tmp_path / "src")
     args = ("--run", "acc", "--step", "3", "--project", "team-a", "--json")

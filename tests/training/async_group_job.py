@@ -2,7 +2,7 @@
 sync does) while async checkpoint saves persist in the background (the test of why
 reg's saves run their collectives on a group of their own).
 
-    python -m torch.distributed.run --nproc-per-node=2 -m tests.async_group_job MODE OUT
+    python -m torch.distributed.run --nproc-per-node=2 -m tests.training.async_group_job MODE OUT
 
 MODE `bare`: `dcp.async_save(state, checkpoint_id=...)` on the default group; `reg`:
 `CheckpointManager(local_dir=...).save(async_=True)`. Each rank writes OUT/rank-R.json:

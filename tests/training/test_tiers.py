@@ -525,7 +525,8 @@ def test_async_saves_beside_the_loops_collectives_need_their_own_group(tmp_path)
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "-m", "tests.async_group_job", mode, str(out)]  # fmt: skip
+                   "--nproc-per-node=2", "-m", "tests.training.async_group_job", mode,
+                   str(out)]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             env["PYTHONWARNINGS"] = "ignore"
             subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)

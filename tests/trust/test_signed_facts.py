@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from tests.catalog.test_catalog_roles import _connect, roles  # noqa: F401 (the fixture)
 from tests.serverproc import RegServer, server_env, team_policy
-from tests.test_catalog_roles import _connect, roles  # noqa: F401 (the fixture)
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -1,0 +1,1 @@
+"""The `reg` command (cli/): exit codes, one-line errors, JSON, help, `reg show` as text."""

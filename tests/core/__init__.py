@@ -1,0 +1,1 @@
+"""The basics (registry/core/, registry/text.py): settings, refs, inert text."""

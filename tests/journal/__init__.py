@@ -1,0 +1,1 @@
+"""The decision journal and its replay by `reg catalog rebuild` (registry/journal/)."""

@@ -1,0 +1,2 @@
+"""Operations on the whole registry (registry/operations/): `reg gc`, `reg fsck`, scrubs,
+`reg catalog rebuild`."""

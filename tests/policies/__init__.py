@@ -1,0 +1,1 @@
+"""Pure decision code (policies/): resume rules by key path, the retention planner."""
