@@ -373,6 +373,44 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 _WORKER_SETUP: list[tuple[str, str, str, float]] = []
 
 
+# -- CPU per test: what the suite's time is made of (scripts/test prints the top 25) ------------
+def _cpu_seconds() -> float:
+    """This worker's CPU, with its children that ended (torchrun jobs, servers, and the reg
+    commands its zygote forked)."""
+    import resource
+
+    from tests import zygote
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return cpu + zygote.children_cpu()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    if call.when == "teardown" and _CPU_START in item.stash:
+        spent = _cpu_seconds() - item.stash[_CPU_START]  # set-up (shared builds too) to teardown
+        item.user_properties.append(("cpu_s", round(spent, 3)))
+    yield
+
+
+_CPU_START = pytest.StashKey[float]()
+_TEST_CPU: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                _TEST_CPU[report.nodeid] = float(value)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
     worker = node.gateway.id
@@ -382,6 +420,13 @@ def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     from tests.sharing import SETUP_TIMES
+
+    if _TEST_CPU:
+        terminalreporter.section("the 25 tests with the most CPU (with their processes)")
+        for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{cpu:8.1f}s  {nodeid}")
+        total = sum(_TEST_CPU.values())
+        terminalreporter.write_line(f"{total:8.1f}s  in all, over {len(_TEST_CPU)} tests")
 
     rows = _WORKER_SETUP or [("main", *t) for t in SETUP_TIMES]
     if not rows:

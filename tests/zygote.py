@@ -156,11 +156,12 @@ def serve() -> None:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 4096)
         while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             children.discard(pid)
-            send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            cpu = usage.ru_utime + usage.ru_stime  # the test that ran it is charged (conftest)
+            send({"exit": pid, "code": os.waitstatus_to_exitcode(status), "cpu": cpu})
         if inbox not in ready:
             continue
         data = os.read(inbox, 1 << 16)
@@ -239,6 +240,7 @@ class Zygote:
         self._changed = threading.Condition()
         self._spawned: dict[int, int] = {}
         self._exits: dict[int, int] = {}
+        self.children_cpu = 0.0  # CPU seconds of the children that ended, for the CPU report
         self._next = 0
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
@@ -249,6 +251,7 @@ class Zygote:
             with self._changed:
                 if "exit" in msg:
                     self._exits[msg["exit"]] = msg["code"]
+                    self.children_cpu += msg.get("cpu", 0.0)
                 else:
                     # The zygote reports a child's end before it can fork another with the
                     # same pid: an end recorded for this pid belongs to an earlier child.
@@ -338,9 +341,12 @@ _ZYGOTE: Zygote | None = None
 
 def zygote() -> Zygote:
     """This worker's zygote, started on first use (and again if it died)."""
-    global _ZYGOTE
+    global _ZYGOTE, _CLOSED_CPU
     if _ZYGOTE is None or not _ZYGOTE.alive():
         from tests.sharing import timed
+
+        if _ZYGOTE is not None:  # died: what its children cost still counts
+            _CLOSED_CPU += _ZYGOTE.children_cpu
 
         with timed("reg zygote (per worker)"):
             _ZYGOTE = Zygote()
@@ -402,10 +408,20 @@ class Running:
         self._dir.cleanup()
 
 
+def children_cpu() -> float:
+    """CPU seconds of every child this worker's zygotes ran that has ended (a closed zygote's
+    included)."""
+    return _CLOSED_CPU + (_ZYGOTE.children_cpu if _ZYGOTE is not None else 0.0)
+
+
+_CLOSED_CPU = 0.0
+
+
 def close() -> None:
-    global _ZYGOTE
+    global _ZYGOTE, _CLOSED_CPU
     if _ZYGOTE is not None:
         _ZYGOTE.close()
+        _CLOSED_CPU += _ZYGOTE.children_cpu
         _ZYGOTE = None
 
 
