@@ -12,6 +12,9 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note
+from policies.durations import parse_duration
+from registry.core.refs import split_run
+from registry.errors import RegistryError, UsageError
 
 
 def advise(
@@ -42,7 +45,6 @@ def advise(
     that saves at tier 0 (`local_dir`) also gets each level's figures and the tier-0 interval
     and copy period (`replicate_every`) the two-level model advises."""
     from registry.economics.advise import MAX_GPUS
-    from registry.errors import UsageError
 
     mtbf_s = _mtbf(mtbf) if mtbf is not None else None
     if gpus is not None and not 1 <= gpus <= MAX_GPUS:
@@ -71,9 +73,7 @@ def advise(
 def _mtbf(text: str) -> float:
     """--mtbf: a duration from MIN_MTBF_S to MAX_MTBF_S; the error suggests only what it
     takes."""
-    from policies.durations import parse_duration
     from registry.economics.advise import MAX_MTBF_S, MIN_MTBF_S
-    from registry.errors import UsageError
 
     problem = "--mtbf must be a duration from 1s to 100 years, like '24h', '90m' or '30d'"
     try:
@@ -112,9 +112,6 @@ def restart(
 ) -> None:
     """Announce a planned restart of a run (before stopping the job): `reg advise` does not
     count its next restore as a failure."""
-    from registry.core.refs import split_run
-    from registry.errors import UsageError
-
     if not planned:
         raise UsageError(
             "say --planned: only a planned restart is announced", "reg run restart RUN --planned"
@@ -130,7 +127,6 @@ def restart(
 
 def _plot(out: dict[str, Any], path: Path) -> None:
     from registry.economics.plot import svg
-    from registry.errors import RegistryError
 
     c = out.get("c_eff") or {}
     waste = out.get("waste") or {}

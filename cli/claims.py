@@ -7,6 +7,7 @@ import typer
 
 from cli.common import JSON_OPTION, LAYOUT_OPTION, open_registry, parse_metrics
 from cli.render import emit_json, plural
+from registry.core.timeutil import human_bytes, positive_duration
 
 
 def register(app: typer.Typer) -> None:
@@ -24,8 +25,6 @@ def claim_ckpt(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Claim RUN@stepN for writers on several nodes; prints the claim token they share."""
-    from registry.core.timeutil import positive_duration
-
     lease_s = positive_duration(lease, "--lease", "1h")
     with open_registry() as reg:
         out = reg.claim_checkpoint(run, step, project=project, lease_s=lease_s)
@@ -53,7 +52,6 @@ def commit_ckpt(
     if json_output:
         emit_json(out)
         return
-    from registry.core.timeutil import human_bytes
 
     print(
         f"committed {out.ref}: {plural(len(out.files), 'file')}, {human_bytes(out.bytes)}, "

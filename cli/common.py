@@ -6,6 +6,10 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from registry.api.contract import Registry
+from registry.core.refs import check_name
+from registry.errors import UsageError
+
 if TYPE_CHECKING:
     from registry.api.contract import Registry
 
@@ -26,9 +30,6 @@ STRIP_PREFIX_OPTION = typer.Option(
 
 
 def open_registry() -> Registry:
-    from registry.api.contract import Registry
-    from registry.errors import UsageError
-
     reg = Registry()
     if not reg.settings.remote and reg.settings.store_url.startswith("memory://"):
         raise UsageError(
@@ -40,9 +41,6 @@ def open_registry() -> Registry:
 
 
 def parse_metrics(items: list[str]) -> dict[str, float]:
-    from registry.core.refs import check_name
-    from registry.errors import UsageError
-
     out: dict[str, float] = {}
     for item in items:
         name, sep, value = item.partition("=")

@@ -9,6 +9,7 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note, progress_for, table
+from registry.errors import NotFound, UsageError
 
 keys_app = typer.Typer(
     help="Release signing keys: the server's (or embedded user's) ECDSA P-256 keys.",
@@ -29,8 +30,6 @@ def register(app: typer.Typer) -> None:
 
 def _on_this_host(reg: Any, command: str) -> Any:
     """Key changes run where the private keys are: on the server's host, on its catalog."""
-    from registry.errors import UsageError
-
     if reg.settings.remote:
         raise UsageError(
             f"reg keys {command} runs on the host of reg server, against its catalog (the "
@@ -76,8 +75,6 @@ def public(
     key_id: str | None = typer.Argument(None, help="A key id or prefix (default: the active)."),
 ) -> None:
     """Print a key's PEM public key: what consumers pin to verify releases."""
-    from registry.errors import NotFound, UsageError
-
     with open_registry() as reg:
         rows = reg.signing_keys()
     if key_id is None:

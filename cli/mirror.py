@@ -9,6 +9,8 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json
+from registry.errors import UsageError
+from registry.text import redact_url
 
 mlflow_app = typer.Typer(
     help="The MLflow mirror of runs, checkpoints and releases.", no_args_is_help=True
@@ -84,9 +86,7 @@ def ui(
 ) -> None:
     """Run the MLflow UI and artifact server over the mirror (Ctrl-C or SIGTERM stops it)."""
     from registry.api.local import LocalRegistry
-    from registry.errors import UsageError
     from registry.integrations.mirror.ui import plan_ui, run_ui
-    from registry.text import redact_url
 
     with open_registry() as reg:
         if not isinstance(reg, LocalRegistry):

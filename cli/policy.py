@@ -10,6 +10,7 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note
+from registry.errors import UsageError
 
 policy_app = typer.Typer(
     help="Show, check, apply and export the registry policy.", no_args_is_help=True
@@ -85,8 +86,6 @@ def export(
     ),
 ) -> None:
     """Render the grants as an S3 bucket policy (JSON on stdout)."""
-    from registry.errors import UsageError
-
     if fmt != "s3":
         raise UsageError(f"unknown --format {fmt!r}", "use s3")
     with open_registry() as reg:

@@ -9,6 +9,7 @@ import typer
 from cli.common import JSON_OPTION, LAYOUT_OPTION, STRIP_PREFIX_OPTION, open_registry
 from cli.render import emit_json, note, plural, progress_for, table
 from cli.workflow import show_request
+from registry.errors import UsageError
 
 alias_app = typer.Typer(help="Move release aliases (prod, canary, ...).", no_args_is_help=True)
 
@@ -199,7 +200,6 @@ def pull_release(
 ) -> None:
     """Copy a release out, verifying every file (and with --verify-signature its signature)."""
     from registry.api.offline import read_public_key
-    from registry.errors import UsageError
 
     if verify_signature != (public_key is not None):
         raise UsageError(
@@ -241,7 +241,6 @@ def fetch_release(
     digest and reused after (`$(reg fetch-release NAME@prod)`)."""
     from registry.api.consumers.hf_cache import default_hub_cache
     from registry.api.offline import read_public_key
-    from registry.errors import UsageError
 
     if cache_dir is not None and (hf or hf_cache is not None):
         raise UsageError(

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from registry.text import inert
+
 
 def emit_json(obj: Any) -> None:
     sys.stdout.write(to_json(obj) + "\n")
@@ -60,8 +62,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def note(message: str) -> None:
-    from registry.text import inert
-
     sys.stderr.write(f"reg: {inert(message)}\n")
 
 

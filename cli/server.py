@@ -11,6 +11,9 @@ import typer
 
 from cli.common import JSON_OPTION, open_registry
 from cli.render import emit_json, note, table
+from registry.core.config import LOGIN_FILE, Settings
+from registry.core.timeutil import positive_duration
+from registry.errors import UsageError
 
 server_app = typer.Typer(
     help="Run reg server: the one trusted process of a shared registry "
@@ -67,8 +70,6 @@ def init(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Bootstrap the first admin and print its token once (run on the server's host)."""
-    from registry.core.config import Settings
-    from registry.errors import UsageError
     from registry.server.bootstrap import init_admin
 
     settings = Settings.from_env()
@@ -94,8 +95,6 @@ def token_create(
     json_output: bool = JSON_OPTION,
 ) -> None:
     """Mint a token for PRINCIPAL (admin); it is printed once, only its hash is kept."""
-    from registry.core.timeutil import positive_duration
-
     expires_s = None if expires is None else positive_duration(expires, "--expires", "90d")
     with open_registry() as reg:
         out = reg.create_token(principal, expires_s=expires_s)
@@ -147,7 +146,6 @@ def login(
     """Check a token against URL and keep it under REG_HOME (mode 0600) for the commands that
     run with REG_URL=URL (export it; REG_TOKEN is then not needed)."""
     from registry.api.remote.client import Client
-    from registry.core.config import LOGIN_FILE, Settings
 
     token = sys.stdin.readline().strip() if token_stdin else getpass.getpass("token: ").strip()
     settings = Settings.from_env()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policies import DEFAULT_POLICY_PATH
+from policies.loader import parse_policy
 from registry.errors import PolicyError, UnprovenFact
 
 if TYPE_CHECKING:
@@ -145,8 +146,6 @@ class EffectivePolicy:
     @cached_property
     def rules(self) -> Policy:
         """The whole document, validated (a bad one is a PolicyError naming file:line)."""
-        from policies.loader import parse_policy
-
         return parse_policy(self.text, self.source)
 
     @cached_property

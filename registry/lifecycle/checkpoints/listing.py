@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.core.refs import CheckpointRef, check_name
 from registry.core.timeutil import iso
+from registry.lifecycle.checkpoints.resume_facts import missing_of
 
 if TYPE_CHECKING:
     from registry.lifecycle.context import Context
@@ -84,8 +85,6 @@ def _verdicts(
 ) -> dict[tuple[Any, Any], list[str]]:
     """(key_set_id, layout) -> the required classes it lacks under the policy in force, each
     distinct pair decided once, from the set's heads (resume_facts.missing_of)."""
-    from registry.lifecycle.checkpoints.resume_facts import missing_of
-
     policy = ctx.policy.resume
     sets = {(r[13], r[14], r[15]) for r in rows if r[13] is not None}
     summaries: dict[int, tuple[list[str], list[str], list[str]]] = {}
