@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from registry.api.results.base import Result, results_of
@@ -28,13 +28,16 @@ def delegated(
     result: type[Result] | None = None,
     *,
     many: bool = False,
+    convert: Mapping[str, Callable[[Any], Any]] | None = None,
     **fixed: Any,
 ) -> Callable[Concatenate[Any, P], R]:
     """The method `contract` (a `Registry` method) as a call of `target` ("module:function",
     Context first); `result`: the typed result its JSON is read as (`many`: a list of them;
-    None: answered as it is); `fixed`: keyword arguments the target always gets."""
+    None: answered as it is); `convert`: what an argument is turned into first (a ref's text
+    parsed, a path made a Path); `fixed`: keyword arguments the target always gets."""
+    converters = dict(convert or {})
     signature = inspect.signature(contract)
-    module, _, name = target.partition(":")
+    module, _, function = target.partition(":")
 
     @functools.wraps(contract, updated=())
     def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -45,7 +48,9 @@ def delegated(
         for parameter in signature.parameters.values():
             if parameter.kind is parameter.VAR_KEYWORD:  # **figures travel as they came
                 arguments.update(arguments.pop(parameter.name))
-        operation = getattr(importlib.import_module(module), name)
+        for argument, turn in converters.items():
+            arguments[argument] = turn(arguments[argument])
+        operation = getattr(importlib.import_module(module), function)
         out = operation(self.context, **arguments, **fixed)
         if result is None:
             return out  # type: ignore[no-any-return]
@@ -53,4 +58,5 @@ def delegated(
 
     method.delegates_to = target  # type: ignore[attr-defined]
     method.fixed = fixed  # type: ignore[attr-defined]
+    method.converts = tuple(converters)  # type: ignore[attr-defined]
     return cast("Callable[Concatenate[Any, P], R]", method)

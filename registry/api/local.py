@@ -52,6 +52,7 @@ from registry.core.refs import (
     parse_ref,
     split_run,
 )
+from registry.errors import UsageError
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
@@ -265,14 +266,12 @@ class LocalRegistry(Administration, Registry):
 
         return CheckpointDetails.from_json(read.show(self.context, parsed))
 
-    def pull(
-        self, ref: str | CheckpointRef, dest: str | Path, *, progress: Progress | None = None
-    ) -> CheckpointPulled:
-        from registry.lifecycle.checkpoints.read import pull
-
-        return CheckpointPulled.from_json(
-            pull(self.context, as_checkpoint_ref(ref), Path(dest), progress=progress)
-        )
+    pull = delegated(
+        Registry.pull,
+        "registry.lifecycle.checkpoints.read:pull",
+        CheckpointPulled,
+        convert={"ref": as_checkpoint_ref, "dest": Path},
+    )
 
     def verify(
         self,
@@ -292,8 +291,6 @@ class LocalRegistry(Administration, Registry):
                 )
             )
         if provenance:
-            from registry.errors import UsageError
-
             raise UsageError(
                 "--provenance checks a release's signature", "give a release ref (MODEL:vK)"
             )
@@ -305,17 +302,21 @@ class LocalRegistry(Administration, Registry):
 
     scrub = delegated(Registry.scrub, "registry.operations.scrub:scrub", ScrubReport)
 
-    def pin(self, ref: str | CheckpointRef, reason: str | None = None) -> CheckpointFacts:
-        from registry.lifecycle.checkpoints.read import set_pin
+    pin = delegated(
+        Registry.pin,
+        "registry.lifecycle.checkpoints.read:set_pin",
+        CheckpointFacts,
+        convert={"ref": as_checkpoint_ref},
+        pinned=True,
+    )
 
-        return CheckpointFacts.from_json(
-            set_pin(self.context, as_checkpoint_ref(ref), True, reason)
-        )
-
-    def unpin(self, ref: str | CheckpointRef) -> CheckpointFacts:
-        from registry.lifecycle.checkpoints.read import set_pin
-
-        return CheckpointFacts.from_json(set_pin(self.context, as_checkpoint_ref(ref), False))
+    unpin = delegated(
+        Registry.unpin,
+        "registry.lifecycle.checkpoints.read:set_pin",
+        CheckpointFacts,
+        convert={"ref": as_checkpoint_ref},
+        pinned=False,
+    )
 
     def finish_run(
         self, run: str, *, project: str | None = None, status: str = "finished"
@@ -390,25 +391,12 @@ class LocalRegistry(Administration, Registry):
         Registry.releases, "registry.lifecycle.releases:list_releases", ReleaseSummary, many=True
     )
 
-    def pull_release(
-        self,
-        ref: str | ReleaseRef,
-        dest: str | Path,
-        *,
-        public_key: str | None = None,
-        progress: Progress | None = None,
-    ) -> ReleasePulled:
-        from registry.lifecycle.releases import pull
-
-        return ReleasePulled.from_json(
-            pull(
-                self.context,
-                as_release_ref(ref),
-                Path(dest),
-                public_key=public_key,
-                progress=progress,
-            )
-        )
+    pull_release = delegated(
+        Registry.pull_release,
+        "registry.lifecycle.releases:pull",
+        ReleasePulled,
+        convert={"ref": as_release_ref, "dest": Path},
+    )
 
     def fetch_release(
         self,
@@ -474,17 +462,18 @@ class LocalRegistry(Administration, Registry):
         WebhooksDelivered,
     )
 
-    def deprecate(self, ref: str | ReleaseRef, reason: str | None = None) -> ReleaseStatusChanged:
-        from registry.catalog.models import DEPRECATED
-        from registry.lifecycle.releases import set_status
+    deprecate = delegated(
+        Registry.deprecate,
+        "registry.lifecycle.releases:set_status",
+        ReleaseStatusChanged,
+        convert={"ref": as_release_ref},
+        status="deprecated",
+    )
 
-        changed = set_status(self.context, as_release_ref(ref), DEPRECATED, reason)
-        return ReleaseStatusChanged.from_json(changed)
-
-    def yank(self, ref: str | ReleaseRef, reason: str) -> ReleaseStatusChanged:
-        from registry.catalog.models import YANKED
-        from registry.lifecycle.releases import set_status
-
-        return ReleaseStatusChanged.from_json(
-            set_status(self.context, as_release_ref(ref), YANKED, reason)
-        )
+    yank = delegated(
+        Registry.yank,
+        "registry.lifecycle.releases:set_status",
+        ReleaseStatusChanged,
+        convert={"ref": as_release_ref},
+        status="yanked",
+    )

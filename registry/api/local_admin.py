@@ -34,14 +34,13 @@ from registry.api.results import (
     TokenRevoked,
     results_of,
 )
-from registry.core.refs import ReleaseRef, as_release_ref
+from registry.core.refs import as_release_ref
 from registry.errors import UsageError
 from registry.text import redact_url
 
 if TYPE_CHECKING:
     from registry.catalog.engine import Catalog
     from registry.core.config import Settings
-    from registry.core.progress import Progress
     from registry.lifecycle.context import Context
 
 
@@ -130,12 +129,12 @@ class Administration:
 
         return SigningKeyInfo.from_json(keys.create(self.context, retire_active=rotate).to_json())
 
-    def sign_release(
-        self, ref: str | ReleaseRef, *, progress: Progress | None = None
-    ) -> ReleaseSigned:
-        from registry.lifecycle.late_signing import sign_release
-
-        return ReleaseSigned.from_json(sign_release(self.context, as_release_ref(ref), progress))
+    sign_release = delegated(
+        Registry.sign_release,
+        "registry.lifecycle.late_signing:sign_release",
+        ReleaseSigned,
+        convert={"ref": as_release_ref},
+    )
 
     def change_signing_key(
         self, key_id: str, event: str, reason: str | None = None

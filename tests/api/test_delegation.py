@@ -26,7 +26,9 @@ def _derived() -> dict[str, object]:
 
 def test_the_derived_methods_have_the_contract_signature_and_a_target_that_takes_it():
     derived = _derived()
-    assert {"gc", "fsck", "list_checkpoints", "releases", "audit_log"} <= set(derived)
+    assert {"gc", "fsck", "list_checkpoints", "releases", "audit_log", "pull", "yank"} <= set(
+        derived
+    )
     for name, method in derived.items():
         contract = getattr(Registry, name)
         assert inspect.signature(method) == inspect.signature(contract), name
@@ -37,6 +39,7 @@ def test_the_derived_methods_have_the_contract_signature_and_a_target_that_takes
         assert params[0].name in ("ctx", "context"), (name, params[0])
         takes = {p.name for p in params[1:] if p.kind is not p.VAR_POSITIONAL}
         wanted = [p for p in inspect.signature(contract).parameters if p != "self"]
+        assert set(method.converts) <= set(wanted), name  # type: ignore[attr-defined]
         wanted += list(method.fixed)  # type: ignore[attr-defined]
         assert set(wanted) <= takes, (name, method.delegates_to, set(wanted) - takes)
 
