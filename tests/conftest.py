@@ -14,6 +14,7 @@ cost.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import uuid
 from pathlib import Path
@@ -377,8 +378,6 @@ _WORKER_SETUP: list[tuple[str, str, str, float]] = []
 def _cpu_seconds() -> float:
     """This worker's CPU, with its children that ended (torchrun jobs, servers, and the reg
     commands its zygote forked)."""
-    import resource
-
     from tests import zygote
 
     own = resource.getrusage(resource.RUSAGE_SELF)

@@ -4,8 +4,9 @@ It builds a `Context` from local settings and delegates every call to the lifecy
 access checks live there, in the library, not in the CLI. The catalog and the store are opened
 lazily, so a command pays only for what it touches; the Context is built on first use and
 rebuilt after `apply_policy`. The lifecycle functions answer in JSON, which each method hands
-back as the contract's typed result (`registry.api.results`). Each method means what the contract
-(`registry.api.contract.Registry`) documents.
+back as the contract's typed result (`registry.api.results`). Where an operation takes the
+contract's own parameters the method is derived (`delegation.py`); the rest build their
+arguments here. Each method means what the contract (`registry.api.contract.Registry`) documents.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from registry.core.refs import (
     CheckpointRef,
     ReleaseRef,
     as_checkpoint_ref,
+    as_ref,
     as_release_ref,
-    parse_ref,
     split_run,
 )
 from registry.errors import UsageError
@@ -257,7 +258,7 @@ class LocalRegistry(Administration, Registry):
     )
 
     def show(self, ref: str | CheckpointRef | ReleaseRef) -> CheckpointDetails | ReleaseDetails:
-        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        parsed = as_ref(ref)
         if isinstance(parsed, ReleaseRef):
             from registry.lifecycle import releases
 
@@ -281,7 +282,7 @@ class LocalRegistry(Administration, Registry):
         provenance: bool = False,
         progress: Progress | None = None,
     ) -> VerifyReport:
-        parsed = parse_ref(ref) if isinstance(ref, str) else ref
+        parsed = as_ref(ref)
         if isinstance(parsed, ReleaseRef):
             from registry.lifecycle import releases
 

@@ -172,6 +172,11 @@ def split_run(text: str, project: str | None = None) -> tuple[str, str]:
     return project or "default", text
 
 
+def as_ref(ref: str | Ref) -> Ref:
+    """`ref` parsed by its shape, or as given when it is parsed already."""
+    return parse_ref(ref) if isinstance(ref, str) else ref
+
+
 def as_checkpoint_ref(ref: str | CheckpointRef) -> CheckpointRef:
     """`ref` parsed, or as given when it is parsed already."""
     return parse_checkpoint_ref(ref) if isinstance(ref, str) else ref

@@ -200,9 +200,3 @@ def acquire(ctx: Context) -> str:
 def gc_lease(ctx: Context) -> AbstractContextManager[None]:
     """Hold the GC lease (renewed) for a `with` block: a GC, or a repair that deletes."""
     return leases.renewed(ctx.catalog, GC_LEASE, acquire(ctx), GC_LEASE_SECONDS)
-
-
-def log_key(ctx: Context) -> bytes | None:
-    """The key the signed audit log is checked with: behind the server only (an embedded
-    registry's catalog is its owner's own)."""
-    return ctx.audit_key if ctx.server else None

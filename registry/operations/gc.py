@@ -36,9 +36,8 @@ from registry.core.refs import CheckpointRef
 from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.journal import outbox as events
-from registry.lifecycle import retention
 from registry.lifecycle.checkpoints.tiers import held_copies
-from registry.lifecycle.retention import current_protections, log_key, retention_records
+from registry.lifecycle.retention import current_protections, gc_lease, retention_records
 from registry.trust import signed_facts
 
 if TYPE_CHECKING:
@@ -50,10 +49,16 @@ BATCH = 200
 # -- the run ------------------------------------------------------------------------------------
 
 
+def _log_key(ctx: Context) -> bytes | None:
+    """The key the signed audit log is checked with: behind the server only (an embedded
+    registry's catalog is its owner's own)."""
+    return ctx.audit_key if ctx.server else None
+
+
 def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     ctx.authorize(Action.GC, target="retention")
     with ctx.catalog.session() as s:
-        records, protections = retention_records(s, key=log_key(ctx))
+        records, protections = retention_records(s, key=_log_key(ctx))
     decisions = plan(records, ctx.policy.retention, now(), protections)
     out: dict[str, Any] = {
         "applied": not dry_run,
@@ -70,7 +75,7 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
         out["freed_bytes"] = sum(d["bytes"] for d in out["decisions"] if d["action"] == DELETE)
         return out
     where = {r.id: r for r in records}
-    with retention.gc_lease(ctx):
+    with gc_lease(ctx):
         freed = finish_interrupted(ctx, out["errors"])
         doomed = [d for d in decisions if d.action == DELETE]
         for start in range(0, len(doomed), BATCH):
@@ -100,7 +105,7 @@ def _note_skip(out: dict[str, Any], ref: str) -> None:
 def _mark_deleting(ctx: Context, batch: list[Decision], errors: list[str]) -> set[int]:
     """Mark a batch `deleting`, skipping any that became protected since planning, and, behind
     the server, any the signed audit log protects whatever its row says (an error names it)."""
-    key = log_key(ctx)
+    key = _log_key(ctx)
     with ctx.catalog.session(write=True) as s:
         protections = current_protections(s, key)
         logged: dict[str, str] = {}
