@@ -143,6 +143,9 @@ def test_checkpoints(registry: Registry, ckpts: Ckpts, tmp_path: Path) -> None:
     assert malformed.value.exit_code == 2
     with pytest.raises(UsageError):
         registry.push_checkpoint(tmp_path / "nothing", run="r", step=6)
+    with pytest.raises(MalformedRef):
+        registry.pull("r@latest/../x", tmp_path / "nowhere")
+    assert not (tmp_path / "nowhere").exists()
     assert [c.ref for c in registry.list_checkpoints("r")] == ["r@step2", "r@step4"]
 
 
@@ -154,6 +157,10 @@ def test_pins_and_runs(registry: Registry, ckpts: Ckpts) -> None:
     assert not registry.unpin("r@step2").pinned
     with pytest.raises(NotFound):
         registry.pin("r@step8")
+    for bad in ("r@stepX", "../r@step2", "r@step2@step2"):  # a derived method parses it first
+        with pytest.raises(MalformedRef) as malformed:
+            registry.pin(bad)
+        assert malformed.value.exit_code == 2 and "\n" not in str(malformed.value)
 
     beat = registry.heartbeat("r", step=2, seconds=5.0, step_seconds=0.5)
     assert isinstance(beat, results.HeartbeatRecorded)
