@@ -42,13 +42,14 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
-    """Real FSDP2 checkpoints: ws2 (steps 2, 4) and ws3 (step 3), with full weights beside."""
+    """Real FSDP2 checkpoints: ws2 (steps 2, 4) and ws3 (step 3), with full weights beside.
+    Written under real `torchrun` (the other jobs fork their ranks: tests/forkrun.py)."""
     return build_once(
         tmp_path_factory,
         "ckpts",
         lambda base: Ckpts(
-            ws2=train(base / "ws2", nproc=2, steps=4, every=2),
-            ws3=train(base / "ws3", nproc=3, steps=3, every=3),
+            ws2=train(base / "ws2", nproc=2, steps=4, every=2, real=True),
+            ws3=train(base / "ws3", nproc=3, steps=3, every=3, real=True),
         ),
     )
 

@@ -67,9 +67,12 @@ def train(
     every: int,
     extra: tuple[str, ...] = (),
     env_extra: dict[str, str] | None = None,
+    real: bool = False,
 ) -> Trained:
     args = ["--out", str(out), "--steps", str(steps), "--every", str(every), "--full-weights"]
-    torchrun("examples.train_tiny", nproc, [*args, *extra], clean=out, env_extra=env_extra)
+    torchrun(
+        "examples.train_tiny", nproc, [*args, *extra], clean=out, env_extra=env_extra, real=real
+    )
     saved = sorted({s for s in range(1, steps + 1) if s % every == 0 or s == steps})
     return Trained(out, nproc, saved)
 
@@ -85,30 +88,25 @@ def torchrun(
     attempts: int = 3,
     timeout: float = 150,
     killed: bool = False,
+    real: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m <module>` on nproc gloo processes under torchrun, retried from scratch.
+    """Run `python -m <module>` on nproc gloo processes, retried from scratch: forked from this
+    worker's warm zygote by tests/forkrun.py (torch imported once, not once per rank), or under
+    real `torchrun` when `real` or REG_TEST_TORCHRUN=1.
 
     gloo on a 2-core machine now and then aborts a rank during start-up, or (seen in CI) hangs
     a collective forever: each attempt has its own time limit (150 s: the longest job here
     takes about 30 s on a loaded machine), after which the whole process
-    group (torchrun and its workers) is killed, and the next attempt starts on a clean `clean`
+    group (the launcher and its ranks) is killed, and the next attempt starts on a clean `clean`
     directory. `keep`: a directory (say REG_HOME, with a SQLite catalog) every attempt starts
     from as it was before the first, so a job that committed its work and then aborted in
     gloo's teardown is retried from the same state, not resumed from its own checkpoints.
     A persistent failure raises with the last attempt's stderr. `killed`: the job
     is meant to SIGKILL itself; that, and only that, ends it (every rank killed, none failed
     otherwise)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        module,
-        *args,
-    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    real = real or os.environ.get("REG_TEST_TORCHRUN") == "1"
+    launch = _torchrun if real else _forkrun
     why = ""
     kept = None
     if keep is not None:
@@ -123,7 +121,7 @@ def torchrun(
                 shutil.rmtree(keep, ignore_errors=True)
                 if kept.exists():
                     shutil.copytree(kept, keep, symlinks=True)
-            done, why = _attempt(cmd, env, attempt, timeout, killed, nproc)
+            done, why = _judge(*launch(module, nproc, args, env, timeout), attempt, killed, nproc)
             if done is not None:
                 return done
             sys.stderr.write(f"{module}: {why}\n")
@@ -133,10 +131,36 @@ def torchrun(
     raise RuntimeError(f"{module} on {nproc} ranks: {why}")
 
 
-def _attempt(
-    cmd: list[str], env: dict[str, str], attempt: int, timeout: float, killed: bool, nproc: int
-) -> tuple[subprocess.CompletedProcess[str] | None, str]:
-    """One torchrun: its result when it ended as meant, or None and why not."""
+# One launch: (its command, exit code or None when it hung and was killed, stdout, stderr).
+Launched = tuple[list[str], int | None, str, str]
+
+
+def _forkrun(
+    module: str, nproc: int, args: list[str], env: dict[str, str], timeout: float
+) -> Launched:
+    from tests.zygote import zygote
+
+    argv = ["--nproc", str(nproc), "-m", module, *args]
+    with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        child = zygote().spawn(
+            argv, env=env, cwd=ROOT, stdout=out, stderr=err, new_session=True,
+            module="tests.forkrun",
+        )  # fmt: skip
+        try:
+            code: int | None = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(child.pid)
+            child.wait(30)
+            code = None
+        return child.args, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def _torchrun(
+    module: str, nproc: int, args: list[str], env: dict[str, str], timeout: float
+) -> Launched:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", module, *args]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -151,24 +175,36 @@ def _attempt(
     except subprocess.TimeoutExpired:
         # torchrun starts its workers in sessions of their own: kill them by ancestry, or
         # one would keep the output pipes open and the read below would wait forever.
-        for pid in [*_descendants(proc.pid), proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = "", "(its output could not be read)"
-        why = f"attempt {attempt} hung for {timeout:.0f} s and was killed:\n{err[-2000:]}"
-    else:
-        if killed and proc.returncode != 0 and _all_killed(err, nproc):
-            return subprocess.CompletedProcess(cmd, proc.returncode, out, err), ""
-        if proc.returncode == 0 and not killed:
-            return subprocess.CompletedProcess(cmd, 0, out, err), ""
-        why = f"attempt {attempt} failed ({proc.returncode}):\n{err[-3000:]}"
-    return None, why
+        return cmd, None, out, err
+    return cmd, proc.returncode, out, err
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, everything below it and its process group."""
+    for victim in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _judge(
+    cmd: list[str], code: int | None, out: str, err: str, attempt: int, killed: bool, nproc: int
+) -> tuple[subprocess.CompletedProcess[str] | None, str]:
+    """The launch's result when it ended as meant, or None and why not."""
+    if code is None:
+        return None, f"attempt {attempt} hung and was killed:\n{err[-2000:]}"
+    if killed and code != 0 and _all_killed(err, nproc):
+        return subprocess.CompletedProcess(cmd, code, out, err), ""
+    if code == 0 and not killed:
+        return subprocess.CompletedProcess(cmd, 0, out, err), ""
+    return None, f"attempt {attempt} failed ({code}):\n{err[-3000:]}"
 
 
 def _descendants(root: int) -> list[int]:
@@ -192,7 +228,8 @@ def _descendants(root: int) -> list[int]:
 
 
 def _all_killed(stderr: str, nproc: int) -> bool:
-    """torchrun's failure report lists every rank, each with exit code -9 (SIGKILL)."""
+    """The launcher's failure report (torchrun's, or forkrun's in its shape) lists every rank,
+    each with exit code -9 (SIGKILL)."""
     codes = re.findall(r"exitcode\s+:\s*(-?\d+)", stderr)  # the per-rank table
     return len(codes) == nproc and set(codes) == {"-9"}
 

@@ -15,8 +15,11 @@ it does not do again is import. No thread runs in the zygote when it forks (chec
 What must still run in a fresh interpreter (start-up itself: `python -X importtime`, an
 environment read before `main()` runs) uses `subprocess` directly.
 
+A request may name a module instead: the child runs it as `python -m module argv...` would
+(tests/forkrun.py, the tests' torchrun, is one).
+
 Protocol: the worker writes one JSON request per line to the zygote's stdin (`spawn`: argv,
-env, cwd, stdin/stdout/stderr paths, new_session) and reads JSON lines back: `{"ready": pid}`
+env, cwd, stdin/stdout/stderr paths, new_session, module) and reads JSON lines back: `{"ready": pid}`
 once, `{"id", "pid"}` per spawn, `{"exit": pid, "code"}` when a child ends (the code as
 `subprocess` gives it: negative for a signal). On EOF the zygote terminates what it started.
 """
@@ -82,6 +85,23 @@ def _warm() -> None:
         raise SystemExit(f"tests.zygote: threads running after the imports: {threads}")
 
 
+def _as_started(env: dict[str, str]) -> None:
+    """What a fresh interpreter takes from its environment at start-up and the zygote took
+    from its own: torch's thread count (OMP_NUM_THREADS, read when torch loads) and the
+    warning filters (PYTHONWARNINGS)."""
+    import warnings
+
+    import torch
+
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    for spec in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
+        action = spec.split(":", 1)[0].strip()
+        if action in ("ignore", "error", "always", "default", "module", "once"):
+            warnings.simplefilter(action)  # type: ignore[arg-type]
+
+
 def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
     """In the forked child: become the command, run it, never return."""
     code = 1
@@ -106,6 +126,14 @@ def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         tempfile.tempdir = None  # TMPDIR is the test's now
+        _as_started(req["env"])
+        if req.get("module"):  # `python -m module argv...`
+            import runpy
+
+            sys.argv = [req["module"], *req["argv"]]
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            code = 0
+            return
         sys.argv = ["reg", *req["argv"]]
         from cli.main import main
 
@@ -274,7 +302,9 @@ class Zygote:
         stderr: Path,
         stdin: Path | None = None,
         new_session: bool = False,
+        module: str | None = None,
     ) -> Child:
+        """Fork `reg argv...` (or `python -m module argv...`) in the test's environment."""
         with self._lock:
             self._next += 1
             rid = self._next
@@ -287,6 +317,7 @@ class Zygote:
                 "stdout": str(stdout),
                 "stderr": str(stderr),
                 "new_session": new_session,
+                "module": module,
             }
             self._in.write((json.dumps(req) + "\n").encode())
             self._in.flush()
@@ -296,7 +327,7 @@ class Zygote:
             if rid not in self._spawned:
                 raise RuntimeError("tests.zygote ended")
             pid = self._spawned.pop(rid)
-        return Child(self, pid, ["reg", *argv])
+        return Child(self, pid, [module or "reg", *argv])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         """The child's exit code once it ended (taken: a later child may reuse the pid)."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from registry.lifecycle.context import Context
 
 
-IN_FORCE_WAIT_S = 5.0  # how long an apply waits for a concurrent sealer's anchor
+IN_FORCE_WAIT_S = 30.0  # how long an apply waits for a concurrent sealer's seal and anchor (a loaded host)
 
 
 def check(path: Path) -> Policy:
