@@ -19,9 +19,10 @@ A request may name a module instead: the child runs it as `python -m module argv
 (tests/forkrun.py, the tests' torchrun, is one).
 
 Protocol: the worker writes one JSON request per line to the zygote's stdin (`spawn`: argv,
-env, cwd, stdin/stdout/stderr paths, new_session, module) and reads JSON lines back: `{"ready": pid}`
-once, `{"id", "pid"}` per spawn, `{"exit": pid, "code"}` when a child ends (the code as
-`subprocess` gives it: negative for a signal). On EOF the zygote terminates what it started.
+env, cwd, stdin/stdout/stderr paths, new_session, module) and reads JSON lines back:
+`{"ready": pid}` once, `{"id", "pid"}` per spawn, `{"exit": pid, "code"}` when a child ends
+(the code as `subprocess` gives it: negative for a signal). On EOF the zygote terminates
+what it started.
 """
 
 from __future__ import annotations

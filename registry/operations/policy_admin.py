@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from registry.lifecycle.context import Context
 
 
-IN_FORCE_WAIT_S = 30.0  # how long an apply waits for a concurrent sealer's seal and anchor (a loaded host)
+# How long an apply waits for a concurrent sealer's seal and anchor (a loaded host's minutes).
+IN_FORCE_WAIT_S = 30.0
 
 
 def check(path: Path) -> Policy:
