@@ -427,6 +427,14 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
             terminalreporter.write_line(f"{cpu:8.1f}s  {nodeid}")
         total = sum(_TEST_CPU.values())
         terminalreporter.write_line(f"{total:8.1f}s  in all, over {len(_TEST_CPU)} tests")
+        # The many small tests add up too: the files with the most CPU, their tests summed.
+        by_file: dict[str, list[float]] = {}
+        for nodeid, cpu in _TEST_CPU.items():
+            by_file.setdefault(nodeid.split("::", 1)[0], []).append(cpu)
+        if len(by_file) > 1:
+            terminalreporter.section("the 15 test files with the most CPU")
+            for name, cpus in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
+                terminalreporter.write_line(f"{sum(cpus):8.1f}s  {name} ({len(cpus)} tests)")
 
     rows = _WORKER_SETUP or [("main", *t) for t in SETUP_TIMES]
     if not rows:
