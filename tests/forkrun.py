@@ -7,9 +7,9 @@ torchrun starts a fresh interpreter per rank, and each pays 2-3 CPU seconds (mor
 DeepSpeed or transformers) importing what the job's first line needs before gloo connects; the
 suite runs dozens of such jobs on CI's two cores. Here the launcher (forked from this worker's
 warm zygote, tests/zygote.py, with torch, DCP and the registry already imported) imports the
-job's module once, then forks one process per rank. Each rank is a process of its own with its
-own gloo connection, TCPStore (rank 0 hosts it, as torchrun's ranks do without an agent store),
-pid, signals and exit code, in the environment torchrun gives its workers (RANK, LOCAL_RANK,
+job's module once, then forks one process per rank. Each rank is a process of its own, with
+its own gloo connection to the launcher's TCPStore (hosted as torchrun's agent hosts it), pid,
+signals and exit code, in the environment torchrun gives its workers (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), and
 runs the module as `__main__`. What differs is only that no rank imports again.
 
@@ -28,28 +28,34 @@ import contextlib
 import importlib
 import os
 import runpy
+import select
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
+from datetime import timedelta
 
 GRACE_S = 2.0  # how long the other ranks may take to end on their own after one failed
+PORT_WAIT_S = 60.0  # how long a rank waits for the launcher's store to be up
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank(module: str, args: list[str], rank: int) -> None:
-    """In a forked rank: become the module, never return."""
+def _rank(module: str, args: list[str], rank: int, port_in: int) -> None:
+    """In a forked rank: learn the store's port, become the module, never return."""
     code = 1
     try:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank))
+        ready, _, _ = select.select([port_in], [], [], PORT_WAIT_S)
+        port = os.read(port_in, 16).decode().strip() if ready else ""
+        if not port.isdigit():
+            raise RuntimeError(f"forkrun: no store port from the launcher in {PORT_WAIT_S:.0f} s")
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            MASTER_PORT=port,
+        )
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc, module, args = int(argv[1]), argv[3], argv[4:]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the ranks are clients of the launcher's store
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
         GROUP_WORLD_SIZE="1",
@@ -125,12 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
+    ports: list[int] = []
     for rank in range(nproc):
+        port_in, port_out = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _rank(module, args, rank)
+            os.close(port_out)
+            _rank(module, args, rank, port_in)
+        os.close(port_in)
         pids[pid] = rank
+        ports.append(port_out)
     try:
+        # The store, as torchrun's agent hosts it: bound to a port of its own choosing (a port
+        # picked free and handed on could be taken meanwhile, or by another job's rank 0), and
+        # started after the forks (its server thread is not copied into a rank).
+        from torch.distributed import TCPStore
+
+        timeout = timedelta(seconds=300)
+        store = TCPStore("127.0.0.1", 0, nproc, True, timeout, wait_for_workers=False)
+        for out in ports:
+            os.write(out, f"{store.port}\n".encode())
+            os.close(out)
         codes = _wait(pids)
     except BaseException:
         _signal_left(pids, {}, signal.SIGKILL)
