@@ -195,22 +195,29 @@ def load(data: bytes, *, kind: str = TORCH) -> Any:
         raise Unreadable(f"it does not load ({type(exc).__name__})") from None
 
 
-# torch's `safe_globals` sets one process-wide list (its exit restores what it found): two
-# threads inside it at once would clear each other's. Loads that allow globals take turns; a
-# plain load meanwhile may also accept numpy arrays, which every pickle reg hands to torch has
-# been checked to hold only as plain numbers (torch_archive: `_numpy_state`).
+# torch keeps one process-wide list of the globals `weights_only=True` allows beyond its own,
+# and libraries widen it when imported (megatron.core, torchtitan and peft add
+# argparse.Namespace and more; lightning ten others). reg's loads allow exactly their own list:
+# each swaps it in for the load and puts back what it found, one load at a time (a plain load
+# of torch's elsewhere in the process meanwhile allows at most reg's list, never more).
 _SAFE_GLOBALS = threading.Lock()
 
 
 def torch_load(data: bytes, allowed: list[Any]) -> Any:
-    """`torch.load(weights_only=True)` of `data`, with the globals `allowed` (numpy's, for an
-    RNG state's arrays) allowed for this load."""
+    """`torch.load(weights_only=True)` of `data` with exactly the globals `allowed` (numpy's,
+    for an RNG state's arrays) beyond torch's own, whatever the process imported."""
     import torch
 
-    if not allowed:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    with _SAFE_GLOBALS, torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    serialization = torch.serialization
+    with _SAFE_GLOBALS:
+        found = serialization.get_safe_globals()
+        serialization.clear_safe_globals()
+        try:
+            serialization.add_safe_globals(allowed)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        finally:
+            serialization.clear_safe_globals()
+            serialization.add_safe_globals(found)
 
 
 def load_json(data: bytes) -> Any:

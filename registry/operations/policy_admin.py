@@ -32,8 +32,7 @@ if TYPE_CHECKING:
     from registry.lifecycle.context import Context
 
 
-# How long an apply waits for a concurrent sealer's seal and anchor (a loaded host's minutes).
-IN_FORCE_WAIT_S = 30.0
+IN_FORCE_WAIT_S = 10.0  # how long an apply waits for a concurrent sealer's anchor
 
 
 def check(path: Path) -> Policy:

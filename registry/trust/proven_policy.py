@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,13 @@ class InForce:
 @dataclass
 class _Cache:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    entries: dict[str, tuple[tuple[Any, ...], int, InForce]] = field(default_factory=dict)
+    # catalog -> (stamp, seal head, answer, when it was proven)
+    entries: dict[str, tuple[tuple[Any, ...], int, InForce, float]] = field(default_factory=dict)
+
+
+# While an apply waits for its seal or anchor, the answer is proven again at most this often:
+# an anchor is written to the store, where the catalog's stamp cannot see it.
+PENDING_RECHECK_S = 0.5
 
 
 _CACHE = _Cache()
@@ -88,15 +95,18 @@ _STAMP = (
 
 def in_force(catalog: Catalog, store: BaseStore, key: bytes) -> InForce:
     """The policy in force, proven; cached per process until a policy event, row or signature
-    changes (or, while a newer apply waits to be sealed and anchored, a seal)."""
+    changes. While a newer apply waits to be sealed and anchored, until a seal or for
+    PENDING_RECHECK_S: its anchor lands in the store, which the stamp does not cover."""
     with catalog.session() as s:
         row = s.connection().execute(text(_STAMP)).one()
     stamp, head = tuple(row[:4]), int(row[4] or 0)
     name = catalog.describe()
     with _CACHE.lock:
         cached = _CACHE.entries.get(name)
-    if cached is not None and cached[0] == stamp and (not cached[2].pending or cached[1] == head):
-        return cached[2]
+    if cached is not None and cached[0] == stamp:
+        waiting = cached[2].pending
+        if not waiting or (cached[1] == head and time.monotonic() - cached[3] < PENDING_RECHECK_S):
+            return cached[2]
     with catalog.session() as s:
         found = prove(s, store, key)
     for line in found.ignored:
@@ -104,7 +114,7 @@ def in_force(catalog: Catalog, store: BaseStore, key: bytes) -> InForce:
     if found.error is not None:
         _log_once(found.error.message)
     with _CACHE.lock:
-        _CACHE.entries[name] = (stamp, head, found)
+        _CACHE.entries[name] = (stamp, head, found, time.monotonic())
     return found
 
 

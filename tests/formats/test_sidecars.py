@@ -87,6 +87,27 @@ def test_a_meta_pt_weights_only_refuses_is_present_but_unread() -> None:
     )
 
 
+def test_a_library_that_widens_torchs_allowlist_widens_nothing_reg_reads() -> None:
+    """Imported, megatron.core, torchtitan and peft add argparse.Namespace (and more) to the
+    process-wide list of globals torch's weights_only loader allows: reg's loads allow exactly
+    their own list all the same, and leave the process's as they found it."""
+    import torch.serialization as serialization
+
+    before = serialization.get_safe_globals()
+    serialization.add_safe_globals([argparse.Namespace])  # what `import megatron.core` does
+    try:
+        widened = sorted(map(repr, serialization.get_safe_globals()))
+        meta = lightning_meta(hyper_parameters=argparse.Namespace(lr=0.1))
+        assert entries_of({"meta.pt": saved(meta)}) == [
+            "meta.pt",
+            "meta.pt!torch.load(weights_only=True) refuses argparse.Namespace",
+        ]
+        assert sorted(map(repr, serialization.get_safe_globals())) == widened
+    finally:
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals(before)
+
+
 def test_a_crafted_sidecar_runs_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
 

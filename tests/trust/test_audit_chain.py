@@ -674,6 +674,35 @@ def test_sealed_but_unanchored_past_the_bound_is_anchor_stale(sealed, cli):
     assert out["newest_anchor"]["seq"] == 5, out
 
 
+def test_a_policy_apply_anchored_after_its_seal_is_in_force_once_anchored(
+    sealed, tmp_path, monkeypatch
+):
+    """A server's sealer seals an apply event and writes the anchor a moment later. Asked in
+    between, the answer is "not anchored yet"; asked once the anchor is in the store, with no
+    newer seal, the policy is in force (a "not yet" remembered from before is not the answer:
+    it kept an apply waiting out its whole bound, and failing, until the sealer's next seal)."""
+    from registry.operations import policy_admin
+    from registry.trust.audit_chain import anchors
+    from registry.trust.audit_chain.sealer import anchor_head, seal_pending
+    from registry.trust.proven_policy import PENDING_RECHECK_S, in_force
+
+    key = keys.read(_key_path())
+    path = tmp_path / "policy.toml"
+    path.write_text("[retention]\nkeep_last = 3\n")
+    monkeypatch.setattr(policy_admin, "_in_force_now", lambda ctx, version: None)  # the sealer's
+    version = sealed.apply_policy(path)["version"]
+    assert seal_pending(sealed.catalog, key).sealed >= 1  # sealed, not anchored
+    waiting = in_force(sealed.catalog, sealed.store, key)
+    assert waiting.version != version and waiting.pending
+    assert any(line.endswith("not anchored yet") for line in waiting.ignored), waiting.ignored
+    with sealed.catalog.session() as s:
+        head = anchor_head(s)
+    assert head is not None
+    assert anchors.write(sealed.store, key, head)["existing"] is False
+    time.sleep(PENDING_RECHECK_S)
+    assert in_force(sealed.catalog, sealed.store, key).version == version
+
+
 def test_a_late_event_with_an_old_ts_is_sealed_by_the_periodic_full_scan(sealed, cli):
     """A routine cycle re-looks below the head only at the last 15 minutes; an event with a
     low id and a ts older than that (a replica's clock behind, a transaction held open) is
