@@ -64,6 +64,11 @@ def main() -> None:
     )
     parser.add_argument("--local-dir", type=Path, help="save at tier 0 under DIR/<node> first")
     parser.add_argument("--nodes", type=int, default=1, help="simulated nodes (with --local-dir)")
+    parser.add_argument(
+        "--local-dir-per-rank",
+        action="store_true",
+        help="the slip CheckpointManager refuses: DIR/rank<r> for each rank of one node",
+    )
     parser.add_argument("--replicate-rate", type=float, help="replication bytes/s")
     parser.add_argument("--kill-after-tier0", type=int, help="SIGKILL once step K is at tier 0")
     args = parser.parse_args()
@@ -81,7 +86,9 @@ def main() -> None:
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tier: dict[str, object] = {}
-    if args.local_dir is not None:
+    if args.local_dir is not None and args.local_dir_per_rank:
+        tier = {"local_dir": args.local_dir / f"rank{rank}"}  # node_id: the host, for every rank
+    elif args.local_dir is not None:
         node = f"node{rank * args.nodes // dist.get_world_size()}"
         tier = {
             "local_dir": args.local_dir / node,

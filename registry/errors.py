@@ -119,3 +119,10 @@ class ValidationFailed(RegistryError):
 
 class GateNotMet(RegistryError):
     exit_code = 1
+
+
+class Unfinished(RegistryError):
+    """A bounded wait ended with the work still running (a training job's `close()` or
+    `wait(timeout=...)`): the message names what, and what it waits for."""
+
+    exit_code = 1

@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from registry.api.contract import Registry
 from registry.core.refs import CheckpointRef, check_name
 from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
-from registry.errors import NotFound, RegistryError
+from registry.errors import NotFound, RegistryError, Unfinished, UsageError
 from registry.formats.dcp_load import SafeLoadPlanner
 from registry.training import ranks
 from registry.training.backends import Backend, backend_for
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 
 HEARTBEAT_FLOOR_S = 1.0  # heartbeats no more often than this
+CLOSE_TIMEOUT_S = 60.0  # close() waits this long for the last save and copies, then gives up
 BEAT_JOIN_S = 10.0  # close() and flush() wait this long for a heartbeat in flight
 _now: Callable[[], float] = time.monotonic  # the step-timing clock (a test's fake clock)
 
@@ -107,8 +108,12 @@ class CheckpointManager:
         replicate_bytes_per_s: float | None = None,
         on_error: str = "warn",
         staging_budget_bytes: int | None = None,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         check_name(project, "project name")
+        if not 0 < close_timeout_s < float("inf"):
+            raise UsageError(f"close_timeout_s={close_timeout_s!r}", "a positive number of seconds")
+        self.close_timeout_s = float(close_timeout_s)
         check_name(run, "run name")
         self.run, self.project = run, project
         # Tier 0: saves go to this node's local directory first (`tiered.py`).
@@ -216,6 +221,8 @@ class CheckpointManager:
         except RegistryError as exc:
             problem = exc
         ranks.agree(problem)
+        if self._tier is not None and not self._tier.layout_checked:
+            ranks.agree(self._tier.layout_problem())
         if self._tier is not None:
             self._saved_any = True
             tiered = self._tier.save(state, ref, metrics, async_, started)
@@ -257,14 +264,19 @@ class CheckpointManager:
             self._tracking.append(Track(save, step))
         return None
 
-    def wait(self, *, replicated: bool = False) -> dict[str, Any] | None:
+    def wait(
+        self, *, replicated: bool = False, timeout: float | None = None
+    ) -> dict[str, Any] | None:
         """Wait for the save in flight (if any); its committed view, or its error. With
         `local_dir`: until it is committed at tier 0 (rank 0 gets the view), and with
-        `replicated=True` until every save so far is in the store (tier 1)."""
+        `replicated=True` until every save so far is in the store (tier 1); `timeout`: at most
+        that many seconds, then `Unfinished` names what still runs (it goes on running)."""
         if self._tier is not None:
-            view = self._tier.wait()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            view = self._tier.wait(timeout)
             if replicated:
-                self._tier.wait_replicated()
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._tier.wait_replicated(left)
             else:
                 self._tier.raise_failures()  # with on_error="raise": a failed copy, here
             return view
@@ -340,6 +352,7 @@ class CheckpointManager:
             problem = exc
         ranks.agree(problem)
         checked(lambda: dcp.load(full, storage_reader=reader, planner=SafeLoadPlanner()), "restore")
+        self.resume_notes = ranks.summarised_notes(self.resume_notes)
         for cls in loaded:
             assert per_rank is not None
             per_rank[cls] = full[cls][f"rank_{ranks.current_rank()}"]
@@ -503,11 +516,23 @@ class CheckpointManager:
         self._send_beat(_now(), wait=True)
 
     def close(self, status: str | None = "finished") -> None:
-        """Wait for the save in flight, record a pending restore, say the run ended with
-        `status` (rank 0; None: the job goes on elsewhere), close the registry."""
+        """Wait for the save in flight (with `local_dir`, and its copies to the store: at most
+        `close_timeout_s`, then one warning names what was given up, or with
+        `on_error="raise"` an `Unfinished` error once the rest is closed), record a pending
+        restore, say the run ended with `status` (rank 0; None: the job goes on elsewhere),
+        close the registry."""
+        unfinished: Unfinished | None = None
         try:
             pending: Any = self._pending or (self._tier.pending if self._tier else None)
-            self.wait(replicated=self._tier is not None and self._tier.replicate)
+            if self._tier is None:
+                self.wait()
+            else:
+                try:
+                    self.wait(replicated=self._tier.replicate, timeout=self.close_timeout_s)
+                except Unfinished as exc:
+                    unfinished, pending = exc, None
+                    if self._tier.on_error == "warn":
+                        warnings.warn(f"reg: close gave up waiting: {exc}", stacklevel=2)
             if self._tier is not None:
                 self._tier.close()
             if pending is not None and ranks.current_rank() == 0:
@@ -523,6 +548,8 @@ class CheckpointManager:
         finally:
             if self._registry is not None:
                 self._registry.close()
+        if unfinished is not None and self._tier is not None and self._tier.on_error == "raise":
+            raise unfinished
 
     def __enter__(self) -> CheckpointManager:
         return self

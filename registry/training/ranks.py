@@ -143,3 +143,21 @@ def gather_max(phases: dict[str, float]) -> dict[str, float]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, phases)
     return {k: max(float(p[k]) for p in every) for k in phases}
+
+
+def gathered(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (this rank's alone outside torch.distributed)."""
+    if not dist.is_initialized():
+        return [value]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def summarised_notes(notes: list[str]) -> list[str]:
+    """Every rank's resume notes: rank 0 (where loops log) gets its own and each other rank's,
+    named (`rank 2: rng: ...`); the other ranks keep their own."""
+    every = gathered(notes)
+    if current_rank() != 0:
+        return notes
+    return notes + [f"rank {r}: {note}" for r, mine in enumerate(every) if r for note in mine]

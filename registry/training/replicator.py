@@ -55,6 +55,7 @@ class Job:
     manifest: bool
     commit: bool
     queued: float = field(default_factory=time.monotonic)
+    stage: str = "queued behind earlier copies"  # what it is doing now (a bounded wait names it)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     result: dict[str, Any] | None = None
@@ -114,12 +115,14 @@ class Replicator:
                 with contextlib.suppress(RegistryError):
                     self.catalog.renew(job.claim)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Until every submitted job is done (copied and, on rank 0, committed at tier 1)."""
+    def wait(self, timeout: float | None = None) -> list[Job]:
+        """Until every submitted job is done (copied and, on rank 0, committed at tier 1), or
+        `timeout` seconds: the jobs still not done."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in list(self.jobs.values()):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             job.done.wait(left)
+        return [job for job in self.jobs.values() if not job.done.is_set()]
 
     def raise_failures(self) -> None:
         if self.on_error == "raise" and self.failed:
@@ -171,6 +174,7 @@ class Replicator:
         wait for every rank's part and commit the step at tier 1."""
         catalog, claim, take = self.catalog, job.claim, self.limit.take
         # A retry puts only what an earlier attempt did not: what is recorded stays as it is.
+        job.stage = "copying this rank's files"
         missing = set(catalog.missing(claim))
         stored = [
             catalog.put(claim, f.path, job.directory / f.path, f, take)
@@ -186,10 +190,12 @@ class Replicator:
 
     def _commit(self, job: Job) -> dict[str, Any]:
         deadline = time.monotonic() + PARTS_TIMEOUT_S
-        while self.catalog.missing(job.claim):
+        while missing := self.catalog.missing(job.claim):
+            job.stage = f"waiting for the other ranks' copies ({len(missing)} files not recorded)"
             if time.monotonic() > deadline:
                 raise RegistryError(f"{job.claim.ref}: another rank's copy never arrived")
             time.sleep(POLL_S)
+        job.stage = "committing it at tier 1"
         return self.catalog.commit_replicated(job.claim, time.monotonic() - job.queued)
 
 

@@ -21,6 +21,7 @@ design (`tier0_only` in their save costs): no later job copies them, and evictio
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import warnings
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from registry.catalog.models import LOCAL
 from registry.core.refs import CheckpointRef
-from registry.errors import RegistryError, UsageError
+from registry.errors import RegistryError, Unfinished, UsageError
 from registry.lifecycle.checkpoints.shared import SharedClaim
 from registry.training import local_tier, ranks
 from registry.training.local_tier import LocalWriter, RankFiles
@@ -110,6 +111,7 @@ class LocalTier(TierRestore):
         self._replicator: Replicator | None = None
         self._catalog: TierCatalog | None = None
         self._warned_staging = False
+        self.layout_checked = False  # the ranks' nodes and directories (the first save)
 
     @property
     def catalog(self) -> TierCatalog:
@@ -134,6 +136,38 @@ class LocalTier(TierRestore):
         written."""
         self.catalog  # noqa: B018
         local_tier.check_local_dir(self._partial(ref))
+
+    def layout_problem(self) -> RegistryError | None:
+        """Every rank, at the first save (a collective): the ranks of a node share its one
+        local_dir, a node_id names one host, and no two nodes of a host share a directory.
+        None, or the refusal every rank raises (before a byte is written): a rank saving apart
+        from its node would leave the node's commit waiting for files it never sees."""
+        self.layout_checked = True
+        me = (socket.gethostname(), self.node, str(self.local_dir.resolve()))
+        every = ranks.gathered(me)
+        first: dict[str, tuple[int, str, str]] = {}  # node -> (rank, host, dir) of its first
+        dirs: dict[tuple[str, str], str] = {}  # (host, dir) -> node
+        for rank, (host, node, where) in enumerate(every):
+            seen = first.setdefault(node, (rank, host, where))
+            if seen[1] != host:
+                return UsageError(
+                    f"node_id {node!r} is given on hosts {seen[1]} and {host}",
+                    "each node needs an id of its own: leave node_id unset (the host name)",
+                )
+            if seen[2] != where:
+                return UsageError(
+                    f"ranks {seen[0]} and {rank} of node {node!r} save to different local_dirs "
+                    f"({seen[2]}, {where})",
+                    "give every rank of a node the same local_dir (/nvme/ckpt, not "
+                    "/nvme/rank<r>), or each its own node_id",
+                )
+            other = dirs.setdefault((host, where), node)
+            if other != node:
+                return UsageError(
+                    f"local_dir {where} is used by nodes {other!r} and {node!r} on host {host}",
+                    "give each node a local_dir of its own",
+                )
+        return None
 
     def _partial(self, ref: CheckpointRef) -> Path:
         final = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
@@ -197,21 +231,36 @@ class LocalTier(TierRestore):
             )
         return True
 
-    def wait(self) -> dict[str, Any] | None:
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Until the save in flight is committed at tier 0: its view (rank 0), or its error
-        (raised on every rank)."""
-        save, self.pending = self.pending, None
+        (raised on every rank). After `timeout` seconds: `Unfinished`, naming it (the save
+        stays in flight)."""
+        save = self.pending
         if save is None:
             return None
         assert save.thread is not None
-        save.thread.join()
+        save.thread.join(timeout)
+        if save.thread.is_alive():
+            raise Unfinished(
+                f"{save.ref}: its tier-0 commit (hashing, claim, commit) is still running after "
+                f"{timeout:.3g} s",
+                "its files are on the node; the next job's restore adopts the step",
+            )
+        self.pending = None
         if save.error is not None:
             raise save.error
         return save.result
 
     def wait_replicated(self, timeout: float | None = None) -> None:
-        if self._replicator is not None:
-            self._replicator.wait(timeout)
+        """Until every save so far is in the store, or `timeout` seconds: then `Unfinished`,
+        naming each copy still running and what it waits for."""
+        left = [] if self._replicator is None else self._replicator.wait(timeout)
+        if left:
+            what = "; ".join(f"step {job.step}: {job.stage}" for job in left)
+            raise Unfinished(
+                f"copies to the store still running after {timeout:.3g} s ({what})",
+                "they stay at tier 0; the next job's restore takes the copies over",
+            )
         self.raise_failures()
 
     def raise_failures(self) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,14 @@ import torch
 from sqlalchemy import text
 
 from registry import Registry
-from registry.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
+from registry.errors import (
+    Conflict,
+    IntegrityError,
+    NotFound,
+    RegistryError,
+    Unfinished,
+    UsageError,
+)
 from registry.training import CheckpointManager
 from tests.helpers import ROOT, torchrun
 
@@ -246,6 +254,59 @@ def test_an_async_save_over_the_staging_budget_is_saved_synchronously(reg, tmp_p
     mgr.wait()
     assert reg.show("tiered@step1")["save_costs"]["async"] is False
     mgr.close()
+
+
+def test_waits_for_copies_to_the_store_end_at_their_bound_and_name_what_runs(tmp_path):
+    """A copy far slower than the bound (2 kB/s): `wait(replicated=True, timeout=...)` raises
+    after it, naming the step and what it is doing, and `close()` gives up after
+    `close_timeout_s` with one warning; the step stays at tier 0, as it was."""
+    with Registry() as reg:
+        mgr = _manager(reg, tmp_path / "node", replicate_bytes_per_s=2000, close_timeout_s=0.5)
+        _saved(mgr, 1)
+        started = time.monotonic()
+        with pytest.raises(Unfinished, match=r"after 0.2 s \(step 1: copying this rank's files\)"):
+            mgr.wait(replicated=True, timeout=0.2)
+        with pytest.warns(UserWarning, match="close gave up waiting: copies to the store") as got:
+            mgr.close()
+        assert time.monotonic() - started < 5
+        assert len([w for w in got if "gave up" in str(w.message)]) == 1
+        assert reg.show("tiered@step1")["state"] == "local"
+
+
+def test_with_on_error_raise_close_raises_what_it_gave_up_on_once_closed(tmp_path):
+    with Registry() as reg:
+        mgr = _manager(
+            reg, tmp_path / "node", replicate_bytes_per_s=2000, close_timeout_s=0.2,
+            on_error="raise",
+        )  # fmt: skip
+        _saved(mgr, 1)
+        with pytest.raises(Unfinished, match="step 1: copying this rank's files"):
+            mgr.close()
+        with reg.catalog.engine.connect() as c:  # type: ignore[attr-defined]
+            ended = c.execute(text("SELECT attempt_ended_at FROM run")).scalar_one()
+        assert ended is not None  # the rest of close ran: the attempt's end was reported
+    with pytest.raises(UsageError, match="close_timeout_s"):
+        CheckpointManager("r", local_dir=tmp_path, close_timeout_s=0)
+
+
+@pytest.mark.process
+def test_ranks_of_one_node_with_different_local_dirs_are_refused_at_the_first_save(tmp_path):
+    """`local_dir=f"/nvme/rank{rank}"` on one node: every rank stops at its first save with
+    one line naming the slip, before a byte is written or a step claimed (it used to leave
+    close() waiting an hour for the other rank's part)."""
+    with pytest.raises(RuntimeError) as failed:
+        torchrun(
+            "examples.train_with_manager", 2,
+            ["--run-name", "slip", "--steps", "2", "--local-dir", str(tmp_path / "nvme"),
+             "--local-dir-per-rank"],
+            attempts=1, env_extra={"PYTHONWARNINGS": "ignore"},
+        )  # fmt: skip
+    said = str(failed.value)
+    assert "UsageError: ranks 0 and 1 of node" in said and "save to different local_dirs" in said
+    assert "exitcode  : 1" in said  # every rank stopped, none hung
+    assert not list((tmp_path / "nvme").rglob("*.distcp"))
+    with Registry() as reg:
+        assert reg.list_checkpoints("slip") == []
 
 
 @pytest.fixture

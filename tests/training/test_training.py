@@ -72,6 +72,12 @@ def test_save_and_resume_across_world_sizes(tmp_path: Path) -> None:
     _job(3, "--run-name", "mgr", "--steps", "2", "--report", str(tmp_path / "second.json"))
     second = json.loads((tmp_path / "second.json").read_text())
     assert second["resumed"] == 2 and (second["start"], second["last"]) == (2, 4)
+    # Rank 2 has no saved RNG or loader position: rank 0, where loops log, says so too.
+    for cls in ("rng", "dataloader"):
+        assert (
+            f"rank 2: {cls}: saved for ranks 0-1, not for rank 2; it keeps its own"
+            in (second["notes"])
+        )
     assert _steps("mgr") == [1, 2, 3, 4]
     with Registry() as reg:
         assert reg.show("mgr@step4")["world_size"] == 3
