@@ -25,49 +25,33 @@ torchrun; `REG_TEST_TORCHRUN=1` sends every job there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
-import runpy
 import select
 import signal
 import sys
 import threading
 import time
-import traceback
 import uuid
 from datetime import timedelta
+
+from tests.zygote import exit_with, run_as_main
 
 GRACE_S = 2.0  # how long the other ranks may take to end on their own after one failed
 PORT_WAIT_S = 60.0  # how long a rank waits for the launcher's store to be up
 
 
 def _rank(module: str, args: list[str], rank: int, port_in: int) -> None:
-    """In a forked rank: learn the store's port, become the module, never return."""
-    code = 1
-    try:
-        ready, _, _ = select.select([port_in], [], [], PORT_WAIT_S)
-        port = os.read(port_in, 16).decode().strip() if ready else ""
-        if not port.isdigit():
-            raise RuntimeError(f"forkrun: no store port from the launcher in {PORT_WAIT_S:.0f} s")
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            GROUP_RANK="0",
-            ROLE_RANK=str(rank),
-            MASTER_PORT=port,
-        )
-        sys.argv = [module, *args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    """In a forked rank: learn the store's port, become the module."""
+    ready, _, _ = select.select([port_in], [], [], PORT_WAIT_S)
+    port = os.read(port_in, 16).decode().strip() if ready else ""
+    if not port.isdigit():
+        raise RuntimeError(f"forkrun: no store port from the launcher in {PORT_WAIT_S:.0f} s")
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_PORT=port
+    )
+    run_as_main(module, args)
 
 
 def _wait(pids: dict[int, int]) -> dict[int, int]:
@@ -137,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:
             os.close(port_out)
-            _rank(module, args, rank, port_in)
+            exit_with(functools.partial(_rank, module, args, rank, port_in))
         os.close(port_in)
         pids[pid] = rank
         ports.append(port_out)

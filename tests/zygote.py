@@ -37,9 +37,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 _SETTINGS = ("REG_", "AWS_", "MLFLOW_")
@@ -114,44 +114,16 @@ def _as_started(env: dict[str, str]) -> None:
             warnings.simplefilter(action)  # type: ignore[arg-type]
 
 
-def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
-    """In the forked child: become the command, run it, never return."""
+def exit_with(run: Callable[[], object]) -> NoReturn:
+    """In a forked child: `run()`, then end the process as `python` would (SystemExit's code,
+    0 for none; 1 and the traceback after any other exception), its streams flushed. Never
+    returns: a forked child must not fall back into its parent's code."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        for fd in channel:
-            os.close(fd)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if req.get("new_session"):
-            os.setsid()
-        for fd, path, flags in (
-            (0, req.get("stdin") or os.devnull, os.O_RDONLY),
-            (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
-            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
-        ):
-            opened = os.open(path, flags, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        tempfile.tempdir = None  # TMPDIR is the test's now
-        _as_started(req["env"])
-        if req.get("module"):  # `python -m module argv...`
-            import runpy
-
-            sys.argv = [req["module"], *req["argv"]]
-            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
-            code = 0
-            return
-        sys.argv = ["reg", *req["argv"]]
-        from cli.main import main
-
-        main()  # exits the process itself (os._exit) with the command's code
+        run()
+        code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         import traceback
 
@@ -161,6 +133,50 @@ def _child(req: dict[str, Any], channel: tuple[int, ...]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def run_as_main(module: str, argv: list[str]) -> None:
+    """`python -m module argv...`, in this process."""
+    import runpy
+
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _child(req: dict[str, Any], channel: tuple[int, ...]) -> NoReturn:
+    """In the forked child: become the command, run it, never return."""
+    exit_with(lambda: _become(req, channel))
+
+
+def _become(req: dict[str, Any], channel: tuple[int, ...]) -> None:
+    signal.set_wakeup_fd(-1)
+    for fd in channel:
+        os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if req.get("new_session"):
+        os.setsid()
+    for fd, path, flags in (
+        (0, req.get("stdin") or os.devnull, os.O_RDONLY),
+        (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+    ):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile.tempdir = None  # TMPDIR is the test's now
+    _as_started(req["env"])
+    if req.get("module"):
+        run_as_main(req["module"], req["argv"])
+        return
+    sys.argv = ["reg", *req["argv"]]
+    from cli.main import main
+
+    main()  # exits the process itself (os._exit) with the command's code
 
 
 def serve() -> None:

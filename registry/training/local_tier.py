@@ -50,6 +50,37 @@ def node_name(node_id: str | None) -> str:
     return name
 
 
+def layout_problem(node: str, local_dir: Path) -> UsageError | None:
+    """Every rank, at the first save (a collective): the ranks of a node share its one
+    local_dir, a node_id names one host, and no two nodes of a host share a directory. None,
+    or the refusal every rank raises (before a byte is written): a rank saving apart from its
+    node would leave the node's commit waiting for files it never sees."""
+    every = ranks.gathered((socket.gethostname(), node, str(local_dir.resolve())))
+    first: dict[str, tuple[int, str, str]] = {}  # node -> (rank, host, dir) of its first rank
+    dirs: dict[tuple[str, str], str] = {}  # (host, dir) -> node
+    for rank, (host, name, where) in enumerate(every):
+        seen = first.setdefault(name, (rank, host, where))
+        if seen[1] != host:
+            return UsageError(
+                f"node_id {name!r} is given on hosts {seen[1]} and {host}",
+                "each node needs an id of its own: leave node_id unset (the host name)",
+            )
+        if seen[2] != where:
+            return UsageError(
+                f"ranks {seen[0]} and {rank} of node {name!r} save to different local_dirs "
+                f"({seen[2]}, {where})",
+                "give every rank of a node the same local_dir (/nvme/ckpt, not /nvme/rank<r>), "
+                "or each its own node_id",
+            )
+        other = dirs.setdefault((host, where), name)
+        if other != name:
+            return UsageError(
+                f"local_dir {where} is used by nodes {other!r} and {name!r} on host {host}",
+                "give each node a local_dir of its own",
+            )
+    return None
+
+
 def step_dir(local_dir: Path, project: str, run: str, step: int) -> Path:
     return local_dir / project / run / f"step-{step}"
 

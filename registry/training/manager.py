@@ -54,9 +54,8 @@ from registry.core.refs import CheckpointRef, check_name
 from registry.economics.records import MAX_HEARTBEAT_SECONDS, MAX_SAVES
 from registry.errors import NotFound, RegistryError, Unfinished, UsageError
 from registry.formats.dcp_load import SafeLoadPlanner
-from registry.training import ranks
+from registry.training import local_tier, ranks
 from registry.training.backends import Backend, backend_for
-from registry.training.local_tier import check_local_dir
 from registry.training.saves import RestoreRecord, Save, Track, checked
 from registry.training.store_writer import StoreWriter
 from registry.training.tiered import LocalTier
@@ -118,7 +117,7 @@ class CheckpointManager:
         self.run, self.project = run, project
         # Tier 0: saves go to this node's local directory first (`tiered.py`).
         self._tier: LocalTier | None = None
-        path = check_local_dir(local_dir)
+        path = local_tier.check_local_dir(local_dir)
         if path is not None:
             self._tier = LocalTier(
                 self,
@@ -222,7 +221,8 @@ class CheckpointManager:
             problem = exc
         ranks.agree(problem)
         if self._tier is not None and not self._tier.layout_checked:
-            ranks.agree(self._tier.layout_problem())
+            self._tier.layout_checked = True
+            ranks.agree(local_tier.layout_problem(self._tier.node, self._tier.local_dir))
         if self._tier is not None:
             self._saved_any = True
             tiered = self._tier.save(state, ref, metrics, async_, started)

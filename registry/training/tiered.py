@@ -21,7 +21,6 @@ design (`tier0_only` in their save costs): no later job copies them, and evictio
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import warnings
@@ -136,38 +135,6 @@ class LocalTier(TierRestore):
         written."""
         self.catalog  # noqa: B018
         local_tier.check_local_dir(self._partial(ref))
-
-    def layout_problem(self) -> RegistryError | None:
-        """Every rank, at the first save (a collective): the ranks of a node share its one
-        local_dir, a node_id names one host, and no two nodes of a host share a directory.
-        None, or the refusal every rank raises (before a byte is written): a rank saving apart
-        from its node would leave the node's commit waiting for files it never sees."""
-        self.layout_checked = True
-        me = (socket.gethostname(), self.node, str(self.local_dir.resolve()))
-        every = ranks.gathered(me)
-        first: dict[str, tuple[int, str, str]] = {}  # node -> (rank, host, dir) of its first
-        dirs: dict[tuple[str, str], str] = {}  # (host, dir) -> node
-        for rank, (host, node, where) in enumerate(every):
-            seen = first.setdefault(node, (rank, host, where))
-            if seen[1] != host:
-                return UsageError(
-                    f"node_id {node!r} is given on hosts {seen[1]} and {host}",
-                    "each node needs an id of its own: leave node_id unset (the host name)",
-                )
-            if seen[2] != where:
-                return UsageError(
-                    f"ranks {seen[0]} and {rank} of node {node!r} save to different local_dirs "
-                    f"({seen[2]}, {where})",
-                    "give every rank of a node the same local_dir (/nvme/ckpt, not "
-                    "/nvme/rank<r>), or each its own node_id",
-                )
-            other = dirs.setdefault((host, where), node)
-            if other != node:
-                return UsageError(
-                    f"local_dir {where} is used by nodes {other!r} and {node!r} on host {host}",
-                    "give each node a local_dir of its own",
-                )
-        return None
 
     def _partial(self, ref: CheckpointRef) -> Path:
         final = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
