@@ -63,9 +63,10 @@ VARIANTS = {
 PROMOTE_ARGS = {"megatron": ("--convert", "megatron-local")}
 
 
-def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
+def torchrun(framework: str, out: Path, *args: str, timeout: float = 150) -> dict[str, Any]:
     """Run examples/frameworks/<framework>_train.py on 2 processes; its losses file. gloo on a
-    2-core machine now and then aborts a rank: the run is retried from scratch."""
+    2-core machine now and then aborts a rank or hangs: the run is retried from scratch, each
+    attempt killed after `timeout` seconds."""
     losses = out.with_suffix(".losses.json")
     script, more = VARIANTS.get(framework, (framework, ()))
     args = ["--out", str(out), "--steps", str(STEPS), "--losses", str(losses), *more, *args]
@@ -74,6 +75,7 @@ def torchrun(framework: str, out: Path, *args: str) -> dict[str, Any]:
         2,
         args,
         clean=out,
+        timeout=timeout,
         # CPU and gloo wherever it runs (a GPU machine too): the frameworks would otherwise
         # move both ranks onto one GPU.
         env_extra={"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""},
@@ -230,7 +232,9 @@ def test_lightning_strip_prefix_gives_the_networks_own_names(
 
 def test_accelerate_save_state_without_fsdp_is_refused_by_name(cli: Any, tmp_path: Path) -> None:
     pytest.importorskip("accelerate", reason="accelerate is not installed (the frameworks extra)")
-    torchrun("accelerate", tmp_path / "ddp", "--save-at", str(SAVE_AT), "--no-fsdp")
+    # accelerate's DDP job hangs now and then (3 of 7 full runs, under torchrun and forked;
+    # not found why): it takes about 10 s, so an attempt is given 60, not 150.
+    torchrun("accelerate", tmp_path / "ddp", "--save-at", str(SAVE_AT), "--no-fsdp", timeout=60)
     saved = tmp_path / "ddp" / f"step-{SAVE_AT}"
     assert (saved / "model.safetensors").is_file() and (saved / "optimizer.bin").is_file()
     got = cli("push-ckpt", saved, "--project", "fw", "--run", "ddp", "--step", "3")
