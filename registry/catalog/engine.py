@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from registry.core.config import CatalogSettings
 
-HEAD_REVISION = "0019"
+HEAD_REVISION = "0020"
 MIGRATIONS = Path(__file__).with_name("migrations")
 _WRITE = contextvars.ContextVar("reg_catalog_write", default=False)
 

@@ -51,15 +51,17 @@ RULES: dict[str, tuple[str, ...]] = {
     # Written once, read after: nothing in the code updates them.
     "project": READ_APPEND,
     "model": READ_APPEND,
-    "checkpoint_file": READ_APPEND,
     "release_file": READ_APPEND,
     "validation": READ_APPEND,
     "key_set": READ_APPEND,  # a checkpoint's key paths (migration 0010; triggers: never changed)
-    "checkpoint_keys": READ_APPEND,
     "checkpoint_restore": READ_APPEND,  # the training loop's restores (migration 0011)
     # Which tiers hold a checkpoint (migration 0016): written by the tier-0 and tier-1 commits,
     # an eviction sets `evicted_at`.
-    "checkpoint_tier": READ_WRITE,
+    "checkpoint_tier": (*READ_WRITE, "DELETE"),
+    # A checkpoint's content rows: written once at its commit; deleted only by a new attempt at
+    # a lost tier-0 step, while its row is pending again (0020's triggers refuse any other).
+    "checkpoint_file": (*READ_APPEND, "DELETE"),
+    "checkpoint_keys": (*READ_APPEND, "DELETE"),
     # Updated in place: a run's resume point, an alias's target, the outbox's progress, a
     # token's revocation and last use.
     "run": READ_WRITE,

@@ -25,6 +25,7 @@ class CheckpointState(StrEnum):
     DELETED = "deleted"  # collected: a tombstone says when and why
     SWEEPING = "sweeping"  # an abandoned upload whose objects GC is deleting
     LOCAL = "local"  # committed at tier 0 only: on its nodes' local disks, not yet in the store
+    LOST = "lost"  # was LOCAL, and every node's copy went before it reached the store
 
 
 class ReleaseStatus(StrEnum):
@@ -35,7 +36,7 @@ class ReleaseStatus(StrEnum):
 
 
 # The states by their short names, as the code reads them (columns hold the strings).
-PENDING, COMMITTED, DELETING, DELETED, SWEEPING, LOCAL = CheckpointState
+PENDING, COMMITTED, DELETING, DELETED, SWEEPING, LOCAL, LOST = CheckpointState
 RELEASE_PENDING, ACTIVE, DEPRECATED, YANKED = ReleaseStatus
 
 

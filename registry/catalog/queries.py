@@ -8,11 +8,13 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from registry.catalog import claims
 from registry.catalog.models import (
     COMMITTED,
     DELETED,
     DELETING,
     LOCAL,
+    LOST,
     PENDING,
     SWEEPING,
     Checkpoint,
@@ -88,10 +90,18 @@ def resolve_checkpoint(
             f"{row.delete_reason or 'unknown'}",
             f"reg ls {ref.run_label} lists what remains",
         )
-    if row is not None and row.state == LOCAL and not local:
+    if row is not None and row.state == LOST and not tombstones:
         raise NotFound(
-            f"{ref} is saved at tier 0 only (on its nodes' local disks) and not yet in the store",
-            "wait for its replication: `reg show` says which tiers hold it",
+            f"{ref} was lost: saved at tier 0 only, every node's copy was gone before it "
+            "reached the store",
+            f"save the step again (a new attempt); reg ls {ref.run_label} lists what remains",
+        )
+    if row is not None and row.state == LOCAL and not local:
+        copying = "being copied" if claims.is_live(row) else "waiting for a job on its nodes"
+        raise NotFound(
+            f"{ref} is saved at tier 0 only (on its nodes' local disks) and not yet in the "
+            f"store ({copying})",
+            "`reg show` says which nodes hold it; a job restoring on them copies it",
         )
     if row is None or row.state in (PENDING, SWEEPING):
         steps = committed_steps(session, run.id or 0)

@@ -25,6 +25,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     LOCAL,
+    LOST,
     Checkpoint,
     CheckpointRestore,
     CheckpointTier,
@@ -245,7 +246,7 @@ def gather(s: Session, project: str, run: Run) -> RunFacts:
             select(Checkpoint)
             .where(
                 Checkpoint.run_id == run.id,
-                col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
+                col(Checkpoint.state).in_((COMMITTED, LOCAL, LOST, DELETING, DELETED)),
             )
             .order_by(col(Checkpoint.step))
         ).all()

@@ -44,6 +44,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     LOCAL,
+    LOST,
     Checkpoint,
     CheckpointRestore,
     Project,
@@ -145,7 +146,7 @@ def known_world_size(s: Session, run: Run) -> int | None:
         select(Checkpoint.world_size)
         .where(
             Checkpoint.run_id == run.id,
-            col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
+            col(Checkpoint.state).in_((COMMITTED, LOCAL, LOST, DELETING, DELETED)),
             col(Checkpoint.world_size) > 0,
         )
         .order_by(col(Checkpoint.step).desc())
@@ -230,7 +231,7 @@ def _merge_saves(s: Session, run: Run, saves: dict[str, dict[str, float]]) -> li
             select(Checkpoint).where(
                 Checkpoint.run_id == run.id,
                 Checkpoint.step == int(key),
-                col(Checkpoint.state).in_((COMMITTED, LOCAL, DELETING, DELETED)),
+                col(Checkpoint.state).in_((COMMITTED, LOCAL, LOST, DELETING, DELETED)),
             )
         ).first()
         if ckpt is None or not isinstance(ckpt.save_costs, dict):

@@ -30,13 +30,14 @@ from registry.catalog.models import (
     Project,
     Run,
 )
+from registry.catalog.models import LOST as LOST_STATE
 from registry.core import faults
 from registry.core.layout import CHECKPOINTS, MANIFEST, checkpoint_prefix, parse_checkpoint_key
 from registry.core.refs import CheckpointRef
 from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.journal import outbox as events
-from registry.lifecycle.checkpoints.tiers import held_copies
+from registry.lifecycle.checkpoints.lost import LOST_REASON, held_copies, lose_if_gone
 from registry.lifecycle.retention import current_protections, gc_lease, retention_records
 from registry.trust import signed_facts
 
@@ -72,7 +73,9 @@ def run_gc(ctx: Context, *, dry_run: bool = False) -> dict[str, Any]:
     }
     if dry_run:
         collect_lost(ctx, out, dry_run=True)
-        out["freed_bytes"] = sum(d["bytes"] for d in out["decisions"] if d["action"] == DELETE)
+        out["freed_bytes"] = sum(
+            d["bytes"] for d in out["decisions"] if d["action"] in (DELETE, LOST)
+        )
         return out
     where = {r.id: r for r in records}
     with gc_lease(ctx):
@@ -158,42 +161,55 @@ def _mark(ctx: Context, s: Session, row: Checkpoint, reason: str) -> None:
         )
 
 
-LOST = "at tier 0 only, and no node holds a copy any more (it never reached the store)"
+LOST = "lost"  # the decision on a tier-0 step no node holds (`lifecycle.checkpoints.lost`)
 
 
 def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) -> int:
-    """Tier-0 steps nobody is copying to the store, older than orphan_grace, whose
-    every node copy is gone: nothing can restore or copy them. Marked and collected (their
-    partial copy in the store with them), leaving a tombstone that says why; `dry_run`: only
-    listed."""
+    """Tier-0 steps nobody is copying to the store, older than orphan_grace, whose every node
+    copy is gone: nothing can restore or copy them, so they are marked lost (not collected: the
+    step may be saved again). Whatever a lost step's copy had put in the store is deleted.
+    `dry_run`: only listed."""
     grace = ctx.policy.retention.orphan_grace
+    found: list[tuple[CheckpointRef, bool]] = []  # (ref, marked lost by this run)
     with ctx.catalog.session(write=not dry_run) as s:
         rows = s.exec(
             select(Checkpoint, Run.name, Project.name)
             .join(Run, col(Run.id) == Checkpoint.run_id)
             .join(Project, col(Project.id) == Run.project_id)
             .where(
-                Checkpoint.state == LOCAL,
-                col(Checkpoint.created_at) < now() - grace,
-                col(Checkpoint.pinned).is_(False),
+                or_(
+                    and_(
+                        col(Checkpoint.state) == LOCAL,
+                        col(Checkpoint.created_at) < now() - grace,
+                        col(Checkpoint.pinned).is_(False),
+                    ),
+                    col(Checkpoint.state) == LOST_STATE,
+                )
             )
         ).all()
-        lost = []
         for row, run, project in rows:
-            if not held_copies(s, row.id or 0) and not claims.is_live(row):
-                ref = CheckpointRef(project, run, row.step)
-                if dry_run:
-                    out["decisions"].append(
-                        {"ref": str(ref), "action": DELETE, "reason": LOST, "bytes": row.bytes}
-                    )
-                    continue
-                _mark(ctx, s, row, LOST)
-                lost.append(ref)
+            ref = CheckpointRef(project, run, row.step)
+            if row.state == LOST_STATE:
+                found.append((ref, False))
+            elif (
+                not held_copies(s, row.id or 0)
+                and not claims.is_live(row)
+                and (dry_run or lose_if_gone(ctx, s, row, ref))
+            ):
+                found.append((ref, True))
     freed = 0
-    for ref in lost:
-        got = delete_checkpoint(ctx, ref, out["errors"])
+    for ref, marked in found:
+        got = 0
+        prefix = checkpoint_prefix(ref.project, ref.run, ref.step or 0)
+        if dry_run:
+            got = sum(o.size for o in ctx.store.list(prefix))
+        else:
+            got, _ = delete_prefix(ctx, prefix, str(ref), out["errors"])
         freed += got
-        out["decisions"].append({"ref": str(ref), "action": DELETE, "reason": LOST, "bytes": got})
+        if marked or got:
+            out["decisions"].append(
+                {"ref": str(ref), "action": LOST, "reason": LOST_REASON, "bytes": got}
+            )
     return freed
 
 

@@ -184,22 +184,30 @@ def manifest_writer(directory: Path) -> Any:
     return write
 
 
-def verify_local(directory: Path, records: list[tuple[str, int, str]]) -> list[str]:
-    """Re-hash this node's copies of `records` (path, size, sha256): the problems found."""
-    problems = []
+def verify_local(directory: Path, records: list[tuple[str, int, str]]) -> tuple[list[str], bool]:
+    """Re-hash this node's copies of `records` (path, size, sha256): the problems found, and
+    whether one proves the copy gone for good (a file missing, or other bytes than recorded),
+    not just unreadable now."""
+    problems, gone = [], False
     for path, size, digest in records:
         where = directory / path
         try:
             with open(where, "rb") as f:
                 got_size, got = hash_stream(f)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            gone = True
+            continue
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror or exc}")
             continue
         if got_size != size:
             problems.append(f"{path}: {got_size} bytes, {size} recorded")
+            gone = True
         elif got != digest:
             problems.append(f"{path}: its sha256 is not the one recorded")
-    return problems
+            gone = True
+    return problems, gone
 
 
 def file_ids(directory: Path, paths: list[str]) -> dict[str, tuple[int, int, int, int]]:

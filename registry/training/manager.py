@@ -166,6 +166,12 @@ class CheckpointManager:
             self._backend = backend_for(self.registry)
         return self._backend
 
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """With `local_dir` and on_error="warn": the saves given up, each `{"step", "error"}`
+        (each was warned about once, by rank 0)."""
+        return [] if self._tier is None else list(self._tier.failures)
+
     # -- saving ---------------------------------------------------------------------------------
     def save(
         self,
@@ -186,6 +192,13 @@ class CheckpointManager:
         entered = time.monotonic()
         try:
             return self._save(state, step, metrics, async_, per_rank, entered)
+        except UsageError:
+            raise  # the call itself is wrong (a step, the ranks' layout): fix the loop
+        except RegistryError as exc:  # raised alike on every rank (`ranks.agree`, DCP)
+            if self._tier is None or self._tier.on_error == "raise":
+                raise
+            self._tier.gave_up(CheckpointRef(self.project, self.run, step), exc)
+            return None
         finally:
             # The next step is timed from here: neither the save itself nor what the loop did
             # between step_done and save (eval, logging) counts as the save's interference.

@@ -117,12 +117,27 @@ class TierRestore:
         for cand in candidates:
             step = int(cand["step"])
             directory = local_tier.step_dir(self.local_dir, m.project, m.run, step)
-            usable, note = self._usable(cand, directory, layout)
+            usable, note, gone = self._usable(cand, directory, layout)
             if note:
                 notes.append(note)
+            if gone and cand["state"] == "local":
+                self._record_gone(step, gone)
             if usable is not None:
                 return step, cand, usable, notes
         return None
+
+    def _record_gone(self, step: int, nodes: list[str]) -> None:
+        """Rank 0: these nodes of the job no longer hold a usable copy of tier-0 step `step`
+        (its directory gone with a replaced disk, or damaged): the catalog records each copy
+        evicted, and a step no node holds any more is lost (saving it again is a new attempt)."""
+        if ranks.current_rank() != 0:
+            return
+        ref = CheckpointRef(self.manager.project, self.manager.run, step)
+        for node in nodes:
+            try:
+                self.catalog.evicted(ref, node)
+            except RegistryError as exc:
+                warnings.warn(f"reg: recording that {node} lost {ref} failed: {exc}", stacklevel=1)
 
     def _copy_now(self, jobs: list[Job]) -> None:
         """Copy `jobs` to the store before the restore reads (every rank its share), then
@@ -190,54 +205,72 @@ class TierRestore:
 
     def _usable(
         self, cand: dict[str, Any], directory: Path, layout: list[str]
-    ) -> tuple[set[str] | None, str | None]:
+    ) -> tuple[set[str] | None, str | None, list[str]]:
         """The files this rank reads from its node's copy (None: the step is not readable by
-        this job), and a note when a tier-0 copy could not be used."""
+        this job), a note when a tier-0 copy could not be used, and the job's nodes whose
+        recorded copy is gone or damaged."""
         step, world = cand["step"], ranks.world_size()
         records = {f[0]: (f[0], f[1], f[2]) for f in cand["files"]}
         same_world = cand["world_size"] == world
         held = cand["nodes"].get(self.node, []) if same_world else []
         peers = [r for r, node in enumerate(layout) if node == self.node]
         mine = sorted(held)[peers.index(ranks.current_rank()) :: len(peers)]
-        problems = local_tier.verify_local(directory, [records[p] for p in mine if p in records])
+        problems, wrong = local_tier.verify_local(
+            directory, [records[p] for p in mine if p in records]
+        )
         # What each rank verified, by file identity: a rank reads a file its peer verified
         # only if it is the same file (one directory per node, as node_id promises).
         seen = local_tier.file_ids(directory, mine)
-        verdicts: list[Any] = [(self.node, problems, seen)]
+        verdicts: list[Any] = [(self.node, problems, seen, wrong)]
         if dist.is_initialized():
             verdicts = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, (self.node, problems, seen))
-        verified = {p: i for node, _, ids in verdicts if node == self.node for p, i in ids.items()}
+            dist.all_gather_object(verdicts, (self.node, problems, seen, wrong))
+        verified = {
+            p: i for node, _, ids, _ in verdicts if node == self.node for p, i in ids.items()
+        }
+        gone = sorted({node for node, _, _, wrong in verdicts if wrong} & set(cand["nodes"]))
         mine_now = local_tier.file_ids(directory, held)
         if problems == [] and any(mine_now.get(p) != verified.get(p) for p in held):
             problems = [f"the ranks of node {self.node} do not share one local_dir"]
         if dist.is_initialized():  # again: a rank that found the directories differ says so
-            dist.all_gather_object(verdicts, (self.node, problems, {}))
+            dist.all_gather_object(verdicts, (self.node, problems, {}, wrong))
         else:
-            verdicts = [(self.node, problems, {})]
-        damaged = {node: p for node, p, _ in verdicts if p}
+            verdicts = [(self.node, problems, {}, wrong)]
+        damaged = {node: p for node, p, _, _ in verdicts if p}
         ok_here = self.node not in damaged and bool(held)
         local = set(held) if ok_here else set()
         if cand["state"] == "committed":
-            return local, None
+            return local, None, gone
         if not same_world:
-            return None, (
-                f"step {step} is at tier 0 only, saved at world size {cand['world_size']}: a "
-                f"restore at world size {world} reads the store, which does not hold it yet"
+            return (
+                None,
+                (
+                    f"step {step} is at tier 0 only, saved at world size {cand['world_size']}: a "
+                    f"restore at world size {world} reads the store, which does not hold it yet"
+                ),
+                gone,
             )
         for node in sorted(set(layout)):
             if node in damaged:
-                return None, (
-                    f"step {step} is not yet in the store, and node {node}'s copy is damaged "
-                    f"({damaged[node][0]})"
+                return (
+                    None,
+                    (
+                        f"step {step} is not yet in the store, and node {node}'s copy is gone or "
+                        f"damaged ({damaged[node][0]})"
+                    ),
+                    gone,
                 )
             lacking = sorted(set(records) - set(cand["nodes"].get(node, [])))
             if lacking:
-                return None, (
-                    f"step {step} is not yet in the store, and node {node} does not hold "
-                    f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+                return (
+                    None,
+                    (
+                        f"step {step} is not yet in the store, and node {node} does not hold "
+                        f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+                    ),
+                    gone,
                 )
-        return local, None
+        return local, None, gone
 
 
 class TieredStore:

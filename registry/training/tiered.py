@@ -111,6 +111,7 @@ class LocalTier(TierRestore):
         self._catalog: TierCatalog | None = None
         self._warned_staging = False
         self.layout_checked = False  # the ranks' nodes and directories (the first save)
+        self.failures: list[dict[str, Any]] = []  # saves given up (on_error="warn")
 
     @property
     def catalog(self) -> TierCatalog:
@@ -215,8 +216,17 @@ class LocalTier(TierRestore):
             )
         self.pending = None
         if save.error is not None:
-            raise save.error
+            if self.on_error == "raise":
+                raise save.error
+            self.gave_up(save.ref, save.error)
         return save.result
+
+    def gave_up(self, ref: CheckpointRef, error: BaseException) -> None:
+        """on_error="warn": a save that failed on every rank is recorded (`failures`) and said
+        once, by rank 0; the loop goes on (the next save is a new attempt)."""
+        self.failures.append({"step": ref.step, "error": str(error)})
+        if ranks.current_rank() == 0:
+            warnings.warn(f"reg: {ref} was not saved: {error}", stacklevel=4)
 
     def wait_replicated(self, timeout: float | None = None) -> None:
         """Until every save so far is in the store, or `timeout` seconds: then `Unfinished`,

@@ -73,7 +73,7 @@ def test_the_object_version_migration_keeps_the_guards_both_ways(catalog_url):
     _migrate(cat, "0002", down=True)
     added = (
         ADDED_BY_0005 | ADDED_BY_0006 | ADDED_BY_0008 | ADDED_BY_0009 | ADDED_BY_0010
-        | ADDED_BY_0015 | ADDED_BY_0017 | ADDED_BY_0019
+        | ADDED_BY_0015 | ADDED_BY_0017 | ADDED_BY_0019 | ADDED_BY_0020
     )  # fmt: skip
     assert _triggers(cat) == guards - added
     _migrate(cat, "head")
@@ -117,6 +117,8 @@ ADDED_BY_0019 = {  # requests of protected aliases and the decisions on them
     for table in ("alias_request", "alias_decision")
     for guard in ("no_update", "no_delete", "append_only")
 }
+# a content row goes only with a new attempt at a lost tier-0 step
+ADDED_BY_0020 = {"checkpoint_file_kept", "checkpoint_keys_kept", "checkpoint_tier_kept"}
 ADDED_BY_0015 = {
     "fact_mac_no_update",
     "fact_mac_no_delete",
@@ -161,6 +163,7 @@ def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
         ("UPDATE checkpoint SET state = 'sweeping'", moves),
         ("UPDATE checkpoint SET state = 'deleted'", moves),
         ("UPDATE checkpoint SET state = 'anything'", moves),
+        ("UPDATE checkpoint SET state = 'lost'", moves),  # only a tier-0 step is ever lost
         ("UPDATE checkpoint SET state = 'deleting'", "pinned checkpoint is never collected"),
         ("UPDATE checkpoint SET manifest_sha256 = 'x'", "immutable"),
         ("UPDATE checkpoint SET bytes = 1", "immutable"),
@@ -175,7 +178,8 @@ def test_a_committed_checkpoint_is_guarded_by_the_database(reg, ckpts):
         # its key paths decide its resume state at every use (migration 0010)
         ("UPDATE key_set SET keys = '[]'", "written once"),
         ("UPDATE checkpoint_keys SET layout = 'torchtitan'", "written once"),
-        ("DELETE FROM checkpoint_keys", "written once"),
+        ("DELETE FROM checkpoint_keys", "only while it is pending"),
+        ("DELETE FROM checkpoint_file", "only while it is pending"),
         ("DELETE FROM key_set", "written once"),
     ):
         with pytest.raises(DBAPIError, match=said), reg.catalog.engine.begin() as conn:

@@ -90,7 +90,7 @@ def test_a_tier0_step_is_local_until_copied_and_the_catalog_guards_it(reg, tmp_p
     with pytest.raises(NotFound, match="no committed checkpoints"):
         reg.show("tiered@latest")
     with (
-        pytest.raises(Conflict, match=r"tiered@step1 is saved at tier 0 .* being copied"),
+        pytest.raises(Conflict, match=r"tiered@step1 is saved at tier 0 .* held by node\(s\) n0"),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
@@ -103,6 +103,8 @@ def test_a_tier0_step_is_local_until_copied_and_the_catalog_guards_it(reg, tmp_p
         (f"UPDATE checkpoint SET manifest_version = 'v9' WHERE id = {row}", "immutable"),
         (f"UPDATE checkpoint SET manifest_sha256 = NULL WHERE id = {row}", "immutable"),
         (f"DELETE FROM checkpoint WHERE id = {row}", "never deleted"),
+        (f"DELETE FROM checkpoint_tier WHERE checkpoint_id = {row}", "only while it is pending"),
+        (f"DELETE FROM checkpoint_file WHERE checkpoint_id = {row}", "only while it is pending"),
     ):
         with pytest.raises(Exception, match=message):
             _sql(reg, statement)
@@ -217,33 +219,51 @@ def test_a_save_of_a_step_at_tier0_never_writes_over_its_copy(reg, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again.save(_state(2), 1)  # other bytes, the same step
-        with pytest.raises(Conflict, match="tiered@step1 is saved at tier 0"):
-            again.wait()
+    with pytest.warns(UserWarning, match="tiered@step1 was not saved: .*is saved at tier 0"):
+        assert again.wait() is None  # on_error="warn": said once, the loop goes on
+    assert [f["step"] for f in again.failures] == [1]
     held = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step_dir.iterdir()}
     assert {p: held[p] for p in recorded} == recorded
     assert sorted(p.name for p in step_dir.parent.iterdir()) == ["step-1"]  # no .partial left
     again.close()
 
 
-def test_a_damaged_node_copy_is_neither_restored_nor_copied(reg, tmp_path):
+def test_a_damaged_node_copy_is_neither_restored_nor_copied_and_the_step_is_lost(reg, tmp_path):
     """A bit flipped in the node's only copy of a step not yet in the store: the restore
-    re-hashes it, says why it is skipped, and the copy to the store refuses it (warned, the
-    step stays at tier 0)."""
+    re-hashes it and says why it is skipped; no copy of the step is left, so it is lost
+    (`ls`, `show`, `pull` agree), and saving the step again is a new attempt that commits."""
     local = tmp_path / "node"
     first = _manager(reg, local, replicate=False)
     _saved(first, 1)
     first.close()
+    recorded = reg.show("tiered@step1")["files"]
     shard = local / "default" / "tiered" / "step-1" / "__0_0.distcp"
     data = shard.read_bytes()
     shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    second = _manager(reg, local)
-    with pytest.warns(UserWarning, match="not the file the save recorded"):
-        assert second.restore(_state(0)) is None
+    second = _manager(reg, local, replicate=False)
+    assert second.restore(_state(0)) is None
     assert second.resume_notes == [
-        "step 1 is not yet in the store, and node n0's copy is damaged "
+        "step 1 is not yet in the store, and node n0's copy is gone or damaged "
         "(__0_0.distcp: its sha256 is not the one recorded)"
     ]
-    assert reg.show("tiered@step1")["state"] == "local"
+    shown = reg.show("tiered@step1")
+    assert shown["state"] == "lost" and shown["resumable"] is False and "every node" in shown["lost"]
+    assert [(t["node"], t["held"]) for t in shown["tiers"]] == [("n0", False)]
+    assert [(c["step"], c["state"], c["resumable"]) for c in reg.list_checkpoints("tiered")] == [
+        (1, "lost", False)
+    ]
+    with pytest.raises(NotFound, match="tiered@step1 was lost: .*save the step again"):
+        reg.pull("tiered@step1", tmp_path / "pulled")
+    view = _saved(second, 1)  # the same step, a new attempt
+    assert view["state"] == "local"
+    again = reg.show("tiered@step1")
+    assert [(t["node"], t["held"]) for t in again["tiers"]] == [("n0", True)]
+    assert {f["path"]: f["sha256"] for f in again["files"]} != {
+        f["path"]: f["sha256"] for f in recorded
+    }
+    with reg.catalog.engine.connect() as c:  # type: ignore[attr-defined]
+        said = c.execute(text("SELECT action, target FROM audit_event")).all()
+    assert ("lost", "tiered@step1") in [tuple(r) for r in said]
     second.close()
 
 
@@ -317,24 +337,32 @@ def no_grace(tmp_path, monkeypatch):
     return path
 
 
-def test_gc_collects_a_tier0_step_whose_every_copy_is_gone(no_grace, reg, tmp_path):
-    """Evicted before it reached the store (`evict_unreplicated`), nobody copying it: GC
-    leaves a tombstone saying so; the step with a copy stays."""
-    from registry.errors import Collected
+def test_a_tier0_step_evicted_before_the_store_had_it_is_lost_and_gc_clears_its_leftovers(
+    no_grace, reg, tmp_path
+):
+    """Evicted before it reached the store (`evict_unreplicated`), nobody copying it: the
+    eviction marks it lost at once; a lost step's partial copy in the store is GC's to delete
+    (listed as `lost`), and the step with a copy stays."""
+    from registry.core.layout import checkpoint_prefix
 
     mgr = _manager(reg, tmp_path / "node", replicate=False, keep_local=1, evict_unreplicated=True)
     _saved(mgr, 1)
     _saved(mgr, 2)
     mgr.close()
+    assert reg.show("tiered@step1")["state"] == "lost"
     assert [t["held"] for t in reg.show("tiered@step1")["tiers"]] == [False]
+    leftover = checkpoint_prefix("default", "tiered", 1) + "__0_0.distcp"
+    reg.store.put_bytes(leftover, b"x" * 10)  # type: ignore[attr-defined]
     planned = reg.gc(dry_run=True)
-    assert [d["ref"] for d in planned["decisions"] if d["action"] == "delete"] == ["tiered@step1"]
-    assert reg.show("tiered@step1")["state"] == "local"  # a dry run changes nothing
+    assert [(d["ref"], d["action"], d["bytes"]) for d in planned["decisions"]] == [
+        ("tiered@step1", "lost", 10)
+    ]
     out = reg.gc()
-    lost = [d for d in out["decisions"] if d["ref"] == "tiered@step1"]
-    assert [d["action"] for d in lost] == ["delete"] and "no node holds a copy" in lost[0]["reason"]
-    with pytest.raises(Collected, match="no node holds a copy"):
-        reg.pull("tiered@step1", tmp_path / "x")
+    assert [(d["ref"], d["action"]) for d in out["decisions"]] == [("tiered@step1", "lost")]
+    assert "every node's copy was gone" in out["decisions"][0]["reason"]
+    assert reg.store.head(leftover) is None  # type: ignore[attr-defined]
+    assert reg.gc()["decisions"] == []  # nothing left to clear
+    assert reg.show("tiered@step1")["state"] == "lost"
     assert reg.show("tiered@step2")["state"] == "local"
 
 
@@ -402,6 +430,30 @@ def test_a_job_killed_before_its_copy_resumes_exactly_from_tier0(tmp_path, cli):
     assert restore["phases"]["local_bytes"] == restore["phases"]["bytes"] > 0
     # What the background hashing and commit cost the steps beside them reached the record.
     assert costs["tier"] == 0 and costs["async"] is True and "steps_during" in costs
+
+
+@pytest.mark.process
+def test_a_lost_node_loses_its_unreplicated_steps_and_the_job_saves_them_again(tmp_path, cli):
+    """Steps 3 and 4 committed at tier 0, their copies crawling, every rank killed and the
+    node's disk replaced: the restart resumes from step 2 (in the store), records both steps
+    lost, saves them again as new attempts, and trains on exactly as a job never interrupted.
+    (It crash-looped: each restart's save of step 3 was refused as "being copied".)"""
+    straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
+    _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+    _job(2, "--run-name", "gone", "--until", "2", "--losses", str(losses))
+    _job(2, "--run-name", "gone", "--until", "5", "--async", "--replicate-rate", "20000",
+         "--kill-after-tier0", "4", "--losses", str(losses), killed=True)  # fmt: skip
+    assert _states("gone") == {1: "committed", 2: "committed", 3: "local", 4: "local"}
+    shutil.rmtree(_local())  # the node's disk, replaced
+    report = tmp_path / "report.json"
+    _job(2, "--run-name", "gone", "--until", "5", "--async", "--losses", str(losses),
+         "--report", str(report))  # fmt: skip
+    assert json.loads(report.read_text())["resumed"] == 2
+    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    assert _states("gone") == {s: "committed" for s in (1, 2, 3, 4, 5)}
+    res = cli("audit", "--action", "lost", "--json")
+    lost = [e["target"] for e in json.loads(res.stdout)]
+    assert sorted(lost) == ["gone@step3", "gone@step4"]
 
 
 @pytest.mark.process

@@ -21,6 +21,7 @@ from registry.catalog.models import (
     DELETED,
     DELETING,
     LOCAL,
+    LOST,
     PENDING,
     SWEEPING,
     Checkpoint,
@@ -31,6 +32,7 @@ from registry.core.layout import checkpoint_prefix
 from registry.core.timeutil import iso, now
 from registry.errors import Conflict
 from registry.journal import outbox as events
+from registry.lifecycle.checkpoints import lost
 from registry.lifecycle.checkpoints.resume_facts import KeyFacts, resume_json, save
 from registry.lifecycle.views import CheckpointView
 from registry.storage.base import hash_stream
@@ -60,8 +62,8 @@ class PushResult:
 
 
 def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | None]:
-    """Take the step: a new pending row, or a stale claim. Returns the committed row instead if
-    the step is already committed."""
+    """Take the step: a new pending row, a stale claim, or a new attempt at a lost tier-0 step
+    (`lost.py`). Returns the committed row instead if the step is already committed."""
     for _ in range(5):
         with ctx.catalog.session(write=True) as s:
             _, run = queries.get_or_create_run(s, ref.project, ref.run)
@@ -88,11 +90,24 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
                 return Claim(Checkpoint, row.id, token), None
             if row.state == COMMITTED:
                 return Claim(Checkpoint, row.id or 0, ""), row
+            if lost.lose_if_gone(ctx, s, row, ref) or row.state == LOST:
+                retry = lost.new_attempt(s, row, pushed_by=ctx.actor)
+                if retry is None:
+                    continue  # another attempt took it first: look again
+                again = retry
+                break
             if row.state == LOCAL:
+                nodes = ", ".join(sorted(lost.held_copies(s, row.id or 0)))
+                copy = (
+                    f"being copied to the store {claims.holder(row)}"
+                    if claims.is_live(row)
+                    else "waiting for a job on those nodes to copy it to the store"
+                )
                 raise Conflict(
-                    f"{ref} is saved at tier 0 (on its nodes' local disks) since "
-                    f"{iso(row.committed_at)}, and is being copied to the store",
-                    "save under a new step",
+                    f"{ref} is saved at tier 0 since {iso(row.committed_at)}, held by node(s) "
+                    f"{nodes}, and {copy}",
+                    "save under a new step; a node that no longer holds its copy is recorded "
+                    "by that node's next restore, and the step can then be saved again",
                 )
             if row.state == SWEEPING:
                 raise Conflict(
@@ -122,7 +137,11 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
             taken = claims.take_over(s, row, pushed_by=ctx.actor, created_at=now())
             if taken is not None:
                 return taken, None
-    raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
+    else:
+        raise Conflict(f"could not claim {ref}: it kept changing under concurrent pushes", "retry")
+    # What the lost attempt's copy put in the store is cleared by the shared claim, or reused
+    # by a push where its digests match (`push.py`), as a dead push's files are.
+    return again, None
 
 
 def ensure_held(ctx: Context, claim: Claim, ref: CheckpointRef) -> None:

@@ -44,7 +44,8 @@ def list_checkpoints(
     include_deleted: bool = False,
 ) -> list[dict[str, Any]]:
     """Committed checkpoints (and tombstones with `include_deleted`) the caller may read."""
-    states = ["committed", "local"]  # local: at tier 0 only, on its nodes' disks
+    # local: at tier 0 only, on its nodes' disks; lost: the same, with every copy gone
+    states = ["committed", "local", "lost"]
     if include_deleted:
         states += ["deleting", "deleted"]
     where, params = "", list(states)
@@ -135,7 +136,10 @@ def _view(
         layout,
         _,
     ) = row
-    if missing_now is not None:
+    if state == "lost":  # no copy of it is left anywhere
+        resumable = False
+        missing = _json_list(missing or [])
+    elif missing_now is not None:
         resumable, missing = not missing_now, missing_now
     else:
         missing = _json_list(missing or [])

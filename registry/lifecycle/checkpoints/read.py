@@ -13,13 +13,14 @@ from sqlalchemy import update
 
 from policies.access import Action
 from registry.catalog import queries
-from registry.catalog.models import Checkpoint, Run
+from registry.catalog.models import LOST, Checkpoint, Run
 from registry.core.layout import MANIFEST, checkpoint_prefix
 from registry.core.refs import CheckpointRef, check_reason
 from registry.core.timeutil import now
 from registry.errors import IntegrityError
 from registry.formats.documents import FileRecord
 from registry.lifecycle.checkpoints.costs import costs_json
+from registry.lifecycle.checkpoints.lost import LOST_REASON
 from registry.lifecycle.checkpoints.resume_facts import resume_json
 from registry.lifecycle.checkpoints.tiers import tiers_json
 from registry.lifecycle.retention import emit_protection_event, explain
@@ -49,6 +50,8 @@ def show(ctx: Context, ref: CheckpointRef) -> dict[str, Any]:
     out = view.detail_json(ctx.store.describe(checkpoint_prefix(ref.project, run.name, ckpt.step)))
     out.update(resume_json(ctx, full, ckpt, files))  # decided now, under the policy in force
     out["protection"] = explain(ctx, ref.project, run, ckpt)
+    if ckpt.state == LOST:  # no copy left: the content rows say what was saved, not what is
+        out.update(resumable=False, lost=LOST_REASON)
     with ctx.catalog.session() as s:
         out.update(costs_json(s, ckpt.id or 0, ckpt.save_costs))
         out["tiers"] = tiers_json(s, ckpt)

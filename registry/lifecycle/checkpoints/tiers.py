@@ -15,7 +15,7 @@ then is the row `committed`: visible to pulls, promotion and retention, and mirr
     claim_replication(ctx, ref)        take over the copy of a step whose replicator died
     copying(ctx, claim)                the claim is a copy's (the row is local), not a save's
     expected(ctx, claim, path)         what a copy's file must be: tier 0's size and sha256
-    record_eviction(ctx, ref, node)    a node dropped its tier-0 copy
+    record_eviction(ctx, ref, node)    a node dropped its tier-0 copy (the last one: lost.py)
     restore_candidates(ctx, ref)       the newest steps a restore may read, with their copies
 """
 
@@ -42,6 +42,7 @@ from registry.core.timeutil import iso, now
 from registry.errors import Conflict, IntegrityError
 from registry.formats.documents import Manifest
 from registry.lifecycle.checkpoints.commit import emit_committed, lift_resume_protection
+from registry.lifecycle.checkpoints.lost import held_copies, lose_if_gone
 from registry.lifecycle.checkpoints.shared import SharedClaim, check_listed, recorded_parts
 
 if TYPE_CHECKING:
@@ -253,8 +254,9 @@ def record_eviction(ctx: Context, ref: CheckpointRef, node: str) -> None:
             )
             .values(evicted_at=now())
         )
-        if done.rowcount:  # GC may collect a step no node holds: who said so is recorded
+        if done.rowcount:  # who said the node dropped it is recorded
             ctx.audit(s, "evict-tier0", str(ref), node=node, state=row.state)
+            lose_if_gone(ctx, s, row, ref)
 
 
 def restore_candidates(ctx: Context, project: str, run: str) -> list[dict[str, Any]]:
@@ -356,15 +358,3 @@ def stranded(ctx: Context, project: str, run: str, *, live: bool = False) -> lis
                 }
             )
     return out
-
-
-def held_copies(session: Session, checkpoint_id: int) -> dict[str, list[str]]:
-    """node -> the files its tier-0 copy holds, for each node that still holds one."""
-    copies = session.exec(
-        select(CheckpointTier).where(
-            CheckpointTier.checkpoint_id == checkpoint_id,
-            CheckpointTier.tier == 0,
-            col(CheckpointTier.evicted_at).is_(None),
-        )
-    ).all()
-    return {c.node: list(c.files) for c in copies}
