@@ -85,6 +85,11 @@ def step_dir(local_dir: Path, project: str, run: str, step: int) -> Path:
     return local_dir / project / run / f"step-{step}"
 
 
+def free_bytes(local_dir: Path) -> int:
+    """Bytes free for an unprivileged writer on `local_dir`'s filesystem."""
+    return shutil.disk_usage(local_dir).free
+
+
 def local_steps(local_dir: Path, project: str, run: str) -> dict[int, Path]:
     """The steps this node has a directory for (whatever their state)."""
     found: dict[int, Path] = {}

@@ -236,7 +236,7 @@ class CheckpointManager:
         if self._tier is not None and not self._tier.layout_checked:
             self._tier.layout_checked = True
             ranks.agree(local_tier.layout_problem(self._tier.node, self._tier.local_dir))
-        if self._tier is not None:
+        if self._tier is not None and self._tier.has_room(state, ref):
             self._saved_any = True
             tiered = self._tier.save(state, ref, metrics, async_, started)
             if ranks.current_rank() == 0:  # its hashing and commit run beside the next steps
@@ -284,7 +284,7 @@ class CheckpointManager:
         `local_dir`: until it is committed at tier 0 (rank 0 gets the view), and with
         `replicated=True` until every save so far is in the store (tier 1); `timeout`: at most
         that many seconds, then `Unfinished` names what still runs (it goes on running)."""
-        if self._tier is not None:
+        if self._tier is not None and self._pending is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             view = self._tier.wait(timeout)
             if replicated:
@@ -299,10 +299,17 @@ class CheckpointManager:
         assert save.future is not None
         try:
             checked(save.future.result)
-        except BaseException:
+            return save.result(sync=False)
+        except BaseException as exc:
             save.release(failed=True)
-            raise
-        return save.result(sync=False)
+            # A save that did not fit at tier 0 went to the store: under on_error="warn" its
+            # failure is said and recorded, as a tier-0 save's is.
+            if self._tier is None or self._tier.on_error == "raise":
+                raise
+            if not isinstance(exc, RegistryError) or isinstance(exc, UsageError):
+                raise
+            self._tier.gave_up(save.shared.ref, exc)
+            return None
 
     def _claim(self, ref: CheckpointRef) -> SharedClaim:
         """Rank 0 claims the step; every rank gets the claim or rank 0's error."""

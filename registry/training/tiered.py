@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from registry.catalog.models import LOCAL
+from registry.catalog.models import COMMITTED, LOCAL
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError, Unfinished, UsageError
 from registry.lifecycle.checkpoints.shared import SharedClaim
@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 
 ON_ERROR = ("warn", "raise")
+# Room a tier-0 save needs beyond its ranks' tensor bytes: DCP's metadata and pickled values.
+ROOM_MARGIN = 1.05
+ROOM_SLACK_BYTES = 256 << 10
 
 
 @dataclass(slots=True)
@@ -110,6 +113,7 @@ class LocalTier(TierRestore):
         self._replicator: Replicator | None = None
         self._catalog: TierCatalog | None = None
         self._warned_staging = False
+        self._warned_room = False
         self.layout_checked = False  # the ranks' nodes and directories (the first save)
         self.failures: list[dict[str, Any]] = []  # saves given up (on_error="warn")
 
@@ -179,12 +183,7 @@ class LocalTier(TierRestore):
         if self.staging_budget is None:
             return False
 
-        flat, _ = flatten_state_dict(state)
-        mine = sum(
-            (v.to_local() if hasattr(v, "to_local") else v).nbytes
-            for v in flat.values()
-            if isinstance(v, torch.Tensor)
-        )
+        mine = _rank_bytes(state)
         # Decided together: a rank saving synchronously while another returns to training
         # would meet the loop's collectives with DCP's.
         size = int(ranks.gather_max({"bytes": float(mine)})["bytes"])
@@ -198,6 +197,60 @@ class LocalTier(TierRestore):
                 stacklevel=3,
             )
         return True
+
+    def has_room(self, state: dict[str, Any], ref: CheckpointRef) -> bool:
+        """Every rank, before a tier-0 save: whether every node has room for its ranks' files
+        (free space, and `local_budget_bytes`), after its first rank evicted copies the store
+        already holds, oldest first. False (decided together): this save goes to the store,
+        said once, by rank 0."""
+        every = ranks.gathered((self.node, _rank_bytes(state)))
+        need = sum(size for node, size in every if node == self.node)
+        need = int(need * ROOM_MARGIN) + ROOM_SLACK_BYTES  # DCP's metadata and pickled values
+        first = min(r for r, (node, _) in enumerate(every) if node == self.node)
+        ok = True
+        if first == ranks.current_rank():
+            try:
+                ok = self._make_room(need)
+            except Exception as exc:  # the check never stops a save: the write says ENOSPC
+                warnings.warn(f"reg: checking room at tier 0 failed: {exc}", stacklevel=2)
+        if all(ranks.gathered(ok)):
+            return True
+        local_tier.evict(self._partial(ref))  # made ready by `prepare`, empty
+        if ranks.current_rank() == 0 and not self._warned_room:
+            self._warned_room = True
+            warnings.warn(
+                f"reg: {ref} does not fit at tier 0 ({self.local_dir}: no room for "
+                f"{need} bytes once the copies already in the store were evicted): saved "
+                "straight to the store, as is every later save that does not fit",
+                stacklevel=3,
+            )
+        return False
+
+    def _make_room(self, need: int) -> bool:
+        """This node's first rank: room for `need` bytes, evicting the node's copies of steps
+        the store holds (and with `evict_unreplicated`, of any step), oldest first."""
+        m = self.manager
+        steps = local_tier.local_steps(self.local_dir, m.project, m.run)
+
+        def room() -> int:
+            free = local_tier.free_bytes(self.local_dir)
+            if self.budget is not None:
+                free = min(free, self.budget - sum(_tree_bytes(p) for p in steps.values()))
+            return free
+
+        if room() >= need:
+            return True
+        states = self.catalog.states(m.project, m.run, sorted(steps))
+        for step in sorted(steps):
+            state = states.get(step)
+            if state is not None and state != COMMITTED and not self.evict_unreplicated:
+                continue  # the only durable copy of a step on its way to the store
+            local_tier.evict(steps.pop(step))
+            if state is not None:
+                self.catalog.evicted(CheckpointRef(m.project, m.run, step), self.node)
+            if room() >= need:
+                return True
+        return False
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Until the save in flight is committed at tier 0: its view (rank 0), or its error
@@ -427,6 +480,16 @@ class LocalTier(TierRestore):
     def close(self) -> None:
         if self._replicator is not None:
             self._replicator.close()
+
+
+def _rank_bytes(state: dict[str, Any]) -> int:
+    """The bytes of this rank's tensors in `state` (a DTensor's local shard)."""
+    flat, _ = flatten_state_dict(state)
+    return sum(
+        (v.to_local() if hasattr(v, "to_local") else v).nbytes
+        for v in flat.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def _tree_bytes(path: Path) -> int:

@@ -652,3 +652,95 @@ def test_async_saves_beside_the_loops_collectives_need_their_own_group(tmp_path)
     hung = job("bare")
     assert all("hung_at" in m for m in hung), hung  # torch fixed it? then say so in the docs
     assert all(10 <= m["hung_at"] < 40 for m in hung)  # after the first save, before the end
+
+
+# -- room at tier 0 -----------------------------------------------------------------------------
+
+
+def _big(step: int) -> dict[str, Any]:
+    torch.manual_seed(step)  # 1 MiB of tensors: the room check's margin is small beside it
+    return {"model": {"w": torch.randn(512, 512)}, "train_state": {"step": step}}
+
+
+def _saved_big(mgr: CheckpointManager, step: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr.save(_big(step), step)
+        mgr.wait(replicated=True)
+
+
+def test_a_save_that_does_not_fit_evicts_copies_the_store_holds_first(reg, tmp_path):
+    """`keep_local=2` in room for two checkpoints: the third save evicts the oldest copy the
+    store already holds before it writes (it used to need room for three)."""
+    local = tmp_path / "node"
+    mgr = _manager(reg, local, keep_local=2, local_budget_bytes=int(2.6 * (1 << 20)))
+    for step in (1, 2, 3):
+        _saved_big(mgr, step)
+    assert sorted(local_steps(local)) == [2, 3]
+    assert [(t["tier"], t["held"]) for t in reg.show("tiered@step1")["tiers"]] == [
+        (0, False),
+        (1, True),
+    ]
+    assert reg.show("tiered@step3")["save_costs"]["tier"] == 0
+    assert mgr.failures == []
+    mgr.close()
+
+
+def test_a_save_with_no_room_at_tier0_goes_straight_to_the_store(reg, tmp_path):
+    """Nothing at tier 0 may go (no step is in the store yet): the save that does not fit is
+    written to the store, with one warning for the job; nothing is dropped, and saves that fit
+    again go to tier 0."""
+    local = tmp_path / "node"
+    mgr = _manager(reg, local, replicate=False, local_budget_bytes=int(2.6 * (1 << 20)))
+    for step in (1, 2):
+        _saved_big(mgr, step)
+    with pytest.warns(UserWarning, match=r"tiered@step3 does not fit at tier 0 .* straight to"):
+        view = mgr.save(_big(3), 3)  # a synchronous save to the store returns its view
+    assert view is not None and view["state"] == "committed"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mgr.save(_big(4), 4, async_=True)
+        assert mgr.wait()["state"] == "committed"  # type: ignore[index]
+    assert not [w for w in said if "reg:" in str(w.message)]  # said once, for the job
+    assert _states_of(reg) == {1: "local", 2: "local", 3: "committed", 4: "committed"}
+    assert sorted(local_steps(local)) == [1, 2]
+    restored = _big(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert mgr.restore(restored) == 4
+    assert torch.equal(restored["model"]["w"], _big(4)["model"]["w"])
+    mgr.close()
+
+
+def test_a_full_tier0_filesystem_sends_saves_to_the_store_and_training_goes_on(reg, tmp_path):
+    """A real 3 MiB tmpfs as the node's disk, room for two checkpoints, `keep_local=2`, no
+    copies to the store: every save is committed somewhere, none raises, none says ENOSPC."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        mgr = _manager(reg, mount, replicate=False, keep_local=2)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for step in range(1, 6):
+                mgr.save(_big(step), step)
+                mgr.wait()
+        mgr.close()
+        states = _states_of(reg)
+        assert states == {1: "local", 2: "local", 3: "committed", 4: "committed", 5: "committed"}
+        texts = [str(w.message) for w in said if "reg:" in str(w.message)]
+        assert len([t for t in texts if "does not fit at tier 0" in t]) == 1
+        assert not [t for t in texts if "not saved" in t or "No space" in t]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _states_of(reg: Registry) -> dict[int, str]:
+    return {c["step"]: c["state"] for c in reg.list_checkpoints("tiered")}
+
+
+def local_steps(local: Path) -> list[int]:
+    return [int(p.name[5:]) for p in (local / "default" / "tiered").glob("step-*")]
