@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from registry.catalog.models import COMMITTED, LOCAL
+from registry.catalog.models import LOCAL
 from registry.core.refs import CheckpointRef
 from registry.errors import RegistryError, Unfinished, UsageError
 from registry.lifecycle.checkpoints.shared import SharedClaim
@@ -227,8 +227,9 @@ class LocalTier(TierRestore):
         return False
 
     def _make_room(self, need: int) -> bool:
-        """This node's first rank: room for `need` bytes, evicting the node's copies of steps
-        the store holds (and with `evict_unreplicated`, of any step), oldest first."""
+        """This node's first rank: room for `need` bytes, evicting the node's copies oldest
+        first: of steps the store holds, steps never to be copied (`replicate_every`), lost
+        ones and leftovers; with `evict_unreplicated`, of any step."""
         m = self.manager
         steps = local_tier.local_steps(self.local_dir, m.project, m.run)
 
@@ -243,7 +244,7 @@ class LocalTier(TierRestore):
         states = self.catalog.states(m.project, m.run, sorted(steps))
         for step in sorted(steps):
             state = states.get(step)
-            if state is not None and state != COMMITTED and not self.evict_unreplicated:
+            if state == LOCAL and not self.evict_unreplicated:
                 continue  # the only durable copy of a step on its way to the store
             local_tier.evict(steps.pop(step))
             if state is not None:

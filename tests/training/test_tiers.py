@@ -247,7 +247,9 @@ def test_a_damaged_node_copy_is_neither_restored_nor_copied_and_the_step_is_lost
         "(__0_0.distcp: its sha256 is not the one recorded)"
     ]
     shown = reg.show("tiered@step1")
-    assert shown["state"] == "lost" and shown["resumable"] is False and "every node" in shown["lost"]
+    assert (
+        shown["state"] == "lost" and shown["resumable"] is False and "every node" in shown["lost"]
+    )
     assert [(t["node"], t["held"]) for t in shown["tiers"]] == [("n0", False)]
     assert [(c["step"], c["state"], c["resumable"]) for c in reg.list_checkpoints("tiered")] == [
         (1, "lost", False)
