@@ -106,7 +106,8 @@ def test_replicate_every_copies_every_kth_save_and_advise_weighs_both_levels(reg
     local = tmp_path / "node"
     assert _attempt(reg, local, 13) is None  # saves 3 6 9 12: 3 and 9 copied
     states = {c["step"]: c["state"] for c in reg.list_checkpoints("lv")}
-    assert states == {3: "committed", 6: "local", 9: "committed", 12: "local"}
+    # 6 was never to be copied, and keep_local evicted its only copy: it is lost
+    assert states == {3: "committed", 6: "lost", 9: "committed", 12: "local"}
     shown = reg.show("lv@step6")
     assert shown["save_costs"]["tier0_only"] is True
     copied = reg.show("lv@step9")["save_costs"]

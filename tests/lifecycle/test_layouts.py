@@ -162,7 +162,7 @@ def test_a_checkpoint_without_recorded_keys_gets_them_from_its_proven_metadata(
         for run in ("a", "b", "c", "d"):
             reg.push_checkpoint(layouts["lightning"].step_dir(2), run=run, step=2)
         with reg.catalog.engine.begin() as conn:  # as a catalog from before migration 0010
-            conn.execute(text("DROP TRIGGER checkpoint_keys_no_delete"))
+            conn.execute(text("DROP TRIGGER checkpoint_keys_kept"))  # 0020's delete guard
             conn.execute(text("DELETE FROM checkpoint_keys"))
 
     def layouts_listed() -> list[str | None]:
