@@ -38,6 +38,7 @@ from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.journal import outbox as events
 from registry.lifecycle.checkpoints.lost import LOST_REASON, held_copies, lose_if_gone
+from registry.lifecycle.checkpoints.tiers import TIER0_ONLY
 from registry.lifecycle.retention import current_protections, gc_lease, retention_records
 from registry.trust import signed_facts
 
@@ -190,7 +191,9 @@ def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) ->
         for row, run, project in rows:
             ref = CheckpointRef(project, run, row.step)
             if row.state == LOST_STATE:
-                found.append((ref, False))
+                # a step never to be copied (`replicate_every`) left nothing in the store
+                if not (isinstance(row.save_costs, dict) and row.save_costs.get(TIER0_ONLY)):
+                    found.append((ref, False))
             elif (
                 not held_copies(s, row.id or 0)
                 and not claims.is_live(row)
