@@ -41,6 +41,7 @@ class Claim:
     table: type[ClaimColumns]
     row_id: int
     token: str
+    fresh: bool = False  # a new row: no earlier attempt at it, so nothing of one to clear
 
 
 def new_token() -> str:

@@ -227,9 +227,10 @@ class CheckpointManager:
         try:
             state = ranks.with_per_rank(state, per_rank)
             problem = ranks.unloadable(state)
-            self.backend.prepare()  # the store or the server, reachable from this rank
             if self._tier is not None:
                 self._tier.prepare(ref)  # this node's directory for the step, writable
+            else:  # a tier-0 save needs no store now: its copy waits for one
+                self.backend.prepare()  # the store or the server, reachable from this rank
         except RegistryError as exc:
             problem = exc
         ranks.agree(problem)

@@ -9,15 +9,20 @@ server` each file goes through the server's push path, hashed and recorded there
 (`tier_catalog`). Rank 0 then waits
 until every file is recorded and commits the step at tier 1 (`tiers.commit_replicated`, which
 checks each recorded digest against the one tier 0 recorded and the store's sizes). A failed
-copy is retried (`RETRIES`, with backoff); what still fails is reported (`on_error="warn"`:
-a warning, training goes on; `"raise"`: raised by the next `save()` or `wait()`), and its
-claim runs out, so the next job's restore takes the copy over.
+copy is retried (`RETRIES`, with backoff). With `on_error="warn"` what still fails (the store
+unreachable) is said once for the outage and tried again every `RETRY_LATER_S` while the job
+runs, its claim kept alive, so every step left at tier 0 is copied once the store is back;
+with `"raise"` it is raised by the next `save()` or `wait()` and its claim runs out, so the
+next job's restore takes the copy over. Rank 0's commit waiting for another rank's part does
+not hold up the copies of later steps: the job is looked at again every `POLL_S`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
+import itertools
 import os
 import platform
 import queue
@@ -40,8 +45,14 @@ if TYPE_CHECKING:
 
 RETRIES = 3
 BACKOFF_S = 1.0
+RETRY_LATER_S = 10.0  # on_error="warn": a copy that failed RETRIES times is tried again after this
 POLL_S = 0.25  # rank 0's look at whether every part is recorded
 PARTS_TIMEOUT_S = 3600.0  # rank 0 gives up waiting for another rank's part after this
+
+
+class _PartsPending(Exception):
+    """Rank 0's commit waits for another rank's part: the job is looked at again soon, and the
+    copies of later steps go on meanwhile."""
 
 
 @dataclass(slots=True)
@@ -56,6 +67,7 @@ class Job:
     commit: bool
     queued: float = field(default_factory=time.monotonic)
     stage: str = "queued behind earlier copies"  # what it is doing now (a bounded wait names it)
+    parts_deadline: float | None = None  # rank 0 gives up on the other ranks' parts then
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     result: dict[str, Any] | None = None
@@ -97,6 +109,7 @@ class Replicator:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._beat: Heartbeat | None = None
+        self._failing = False  # the last attempt failed: warned once until a copy succeeds
 
     def submit(self, job: Job) -> None:
         self.jobs[job.step] = job
@@ -139,17 +152,39 @@ class Replicator:
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         _lower_priority()
-        while (job := self._queue.get()) is not None:
+        later: list[tuple[float, int, Job]] = []  # jobs to look at again, by when
+        order = itertools.count()
+        while True:
+            if later and later[0][0] <= time.monotonic():
+                job = heapq.heappop(later)[2]
+            else:
+                try:
+                    got = self._queue.get(timeout=later[0][0] - time.monotonic() if later else None)
+                except queue.Empty:
+                    continue
+                if got is None:
+                    return  # closed: what waits in `later` stays undone (close() named it)
+                job = got
+            again = None
             try:
-                self._attempts(job)
+                again = self._attempts(job)
             finally:
-                job.done.set()
+                if again is None:
+                    job.done.set()
+                else:
+                    heapq.heappush(later, (time.monotonic() + again, next(order), job))
 
-    def _attempts(self, job: Job) -> None:
+    def _attempts(self, job: Job) -> float | None:
+        """Copy `job`: None when it is done (copied, or failed for good), else the seconds
+        after which to look at it again (its commit waits for other ranks' parts, or the store
+        is unreachable and on_error="warn": copies are retried for as long as the job runs)."""
         for attempt in range(RETRIES):
             try:
                 self._copy(job)
-                return
+                self._failing = False
+                return None
+            except _PartsPending:
+                return POLL_S
             except Conflict as exc:  # the step was taken over, or is gone: nothing to retry
                 job.error = exc
                 break
@@ -158,6 +193,17 @@ class Replicator:
                 if attempt + 1 < RETRIES:
                     time.sleep(BACKOFF_S * 2**attempt)
         assert job.error is not None
+        if self.on_error == "warn" and not isinstance(job.error, Conflict):
+            if not self._failing:  # one warning for an outage, not one per step and retry
+                self._failing = True
+                warnings.warn(
+                    f"reg: copying {job.claim.ref} to the store failed ({job.error}); it stays "
+                    f"at tier 0, and the copies are retried every {RETRY_LATER_S:.0f} s while "
+                    "the job runs (the next job's restore takes over what is left)",
+                    stacklevel=1,
+                )
+            job.stage = f"waiting to retry its copy ({job.error})"
+            return RETRY_LATER_S
         self.failed.append((job.step, job.error))
         if self.on_error == "warn":
             warnings.warn(
@@ -165,6 +211,7 @@ class Replicator:
                 "tier 0 and the next job's restore takes the copy over",
                 stacklevel=1,
             )
+        return None
 
     def _copy(self, job: Job) -> None:
         self.copy(job, commit=job.commit)
@@ -189,12 +236,13 @@ class Replicator:
             job.result = self._commit(job)
 
     def _commit(self, job: Job) -> dict[str, Any]:
-        deadline = time.monotonic() + PARTS_TIMEOUT_S
-        while missing := self.catalog.missing(job.claim):
+        if job.parts_deadline is None:
+            job.parts_deadline = time.monotonic() + PARTS_TIMEOUT_S
+        if missing := self.catalog.missing(job.claim):
             job.stage = f"waiting for the other ranks' copies ({len(missing)} files not recorded)"
-            if time.monotonic() > deadline:
-                raise RegistryError(f"{job.claim.ref}: another rank's copy never arrived")
-            time.sleep(POLL_S)
+            if time.monotonic() > job.parts_deadline:
+                raise Conflict(f"{job.claim.ref}: another rank's copy never arrived")
+            raise _PartsPending
         job.stage = "committing it at tier 1"
         return self.catalog.commit_replicated(job.claim, time.monotonic() - job.queued)
 

@@ -140,7 +140,7 @@ class EmbeddedTiers:
         return self.registry.context
 
     def claim(self, ref: CheckpointRef) -> SharedClaim:
-        return claim(self.ctx, ref)
+        return claim(self.ctx, ref, store_later=True)  # a tier-0 save: the store may be down
 
     def give_up(self, claimed: SharedClaim) -> None:
         give_up(self.ctx, claimed)

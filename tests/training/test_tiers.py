@@ -746,3 +746,60 @@ def _states_of(reg: Registry) -> dict[int, str]:
 
 def local_steps(local: Path) -> list[int]:
     return [int(p.name[5:]) for p in (local / "default" / "tiered").glob("step-*")]
+
+
+# -- the store down ------------------------------------------------------------------------------
+
+
+def test_tier0_saves_go_on_while_the_store_is_down_and_are_copied_when_it_returns(
+    s3_env, s3_server, monkeypatch, tmp_path
+):
+    """S3 (SeaweedFS behind a proxy that drops every request) goes down after the first save:
+    the next saves still commit at tier 0 without touching the store, each in about the time
+    of a bare save; one warning says the copies wait; when the store is back, every step left
+    at tier 0 is copied by the same job, and a restore reads the newest."""
+    from registry.training import replicator
+    from tests.s3server import FaultyProxy
+
+    monkeypatch.setattr(replicator, "RETRY_LATER_S", 0.5)
+    monkeypatch.setattr(replicator, "BACKOFF_S", 0.05)
+    proxy = FaultyProxy(s3_server.port, 0.0, kinds=("drop",)).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    try:
+        with Registry() as reg:
+            mgr = _manager(reg, tmp_path / "node")
+            _saved(mgr, 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.wait(replicated=True, timeout=60)
+            proxy.fault_rate = 1.0  # the store is gone
+            blocked = []
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                for step in (2, 3, 4):
+                    started = time.monotonic()
+                    mgr.save(_state(step), step)
+                    view = mgr.wait()
+                    blocked.append(time.monotonic() - started)
+                    assert view is not None and view["state"] == "local"
+                time.sleep(1.0)  # the copies fail, and wait to be retried
+            assert max(blocked) < 5.0, blocked  # no store round trip in a save
+            copies = [str(w.message) for w in said if "copying" in str(w.message)]
+            assert len(copies) == 1 and "retried every" in copies[0], copies
+            assert mgr.failures == []
+            assert _states_of(reg) == {1: "committed", 2: "local", 3: "local", 4: "local"}
+            proxy.fault_rate = 0.0  # back
+            mgr.wait(replicated=True, timeout=60)
+            assert _states_of(reg) == {s: "committed" for s in (1, 2, 3, 4)}
+            mgr.close()
+            shutil.rmtree(tmp_path / "node")  # read from the store alone
+            again = _manager(reg, tmp_path / "node")
+            restored = _state(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert again.restore(restored) == 4
+            assert torch.equal(restored["model"]["w"], _state(4)["model"]["w"])
+            again.close()
+    finally:
+        proxy.stop()

@@ -87,7 +87,7 @@ def claim_step(ctx: Context, ref: CheckpointRef) -> tuple[Claim, Checkpoint | No
                     continue  # a concurrent push inserted it first: look again
                 s.flush()
                 assert row.id is not None
-                return Claim(Checkpoint, row.id, token), None
+                return Claim(Checkpoint, row.id, token, fresh=True), None
             if row.state == COMMITTED:
                 return Claim(Checkpoint, row.id or 0, ""), row
             if lost.lose_if_gone(ctx, s, row, ref) or row.state == LOST:

@@ -109,10 +109,14 @@ class SharedClaim:
         return {"ref": str(self.ref), "claim": self.token}
 
 
-def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> SharedClaim:
+def claim(
+    ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None, store_later: bool = False
+) -> SharedClaim:
     """Claim `ref` for writers that will share the token. `lease_s`: the claim outlives this
     process (a launcher's `reg claim-ckpt`) and runs out after that many seconds unless a
-    writer renews it; None: held by this process, which renews it (`claims.held`)."""
+    writer renews it; None: held by this process, which renews it (`claims.held`).
+    `store_later`: the writers write elsewhere first (tier 0), so a new step's claim does not
+    touch the store (an unreachable store does not stop the save)."""
     from registry.lifecycle.checkpoints import commit
 
     check_request(ref.project, ref.run, ref.step or 0)
@@ -127,6 +131,8 @@ def claim(ctx: Context, ref: CheckpointRef, *, lease_s: float | None = None) -> 
         with ctx.catalog.session(write=True) as s:
             # No process holds it: the lease alone says when it may be taken over.
             claims.guarded_update(s, taken, claim_pid=None, lease_until=now() + float(lease_s))
+    if store_later and taken.fresh:
+        return shared  # no earlier attempt in the catalog: the prefix holds nothing of one
     # An earlier attempt's files are ours now (the claim was stale or the step new): gone, so
     # that every writer's put-if-absent finds the keys free and a leftover is never committed.
     for info in list(ctx.store.list(shared.prefix)):
