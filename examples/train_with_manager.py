@@ -71,6 +71,9 @@ def main() -> None:
     )
     parser.add_argument("--replicate-rate", type=float, help="replication bytes/s")
     parser.add_argument("--kill-after-tier0", type=int, help="SIGKILL once step K is at tier 0")
+    parser.add_argument(
+        "--close-timeout", type=float, default=60.0, help="close() waits at most S seconds"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -99,6 +102,7 @@ def main() -> None:
         args.run_name,
         project=args.project,
         heartbeat_s=args.heartbeat,
+        close_timeout_s=args.close_timeout,
         **tier,  # type: ignore[arg-type]
     )
 

@@ -459,6 +459,40 @@ def test_a_lost_node_loses_its_unreplicated_steps_and_the_job_saves_them_again(t
 
 
 @pytest.mark.process
+def test_a_job_trains_through_a_store_outage_and_the_next_resumes_exactly(
+    tmp_path, s3_env, s3_server, monkeypatch
+):
+    """S3 (SeaweedFS behind a proxy that drops every request) down for a whole 2-rank job: it
+    saves steps 1-4 at tier 0, gives up waiting for their copies after its close bound and
+    exits 0. The store back, the next job resumes from step 4 on the node, copies 1-4 to the
+    store, and trains on exactly as a job never interrupted."""
+    from tests.s3server import FaultyProxy
+
+    proxy = FaultyProxy(s3_server.port, 0.0, kinds=("drop",)).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    try:
+        straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
+        _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+        proxy.fault_rate = 1.0  # the store is gone
+        started = time.monotonic()
+        _job(2, "--run-name", "out", "--until", "4", "--async", "--close-timeout", "3",
+             "--losses", str(losses))  # fmt: skip
+        outage_job = time.monotonic() - started
+        assert _states("out") == {1: "local", 2: "local", 3: "local", 4: "local"}
+        proxy.fault_rate = 0.0  # back
+        report = tmp_path / "report.json"
+        _job(2, "--run-name", "out", "--until", "5", "--losses", str(losses),
+             "--report", str(report))  # fmt: skip
+    finally:
+        proxy.stop()
+    assert json.loads(report.read_text())["resumed"] == 4
+    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    assert _states("out") == {s: "committed" for s in (1, 2, 3, 4, 5)}
+    assert outage_job < 40, outage_job  # bounded: the close gave up after 3 s
+
+
+@pytest.mark.process
 def test_a_node_without_its_copies_reads_the_store_and_so_does_another_world_size(tmp_path):
     """Two simulated nodes: node1 loses its local directory; the restart restores step 3,
     node0's ranks from their own copies, node1's from the store, exactly. A job at world size
