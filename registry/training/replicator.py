@@ -181,7 +181,7 @@ class Replicator:
         for attempt in range(RETRIES):
             try:
                 self._copy(job)
-                self._failing = False
+                self._failing, job.error = False, None
                 return None
             except _PartsPending:
                 return POLL_S
