@@ -290,11 +290,12 @@ def restore_tier(restore: CheckpointRestore) -> int:
 
 
 def restore_phases(restore: CheckpointRestore) -> tuple[float, float, float]:
-    """A restore's RTO in its three parts: fetch (catalog, metadata, bytes), load/reshard,
-    first step."""
+    """A restore's RTO in its three parts: fetch (catalog, verifying the node's copies,
+    metadata, bytes), load/reshard, first step."""
     p = restore.phases or {}
     fetch = sum(
-        float(p.get(k) or 0) for k in ("catalog_seconds", "metadata_seconds", "fetch_seconds")
+        float(p.get(k) or 0)
+        for k in ("catalog_seconds", "verify_seconds", "metadata_seconds", "fetch_seconds")
     )
     return fetch, float(p.get("load_reshard_seconds") or 0), float(p.get("first_step_seconds") or 0)
 

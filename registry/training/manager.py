@@ -378,14 +378,16 @@ class CheckpointManager:
             assert per_rank is not None
             per_rank[cls] = full[cls][f"rank_{ranks.current_rank()}"]
         total = time.monotonic() - started
+        verify = self._tier.verify_seconds if self._tier is not None else 0.0
         phases = {
-            "catalog_seconds": reader.opened_at - started,
+            "catalog_seconds": max(0.0, reader.opened_at - started - verify),
+            "verify_seconds": verify,
             "metadata_seconds": reader.metadata_seconds,
             "fetch_seconds": reader.fetch_seconds,
             "load_reshard_seconds": max(
                 0.0,
                 total
-                - (reader.opened_at - started)
+                - (reader.opened_at - started)  # the verification included
                 - reader.metadata_seconds
                 - reader.fetch_seconds,
             ),

@@ -63,6 +63,7 @@ class TierRestore:
         node: str
         replicate: bool
         notes: list[str]
+        verify_seconds: float
 
         @property
         def catalog(self) -> TierCatalog: ...
@@ -76,6 +77,7 @@ class TierRestore:
         """Every rank: (step, a store-like reader routing each file to this node's copy or the
         store, prefix, versions, notes) of the newest step this job can read; None if none."""
         m = self.manager
+        self.verify_seconds = 0.0  # re-hashing the nodes' copies: a phase of its own
         try:
             self.wait()  # a save still in flight finishes first (its eviction included)
         except RegistryError as exc:
@@ -215,9 +217,11 @@ class TierRestore:
         held = cand["nodes"].get(self.node, []) if same_world else []
         peers = [r for r, node in enumerate(layout) if node == self.node]
         mine = sorted(held)[peers.index(ranks.current_rank()) :: len(peers)]
+        hashing = time.monotonic()
         problems, wrong = local_tier.verify_local(
             directory, [records[p] for p in mine if p in records]
         )
+        self.verify_seconds += time.monotonic() - hashing
         # What each rank verified, by file identity: a rank reads a file its peer verified
         # only if it is the same file (one directory per node, as node_id promises).
         seen = local_tier.file_ids(directory, mine)

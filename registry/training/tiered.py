@@ -110,6 +110,7 @@ class LocalTier(TierRestore):
         self.pending: TierSave | None = None
         self.newest_saved: int | None = None
         self.notes: list[str] = []  # the last restore's, on the tier-0 steps it skipped
+        self.verify_seconds = 0.0  # the last restore's re-hashing of this rank's node copies
         self._replicator: Replicator | None = None
         self._catalog: TierCatalog | None = None
         self._warned_staging = False

@@ -430,6 +430,8 @@ def test_a_job_killed_before_its_copy_resumes_exactly_from_tier0(tmp_path, cli):
         (restore,) = reg.show("cut@step3")["restores"]
         costs = reg.show("cut@step4")["save_costs"]
     assert restore["phases"]["local_bytes"] == restore["phases"]["bytes"] > 0
+    # the node's copy was re-hashed before it was read: a phase of its own, not the catalog's
+    assert restore["phases"]["verify_seconds"] > 0
     # What the background hashing and commit cost the steps beside them reached the record.
     assert costs["tier"] == 0 and costs["async"] is True and "steps_during" in costs
 
