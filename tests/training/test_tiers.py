@@ -399,6 +399,19 @@ def _job(nproc: int, *args: str, killed: bool = False) -> None:
     )
 
 
+_UNINTERRUPTED: list[Any] = []  # the example's losses over 5 steps without a fault, per worker
+
+
+def _uninterrupted(tmp_path: Path) -> Any:
+    """The losses of the example's 2-rank job trained 5 steps with no fault: seeded, the same
+    for every test, so a worker trains it once."""
+    if not _UNINTERRUPTED:
+        path = tmp_path / "straight.json"
+        _job(2, "--run-name", "straight", "--until", "5", "--losses", str(path))
+        _UNINTERRUPTED.append(json.loads(path.read_text()))
+    return _UNINTERRUPTED[0]
+
+
 def _states(run: str) -> dict[int, str]:
     with Registry() as reg:
         return {c["step"]: c["state"] for c in reg.list_checkpoints(run)}
@@ -413,6 +426,7 @@ def test_a_job_killed_before_its_copy_resumes_exactly_from_tier0(tmp_path, cli):
     straight, cut = tmp_path / "straight.json", tmp_path / "cut.json"
     _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
     assert set(_states("straight").values()) == {"committed"}  # close() waits for the copy
+    _UNINTERRUPTED[:] = [json.loads(straight.read_text())]
     slow = ["--replicate-rate", "20000"]
     _job(2, "--run-name", "cut", "--until", "5", "--async", *slow, "--kill-after-tier0", "3",
          "--losses", str(cut), killed=True)  # fmt: skip
@@ -442,8 +456,7 @@ def test_a_lost_node_loses_its_unreplicated_steps_and_the_job_saves_them_again(t
     node's disk replaced: the restart resumes from step 2 (in the store), records both steps
     lost, saves them again as new attempts, and trains on exactly as a job never interrupted.
     (It crash-looped: each restart's save of step 3 was refused as "being copied".)"""
-    straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
-    _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+    straight, losses = _uninterrupted(tmp_path), tmp_path / "losses.json"
     _job(2, "--run-name", "gone", "--until", "2", "--losses", str(losses))
     _job(2, "--run-name", "gone", "--until", "5", "--async", "--replicate-rate", "20000",
          "--kill-after-tier0", "4", "--losses", str(losses), killed=True)  # fmt: skip
@@ -453,7 +466,7 @@ def test_a_lost_node_loses_its_unreplicated_steps_and_the_job_saves_them_again(t
     _job(2, "--run-name", "gone", "--until", "5", "--async", "--losses", str(losses),
          "--report", str(report))  # fmt: skip
     assert json.loads(report.read_text())["resumed"] == 2
-    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    assert json.loads(losses.read_text()) == straight
     assert _states("gone") == {s: "committed" for s in (1, 2, 3, 4, 5)}
     res = cli("audit", "--action", "lost", "--json")
     lost = [e["target"] for e in json.loads(res.stdout)]
@@ -474,8 +487,7 @@ def test_a_job_trains_through_a_store_outage_and_the_next_resumes_exactly(
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     try:
-        straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
-        _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+        straight, losses = _uninterrupted(tmp_path), tmp_path / "losses.json"
         proxy.fault_rate = 1.0  # the store is gone
         started = time.monotonic()
         _job(2, "--run-name", "out", "--until", "4", "--async", "--close-timeout", "3",
@@ -489,7 +501,7 @@ def test_a_job_trains_through_a_store_outage_and_the_next_resumes_exactly(
     finally:
         proxy.stop()
     assert json.loads(report.read_text())["resumed"] == 4
-    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    assert json.loads(losses.read_text()) == straight
     assert _states("out") == {s: "committed" for s in (1, 2, 3, 4, 5)}
     assert outage_job < 40, outage_job  # bounded: the close gave up after 3 s
 
@@ -499,8 +511,7 @@ def test_a_node_without_its_copies_reads_the_store_and_so_does_another_world_siz
     """Two simulated nodes: node1 loses its local directory; the restart restores step 3,
     node0's ranks from their own copies, node1's from the store, exactly. A job at world size
     3 then restores the same state from the store alone."""
-    straight, losses = tmp_path / "straight.json", tmp_path / "losses.json"
-    _job(2, "--run-name", "straight", "--until", "5", "--losses", str(straight))
+    straight, losses = _uninterrupted(tmp_path), tmp_path / "losses.json"
     _job(2, "--run-name", "two", "--until", "3", "--nodes", "2", "--losses", str(losses))
     with Registry() as reg:
         tiers = reg.show("two@step3")["tiers"]
@@ -514,7 +525,7 @@ def test_a_node_without_its_copies_reads_the_store_and_so_does_another_world_siz
     _job(2, "--run-name", "two", "--until", "5", "--nodes", "2", "--losses", str(losses),
          "--report", str(report), "--dump", str(five))  # fmt: skip
     assert json.loads(report.read_text())["resumed"] == 3
-    assert json.loads(losses.read_text()) == json.loads(straight.read_text())
+    assert json.loads(losses.read_text()) == straight
     with Registry() as reg:
         (restore,) = reg.show("two@step3")["restores"]
     assert 0 < restore["phases"]["local_bytes"] < restore["phases"]["bytes"]
