@@ -114,7 +114,8 @@ class LocalTier(TierRestore):
         self._replicator: Replicator | None = None
         self._catalog: TierCatalog | None = None
         self._warned_staging = False
-        self._warned_room = False
+        self._warned_room: str | None = None  # the last reason a save skipped tier 0
+        self._unwritable: str | None = None  # this rank's step directory could not be made
         self.layout_checked = False  # the ranks' nodes and directories (the first save)
         self.failures: list[dict[str, Any]] = []  # saves given up (on_error="warn")
 
@@ -138,9 +139,14 @@ class LocalTier(TierRestore):
         """Every rank, before the ranks agree to save: the step's directory for this save
         (`step-N.partial`, renamed to `step-N` once the step is claimed: a save never writes
         over a copy the catalog records). What fails here fails every rank, before a byte is
-        written."""
+        written. A node directory that stopped being writable (a disk remounted read-only)
+        is not an error here: `has_room` sends the save to the store."""
         self.catalog  # noqa: B018
-        local_tier.check_local_dir(self._partial(ref))
+        try:
+            local_tier.check_local_dir(self._partial(ref))
+            self._unwritable = None
+        except UsageError as exc:
+            self._unwritable = exc.message
 
     def _partial(self, ref: CheckpointRef) -> Path:
         final = local_tier.step_dir(self.local_dir, ref.project, ref.run, ref.step or 0)
@@ -208,21 +214,25 @@ class LocalTier(TierRestore):
         need = sum(size for node, size in every if node == self.node)
         need = int(need * ROOM_MARGIN) + ROOM_SLACK_BYTES  # DCP's metadata and pickled values
         first = min(r for r, (node, _) in enumerate(every) if node == self.node)
-        ok = True
-        if first == ranks.current_rank():
+        why = self._unwritable
+        if why is None and first == ranks.current_rank():
             try:
-                ok = self._make_room(need)
+                if not self._make_room(need):
+                    why = (
+                        f"{self.local_dir}: no room for {need} bytes once the copies already "
+                        "in the store were evicted"
+                    )
             except Exception as exc:  # the check never stops a save: the write says ENOSPC
                 warnings.warn(f"reg: checking room at tier 0 failed: {exc}", stacklevel=2)
-        if all(ranks.gathered(ok)):
+        reasons = [r for r in ranks.gathered(why) if r is not None]
+        if not reasons:
             return True
         local_tier.evict(self._partial(ref))  # made ready by `prepare`, empty
-        if ranks.current_rank() == 0 and not self._warned_room:
-            self._warned_room = True
+        if ranks.current_rank() == 0 and reasons[0] != self._warned_room:
+            self._warned_room = reasons[0]  # said again only when the reason changes
             warnings.warn(
-                f"reg: {ref} does not fit at tier 0 ({self.local_dir}: no room for "
-                f"{need} bytes once the copies already in the store were evicted): saved "
-                "straight to the store, as is every later save that does not fit",
+                f"reg: {ref} cannot be saved at tier 0 ({reasons[0]}): saved straight to the "
+                "store, as is every later save until tier 0 has room again",
                 stacklevel=3,
             )
         return False

@@ -743,7 +743,7 @@ def test_a_save_with_no_room_at_tier0_goes_straight_to_the_store(reg, tmp_path):
     mgr = _manager(reg, local, replicate=False, local_budget_bytes=int(2.6 * (1 << 20)))
     for step in (1, 2):
         _saved_big(mgr, step)
-    with pytest.warns(UserWarning, match=r"tiered@step3 does not fit at tier 0 .* straight to"):
+    with pytest.warns(UserWarning, match=r"tiered@step3 cannot be saved at tier 0 .*no room"):
         view = mgr.save(_big(3), 3)  # a synchronous save to the store returns its view
     assert view is not None and view["state"] == "committed"
     with warnings.catch_warnings(record=True) as said:
@@ -781,8 +781,36 @@ def test_a_full_tier0_filesystem_sends_saves_to_the_store_and_training_goes_on(r
         states = _states_of(reg)
         assert states == {1: "local", 2: "local", 3: "committed", 4: "committed", 5: "committed"}
         texts = [str(w.message) for w in said if "reg:" in str(w.message)]
-        assert len([t for t in texts if "does not fit at tier 0" in t]) == 1
+        assert len([t for t in texts if "cannot be saved at tier 0" in t]) == 1
         assert not [t for t in texts if "not saved" in t or "No space" in t]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_tier0_disk_remounted_read_only_sends_saves_to_the_store_until_it_is_writable(
+    reg, tmp_path
+):
+    """The node's disk remounted read-only mid-job (as a filesystem does after I/O errors):
+    the save goes to the store with one warning naming why, and once the disk is writable
+    again saves go to tier 0 again; nothing raises into the loop."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        mgr = _manager(reg, mount, replicate=False)
+        _saved(mgr, 1)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        with pytest.warns(UserWarning, match=r"step2 cannot be saved at tier 0 .*Read-only"):
+            view = mgr.save(_state(2), 2)
+        assert view is not None and view["state"] == "committed"
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
+        assert _saved(mgr, 3)["state"] == "local"
+        mgr.close()
+        assert _states_of(reg) == {1: "local", 2: "committed", 3: "local"}
+        assert mgr.failures == []
     finally:
         subprocess.run(["umount", str(mount)], check=True)
 
