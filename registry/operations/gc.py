@@ -37,7 +37,13 @@ from registry.core.refs import CheckpointRef
 from registry.core.timeutil import now
 from registry.errors import RegistryError
 from registry.journal import outbox as events
-from registry.lifecycle.checkpoints.lost import LOST_REASON, held_copies, lose_if_gone
+from registry.lifecycle.checkpoints.lost import (
+    LOST_REASON,
+    held_copies,
+    hold_lost,
+    lose_if_gone,
+    release_lost,
+)
 from registry.lifecycle.checkpoints.tiers import TIER0_ONLY
 from registry.lifecycle.retention import current_protections, gc_lease, retention_records
 from registry.trust import signed_facts
@@ -207,13 +213,28 @@ def collect_lost(ctx: Context, out: dict[str, Any], *, dry_run: bool = False) ->
         if dry_run:
             got = sum(o.size for o in ctx.store.list(prefix))
         else:
-            got, _ = delete_prefix(ctx, prefix, str(ref), out["errors"])
+            got = _clear_lost(ctx, ref, prefix, out["errors"])
         freed += got
         if marked or got:
             out["decisions"].append(
                 {"ref": str(ref), "action": LOST, "reason": LOST_REASON, "bytes": got}
             )
     return freed
+
+
+def _clear_lost(ctx: Context, ref: CheckpointRef, prefix: str, errors: list[str]) -> int:
+    """Delete what lost step `ref`'s copy left under `prefix`, holding the row meanwhile so
+    that a new attempt at the step (which writes there) waits; 0 if one already took it."""
+    with ctx.catalog.session(write=True) as s:
+        row = _row_of(s, ref)
+        token = None if row is None else hold_lost(s, row.id or 0)
+    if row is None or token is None:
+        return 0
+    try:
+        return delete_prefix(ctx, prefix, str(ref), errors)[0]
+    finally:
+        with ctx.catalog.session(write=True) as s:
+            release_lost(s, row.id or 0, token)
 
 
 def delete_prefix(ctx: Context, prefix: str, label: str, errors: list[str]) -> tuple[int, bool]:

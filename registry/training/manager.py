@@ -168,8 +168,7 @@ class CheckpointManager:
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        """With `local_dir` and on_error="warn": the saves given up, each `{"step", "error"}`
-        (each was warned about once, by rank 0)."""
+        """With `local_dir`, on_error="warn": the saves given up (`{"step", "error"}` each)."""
         return [] if self._tier is None else list(self._tier.failures)
 
     # -- saving ---------------------------------------------------------------------------------
@@ -249,6 +248,13 @@ class CheckpointManager:
                     )
                     self._tracking.append(copied)
             return None
+        if self._tier is not None:  # no room at tier 0: the store, reachable on every rank
+            problem = None
+            try:
+                self.backend.prepare()
+            except RegistryError as exc:
+                problem = exc
+            ranks.agree(problem)
         shared = self._claim(ref)
         self._saved_any = True  # the claim made the run
         save = Save(self, shared, started, metrics, async_)
@@ -285,15 +291,21 @@ class CheckpointManager:
         `local_dir`: until it is committed at tier 0 (rank 0 gets the view), and with
         `replicated=True` until every save so far is in the store (tier 1); `timeout`: at most
         that many seconds, then `Unfinished` names what still runs (it goes on running)."""
-        if self._tier is not None and self._pending is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            view = self._tier.wait(timeout)
-            if replicated:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._tier.wait_replicated(left)
-            else:
-                self._tier.raise_failures()  # with on_error="raise": a failed copy, here
+        deadline = None if timeout is None else time.monotonic() + timeout
+        view = self._wait_store_save() if self._pending is not None else None  # no room at tier 0
+        if self._tier is None:
             return view
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        tier_view = self._tier.wait(left)
+        if replicated:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._tier.wait_replicated(left)
+        else:
+            self._tier.raise_failures()  # with on_error="raise": a failed copy, here
+        return view if view is not None else tier_view
+
+    def _wait_store_save(self) -> dict[str, Any] | None:
+        """The save in flight to the store: its committed view, or its error."""
         save, self._pending = self._pending, None
         if save is None:
             return None
@@ -303,8 +315,7 @@ class CheckpointManager:
             return save.result(sync=False)
         except BaseException as exc:
             save.release(failed=True)
-            # A save that did not fit at tier 0 went to the store: under on_error="warn" its
-            # failure is said and recorded, as a tier-0 save's is.
+            # one that did not fit at tier 0: under on_error="warn" said, as a tier-0 save's
             if self._tier is None or self._tier.on_error == "raise":
                 raise
             if not isinstance(exc, RegistryError) or isinstance(exc, UsageError):

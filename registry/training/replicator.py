@@ -159,7 +159,8 @@ class Replicator:
                 job = heapq.heappop(later)[2]
             else:
                 try:
-                    got = self._queue.get(timeout=later[0][0] - time.monotonic() if later else None)
+                    wait = max(0.0, later[0][0] - time.monotonic()) if later else None
+                    got = self._queue.get(timeout=wait)
                 except queue.Empty:
                     continue
                 if got is None:

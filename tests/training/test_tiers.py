@@ -878,3 +878,29 @@ def test_tier0_saves_go_on_while_the_store_is_down_and_are_copied_when_it_return
             again.close()
     finally:
         proxy.stop()
+
+
+def test_a_new_attempt_at_a_lost_step_waits_while_gc_clears_its_leftovers(reg, tmp_path):
+    """GC holds a lost step while it deletes what the step's copy left in the store: a save
+    of the step meanwhile is refused (warned, recorded) rather than writing where GC deletes;
+    once GC lets go, the step is saved again."""
+    from registry.lifecycle.checkpoints.lost import hold_lost, release_lost
+
+    mgr = _manager(reg, tmp_path / "node", replicate=False, keep_local=1, evict_unreplicated=True)
+    _saved(mgr, 1)
+    _saved(mgr, 2)  # evicts 1: lost
+    assert reg.show("tiered@step1")["state"] == "lost"
+    row = _row_id(reg, 1)
+    with reg.catalog.session(write=True) as s:  # type: ignore[attr-defined]
+        token = hold_lost(s, row)
+    assert token is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr.save(_state(1), 1)
+        assert mgr.wait() is None
+    assert [f["step"] for f in mgr.failures] == [1]
+    assert reg.show("tiered@step1")["state"] == "lost"
+    with reg.catalog.session(write=True) as s:  # type: ignore[attr-defined]
+        release_lost(s, row, token)
+    assert _saved(mgr, 1)["state"] == "local"
+    mgr.close()

@@ -12,13 +12,14 @@ go (the audit log keeps what was lost: its manifest digest, bytes and nodes).
     held_copies(session, id)          node -> files, for each node still holding a copy
     lose_if_gone(ctx, session, row, ref, why)   local -> lost when no copy is left
     new_attempt(session, row)         lost -> pending under a new claim (the caller's claim)
+    hold_lost / release_lost          GC's hold while it clears a lost step's leftovers
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete, or_, update
 from sqlmodel import col, select
 
 from registry.catalog import claims
@@ -67,7 +68,13 @@ def lose_if_gone(ctx: Context, session: Session, row: Checkpoint, ref: Checkpoin
     ).all()
     done = session.exec(
         update(Checkpoint)
-        .where(col(Checkpoint.id) == row.id, col(Checkpoint.state) == LOCAL)
+        .where(
+            col(Checkpoint.id) == row.id,
+            col(Checkpoint.state) == LOCAL,
+            col(Checkpoint.claim_token) == row.claim_token  # nobody took its copy meanwhile
+            if row.claim_token is not None
+            else col(Checkpoint.claim_token).is_(None),
+        )
         .values(state=LOST, claim_token=None, claim_host=None, claim_pid=None, lease_until=None)
     )
     if not done.rowcount:
@@ -85,6 +92,31 @@ def lose_if_gone(ctx: Context, session: Session, row: Checkpoint, ref: Checkpoin
     return True
 
 
+def hold_lost(session: Session, row_id: int) -> str | None:
+    """GC's hold on lost step `row_id` while it deletes what the step's copy left in the store:
+    no new attempt takes the row (and writes there) meanwhile. Its token, or None if the row
+    is taken or held."""
+    token = claims.new_token()
+    held = session.exec(
+        update(Checkpoint)
+        .where(
+            col(Checkpoint.id) == row_id,
+            col(Checkpoint.state) == LOST,
+            or_(col(Checkpoint.claim_token).is_(None), col(Checkpoint.lease_until) < now()),
+        )
+        .values(**claims.claim_columns(token))
+    )
+    return token if held.rowcount == 1 else None
+
+
+def release_lost(session: Session, row_id: int, token: str) -> None:
+    session.exec(
+        update(Checkpoint)
+        .where(col(Checkpoint.id) == row_id, col(Checkpoint.claim_token) == token)
+        .values(claim_token=None, claim_host=None, claim_pid=None, lease_until=None)
+    )
+
+
 def new_attempt(session: Session, row: Checkpoint, **values: Any) -> Claim | None:
     """A new attempt at lost step `row`: pending again under a new claim, its content empty, the
     lost attempt's content rows deleted. None if another attempt took it first."""
@@ -95,7 +127,12 @@ def new_attempt(session: Session, row: Checkpoint, **values: Any) -> Claim | Non
     )
     taken = session.exec(
         update(Checkpoint)
-        .where(col(Checkpoint.id) == row.id, col(Checkpoint.state) == LOST)
+        .where(
+            col(Checkpoint.id) == row.id,
+            col(Checkpoint.state) == LOST,
+            # not while GC clears what its copy left in the store (`hold_lost`)
+            or_(col(Checkpoint.claim_token).is_(None), col(Checkpoint.lease_until) < now()),
+        )
         .values(**(content | claims.claim_columns(token) | {"state": PENDING} | values))
     )
     if taken.rowcount != 1:
