@@ -7,6 +7,7 @@ server`, where the job holds no credentials and forged commits and copies are re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -764,13 +766,7 @@ def test_a_save_with_no_room_at_tier0_goes_straight_to_the_store(reg, tmp_path):
 def test_a_full_tier0_filesystem_sends_saves_to_the_store_and_training_goes_on(reg, tmp_path):
     """A real 3 MiB tmpfs as the node's disk, room for two checkpoints, `keep_local=2`, no
     copies to the store: every save is committed somewhere, none raises, none says ENOSPC."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
+    with _tmpfs(tmp_path / "tmpfs", "3m") as mount:
         mgr = _manager(reg, mount, replicate=False, keep_local=2)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
@@ -783,8 +779,6 @@ def test_a_full_tier0_filesystem_sends_saves_to_the_store_and_training_goes_on(r
         texts = [str(w.message) for w in said if "reg:" in str(w.message)]
         assert len([t for t in texts if "cannot be saved at tier 0" in t]) == 1
         assert not [t for t in texts if "not saved" in t or "No space" in t]
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_tier0_disk_remounted_read_only_sends_saves_to_the_store_until_it_is_writable(
@@ -793,13 +787,7 @@ def test_a_tier0_disk_remounted_read_only_sends_saves_to_the_store_until_it_is_w
     """The node's disk remounted read-only mid-job (as a filesystem does after I/O errors):
     the save goes to the store with one warning naming why, and once the disk is writable
     again saves go to tier 0 again; nothing raises into the loop."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
+    with _tmpfs(tmp_path / "tmpfs", "8m") as mount:
         mgr = _manager(reg, mount, replicate=False)
         _saved(mgr, 1)
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
@@ -811,6 +799,19 @@ def test_a_tier0_disk_remounted_read_only_sends_saves_to_the_store_until_it_is_w
         mgr.close()
         assert _states_of(reg) == {1: "local", 2: "committed", 3: "local"}
         assert mgr.failures == []
+
+
+@contextlib.contextmanager
+def _tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` at `mount` (a node's small disk), unmounted after; the test
+    skips, saying why, on a machine that cannot mount one (this one can, as root)."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
 
